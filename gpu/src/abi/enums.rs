@@ -1,0 +1,79 @@
+//! The enums both sides agree on, each with one source of truth for its order: the `u8` stored in
+//! [`super::WorkColl`] is the declaration index, `ALL` lists the variants in that order, and
+//! `from_u8` is its inverse. NCCL keeps this order in comments across `device.h` and
+//! `generate.py`; here the macro makes a mismatch impossible.
+
+macro_rules! abi_enum {
+    ($(#[$m:meta])* $name:ident { $($(#[$vm:meta])* $v:ident => $s:literal),* $(,)? }) => {
+        $(#[$m])*
+        #[repr(u8)]
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        pub enum $name { $($(#[$vm])* $v),* }
+        impl $name {
+            /// Every variant, in ABI order (`ALL[i] as u8 == i`).
+            pub const ALL: &'static [$name] = &[$($name::$v),*];
+            /// Number of variants.
+            pub const COUNT: usize = Self::ALL.len();
+            /// The name NCCL and nccl-tests print for this value.
+            pub const fn name(self) -> &'static str { match self { $($name::$v => $s),* } }
+            /// Inverse of `as u8`; `None` for an out-of-range value.
+            pub const fn from_u8(x: u8) -> Option<Self> {
+                if (x as usize) < Self::COUNT { Some(Self::ALL[x as usize]) } else { None }
+            }
+            /// Parses [`Self::name`] case-insensitively.
+            pub fn from_name(s: &str) -> Option<Self> {
+                Self::ALL.iter().copied().find(|v| v.name().eq_ignore_ascii_case(s))
+            }
+        }
+        impl core::fmt::Display for $name {
+            fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result { f.write_str(self.name()) }
+        }
+    };
+}
+
+abi_enum! {
+    /// Element type, in `ncclDataType_t` order.
+    DataType {
+        I8 => "int8", U8 => "uint8", I32 => "int32", U32 => "uint32", I64 => "int64",
+        U64 => "uint64", F16 => "half", F32 => "float", F64 => "double", Bf16 => "bfloat16",
+    }
+}
+
+impl DataType {
+    /// Size of one element in bytes.
+    pub const fn size(self) -> usize {
+        match self {
+            DataType::I8 | DataType::U8 => 1,
+            DataType::F16 | DataType::Bf16 => 2,
+            DataType::I32 | DataType::U32 | DataType::F32 => 4,
+            DataType::I64 | DataType::U64 | DataType::F64 => 8,
+        }
+    }
+    /// True for the floating-point types.
+    pub const fn is_float(self) -> bool {
+        matches!(self, DataType::F16 | DataType::F32 | DataType::F64 | DataType::Bf16)
+    }
+}
+
+abi_enum! {
+    /// Reduction operator, in `ncclRedOp_t` order.
+    RedOp { Sum => "sum", Prod => "prod", Max => "max", Min => "min", Avg => "avg" }
+}
+
+abi_enum! {
+    /// Collective function, in NCCL's `ncclFunc_t` order.
+    Func {
+        Broadcast => "broadcast", Reduce => "reduce", AllGather => "allgather",
+        ReduceScatter => "reducescatter", AllReduce => "allreduce",
+    }
+}
+
+abi_enum! {
+    /// Algorithm (NCCL's `NCCL_ALGO_*`).
+    Algo { Tree => "tree", Ring => "ring" }
+}
+
+abi_enum! {
+    /// Protocol (NCCL's `NCCL_PROTO_*`): indexes [`super::ConnInfo::buffs`].
+    Proto { Ll => "LL", Ll128 => "LL128", Simple => "Simple" }
+}

@@ -1,0 +1,181 @@
+//! The host↔device ABI: every struct the host writes and a kernel reads (or the reverse).
+//!
+//! Mirrors NCCL's `src/include/device.h` (`ncclConnInfo`, `ncclRing`, `ncclDevChannel`,
+//! `ncclDevComm`, `ncclDevWorkColl`, `ncclDevKernelArgs`, `union ncclLLFifoLine`). Unlike NCCL, the
+//! layout is checked at compile time: every struct is `#[repr(C)]` + [`bytemuck::Pod`] with explicit
+//! padding, and its size and the offsets the device reads are asserted below. Device addresses are
+//! plain `u64` (a `CUdeviceptr`, or a host address on the CPU target); there is no `usize`, `bool`
+//! or pointer in the ABI.
+
+mod enums;
+pub use enums::*;
+
+use bytemuck::{Pod, Zeroable};
+use core::mem::{align_of, offset_of, size_of};
+
+/// Slots in each connection FIFO (NCCL's `NCCL_STEPS`). Step `s` uses slot `s % FIFO_STEPS`.
+pub const FIFO_STEPS: u64 = 8;
+/// Upper bound on channels (one thread block each) of a communicator.
+pub const MAX_CHANNELS: usize = 32;
+/// Default size in bytes of a Simple-protocol connection buffer (`NCCL_BUFFSIZE`): 4 MiB, so each
+/// of the [`FIFO_STEPS`] slots holds 512 KiB.
+pub const DEFAULT_BUFFSIZE: u64 = 4 << 20;
+/// Granularity in bytes of every data slot and chunk: one 16-byte vector (`ld/st.v4.u32`).
+pub const PACK_BYTES: u64 = 16;
+/// Default Simple-protocol chunk, in FIFO slots, per ring step (NCCL's `ALLREDUCE_CHUNKSTEPS`).
+pub const DEFAULT_CHUNK_STEPS: u64 = 4;
+/// Threads per block: NCCL's `NCCL_NTHREADS` default on recent GPUs; the accepted range is
+/// [`MIN_NTHREADS`, `MAX_NTHREADS`] in multiples of [`WARP_SIZE`].
+pub const DEFAULT_NTHREADS: u32 = 512;
+pub const MIN_NTHREADS: u32 = 64;
+pub const MAX_NTHREADS: u32 = 1024;
+pub const WARP_SIZE: u32 = 32;
+/// Bytes of kernel shared memory the kernel declares (see `arch::kernel_shared_mem`).
+pub const KERNEL_SMEM_BYTES: usize = 64;
+/// A spinning thread reads the abort flag once every this many polls (NCCL's
+/// `NCCL_SPINS_BEFORE_CHECK_ABORT`).
+pub const SPINS_BEFORE_CHECK_ABORT: u32 = 1 << 12;
+/// Name of the single collective kernel entry point in the PTX module.
+pub const KERNEL_NAME: &str = "oxccl_coll_kernel";
+
+/// One connection endpoint as the kernel sees it (NCCL's `ncclConnInfo`).
+///
+/// For a *send* connection, `buffs[p]` is the peer's receive buffer of protocol `p`, `tail` the
+/// peer's tail counter (written here after data) and `head` our own head counter (written by the
+/// peer when a slot is free). For a *recv* connection, `buffs` are our own buffers, `tail` is ours
+/// and `head` is the sender's. Counters are `u64` step counts that only grow. `step` is the
+/// connection's next step, loaded when a kernel starts and stored back when it ends, so that
+/// consecutive collectives continue the same FIFO sequence.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]
+pub struct ConnInfo {
+    /// Address of each protocol's buffer, indexed by [`Proto`] as `u8`; 0 when not set up.
+    pub buffs: [u64; Proto::COUNT],
+    /// Address of the `u64` head counter (in the sender's memory).
+    pub head: u64,
+    /// Address of the `u64` tail counter (in the receiver's memory).
+    pub tail: u64,
+    /// Next step of this connection (persisted across launches).
+    pub step: u64,
+    pub _pad: [u64; 2],
+}
+
+/// A ring as seen from one rank of one channel (NCCL's `ncclRing`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]
+pub struct DevRing {
+    /// User rank we receive from.
+    pub prev: u32,
+    /// User rank we send to.
+    pub next: u32,
+    /// Our position in the ring order.
+    pub index: u32,
+    pub _pad: u32,
+    /// Device address of `nranks` u32 user ranks in ring order *starting with our own rank*
+    /// (NCCL's `ring.userRanks`): entry `k` is the rank `k` hops downstream.
+    pub user_ranks: u64,
+}
+
+/// Per-channel device state (NCCL's `ncclDevChannel`): the ring and its two connections.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]
+pub struct DevChannel {
+    pub ring: DevRing,
+    pub _pad: u64,
+    /// Connection to `ring.next`.
+    pub send: ConnInfo,
+    /// Connection from `ring.prev`.
+    pub recv: ConnInfo,
+}
+
+/// Per-communicator device state (NCCL's `ncclDevComm`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]
+pub struct DevComm {
+    pub rank: u32,
+    pub nranks: u32,
+    pub nchannels: u32,
+    pub _pad0: u32,
+    /// Address of a `u32` in host-mapped memory; non-zero means abort (every spin loop polls it).
+    pub abort_flag: u64,
+    /// Address of `nchannels` [`DevChannel`]s.
+    pub channels: u64,
+    /// Buffer size in bytes of each protocol's connection buffer, indexed by [`Proto`].
+    pub buff_sizes: [u64; Proto::COUNT],
+    pub _pad1: u64,
+}
+
+/// One collective operation (NCCL's `ncclDevWorkColl`). Counts are in elements of `dtype`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]
+pub struct WorkColl {
+    /// Device address of the input (`sendbuff`).
+    pub sendbuff: u64,
+    /// Device address of the output (`recvbuff`).
+    pub recvbuff: u64,
+    /// Elements per rank of the operation (AllReduce: the whole vector).
+    pub count: u64,
+    /// Scalar operand of the reduction (reserved for PreMulSum), as raw bits.
+    pub redop_arg: u64,
+    /// Elements per chunk per ring step, a multiple of one 16-byte pack.
+    pub chunk_elems: u64,
+    /// Elements per FIFO step (slice) of the protocol: a multiple of one pack, at most one slot.
+    pub slice_elems: u64,
+    /// Root rank for rooted collectives.
+    pub root: u32,
+    /// [`Func`] as u8.
+    pub func: u8,
+    /// [`RedOp`] as u8.
+    pub redop: u8,
+    /// [`DataType`] as u8.
+    pub dtype: u8,
+    /// [`Algo`] as u8.
+    pub algo: u8,
+    /// [`Proto`] as u8.
+    pub proto: u8,
+    pub _pad0: u8,
+    /// Channels (thread blocks) this operation uses; block `b` runs channel `b`.
+    pub nchannels: u16,
+    pub _pad1: u32,
+}
+
+/// The one by-value argument of the collective kernel (NCCL's `ncclDevKernelArgs`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]
+pub struct KernelArgs {
+    /// Address of the communicator's [`DevComm`].
+    pub comm: u64,
+    pub _pad: u64,
+    pub work: WorkColl,
+}
+
+/// An LL FIFO line (NCCL's `union ncclLLFifoLine`): two 4-byte data words each followed by its
+/// flag; written with one 16-byte volatile store so a reader that sees both flags sees the data.
+#[repr(C, align(16))]
+#[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]
+pub struct LlFifoLine {
+    pub data1: u32,
+    pub flag1: u32,
+    pub data2: u32,
+    pub flag2: u32,
+}
+
+const _: () = {
+    assert!(size_of::<ConnInfo>() == 64 && align_of::<ConnInfo>() == 8);
+    assert!(offset_of!(ConnInfo, head) == 24);
+    assert!(offset_of!(ConnInfo, tail) == 32);
+    assert!(offset_of!(ConnInfo, step) == 40);
+    assert!(size_of::<DevRing>() == 24);
+    assert!(size_of::<DevChannel>() == 160);
+    assert!(offset_of!(DevChannel, send) == 32);
+    assert!(offset_of!(DevChannel, recv) == 96);
+    assert!(size_of::<DevComm>() == 64);
+    assert!(offset_of!(DevComm, abort_flag) == 16);
+    assert!(offset_of!(DevComm, channels) == 24);
+    assert!(size_of::<WorkColl>() == 64);
+    assert!(offset_of!(WorkColl, root) == 48);
+    assert!(offset_of!(WorkColl, nchannels) == 58);
+    assert!(size_of::<KernelArgs>() == 80);
+    assert!(size_of::<LlFifoLine>() == 16 && align_of::<LlFifoLine>() == 16);
+    assert!(DEFAULT_BUFFSIZE % (FIFO_STEPS * PACK_BYTES) == 0);
+};

@@ -1,0 +1,224 @@
+//! NVPTX implementations. Every function is `unsafe`: pointers must be valid, aligned device (or
+//! peer / host-mapped) addresses for the access, and barriers must be reached by the thread
+//! counts they name, or the kernel hangs.
+use super::Pack;
+use core::arch::asm;
+
+/// `%tid.x`: thread index within the block.
+#[inline(always)]
+pub fn thread_idx() -> u32 {
+    // SAFETY: reading a special register has no preconditions.
+    unsafe { core::arch::nvptx::_thread_idx_x() as u32 }
+}
+/// `%ctaid.x`: block index within the grid (the channel).
+#[inline(always)]
+pub fn block_idx() -> u32 {
+    // SAFETY: reading a special register has no preconditions.
+    unsafe { core::arch::nvptx::_block_idx_x() as u32 }
+}
+/// `%ntid.x`: threads per block.
+#[inline(always)]
+pub fn block_dim() -> u32 {
+    // SAFETY: reading a special register has no preconditions.
+    unsafe { core::arch::nvptx::_block_dim_x() as u32 }
+}
+
+/// `bar.sync 0`: CTA-wide barrier; orders memory at CTA scope.
+///
+/// # Safety
+/// Every thread of the block must reach it.
+#[inline(always)]
+pub unsafe fn sync_threads() {
+    // SAFETY: caller guarantees all threads arrive.
+    unsafe { asm!("bar.sync 0;", options(nostack)) }
+}
+
+/// `bar.sync id, n`: named barrier among `n` threads (a multiple of 32).
+///
+/// # Safety
+/// Exactly `n` threads must reach barrier `id`.
+#[inline(always)]
+pub unsafe fn named_barrier(id: u32, n: u32) {
+    // SAFETY: caller guarantees the participant count.
+    unsafe { asm!("bar.sync {id}, {n};", id = in(reg32) id, n = in(reg32) n, options(nostack)) }
+}
+
+/// `fence.acq_rel.sys`: orders this thread's (and, cumulatively, what it has observed) earlier
+/// memory operations before its later ones, for every observer in the system (peer GPUs, host).
+///
+/// # Safety
+/// None beyond being on the device; `unsafe` for uniformity.
+#[inline(always)]
+pub unsafe fn fence_acq_rel_sys() {
+    // SAFETY: a fence has no operands.
+    unsafe { asm!("fence.acq_rel.sys;", options(nostack)) }
+}
+
+/// `fence.sc.sys`: sequentially consistent fence at system scope.
+///
+/// # Safety
+/// None beyond being on the device.
+#[inline(always)]
+pub unsafe fn fence_sc_sys() {
+    // SAFETY: a fence has no operands.
+    unsafe { asm!("fence.sc.sys;", options(nostack)) }
+}
+
+/// `ld.acquire.sys.global.u64`: acquire load at system scope.
+///
+/// # Safety
+/// `p` is a valid, 8-byte aligned global address.
+#[inline(always)]
+pub unsafe fn load_acquire_sys_u64(p: *const u64) -> u64 {
+    let v: u64;
+    // SAFETY: caller guarantees `p`.
+    unsafe { asm!("ld.acquire.sys.global.u64 {v}, [{p}];", v = out(reg64) v, p = in(reg64) p, options(nostack)) }
+    v
+}
+
+/// `st.release.sys.global.u64`: release store at system scope.
+///
+/// # Safety
+/// `p` is a valid, 8-byte aligned global address.
+#[inline(always)]
+pub unsafe fn store_release_sys_u64(p: *mut u64, v: u64) {
+    // SAFETY: caller guarantees `p`.
+    unsafe { asm!("st.release.sys.global.u64 [{p}], {v};", p = in(reg64) p, v = in(reg64) v, options(nostack)) }
+}
+
+/// `ld.volatile.global.u64`: a load that is never cached or merged (relaxed; the flag poll).
+///
+/// # Safety
+/// `p` is a valid, 8-byte aligned global address.
+#[inline(always)]
+pub unsafe fn load_volatile_u64(p: *const u64) -> u64 {
+    let v: u64;
+    // SAFETY: caller guarantees `p`.
+    unsafe { asm!("ld.volatile.global.u64 {v}, [{p}];", v = out(reg64) v, p = in(reg64) p, options(nostack)) }
+    v
+}
+
+/// `st.volatile.global.u64`.
+///
+/// # Safety
+/// `p` is a valid, 8-byte aligned global address.
+#[inline(always)]
+pub unsafe fn store_volatile_u64(p: *mut u64, v: u64) {
+    // SAFETY: caller guarantees `p`.
+    unsafe { asm!("st.volatile.global.u64 [{p}], {v};", p = in(reg64) p, v = in(reg64) v, options(nostack)) }
+}
+
+/// `ld.volatile.global.u32` (the abort-flag poll; the flag may live in host-mapped memory).
+///
+/// # Safety
+/// `p` is a valid, 4-byte aligned global address.
+#[inline(always)]
+pub unsafe fn load_volatile_u32(p: *const u32) -> u32 {
+    let v: u32;
+    // SAFETY: caller guarantees `p`.
+    unsafe { asm!("ld.volatile.global.u32 {v}, [{p}];", v = out(reg32) v, p = in(reg64) p, options(nostack)) }
+    v
+}
+
+/// `ld.volatile.global.v4.u32`: one 16-byte volatile load (LL line reads).
+///
+/// # Safety
+/// `p` is a valid, 16-byte aligned global address.
+#[inline(always)]
+pub unsafe fn load_volatile_v4(p: *const Pack) -> Pack {
+    let (a, b, c, d): (u32, u32, u32, u32);
+    // SAFETY: caller guarantees `p`.
+    unsafe {
+        asm!("ld.volatile.global.v4.u32 {{{a},{b},{c},{d}}}, [{p}];",
+             a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d,
+             p = in(reg64) p, options(nostack))
+    }
+    Pack([a, b, c, d])
+}
+
+/// `st.volatile.global.v4.u32`: one 16-byte volatile store (LL line writes).
+///
+/// # Safety
+/// `p` is a valid, 16-byte aligned global address.
+#[inline(always)]
+pub unsafe fn store_volatile_v4(p: *mut Pack, v: Pack) {
+    // SAFETY: caller guarantees `p`.
+    unsafe {
+        asm!("st.volatile.global.v4.u32 [{p}], {{{a},{b},{c},{d}}};", p = in(reg64) p,
+             a = in(reg32) v.0[0], b = in(reg32) v.0[1], c = in(reg32) v.0[2], d = in(reg32) v.0[3],
+             options(nostack))
+    }
+}
+
+/// `ld.global.v4.u32`: a plain (weak) 16-byte load of data already ordered by a flag + fence.
+///
+/// # Safety
+/// `p` is a valid, 16-byte aligned global address.
+#[inline(always)]
+pub unsafe fn load_v4(p: *const Pack) -> Pack {
+    let (a, b, c, d): (u32, u32, u32, u32);
+    // SAFETY: caller guarantees `p`.
+    unsafe {
+        asm!("ld.global.v4.u32 {{{a},{b},{c},{d}}}, [{p}];",
+             a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d,
+             p = in(reg64) p, options(nostack, readonly, pure))
+    }
+    Pack([a, b, c, d])
+}
+
+/// `st.global.v4.u32`: a plain (weak) 16-byte store; published later by a fence + flag store.
+///
+/// # Safety
+/// `p` is a valid, 16-byte aligned global address (local or a peer's, through peer access).
+#[inline(always)]
+pub unsafe fn store_v4(p: *mut Pack, v: Pack) {
+    // SAFETY: caller guarantees `p`.
+    unsafe {
+        asm!("st.global.v4.u32 [{p}], {{{a},{b},{c},{d}}};", p = in(reg64) p,
+             a = in(reg32) v.0[0], b = in(reg32) v.0[1], c = in(reg32) v.0[2], d = in(reg32) v.0[3],
+             options(nostack))
+    }
+}
+
+/// `shfl.sync.bfly.b32 v, v, lane_mask, 0x1f, 0xffffffff`: butterfly exchange across the warp.
+///
+/// # Safety
+/// All 32 lanes of the warp must execute it.
+#[inline(always)]
+pub unsafe fn shfl_xor(v: u32, lane_mask: u32) -> u32 {
+    let r: u32;
+    // SAFETY: caller guarantees full-warp convergence.
+    unsafe {
+        asm!("shfl.sync.bfly.b32 {r}, {v}, {m}, 0x1f, 0xffffffff;", r = out(reg32) r, v = in(reg32) v,
+             m = in(reg32) lane_mask, options(nostack))
+    }
+    r
+}
+
+/// The kernel's shared memory: `KERNEL_SMEM_BYTES` bytes declared `.shared .align 16` and turned
+/// into a generic address with `cvta.shared.u64`.
+///
+/// # Safety
+/// Call it exactly once per kernel (a second inlined copy would declare the symbol twice) and pass
+/// the pointer down.
+#[inline(always)]
+pub unsafe fn kernel_shared_mem() -> *mut u32 {
+    let p: u64;
+    // SAFETY: declares a kernel-scope shared array; the caller calls this once per kernel.
+    unsafe {
+        asm!("{{ .shared .align 16 .b8 oxccl_smem[64]; cvta.shared.u64 {p}, oxccl_smem; }}",
+             p = out(reg64) p, options(nostack, nomem))
+    }
+    p as *mut u32
+}
+
+/// Hint to the scheduler inside a spin loop (`nanosleep` would need sm_70 PTX 6.3: kept simple).
+#[inline(always)]
+pub fn spin_pause() {}
+
+/// `trap`: abort the kernel.
+#[inline(always)]
+pub fn trap() -> ! {
+    // SAFETY: `trap` has no preconditions.
+    unsafe { core::arch::nvptx::trap() }
+}

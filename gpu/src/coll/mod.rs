@@ -1,0 +1,31 @@
+//! Collective algorithms: ring (and later tree) schedules over chunks, written only in terms of
+//! the [`crate::proto::Primitives`] verbs. Mirrors NCCL's `all_reduce.h`, `broadcast.h`, ...
+
+pub mod all_reduce;
+
+/// What an algorithm needs to know about its ring and channel.
+#[derive(Clone, Copy)]
+pub struct RingCtx {
+    pub nranks: u64,
+    /// Ring order starting with our own rank (`user_ranks[k]` is `k` hops downstream).
+    pub user_ranks: *const u32,
+    /// This block's channel and the channel count of the operation.
+    pub channel: u64,
+    pub nchannels: u64,
+}
+
+impl RingCtx {
+    /// User rank `k` hops downstream of us.
+    #[inline(always)]
+    pub fn user_rank(&self, k: u64) -> u64 {
+        // SAFETY: `user_ranks` holds `nranks` entries (host contract); `k % nranks` is in range.
+        unsafe { *self.user_ranks.add((k % self.nranks) as usize) as u64 }
+    }
+}
+
+/// Elements rounded up to a whole number of 16-byte packs of `esize`-byte elements.
+#[inline(always)]
+pub const fn align_elems(n: u64, esize: u64) -> u64 {
+    let per = crate::abi::PACK_BYTES / esize;
+    n.div_ceil(per) * per
+}

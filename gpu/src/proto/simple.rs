@@ -1,0 +1,363 @@
+//! The Simple protocol (NCCL's `prims_simple.h`): large FIFO slots, synchronised by step counters.
+//!
+//! Each connection has a buffer of `buff_sizes[Simple]` bytes cut into [`FIFO_STEPS`] slots. To
+//! send step `s`, the block waits until the receiver has freed slot `s % FIFO_STEPS`
+//! (`head + FIFO_STEPS > s`), writes it, then publishes `tail = s + 1`. To receive step `s` it waits
+//! for `tail > s`, reads the slot, then frees it with `head = s + 1`. One thread polls and posts;
+//! the whole block copies, 16-byte vectors at a time. Ordering: data stores, `bar.sync`,
+//! `fence.acq_rel.sys`, flag store on the writer; flag load, `fence.acq_rel.sys`, `bar.sync`, data
+//! loads on the reader.
+use super::Primitives;
+use crate::abi::{ConnInfo, DevChannel, FIFO_STEPS, PACK_BYTES, SPINS_BEFORE_CHECK_ABORT};
+use crate::arch::{self, Pack};
+use crate::reduce::{Elem, RedFn, div_pack};
+use core::marker::PhantomData;
+
+/// Device-side state of one connection for the duration of a kernel.
+struct Conn {
+    info: *mut ConnInfo,
+    buff: *mut u8,
+    head: *mut u64,
+    tail: *mut u64,
+    step: u64,
+}
+
+impl Conn {
+    /// # Safety
+    /// `info` points at a connection that was set up for the Simple protocol.
+    unsafe fn load(info: *mut ConnInfo) -> Self {
+        // SAFETY: caller guarantees `info`.
+        let c = unsafe { info.read() };
+        Conn {
+            info,
+            buff: c.buffs[crate::abi::Proto::Simple as usize] as *mut u8,
+            head: c.head as *mut u64,
+            tail: c.tail as *mut u64,
+            step: c.step,
+        }
+    }
+}
+
+/// Simple-protocol primitives for one channel of a ring, for element type `T` and operator `Op`.
+pub struct Simple<T, Op> {
+    tid: u32,
+    nthreads: u32,
+    input: *const T,
+    output: *mut T,
+    send: Conn,
+    recv: Conn,
+    slot_bytes: u64,
+    slice_elems: u64,
+    abort_flag: *const u32,
+    smem: *mut u32,
+    aborted: bool,
+    postdiv: u32,
+    _op: PhantomData<Op>,
+}
+
+impl<T: Elem, Op: RedFn<T>> Simple<T, Op> {
+    /// Loads the channel's ring connections (NCCL's Primitives constructor).
+    ///
+    /// # Safety
+    /// `channel` is a set-up channel of a communicator whose Simple buffers are `buff_size` bytes;
+    /// `input`/`output` are valid for every offset the algorithm passes; `smem` points at kernel
+    /// shared memory; `abort_flag` is 0 or a valid flag address. All threads of the block call it.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn new(
+        tid: u32,
+        nthreads: u32,
+        channel: *mut DevChannel,
+        buff_size: u64,
+        input: *const T,
+        output: *mut T,
+        abort_flag: u64,
+        smem: *mut u32,
+        postdiv: u32,
+        slice_elems: u64,
+    ) -> Self {
+        // SAFETY: caller guarantees `channel` is valid; fields are plain data.
+        let (send, recv) = unsafe {
+            (Conn::load(&raw mut (*channel).send), Conn::load(&raw mut (*channel).recv))
+        };
+        let slot_bytes = buff_size / FIFO_STEPS / PACK_BYTES * PACK_BYTES;
+        let esize = core::mem::size_of::<T>() as u64;
+        let slot_elems = slot_bytes / esize;
+        let slice_elems = if slice_elems == 0 || slice_elems > slot_elems { slot_elems } else { slice_elems };
+        Simple {
+            tid,
+            nthreads,
+            input,
+            output,
+            send,
+            recv,
+            slot_bytes,
+            slice_elems,
+            abort_flag: abort_flag as *const u32,
+            smem,
+            aborted: false,
+            postdiv,
+            _op: PhantomData,
+        }
+    }
+
+    /// Stores the connection steps back for the next kernel (NCCL's Primitives destructor).
+    ///
+    /// # Safety
+    /// All threads of the block call it, once, after the last verb.
+    pub unsafe fn finish(self) {
+        // SAFETY: every thread reaches this barrier; then only thread 0 writes.
+        unsafe {
+            arch::sync_threads();
+            if self.tid == 0 {
+                (*self.send.info).step = self.send.step;
+                (*self.recv.info).step = self.recv.step;
+            }
+        }
+    }
+
+    /// Spins until `ready()`; polls the abort flag every `SPINS_BEFORE_CHECK_ABORT` tries.
+    #[inline(always)]
+    fn spin(&self, ready: impl Fn() -> bool) -> bool {
+        let mut spins = 0u32;
+        while !ready() {
+            spins += 1;
+            if spins == SPINS_BEFORE_CHECK_ABORT {
+                spins = 0;
+                // SAFETY: `abort_flag` is 0 or valid (constructor contract).
+                if !self.abort_flag.is_null() && unsafe { arch::load_volatile_u32(self.abort_flag) } != 0 {
+                    return false;
+                }
+            }
+            arch::spin_pause();
+        }
+        true
+    }
+
+    /// Thread 0 waits for the FIFO slots this step needs, then the block learns whether to abort.
+    #[inline(always)]
+    fn wait<const RECV: bool, const SEND: bool>(&mut self) -> bool {
+        if self.tid == 0 {
+            let mut ok = true;
+            if RECV {
+                let (tail, want) = (self.recv.tail, self.recv.step + 1);
+                // SAFETY: `tail` is this connection's counter (constructor contract).
+                ok = self.spin(|| unsafe { arch::load_volatile_u64(tail) } >= want);
+            }
+            if SEND && ok {
+                let (head, want) = (self.send.head, self.send.step + 1);
+                // SAFETY: as above, for the send connection's head.
+                ok = self.spin(|| unsafe { arch::load_volatile_u64(head) } + FIFO_STEPS >= want);
+            }
+            // SAFETY: fence has no operands; smem is valid kernel shared memory.
+            unsafe {
+                arch::fence_acq_rel_sys();
+                self.smem.write_volatile(if ok { 0 } else { 1 });
+            }
+        }
+        // SAFETY: all threads of the block execute `wait` with the same control flow.
+        unsafe { arch::sync_threads() };
+        // SAFETY: written by thread 0 before the barrier.
+        self.aborted = unsafe { self.smem.read_volatile() } != 0;
+        !self.aborted
+    }
+
+    /// After the block's copy: publish the sent slot and free the received one.
+    #[inline(always)]
+    fn post<const RECV: bool, const SEND: bool>(&mut self) {
+        // SAFETY: all threads reach this barrier; only thread 0 stores the counters.
+        unsafe {
+            arch::sync_threads();
+            if self.tid == 0 {
+                arch::fence_acq_rel_sys();
+                if SEND {
+                    arch::store_volatile_u64(self.send.tail, self.send.step + 1);
+                }
+                if RECV {
+                    arch::store_volatile_u64(self.recv.head, self.recv.step + 1);
+                }
+            }
+        }
+        if SEND {
+            self.send.step += 1;
+        }
+        if RECV {
+            self.recv.step += 1;
+        }
+    }
+
+    #[inline(always)]
+    fn slot(&self, c: &Conn) -> *mut u8 {
+        // SAFETY: the slot lies inside the connection buffer.
+        unsafe { c.buff.add(((c.step % FIFO_STEPS) * self.slot_bytes) as usize) }
+    }
+
+    /// The one engine behind every verb (NCCL's `genericOp`): per FIFO step, wait, combine up to
+    /// two sources (input `SRC`, FIFO `RECV`) into up to two destinations (output `DST`, FIFO
+    /// `SEND`), post.
+    #[inline(always)]
+    fn generic_op<const RECV: bool, const SEND: bool, const SRC: bool, const DST: bool>(
+        &mut self,
+        src: u64,
+        dst: u64,
+        n: u64,
+        post: bool,
+    ) {
+        if self.aborted {
+            return;
+        }
+        let mut done = 0u64;
+        while done < n {
+            let len = core::cmp::min(self.slice_elems, n - done);
+            if !self.wait::<RECV, SEND>() {
+                return;
+            }
+            let in_ptr = self.input.wrapping_add((src + done) as usize) as *const u8;
+            let out_ptr = self.output.wrapping_add((dst + done) as usize) as *mut u8;
+            let recv_ptr = if RECV { self.slot(&self.recv) } else { core::ptr::null_mut() };
+            let send_ptr = if SEND { self.slot(&self.send) } else { core::ptr::null_mut() };
+            let (s0, s1): (*const u8, *const u8) = match (SRC, RECV) {
+                (true, true) => (recv_ptr, in_ptr),
+                (true, false) => (in_ptr, core::ptr::null()),
+                _ => (recv_ptr, core::ptr::null()),
+            };
+            let (d0, d1) = match (DST, SEND) {
+                (true, true) => (out_ptr, send_ptr),
+                (true, false) => (out_ptr, core::ptr::null_mut()),
+                _ => (send_ptr, core::ptr::null_mut()),
+            };
+            let div = if post { self.postdiv } else { 0 };
+            // SAFETY: the pointers cover `len` elements (algorithm and FIFO geometry contracts).
+            unsafe {
+                match (SRC && RECV, DST && SEND) {
+                    (true, true) => reduce_copy::<T, Op, true, true>(self.tid, self.nthreads, s0, s1, d0, d1, len, div),
+                    (true, false) => reduce_copy::<T, Op, true, false>(self.tid, self.nthreads, s0, s1, d0, d1, len, div),
+                    (false, true) => reduce_copy::<T, Op, false, true>(self.tid, self.nthreads, s0, s1, d0, d1, len, div),
+                    (false, false) => reduce_copy::<T, Op, false, false>(self.tid, self.nthreads, s0, s1, d0, d1, len, div),
+                }
+            }
+            self.post::<RECV, SEND>();
+            done += len;
+        }
+    }
+}
+
+/// Loads per thread kept in flight by the copy loop.
+const UNROLL: usize = 4;
+
+/// `d0 (, d1) = s0 (⊕ s1) (/ div)` over `n` elements, spread over `nthreads` threads: 16-byte
+/// packs when every pointer is 16-byte aligned, then element by element for the rest (NCCL's
+/// `reduceCopy`). `div == 0` means no post-division.
+///
+/// # Safety
+/// The pointers in use are valid for `n` elements of `T`; the destinations overlap no source
+/// except exactly (in place).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn reduce_copy<T: Elem, Op: RedFn<T>, const TWO_SRC: bool, const TWO_DST: bool>(
+    tid: u32,
+    nthreads: u32,
+    s0: *const u8,
+    s1: *const u8,
+    d0: *mut u8,
+    d1: *mut u8,
+    n: u64,
+    div: u32,
+) {
+    let esize = core::mem::size_of::<T>() as u64;
+    let mut addrs = s0 as u64 | d0 as u64;
+    if TWO_SRC {
+        addrs |= s1 as u64;
+    }
+    if TWO_DST {
+        addrs |= d1 as u64;
+    }
+    let npacks = if addrs % PACK_BYTES == 0 { n * esize / PACK_BYTES } else { 0 };
+    let stride = nthreads as u64;
+    let op = |a: Pack, b: Pack| -> Pack {
+        let v = if TWO_SRC { Op::apply_pack(a, b) } else { a };
+        if div != 0 { div_pack::<T>(v, div) } else { v }
+    };
+    let (ps0, ps1) = (s0 as *const Pack, s1 as *const Pack);
+    let (pd0, pd1) = (d0 as *mut Pack, d1 as *mut Pack);
+    let mut i = tid as u64;
+    // SAFETY (whole block): indices stay below `npacks`, inside the caller's ranges.
+    unsafe {
+        while i + (UNROLL as u64 - 1) * stride < npacks {
+            let mut v = [Pack::default(); UNROLL];
+            let mut w = [Pack::default(); UNROLL];
+            for u in 0..UNROLL {
+                v[u] = arch::load_v4(ps0.add((i + u as u64 * stride) as usize));
+            }
+            if TWO_SRC {
+                for u in 0..UNROLL {
+                    w[u] = arch::load_v4(ps1.add((i + u as u64 * stride) as usize));
+                }
+            }
+            for u in 0..UNROLL {
+                let r = op(v[u], w[u]);
+                let k = (i + u as u64 * stride) as usize;
+                arch::store_v4(pd0.add(k), r);
+                if TWO_DST {
+                    arch::store_v4(pd1.add(k), r);
+                }
+            }
+            i += UNROLL as u64 * stride;
+        }
+        while i < npacks {
+            let a = arch::load_v4(ps0.add(i as usize));
+            let b = if TWO_SRC { arch::load_v4(ps1.add(i as usize)) } else { Pack::default() };
+            let r = op(a, b);
+            arch::store_v4(pd0.add(i as usize), r);
+            if TWO_DST {
+                arch::store_v4(pd1.add(i as usize), r);
+            }
+            i += stride;
+        }
+        // Remaining elements (or all of them when a pointer is misaligned).
+        let (es0, es1) = (s0 as *const T, s1 as *const T);
+        let (ed0, ed1) = (d0 as *mut T, d1 as *mut T);
+        let mut e = npacks * PACK_BYTES / esize + tid as u64;
+        while e < n {
+            let k = e as usize;
+            let mut r = es0.add(k).read();
+            if TWO_SRC {
+                r = Op::apply(r, es1.add(k).read());
+            }
+            if div != 0 {
+                r = T::div(r, div);
+            }
+            ed0.add(k).write(r);
+            if TWO_DST {
+                ed1.add(k).write(r);
+            }
+            e += stride;
+        }
+    }
+}
+
+impl<T: Elem, Op: RedFn<T>> Primitives for Simple<T, Op> {
+    fn send(&mut self, src: u64, n: u64) {
+        self.generic_op::<false, true, true, false>(src, 0, n, false)
+    }
+    fn recv(&mut self, dst: u64, n: u64) {
+        self.generic_op::<true, false, false, true>(0, dst, n, false)
+    }
+    fn recv_reduce_send(&mut self, src: u64, n: u64) {
+        self.generic_op::<true, true, true, false>(src, 0, n, false)
+    }
+    fn recv_reduce_copy(&mut self, src: u64, dst: u64, n: u64, post: bool) {
+        self.generic_op::<true, false, true, true>(src, dst, n, post)
+    }
+    fn recv_copy_send(&mut self, dst: u64, n: u64) {
+        self.generic_op::<true, true, false, true>(0, dst, n, false)
+    }
+    fn recv_reduce_copy_send(&mut self, src: u64, dst: u64, n: u64, post: bool) {
+        self.generic_op::<true, true, true, true>(src, dst, n, post)
+    }
+    fn copy_send(&mut self, src: u64, dst: u64, n: u64) {
+        self.generic_op::<false, true, true, true>(src, dst, n, false)
+    }
+    fn aborted(&self) -> bool {
+        self.aborted
+    }
+}
