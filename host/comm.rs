@@ -1,0 +1,585 @@
+//! Communicators: creation over local devices, channel and connection setup, and the collective
+//! calls (NCCL's `init.cc`, `channel.cc`, `transport/p2p.cc` for the same-process P2P path, and
+//! `enqueue.cc`).
+//!
+//! `Comm::init_all(devices)` creates one communicator per device in one process (NCCL's
+//! `ncclCommInitAll`). Rings follow rank order. Each rank owns, per channel, a receive buffer of
+//! `NCCL_BUFFSIZE` bytes and two step counters (its send connection's head, its receive
+//! connection's tail); its ring neighbours write into them directly (P2P write over peer access on
+//! CUDA, plain host memory on the CPU target).
+use crate::cpu::{CpuStream, HostMem};
+use crate::cuda;
+use crate::error::{Error, Result};
+use crate::mem::{DevSlice, Device, Stream};
+use crate::params::Params;
+use bytemuck::Zeroable;
+use oxccl_gpu::abi::{
+    Algo, ConnInfo, DataType, DevChannel, DevComm, DevRing, Func, KernelArgs, PACK_BYTES, Proto, RedOp, WorkColl,
+    DEFAULT_CHUNK_STEPS, FIFO_STEPS, MAX_CHANNELS,
+};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Default channel count on CUDA devices (overridable with `NCCL_MAX_NCHANNELS`).
+pub const CUDA_DEFAULT_NCHANNELS: u32 = 16;
+/// Default channel count on the CPU target (each channel is a host thread per rank).
+pub const CPU_DEFAULT_NCHANNELS: u32 = 2;
+/// Bytes per channel below which a call uses fewer channels.
+const MIN_BYTES_PER_CHANNEL: u64 = 128 << 10;
+/// How long dropping a communicator waits for its last operation before it raises the abort flag.
+const DROP_WAIT: Duration = Duration::from_secs(10);
+/// Bytes reserved per channel for the two step counters (head, tail), each on its own 128-byte line.
+const COUNTERS_BYTES: u64 = 256;
+
+/// What a call was planned as: algorithm, protocol, channels, chunk and slice sizes. Observable
+/// through [`Comm::last_choice`] and logged at debug level (target `oxccl::coll`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Choice {
+    pub func: Func,
+    pub algo: Algo,
+    pub proto: Proto,
+    pub nchannels: u32,
+    /// Elements per ring chunk.
+    pub chunk_elems: u64,
+    /// Elements per FIFO step.
+    pub slice_elems: u64,
+}
+
+/// One rank of a communicator (NCCL's `ncclComm`). Collectives are queued on the caller's stream
+/// and return at once; completion is observed by synchronizing that stream.
+pub struct Comm {
+    rank: usize,
+    nranks: usize,
+    device: Device,
+    params: Params,
+    nchannels: u32,
+    dev_comm: u64,
+    res: Res,
+    inflight: Arc<AtomicUsize>,
+    last: Mutex<Option<Choice>>,
+}
+
+enum Res {
+    Cuda(CudaRes),
+    Cpu(CpuRes),
+}
+
+struct CudaRes {
+    ctx: Arc<cuda::Context>,
+    _comm_mem: cuda::DevAlloc,
+    _conn_mem: cuda::DevAlloc,
+    abort: cuda::HostMapped,
+    last_event: cuda::Event,
+    launched: std::sync::atomic::AtomicBool,
+}
+
+/// The CPU target keeps every rank's memory alive until the last queued operation of any rank is
+/// done: a rank's blocks write into its neighbours' FIFOs.
+struct CpuRes {
+    group: Arc<CpuGroup>,
+}
+
+struct CpuGroup {
+    comm_mem: Vec<HostMem>,
+    _conn_mem: Vec<HostMem>,
+    abort: Vec<HostMem>,
+}
+
+/// Layout of one rank's connection memory: per channel a Simple receive buffer, then per channel
+/// the counters block (head of the send connection at +0, tail of the receive connection at +128).
+struct ConnLayout {
+    buffsize: u64,
+    nch: u64,
+}
+impl ConnLayout {
+    fn bytes(&self) -> u64 {
+        self.nch * (self.buffsize + COUNTERS_BYTES)
+    }
+    fn buff(&self, base: u64, c: u64) -> u64 {
+        base + c * self.buffsize
+    }
+    fn head(&self, base: u64, c: u64) -> u64 {
+        base + self.nch * self.buffsize + c * COUNTERS_BYTES
+    }
+    fn tail(&self, base: u64, c: u64) -> u64 {
+        self.head(base, c) + 128
+    }
+}
+
+/// Layout of one rank's communicator block: DevComm, channels, then per channel the ring's user
+/// ranks.
+fn comm_block_bytes(nch: usize, nranks: usize) -> usize {
+    size_of::<DevComm>() + nch * size_of::<DevChannel>() + nch * nranks * 4
+}
+
+fn check_devices(devices: &[Device]) -> Result<()> {
+    if devices.is_empty() {
+        return Err(Error::invalid("devices is empty: a communicator needs at least one rank"));
+    }
+    let cuda = devices[0].is_cuda();
+    if devices.iter().any(|d| d.is_cuda() != cuda) {
+        return Err(Error::invalid("devices mixes CUDA and CPU-target devices"));
+    }
+    let shared_ok = crate::params::env_var("ALLOW_SHARED_DEVICE").is_some_and(|(_, v)| v == "1");
+    for (i, a) in devices.iter().enumerate() {
+        if let Some(j) = devices[..i].iter().position(|b| b == a) {
+            if !shared_ok {
+                return Err(Error::InvalidUsage(format!(
+                    "ranks {j} and {i} are both on device {a:?}; one GPU per rank is required \
+                     (set OXCCL_ALLOW_SHARED_DEVICE=1 to share a device for testing)"
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+impl Comm {
+    /// Creates one communicator per device, rank `i` on `devices[i]`, all in this process (NCCL's
+    /// `ncclCommInitAll`). Devices must all be CUDA or all CPU-target, each used once.
+    ///
+    /// Errors: `InvalidArgument` for an empty or mixed list or a bad environment value
+    /// (`NCCL_BUFFSIZE`, `NCCL_NTHREADS`, `NCCL_MAX_NCHANNELS`, ...), `InvalidUsage` for a
+    /// repeated device, `NoCuda`/`Cuda` for driver failures, `System` when ring neighbours cannot
+    /// reach each other's memory.
+    pub fn init_all(devices: &[Device]) -> Result<Vec<Comm>> {
+        check_devices(devices)?;
+        let params = Params::from_env()?;
+        let nranks = devices.len();
+        let default_nch = if devices[0].is_cuda() { CUDA_DEFAULT_NCHANNELS } else { CPU_DEFAULT_NCHANNELS };
+        let nch = params.max_nchannels.unwrap_or(default_nch).clamp(1, MAX_CHANNELS as u32);
+        let layout = ConnLayout { buffsize: params.buffsize, nch: nch as u64 };
+        let _span = tracing::debug_span!(target: "oxccl::init", "init_all", nranks, nch).entered();
+
+        if devices[0].is_cuda() {
+            let ctxs: Vec<Arc<cuda::Context>> = devices
+                .iter()
+                .map(|d| match d {
+                    Device::Cuda(o) => cuda::Context::get(*o),
+                    Device::Cpu(_) => Err(Error::Internal("CPU device in a CUDA communicator".into())),
+                })
+                .collect::<Result<_>>()?;
+            // P2P transport, same-process path: every rank writes into its ring neighbours.
+            for r in 0..nranks {
+                for peer in [(r + 1) % nranks, (r + nranks - 1) % nranks] {
+                    if ctxs[peer].ordinal == ctxs[r].ordinal {
+                        continue;
+                    }
+                    if !ctxs[r].can_access_peer(&ctxs[peer])? {
+                        return Err(Error::System(format!(
+                            "no transport can connect rank {r} (CUDA device {}) and rank {peer} (CUDA device {}): \
+                             peer access is not supported between them",
+                            ctxs[r].ordinal, ctxs[peer].ordinal
+                        )));
+                    }
+                    ctxs[r].enable_peer_access(&ctxs[peer])?;
+                }
+            }
+            let mut conn = Vec::with_capacity(nranks);
+            let mut block = Vec::with_capacity(nranks);
+            let mut abort = Vec::with_capacity(nranks);
+            for ctx in &ctxs {
+                ctx.module()?;
+                conn.push(cuda::DevAlloc::zeroed(ctx, layout.bytes() as usize)?);
+                block.push(cuda::DevAlloc::zeroed(ctx, comm_block_bytes(nch as usize, nranks))?);
+                abort.push(cuda::HostMapped::zeroed(ctx, 64)?);
+            }
+            let conn_base: Vec<u64> = conn.iter().map(|a| a.ptr).collect();
+            let mut comms = Vec::with_capacity(nranks);
+            for (r, ((conn_mem, comm_mem), abort)) in conn.into_iter().zip(block).zip(abort).enumerate() {
+                let bytes = build_comm_block(r, nranks, nch, &layout, &conn_base, comm_mem.ptr, abort.dev_ptr, &params);
+                comm_mem.write(0, &bytes)?;
+                let ctx = ctxs[r].clone();
+                let last_event = cuda::Event::new(&ctx)?;
+                comms.push(Comm {
+                    rank: r,
+                    nranks,
+                    device: devices[r],
+                    params: params.clone(),
+                    nchannels: nch,
+                    dev_comm: comm_mem.ptr,
+                    res: Res::Cuda(CudaRes {
+                        ctx,
+                        _comm_mem: comm_mem,
+                        _conn_mem: conn_mem,
+                        abort,
+                        last_event,
+                        launched: false.into(),
+                    }),
+                    inflight: Arc::new(AtomicUsize::new(0)),
+                    last: Mutex::new(None),
+                });
+            }
+            tracing::debug!(target: "oxccl::init", nranks, nch, "CUDA communicators ready");
+            Ok(comms)
+        } else {
+            let conn: Vec<HostMem> =
+                (0..nranks).map(|_| HostMem::zeroed(layout.bytes() as usize)).collect::<Result<_>>()?;
+            let comm_mem: Vec<HostMem> = (0..nranks)
+                .map(|_| HostMem::zeroed(comm_block_bytes(nch as usize, nranks)))
+                .collect::<Result<_>>()?;
+            let abort: Vec<HostMem> = (0..nranks).map(|_| HostMem::zeroed(64)).collect::<Result<_>>()?;
+            let conn_base: Vec<u64> = conn.iter().map(|a| a.addr()).collect();
+            for r in 0..nranks {
+                let bytes =
+                    build_comm_block(r, nranks, nch, &layout, &conn_base, comm_mem[r].addr(), abort[r].addr(), &params);
+                // SAFETY: the block was allocated with exactly this size; nothing else uses it yet.
+                unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), comm_mem[r].addr() as *mut u8, bytes.len()) };
+            }
+            let group = Arc::new(CpuGroup { comm_mem, _conn_mem: conn, abort });
+            Ok((0..nranks)
+                .map(|r| Comm {
+                    rank: r,
+                    nranks,
+                    device: devices[r],
+                    params: params.clone(),
+                    nchannels: nch,
+                    dev_comm: group.comm_mem[r].addr(),
+                    res: Res::Cpu(CpuRes { group: group.clone() }),
+                    inflight: Arc::new(AtomicUsize::new(0)),
+                    last: Mutex::new(None),
+                })
+                .collect())
+        }
+    }
+
+    /// This communicator's rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+    /// Number of ranks (NCCL's `ncclCommCount`).
+    pub fn nranks(&self) -> usize {
+        self.nranks
+    }
+    /// The device of this rank.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+    /// Channels set up (the most any call uses).
+    pub fn nchannels(&self) -> u32 {
+        self.nchannels
+    }
+    /// The parameters this communicator was created with.
+    pub fn params(&self) -> &Params {
+        &self.params
+    }
+    /// Device memory used by this rank's connections and communicator state, in bytes.
+    pub fn device_memory_bytes(&self) -> u64 {
+        let layout = ConnLayout { buffsize: self.params.buffsize, nch: self.nchannels as u64 };
+        layout.bytes() + comm_block_bytes(self.nchannels as usize, self.nranks) as u64
+    }
+    /// The plan of the most recent collective call on this communicator.
+    pub fn last_choice(&self) -> Option<Choice> {
+        self.last.lock().ok().and_then(|g| *g)
+    }
+
+    /// Sums (or reduces with `op`) `count` elements of `dtype` across all ranks; every rank gets
+    /// the result in `recv` (NCCL's `ncclAllReduce`). `send` and `recv` hold at least
+    /// `count × dtype.size()` bytes on this rank's device and may be the same range (in place),
+    /// but must not partly overlap. Queued on `stream`, which must be on this rank's device.
+    /// Results are bitwise identical on every rank. `count == 0` is a no-op.
+    pub fn all_reduce<'a>(
+        &self,
+        send: impl Into<DevSlice<'a>>,
+        recv: impl Into<DevSlice<'a>>,
+        count: usize,
+        dtype: DataType,
+        op: RedOp,
+        stream: &Stream,
+    ) -> Result<()> {
+        let (send, recv) = (send.into(), recv.into());
+        let bytes = self.check_bytes(count, dtype)?;
+        for (name, s) in [("sendbuff", &send), ("recvbuff", &recv)] {
+            if s.device() != self.device {
+                return Err(Error::invalid(format!(
+                    "{name} is on {:?} but rank {} is on {:?}",
+                    s.device(),
+                    self.rank,
+                    self.device
+                )));
+            }
+            if (s.len() as u64) < bytes {
+                return Err(Error::invalid(format!(
+                    "{name} holds {} bytes but count {count} × {} ({} bytes each) needs {bytes}",
+                    s.len(),
+                    dtype.name(),
+                    dtype.size()
+                )));
+            }
+        }
+        let (sa, ra) = (send.addr(), recv.addr());
+        if sa != ra && sa < ra + bytes && ra < sa + bytes {
+            return Err(Error::invalid(
+                "sendbuff and recvbuff partly overlap: they must be the same range (in place) or disjoint",
+            ));
+        }
+        // SAFETY: both ranges were checked against their buffers above.
+        unsafe { self.all_reduce_raw(sa, ra, count, dtype, op, stream) }
+    }
+
+    /// [`Comm::all_reduce`] on raw addresses (a `CUdeviceptr`, or a host address on the CPU
+    /// target), for interoperability with other CUDA code.
+    ///
+    /// # Safety
+    /// `send` and `recv` are valid for `count × dtype.size()` bytes on this rank's device until the
+    /// operation completes on `stream`, and are equal or disjoint.
+    pub unsafe fn all_reduce_raw(
+        &self,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dtype: DataType,
+        op: RedOp,
+        stream: &Stream,
+    ) -> Result<()> {
+        let bytes = self.check_bytes(count, dtype)?;
+        self.check_stream(stream)?;
+        if count == 0 {
+            return Ok(());
+        }
+        if self.nranks == 1 {
+            // One rank: the reduction of one input is the input (Sum, Prod, Min, Max and Avg alike).
+            return if send == recv { Ok(()) } else { self.copy(recv, send, bytes as usize, stream) };
+        }
+        let esize = dtype.size() as u64;
+        let choice = self.plan(Func::AllReduce, bytes, esize);
+        let work = WorkColl {
+            sendbuff: send,
+            recvbuff: recv,
+            count: count as u64,
+            chunk_elems: choice.chunk_elems,
+            slice_elems: choice.slice_elems,
+            func: Func::AllReduce as u8,
+            redop: op as u8,
+            dtype: dtype as u8,
+            algo: choice.algo as u8,
+            proto: choice.proto as u8,
+            nchannels: choice.nchannels as u16,
+            ..WorkColl::zeroed()
+        };
+        tracing::debug!(target: "oxccl::coll", rank = self.rank, count, %dtype, %op, ?choice, "allreduce");
+        if let Ok(mut last) = self.last.lock() {
+            *last = Some(choice);
+        }
+        self.launch(KernelArgs { comm: self.dev_comm, _pad: 0, work }, stream)
+    }
+
+    fn check_bytes(&self, count: usize, dtype: DataType) -> Result<u64> {
+        (count as u64)
+            .checked_mul(dtype.size() as u64)
+            .filter(|b| *b <= i64::MAX as u64)
+            .ok_or_else(|| Error::invalid(format!("count {count} of {} overflows the byte size", dtype.name())))
+    }
+
+    fn check_stream(&self, stream: &Stream) -> Result<()> {
+        if stream.device() != self.device {
+            return Err(Error::invalid(format!(
+                "stream is on {:?} but rank {} is on {:?}",
+                stream.device(),
+                self.rank,
+                self.device
+            )));
+        }
+        Ok(())
+    }
+
+    /// Channels, chunk and slice for a call of `bytes` bytes (the seed's tuning step; the
+    /// protocol/algorithm model comes with the tuning work).
+    fn plan(&self, func: Func, bytes: u64, esize: u64) -> Choice {
+        let min = self.params.min_nchannels.unwrap_or(1).min(self.nchannels);
+        let nch = (bytes.div_ceil(MIN_BYTES_PER_CHANNEL) as u32).clamp(min, self.nchannels);
+        let slot_bytes = self.params.buffsize / FIFO_STEPS / PACK_BYTES * PACK_BYTES;
+        let chunk_bytes = slot_bytes * DEFAULT_CHUNK_STEPS;
+        // Aim for several FIFO steps per chunk so the ring pipelines even for mid-size calls.
+        let per_chunk = bytes.div_ceil(nch as u64 * self.nranks as u64);
+        let slice_bytes = (per_chunk.min(chunk_bytes) / DEFAULT_CHUNK_STEPS)
+            .next_multiple_of(PACK_BYTES)
+            .clamp(PACK_BYTES.max(32 << 10).min(slot_bytes), slot_bytes);
+        Choice {
+            func,
+            algo: Algo::Ring,
+            proto: Proto::Simple,
+            nchannels: nch,
+            chunk_elems: chunk_bytes / esize,
+            slice_elems: slice_bytes / esize,
+        }
+    }
+
+    fn copy(&self, dst: u64, src: u64, bytes: usize, stream: &Stream) -> Result<()> {
+        match stream {
+            Stream::Cuda(s) => s.copy_dtod(dst, src, bytes),
+            Stream::Cpu(s) => s.enqueue(move || {
+                // SAFETY: the caller of the collective guarantees both ranges (all_reduce_raw).
+                unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, bytes) };
+                Ok(())
+            }),
+        }
+    }
+
+    fn launch(&self, args: KernelArgs, stream: &Stream) -> Result<()> {
+        match (&self.res, stream) {
+            (Res::Cuda(res), Stream::Cuda(s)) => {
+                s.launch(args.work.nchannels as u32, self.params.nthreads, &args)?;
+                res.last_event.record(s)?;
+                res.launched.store(true, Ordering::Release);
+                Ok(())
+            }
+            (Res::Cpu(res), Stream::Cpu(s)) => launch_cpu(args, res.group.clone(), self.rank, s, &self.inflight),
+            _ => Err(Error::invalid("stream and communicator are of different backends")),
+        }
+    }
+
+    fn abort_flag(&self) -> &AtomicU32 {
+        let p = match &self.res {
+            Res::Cuda(r) => r.abort.host_ptr() as *const u32,
+            Res::Cpu(r) => r.group.abort[self.rank].addr() as *const u32,
+        };
+        // SAFETY: the flag lives in memory owned by `self.res`, 4-byte aligned, accessed atomically.
+        unsafe { AtomicU32::from_ptr(p as *mut u32) }
+    }
+}
+
+/// Runs one collective on the CPU target: one host thread per channel, each running the same
+/// `run_block` the GPU kernel runs, queued on the CPU stream.
+fn launch_cpu(
+    args: KernelArgs,
+    group: Arc<CpuGroup>,
+    rank: usize,
+    stream: &CpuStream,
+    inflight: &Arc<AtomicUsize>,
+) -> Result<()> {
+    inflight.fetch_add(1, Ordering::AcqRel);
+    let inflight = inflight.clone();
+    stream.enqueue(move || {
+        let nch = args.work.nchannels as u32;
+        let result = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..nch)
+                .map(|b| {
+                    let args = &args;
+                    s.spawn(move || {
+                        oxccl_gpu::arch::set_block_idx(b);
+                        let mut smem = [0u32; oxccl_gpu::abi::KERNEL_SMEM_BYTES / 4];
+                        // SAFETY: `args.comm` is this rank's comm block, kept alive by `group`;
+                        // the buffers are the caller's (all_reduce_raw contract).
+                        unsafe { oxccl_gpu::dispatch::run_block(args, b, 0, 1, smem.as_mut_ptr()) };
+                    })
+                })
+                .collect();
+            let mut ok = true;
+            for h in handles {
+                ok &= h.join().is_ok();
+            }
+            ok
+        });
+        drop(group);
+        inflight.fetch_sub(1, Ordering::AcqRel);
+        if result {
+            Ok(())
+        } else {
+            Err(Error::Internal(format!("rank {rank}: a CPU-target channel trapped")))
+        }
+    })
+}
+
+/// Builds rank `r`'s communicator block: [`DevComm`], its channels (ring + connections), and the
+/// user-rank arrays of each channel's ring.
+#[allow(clippy::too_many_arguments)]
+fn build_comm_block(
+    r: usize,
+    nranks: usize,
+    nch: u32,
+    layout: &ConnLayout,
+    conn_base: &[u64],
+    block_addr: u64,
+    abort_addr: u64,
+    params: &Params,
+) -> Vec<u8> {
+    let nchu = nch as usize;
+    let channels_off = size_of::<DevComm>();
+    let ranks_off = channels_off + nchu * size_of::<DevChannel>();
+    let mut buff_sizes = [0u64; Proto::COUNT];
+    buff_sizes[Proto::Simple as usize] = params.buffsize;
+    let dc = DevComm {
+        rank: r as u32,
+        nranks: nranks as u32,
+        nchannels: nch,
+        abort_flag: abort_addr,
+        channels: block_addr + channels_off as u64,
+        buff_sizes,
+        ..DevComm::zeroed()
+    };
+    let mut out = Vec::with_capacity(comm_block_bytes(nchu, nranks));
+    out.extend_from_slice(bytemuck::bytes_of(&dc));
+    let (next, prev) = ((r + 1) % nranks, (r + nranks - 1) % nranks);
+    for c in 0..nch as u64 {
+        let mut send = ConnInfo::zeroed();
+        send.buffs[Proto::Simple as usize] = layout.buff(conn_base[next], c);
+        send.tail = layout.tail(conn_base[next], c);
+        send.head = layout.head(conn_base[r], c);
+        let mut recv = ConnInfo::zeroed();
+        recv.buffs[Proto::Simple as usize] = layout.buff(conn_base[r], c);
+        recv.tail = layout.tail(conn_base[r], c);
+        recv.head = layout.head(conn_base[prev], c);
+        let ch = DevChannel {
+            ring: DevRing {
+                prev: prev as u32,
+                next: next as u32,
+                index: r as u32,
+                _pad: 0,
+                user_ranks: block_addr + (ranks_off + c as usize * nranks * 4) as u64,
+            },
+            _pad: 0,
+            send,
+            recv,
+        };
+        out.extend_from_slice(bytemuck::bytes_of(&ch));
+    }
+    for _ in 0..nch {
+        for k in 0..nranks {
+            out.extend_from_slice(&(((r + k) % nranks) as u32).to_ne_bytes());
+        }
+    }
+    out
+}
+
+impl Drop for Comm {
+    /// Waits (bounded) for this rank's last queued operation, then raises the abort flag so a
+    /// kernel still waiting for a peer exits, then frees everything. Never panics.
+    fn drop(&mut self) {
+        let start = Instant::now();
+        match &self.res {
+            Res::Cuda(res) => {
+                if !res.launched.load(Ordering::Acquire) {
+                    return;
+                }
+                loop {
+                    match res.last_event.is_complete() {
+                        Ok(true) => return,
+                        Ok(false) if start.elapsed() < DROP_WAIT => std::thread::sleep(Duration::from_millis(1)),
+                        Ok(false) => break,
+                        Err(e) => {
+                            tracing::warn!(target: "oxccl::init", rank = self.rank, "destroy: {e}");
+                            break;
+                        }
+                    }
+                }
+                tracing::warn!(target: "oxccl::init", rank = self.rank, "destroy: operations still running after {DROP_WAIT:?}; aborting them");
+                self.abort_flag().store(1, Ordering::Release);
+                if let Err(e) = res.ctx.synchronize() {
+                    tracing::warn!(target: "oxccl::init", rank = self.rank, "destroy: {e}");
+                }
+            }
+            Res::Cpu(_) => {
+                while self.inflight.load(Ordering::Acquire) > 0 {
+                    if start.elapsed() > DROP_WAIT {
+                        tracing::warn!(target: "oxccl::init", rank = self.rank, "destroy: operations still running after {DROP_WAIT:?}; aborting them");
+                        self.abort_flag().store(1, Ordering::Release);
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }
+        }
+    }
+}

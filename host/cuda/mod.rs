@@ -1,0 +1,433 @@
+//! A thin safe layer over the CUDA driver API, loaded at run time through `cudarc::driver::sys`.
+//!
+//! Only this module calls the driver. Every call goes through [`check`], which turns a `CUresult`
+//! into [`Error::Cuda`] naming the call. Buffers that peers map are plain `cuMemAlloc` memory, never
+//! the stream-ordered pool (peer writes into pool memory faulted on the GPU machine; see
+//! DESIGN.md §5). cudarc panics when `libcuda.so.1` is missing, so [`driver`] asks first and
+//! answers [`Error::NoCuda`] instead.
+use crate::error::{Error, Result};
+use cudarc::driver::sys::{self, CUresult};
+use std::ffi::{CStr, CString, c_void};
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// Calls a driver function and maps its result.
+macro_rules! cu {
+    ($call:ident ( $($arg:expr),* $(,)? )) => {{
+        // SAFETY: the caller of the macro upholds the driver call's pointer contracts.
+        check(unsafe { sys::$call($($arg),*) }, stringify!($call))
+    }};
+}
+
+/// Maps a `CUresult` to `Ok` or [`Error::Cuda`] naming `call`.
+pub(crate) fn check(r: CUresult, call: &'static str) -> Result<()> {
+    if r == CUresult::CUDA_SUCCESS {
+        return Ok(());
+    }
+    let (mut name, mut msg): (*const std::ffi::c_char, *const std::ffi::c_char) =
+        (std::ptr::null(), std::ptr::null());
+    // SAFETY: out-pointers are valid; the driver returns static strings or leaves them null.
+    unsafe {
+        sys::cuGetErrorName(r, &mut name);
+        sys::cuGetErrorString(r, &mut msg);
+    }
+    let text = |p: *const std::ffi::c_char| {
+        if p.is_null() {
+            String::from("?")
+        } else {
+            // SAFETY: non-null strings from the driver are NUL-terminated and static.
+            unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+        }
+    };
+    Err(Error::Cuda { call, code: r as u32, name: text(name), msg: text(msg) })
+}
+
+/// The driver, initialised once. Errors with [`Error::NoCuda`] when `libcuda.so.1` is absent.
+pub fn driver() -> Result<()> {
+    static INIT: OnceLock<std::result::Result<(), String>> = OnceLock::new();
+    INIT.get_or_init(|| {
+        // SAFETY: only probes for the shared library.
+        if !unsafe { sys::is_culib_present() } {
+            return Err("the CUDA driver library (libcuda.so.1) was not found".into());
+        }
+        cu!(cuInit(0)).map_err(|e| e.to_string())
+    })
+    .clone()
+    .map_err(Error::NoCuda)
+}
+
+/// Number of visible CUDA devices; 0 when there is no driver.
+pub fn device_count() -> usize {
+    if driver().is_err() {
+        return 0;
+    }
+    let mut n = 0i32;
+    match cu!(cuDeviceGetCount(&mut n)) {
+        Ok(()) => n.max(0) as usize,
+        Err(_) => 0,
+    }
+}
+
+/// Driver version as the driver reports it (e.g. 13000 for CUDA 13.0).
+pub fn driver_version() -> Result<i32> {
+    driver()?;
+    let mut v = 0;
+    cu!(cuDriverGetVersion(&mut v))?;
+    Ok(v)
+}
+
+/// A device's primary context, retained for the life of the process (one per ordinal).
+pub struct Context {
+    pub(crate) ordinal: usize,
+    pub(crate) dev: sys::CUdevice,
+    ctx: sys::CUcontext,
+    module: OnceLock<std::result::Result<Module, String>>,
+}
+
+// SAFETY: CUDA contexts may be used from any thread once made current there; `bind` does that.
+unsafe impl Send for Context {}
+// SAFETY: as above; the driver serialises internally.
+unsafe impl Sync for Context {}
+
+impl Context {
+    /// The primary context of device `ordinal` (shared, created on first use).
+    pub fn get(ordinal: usize) -> Result<Arc<Context>> {
+        static CTXS: Mutex<Vec<Option<Arc<Context>>>> = Mutex::new(Vec::new());
+        driver()?;
+        let n = device_count();
+        if ordinal >= n {
+            return Err(Error::invalid(format!("CUDA device {ordinal} does not exist (visible devices: 0..{n})")));
+        }
+        let mut ctxs = CTXS.lock().map_err(|_| Error::Internal("context registry poisoned".into()))?;
+        if ctxs.len() < n {
+            ctxs.resize(n, None);
+        }
+        if let Some(c) = &ctxs[ordinal] {
+            return Ok(c.clone());
+        }
+        let mut dev = 0;
+        cu!(cuDeviceGet(&mut dev, ordinal as i32))?;
+        let mut ctx = std::ptr::null_mut();
+        cu!(cuDevicePrimaryCtxRetain(&mut ctx, dev))?;
+        let c = Arc::new(Context { ordinal, dev, ctx, module: OnceLock::new() });
+        ctxs[ordinal] = Some(c.clone());
+        Ok(c)
+    }
+
+    /// Makes this context current on the calling thread.
+    pub fn bind(&self) -> Result<()> {
+        cu!(cuCtxSetCurrent(self.ctx))
+    }
+
+    /// Device name (e.g. "NVIDIA H200").
+    pub fn name(&self) -> Result<String> {
+        let mut buf = [0i8; 256];
+        cu!(cuDeviceGetName(buf.as_mut_ptr(), buf.len() as i32, self.dev))?;
+        // SAFETY: the driver NUL-terminates within the buffer.
+        Ok(unsafe { CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned())
+    }
+
+    /// PCI bus id, e.g. "0000:18:00.0".
+    pub fn bus_id(&self) -> Result<String> {
+        let mut buf = [0i8; 64];
+        cu!(cuDeviceGetPCIBusId(buf.as_mut_ptr(), buf.len() as i32, self.dev))?;
+        // SAFETY: the driver NUL-terminates within the buffer.
+        Ok(unsafe { CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned())
+    }
+
+    /// Whether this device can map `peer`'s memory.
+    pub fn can_access_peer(&self, peer: &Context) -> Result<bool> {
+        let mut v = 0;
+        cu!(cuDeviceCanAccessPeer(&mut v, self.dev, peer.dev))?;
+        Ok(v != 0)
+    }
+
+    /// Lets kernels in this context access `peer`'s memory (idempotent).
+    pub fn enable_peer_access(&self, peer: &Context) -> Result<()> {
+        self.bind()?;
+        // SAFETY: both contexts are valid.
+        let r = unsafe { sys::cuCtxEnablePeerAccess(peer.ctx, 0) };
+        if r == CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED {
+            return Ok(());
+        }
+        check(r, "cuCtxEnablePeerAccess")
+    }
+
+    /// Free and total device memory in bytes.
+    pub fn mem_info(&self) -> Result<(usize, usize)> {
+        self.bind()?;
+        let (mut free, mut total) = (0, 0);
+        cu!(cuMemGetInfo_v2(&mut free, &mut total))?;
+        Ok((free, total))
+    }
+
+    /// Waits for all work in this context.
+    pub fn synchronize(&self) -> Result<()> {
+        self.bind()?;
+        cu!(cuCtxSynchronize())
+    }
+
+    /// The oxccl kernel module in this context, JIT-compiled from the embedded PTX on first use.
+    pub fn module(&self) -> Result<&Module> {
+        self.module
+            .get_or_init(|| Module::load(self, crate::PTX).map_err(|e| e.to_string()))
+            .as_ref()
+            .map_err(|e| Error::Internal(format!("loading the oxccl PTX module failed: {e}")))
+    }
+}
+
+/// A loaded PTX module and its collective kernel.
+pub struct Module {
+    _module: sys::CUmodule,
+    pub(crate) kernel: sys::CUfunction,
+    /// Wall time of `cuModuleLoadData` (the JIT), in seconds.
+    pub load_seconds: f64,
+}
+// SAFETY: module and function handles are context-wide and thread-safe.
+unsafe impl Send for Module {}
+// SAFETY: as above.
+unsafe impl Sync for Module {}
+
+impl Module {
+    fn load(ctx: &Context, ptx: &str) -> Result<Module> {
+        if ptx.is_empty() {
+            return Err(Error::Internal("this build embeds no PTX (OXCCL_SKIP_PTX was set)".into()));
+        }
+        ctx.bind()?;
+        let image = CString::new(ptx).map_err(|_| Error::Internal("PTX contains a NUL byte".into()))?;
+        let t = std::time::Instant::now();
+        let mut module = std::ptr::null_mut();
+        cu!(cuModuleLoadData(&mut module, image.as_ptr() as *const c_void))?;
+        let load_seconds = t.elapsed().as_secs_f64();
+        let name = CString::new(oxccl_gpu::abi::KERNEL_NAME).map_err(|_| Error::Internal("kernel name".into()))?;
+        let mut kernel = std::ptr::null_mut();
+        cu!(cuModuleGetFunction(&mut kernel, module, name.as_ptr()))?;
+        tracing::debug!(target: "oxccl::init", device = ctx.ordinal, load_seconds, "PTX module loaded");
+        Ok(Module { _module: module, kernel, load_seconds })
+    }
+}
+
+/// Device memory from `cuMemAlloc`, freed on drop.
+pub struct DevAlloc {
+    pub(crate) ptr: u64,
+    pub(crate) bytes: usize,
+    ctx: Arc<Context>,
+}
+
+impl DevAlloc {
+    /// Allocates `bytes` (at least 1) on `ctx`'s device, zero-filled.
+    pub fn zeroed(ctx: &Arc<Context>, bytes: usize) -> Result<DevAlloc> {
+        ctx.bind()?;
+        let mut ptr = 0;
+        cu!(cuMemAlloc_v2(&mut ptr, bytes.max(1)))?;
+        let a = DevAlloc { ptr, bytes, ctx: ctx.clone() };
+        cu!(cuMemsetD8_v2(ptr, 0, bytes.max(1)))?;
+        Ok(a)
+    }
+    /// Synchronous host→device copy at byte offset `off`.
+    pub fn write(&self, off: usize, data: &[u8]) -> Result<()> {
+        if off + data.len() > self.bytes {
+            return Err(Error::Internal(format!("device write of {} bytes at {off} past {}", data.len(), self.bytes)));
+        }
+        self.ctx.bind()?;
+        cu!(cuMemcpyHtoD_v2(self.ptr + off as u64, data.as_ptr() as *const c_void, data.len()))
+    }
+}
+
+impl Drop for DevAlloc {
+    fn drop(&mut self) {
+        if self.ctx.bind().is_ok() {
+            if let Err(e) = cu!(cuMemFree_v2(self.ptr)) {
+                tracing::warn!(target: "oxccl::alloc", "freeing device memory: {e}");
+            }
+        }
+    }
+}
+
+/// Synchronous host→device copy. `dst` must be device memory of `ctx` valid for `src.len()` bytes.
+pub fn copy_htod(ctx: &Context, dst: u64, src: &[u8]) -> Result<()> {
+    ctx.bind()?;
+    cu!(cuMemcpyHtoD_v2(dst, src.as_ptr() as *const c_void, src.len()))
+}
+
+/// Synchronous device→host copy. `src` must be device memory of `ctx` valid for `dst.len()` bytes.
+pub fn copy_dtoh(ctx: &Context, dst: &mut [u8], src: u64) -> Result<()> {
+    ctx.bind()?;
+    cu!(cuMemcpyDtoH_v2(dst.as_mut_ptr() as *mut c_void, src, dst.len()))
+}
+
+/// Synchronous byte fill of device memory.
+pub fn memset(ctx: &Context, dst: u64, byte: u8, bytes: usize) -> Result<()> {
+    ctx.bind()?;
+    cu!(cuMemsetD8_v2(dst, byte, bytes))
+}
+
+/// Page-locked host memory mapped into every device's address space (`cuMemHostAlloc` with
+/// `DEVICEMAP | PORTABLE`), e.g. for the abort flag the kernels poll.
+pub struct HostMapped {
+    host: *mut c_void,
+    pub(crate) dev_ptr: u64,
+    bytes: usize,
+}
+// SAFETY: the allocation is process-wide pinned memory; access goes through atomics.
+unsafe impl Send for HostMapped {}
+// SAFETY: as above.
+unsafe impl Sync for HostMapped {}
+
+impl HostMapped {
+    /// Allocates `bytes` of zeroed mapped host memory (needs a current context: `ctx`).
+    pub fn zeroed(ctx: &Context, bytes: usize) -> Result<HostMapped> {
+        ctx.bind()?;
+        let mut host = std::ptr::null_mut();
+        let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
+        cu!(cuMemHostAlloc(&mut host, bytes, flags))?;
+        // SAFETY: `host` is a fresh allocation of `bytes` bytes.
+        unsafe { std::ptr::write_bytes(host as *mut u8, 0, bytes) };
+        let mut dev_ptr = 0;
+        let m = HostMapped { host, dev_ptr: 0, bytes };
+        cu!(cuMemHostGetDevicePointer_v2(&mut dev_ptr, host, 0))?;
+        Ok(HostMapped { dev_ptr, ..m })
+    }
+    /// The host address.
+    pub fn host_ptr(&self) -> *mut u8 {
+        self.host as *mut u8
+    }
+    /// Size in bytes.
+    pub fn len(&self) -> usize {
+        self.bytes
+    }
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.bytes == 0
+    }
+}
+
+impl Drop for HostMapped {
+    fn drop(&mut self) {
+        if let Err(e) = cu!(cuMemFreeHost(self.host)) {
+            tracing::warn!(target: "oxccl::alloc", "freeing mapped host memory: {e}");
+        }
+    }
+}
+
+/// A CUDA stream (non-blocking with respect to the legacy default stream).
+pub struct Stream {
+    pub(crate) raw: sys::CUstream,
+    pub(crate) ctx: Arc<Context>,
+    owned: bool,
+}
+// SAFETY: streams may be used from any thread with their context bound.
+unsafe impl Send for Stream {}
+// SAFETY: as above.
+unsafe impl Sync for Stream {}
+
+impl Stream {
+    /// Creates a stream on `ctx`'s device.
+    pub fn new(ctx: &Arc<Context>) -> Result<Stream> {
+        ctx.bind()?;
+        let mut raw = std::ptr::null_mut();
+        cu!(cuStreamCreate(&mut raw, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32))?;
+        Ok(Stream { raw, ctx: ctx.clone(), owned: true })
+    }
+    /// Wraps a stream created elsewhere (not destroyed on drop).
+    ///
+    /// # Safety
+    /// `raw` is a valid stream of device `ctx` that outlives the returned value.
+    pub unsafe fn from_raw(ctx: &Arc<Context>, raw: sys::CUstream) -> Stream {
+        Stream { raw, ctx: ctx.clone(), owned: false }
+    }
+    /// Waits for all work queued on the stream.
+    pub fn synchronize(&self) -> Result<()> {
+        self.ctx.bind()?;
+        cu!(cuStreamSynchronize(self.raw))
+    }
+    /// Queues a device→device copy.
+    pub fn copy_dtod(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        self.ctx.bind()?;
+        cu!(cuMemcpyDtoDAsync_v2(dst, src, bytes, self.raw))
+    }
+    /// Queues a launch of the collective kernel.
+    pub fn launch(&self, grid: u32, block: u32, args: &oxccl_gpu::abi::KernelArgs) -> Result<()> {
+        let module = self.ctx.module()?;
+        self.ctx.bind()?;
+        let mut params = [args as *const oxccl_gpu::abi::KernelArgs as *mut c_void];
+        cu!(cuLaunchKernel(
+            module.kernel,
+            grid,
+            1,
+            1,
+            block,
+            1,
+            1,
+            0,
+            self.raw,
+            params.as_mut_ptr(),
+            std::ptr::null_mut()
+        ))
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        if self.owned && self.ctx.bind().is_ok() {
+            if let Err(e) = cu!(cuStreamDestroy_v2(self.raw)) {
+                tracing::warn!(target: "oxccl::init", "destroying a stream: {e}");
+            }
+        }
+    }
+}
+
+/// A CUDA event (timing enabled), for benchmarks and completion tracking.
+pub struct Event {
+    raw: sys::CUevent,
+    ctx: Arc<Context>,
+}
+// SAFETY: events are context-wide handles.
+unsafe impl Send for Event {}
+// SAFETY: as above.
+unsafe impl Sync for Event {}
+
+impl Event {
+    /// Creates an event on `ctx`.
+    pub fn new(ctx: &Arc<Context>) -> Result<Event> {
+        ctx.bind()?;
+        let mut raw = std::ptr::null_mut();
+        cu!(cuEventCreate(&mut raw, 0))?;
+        Ok(Event { raw, ctx: ctx.clone() })
+    }
+    /// Records the event on `stream`.
+    pub fn record(&self, stream: &Stream) -> Result<()> {
+        self.ctx.bind()?;
+        cu!(cuEventRecord(self.raw, stream.raw))
+    }
+    /// Waits for the event.
+    pub fn synchronize(&self) -> Result<()> {
+        self.ctx.bind()?;
+        cu!(cuEventSynchronize(self.raw))
+    }
+    /// True when the work before the event has completed.
+    pub fn is_complete(&self) -> Result<bool> {
+        self.ctx.bind()?;
+        // SAFETY: valid event.
+        let r = unsafe { sys::cuEventQuery(self.raw) };
+        if r == CUresult::CUDA_ERROR_NOT_READY {
+            return Ok(false);
+        }
+        check(r, "cuEventQuery").map(|_| true)
+    }
+    /// Milliseconds from `start` to `self` (both recorded and complete).
+    pub fn elapsed_ms_since(&self, start: &Event) -> Result<f32> {
+        let mut ms = 0f32;
+        cu!(cuEventElapsedTime_v2(&mut ms, start.raw, self.raw))?;
+        Ok(ms)
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        if self.ctx.bind().is_ok() {
+            if let Err(e) = cu!(cuEventDestroy_v2(self.raw)) {
+                tracing::warn!(target: "oxccl::init", "destroying an event: {e}");
+            }
+        }
+    }
+}

@@ -1,0 +1,84 @@
+//! oxccl's one error type, mirroring NCCL's `ncclResult_t`.
+use std::fmt;
+
+/// NCCL's result codes, numerically identical to `ncclResult_t` (for a future C ABI).
+#[repr(i32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ResultCode {
+    Success = 0,
+    UnhandledCudaError = 1,
+    SystemError = 2,
+    InternalError = 3,
+    InvalidArgument = 4,
+    InvalidUsage = 5,
+    RemoteError = 6,
+    InProgress = 7,
+    Timeout = 8,
+}
+
+/// Every failure of the library. Messages name the argument or variable at fault and, where one
+/// exists, the accepted range.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A CUDA driver call failed (`ncclUnhandledCudaError`).
+    #[error("CUDA error: {call} returned {name} ({code}): {msg}")]
+    Cuda { call: &'static str, code: u32, name: String, msg: String },
+    /// The CUDA driver library is not there or no GPU is visible (`ncclSystemError`).
+    #[error("no CUDA: {0}")]
+    NoCuda(String),
+    /// An OS-level failure (`ncclSystemError`).
+    #[error("system error: {0}")]
+    System(String),
+    /// A bug or broken invariant inside oxccl (`ncclInternalError`).
+    #[error("internal error: {0}")]
+    Internal(String),
+    /// A bad argument or environment value (`ncclInvalidArgument`).
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// A call that is not allowed in this state (`ncclInvalidUsage`).
+    #[error("invalid usage: {0}")]
+    InvalidUsage(String),
+    /// A peer failed (`ncclRemoteError`).
+    #[error("remote error: {0}")]
+    Remote(String),
+    /// An operation did not finish in time (`ncclTimeout`).
+    #[error("timeout: {0}")]
+    Timeout(String),
+}
+
+impl Error {
+    /// The `ncclResult_t` code for this error.
+    pub fn code(&self) -> ResultCode {
+        match self {
+            Error::Cuda { .. } => ResultCode::UnhandledCudaError,
+            Error::NoCuda(_) | Error::System(_) => ResultCode::SystemError,
+            Error::Internal(_) => ResultCode::InternalError,
+            Error::InvalidArgument(_) => ResultCode::InvalidArgument,
+            Error::InvalidUsage(_) => ResultCode::InvalidUsage,
+            Error::Remote(_) => ResultCode::RemoteError,
+            Error::Timeout(_) => ResultCode::Timeout,
+        }
+    }
+
+    pub(crate) fn invalid(msg: impl fmt::Display) -> Self {
+        Error::InvalidArgument(msg.to_string())
+    }
+}
+
+/// `Result` with oxccl's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// NCCL's `ncclGetErrorString` for a code.
+pub fn error_string(code: ResultCode) -> &'static str {
+    match code {
+        ResultCode::Success => "no error",
+        ResultCode::UnhandledCudaError => "unhandled cuda error (run with NCCL_DEBUG=INFO for details)",
+        ResultCode::SystemError => "unhandled system error (run with NCCL_DEBUG=INFO for details)",
+        ResultCode::InternalError => "internal error - please report this issue to the oxccl developers",
+        ResultCode::InvalidArgument => "invalid argument (run with NCCL_DEBUG=WARN for details)",
+        ResultCode::InvalidUsage => "invalid usage (run with NCCL_DEBUG=WARN for details)",
+        ResultCode::RemoteError => "remote process exited or there was a network error",
+        ResultCode::InProgress => "NCCL operation in progress",
+        ResultCode::Timeout => "operation timed out",
+    }
+}

@@ -1,0 +1,200 @@
+//! Devices, buffers and streams: what callers pass to collectives. A [`Device`] is a CUDA GPU or a
+//! CPU-target device; its [`DeviceBuffer`]s and [`Stream`]s work with communicators on it.
+use crate::cpu::{CpuStream, HostMem};
+use crate::cuda;
+use crate::error::{Error, Result};
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+/// Where a communicator's rank runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Device {
+    /// CUDA device ordinal.
+    Cuda(usize),
+    /// CPU-target device index (a label: every CPU device is host memory and host threads).
+    Cpu(usize),
+}
+
+impl Device {
+    /// Number of visible CUDA devices (0 without a driver).
+    pub fn cuda_count() -> usize {
+        cuda::device_count()
+    }
+    /// Every visible CUDA device.
+    pub fn all_cuda() -> Vec<Device> {
+        (0..Self::cuda_count()).map(Device::Cuda).collect()
+    }
+    /// `n` CPU-target devices.
+    pub fn cpus(n: usize) -> Vec<Device> {
+        (0..n).map(Device::Cpu).collect()
+    }
+    /// True for a CUDA device.
+    pub fn is_cuda(&self) -> bool {
+        matches!(self, Device::Cuda(_))
+    }
+    /// Allocates `bytes` of zeroed memory on this device (CUDA: `cuMemAlloc`).
+    pub fn alloc(&self, bytes: usize) -> Result<DeviceBuffer> {
+        let alloc = match *self {
+            Device::Cuda(o) => Alloc::Cuda(cuda::DevAlloc::zeroed(&cuda::Context::get(o)?, bytes)?),
+            Device::Cpu(_) => Alloc::Host(HostMem::zeroed(bytes)?),
+        };
+        Ok(DeviceBuffer { device: *self, bytes, alloc })
+    }
+    /// Creates a stream on this device.
+    pub fn new_stream(&self) -> Result<Stream> {
+        Ok(match *self {
+            Device::Cuda(o) => Stream::Cuda(cuda::Stream::new(&cuda::Context::get(o)?)?),
+            Device::Cpu(i) => Stream::Cpu(Arc::new(CpuStream::new(i)?)),
+        })
+    }
+}
+
+enum Alloc {
+    Cuda(cuda::DevAlloc),
+    Host(HostMem),
+}
+
+/// Memory on one device. Collectives take [`DevSlice`]s of it; its length bounds every access.
+pub struct DeviceBuffer {
+    device: Device,
+    bytes: usize,
+    alloc: Alloc,
+}
+
+impl DeviceBuffer {
+    /// The device holding this buffer.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.bytes
+    }
+    /// True when zero bytes long.
+    pub fn is_empty(&self) -> bool {
+        self.bytes == 0
+    }
+    /// Base address (a `CUdeviceptr` on CUDA, a host address on the CPU target).
+    pub fn addr(&self) -> u64 {
+        match &self.alloc {
+            Alloc::Cuda(a) => a.ptr,
+            Alloc::Host(h) => h.addr(),
+        }
+    }
+    /// The whole buffer as a slice.
+    pub fn as_slice(&self) -> DevSlice<'_> {
+        DevSlice { addr: self.addr(), bytes: self.bytes, device: self.device, _buf: PhantomData }
+    }
+    /// `len` bytes from byte offset `off`; errors if that leaves the buffer.
+    pub fn slice(&self, off: usize, len: usize) -> Result<DevSlice<'_>> {
+        if off.checked_add(len).is_none_or(|end| end > self.bytes) {
+            return Err(Error::invalid(format!(
+                "slice {off}..{} is outside a buffer of {} bytes",
+                off.saturating_add(len),
+                self.bytes
+            )));
+        }
+        Ok(DevSlice { addr: self.addr() + off as u64, bytes: len, device: self.device, _buf: PhantomData })
+    }
+    /// Copies `data` to byte offset `off`, synchronously. Synchronize streams that use the buffer
+    /// first.
+    pub fn write(&self, off: usize, data: &[u8]) -> Result<()> {
+        self.slice(off, data.len())?;
+        match &self.alloc {
+            Alloc::Cuda(a) => a.write(off, data),
+            Alloc::Host(h) => {
+                // SAFETY: bounds checked above; the caller synchronized users of the buffer.
+                unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), (h.addr() as *mut u8).add(off), data.len()) };
+                Ok(())
+            }
+        }
+    }
+    /// Copies bytes from offset `off` into `out`, synchronously (after synchronizing streams).
+    pub fn read(&self, off: usize, out: &mut [u8]) -> Result<()> {
+        self.slice(off, out.len())?;
+        match &self.alloc {
+            Alloc::Cuda(a) => {
+                let ctx = cuda::Context::get(match self.device {
+                    Device::Cuda(o) => o,
+                    Device::Cpu(_) => return Err(Error::Internal("CUDA allocation on a CPU device".into())),
+                })?;
+                cuda::copy_dtoh(&ctx, out, a.ptr + off as u64)
+            }
+            Alloc::Host(h) => {
+                // SAFETY: bounds checked above; the caller synchronized users of the buffer.
+                unsafe { std::ptr::copy_nonoverlapping((h.addr() as *const u8).add(off), out.as_mut_ptr(), out.len()) };
+                Ok(())
+            }
+        }
+    }
+    /// The whole buffer copied to the host.
+    pub fn to_vec(&self) -> Result<Vec<u8>> {
+        let mut v = vec![0u8; self.bytes];
+        self.read(0, &mut v)?;
+        Ok(v)
+    }
+    /// Fills the whole buffer with `byte`, synchronously.
+    pub fn fill(&self, byte: u8) -> Result<()> {
+        match (&self.alloc, self.device) {
+            (Alloc::Cuda(a), Device::Cuda(o)) => cuda::memset(&*cuda::Context::get(o)?, a.ptr, byte, self.bytes),
+            _ => self.write(0, &vec![byte; self.bytes]),
+        }
+    }
+}
+
+/// A borrowed byte range of a [`DeviceBuffer`].
+#[derive(Clone, Copy, Debug)]
+pub struct DevSlice<'a> {
+    pub(crate) addr: u64,
+    pub(crate) bytes: usize,
+    pub(crate) device: Device,
+    _buf: PhantomData<&'a DeviceBuffer>,
+}
+
+impl<'a> DevSlice<'a> {
+    /// Start address.
+    pub fn addr(&self) -> u64 {
+        self.addr
+    }
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.bytes
+    }
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.bytes == 0
+    }
+    /// The device holding it.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+}
+
+impl<'a> From<&'a DeviceBuffer> for DevSlice<'a> {
+    fn from(b: &'a DeviceBuffer) -> Self {
+        b.as_slice()
+    }
+}
+
+/// An ordered queue of operations on one device: a CUDA stream, or a CPU-target worker.
+pub enum Stream {
+    Cuda(cuda::Stream),
+    Cpu(Arc<CpuStream>),
+}
+
+impl Stream {
+    /// The device this stream runs on.
+    pub fn device(&self) -> Device {
+        match self {
+            Stream::Cuda(s) => Device::Cuda(s.ctx.ordinal),
+            Stream::Cpu(s) => Device::Cpu(s.device),
+        }
+    }
+    /// Waits for everything queued; returns the first error of queued operations.
+    pub fn synchronize(&self) -> Result<()> {
+        match self {
+            Stream::Cuda(s) => s.synchronize(),
+            Stream::Cpu(s) => s.synchronize(),
+        }
+    }
+}

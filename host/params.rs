@@ -1,0 +1,141 @@
+//! Environment parameters, read once into an immutable [`Params`] snapshot when communicators are
+//! created (NCCL's `NCCL_PARAM`). Every variable is accepted under its NCCL name and, where noted,
+//! under an `OXCCL_` spelling, which wins when both are set. Bad values are errors that name the
+//! variable and the accepted range, or are rounded with a warning; never silently used.
+use crate::error::{Error, Result};
+use oxccl_gpu::abi::{
+    DEFAULT_BUFFSIZE, DEFAULT_NTHREADS, FIFO_STEPS, MAX_CHANNELS, MAX_NTHREADS, MIN_NTHREADS, PACK_BYTES,
+    WARP_SIZE,
+};
+
+/// Smallest Simple buffer accepted: one 16-byte pack... times 64 per slot, so a slot is never tiny.
+pub const MIN_BUFFSIZE: u64 = FIFO_STEPS * PACK_BYTES * 64;
+/// Largest Simple buffer accepted (per connection).
+pub const MAX_BUFFSIZE: u64 = 1 << 30;
+
+/// The parameters of one communicator, from the environment.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Params {
+    /// Simple-protocol connection buffer in bytes (`NCCL_BUFFSIZE` / `OXCCL_BUFFSIZE`), a multiple
+    /// of `FIFO_STEPS * 16`.
+    pub buffsize: u64,
+    /// Threads per block on the GPU (`NCCL_NTHREADS` / `OXCCL_NTHREADS`), a multiple of 32 in
+    /// [64, 1024].
+    pub nthreads: u32,
+    /// Maximum channels (`NCCL_MAX_NCHANNELS` / `OXCCL_MAX_NCHANNELS`), in [1, 32]; `None` = the
+    /// backend's default.
+    pub max_nchannels: Option<u32>,
+    /// Minimum channels of a call (`NCCL_MIN_NCHANNELS` / `OXCCL_MIN_NCHANNELS`).
+    pub min_nchannels: Option<u32>,
+}
+
+impl Default for Params {
+    fn default() -> Self {
+        Params { buffsize: DEFAULT_BUFFSIZE, nthreads: DEFAULT_NTHREADS, max_nchannels: None, min_nchannels: None }
+    }
+}
+
+/// Reads `OXCCL_<name>` or else `NCCL_<name>`; returns the variable's full name and value.
+pub fn env_var(name: &str) -> Option<(String, String)> {
+    for prefix in ["OXCCL_", "NCCL_"] {
+        let key = format!("{prefix}{name}");
+        if let Ok(v) = std::env::var(&key) {
+            return Some((key, v));
+        }
+    }
+    None
+}
+
+fn parse_int(key: &str, v: &str, lo: i64, hi: i64) -> Result<i64> {
+    let n: i64 = v
+        .trim()
+        .parse()
+        .map_err(|_| Error::invalid(format!("{key}={v:?} is not an integer (accepted: {lo}..={hi})")))?;
+    if n < lo || n > hi {
+        return Err(Error::invalid(format!("{key}={n} is out of range (accepted: {lo}..={hi})")));
+    }
+    Ok(n)
+}
+
+impl Params {
+    /// Reads the environment. Errors name the variable and the accepted range.
+    pub fn from_env() -> Result<Self> {
+        Self::from_lookup(|name| env_var(name))
+    }
+
+    /// As [`Params::from_env`], with the variables given by `get` (tests use this).
+    pub fn from_lookup(get: impl Fn(&str) -> Option<(String, String)>) -> Result<Self> {
+        let mut p = Params::default();
+        if let Some((key, v)) = get("BUFFSIZE") {
+            let n = parse_int(&key, &v, MIN_BUFFSIZE as i64, MAX_BUFFSIZE as i64)? as u64;
+            let unit = FIFO_STEPS * PACK_BYTES;
+            let rounded = n / unit * unit;
+            if rounded != n {
+                tracing::warn!(target: "oxccl::init", "{key}={n} rounded down to {rounded} (a multiple of {unit} bytes: {FIFO_STEPS} slots of 16-byte packs)");
+            }
+            p.buffsize = rounded;
+        }
+        if let Some((key, v)) = get("NTHREADS") {
+            let n = parse_int(&key, &v, MIN_NTHREADS as i64, MAX_NTHREADS as i64)? as u32;
+            let rounded = n / WARP_SIZE * WARP_SIZE;
+            if rounded != n {
+                tracing::warn!(target: "oxccl::init", "{key}={n} rounded down to {rounded} (a multiple of the warp size {WARP_SIZE})");
+            }
+            p.nthreads = rounded;
+        }
+        if let Some((key, v)) = get("MAX_NCHANNELS") {
+            p.max_nchannels = Some(parse_int(&key, &v, 1, MAX_CHANNELS as i64)? as u32);
+        }
+        if let Some((key, v)) = get("MIN_NCHANNELS") {
+            p.min_nchannels = Some(parse_int(&key, &v, 1, MAX_CHANNELS as i64)? as u32);
+        }
+        tracing::debug!(target: "oxccl::init", params = ?p, "parameters");
+        Ok(p)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with(vars: &[(&str, &str)]) -> Result<Params> {
+        let vars: Vec<(String, String)> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        Params::from_lookup(|name| {
+            vars.iter().find(|(k, _)| k.ends_with(name) && k.len() - name.len() <= 6).map(|(k, v)| (k.clone(), v.clone()))
+        })
+    }
+
+    #[test]
+    fn defaults() {
+        let p = with(&[]).unwrap();
+        assert_eq!(p.buffsize, 4 << 20);
+        assert_eq!(p.nthreads, 512);
+    }
+
+    #[test]
+    fn buffsize_is_rounded_or_rejected() {
+        assert_eq!(with(&[("NCCL_BUFFSIZE", "1000000")]).unwrap().buffsize, 999_936);
+        for bad in ["0", "-1", "abc", "1"] {
+            let e = with(&[("NCCL_BUFFSIZE", bad)]).unwrap_err().to_string();
+            assert!(e.contains("NCCL_BUFFSIZE"), "{e}");
+            assert!(e.contains("8192..=1073741824"), "{e}");
+        }
+    }
+
+    #[test]
+    fn nthreads_is_rounded_to_warps_or_rejected() {
+        assert_eq!(with(&[("NCCL_NTHREADS", "480")]).unwrap().nthreads, 480);
+        assert_eq!(with(&[("NCCL_NTHREADS", "100")]).unwrap().nthreads, 96);
+        assert_eq!(with(&[("NCCL_NTHREADS", "64")]).unwrap().nthreads, 64);
+        let e = with(&[("NCCL_NTHREADS", "abc")]).unwrap_err().to_string();
+        assert!(e.contains("NCCL_NTHREADS") && e.contains("64..=1024"), "{e}");
+        assert!(with(&[("NCCL_NTHREADS", "2048")]).is_err());
+    }
+
+    #[test]
+    fn channel_limits() {
+        assert_eq!(with(&[("OXCCL_MAX_NCHANNELS", "4")]).unwrap().max_nchannels, Some(4));
+        let e = with(&[("NCCL_MAX_NCHANNELS", "33")]).unwrap_err().to_string();
+        assert!(e.contains("NCCL_MAX_NCHANNELS") && e.contains("1..=32"), "{e}");
+    }
+}
