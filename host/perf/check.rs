@@ -78,7 +78,10 @@ pub fn expected(
     let size = dtype.size();
     let mut out = Vec::with_capacity(count.saturating_mul(size));
     for i in 0..count {
-        let vals = keys.iter().enumerate().map(|(r, &key)| gen_bits(dtype, op, r, nranks, i, key));
+        let vals = keys
+            .iter()
+            .enumerate()
+            .map(|(r, &key)| gen_bits(dtype, op, r, nranks, i, key));
         push_bits(&mut out, fold_bits(dtype, op, nranks, vals), size);
     }
     Some(out)
@@ -118,7 +121,12 @@ pub fn count_wrong(dtype: DataType, op: RedOp, got: &[u8], expected: &[u8], nran
     let mut wrong = total - common;
     for i in 0..common {
         let range = i * size..(i + 1) * size;
-        if !elem_matches(dtype, read_bits(&got[range.clone()]), read_bits(&expected[range]), tol) {
+        if !elem_matches(
+            dtype,
+            read_bits(&got[range.clone()]),
+            read_bits(&expected[range]),
+            tol,
+        ) {
             wrong += 1;
         }
     }
@@ -132,7 +140,12 @@ pub fn first_wrong(dtype: DataType, op: RedOp, got: &[u8], expected: &[u8], nran
     let tol = tolerance_ulps(dtype, op, nranks);
     let hit = (0..common).find(|&i| {
         let range = i * size..(i + 1) * size;
-        !elem_matches(dtype, read_bits(&got[range.clone()]), read_bits(&expected[range]), tol)
+        !elem_matches(
+            dtype,
+            read_bits(&got[range.clone()]),
+            read_bits(&expected[range]),
+            tol,
+        )
     });
     match hit {
         Some(i) => Some(i),
@@ -232,41 +245,79 @@ fn gen_int(dtype: DataType, op: RedOp, nranks: usize, h: u64) -> u64 {
         RedOp::Sum | RedOp::Max | RedOp::Min => h,
         RedOp::Prod if narrow => {
             let v = (h % 8) * 2 + 1;
-            if signed && (h >> 32) & 1 == 1 { (v as i64).wrapping_neg() as u64 } else { v }
+            if signed && (h >> 32) & 1 == 1 {
+                (v as i64).wrapping_neg() as u64
+            } else {
+                v
+            }
         }
         RedOp::Prod => h | 1,
         RedOp::Avg => {
             // No overflow: nranks × |value| ≤ the type's max.
             let bits = 8 * dtype.size() as u32;
-            let max: u128 = if signed { (1u128 << (bits - 1)) - 1 } else { (1u128 << bits) - 1 };
+            let max: u128 = if signed {
+                (1u128 << (bits - 1)) - 1
+            } else {
+                (1u128 << bits) - 1
+            };
             let a = max / nranks as u128;
-            if signed { signed_in(h, a as u64) as i64 as u64 } else { (h as u128 % (a + 1)) as u64 }
+            if signed {
+                signed_in(h, a as u64) as i64 as u64
+            } else {
+                (h as u128 % (a + 1)) as u64
+            }
         }
     }
 }
 
 fn gen_float(dtype: DataType, op: RedOp, rank: usize, nranks: usize, i: usize, h: u64) -> f64 {
-    let limit = exact_int_limit(dtype);
     match op {
-        // |partial sum| ≤ nranks × a ≤ limit in any order.
-        RedOp::Sum => signed_in(h, limit / nranks as u64) as f64,
+        RedOp::Sum => signed_in(h, sum_bound(dtype, nranks)) as f64,
         RedOp::Avg => {
-            // Two contributors per element (nccl-tests' scheme), non-negative so that a
-            // pre-multiplied sum stays within 2 ulps: r1 = i mod n and r2 ≠ r1.
-            let n = nranks;
-            let r1 = i % n;
-            let r2 = if n > 1 { (r1 + 1 + (i / n) % (n - 1)) % n } else { r1 };
-            if rank == r1 || rank == r2 { (h % (limit / 2 + 1)) as f64 } else { 0.0 }
+            let (r1, r2) = avg_contributors(i, nranks);
+            if rank == r1 || rank == r2 {
+                (h % (exact_int_limit(dtype) / 2 + 1)) as f64
+            } else {
+                0.0
+            }
         }
         RedOp::Prod => {
-            // Rank r may give ±2 only when (r + i) % stride == 0: at most ceil(n / stride) ≤
-            // max_doublings ranks per element.
-            let stride = nranks.div_ceil(max_doublings(dtype)).max(1);
-            let mag = if (rank + i) % stride == 0 && h & 1 == 1 { 2.0 } else { 1.0 };
+            let mag = if may_double(dtype, rank, nranks, i) && h & 1 == 1 {
+                2.0
+            } else {
+                1.0
+            };
             if (h >> 1) & 1 == 1 { -mag } else { mag }
         }
         RedOp::Max | RedOp::Min => ((h % 2001) as f64 - 1000.0) / 8.0,
     }
+}
+
+/// Largest magnitude of a float Sum input: every partial sum satisfies |s| ≤ nranks × bound ≤ the
+/// exact-integer limit, in any order.
+fn sum_bound(dtype: DataType, nranks: usize) -> u64 {
+    exact_int_limit(dtype) / nranks.max(1) as u64
+}
+
+/// The two ranks whose float Avg inputs are non-zero at element `i` (nccl-tests' scheme; both
+/// non-negative, so a pre-multiplied sum stays within 2 ulps): `i mod n` and a different rank
+/// rotating with `i / n` (the same rank twice only when `nranks == 1`).
+fn avg_contributors(i: usize, nranks: usize) -> (usize, usize) {
+    let n = nranks.max(1);
+    let r1 = i % n;
+    let r2 = if n > 1 {
+        (r1 + 1 + (i / n) % (n - 1)) % n
+    } else {
+        r1
+    };
+    (r1, r2)
+}
+
+/// Whether `rank` may give ±2 (rather than ±1) to a float Prod at element `i`: only when
+/// `(rank + i) % stride == 0`, so at most `ceil(n / stride) ≤ max_doublings` ranks per element.
+fn may_double(dtype: DataType, rank: usize, nranks: usize, i: usize) -> bool {
+    let stride = nranks.div_ceil(max_doublings(dtype)).max(1);
+    (rank + i).is_multiple_of(stride)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -384,7 +435,11 @@ fn fold_bits(dtype: DataType, op: RedOp, n: usize, vals: impl Iterator<Item = u6
 // Comparison.
 
 fn tolerance_ulps(dtype: DataType, op: RedOp, nranks: usize) -> u64 {
-    if dtype.is_float() && op == RedOp::Avg && nranks > 1 { 2 } else { 0 }
+    if dtype.is_float() && op == RedOp::Avg && nranks > 1 {
+        2
+    } else {
+        0
+    }
 }
 
 /// Exponent-field mask and width in bits of a float type.
@@ -425,11 +480,15 @@ mod tests {
     const AR: Func = Func::AllReduce;
 
     fn inputs(dtype: DataType, op: RedOp, n: usize, seed: u64, count: usize) -> Vec<Vec<u8>> {
-        (0..n).map(|r| fill_input(AR, dtype, op, r, n, seed, count).unwrap()).collect()
+        (0..n)
+            .map(|r| fill_input(AR, dtype, op, r, n, seed, count).unwrap())
+            .collect()
     }
 
     fn i32s(b: &[u8]) -> Vec<i32> {
-        b.chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().unwrap())).collect()
+        b.chunks_exact(4)
+            .map(|c| i32::from_le_bytes(c.try_into().unwrap()))
+            .collect()
     }
 
     #[test]
@@ -459,7 +518,7 @@ mod tests {
         for i in 0..500 {
             let s: i64 = ins.iter().map(|b| b[i] as i8 as i64).sum();
             assert_eq!(exp[i] as i8, s as i8);
-            wrapped += (s < -128 || s > 127) as usize;
+            wrapped += !(-128..=127).contains(&s) as usize;
         }
         assert!(wrapped > 0);
     }
@@ -479,10 +538,11 @@ mod tests {
         let ins = inputs(DataType::I32, RedOp::Avg, 3, 5, 300);
         let exp = i32s(&expected(AR, DataType::I32, RedOp::Avg, 3, 5, 300).unwrap());
         let mut neg_inexact = 0;
-        for i in 0..300 {
-            let s: i64 = ins.iter().map(|b| i32s(b)[i] as i64).sum();
+        let ins: Vec<Vec<i32>> = ins.iter().map(|b| i32s(b)).collect();
+        for (i, &e) in exp.iter().enumerate() {
+            let s: i64 = ins.iter().map(|b| b[i] as i64).sum();
             assert!(s >= i32::MIN as i64 && s <= i32::MAX as i64);
-            assert_eq!(exp[i] as i64, s / 3);
+            assert_eq!(e as i64, s / 3);
             neg_inexact += (s < 0 && s % 3 != 0) as usize;
         }
         assert!(neg_inexact > 0);
@@ -494,7 +554,11 @@ mod tests {
         assert_eq!(r, vec![1]);
         let r = reduce_reference(DataType::U8, RedOp::Max, &[&[0xFF], &[1]]).unwrap();
         assert_eq!(r, vec![0xFF]);
-        let r = reduce_reference(DataType::I64, RedOp::Min, &[&(-5i64).to_le_bytes(), &3i64.to_le_bytes()]);
+        let r = reduce_reference(
+            DataType::I64,
+            RedOp::Min,
+            &[&(-5i64).to_le_bytes(), &3i64.to_le_bytes()],
+        );
         assert_eq!(r.unwrap(), (-5i64).to_le_bytes().to_vec());
     }
 
@@ -553,7 +617,9 @@ mod tests {
         for i in 0..1000 {
             let mut acc = f16::from_f32(1.0);
             for b in ins.iter().rev() {
-                acc = f16::from_f32(acc.to_f32() * f16::from_bits(read_bits(&b[2 * i..2 * i + 2]) as u16).to_f32());
+                acc = f16::from_f32(
+                    acc.to_f32() * f16::from_bits(read_bits(&b[2 * i..2 * i + 2]) as u16).to_f32(),
+                );
             }
             let want = f16::from_bits(read_bits(&exp[2 * i..2 * i + 2]) as u16);
             assert!(want.is_finite() && want.to_f32().abs() >= 1.0);
@@ -588,7 +654,11 @@ mod tests {
                     let refs: Vec<&[u8]> = ins.iter().map(|v| v.as_slice()).collect();
                     let exp = expected(AR, dtype, op, n, 7, 97).unwrap();
                     assert_eq!(exp.len(), 97 * dtype.size());
-                    assert_eq!(reduce_reference(dtype, op, &refs).unwrap(), exp, "{dtype} {op} n={n}");
+                    assert_eq!(
+                        reduce_reference(dtype, op, &refs).unwrap(),
+                        exp,
+                        "{dtype} {op} n={n}"
+                    );
                     assert_eq!(count_wrong(dtype, op, &exp, &exp, n), 0);
                     if n == 1 {
                         assert_eq!(exp, ins[0], "{dtype} {op}: one rank is the identity");
@@ -605,8 +675,10 @@ mod tests {
         let ins = inputs(DataType::F32, RedOp::Avg, n, 4, 200);
         let exp = expected(AR, DataType::F32, RedOp::Avg, n, 4, 200).unwrap();
         for i in 0..200 {
-            let vals: Vec<f32> =
-                ins.iter().map(|b| f32::from_le_bytes(b[4 * i..4 * i + 4].try_into().unwrap())).collect();
+            let vals: Vec<f32> = ins
+                .iter()
+                .map(|b| f32::from_le_bytes(b[4 * i..4 * i + 4].try_into().unwrap()))
+                .collect();
             assert!(vals.iter().filter(|&&v| v != 0.0).count() <= 2);
             assert!(vals.iter().all(|&v| v >= 0.0));
             let sum: f64 = vals.iter().map(|&v| v as f64).sum();
@@ -615,7 +687,12 @@ mod tests {
             // A pre-multiplied device result stays within tolerance.
             let s = 1.0f32 / 3.0;
             let pre: f32 = vals.iter().map(|&v| v * s).sum();
-            assert!(elem_matches(DataType::F32, pre.to_bits() as u64, want.to_bits() as u64, 2));
+            assert!(elem_matches(
+                DataType::F32,
+                pre.to_bits() as u64,
+                want.to_bits() as u64,
+                2
+            ));
         }
     }
 
@@ -627,7 +704,10 @@ mod tests {
         assert_eq!(count_wrong(DataType::I32, RedOp::Sum, &got, &exp, 4), 1);
         assert_eq!(first_wrong(DataType::I32, RedOp::Sum, &got, &exp, 4), Some(37));
         assert_eq!(count_wrong(DataType::I32, RedOp::Sum, &got[..396], &exp, 4), 2);
-        assert_eq!(count_wrong(DataType::I32, RedOp::Sum, &poison(DataType::I32, 100), &exp, 4), 100);
+        assert_eq!(
+            count_wrong(DataType::I32, RedOp::Sum, &poison(DataType::I32, 100), &exp, 4),
+            100
+        );
 
         let exp = expected(AR, DataType::F32, RedOp::Avg, 3, 0, 100).unwrap();
         let bump = |ulps: i32, i: usize| {
@@ -641,12 +721,73 @@ mod tests {
         assert_eq!(count_wrong(DataType::F32, RedOp::Avg, &bump(-2, nz), &exp, 3), 0);
         assert_eq!(count_wrong(DataType::F32, RedOp::Avg, &bump(3, nz), &exp, 3), 1);
         assert_eq!(count_wrong(DataType::F32, RedOp::Sum, &bump(1, nz), &exp, 3), 1);
-        assert_eq!(count_wrong(DataType::F32, RedOp::Avg, &poison(DataType::F32, 100), &exp, 3), 100);
+        assert_eq!(
+            count_wrong(DataType::F32, RedOp::Avg, &poison(DataType::F32, 100), &exp, 3),
+            100
+        );
         // -0 vs +0 and ulps across zero.
         let z = 0f32.to_bits() as u64;
         assert!(elem_matches(DataType::F32, (-0f32).to_bits() as u64, z, 2));
-        assert!(elem_matches(DataType::F32, (-f32::from_bits(1)).to_bits() as u64, f32::from_bits(1).to_bits() as u64, 2));
-        assert!(!elem_matches(DataType::F32, (-f32::from_bits(2)).to_bits() as u64, f32::from_bits(1).to_bits() as u64, 2));
+        assert!(elem_matches(
+            DataType::F32,
+            (-f32::from_bits(1)).to_bits() as u64,
+            f32::from_bits(1).to_bits() as u64,
+            2
+        ));
+        assert!(!elem_matches(
+            DataType::F32,
+            (-f32::from_bits(2)).to_bits() as u64,
+            f32::from_bits(1).to_bits() as u64,
+            2
+        ));
+    }
+
+    #[test]
+    fn worst_case_bounds_hold_up_to_64_ranks() {
+        // Float Sum: every input's magnitude × nranks within the exact-integer limit of the type.
+        for (dtype, limit) in [
+            (DataType::Bf16, 256),
+            (DataType::F16, 2048),
+            (DataType::F32, 1 << 24),
+        ] {
+            for n in 1..=64 {
+                let a = sum_bound(dtype, n);
+                assert!(a >= 1 && a * n as u64 <= limit, "{dtype} n={n}");
+            }
+            // The generated values never exceed ±bound, and reach it when it is small.
+            let ins = inputs(dtype, RedOp::Sum, 64, 1, 500);
+            let vals: Vec<f64> = ins
+                .iter()
+                .flat_map(|b| {
+                    b.chunks_exact(dtype.size())
+                        .map(|c| float_from_bits(dtype, read_bits(c)))
+                })
+                .collect();
+            let a = sum_bound(dtype, 64) as f64;
+            assert!(vals.iter().all(|v| v.abs() <= a && v.fract() == 0.0));
+            assert!(a > 64.0 || (vals.contains(&a) && vals.contains(&-a)), "{dtype}");
+        }
+        // f16 Prod: at most 15 ranks may double at any element (2^15 ≤ 65504), and the rule
+        // still lets many double.
+        for n in 1..=64 {
+            let most = (0..256)
+                .map(|i| (0..n).filter(|&r| may_double(DataType::F16, r, n, i)).count())
+                .max()
+                .unwrap();
+            assert!(most <= 15, "n={n}: {most} doublings");
+            assert!(most >= n.min(8), "n={n}: only {most} doublings");
+        }
+        // Float Avg: two distinct contributors, every rank contributes somewhere.
+        for n in 2..=64 {
+            let mut seen = vec![false; n];
+            for i in 0..4 * n {
+                let (a, b) = avg_contributors(i, n);
+                assert!(a != b && a < n && b < n);
+                seen[a] = true;
+                seen[b] = true;
+            }
+            assert!(seen.iter().all(|&s| s));
+        }
     }
 
     #[test]
@@ -655,12 +796,18 @@ mod tests {
             let p = poison(dtype, 3);
             assert_eq!(p.len(), 3 * dtype.size());
             if dtype.is_float() {
-                assert!(float_from_bits(dtype, read_bits(&p[..dtype.size()])).is_nan(), "{dtype}");
+                assert!(
+                    float_from_bits(dtype, read_bits(&p[..dtype.size()])).is_nan(),
+                    "{dtype}"
+                );
             } else {
                 assert!(p.iter().all(|&b| b == 0xA5));
             }
         }
         assert_eq!(format_elem(DataType::I8, &[0xFF]), "-1");
-        assert_eq!(format_elem(DataType::F32, &1.5f32.to_le_bytes()), "1.5 (0x3fc00000)");
+        assert_eq!(
+            format_elem(DataType::F32, &1.5f32.to_le_bytes()),
+            "1.5 (0x3fc00000)"
+        );
     }
 }
