@@ -1,9 +1,12 @@
 use oxccl::*;
 fn main() -> Result<()> {
-    for nranks in [2usize, 3, 4] {
-        for count in [0usize, 1, 3, 1023, 1025, (1 << 20) + 3] {
-            let devs = Device::cpus(nranks);
+    let cuda = Device::cuda_count();
+    let ranks: Vec<usize> = if cuda > 0 { vec![cuda] } else { vec![2, 3, 4] };
+    for nranks in ranks {
+        for count in [0usize, 1, 3, 1023, 1025, (1 << 20) + 3, 1 << 26] {
+            let devs = if cuda > 0 { Device::all_cuda() } else { Device::cpus(nranks) };
             let comms = Comm::init_all(&devs)?;
+            if cuda > 0 { let m = oxccl::cuda::Context::get(0)?; let m = m.module()?; println!("regs {} local {} maxthreads {} load {:.3}s", m.num_regs, m.local_bytes, m.max_threads, m.load_seconds); }
             let mut bufs = vec![];
             let mut streams = vec![];
             for (r, c) in comms.iter().enumerate() {
@@ -20,6 +23,16 @@ fn main() -> Result<()> {
             }
             for s in &streams { s.synchronize()?; }
             let el = t.elapsed();
+            let iters = 20;
+            let t2 = std::time::Instant::now();
+            for _ in 0..iters {
+                for (r, c) in comms.iter().enumerate() {
+                    c.all_reduce(&bufs[r].0, &bufs[r].1, count, DataType::U32, RedOp::Sum, &streams[r])?;
+                }
+            }
+            for s in &streams { s.synchronize()?; }
+            let per = t2.elapsed().as_secs_f64() / iters as f64;
+            println!("  time/iter {:.1} us busbw {:.1} GB/s", per * 1e6, (count * 4) as f64 / per / 1e9 * 2.0 * (nranks - 1) as f64 / nranks as f64);
             let mut wrong = 0;
             for r in 0..nranks {
                 let out = bufs[r].1.to_vec()?;

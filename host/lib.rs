@@ -37,7 +37,7 @@ pub mod error;
 pub mod mem;
 pub mod nccl;
 pub mod params;
-// pub mod perf;
+pub mod perf;
 
 pub use comm::{Choice, Comm};
 pub use error::{Error, Result, ResultCode, error_string};

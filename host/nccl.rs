@@ -1,1 +1,135 @@
-//! placeholder
+//! The system NCCL (`libnccl.so.2`, loaded at run time through cudarc's `nccl` module), driven in
+//! the same process as oxccl so `oxccl perf --compare nccl` measures both on the same GPUs in the
+//! same run. Only what the benchmarks need: `ncclCommInitAll`, the collectives, groups.
+use crate::cuda;
+use crate::error::{Error, Result};
+use cudarc::nccl::{result, sys};
+use oxccl_gpu::abi::{DataType, RedOp};
+use std::ffi::c_void;
+
+/// Whether `libnccl.so.2` can be loaded.
+pub fn available() -> bool {
+    // SAFETY: only probes for the shared library.
+    unsafe { sys::is_culib_present() }
+}
+
+fn nccl_err(call: &str, e: result::NcclError) -> Error {
+    Error::System(format!("NCCL {call} failed with ncclResult_t {:?}", e.0))
+}
+
+/// NCCL's version code (e.g. 22803 for 2.28.3).
+pub fn version() -> Result<i32> {
+    if !available() {
+        return Err(Error::NoCuda("libnccl.so.2 was not found".into()));
+    }
+    result::get_nccl_version().map_err(|e| nccl_err("ncclGetVersion", e))
+}
+
+/// "2.28.3" from a version code.
+pub fn version_string(code: i32) -> String {
+    format!("{}.{}.{}", code / 10000, code / 100 % 100, code % 100)
+}
+
+fn dtype(d: DataType) -> sys::ncclDataType_t {
+    use sys::ncclDataType_t as T;
+    match d {
+        DataType::I8 => T::ncclInt8,
+        DataType::U8 => T::ncclUint8,
+        DataType::I32 => T::ncclInt32,
+        DataType::U32 => T::ncclUint32,
+        DataType::I64 => T::ncclInt64,
+        DataType::U64 => T::ncclUint64,
+        DataType::F16 => T::ncclFloat16,
+        DataType::F32 => T::ncclFloat32,
+        DataType::F64 => T::ncclFloat64,
+        DataType::Bf16 => T::ncclBfloat16,
+    }
+}
+
+fn redop(o: RedOp) -> sys::ncclRedOp_t {
+    use sys::ncclRedOp_t as O;
+    match o {
+        RedOp::Sum => O::ncclSum,
+        RedOp::Prod => O::ncclProd,
+        RedOp::Max => O::ncclMax,
+        RedOp::Min => O::ncclMin,
+        RedOp::Avg => O::ncclAvg,
+    }
+}
+
+/// One NCCL communicator per local GPU, from `ncclCommInitAll`.
+pub struct NcclComms {
+    comms: Vec<sys::ncclComm_t>,
+}
+
+impl NcclComms {
+    /// `ncclCommInitAll` over CUDA devices `ordinals` (rank i on `ordinals[i]`).
+    pub fn init_all(ordinals: &[usize]) -> Result<NcclComms> {
+        version()?;
+        let mut comms = vec![std::ptr::null_mut(); ordinals.len()];
+        let devs: Vec<i32> = ordinals.iter().map(|&o| o as i32).collect();
+        // SAFETY: `comms` and `devs` hold `ordinals.len()` entries.
+        unsafe { result::comm_init_all(comms.as_mut_ptr(), devs.len() as i32, devs.as_ptr()) }
+            .map_err(|e| nccl_err("ncclCommInitAll", e))?;
+        Ok(NcclComms { comms })
+    }
+
+    /// Number of ranks.
+    pub fn nranks(&self) -> usize {
+        self.comms.len()
+    }
+
+    /// `ncclGroupStart`.
+    pub fn group_start() -> Result<()> {
+        result::group_start().map(|_| ()).map_err(|e| nccl_err("ncclGroupStart", e))
+    }
+
+    /// `ncclGroupEnd`.
+    pub fn group_end() -> Result<()> {
+        result::group_end().map(|_| ()).map_err(|e| nccl_err("ncclGroupEnd", e))
+    }
+
+    /// `ncclAllReduce` for `rank` on `stream`.
+    ///
+    /// # Safety
+    /// `send`/`recv` are device addresses on the rank's GPU, valid for `count` elements until the
+    /// operation completes; `stream` is on the rank's GPU.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn all_reduce(
+        &self,
+        rank: usize,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dt: DataType,
+        op: RedOp,
+        stream: &cuda::Stream,
+    ) -> Result<()> {
+        let comm = *self.comms.get(rank).ok_or_else(|| Error::invalid(format!("rank {rank} out of range")))?;
+        // SAFETY: forwarded caller contract; the communicator is live.
+        unsafe {
+            result::all_reduce(
+                send as *const c_void,
+                recv as *mut c_void,
+                count,
+                dtype(dt),
+                redop(op),
+                comm,
+                stream.raw as sys::cudaStream_t,
+            )
+        }
+        .map(|_| ())
+        .map_err(|e| nccl_err("ncclAllReduce", e))
+    }
+}
+
+impl Drop for NcclComms {
+    fn drop(&mut self) {
+        for c in self.comms.drain(..) {
+            // SAFETY: each communicator came from ncclCommInitAll and is destroyed once.
+            if let Err(e) = unsafe { result::comm_destroy(c) } {
+                tracing::warn!(target: "oxccl::perf", "ncclCommDestroy failed: {:?}", e.0);
+            }
+        }
+    }
+}

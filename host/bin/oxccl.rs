@@ -1,1 +1,280 @@
-fn main() {}
+//! `oxccl`: the command-line front end. `oxccl perf <collective>` runs nccl-tests-style sweeps on
+//! oxccl (GPU or CPU target), on the system NCCL, or both side by side; `oxccl info` describes the
+//! machine.
+use clap::{Parser, Subcommand, ValueEnum};
+use oxccl::nccl::{self, NcclComms};
+use oxccl::perf::run::{Backend, Bench, PerfConfig, sweep};
+use oxccl::perf::table;
+use oxccl::{Comm, DataType, Device, Func, RedOp};
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(name = "oxccl", version, about = "oxccl: collective communication for NVIDIA GPUs, in Rust")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Benchmark a collective like nccl-tests (size, time, algbw, busbw, #wrong).
+    Perf(PerfArgs),
+    /// Print the version, the devices and the kernel module.
+    Info,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Collective {
+    AllReduce,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum BackendArg {
+    /// Every visible GPU; the CPU target with 4 ranks when there is none.
+    Auto,
+    /// oxccl on every visible GPU (error without one).
+    Cuda,
+    /// oxccl's CPU target.
+    Cpu,
+    /// The system NCCL (libnccl.so.2) on every visible GPU.
+    Nccl,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum CompareArg {
+    Nccl,
+}
+
+#[derive(clap::Args)]
+struct PerfArgs {
+    /// Collective to run.
+    collective: Collective,
+    /// Smallest message size (bytes; K, M, G suffixes are powers of 1024).
+    #[arg(short = 'b', long = "minbytes", default_value = "32M", value_parser = size_arg)]
+    min_bytes: u64,
+    /// Largest message size.
+    #[arg(short = 'e', long = "maxbytes", default_value = "32M", value_parser = size_arg)]
+    max_bytes: u64,
+    /// Multiplication factor between sizes.
+    #[arg(short = 'f', long = "stepfactor", default_value_t = 2)]
+    factor: u64,
+    /// Fixed increment between sizes (instead of -f).
+    #[arg(short = 'i', long = "stepbytes", value_parser = size_arg)]
+    step: Option<u64>,
+    /// Timed iterations per size.
+    #[arg(short = 'n', long = "iters", default_value_t = 20)]
+    iters: usize,
+    /// Warmup iterations per size.
+    #[arg(short = 'w', long = "warmup_iters", default_value_t = 5)]
+    warmup: usize,
+    /// Check results this many times per size (0 disables; nccl-tests' -c).
+    #[arg(short = 'c', long = "check", default_value_t = 1, num_args = 0..=1, default_missing_value = "1")]
+    check: usize,
+    /// Element type (float, half, bfloat16, double, int8, uint8, int32, uint32, int64, uint64; also f32, f16, bf16, ...).
+    #[arg(short = 'd', long = "dtype", default_value = "float", value_parser = dtype_arg)]
+    dtype: DataType,
+    /// Reduction operator (sum, prod, min, max, avg).
+    #[arg(short = 'o', long = "op", default_value = "sum", value_parser = op_arg)]
+    op: RedOp,
+    /// Number of ranks (CPU target; on GPUs at most the visible count, default all).
+    #[arg(long)]
+    ranks: Option<usize>,
+    /// Where to run.
+    #[arg(long, value_enum, default_value_t = BackendArg::Auto)]
+    backend: BackendArg,
+    /// Also run NCCL on the same GPUs in the same process and print the oxccl/NCCL ratio.
+    #[arg(long, value_enum)]
+    compare: Option<CompareArg>,
+}
+
+fn size_arg(s: &str) -> Result<u64, String> {
+    table::parse_size(s)
+}
+
+fn dtype_arg(s: &str) -> Result<DataType, String> {
+    let alias = match s.to_ascii_lowercase().as_str() {
+        "f32" | "float32" => "float",
+        "f16" | "float16" | "fp16" => "half",
+        "bf16" => "bfloat16",
+        "f64" | "float64" => "double",
+        "i8" => "int8",
+        "u8" => "uint8",
+        "i32" | "int" => "int32",
+        "u32" => "uint32",
+        "i64" => "int64",
+        "u64" => "uint64",
+        other => return DataType::from_name(other).ok_or_else(|| bad_value("dtype", s, DataType::ALL)),
+    };
+    DataType::from_name(alias).ok_or_else(|| bad_value("dtype", s, DataType::ALL))
+}
+
+fn op_arg(s: &str) -> Result<RedOp, String> {
+    RedOp::from_name(s).ok_or_else(|| bad_value("op", s, RedOp::ALL))
+}
+
+fn bad_value<T: std::fmt::Display>(what: &str, s: &str, all: &[T]) -> String {
+    let names: Vec<String> = all.iter().map(|v| v.to_string()).collect();
+    format!("unknown {what} {s:?}; accepted: {}", names.join(", "))
+}
+
+fn main() -> ExitCode {
+    let filter = match std::env::var("NCCL_DEBUG").unwrap_or_default().to_ascii_uppercase().as_str() {
+        "TRACE" => "oxccl=trace",
+        "INFO" => "oxccl=debug",
+        "WARN" => "oxccl=warn",
+        _ => "oxccl=warn",
+    };
+    let env = tracing_subscriber::EnvFilter::try_from_env("OXCCL_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(filter));
+    tracing_subscriber::fmt().with_env_filter(env).with_writer(std::io::stderr).init();
+    let cli = Cli::parse();
+    let r = match cli.cmd {
+        Cmd::Perf(a) => perf(a),
+        Cmd::Info => info(),
+    };
+    match r {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("oxccl: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn devices_for(a: &PerfArgs) -> Result<(Vec<Device>, bool), String> {
+    let ngpu = Device::cuda_count();
+    let gpu_list = |n: usize| -> Result<Vec<Device>, String> {
+        let want = a.ranks.unwrap_or(n);
+        if want == 0 || want > n {
+            return Err(format!("--ranks {want} is out of range: {n} GPUs are visible (accepted: 1..={n})"));
+        }
+        Ok((0..want).map(Device::Cuda).collect())
+    };
+    match a.backend {
+        BackendArg::Cuda | BackendArg::Nccl if ngpu == 0 => {
+            Err("no CUDA GPU is visible (no driver or no device); use --backend cpu".into())
+        }
+        BackendArg::Cuda => Ok((gpu_list(ngpu)?, false)),
+        BackendArg::Nccl => Ok((gpu_list(ngpu)?, true)),
+        BackendArg::Auto if ngpu > 0 => Ok((gpu_list(ngpu)?, false)),
+        BackendArg::Auto | BackendArg::Cpu => {
+            let n = a.ranks.unwrap_or(4);
+            if n == 0 || n > 64 {
+                return Err(format!("--ranks {n} is out of range for the CPU target (accepted: 1..=64)"));
+            }
+            Ok((Device::cpus(n), false))
+        }
+    }
+}
+
+fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
+    let Collective::AllReduce = a.collective;
+    let func = Func::AllReduce;
+    let (devices, nccl_main) = devices_for(&a)?;
+    let compare = a.compare.is_some();
+    if compare && !devices[0].is_cuda() {
+        return Err("--compare nccl needs GPUs (NCCL does not run on the CPU target)".into());
+    }
+    if a.min_bytes > a.max_bytes {
+        return Err(format!("-b {} is larger than -e {}", a.min_bytes, a.max_bytes).into());
+    }
+    let cfg = PerfConfig {
+        func,
+        dtype: a.dtype,
+        op: a.op,
+        sizes: table::sizes(a.min_bytes, a.max_bytes, a.factor, a.step),
+        warmup: a.warmup,
+        iters: a.iters,
+        check: a.check,
+    };
+    let ordinals: Vec<usize> =
+        devices.iter().filter_map(|d| if let Device::Cuda(o) = d { Some(*o) } else { None }).collect();
+    let nccl_comms = |what: &str| -> Result<Backend, Box<dyn std::error::Error>> {
+        NcclComms::init_all(&ordinals).map(Backend::Nccl).map_err(|e| format!("{what}: {e}").into())
+    };
+    let t0 = std::time::Instant::now();
+    let main = if nccl_main { nccl_comms("--backend nccl")? } else { Backend::Oxccl(Comm::init_all(&devices)?) };
+    let init_s = t0.elapsed().as_secs_f64();
+    let reference = if compare { Some(nccl_comms("--compare nccl")?) } else { None };
+    let max_bytes = cfg.sizes.iter().copied().max().unwrap_or(0).max(16);
+    let bench = Bench::new(&devices, max_bytes)?;
+
+    let name = if nccl_main { "nccl" } else { "oxccl" };
+    println!("# {name} perf {} (oxccl {})", func, env!("CARGO_PKG_VERSION"));
+    println!(
+        "# nranks {}  minBytes {}  maxBytes {}  step: {}  warmup iters: {}  iters: {}  validation: {}",
+        devices.len(),
+        a.min_bytes,
+        a.max_bytes,
+        a.step.map_or(format!("{}(factor)", a.factor), |s| format!("{s}(bytes)")),
+        a.warmup,
+        a.iters,
+        a.check
+    );
+    for (r, d) in devices.iter().enumerate() {
+        match d {
+            Device::Cuda(o) => {
+                let ctx = oxccl::cuda::Context::get(*o)?;
+                println!("#  Rank {r:2} device {o} [{}] {}", ctx.bus_id()?, ctx.name()?);
+            }
+            Device::Cpu(i) => println!("#  Rank {r:2} CPU target device {i}"),
+        }
+    }
+    if devices[0].is_cuda() {
+        println!("# CUDA driver {}", oxccl::cuda::driver_version()?);
+        if let Ok(v) = nccl::version() {
+            if nccl_main || compare {
+                println!("# NCCL {}", nccl::version_string(v));
+            }
+        }
+    }
+    if let Backend::Oxccl(comms) = &main {
+        println!(
+            "# oxccl init {:.1} ms; channels {}, NCCL_BUFFSIZE {}, NCCL_NTHREADS {}, connection memory per rank {:.1} MiB",
+            init_s * 1e3,
+            comms[0].nchannels(),
+            comms[0].params().buffsize,
+            comms[0].params().nthreads,
+            comms[0].device_memory_bytes() as f64 / (1 << 20) as f64
+        );
+    }
+    print!("{}", table::header(compare));
+    let rows = sweep(&bench, &main, reference.as_ref(), &cfg, |row| {
+        println!("{}", table::format_row(row));
+    })?;
+    print!("{}", table::footer(&rows));
+    Ok(if table::total_wrong(&rows) > 0 { ExitCode::from(1) } else { ExitCode::SUCCESS })
+}
+
+fn info() -> Result<ExitCode, Box<dyn std::error::Error>> {
+    println!("oxccl {} (NCCL-compatible version code {})", env!("CARGO_PKG_VERSION"), oxccl::version());
+    println!("PTX module: {} bytes, target {}", oxccl::PTX.len(), ptx_target());
+    match oxccl::cuda::driver() {
+        Err(e) => println!("CUDA: {e}"),
+        Ok(()) => {
+            println!("CUDA driver {}", oxccl::cuda::driver_version()?);
+            for d in Device::all_cuda() {
+                if let Device::Cuda(o) = d {
+                    let ctx = oxccl::cuda::Context::get(o)?;
+                    let (free, total) = ctx.mem_info()?;
+                    println!(
+                        "  GPU {o}: {} [{}], {:.1} of {:.1} GiB free",
+                        ctx.name()?,
+                        ctx.bus_id()?,
+                        free as f64 / (1u64 << 30) as f64,
+                        total as f64 / (1u64 << 30) as f64
+                    );
+                }
+            }
+        }
+    }
+    match nccl::version() {
+        Ok(v) => println!("NCCL {} (system libnccl.so.2)", nccl::version_string(v)),
+        Err(e) => println!("NCCL: {e}"),
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn ptx_target() -> &'static str {
+    oxccl::PTX.lines().find(|l| l.starts_with(".target")).map_or("none", |l| l.trim_start_matches(".target").trim())
+}

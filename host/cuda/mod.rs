@@ -175,12 +175,21 @@ impl Context {
     }
 }
 
+/// Block size the JIT register cap is computed for (NCCL's default `NCCL_NTHREADS`).
+const MAX_JIT_THREADS: u32 = 512;
+
 /// A loaded PTX module and its collective kernel.
 pub struct Module {
     _module: sys::CUmodule,
     pub(crate) kernel: sys::CUfunction,
-    /// Wall time of `cuModuleLoadData` (the JIT), in seconds.
+    /// Wall time of `cuModuleLoadDataEx` (the JIT), in seconds.
     pub load_seconds: f64,
+    /// Registers per thread of the collective kernel.
+    pub num_regs: i32,
+    /// Bytes of local (stack/spill) memory per thread.
+    pub local_bytes: i32,
+    /// Most threads per block the kernel can be launched with.
+    pub max_threads: u32,
 }
 // SAFETY: module and function handles are context-wide and thread-safe.
 unsafe impl Send for Module {}
@@ -196,13 +205,31 @@ impl Module {
         let image = CString::new(ptx).map_err(|_| Error::Internal("PTX contains a NUL byte".into()))?;
         let t = std::time::Instant::now();
         let mut module = std::ptr::null_mut();
-        cu!(cuModuleLoadData(&mut module, image.as_ptr() as *const c_void))?;
+        // Cap registers so that blocks of MAX_JIT_THREADS threads fit one SM's 64K registers.
+        let mut opts = [sys::CUjit_option::CU_JIT_MAX_REGISTERS];
+        let mut vals = [(65536 / MAX_JIT_THREADS) as usize as *mut c_void];
+        cu!(cuModuleLoadDataEx(
+            &mut module,
+            image.as_ptr() as *const c_void,
+            opts.len() as u32,
+            opts.as_mut_ptr(),
+            vals.as_mut_ptr()
+        ))?;
         let load_seconds = t.elapsed().as_secs_f64();
         let name = CString::new(oxccl_gpu::abi::KERNEL_NAME).map_err(|_| Error::Internal("kernel name".into()))?;
         let mut kernel = std::ptr::null_mut();
         cu!(cuModuleGetFunction(&mut kernel, module, name.as_ptr()))?;
-        tracing::debug!(target: "oxccl::init", device = ctx.ordinal, load_seconds, "PTX module loaded");
-        Ok(Module { _module: module, kernel, load_seconds })
+        let attr = |a| -> Result<i32> {
+            let mut v = 0;
+            cu!(cuFuncGetAttribute(&mut v, a, kernel))?;
+            Ok(v)
+        };
+        use sys::CUfunction_attribute as A;
+        let num_regs = attr(A::CU_FUNC_ATTRIBUTE_NUM_REGS)?;
+        let local_bytes = attr(A::CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES)?;
+        let max_threads = attr(A::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK)?.max(32) as u32;
+        tracing::debug!(target: "oxccl::init", device = ctx.ordinal, load_seconds, num_regs, local_bytes, max_threads, "PTX module loaded");
+        Ok(Module { _module: module, kernel, load_seconds, num_regs, local_bytes, max_threads })
     }
 }
 
@@ -349,6 +376,12 @@ impl Stream {
     pub fn launch(&self, grid: u32, block: u32, args: &oxccl_gpu::abi::KernelArgs) -> Result<()> {
         let module = self.ctx.module()?;
         self.ctx.bind()?;
+        if block > module.max_threads {
+            return Err(Error::invalid(format!(
+                "NCCL_NTHREADS={block} exceeds what the kernel can launch with on this GPU ({})",
+                module.max_threads
+            )));
+        }
         let mut params = [args as *const oxccl_gpu::abi::KernelArgs as *mut c_void];
         cu!(cuLaunchKernel(
             module.kernel,
