@@ -22,7 +22,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// Default channel count on CUDA devices (overridable with `NCCL_MAX_NCHANNELS`).
-pub const CUDA_DEFAULT_NCHANNELS: u32 = 16;
+pub const CUDA_DEFAULT_NCHANNELS: u32 = 32;
 /// Default channel count on the CPU target (each channel is a host thread per rank).
 pub const CPU_DEFAULT_NCHANNELS: u32 = 2;
 /// Bytes per channel below which a call uses fewer channels.
@@ -180,7 +180,6 @@ impl Comm {
             let mut block = Vec::with_capacity(nranks);
             let mut abort = Vec::with_capacity(nranks);
             for ctx in &ctxs {
-                ctx.module()?;
                 conn.push(cuda::DevAlloc::zeroed(ctx, layout.bytes() as usize)?);
                 block.push(cuda::DevAlloc::zeroed(ctx, comm_block_bytes(nch as usize, nranks))?);
                 abort.push(cuda::HostMapped::zeroed(ctx, 64)?);
@@ -420,7 +419,14 @@ impl Comm {
     fn launch(&self, args: KernelArgs, stream: &Stream) -> Result<()> {
         match (&self.res, stream) {
             (Res::Cuda(res), Stream::Cuda(s)) => {
-                s.launch(args.work.nchannels as u32, self.params.nthreads, &args)?;
+                let w = &args.work;
+                let (Some(func), Some(dtype), Some(op)) =
+                    (Func::from_u8(w.func), DataType::from_u8(w.dtype), RedOp::from_u8(w.redop))
+                else {
+                    return Err(Error::Internal("work element with an invalid enum".into()));
+                };
+                let module = res.ctx.kernel(oxccl_gpu::abi::kernel_name(func, dtype, op).as_str())?;
+                s.launch(&module, w.nchannels as u32, self.params.nthreads, &args)?;
                 res.last_event.record(s)?;
                 res.launched.store(true, Ordering::Release);
                 Ok(())

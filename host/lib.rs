@@ -44,9 +44,21 @@ pub use error::{Error, Result, ResultCode, error_string};
 pub use mem::{DevSlice, Device, DeviceBuffer, Stream};
 pub use oxccl_gpu::abi::{Algo, DataType, Func, Proto, RedOp};
 
-/// The embedded PTX module with every kernel (built from `gpu/` by build.rs; empty when built with
-/// `OXCCL_SKIP_PTX`).
-pub const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/oxccl.ptx"));
+/// The embedded kernels: `PTX_MODULES` lists (kernel entry point, PTX module) pairs, one module
+/// per entry point, split by build.rs from the PTX built from `gpu/` (empty when built with
+/// `OXCCL_SKIP_PTX`); `PTX_BYTES` is the size of the module before splitting.
+pub mod kernels {
+    include!(concat!(env!("OUT_DIR"), "/ptx_modules.rs"));
+
+    /// The PTX module holding kernel entry point `name`.
+    pub fn module(name: &str) -> Option<&'static str> {
+        PTX_MODULES.iter().find(|(n, _)| *n == name).map(|(_, ptx)| *ptx)
+    }
+}
+
+#[cfg(test)]
+#[path = "../build/ptx_split.rs"]
+mod ptx_split;
 
 /// oxccl's version, as NCCL encodes it (major × 10000 + minor × 100 + patch).
 pub fn version() -> u32 {

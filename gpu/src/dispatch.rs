@@ -7,95 +7,109 @@ use crate::proto::simple::Simple;
 use crate::reduce::{Elem, FuncMax, FuncMin, FuncProd, FuncSum, RedFn};
 use half::{bf16, f16};
 
-/// Runs block `bid` (one channel) of the operation described by `args`.
+/// Runs block `bid` (one channel) of the operation described by `args`, dispatching on every
+/// field at run time (the CPU target's entry point).
 ///
 /// # Safety
 /// `args.comm` points at a set-up [`DevComm`] whose channel `bid` exists; the work's buffers are
 /// valid for its count; `smem` is the kernel's shared memory; every thread of the block calls
 /// this with the same `args` and `bid`, `tid` in `0..nthreads`.
 pub unsafe fn run_block(args: &KernelArgs, bid: u32, tid: u32, nthreads: u32, smem: *mut u32) {
-    let w = &args.work;
-    let (Some(func), Some(algo), Some(proto), Some(dtype), Some(op)) = (
-        Func::from_u8(w.func),
-        Algo::from_u8(w.algo),
-        Proto::from_u8(w.proto),
-        DataType::from_u8(w.dtype),
-        RedOp::from_u8(w.redop),
-    ) else {
+    let (Some(dtype), Some(op)) = (DataType::from_u8(args.work.dtype), RedOp::from_u8(args.work.redop)) else {
         crate::arch::trap()
     };
-    let b = Block { args, bid, tid, nthreads, smem };
     // SAFETY: forwarded caller contract.
     unsafe {
-        match (func, algo, proto) {
-            (Func::AllReduce, Algo::Ring, Proto::Simple) => match dtype {
-                DataType::I8 => b.by_op::<i8>(op),
-                DataType::U8 => b.by_op::<u8>(op),
-                DataType::I32 => b.by_op::<i32>(op),
-                DataType::U32 => b.by_op::<u32>(op),
-                DataType::I64 => b.by_op::<i64>(op),
-                DataType::U64 => b.by_op::<u64>(op),
-                DataType::F16 => b.by_op::<f16>(op),
-                DataType::F32 => b.by_op::<f32>(op),
-                DataType::F64 => b.by_op::<f64>(op),
-                DataType::Bf16 => b.by_op::<bf16>(op),
-            },
-            _ => crate::arch::trap(),
+        match dtype {
+            DataType::I8 => by_op::<i8>(args, bid, tid, nthreads, smem, op),
+            DataType::U8 => by_op::<u8>(args, bid, tid, nthreads, smem, op),
+            DataType::I32 => by_op::<i32>(args, bid, tid, nthreads, smem, op),
+            DataType::U32 => by_op::<u32>(args, bid, tid, nthreads, smem, op),
+            DataType::I64 => by_op::<i64>(args, bid, tid, nthreads, smem, op),
+            DataType::U64 => by_op::<u64>(args, bid, tid, nthreads, smem, op),
+            DataType::F16 => by_op::<f16>(args, bid, tid, nthreads, smem, op),
+            DataType::F32 => by_op::<f32>(args, bid, tid, nthreads, smem, op),
+            DataType::F64 => by_op::<f64>(args, bid, tid, nthreads, smem, op),
+            DataType::Bf16 => by_op::<bf16>(args, bid, tid, nthreads, smem, op),
         }
     }
 }
 
-struct Block<'a> {
-    args: &'a KernelArgs,
+/// # Safety
+/// As [`run_block`].
+unsafe fn by_op<T: Elem>(args: &KernelArgs, bid: u32, tid: u32, nthreads: u32, smem: *mut u32, op: RedOp) {
+    // SAFETY: forwarded caller contract.
+    unsafe {
+        match op {
+            RedOp::Sum => run_typed::<T, FuncSum>(args, bid, tid, nthreads, smem, false),
+            RedOp::Prod => run_typed::<T, FuncProd>(args, bid, tid, nthreads, smem, false),
+            RedOp::Max => run_typed::<T, FuncMax>(args, bid, tid, nthreads, smem, false),
+            RedOp::Min => run_typed::<T, FuncMin>(args, bid, tid, nthreads, smem, false),
+            RedOp::Avg => run_typed::<T, FuncSum>(args, bid, tid, nthreads, smem, true),
+        }
+    }
+}
+
+/// Runs block `bid` of `args` for element type `T` and operator `Op` (`avg`: divide the final
+/// value by `nranks`), dispatching on (func, algo, proto): the body of each GPU kernel entry point.
+///
+/// # Safety
+/// As [`run_block`], and `args.work.dtype`/`redop` match `T`/`Op`.
+pub unsafe fn run_typed<T: Elem, Op: RedFn<T>>(
+    args: &KernelArgs,
     bid: u32,
     tid: u32,
     nthreads: u32,
     smem: *mut u32,
+    avg: bool,
+) {
+    let w = &args.work;
+    // SAFETY: caller contract.
+    let comm = unsafe { &*(args.comm as *const DevComm) };
+    let postdiv = if avg { comm.nranks } else { 0 };
+    match (Func::from_u8(w.func), Algo::from_u8(w.algo), Proto::from_u8(w.proto)) {
+        (Some(Func::AllReduce), Some(Algo::Ring), Some(Proto::Simple)) => {
+            // SAFETY: caller contract.
+            unsafe { ring_all_reduce_simple::<T, Op>(args, comm, bid, tid, nthreads, smem, postdiv) }
+        }
+        _ => crate::arch::trap(),
+    }
 }
 
-impl Block<'_> {
-    unsafe fn by_op<T: Elem>(&self, op: RedOp) {
-        // SAFETY: forwarded caller contract.
-        unsafe {
-            match op {
-                RedOp::Sum => self.ring_all_reduce::<T, FuncSum>(0),
-                RedOp::Prod => self.ring_all_reduce::<T, FuncProd>(0),
-                RedOp::Max => self.ring_all_reduce::<T, FuncMax>(0),
-                RedOp::Min => self.ring_all_reduce::<T, FuncMin>(0),
-                RedOp::Avg => {
-                    let comm = &*(self.args.comm as *const DevComm);
-                    self.ring_all_reduce::<T, FuncSum>(comm.nranks)
-                }
-            }
-        }
-    }
-
-    unsafe fn ring_all_reduce<T: Elem, Op: RedFn<T>>(&self, postdiv: u32) {
-        let w = &self.args.work;
-        // SAFETY: caller contract of `run_block`.
-        unsafe {
-            let comm = &*(self.args.comm as *const DevComm);
-            let channel = (comm.channels as *mut DevChannel).add(self.bid as usize);
-            let ring = RingCtx {
-                nranks: comm.nranks as u64,
-                user_ranks: (*channel).ring.user_ranks as *const u32,
-                channel: self.bid as u64,
-                nchannels: w.nchannels as u64,
-            };
-            let mut p = Simple::<T, Op>::new(
-                self.tid,
-                self.nthreads,
-                channel,
-                comm.buff_sizes[Proto::Simple as usize],
-                w.sendbuff as *const T,
-                w.recvbuff as *mut T,
-                comm.abort_flag,
-                self.smem,
-                postdiv,
-                w.slice_elems,
-            );
-            coll::all_reduce::ring(&mut p, &ring, w.count, w.chunk_elems, core::mem::size_of::<T>() as u64);
-            p.finish();
-        }
+/// # Safety
+/// As [`run_typed`].
+unsafe fn ring_all_reduce_simple<T: Elem, Op: RedFn<T>>(
+    args: &KernelArgs,
+    comm: &DevComm,
+    bid: u32,
+    tid: u32,
+    nthreads: u32,
+    smem: *mut u32,
+    postdiv: u32,
+) {
+    let w = &args.work;
+    // SAFETY: caller contract.
+    unsafe {
+        let channel = (comm.channels as *mut DevChannel).add(bid as usize);
+        let ring = RingCtx {
+            nranks: comm.nranks as u64,
+            user_ranks: (*channel).ring.user_ranks as *const u32,
+            channel: bid as u64,
+            nchannels: w.nchannels as u64,
+        };
+        let mut p = Simple::<T, Op>::new(
+            tid,
+            nthreads,
+            channel,
+            comm.buff_sizes[Proto::Simple as usize],
+            w.sendbuff as *const T,
+            w.recvbuff as *mut T,
+            comm.abort_flag,
+            smem,
+            postdiv,
+            w.slice_elems,
+        );
+        coll::all_reduce::ring(&mut p, &ring, w.count, w.chunk_elems, core::mem::size_of::<T>() as u64);
+        p.finish();
     }
 }

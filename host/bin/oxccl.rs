@@ -248,7 +248,12 @@ fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
 
 fn info() -> Result<ExitCode, Box<dyn std::error::Error>> {
     println!("oxccl {} (NCCL-compatible version code {})", env!("CARGO_PKG_VERSION"), oxccl::version());
-    println!("PTX module: {} bytes, target {}", oxccl::PTX.len(), ptx_target());
+    println!(
+        "PTX: {} bytes linked, split into {} kernel modules, target {}",
+        oxccl::kernels::PTX_BYTES,
+        oxccl::kernels::PTX_MODULES.len(),
+        ptx_target()
+    );
     match oxccl::cuda::driver() {
         Err(e) => println!("CUDA: {e}"),
         Ok(()) => {
@@ -276,5 +281,8 @@ fn info() -> Result<ExitCode, Box<dyn std::error::Error>> {
 }
 
 fn ptx_target() -> &'static str {
-    oxccl::PTX.lines().find(|l| l.starts_with(".target")).map_or("none", |l| l.trim_start_matches(".target").trim())
+    oxccl::kernels::PTX_MODULES
+        .first()
+        .and_then(|(_, ptx)| ptx.lines().find(|l| l.starts_with(".target")))
+        .map_or("none", |l| l.trim_start_matches(".target").trim())
 }

@@ -8,6 +8,7 @@
 use crate::error::{Error, Result};
 use cudarc::driver::sys::{self, CUresult};
 use std::ffi::{CStr, CString, c_void};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 /// Calls a driver function and maps its result.
@@ -80,7 +81,7 @@ pub struct Context {
     pub(crate) ordinal: usize,
     pub(crate) dev: sys::CUdevice,
     ctx: sys::CUcontext,
-    module: OnceLock<std::result::Result<Module, String>>,
+    modules: Mutex<HashMap<String, Arc<Module>>>,
 }
 
 // SAFETY: CUDA contexts may be used from any thread once made current there; `bind` does that.
@@ -108,7 +109,7 @@ impl Context {
         cu!(cuDeviceGet(&mut dev, ordinal as i32))?;
         let mut ctx = std::ptr::null_mut();
         cu!(cuDevicePrimaryCtxRetain(&mut ctx, dev))?;
-        let c = Arc::new(Context { ordinal, dev, ctx, module: OnceLock::new() });
+        let c = Arc::new(Context { ordinal, dev, ctx, modules: Mutex::new(HashMap::new()) });
         ctxs[ordinal] = Some(c.clone());
         Ok(c)
     }
@@ -166,12 +167,19 @@ impl Context {
         cu!(cuCtxSynchronize())
     }
 
-    /// The oxccl kernel module in this context, JIT-compiled from the embedded PTX on first use.
-    pub fn module(&self) -> Result<&Module> {
-        self.module
-            .get_or_init(|| Module::load(self, crate::PTX).map_err(|e| e.to_string()))
-            .as_ref()
-            .map_err(|e| Error::Internal(format!("loading the oxccl PTX module failed: {e}")))
+    /// The PTX module of kernel entry point `name` in this context, JIT-compiled from the embedded
+    /// PTX on first use (see [`crate::kernels`]).
+    pub fn kernel(&self, name: &str) -> Result<Arc<Module>> {
+        let mut mods = self.modules.lock().map_err(|_| Error::Internal("module cache poisoned".into()))?;
+        if let Some(m) = mods.get(name) {
+            return Ok(m.clone());
+        }
+        let ptx = crate::kernels::module(name).ok_or_else(|| {
+            Error::Internal(format!("kernel {name} is not in this build (built with OXCCL_SKIP_PTX?)"))
+        })?;
+        let m = Arc::new(Module::load(self, name, ptx)?);
+        mods.insert(name.to_string(), m.clone());
+        Ok(m)
     }
 }
 
@@ -197,10 +205,7 @@ unsafe impl Send for Module {}
 unsafe impl Sync for Module {}
 
 impl Module {
-    fn load(ctx: &Context, ptx: &str) -> Result<Module> {
-        if ptx.is_empty() {
-            return Err(Error::Internal("this build embeds no PTX (OXCCL_SKIP_PTX was set)".into()));
-        }
+    fn load(ctx: &Context, name: &str, ptx: &str) -> Result<Module> {
         ctx.bind()?;
         let image = CString::new(ptx).map_err(|_| Error::Internal("PTX contains a NUL byte".into()))?;
         let t = std::time::Instant::now();
@@ -216,9 +221,9 @@ impl Module {
             vals.as_mut_ptr()
         ))?;
         let load_seconds = t.elapsed().as_secs_f64();
-        let name = CString::new(oxccl_gpu::abi::KERNEL_NAME).map_err(|_| Error::Internal("kernel name".into()))?;
+        let cname = CString::new(name).map_err(|_| Error::Internal("kernel name".into()))?;
         let mut kernel = std::ptr::null_mut();
-        cu!(cuModuleGetFunction(&mut kernel, module, name.as_ptr()))?;
+        cu!(cuModuleGetFunction(&mut kernel, module, cname.as_ptr()))?;
         let attr = |a| -> Result<i32> {
             let mut v = 0;
             cu!(cuFuncGetAttribute(&mut v, a, kernel))?;
@@ -228,7 +233,7 @@ impl Module {
         let num_regs = attr(A::CU_FUNC_ATTRIBUTE_NUM_REGS)?;
         let local_bytes = attr(A::CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES)?;
         let max_threads = attr(A::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK)?.max(32) as u32;
-        tracing::debug!(target: "oxccl::init", device = ctx.ordinal, load_seconds, num_regs, local_bytes, max_threads, "PTX module loaded");
+        tracing::debug!(target: "oxccl::init", device = ctx.ordinal, kernel = name, load_seconds, num_regs, local_bytes, max_threads, "PTX module loaded");
         Ok(Module { _module: module, kernel, load_seconds, num_regs, local_bytes, max_threads })
     }
 }
@@ -309,10 +314,10 @@ impl HostMapped {
         cu!(cuMemHostAlloc(&mut host, bytes, flags))?;
         // SAFETY: `host` is a fresh allocation of `bytes` bytes.
         unsafe { std::ptr::write_bytes(host as *mut u8, 0, bytes) };
-        let mut dev_ptr = 0;
-        let m = HostMapped { host, dev_ptr: 0, bytes };
-        cu!(cuMemHostGetDevicePointer_v2(&mut dev_ptr, host, 0))?;
-        Ok(HostMapped { dev_ptr, ..m })
+        // Owned from here on: an error below frees it through Drop.
+        let mut m = HostMapped { host, dev_ptr: 0, bytes };
+        cu!(cuMemHostGetDevicePointer_v2(&mut m.dev_ptr, host, 0))?;
+        Ok(m)
     }
     /// The host address.
     pub fn host_ptr(&self) -> *mut u8 {
@@ -373,8 +378,7 @@ impl Stream {
         cu!(cuMemcpyDtoDAsync_v2(dst, src, bytes, self.raw))
     }
     /// Queues a launch of the collective kernel.
-    pub fn launch(&self, grid: u32, block: u32, args: &oxccl_gpu::abi::KernelArgs) -> Result<()> {
-        let module = self.ctx.module()?;
+    pub fn launch(&self, module: &Module, grid: u32, block: u32, args: &oxccl_gpu::abi::KernelArgs) -> Result<()> {
         self.ctx.bind()?;
         if block > module.max_threads {
             return Err(Error::invalid(format!(

@@ -35,8 +35,33 @@ pub const KERNEL_SMEM_BYTES: usize = 64;
 /// A spinning thread reads the abort flag once every this many polls (NCCL's
 /// `NCCL_SPINS_BEFORE_CHECK_ABORT`).
 pub const SPINS_BEFORE_CHECK_ABORT: u32 = 1 << 12;
-/// Name of the single collective kernel entry point in the PTX module.
-pub const KERNEL_NAME: &str = "oxccl_coll_kernel";
+/// Name of the kernel entry point for a (collective, element type, operator), e.g.
+/// `oxccl_allreduce_float_sum`: each is also the name of its own PTX module (see build.rs).
+pub fn kernel_name(func: Func, dtype: DataType, op: RedOp) -> KernelName {
+    let mut n = KernelName { buf: [0; 64], len: 0 };
+    for part in ["oxccl_", func.name(), "_", dtype.name(), "_", op.name()] {
+        for &b in part.as_bytes() {
+            n.buf[n.len] = b;
+            n.len += 1;
+        }
+    }
+    n
+}
+
+/// A kernel name built without allocation (usable on both sides).
+#[derive(Clone, Copy)]
+pub struct KernelName {
+    buf: [u8; 64],
+    len: usize,
+}
+
+impl KernelName {
+    /// The name as text.
+    pub fn as_str(&self) -> &str {
+        // Only ASCII enum names and '_' are ever written.
+        core::str::from_utf8(&self.buf[..self.len]).unwrap_or("")
+    }
+}
 
 /// One connection endpoint as the kernel sees it (NCCL's `ncclConnInfo`).
 ///
