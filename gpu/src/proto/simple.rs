@@ -241,8 +241,24 @@ impl<T: Elem, Op: RedFn<T>> Simple<T, Op> {
     }
 }
 
-/// Loads per thread kept in flight by the copy loop.
-const UNROLL: usize = 4;
+/// 16-byte loads per source each thread keeps in flight in the copy loop. A build-time knob for
+/// kernel tuning: `OXCCL_BUILD_UNROLL=N cargo build` (1..=16; default 4).
+const UNROLL: usize = match option_env!("OXCCL_BUILD_UNROLL") {
+    Some(s) => parse_unroll(s.as_bytes()),
+    None => 4,
+};
+
+const fn parse_unroll(s: &[u8]) -> usize {
+    let mut n = 0usize;
+    let mut i = 0;
+    while i < s.len() {
+        assert!(s[i].is_ascii_digit(), "OXCCL_BUILD_UNROLL must be a number");
+        n = n * 10 + (s[i] - b'0') as usize;
+        i += 1;
+    }
+    assert!(n >= 1 && n <= 16, "OXCCL_BUILD_UNROLL must be in 1..=16");
+    n
+}
 
 /// `d0 (, d1) = s0 (⊕ s1) (/ div)` over `n` elements, spread over `nthreads` threads: 16-byte
 /// packs when every pointer is 16-byte aligned, then element by element for the rest (NCCL's
