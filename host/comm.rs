@@ -390,11 +390,14 @@ impl Comm {
         let nch = (bytes.div_ceil(MIN_BYTES_PER_CHANNEL) as u32).clamp(min, self.nchannels);
         let slot_bytes = self.params.buffsize / FIFO_STEPS / PACK_BYTES * PACK_BYTES;
         let chunk_bytes = slot_bytes * DEFAULT_CHUNK_STEPS;
-        // Aim for several FIFO steps per chunk so the ring pipelines even for mid-size calls.
+        // Slices of up to half a chunk (NCCL's 2 steps per slice), and at least 4 per chunk for
+        // mid-size calls so the ring still pipelines.
         let per_chunk = bytes.div_ceil(nch as u64 * self.nranks as u64);
-        let slice_bytes = (per_chunk.min(chunk_bytes) / DEFAULT_CHUNK_STEPS)
-            .next_multiple_of(PACK_BYTES)
-            .clamp(PACK_BYTES.max(32 << 10).min(slot_bytes), slot_bytes);
+        let slice_bytes = if per_chunk >= 4 * chunk_bytes {
+            chunk_bytes / 2
+        } else {
+            (per_chunk.min(chunk_bytes) / 4).next_multiple_of(PACK_BYTES).clamp((32 << 10).min(slot_bytes), chunk_bytes / 2)
+        };
         Choice {
             func,
             algo: Algo::Ring,

@@ -42,7 +42,7 @@ pub mod perf;
 pub use comm::{Choice, Comm};
 pub use error::{Error, Result, ResultCode, error_string};
 pub use mem::{DevSlice, Device, DeviceBuffer, Stream};
-pub use oxccl_gpu::abi::{Algo, DataType, Func, Proto, RedOp};
+pub use oxccl_gpu::abi::{Algo, DataType, Func, Proto, RedOp, kernel_name};
 
 /// The embedded kernels: `PTX_MODULES` lists (kernel entry point, PTX module) pairs, one module
 /// per entry point, split by build.rs from the PTX built from `gpu/` (empty when built with

@@ -55,6 +55,7 @@ unsafe fn by_op<T: Elem>(args: &KernelArgs, bid: u32, tid: u32, nthreads: u32, s
 ///
 /// # Safety
 /// As [`run_block`], and `args.work.dtype`/`redop` match `T`/`Op`.
+#[inline(always)]
 pub unsafe fn run_typed<T: Elem, Op: RedFn<T>>(
     args: &KernelArgs,
     bid: u32,
@@ -78,6 +79,7 @@ pub unsafe fn run_typed<T: Elem, Op: RedFn<T>>(
 
 /// # Safety
 /// As [`run_typed`].
+#[inline(always)]
 unsafe fn ring_all_reduce_simple<T: Elem, Op: RedFn<T>>(
     args: &KernelArgs,
     comm: &DevComm,

@@ -243,6 +243,17 @@ fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         println!("{}", table::format_row(row));
     })?;
     print!("{}", table::footer(&rows));
+    if let (Backend::Oxccl(_), Some(Device::Cuda(o))) = (&main, devices.first()) {
+        let name = oxccl_gpu_kernel_name(func, cfg.dtype, cfg.op);
+        let m = oxccl::cuda::Context::get(*o)?.kernel(&name)?;
+        println!(
+            "# kernel {name}: PTX {} bytes, JIT {:.1} ms, {} registers, {} bytes local memory per thread",
+            oxccl::kernels::module(&name).map_or(0, str::len),
+            m.load_seconds * 1e3,
+            m.num_regs,
+            m.local_bytes
+        );
+    }
     Ok(if table::total_wrong(&rows) > 0 { ExitCode::from(1) } else { ExitCode::SUCCESS })
 }
 
@@ -278,6 +289,10 @@ fn info() -> Result<ExitCode, Box<dyn std::error::Error>> {
         Err(e) => println!("NCCL: {e}"),
     }
     Ok(ExitCode::SUCCESS)
+}
+
+fn oxccl_gpu_kernel_name(func: Func, dtype: DataType, op: RedOp) -> String {
+    oxccl::kernel_name(func, dtype, op).as_str().to_string()
 }
 
 fn ptx_target() -> &'static str {

@@ -9,6 +9,7 @@ use super::{RingCtx, align_elems};
 use crate::proto::Primitives;
 
 /// Runs this channel's share of an AllReduce of `count` elements (`esize` bytes each).
+#[inline(always)]
 pub fn ring<P: Primitives>(p: &mut P, r: &RingCtx, count: u64, chunk_elems: u64, esize: u64) {
     let n = r.nranks;
     let loop_size = r.nchannels * n * chunk_elems;

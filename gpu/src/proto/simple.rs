@@ -1,9 +1,10 @@
 //! The Simple protocol (NCCL's `prims_simple.h`): large FIFO slots, synchronised by step counters.
 //!
-//! Each connection has a buffer of `buff_sizes[Simple]` bytes cut into [`FIFO_STEPS`] slots. To
-//! send step `s`, the block waits until the receiver has freed slot `s % FIFO_STEPS`
-//! (`head + FIFO_STEPS > s`), writes it, then publishes `tail = s + 1`. To receive step `s` it waits
-//! for `tail > s`, reads the slot, then frees it with `head = s + 1`. One thread polls and posts;
+//! Each connection has a buffer of `buff_sizes[Simple]` bytes cut into [`FIFO_STEPS`] slots; a
+//! slice of data occupies `k` = 1, 2 or 4 consecutive slots (steps), starting at a step that is a
+//! multiple of `k`. To send the slice at step `s`, the block waits until the receiver has freed its
+//! slots (`head + FIFO_STEPS ≥ s + k`), writes them, then publishes `tail = s + k`. To receive it,
+//! it waits for `tail ≥ s + k`, reads the slots, then frees them with `head = s + k`. One thread polls and posts;
 //! the whole block copies, 16-byte vectors at a time. Ordering: data stores, `bar.sync`,
 //! `fence.acq_rel.sys`, flag store on the writer; flag load, `fence.acq_rel.sys`, `bar.sync`, data
 //! loads on the reader.
@@ -48,6 +49,8 @@ pub struct Simple<T, Op> {
     recv: Conn,
     slot_bytes: u64,
     slice_elems: u64,
+    /// FIFO steps (slots) each slice occupies: 1, 2 or 4 (NCCL's `StepPerSlice`).
+    steps_per_slice: u64,
     abort_flag: *const u32,
     smem: *mut u32,
     aborted: bool,
@@ -82,7 +85,10 @@ impl<T: Elem, Op: RedFn<T>> Simple<T, Op> {
         let slot_bytes = buff_size / FIFO_STEPS / PACK_BYTES * PACK_BYTES;
         let esize = core::mem::size_of::<T>() as u64;
         let slot_elems = slot_bytes / esize;
-        let slice_elems = if slice_elems == 0 || slice_elems > slot_elems { slot_elems } else { slice_elems };
+        // A slice spans 1, 2 or 4 contiguous slots, so at least two slices are always in flight.
+        let max_slice = slot_elems * (FIFO_STEPS / 2);
+        let slice_elems = if slice_elems == 0 || slice_elems > max_slice { slot_elems } else { slice_elems };
+        let steps_per_slice = slice_elems.div_ceil(slot_elems).next_power_of_two();
         Simple {
             tid,
             nthreads,
@@ -92,6 +98,7 @@ impl<T: Elem, Op: RedFn<T>> Simple<T, Op> {
             recv,
             slot_bytes,
             slice_elems,
+            steps_per_slice,
             abort_flag: abort_flag as *const u32,
             smem,
             aborted: false,
@@ -139,12 +146,12 @@ impl<T: Elem, Op: RedFn<T>> Simple<T, Op> {
         if self.tid == 0 {
             let mut ok = true;
             if RECV {
-                let (tail, want) = (self.recv.tail, self.recv.step + 1);
+                let (tail, want) = (self.recv.tail, self.recv.step + self.steps_per_slice);
                 // SAFETY: `tail` is this connection's counter (constructor contract).
                 ok = self.spin(|| unsafe { arch::load_volatile_u64(tail) } >= want);
             }
             if SEND && ok {
-                let (head, want) = (self.send.head, self.send.step + 1);
+                let (head, want) = (self.send.head, self.send.step + self.steps_per_slice);
                 // SAFETY: as above, for the send connection's head.
                 ok = self.spin(|| unsafe { arch::load_volatile_u64(head) } + FIFO_STEPS >= want);
             }
@@ -170,18 +177,18 @@ impl<T: Elem, Op: RedFn<T>> Simple<T, Op> {
             if self.tid == 0 {
                 arch::fence_acq_rel_sys();
                 if SEND {
-                    arch::store_volatile_u64(self.send.tail, self.send.step + 1);
+                    arch::store_volatile_u64(self.send.tail, self.send.step + self.steps_per_slice);
                 }
                 if RECV {
-                    arch::store_volatile_u64(self.recv.head, self.recv.step + 1);
+                    arch::store_volatile_u64(self.recv.head, self.recv.step + self.steps_per_slice);
                 }
             }
         }
         if SEND {
-            self.send.step += 1;
+            self.send.step += self.steps_per_slice;
         }
         if RECV {
-            self.recv.step += 1;
+            self.recv.step += self.steps_per_slice;
         }
     }
 
@@ -208,6 +215,14 @@ impl<T: Elem, Op: RedFn<T>> Simple<T, Op> {
         let mut done = 0u64;
         while done < n {
             let len = core::cmp::min(self.slice_elems, n - done);
+            // A slice starts on a multiple of its step count so its slots are contiguous. Both ends
+            // of a connection see the same slices, so they align their steps identically.
+            if RECV {
+                self.recv.step = self.recv.step.next_multiple_of(self.steps_per_slice);
+            }
+            if SEND {
+                self.send.step = self.send.step.next_multiple_of(self.steps_per_slice);
+            }
             if !self.wait::<RECV, SEND>() {
                 return;
             }
