@@ -22,7 +22,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// Default channel count on CUDA devices (overridable with `NCCL_MAX_NCHANNELS`).
-pub const CUDA_DEFAULT_NCHANNELS: u32 = 32;
+pub const CUDA_DEFAULT_NCHANNELS: u32 = 64;
 /// Default channel count on the CPU target (each channel is a host thread per rank).
 pub const CPU_DEFAULT_NCHANNELS: u32 = 2;
 /// Bytes per channel below which a call uses fewer channels.

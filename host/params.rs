@@ -22,7 +22,7 @@ pub struct Params {
     /// Threads per block on the GPU (`NCCL_NTHREADS` / `OXCCL_NTHREADS`), a multiple of 32 in
     /// [64, 1024].
     pub nthreads: u32,
-    /// Maximum channels (`NCCL_MAX_NCHANNELS` / `OXCCL_MAX_NCHANNELS`), in [1, 32]; `None` = the
+    /// Maximum channels (`NCCL_MAX_NCHANNELS` / `OXCCL_MAX_NCHANNELS`), in [1, 64]; `None` = the
     /// backend's default.
     pub max_nchannels: Option<u32>,
     /// Minimum channels of a call (`NCCL_MIN_NCHANNELS` / `OXCCL_MIN_NCHANNELS`).
@@ -135,7 +135,7 @@ mod tests {
     #[test]
     fn channel_limits() {
         assert_eq!(with(&[("OXCCL_MAX_NCHANNELS", "4")]).unwrap().max_nchannels, Some(4));
-        let e = with(&[("NCCL_MAX_NCHANNELS", "33")]).unwrap_err().to_string();
-        assert!(e.contains("NCCL_MAX_NCHANNELS") && e.contains("1..=32"), "{e}");
+        let e = with(&[("NCCL_MAX_NCHANNELS", "65")]).unwrap_err().to_string();
+        assert!(e.contains("NCCL_MAX_NCHANNELS") && e.contains("1..=64"), "{e}");
     }
 }

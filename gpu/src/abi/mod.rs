@@ -16,7 +16,7 @@ use core::mem::{align_of, offset_of, size_of};
 /// Slots in each connection FIFO (NCCL's `NCCL_STEPS`). Step `s` uses slot `s % FIFO_STEPS`.
 pub const FIFO_STEPS: u64 = 8;
 /// Upper bound on channels (one thread block each) of a communicator.
-pub const MAX_CHANNELS: usize = 32;
+pub const MAX_CHANNELS: usize = 64;
 /// Default size in bytes of a Simple-protocol connection buffer (`NCCL_BUFFSIZE`): 4 MiB, so each
 /// of the [`FIFO_STEPS`] slots holds 512 KiB.
 pub const DEFAULT_BUFFSIZE: u64 = 4 << 20;
