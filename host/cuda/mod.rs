@@ -367,6 +367,10 @@ impl Stream {
     pub unsafe fn from_raw(ctx: &Arc<Context>, raw: sys::CUstream) -> Stream {
         Stream { raw, ctx: ctx.clone(), owned: false }
     }
+    /// The context (device) of this stream.
+    pub fn ctx_arc(&self) -> Arc<Context> {
+        self.ctx.clone()
+    }
     /// Waits for all work queued on the stream.
     pub fn synchronize(&self) -> Result<()> {
         self.ctx.bind()?;
