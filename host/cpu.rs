@@ -60,6 +60,7 @@ type Job = Box<dyn FnOnce() -> Result<()> + Send>;
 pub struct CpuStream {
     tx: Option<Sender<Job>>,
     worker: Option<JoinHandle<()>>,
+    exited: Receiver<()>,
     error: Arc<Mutex<Option<Error>>>,
     pub(crate) device: usize,
 }
@@ -70,9 +71,11 @@ impl CpuStream {
         let (tx, rx): (Sender<Job>, Receiver<Job>) = unbounded();
         let error = Arc::new(Mutex::new(None));
         let err = error.clone();
+        let (exit_tx, exited) = bounded(1);
         let worker = std::thread::Builder::new()
             .name(format!("oxccl-cpu-stream-{device}"))
             .spawn(move || {
+                let _exit = ExitSignal(exit_tx);
                 for job in rx {
                     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job))
                         .unwrap_or_else(|_| Err(Error::Internal("a CPU-target operation panicked".into())));
@@ -84,7 +87,7 @@ impl CpuStream {
                 }
             })
             .map_err(|e| Error::System(format!("spawning a CPU stream thread: {e}")))?;
-        Ok(CpuStream { tx: Some(tx), worker: Some(worker), error, device })
+        Ok(CpuStream { tx: Some(tx), worker: Some(worker), exited, error, device })
     }
 
     /// Queues `job` after everything queued before.
@@ -111,12 +114,32 @@ impl CpuStream {
     }
 }
 
+/// Tells the stream's owner that the worker thread is exiting (sent when dropped, even on panic).
+struct ExitSignal(Sender<()>);
+impl Drop for ExitSignal {
+    fn drop(&mut self) {
+        let _ = self.0.try_send(());
+    }
+}
+
+/// How long dropping a CPU stream waits for queued operations before detaching its worker.
+const STREAM_DROP_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
+
 impl Drop for CpuStream {
+    /// Lets queued operations finish (bounded), then joins the worker; a worker still stuck after
+    /// the wait (an operation whose peers never came) is detached with a warning instead of
+    /// hanging the caller.
     fn drop(&mut self) {
         self.tx.take();
-        if let Some(w) = self.worker.take() {
-            if w.join().is_err() {
-                tracing::warn!(target: "oxccl::init", "CPU stream worker panicked");
+        let Some(w) = self.worker.take() else { return };
+        match self.exited.recv_timeout(STREAM_DROP_WAIT) {
+            Ok(()) | Err(crossbeam_channel::RecvTimeoutError::Disconnected) => {
+                if w.join().is_err() {
+                    tracing::warn!(target: "oxccl::init", "CPU stream worker panicked");
+                }
+            }
+            Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
+                tracing::warn!(target: "oxccl::init", "CPU stream still busy after {STREAM_DROP_WAIT:?}; detaching its worker");
             }
         }
     }
