@@ -273,11 +273,11 @@ impl Comm {
         self.last.lock().ok().and_then(|g| *g)
     }
 
-    /// Sums (or reduces with `op`) `count` elements of `dtype` across all ranks; every rank gets
-    /// the result in `recv` (NCCL's `ncclAllReduce`). `send` and `recv` hold at least
-    /// `count × dtype.size()` bytes on this rank's device and may be the same range (in place),
-    /// but must not partly overlap. Queued on `stream`, which must be on this rank's device.
-    /// Results are bitwise identical on every rank. `count == 0` is a no-op.
+    /// Reduces (`op`) `count` elements of `dtype` across all ranks; every rank gets the result in
+    /// `recv` (NCCL's `ncclAllReduce`). `send` and `recv` hold at least `count × dtype.size()` bytes
+    /// on this rank's device and may be the same range (in place) but must not partly overlap.
+    /// Queued on `stream` (on this rank's device); returns at once. Results are bitwise identical on
+    /// every rank. `count == 0` is a no-op.
     pub fn all_reduce<'a>(
         &self,
         send: impl Into<DevSlice<'a>>,
@@ -287,34 +287,167 @@ impl Comm {
         op: RedOp,
         stream: &Stream,
     ) -> Result<()> {
-        let (send, recv) = (send.into(), recv.into());
-        let bytes = self.check_bytes(count, dtype)?;
-        for (name, s) in [("sendbuff", &send), ("recvbuff", &recv)] {
-            if s.device() != self.device {
-                return Err(Error::invalid(format!(
-                    "{name} is on {:?} but rank {} is on {:?}",
-                    s.device(),
-                    self.rank,
-                    self.device
-                )));
+        self.safe_call(Func::AllReduce, Some(send.into()), Some(recv.into()), count, dtype, op, 0, stream)
+    }
+
+    /// Copies `count` elements of `dtype` from `send` on rank `root` to `recv` on every rank
+    /// (NCCL's `ncclBroadcast`). `send` is read on the root only (others may pass `None`); on the
+    /// root it may equal `recv` (in place). Errors: `root` outside `0..nranks`, `None` on the root,
+    /// buffers shorter than `count` elements.
+    pub fn broadcast<'a>(
+        &self,
+        send: Option<DevSlice<'a>>,
+        recv: impl Into<DevSlice<'a>>,
+        count: usize,
+        dtype: DataType,
+        root: usize,
+        stream: &Stream,
+    ) -> Result<()> {
+        self.safe_call(Func::Broadcast, send, Some(recv.into()), count, dtype, RedOp::Sum, root, stream)
+    }
+
+    /// Reduces (`op`) `count` elements of `dtype` across all ranks into `recv` on rank `root`
+    /// (NCCL's `ncclReduce`). `recv` is written on the root only (others may pass `None` and are
+    /// never written). Errors as for [`Comm::broadcast`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn reduce<'a>(
+        &self,
+        send: impl Into<DevSlice<'a>>,
+        recv: Option<DevSlice<'a>>,
+        count: usize,
+        dtype: DataType,
+        op: RedOp,
+        root: usize,
+        stream: &Stream,
+    ) -> Result<()> {
+        self.safe_call(Func::Reduce, Some(send.into()), recv, count, dtype, op, root, stream)
+    }
+
+    /// Gathers `count` elements from every rank into `recv` (`nranks × count` elements, rank `r`'s
+    /// block at `r × count`) on every rank (NCCL's `ncclAllGather`). In place when `send` is exactly
+    /// `recv`'s block of this rank; any other overlap is an error.
+    pub fn all_gather<'a>(
+        &self,
+        send: impl Into<DevSlice<'a>>,
+        recv: impl Into<DevSlice<'a>>,
+        count: usize,
+        dtype: DataType,
+        stream: &Stream,
+    ) -> Result<()> {
+        self.safe_call(Func::AllGather, Some(send.into()), Some(recv.into()), count, dtype, RedOp::Sum, 0, stream)
+    }
+
+    /// Reduces (`op`) `nranks × count` elements of `dtype` across ranks and leaves block `r` (the
+    /// `count` elements at `r × count`) in `recv` on rank `r` (NCCL's `ncclReduceScatter`). In place
+    /// when `recv` is exactly this rank's block of `send`; any other overlap is an error.
+    pub fn reduce_scatter<'a>(
+        &self,
+        send: impl Into<DevSlice<'a>>,
+        recv: impl Into<DevSlice<'a>>,
+        count: usize,
+        dtype: DataType,
+        op: RedOp,
+        stream: &Stream,
+    ) -> Result<()> {
+        self.safe_call(Func::ReduceScatter, Some(send.into()), Some(recv.into()), count, dtype, op, 0, stream)
+    }
+
+    /// Byte sizes (send, recv) a rank's buffers need for `func` with per-call `count`.
+    fn buffer_bytes(&self, func: Func, count: usize, dtype: DataType) -> Result<(u64, u64)> {
+        let b = self.check_bytes(count, dtype)?;
+        let all = b
+            .checked_mul(self.nranks as u64)
+            .ok_or_else(|| Error::invalid(format!("count {count} × {} ranks overflows", self.nranks)))?;
+        Ok(match func {
+            Func::AllGather => (b, all),
+            Func::ReduceScatter => (all, b),
+            _ => (b, b),
+        })
+    }
+
+    /// Argument checks shared by the safe entry points, then [`Comm::collective_raw`].
+    #[allow(clippy::too_many_arguments)]
+    fn safe_call(
+        &self,
+        func: Func,
+        send: Option<DevSlice<'_>>,
+        recv: Option<DevSlice<'_>>,
+        count: usize,
+        dtype: DataType,
+        op: RedOp,
+        root: usize,
+        stream: &Stream,
+    ) -> Result<()> {
+        self.check_root(func, root)?;
+        let (send_bytes, recv_bytes) = self.buffer_bytes(func, count, dtype)?;
+        let is_root = self.rank == root;
+        let send_needed = !(func == Func::Broadcast && !is_root);
+        let recv_needed = !(func == Func::Reduce && !is_root);
+        for (name, s, need, bytes) in [("sendbuff", &send, send_needed, send_bytes), ("recvbuff", &recv, recv_needed, recv_bytes)] {
+            match s {
+                None if need && count > 0 => {
+                    return Err(Error::invalid(format!(
+                        "{name} is missing on rank {} ({} needs it{})",
+                        self.rank,
+                        func,
+                        if func == Func::Broadcast || func == Func::Reduce { " on the root" } else { "" }
+                    )));
+                }
+                None => {}
+                Some(s) => {
+                    if s.device() != self.device {
+                        return Err(Error::invalid(format!(
+                            "{name} is on {:?} but rank {} is on {:?}",
+                            s.device(),
+                            self.rank,
+                            self.device
+                        )));
+                    }
+                    if need && (s.len() as u64) < bytes {
+                        return Err(Error::invalid(format!(
+                            "{name} holds {} bytes but {} of count {count} × {} ({} bytes each) needs {bytes} on rank {}",
+                            s.len(),
+                            func,
+                            dtype.name(),
+                            dtype.size(),
+                            self.rank
+                        )));
+                    }
+                }
             }
-            if (s.len() as u64) < bytes {
+        }
+        let sa = send.filter(|_| send_needed).map_or(0, |s| s.addr());
+        let ra = recv.filter(|_| recv_needed).map_or(0, |s| s.addr());
+        if sa != 0 && ra != 0 && count > 0 {
+            let in_place_at = match func {
+                Func::AllGather => (sa == ra + self.rank as u64 * send_bytes).then_some(()),
+                Func::ReduceScatter => (ra == sa + self.rank as u64 * recv_bytes).then_some(()),
+                _ => (sa == ra).then_some(()),
+            };
+            let overlap = sa < ra + recv_bytes && ra < sa + send_bytes;
+            if overlap && in_place_at.is_none() {
                 return Err(Error::invalid(format!(
-                    "{name} holds {} bytes but count {count} × {} ({} bytes each) needs {bytes}",
-                    s.len(),
-                    dtype.name(),
-                    dtype.size()
+                    "sendbuff and recvbuff of {func} partly overlap: in place means {}; otherwise they must be disjoint",
+                    match func {
+                        Func::AllGather => "sendbuff == recvbuff + rank × count elements",
+                        Func::ReduceScatter => "recvbuff == sendbuff + rank × count elements",
+                        _ => "sendbuff == recvbuff",
+                    }
                 )));
             }
         }
-        let (sa, ra) = (send.addr(), recv.addr());
-        if sa != ra && sa < ra + bytes && ra < sa + bytes {
-            return Err(Error::invalid(
-                "sendbuff and recvbuff partly overlap: they must be the same range (in place) or disjoint",
-            ));
+        // SAFETY: every range used was checked against its buffer above.
+        unsafe { self.collective_raw(func, sa, ra, count, dtype, op, root, stream) }
+    }
+
+    fn check_root(&self, func: Func, root: usize) -> Result<()> {
+        if matches!(func, Func::Broadcast | Func::Reduce) && root >= self.nranks {
+            return Err(Error::invalid(format!(
+                "root {root} is out of range for {func} (accepted: 0..={})",
+                self.nranks - 1
+            )));
         }
-        // SAFETY: both ranges were checked against their buffers above.
-        unsafe { self.all_reduce_raw(sa, ra, count, dtype, op, stream) }
+        Ok(())
     }
 
     /// [`Comm::all_reduce`] on raw addresses (a `CUdeviceptr`, or a host address on the CPU
@@ -332,24 +465,53 @@ impl Comm {
         op: RedOp,
         stream: &Stream,
     ) -> Result<()> {
-        let bytes = self.check_bytes(count, dtype)?;
+        // SAFETY: forwarded caller contract.
+        unsafe { self.collective_raw(Func::AllReduce, send, recv, count, dtype, op, 0, stream) }
+    }
+
+    /// Any collective on raw addresses: `func`'s buffers as in the safe entry points, 0 for a buffer
+    /// NCCL lets a rank omit (Broadcast's non-root send, Reduce's non-root recv).
+    ///
+    /// # Safety
+    /// The buffers are valid on this rank's device for the sizes `func` needs with `count` until
+    /// the operation completes on `stream`, and overlap only as the in-place forms allow.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn collective_raw(
+        &self,
+        func: Func,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dtype: DataType,
+        op: RedOp,
+        root: usize,
+        stream: &Stream,
+    ) -> Result<()> {
+        self.check_root(func, root)?;
+        let (_, recv_bytes) = self.buffer_bytes(func, count, dtype)?;
         self.check_stream(stream)?;
         if count == 0 {
             return Ok(());
         }
         if self.nranks == 1 {
-            // One rank: the reduction of one input is the input (Sum, Prod, Min, Max and Avg alike).
-            return if send == recv { Ok(()) } else { self.copy(recv, send, bytes as usize, stream) };
+            // One rank: every collective is a copy of the input (Sum, Prod, Min, Max and Avg of one
+            // value are that value).
+            return if send == recv { Ok(()) } else { self.copy(recv, send, recv_bytes as usize, stream) };
         }
         let esize = dtype.size() as u64;
-        let choice = self.plan(Func::AllReduce, bytes, esize);
+        let total = match func {
+            Func::AllGather | Func::ReduceScatter => recv_bytes.max(count as u64 * esize) * self.nranks as u64,
+            _ => recv_bytes.max(count as u64 * esize),
+        };
+        let choice = self.plan(func, total, esize);
         let work = WorkColl {
             sendbuff: send,
             recvbuff: recv,
             count: count as u64,
             chunk_elems: choice.chunk_elems,
             slice_elems: choice.slice_elems,
-            func: Func::AllReduce as u8,
+            root: root as u32,
+            func: func as u8,
             redop: op as u8,
             dtype: dtype as u8,
             algo: choice.algo as u8,
@@ -357,7 +519,7 @@ impl Comm {
             nchannels: choice.nchannels as u16,
             ..WorkColl::zeroed()
         };
-        tracing::debug!(target: "oxccl::coll", rank = self.rank, count, %dtype, %op, ?choice, "allreduce");
+        tracing::debug!(target: "oxccl::coll", rank = self.rank, %func, count, %dtype, %op, root, ?choice, "enqueue");
         if let Ok(mut last) = self.last.lock() {
             *last = Some(choice);
         }

@@ -4,7 +4,7 @@
 use crate::cuda;
 use crate::error::{Error, Result};
 use cudarc::nccl::{result, sys};
-use oxccl_gpu::abi::{DataType, RedOp};
+use oxccl_gpu::abi::{DataType, Func, RedOp};
 use std::ffi::c_void;
 
 /// Whether `libnccl.so.2` can be loaded.
@@ -89,37 +89,40 @@ impl NcclComms {
         result::group_end().map(|_| ()).map_err(|e| nccl_err("ncclGroupEnd", e))
     }
 
-    /// `ncclAllReduce` for `rank` on `stream`.
+    /// Any collective for `rank` on `stream`, with oxccl's buffer conventions (see
+    /// `Comm::collective_raw`): `count` is per rank for AllGather/ReduceScatter.
     ///
     /// # Safety
-    /// `send`/`recv` are device addresses on the rank's GPU, valid for `count` elements until the
-    /// operation completes; `stream` is on the rank's GPU.
+    /// `send`/`recv` are device addresses on the rank's GPU, valid for the sizes `func` needs until
+    /// the operation completes; `stream` is on the rank's GPU.
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn all_reduce(
+    pub unsafe fn collective(
         &self,
         rank: usize,
+        func: Func,
         send: u64,
         recv: u64,
         count: usize,
         dt: DataType,
         op: RedOp,
+        root: usize,
         stream: &cuda::Stream,
     ) -> Result<()> {
         let comm = *self.comms.get(rank).ok_or_else(|| Error::invalid(format!("rank {rank} out of range")))?;
+        let (s, r) = (send as *const c_void, recv as *mut c_void);
+        let st = stream.raw as sys::cudaStream_t;
+        let (d, o, root) = (dtype(dt), redop(op), root as i32);
         // SAFETY: forwarded caller contract; the communicator is live.
-        unsafe {
-            result::all_reduce(
-                send as *const c_void,
-                recv as *mut c_void,
-                count,
-                dtype(dt),
-                redop(op),
-                comm,
-                stream.raw as sys::cudaStream_t,
-            )
-        }
-        .map(|_| ())
-        .map_err(|e| nccl_err("ncclAllReduce", e))
+        let res = unsafe {
+            match func {
+                Func::AllReduce => result::all_reduce(s, r, count, d, o, comm, st),
+                Func::Broadcast => result::broadcast(s, r, count, d, root, comm, st),
+                Func::Reduce => result::reduce(s, r, count, d, o, root, comm, st),
+                Func::AllGather => result::all_gather(s, r, count, d, comm, st),
+                Func::ReduceScatter => result::reduce_scatter(s, r, count, d, o, comm, st),
+            }
+        };
+        res.map(|_| ()).map_err(|e| nccl_err(func.name(), e))
     }
 }
 

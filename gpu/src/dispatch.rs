@@ -68,28 +68,12 @@ pub unsafe fn run_typed<T: Elem, Op: RedFn<T>>(
     // SAFETY: caller contract.
     let comm = unsafe { &*(args.comm as *const DevComm) };
     let postdiv = if avg { comm.nranks } else { 0 };
-    match (Func::from_u8(w.func), Algo::from_u8(w.algo), Proto::from_u8(w.proto)) {
-        (Some(Func::AllReduce), Some(Algo::Ring), Some(Proto::Simple)) => {
-            // SAFETY: caller contract.
-            unsafe { ring_all_reduce_simple::<T, Op>(args, comm, bid, tid, nthreads, smem, postdiv) }
-        }
-        _ => crate::arch::trap(),
-    }
-}
-
-/// # Safety
-/// As [`run_typed`].
-#[inline(always)]
-unsafe fn ring_all_reduce_simple<T: Elem, Op: RedFn<T>>(
-    args: &KernelArgs,
-    comm: &DevComm,
-    bid: u32,
-    tid: u32,
-    nthreads: u32,
-    smem: *mut u32,
-    postdiv: u32,
-) {
-    let w = &args.work;
+    let (Some(func), Some(Algo::Ring), Some(Proto::Simple)) =
+        (Func::from_u8(w.func), Algo::from_u8(w.algo), Proto::from_u8(w.proto))
+    else {
+        crate::arch::trap()
+    };
+    let esize = core::mem::size_of::<T>() as u64;
     // SAFETY: caller contract.
     unsafe {
         let channel = (comm.channels as *mut DevChannel).add(bid as usize);
@@ -111,7 +95,19 @@ unsafe fn ring_all_reduce_simple<T: Elem, Op: RedFn<T>>(
             postdiv,
             w.slice_elems,
         );
-        coll::all_reduce::ring(&mut p, &ring, w.count, w.chunk_elems, core::mem::size_of::<T>() as u64);
+        let (count, chunk, root) = (w.count, w.chunk_elems, w.root as u64);
+        match func {
+            Func::AllReduce => coll::all_reduce::ring(&mut p, &ring, count, chunk, esize),
+            Func::Broadcast => {
+                coll::broadcast::ring(&mut p, &ring, count, root, chunk, esize, w.sendbuff == w.recvbuff)
+            }
+            Func::Reduce => coll::reduce::ring(&mut p, &ring, count, root, chunk, esize),
+            Func::AllGather => {
+                let in_place = w.sendbuff == w.recvbuff + comm.rank as u64 * count * esize;
+                coll::all_gather::ring(&mut p, &ring, count, chunk, esize, in_place)
+            }
+            Func::ReduceScatter => coll::reduce_scatter::ring(&mut p, &ring, count, chunk, esize),
+        }
         p.finish();
     }
 }

@@ -23,9 +23,28 @@ enum Cmd {
     Info,
 }
 
-#[derive(Clone, Copy, ValueEnum)]
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Collective {
     AllReduce,
+    Broadcast,
+    Reduce,
+    AllGather,
+    ReduceScatter,
+    /// The five collectives, one after the other.
+    All,
+}
+
+impl Collective {
+    fn funcs(self) -> Vec<Func> {
+        match self {
+            Collective::AllReduce => vec![Func::AllReduce],
+            Collective::Broadcast => vec![Func::Broadcast],
+            Collective::Reduce => vec![Func::Reduce],
+            Collective::AllGather => vec![Func::AllGather],
+            Collective::ReduceScatter => vec![Func::ReduceScatter],
+            Collective::All => vec![Func::AllReduce, Func::AllGather, Func::ReduceScatter, Func::Broadcast, Func::Reduce],
+        }
+    }
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -168,8 +187,6 @@ fn devices_for(a: &PerfArgs) -> Result<(Vec<Device>, bool), String> {
 }
 
 fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
-    let Collective::AllReduce = a.collective;
-    let func = Func::AllReduce;
     let (devices, nccl_main) = devices_for(&a)?;
     let compare = a.compare.is_some();
     if compare && !devices[0].is_cuda() {
@@ -178,15 +195,7 @@ fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     if a.min_bytes > a.max_bytes {
         return Err(format!("-b {} is larger than -e {}", a.min_bytes, a.max_bytes).into());
     }
-    let cfg = PerfConfig {
-        func,
-        dtype: a.dtype,
-        op: a.op,
-        sizes: table::sizes(a.min_bytes, a.max_bytes, a.factor, a.step),
-        warmup: a.warmup,
-        iters: a.iters,
-        check: a.check,
-    };
+    let sizes = table::sizes(a.min_bytes, a.max_bytes, a.factor, a.step);
     let ordinals: Vec<usize> =
         devices.iter().filter_map(|d| if let Device::Cuda(o) = d { Some(*o) } else { None }).collect();
     let nccl_comms = |what: &str| -> Result<Backend, Box<dyn std::error::Error>> {
@@ -196,11 +205,11 @@ fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     let main = if nccl_main { nccl_comms("--backend nccl")? } else { Backend::Oxccl(Comm::init_all(&devices)?) };
     let init_s = t0.elapsed().as_secs_f64();
     let reference = if compare { Some(nccl_comms("--compare nccl")?) } else { None };
-    let max_bytes = cfg.sizes.iter().copied().max().unwrap_or(0).max(16);
+    let max_bytes = sizes.iter().copied().max().unwrap_or(0).max(16);
     let bench = Bench::new(&devices, max_bytes)?;
 
     let name = if nccl_main { "nccl" } else { "oxccl" };
-    println!("# {name} perf {} (oxccl {})", func, env!("CARGO_PKG_VERSION"));
+    println!("# {name} perf (oxccl {})", env!("CARGO_PKG_VERSION"));
     println!(
         "# nranks {}  minBytes {}  maxBytes {}  step: {}  warmup iters: {}  iters: {}  validation: {}",
         devices.len(),
@@ -238,23 +247,37 @@ fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
             comms[0].device_memory_bytes() as f64 / (1 << 20) as f64
         );
     }
-    print!("{}", table::header(compare));
-    let rows = sweep(&bench, &main, reference.as_ref(), &cfg, |row| {
-        println!("{}", table::format_row(row));
-    })?;
-    print!("{}", table::footer(&rows));
-    if let (Backend::Oxccl(_), Some(Device::Cuda(o))) = (&main, devices.first()) {
-        let name = oxccl_gpu_kernel_name(func, cfg.dtype, cfg.op);
-        let m = oxccl::cuda::Context::get(*o)?.kernel(&name)?;
-        println!(
-            "# kernel {name}: PTX {} bytes, JIT {:.1} ms, {} registers, {} bytes local memory per thread",
-            oxccl::kernels::module(&name).map_or(0, str::len),
-            m.load_seconds * 1e3,
-            m.num_regs,
-            m.local_bytes
-        );
+    let mut wrong = 0;
+    for func in a.collective.funcs() {
+        let cfg = PerfConfig {
+            func,
+            dtype: a.dtype,
+            op: a.op,
+            sizes: sizes.clone(),
+            warmup: a.warmup,
+            iters: a.iters,
+            check: a.check,
+        };
+        println!("#\n# {func}");
+        print!("{}", table::header(compare));
+        let rows = sweep(&bench, &main, reference.as_ref(), &cfg, |row| {
+            println!("{}", table::format_row(row));
+        })?;
+        print!("{}", table::footer(&rows));
+        wrong += table::total_wrong(&rows);
+        if let (Backend::Oxccl(_), Some(Device::Cuda(o))) = (&main, devices.first()) {
+            let name = oxccl::kernel_name(func, cfg.dtype, cfg.op).as_str().to_string();
+            let m = oxccl::cuda::Context::get(*o)?.kernel(&name)?;
+            println!(
+                "# kernel {name}: PTX {} bytes, JIT {:.1} ms, {} registers, {} bytes local memory per thread",
+                oxccl::kernels::module(&name).map_or(0, str::len),
+                m.load_seconds * 1e3,
+                m.num_regs,
+                m.local_bytes
+            );
+        }
     }
-    Ok(if table::total_wrong(&rows) > 0 { ExitCode::from(1) } else { ExitCode::SUCCESS })
+    Ok(if wrong > 0 { ExitCode::from(1) } else { ExitCode::SUCCESS })
 }
 
 fn info() -> Result<ExitCode, Box<dyn std::error::Error>> {
@@ -289,10 +312,6 @@ fn info() -> Result<ExitCode, Box<dyn std::error::Error>> {
         Err(e) => println!("NCCL: {e}"),
     }
     Ok(ExitCode::SUCCESS)
-}
-
-fn oxccl_gpu_kernel_name(func: Func, dtype: DataType, op: RedOp) -> String {
-    oxccl::kernel_name(func, dtype, op).as_str().to_string()
 }
 
 fn ptx_target() -> &'static str {

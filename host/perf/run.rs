@@ -34,23 +34,34 @@ pub enum Backend {
     Nccl(NcclComms),
 }
 
+/// Root of the rooted collectives in the sweep (nccl-tests' default `-r 0`).
+pub const ROOT: usize = 0;
+
+/// Where rank `rank`'s buffers of one call sit: (send, recv) addresses, for `count` elements per
+/// rank (nccl-tests' in-place offsets: AllGather sends from `recv + rank·count`, ReduceScatter
+/// receives at `send + rank·count`, i.e. at `recv + rank·count` of the one in-place buffer).
+fn call_addrs(func: Func, b: &RankBufs, rank: usize, count: usize, dtype: DataType, in_place: bool) -> (u64, u64) {
+    let recv = b.recv.addr();
+    let block = (rank * count * dtype.size()) as u64;
+    match (func, in_place) {
+        (_, false) => (b.send.addr(), recv),
+        (Func::AllGather, true) => (recv + block, recv),
+        (Func::ReduceScatter, true) => (recv, recv + block),
+        (_, true) => (recv, recv),
+    }
+}
+
 impl Backend {
-    fn launch_all(
-        &self,
-        bufs: &[RankBufs],
-        streams: &[Stream],
-        count: usize,
-        dtype: DataType,
-        op: RedOp,
-        in_place: bool,
-    ) -> Result<()> {
+    fn launch_all(&self, bufs: &[RankBufs], streams: &[Stream], cfg: &PerfConfig, count: usize, in_place: bool) -> Result<()> {
+        let (func, dtype, op) = (cfg.func, cfg.dtype, cfg.op);
         match self {
             Backend::Oxccl(comms) => {
                 for (r, c) in comms.iter().enumerate() {
-                    let recv = &bufs[r].recv;
-                    let send = if in_place { recv } else { &bufs[r].send };
-                    let bytes = count * dtype.size();
-                    c.all_reduce(send.slice(0, bytes)?, recv.slice(0, bytes)?, count, dtype, op, &streams[r])?;
+                    let (send, recv) = call_addrs(func, &bufs[r], r, count, dtype, in_place);
+                    // SAFETY: the buffers hold the sweep's largest message (nccl-tests' S bytes,
+                    // which covers nranks × count for AllGather/ReduceScatter) on rank r's device
+                    // and stay alive until the synchronize that follows.
+                    unsafe { c.collective_raw(func, send, recv, count, dtype, op, ROOT, &streams[r])? };
                 }
                 Ok(())
             }
@@ -58,15 +69,13 @@ impl Backend {
                 NcclComms::group_start()?;
                 let mut res = Ok(());
                 for r in 0..n.nranks() {
-                    let recv = bufs[r].recv.addr();
-                    let send = if in_place { recv } else { bufs[r].send.addr() };
+                    let (send, recv) = call_addrs(func, &bufs[r], r, count, dtype, in_place);
                     let Stream::Cuda(s) = &streams[r] else {
                         res = Err(Error::invalid("NCCL needs CUDA streams"));
                         break;
                     };
-                    // SAFETY: the buffers hold at least `count` elements on rank r's GPU (sized by
-                    // the sweep's largest message) and outlive the synchronize that follows.
-                    res = unsafe { n.all_reduce(r, send, recv, count, dtype, op, s) };
+                    // SAFETY: as above.
+                    res = unsafe { n.collective(r, func, send, recv, count, dtype, op, ROOT, s) };
                     if res.is_err() {
                         break;
                     }
@@ -76,6 +85,51 @@ impl Backend {
             }
         }
     }
+}
+
+/// Inputs and expected outputs of one check of `func`: per rank (input bytes, expected output
+/// bytes or `None` where the output is not defined — Reduce on non-roots), with `count` elements
+/// per rank. Values come from the exact generator of [`check`] (for AllGather and Broadcast the
+/// Sum generator: any values would do).
+fn check_data(cfg: &PerfConfig, nranks: usize, count: usize, seed: u64) -> Result<Vec<(Vec<u8>, Option<Vec<u8>>)>> {
+    let input_of = |op: RedOp, r: usize, n: usize| {
+        check::fill_input(Func::AllReduce, cfg.dtype, op, r, nranks, seed, n)
+            .ok_or_else(|| Error::Internal("no data generator".into()))
+    };
+    let reduced = |n: usize| {
+        check::expected(Func::AllReduce, cfg.dtype, cfg.op, nranks, seed, n)
+            .ok_or_else(|| Error::Internal("no reference".into()))
+    };
+    let bytes = count * cfg.dtype.size();
+    Ok(match cfg.func {
+        Func::AllReduce => {
+            let exp = reduced(count)?;
+            (0..nranks).map(|r| Ok((input_of(cfg.op, r, count)?, Some(exp.clone())))).collect::<Result<_>>()?
+        }
+        Func::Reduce => {
+            let exp = reduced(count)?;
+            (0..nranks)
+                .map(|r| Ok((input_of(cfg.op, r, count)?, (r == ROOT).then(|| exp.clone()))))
+                .collect::<Result<_>>()?
+        }
+        Func::ReduceScatter => {
+            let exp = reduced(nranks * count)?;
+            (0..nranks)
+                .map(|r| Ok((input_of(cfg.op, r, nranks * count)?, Some(exp[r * bytes..(r + 1) * bytes].to_vec()))))
+                .collect::<Result<_>>()?
+        }
+        Func::Broadcast => {
+            let data = input_of(RedOp::Sum, ROOT, count)?;
+            (0..nranks)
+                .map(|r| (if r == ROOT { data.clone() } else { vec![0; bytes] }, Some(data.clone())))
+                .collect()
+        }
+        Func::AllGather => {
+            let inputs: Vec<Vec<u8>> = (0..nranks).map(|r| input_of(RedOp::Sum, r, count)).collect::<Result<_>>()?;
+            let all = inputs.concat();
+            inputs.into_iter().map(|i| (i, Some(all.clone()))).collect()
+        }
+    })
 }
 
 /// Per-rank send and receive buffers, sized for the largest message of the sweep.
@@ -113,43 +167,51 @@ impl Bench {
     /// Seconds per iteration of `iters` back-to-back collectives on every rank, after `warmup`.
     pub fn time(&self, b: &Backend, cfg: &PerfConfig, count: usize, in_place: bool) -> Result<f64> {
         for _ in 0..cfg.warmup {
-            b.launch_all(&self.bufs, &self.streams, count, cfg.dtype, cfg.op, in_place)?;
+            b.launch_all(&self.bufs, &self.streams, cfg, count, in_place)?;
         }
         self.sync()?;
         let t = Instant::now();
         for _ in 0..cfg.iters.max(1) {
-            b.launch_all(&self.bufs, &self.streams, count, cfg.dtype, cfg.op, in_place)?;
+            b.launch_all(&self.bufs, &self.streams, cfg, count, in_place)?;
         }
         self.sync()?;
         Ok(t.elapsed().as_secs_f64() / cfg.iters.max(1) as f64)
     }
 
-    /// Runs the collective once per check repetition with exact inputs and a poisoned output and
-    /// returns the wrong elements summed over ranks and repetitions.
+    /// Runs the collective once per check repetition with exact inputs and poisoned outputs and
+    /// returns the wrong elements summed over ranks and repetitions (nccl-tests' `#wrong`).
     pub fn check(&self, b: &Backend, cfg: &PerfConfig, count: usize, in_place: bool) -> Result<u64> {
         let n = self.devices.len();
-        let bytes = count * cfg.dtype.size();
+        let esize = cfg.dtype.size();
+        let block = count * esize;
         let mut wrong = 0u64;
         for rep in 0..cfg.check {
             let seed = rep as u64 * 7919 + count as u64;
-            for (r, rb) in self.bufs.iter().enumerate() {
-                let input = check::fill_input(cfg.func, cfg.dtype, cfg.op, r, n, seed, count)
-                    .ok_or_else(|| Error::invalid(format!("no data generator for {}", cfg.func)))?;
-                if in_place {
-                    rb.recv.write(0, &input)?;
-                } else {
-                    rb.send.write(0, &input)?;
-                    rb.recv.write(0, &check::poison(cfg.dtype, count))?;
+            let data = check_data(cfg, n, count, seed)?;
+            for (r, (rb, (input, exp))) in self.bufs.iter().zip(&data).enumerate() {
+                let out_len = exp.as_ref().map_or(block, Vec::len);
+                let out_elems = out_len / esize.max(1);
+                match (cfg.func, in_place) {
+                    (_, false) => {
+                        rb.send.write(0, input)?;
+                        rb.recv.write(0, &check::poison(cfg.dtype, out_elems.max(count)))?;
+                    }
+                    (Func::AllGather, true) => {
+                        rb.recv.write(0, &check::poison(cfg.dtype, n * count))?;
+                        rb.recv.write(r * block, input)?;
+                    }
+                    (Func::Broadcast, true) if r != ROOT => rb.recv.write(0, &check::poison(cfg.dtype, count))?,
+                    (_, true) => rb.recv.write(0, input)?,
                 }
             }
-            b.launch_all(&self.bufs, &self.streams, count, cfg.dtype, cfg.op, in_place)?;
+            b.launch_all(&self.bufs, &self.streams, cfg, count, in_place)?;
             self.sync()?;
-            let exp = check::expected(cfg.func, cfg.dtype, cfg.op, n, seed, count)
-                .ok_or_else(|| Error::invalid(format!("no reference for {}", cfg.func)))?;
-            for rb in &self.bufs {
-                let mut got = vec![0u8; bytes];
-                rb.recv.read(0, &mut got)?;
-                wrong += check::count_wrong(cfg.dtype, cfg.op, &got, &exp, n) as u64;
+            for (r, (rb, (_, exp))) in self.bufs.iter().zip(&data).enumerate() {
+                let Some(exp) = exp else { continue };
+                let (_, recv) = call_addrs(cfg.func, rb, r, count, cfg.dtype, in_place);
+                let mut got = vec![0u8; exp.len()];
+                rb.recv.read((recv - rb.recv.addr()) as usize, &mut got)?;
+                wrong += check::count_wrong(cfg.dtype, cfg.op, &got, exp, n) as u64;
             }
         }
         Ok(wrong)
@@ -196,8 +258,8 @@ pub fn sweep(
             bytes,
             count,
             dtype: cfg.dtype,
-            redop: Some(cfg.op),
-            root: -1,
+            redop: (!matches!(cfg.func, Func::Broadcast | Func::AllGather)).then_some(cfg.op),
+            root: if matches!(cfg.func, Func::Broadcast | Func::Reduce) { ROOT as i32 } else { -1 },
             out_of_place: oop,
             in_place: ip,
             nccl,

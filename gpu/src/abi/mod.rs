@@ -38,6 +38,7 @@ pub const SPINS_BEFORE_CHECK_ABORT: u32 = 1 << 12;
 /// Name of the kernel entry point for a (collective, element type, operator), e.g.
 /// `oxccl_allreduce_float_sum`: each is also the name of its own PTX module (see build.rs).
 pub fn kernel_name(func: Func, dtype: DataType, op: RedOp) -> KernelName {
+    let (dtype, op) = kernel_variant(func, dtype, op);
     let mut n = KernelName { buf: [0; 64], len: 0 };
     for part in ["oxccl_", func.name(), "_", dtype.name(), "_", op.name()] {
         for &b in part.as_bytes() {
@@ -46,6 +47,24 @@ pub fn kernel_name(func: Func, dtype: DataType, op: RedOp) -> KernelName {
         }
     }
     n
+}
+
+/// The (type, operator) of the kernel that runs `func` on `dtype` with `op`: collectives that
+/// only move data (Broadcast, AllGather) use one kernel per element size (uint8, half, uint32,
+/// uint64) and no operator (`Sum`); the others use their own type and operator.
+pub const fn kernel_variant(func: Func, dtype: DataType, op: RedOp) -> (DataType, RedOp) {
+    match func {
+        Func::Broadcast | Func::AllGather => {
+            let d = match dtype.size() {
+                1 => DataType::U8,
+                2 => DataType::F16,
+                4 => DataType::U32,
+                _ => DataType::U64,
+            };
+            (d, RedOp::Sum)
+        }
+        _ => (dtype, op),
+    }
 }
 
 /// A kernel name built without allocation (usable on both sides).

@@ -1,7 +1,11 @@
 //! Collective algorithms: ring (and later tree) schedules over chunks, written only in terms of
 //! the [`crate::proto::Primitives`] verbs. Mirrors NCCL's `all_reduce.h`, `broadcast.h`, ...
 
+pub mod all_gather;
 pub mod all_reduce;
+pub mod broadcast;
+pub mod reduce;
+pub mod reduce_scatter;
 
 /// What an algorithm needs to know about its ring and channel.
 #[derive(Clone, Copy)]
