@@ -17,7 +17,10 @@ fn main() -> oxccl::Result<()> {
     };
     let comms = Comm::init_all(&devices)?;
     let n = comms.len();
-    println!("{:>12} {:>10} {:>12} {:>12}   ceiling", "bytes", "backend", "median us", "busbw GB/s");
+    println!(
+        "{:>12} {:>10} {:>12} {:>12}   ceiling",
+        "bytes", "backend", "median us", "busbw GB/s"
+    );
     for bytes in [8usize, 64 << 10, 64 << 20] {
         let count = bytes / 4;
         let streams: Vec<Stream> = devices.iter().map(|d| d.new_stream()).collect::<Result<_, _>>()?;

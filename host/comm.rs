@@ -14,8 +14,8 @@ use crate::mem::{DevSlice, Device, Stream};
 use crate::params::Params;
 use bytemuck::Zeroable;
 use oxccl_gpu::abi::{
-    Algo, ConnInfo, DataType, DevChannel, DevComm, DevRing, Func, KernelArgs, PACK_BYTES, Proto, RedOp, WorkColl,
-    DEFAULT_CHUNK_STEPS, FIFO_STEPS, MAX_CHANNELS,
+    Algo, ConnInfo, DEFAULT_CHUNK_STEPS, DataType, DevChannel, DevComm, DevRing, FIFO_STEPS, Func,
+    KernelArgs, MAX_CHANNELS, PACK_BYTES, Proto, RedOp, WorkColl,
 };
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -115,7 +115,9 @@ fn comm_block_bytes(nch: usize, nranks: usize) -> usize {
 
 fn check_devices(devices: &[Device]) -> Result<()> {
     if devices.is_empty() {
-        return Err(Error::invalid("devices is empty: a communicator needs at least one rank"));
+        return Err(Error::invalid(
+            "devices is empty: a communicator needs at least one rank",
+        ));
     }
     let cuda = devices[0].is_cuda();
     if devices.iter().any(|d| d.is_cuda() != cuda) {
@@ -147,9 +149,19 @@ impl Comm {
         check_devices(devices)?;
         let params = Params::from_env()?;
         let nranks = devices.len();
-        let default_nch = if devices[0].is_cuda() { CUDA_DEFAULT_NCHANNELS } else { CPU_DEFAULT_NCHANNELS };
-        let nch = params.max_nchannels.unwrap_or(default_nch).clamp(1, MAX_CHANNELS as u32);
-        let layout = ConnLayout { buffsize: params.buffsize, nch: nch as u64 };
+        let default_nch = if devices[0].is_cuda() {
+            CUDA_DEFAULT_NCHANNELS
+        } else {
+            CPU_DEFAULT_NCHANNELS
+        };
+        let nch = params
+            .max_nchannels
+            .unwrap_or(default_nch)
+            .clamp(1, MAX_CHANNELS as u32);
+        let layout = ConnLayout {
+            buffsize: params.buffsize,
+            nch: nch as u64,
+        };
         let _span = tracing::debug_span!(target: "oxccl::init", "init_all", nranks, nch).entered();
 
         if devices[0].is_cuda() {
@@ -181,13 +193,25 @@ impl Comm {
             let mut abort = Vec::with_capacity(nranks);
             for ctx in &ctxs {
                 conn.push(cuda::DevAlloc::zeroed(ctx, layout.bytes() as usize)?);
-                block.push(cuda::DevAlloc::zeroed(ctx, comm_block_bytes(nch as usize, nranks))?);
+                block.push(cuda::DevAlloc::zeroed(
+                    ctx,
+                    comm_block_bytes(nch as usize, nranks),
+                )?);
                 abort.push(cuda::HostMapped::zeroed(ctx, 64)?);
             }
             let conn_base: Vec<u64> = conn.iter().map(|a| a.ptr).collect();
             let mut comms = Vec::with_capacity(nranks);
             for (r, ((conn_mem, comm_mem), abort)) in conn.into_iter().zip(block).zip(abort).enumerate() {
-                let bytes = build_comm_block(r, nranks, nch, &layout, &conn_base, comm_mem.ptr, abort.dev_ptr, &params);
+                let bytes = build_comm_block(
+                    r,
+                    nranks,
+                    nch,
+                    &layout,
+                    &conn_base,
+                    comm_mem.ptr,
+                    abort.dev_ptr,
+                    &params,
+                );
                 comm_mem.write(0, &bytes)?;
                 let ctx = ctxs[r].clone();
                 let last_event = cuda::Event::new(&ctx)?;
@@ -213,20 +237,35 @@ impl Comm {
             tracing::debug!(target: "oxccl::init", nranks, nch, "CUDA communicators ready");
             Ok(comms)
         } else {
-            let conn: Vec<HostMem> =
-                (0..nranks).map(|_| HostMem::zeroed(layout.bytes() as usize)).collect::<Result<_>>()?;
+            let conn: Vec<HostMem> = (0..nranks)
+                .map(|_| HostMem::zeroed(layout.bytes() as usize))
+                .collect::<Result<_>>()?;
             let comm_mem: Vec<HostMem> = (0..nranks)
                 .map(|_| HostMem::zeroed(comm_block_bytes(nch as usize, nranks)))
                 .collect::<Result<_>>()?;
             let abort: Vec<HostMem> = (0..nranks).map(|_| HostMem::zeroed(64)).collect::<Result<_>>()?;
             let conn_base: Vec<u64> = conn.iter().map(|a| a.addr()).collect();
             for r in 0..nranks {
-                let bytes =
-                    build_comm_block(r, nranks, nch, &layout, &conn_base, comm_mem[r].addr(), abort[r].addr(), &params);
+                let bytes = build_comm_block(
+                    r,
+                    nranks,
+                    nch,
+                    &layout,
+                    &conn_base,
+                    comm_mem[r].addr(),
+                    abort[r].addr(),
+                    &params,
+                );
                 // SAFETY: the block was allocated with exactly this size; nothing else uses it yet.
-                unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), comm_mem[r].addr() as *mut u8, bytes.len()) };
+                unsafe {
+                    std::ptr::copy_nonoverlapping(bytes.as_ptr(), comm_mem[r].addr() as *mut u8, bytes.len())
+                };
             }
-            let group = Arc::new(CpuGroup { comm_mem, _conn_mem: conn, abort });
+            let group = Arc::new(CpuGroup {
+                comm_mem,
+                _conn_mem: conn,
+                abort,
+            });
             Ok((0..nranks)
                 .map(|r| Comm {
                     rank: r,
@@ -265,7 +304,10 @@ impl Comm {
     }
     /// Device memory used by this rank's connections and communicator state, in bytes.
     pub fn device_memory_bytes(&self) -> u64 {
-        let layout = ConnLayout { buffsize: self.params.buffsize, nch: self.nchannels as u64 };
+        let layout = ConnLayout {
+            buffsize: self.params.buffsize,
+            nch: self.nchannels as u64,
+        };
         layout.bytes() + comm_block_bytes(self.nchannels as usize, self.nranks) as u64
     }
     /// The plan of the most recent collective call on this communicator.
@@ -287,7 +329,16 @@ impl Comm {
         op: RedOp,
         stream: &Stream,
     ) -> Result<()> {
-        self.safe_call(Func::AllReduce, Some(send.into()), Some(recv.into()), count, dtype, op, 0, stream)
+        self.safe_call(
+            Func::AllReduce,
+            Some(send.into()),
+            Some(recv.into()),
+            count,
+            dtype,
+            op,
+            0,
+            stream,
+        )
     }
 
     /// Copies `count` elements of `dtype` from `send` on rank `root` to `recv` on every rank
@@ -303,7 +354,16 @@ impl Comm {
         root: usize,
         stream: &Stream,
     ) -> Result<()> {
-        self.safe_call(Func::Broadcast, send, Some(recv.into()), count, dtype, RedOp::Sum, root, stream)
+        self.safe_call(
+            Func::Broadcast,
+            send,
+            Some(recv.into()),
+            count,
+            dtype,
+            RedOp::Sum,
+            root,
+            stream,
+        )
     }
 
     /// Reduces (`op`) `count` elements of `dtype` across all ranks into `recv` on rank `root`
@@ -320,7 +380,16 @@ impl Comm {
         root: usize,
         stream: &Stream,
     ) -> Result<()> {
-        self.safe_call(Func::Reduce, Some(send.into()), recv, count, dtype, op, root, stream)
+        self.safe_call(
+            Func::Reduce,
+            Some(send.into()),
+            recv,
+            count,
+            dtype,
+            op,
+            root,
+            stream,
+        )
     }
 
     /// Gathers `count` elements from every rank into `recv` (`nranks × count` elements, rank `r`'s
@@ -334,7 +403,16 @@ impl Comm {
         dtype: DataType,
         stream: &Stream,
     ) -> Result<()> {
-        self.safe_call(Func::AllGather, Some(send.into()), Some(recv.into()), count, dtype, RedOp::Sum, 0, stream)
+        self.safe_call(
+            Func::AllGather,
+            Some(send.into()),
+            Some(recv.into()),
+            count,
+            dtype,
+            RedOp::Sum,
+            0,
+            stream,
+        )
     }
 
     /// Reduces (`op`) `nranks × count` elements of `dtype` across ranks and leaves block `r` (the
@@ -349,7 +427,16 @@ impl Comm {
         op: RedOp,
         stream: &Stream,
     ) -> Result<()> {
-        self.safe_call(Func::ReduceScatter, Some(send.into()), Some(recv.into()), count, dtype, op, 0, stream)
+        self.safe_call(
+            Func::ReduceScatter,
+            Some(send.into()),
+            Some(recv.into()),
+            count,
+            dtype,
+            op,
+            0,
+            stream,
+        )
     }
 
     /// Byte sizes (send, recv) a rank's buffers need for `func` with per-call `count`.
@@ -383,14 +470,21 @@ impl Comm {
         let is_root = self.rank == root;
         let send_needed = !(func == Func::Broadcast && !is_root);
         let recv_needed = !(func == Func::Reduce && !is_root);
-        for (name, s, need, bytes) in [("sendbuff", &send, send_needed, send_bytes), ("recvbuff", &recv, recv_needed, recv_bytes)] {
+        for (name, s, need, bytes) in [
+            ("sendbuff", &send, send_needed, send_bytes),
+            ("recvbuff", &recv, recv_needed, recv_bytes),
+        ] {
             match s {
                 None if need && count > 0 => {
                     return Err(Error::invalid(format!(
                         "{name} is missing on rank {} ({} needs it{})",
                         self.rank,
                         func,
-                        if func == Func::Broadcast || func == Func::Reduce { " on the root" } else { "" }
+                        if func == Func::Broadcast || func == Func::Reduce {
+                            " on the root"
+                        } else {
+                            ""
+                        }
                     )));
                 }
                 None => {}
@@ -496,11 +590,17 @@ impl Comm {
         if self.nranks == 1 {
             // One rank: every collective is a copy of the input (Sum, Prod, Min, Max and Avg of one
             // value are that value).
-            return if send == recv { Ok(()) } else { self.copy(recv, send, recv_bytes as usize, stream) };
+            return if send == recv {
+                Ok(())
+            } else {
+                self.copy(recv, send, recv_bytes as usize, stream)
+            };
         }
         let esize = dtype.size() as u64;
         let total = match func {
-            Func::AllGather | Func::ReduceScatter => recv_bytes.max(count as u64 * esize) * self.nranks as u64,
+            Func::AllGather | Func::ReduceScatter => {
+                recv_bytes.max(count as u64 * esize) * self.nranks as u64
+            }
             _ => recv_bytes.max(count as u64 * esize),
         };
         let choice = self.plan(func, total, esize);
@@ -523,14 +623,26 @@ impl Comm {
         if let Ok(mut last) = self.last.lock() {
             *last = Some(choice);
         }
-        self.launch(KernelArgs { comm: self.dev_comm, _pad: 0, work }, stream)
+        self.launch(
+            KernelArgs {
+                comm: self.dev_comm,
+                _pad: 0,
+                work,
+            },
+            stream,
+        )
     }
 
     fn check_bytes(&self, count: usize, dtype: DataType) -> Result<u64> {
         (count as u64)
             .checked_mul(dtype.size() as u64)
             .filter(|b| *b <= i64::MAX as u64)
-            .ok_or_else(|| Error::invalid(format!("count {count} of {} overflows the byte size", dtype.name())))
+            .ok_or_else(|| {
+                Error::invalid(format!(
+                    "count {count} of {} overflows the byte size",
+                    dtype.name()
+                ))
+            })
     }
 
     fn check_stream(&self, stream: &Stream) -> Result<()> {
@@ -558,7 +670,9 @@ impl Comm {
         let slice_bytes = if per_chunk >= 4 * chunk_bytes {
             chunk_bytes / 2
         } else {
-            (per_chunk.min(chunk_bytes) / 4).next_multiple_of(PACK_BYTES).clamp((32 << 10).min(slot_bytes), chunk_bytes / 2)
+            (per_chunk.min(chunk_bytes) / 4)
+                .next_multiple_of(PACK_BYTES)
+                .clamp((32 << 10).min(slot_bytes), chunk_bytes / 2)
         };
         Choice {
             func,
@@ -585,19 +699,27 @@ impl Comm {
         match (&self.res, stream) {
             (Res::Cuda(res), Stream::Cuda(s)) => {
                 let w = &args.work;
-                let (Some(func), Some(dtype), Some(op)) =
-                    (Func::from_u8(w.func), DataType::from_u8(w.dtype), RedOp::from_u8(w.redop))
-                else {
+                let (Some(func), Some(dtype), Some(op)) = (
+                    Func::from_u8(w.func),
+                    DataType::from_u8(w.dtype),
+                    RedOp::from_u8(w.redop),
+                ) else {
                     return Err(Error::Internal("work element with an invalid enum".into()));
                 };
-                let module = res.ctx.kernel(oxccl_gpu::abi::kernel_name(func, dtype, op).as_str())?;
+                let module = res
+                    .ctx
+                    .kernel(oxccl_gpu::abi::kernel_name(func, dtype, op).as_str())?;
                 s.launch(&module, w.nchannels as u32, self.params.nthreads, &args)?;
                 res.last_event.record(s)?;
                 res.launched.store(true, Ordering::Release);
                 Ok(())
             }
-            (Res::Cpu(res), Stream::Cpu(s)) => launch_cpu(args, res.group.clone(), self.rank, s, &self.inflight),
-            _ => Err(Error::invalid("stream and communicator are of different backends")),
+            (Res::Cpu(res), Stream::Cpu(s)) => {
+                launch_cpu(args, res.group.clone(), self.rank, s, &self.inflight)
+            }
+            _ => Err(Error::invalid(
+                "stream and communicator are of different backends",
+            )),
         }
     }
 
@@ -648,7 +770,9 @@ fn launch_cpu(
         if result {
             Ok(())
         } else {
-            Err(Error::Internal(format!("rank {rank}: a CPU-target channel trapped")))
+            Err(Error::Internal(format!(
+                "rank {rank}: a CPU-target channel trapped"
+            )))
         }
     })
 }
@@ -727,7 +851,9 @@ impl Drop for Comm {
                 loop {
                     match res.last_event.is_complete() {
                         Ok(true) => return,
-                        Ok(false) if start.elapsed() < DROP_WAIT => std::thread::sleep(Duration::from_millis(1)),
+                        Ok(false) if start.elapsed() < DROP_WAIT => {
+                            std::thread::sleep(Duration::from_millis(1))
+                        }
                         Ok(false) => break,
                         Err(e) => {
                             tracing::warn!(target: "oxccl::init", rank = self.rank, "destroy: {e}");

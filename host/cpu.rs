@@ -28,7 +28,9 @@ impl HostMem {
         // SAFETY: the layout has a non-zero size.
         let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
         if ptr.is_null() {
-            return Err(Error::System(format!("out of host memory allocating {bytes} bytes")));
+            return Err(Error::System(format!(
+                "out of host memory allocating {bytes} bytes"
+            )));
         }
         Ok(HostMem { ptr, layout })
     }
@@ -87,7 +89,13 @@ impl CpuStream {
                 }
             })
             .map_err(|e| Error::System(format!("spawning a CPU stream thread: {e}")))?;
-        Ok(CpuStream { tx: Some(tx), worker: Some(worker), exited, error, device })
+        Ok(CpuStream {
+            tx: Some(tx),
+            worker: Some(worker),
+            exited,
+            error,
+            device,
+        })
     }
 
     /// Queues `job` after everything queued before.
@@ -106,7 +114,9 @@ impl CpuStream {
             let _ = done_tx.send(());
             Ok(())
         })?;
-        done_rx.recv().map_err(|_| Error::Internal("CPU stream worker stopped".into()))?;
+        done_rx
+            .recv()
+            .map_err(|_| Error::Internal("CPU stream worker stopped".into()))?;
         match self.error.lock() {
             Ok(mut e) => e.take().map_or(Ok(()), Err),
             Err(_) => Err(Error::Internal("CPU stream error slot poisoned".into())),

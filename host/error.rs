@@ -22,7 +22,12 @@ pub enum ResultCode {
 pub enum Error {
     /// A CUDA driver call failed (`ncclUnhandledCudaError`).
     #[error("CUDA error: {call} returned {name} ({code}): {msg}")]
-    Cuda { call: &'static str, code: u32, name: String, msg: String },
+    Cuda {
+        call: &'static str,
+        code: u32,
+        name: String,
+        msg: String,
+    },
     /// The CUDA driver library is not there or no GPU is visible (`ncclSystemError`).
     #[error("no CUDA: {0}")]
     NoCuda(String),

@@ -63,7 +63,9 @@ mod ptx_split;
 /// oxccl's version, as NCCL encodes it (major × 10000 + minor × 100 + patch).
 pub fn version() -> u32 {
     let p = |s: &str| s.parse::<u32>().unwrap_or(0);
-    p(env!("CARGO_PKG_VERSION_MAJOR")) * 10000 + p(env!("CARGO_PKG_VERSION_MINOR")) * 100 + p(env!("CARGO_PKG_VERSION_PATCH"))
+    p(env!("CARGO_PKG_VERSION_MAJOR")) * 10000
+        + p(env!("CARGO_PKG_VERSION_MINOR")) * 100
+        + p(env!("CARGO_PKG_VERSION_PATCH"))
 }
 
 #[cfg(test)]
@@ -86,7 +88,9 @@ mod ptx_split_tests {
         assert_eq!(names, ["k_one", "k_two"]);
         let (one, two) = (&mods[0].1, &mods[1].1);
         for m in [one, two] {
-            assert!(m.contains(".version 7.0") && m.contains(".target sm_70") && m.contains(".address_size 64"));
+            assert!(
+                m.contains(".version 7.0") && m.contains(".target sm_70") && m.contains(".address_size 64")
+            );
         }
         // k_one -> helper_a (declaration and body) -> table_x; nothing of k_two.
         assert_eq!(one.matches(".func helper_a").count(), 2);

@@ -38,7 +38,11 @@ impl Device {
             Device::Cuda(o) => Alloc::Cuda(cuda::DevAlloc::zeroed(&cuda::Context::get(o)?, bytes)?),
             Device::Cpu(_) => Alloc::Host(HostMem::zeroed(bytes)?),
         };
-        Ok(DeviceBuffer { device: *self, bytes, alloc })
+        Ok(DeviceBuffer {
+            device: *self,
+            bytes,
+            alloc,
+        })
     }
     /// Creates a stream on this device.
     pub fn new_stream(&self) -> Result<Stream> {
@@ -83,7 +87,12 @@ impl DeviceBuffer {
     }
     /// The whole buffer as a slice.
     pub fn as_slice(&self) -> DevSlice<'_> {
-        DevSlice { addr: self.addr(), bytes: self.bytes, device: self.device, _buf: PhantomData }
+        DevSlice {
+            addr: self.addr(),
+            bytes: self.bytes,
+            device: self.device,
+            _buf: PhantomData,
+        }
     }
     /// `len` bytes from byte offset `off`; errors if that leaves the buffer.
     pub fn slice(&self, off: usize, len: usize) -> Result<DevSlice<'_>> {
@@ -94,7 +103,12 @@ impl DeviceBuffer {
                 self.bytes
             )));
         }
-        Ok(DevSlice { addr: self.addr() + off as u64, bytes: len, device: self.device, _buf: PhantomData })
+        Ok(DevSlice {
+            addr: self.addr() + off as u64,
+            bytes: len,
+            device: self.device,
+            _buf: PhantomData,
+        })
     }
     /// Copies `data` to byte offset `off`, synchronously. Synchronize streams that use the buffer
     /// first.
@@ -104,7 +118,9 @@ impl DeviceBuffer {
             Alloc::Cuda(a) => a.write(off, data),
             Alloc::Host(h) => {
                 // SAFETY: bounds checked above; the caller synchronized users of the buffer.
-                unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), (h.addr() as *mut u8).add(off), data.len()) };
+                unsafe {
+                    std::ptr::copy_nonoverlapping(data.as_ptr(), (h.addr() as *mut u8).add(off), data.len())
+                };
                 Ok(())
             }
         }
@@ -122,7 +138,13 @@ impl DeviceBuffer {
             }
             Alloc::Host(h) => {
                 // SAFETY: bounds checked above; the caller synchronized users of the buffer.
-                unsafe { std::ptr::copy_nonoverlapping((h.addr() as *const u8).add(off), out.as_mut_ptr(), out.len()) };
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        (h.addr() as *const u8).add(off),
+                        out.as_mut_ptr(),
+                        out.len(),
+                    )
+                };
                 Ok(())
             }
         }
@@ -136,7 +158,9 @@ impl DeviceBuffer {
     /// Fills the whole buffer with `byte`, synchronously.
     pub fn fill(&self, byte: u8) -> Result<()> {
         match (&self.alloc, self.device) {
-            (Alloc::Cuda(a), Device::Cuda(o)) => cuda::memset(&*cuda::Context::get(o)?, a.ptr, byte, self.bytes),
+            (Alloc::Cuda(a), Device::Cuda(o)) => {
+                cuda::memset(&*cuda::Context::get(o)?, a.ptr, byte, self.bytes)
+            }
             _ => self.write(0, &vec![byte; self.bytes]),
         }
     }

@@ -81,12 +81,16 @@ impl NcclComms {
 
     /// `ncclGroupStart`.
     pub fn group_start() -> Result<()> {
-        result::group_start().map(|_| ()).map_err(|e| nccl_err("ncclGroupStart", e))
+        result::group_start()
+            .map(|_| ())
+            .map_err(|e| nccl_err("ncclGroupStart", e))
     }
 
     /// `ncclGroupEnd`.
     pub fn group_end() -> Result<()> {
-        result::group_end().map(|_| ()).map_err(|e| nccl_err("ncclGroupEnd", e))
+        result::group_end()
+            .map(|_| ())
+            .map_err(|e| nccl_err("ncclGroupEnd", e))
     }
 
     /// Any collective for `rank` on `stream`, with oxccl's buffer conventions (see
@@ -108,7 +112,10 @@ impl NcclComms {
         root: usize,
         stream: &cuda::Stream,
     ) -> Result<()> {
-        let comm = *self.comms.get(rank).ok_or_else(|| Error::invalid(format!("rank {rank} out of range")))?;
+        let comm = *self
+            .comms
+            .get(rank)
+            .ok_or_else(|| Error::invalid(format!("rank {rank} out of range")))?;
         let (s, r) = (send as *const c_void, recv as *mut c_void);
         let st = stream.raw as sys::cudaStream_t;
         let (d, o, root) = (dtype(dt), redop(op), root as i32);

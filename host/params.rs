@@ -31,7 +31,12 @@ pub struct Params {
 
 impl Default for Params {
     fn default() -> Self {
-        Params { buffsize: DEFAULT_BUFFSIZE, nthreads: DEFAULT_NTHREADS, max_nchannels: None, min_nchannels: None }
+        Params {
+            buffsize: DEFAULT_BUFFSIZE,
+            nthreads: DEFAULT_NTHREADS,
+            max_nchannels: None,
+            min_nchannels: None,
+        }
     }
 }
 
@@ -52,7 +57,9 @@ fn parse_int(key: &str, v: &str, lo: i64, hi: i64) -> Result<i64> {
         .parse()
         .map_err(|_| Error::invalid(format!("{key}={v:?} is not an integer (accepted: {lo}..={hi})")))?;
     if n < lo || n > hi {
-        return Err(Error::invalid(format!("{key}={n} is out of range (accepted: {lo}..={hi})")));
+        return Err(Error::invalid(format!(
+            "{key}={n} is out of range (accepted: {lo}..={hi})"
+        )));
     }
     Ok(n)
 }
@@ -101,7 +108,9 @@ mod tests {
     fn with(vars: &[(&str, &str)]) -> Result<Params> {
         let vars: Vec<(String, String)> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
         Params::from_lookup(|name| {
-            vars.iter().find(|(k, _)| k.ends_with(name) && k.len() - name.len() <= 6).map(|(k, v)| (k.clone(), v.clone()))
+            vars.iter()
+                .find(|(k, _)| k.ends_with(name) && k.len() - name.len() <= 6)
+                .map(|(k, v)| (k.clone(), v.clone()))
         })
     }
 
@@ -134,7 +143,10 @@ mod tests {
 
     #[test]
     fn channel_limits() {
-        assert_eq!(with(&[("OXCCL_MAX_NCHANNELS", "4")]).unwrap().max_nchannels, Some(4));
+        assert_eq!(
+            with(&[("OXCCL_MAX_NCHANNELS", "4")]).unwrap().max_nchannels,
+            Some(4)
+        );
         let e = with(&[("NCCL_MAX_NCHANNELS", "65")]).unwrap_err().to_string();
         assert!(e.contains("NCCL_MAX_NCHANNELS") && e.contains("1..=64"), "{e}");
     }

@@ -15,7 +15,10 @@ use half::{bf16, f16};
 /// valid for its count; `smem` is the kernel's shared memory; every thread of the block calls
 /// this with the same `args` and `bid`, `tid` in `0..nthreads`.
 pub unsafe fn run_block(args: &KernelArgs, bid: u32, tid: u32, nthreads: u32, smem: *mut u32) {
-    let (Some(dtype), Some(op)) = (DataType::from_u8(args.work.dtype), RedOp::from_u8(args.work.redop)) else {
+    let (Some(dtype), Some(op)) = (
+        DataType::from_u8(args.work.dtype),
+        RedOp::from_u8(args.work.redop),
+    ) else {
         crate::arch::trap()
     };
     // SAFETY: forwarded caller contract.
@@ -68,9 +71,11 @@ pub unsafe fn run_typed<T: Elem, Op: RedFn<T>>(
     // SAFETY: caller contract.
     let comm = unsafe { &*(args.comm as *const DevComm) };
     let postdiv = if avg { comm.nranks } else { 0 };
-    let (Some(func), Some(Algo::Ring), Some(Proto::Simple)) =
-        (Func::from_u8(w.func), Algo::from_u8(w.algo), Proto::from_u8(w.proto))
-    else {
+    let (Some(func), Some(Algo::Ring), Some(Proto::Simple)) = (
+        Func::from_u8(w.func),
+        Algo::from_u8(w.algo),
+        Proto::from_u8(w.proto),
+    ) else {
         crate::arch::trap()
     };
     let esize = core::mem::size_of::<T>() as u64;

@@ -11,7 +11,10 @@
 //! | raw memory and threads | [`arch`] | PTX instructions (or host atomics) |
 //! | shared ABI | [`abi`] | `#[repr(C)]` structs and enums used by both sides |
 #![no_std]
-#![cfg_attr(target_arch = "nvptx64", feature(abi_ptx, stdarch_nvptx, asm_experimental_arch))]
+#![cfg_attr(
+    target_arch = "nvptx64",
+    feature(abi_ptx, stdarch_nvptx, asm_experimental_arch)
+)]
 #![deny(unsafe_op_in_unsafe_fn)]
 
 #[cfg(not(target_arch = "nvptx64"))]

@@ -148,7 +148,10 @@ mod tests {
         let h = |x: f32| f16::from_f32(x).to_bits() as u32;
         let a = Pack([h(1.0) | h(2.0) << 16, 0, 0, 0]);
         let b = Pack([h(3.0) | h(4.0) << 16, 0, 0, 0]);
-        assert_eq!(<FuncSum as RedFn<f16>>::apply_pack(a, b).0[0], h(4.0) | h(6.0) << 16);
+        assert_eq!(
+            <FuncSum as RedFn<f16>>::apply_pack(a, b).0[0],
+            h(4.0) | h(6.0) << 16
+        );
         assert_eq!(div_pack::<u32>(Pack([9, 8, 7, 6]), 2), Pack([4, 4, 3, 3]));
     }
 }

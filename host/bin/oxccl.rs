@@ -9,7 +9,11 @@ use oxccl::{Comm, DataType, Device, Func, RedOp};
 use std::process::ExitCode;
 
 #[derive(Parser)]
-#[command(name = "oxccl", version, about = "oxccl: collective communication for NVIDIA GPUs, in Rust")]
+#[command(
+    name = "oxccl",
+    version,
+    about = "oxccl: collective communication for NVIDIA GPUs, in Rust"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -42,7 +46,13 @@ impl Collective {
             Collective::Reduce => vec![Func::Reduce],
             Collective::AllGather => vec![Func::AllGather],
             Collective::ReduceScatter => vec![Func::ReduceScatter],
-            Collective::All => vec![Func::AllReduce, Func::AllGather, Func::ReduceScatter, Func::Broadcast, Func::Reduce],
+            Collective::All => vec![
+                Func::AllReduce,
+                Func::AllGather,
+                Func::ReduceScatter,
+                Func::Broadcast,
+                Func::Reduce,
+            ],
         }
     }
 }
@@ -137,7 +147,11 @@ fn bad_value<T: std::fmt::Display>(what: &str, s: &str, all: &[T]) -> String {
 }
 
 fn main() -> ExitCode {
-    let filter = match std::env::var("NCCL_DEBUG").unwrap_or_default().to_ascii_uppercase().as_str() {
+    let filter = match std::env::var("NCCL_DEBUG")
+        .unwrap_or_default()
+        .to_ascii_uppercase()
+        .as_str()
+    {
         "TRACE" => "oxccl=trace",
         "INFO" => "oxccl=debug",
         "WARN" => "oxccl=warn",
@@ -145,7 +159,10 @@ fn main() -> ExitCode {
     };
     let env = tracing_subscriber::EnvFilter::try_from_env("OXCCL_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(filter));
-    tracing_subscriber::fmt().with_env_filter(env).with_writer(std::io::stderr).init();
+    tracing_subscriber::fmt()
+        .with_env_filter(env)
+        .with_writer(std::io::stderr)
+        .init();
     let cli = Cli::parse();
     let r = match cli.cmd {
         Cmd::Perf(a) => perf(a),
@@ -165,7 +182,9 @@ fn devices_for(a: &PerfArgs) -> Result<(Vec<Device>, bool), String> {
     let gpu_list = |n: usize| -> Result<Vec<Device>, String> {
         let want = a.ranks.unwrap_or(n);
         if want == 0 || want > n {
-            return Err(format!("--ranks {want} is out of range: {n} GPUs are visible (accepted: 1..={n})"));
+            return Err(format!(
+                "--ranks {want} is out of range: {n} GPUs are visible (accepted: 1..={n})"
+            ));
         }
         Ok((0..want).map(Device::Cuda).collect())
     };
@@ -179,7 +198,9 @@ fn devices_for(a: &PerfArgs) -> Result<(Vec<Device>, bool), String> {
         BackendArg::Auto | BackendArg::Cpu => {
             let n = a.ranks.unwrap_or(4);
             if n == 0 || n > 64 {
-                return Err(format!("--ranks {n} is out of range for the CPU target (accepted: 1..=64)"));
+                return Err(format!(
+                    "--ranks {n} is out of range for the CPU target (accepted: 1..=64)"
+                ));
             }
             Ok((Device::cpus(n), false))
         }
@@ -196,15 +217,27 @@ fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         return Err(format!("-b {} is larger than -e {}", a.min_bytes, a.max_bytes).into());
     }
     let sizes = table::sizes(a.min_bytes, a.max_bytes, a.factor, a.step);
-    let ordinals: Vec<usize> =
-        devices.iter().filter_map(|d| if let Device::Cuda(o) = d { Some(*o) } else { None }).collect();
+    let ordinals: Vec<usize> = devices
+        .iter()
+        .filter_map(|d| if let Device::Cuda(o) = d { Some(*o) } else { None })
+        .collect();
     let nccl_comms = |what: &str| -> Result<Backend, Box<dyn std::error::Error>> {
-        NcclComms::init_all(&ordinals).map(Backend::Nccl).map_err(|e| format!("{what}: {e}").into())
+        NcclComms::init_all(&ordinals)
+            .map(Backend::Nccl)
+            .map_err(|e| format!("{what}: {e}").into())
     };
     let t0 = std::time::Instant::now();
-    let main = if nccl_main { nccl_comms("--backend nccl")? } else { Backend::Oxccl(Comm::init_all(&devices)?) };
+    let main = if nccl_main {
+        nccl_comms("--backend nccl")?
+    } else {
+        Backend::Oxccl(Comm::init_all(&devices)?)
+    };
     let init_s = t0.elapsed().as_secs_f64();
-    let reference = if compare { Some(nccl_comms("--compare nccl")?) } else { None };
+    let reference = if compare {
+        Some(nccl_comms("--compare nccl")?)
+    } else {
+        None
+    };
     let max_bytes = sizes.iter().copied().max().unwrap_or(0).max(16);
     let bench = Bench::new(&devices, max_bytes)?;
 
@@ -215,7 +248,8 @@ fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         devices.len(),
         a.min_bytes,
         a.max_bytes,
-        a.step.map_or(format!("{}(factor)", a.factor), |s| format!("{s}(bytes)")),
+        a.step
+            .map_or(format!("{}(factor)", a.factor), |s| format!("{s}(bytes)")),
         a.warmup,
         a.iters,
         a.check
@@ -277,11 +311,19 @@ fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
             );
         }
     }
-    Ok(if wrong > 0 { ExitCode::from(1) } else { ExitCode::SUCCESS })
+    Ok(if wrong > 0 {
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
+    })
 }
 
 fn info() -> Result<ExitCode, Box<dyn std::error::Error>> {
-    println!("oxccl {} (NCCL-compatible version code {})", env!("CARGO_PKG_VERSION"), oxccl::version());
+    println!(
+        "oxccl {} (NCCL-compatible version code {})",
+        env!("CARGO_PKG_VERSION"),
+        oxccl::version()
+    );
     println!(
         "PTX: {} bytes linked, split into {} kernel modules, target {}",
         oxccl::kernels::PTX_BYTES,

@@ -7,8 +7,8 @@
 //! answers [`Error::NoCuda`] instead.
 use crate::error::{Error, Result};
 use cudarc::driver::sys::{self, CUresult};
-use std::ffi::{CStr, CString, c_void};
 use std::collections::HashMap;
+use std::ffi::{CStr, CString, c_void};
 use std::sync::{Arc, Mutex, OnceLock};
 
 /// Calls a driver function and maps its result.
@@ -39,7 +39,12 @@ pub(crate) fn check(r: CUresult, call: &'static str) -> Result<()> {
             unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
         }
     };
-    Err(Error::Cuda { call, code: r as u32, name: text(name), msg: text(msg) })
+    Err(Error::Cuda {
+        call,
+        code: r as u32,
+        name: text(name),
+        msg: text(msg),
+    })
 }
 
 /// The driver, initialised once. Errors with [`Error::NoCuda`] when `libcuda.so.1` is absent.
@@ -96,9 +101,13 @@ impl Context {
         driver()?;
         let n = device_count();
         if ordinal >= n {
-            return Err(Error::invalid(format!("CUDA device {ordinal} does not exist (visible devices: 0..{n})")));
+            return Err(Error::invalid(format!(
+                "CUDA device {ordinal} does not exist (visible devices: 0..{n})"
+            )));
         }
-        let mut ctxs = CTXS.lock().map_err(|_| Error::Internal("context registry poisoned".into()))?;
+        let mut ctxs = CTXS
+            .lock()
+            .map_err(|_| Error::Internal("context registry poisoned".into()))?;
         if ctxs.len() < n {
             ctxs.resize(n, None);
         }
@@ -109,7 +118,12 @@ impl Context {
         cu!(cuDeviceGet(&mut dev, ordinal as i32))?;
         let mut ctx = std::ptr::null_mut();
         cu!(cuDevicePrimaryCtxRetain(&mut ctx, dev))?;
-        let c = Arc::new(Context { ordinal, dev, ctx, modules: Mutex::new(HashMap::new()) });
+        let c = Arc::new(Context {
+            ordinal,
+            dev,
+            ctx,
+            modules: Mutex::new(HashMap::new()),
+        });
         ctxs[ordinal] = Some(c.clone());
         Ok(c)
     }
@@ -124,7 +138,9 @@ impl Context {
         let mut buf = [0i8; 256];
         cu!(cuDeviceGetName(buf.as_mut_ptr(), buf.len() as i32, self.dev))?;
         // SAFETY: the driver NUL-terminates within the buffer.
-        Ok(unsafe { CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned())
+        Ok(unsafe { CStr::from_ptr(buf.as_ptr()) }
+            .to_string_lossy()
+            .into_owned())
     }
 
     /// PCI bus id, e.g. "0000:18:00.0".
@@ -132,7 +148,9 @@ impl Context {
         let mut buf = [0i8; 64];
         cu!(cuDeviceGetPCIBusId(buf.as_mut_ptr(), buf.len() as i32, self.dev))?;
         // SAFETY: the driver NUL-terminates within the buffer.
-        Ok(unsafe { CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned())
+        Ok(unsafe { CStr::from_ptr(buf.as_ptr()) }
+            .to_string_lossy()
+            .into_owned())
     }
 
     /// Whether this device can map `peer`'s memory.
@@ -170,12 +188,17 @@ impl Context {
     /// The PTX module of kernel entry point `name` in this context, JIT-compiled from the embedded
     /// PTX on first use (see [`crate::kernels`]).
     pub fn kernel(&self, name: &str) -> Result<Arc<Module>> {
-        let mut mods = self.modules.lock().map_err(|_| Error::Internal("module cache poisoned".into()))?;
+        let mut mods = self
+            .modules
+            .lock()
+            .map_err(|_| Error::Internal("module cache poisoned".into()))?;
         if let Some(m) = mods.get(name) {
             return Ok(m.clone());
         }
         let ptx = crate::kernels::module(name).ok_or_else(|| {
-            Error::Internal(format!("kernel {name} is not in this build (built with OXCCL_SKIP_PTX?)"))
+            Error::Internal(format!(
+                "kernel {name} is not in this build (built with OXCCL_SKIP_PTX?)"
+            ))
         })?;
         let m = Arc::new(Module::load(self, name, ptx)?);
         mods.insert(name.to_string(), m.clone());
@@ -234,7 +257,14 @@ impl Module {
         let local_bytes = attr(A::CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES)?;
         let max_threads = attr(A::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK)?.max(32) as u32;
         tracing::debug!(target: "oxccl::init", device = ctx.ordinal, kernel = name, load_seconds, num_regs, local_bytes, max_threads, "PTX module loaded");
-        Ok(Module { _module: module, kernel, load_seconds, num_regs, local_bytes, max_threads })
+        Ok(Module {
+            _module: module,
+            kernel,
+            load_seconds,
+            num_regs,
+            local_bytes,
+            max_threads,
+        })
     }
 }
 
@@ -251,17 +281,29 @@ impl DevAlloc {
         ctx.bind()?;
         let mut ptr = 0;
         cu!(cuMemAlloc_v2(&mut ptr, bytes.max(1)))?;
-        let a = DevAlloc { ptr, bytes, ctx: ctx.clone() };
+        let a = DevAlloc {
+            ptr,
+            bytes,
+            ctx: ctx.clone(),
+        };
         cu!(cuMemsetD8_v2(ptr, 0, bytes.max(1)))?;
         Ok(a)
     }
     /// Synchronous host→device copy at byte offset `off`.
     pub fn write(&self, off: usize, data: &[u8]) -> Result<()> {
         if off + data.len() > self.bytes {
-            return Err(Error::Internal(format!("device write of {} bytes at {off} past {}", data.len(), self.bytes)));
+            return Err(Error::Internal(format!(
+                "device write of {} bytes at {off} past {}",
+                data.len(),
+                self.bytes
+            )));
         }
         self.ctx.bind()?;
-        cu!(cuMemcpyHtoD_v2(self.ptr + off as u64, data.as_ptr() as *const c_void, data.len()))
+        cu!(cuMemcpyHtoD_v2(
+            self.ptr + off as u64,
+            data.as_ptr() as *const c_void,
+            data.len()
+        ))
     }
 }
 
@@ -315,7 +357,11 @@ impl HostMapped {
         // SAFETY: `host` is a fresh allocation of `bytes` bytes.
         unsafe { std::ptr::write_bytes(host as *mut u8, 0, bytes) };
         // Owned from here on: an error below frees it through Drop.
-        let mut m = HostMapped { host, dev_ptr: 0, bytes };
+        let mut m = HostMapped {
+            host,
+            dev_ptr: 0,
+            bytes,
+        };
         cu!(cuMemHostGetDevicePointer_v2(&mut m.dev_ptr, host, 0))?;
         Ok(m)
     }
@@ -357,15 +403,26 @@ impl Stream {
     pub fn new(ctx: &Arc<Context>) -> Result<Stream> {
         ctx.bind()?;
         let mut raw = std::ptr::null_mut();
-        cu!(cuStreamCreate(&mut raw, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32))?;
-        Ok(Stream { raw, ctx: ctx.clone(), owned: true })
+        cu!(cuStreamCreate(
+            &mut raw,
+            sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32
+        ))?;
+        Ok(Stream {
+            raw,
+            ctx: ctx.clone(),
+            owned: true,
+        })
     }
     /// Wraps a stream created elsewhere (not destroyed on drop).
     ///
     /// # Safety
     /// `raw` is a valid stream of device `ctx` that outlives the returned value.
     pub unsafe fn from_raw(ctx: &Arc<Context>, raw: sys::CUstream) -> Stream {
-        Stream { raw, ctx: ctx.clone(), owned: false }
+        Stream {
+            raw,
+            ctx: ctx.clone(),
+            owned: false,
+        }
     }
     /// The context (device) of this stream.
     pub fn ctx_arc(&self) -> Arc<Context> {
@@ -382,7 +439,13 @@ impl Stream {
         cu!(cuMemcpyDtoDAsync_v2(dst, src, bytes, self.raw))
     }
     /// Queues a launch of the collective kernel.
-    pub fn launch(&self, module: &Module, grid: u32, block: u32, args: &oxccl_gpu::abi::KernelArgs) -> Result<()> {
+    pub fn launch(
+        &self,
+        module: &Module,
+        grid: u32,
+        block: u32,
+        args: &oxccl_gpu::abi::KernelArgs,
+    ) -> Result<()> {
         self.ctx.bind()?;
         if block > module.max_threads {
             return Err(Error::invalid(format!(
@@ -433,7 +496,10 @@ impl Event {
         ctx.bind()?;
         let mut raw = std::ptr::null_mut();
         cu!(cuEventCreate(&mut raw, 0))?;
-        Ok(Event { raw, ctx: ctx.clone() })
+        Ok(Event {
+            raw,
+            ctx: ctx.clone(),
+        })
     }
     /// Records the event on `stream`.
     pub fn record(&self, stream: &Stream) -> Result<()> {

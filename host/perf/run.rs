@@ -5,10 +5,10 @@
 //! same size is timed on it right after oxccl, on the same buffers.
 use super::check;
 use super::table::{self, Measure, NcclCols, RefTiming, Row};
+use crate::Comm;
 use crate::error::{Error, Result};
 use crate::mem::{Device, DeviceBuffer, Stream};
 use crate::nccl::NcclComms;
-use crate::Comm;
 use oxccl_gpu::abi::{DataType, Func, RedOp};
 use std::time::Instant;
 
@@ -40,7 +40,14 @@ pub const ROOT: usize = 0;
 /// Where rank `rank`'s buffers of one call sit: (send, recv) addresses, for `count` elements per
 /// rank (nccl-tests' in-place offsets: AllGather sends from `recv + rank·count`, ReduceScatter
 /// receives at `send + rank·count`, i.e. at `recv + rank·count` of the one in-place buffer).
-fn call_addrs(func: Func, b: &RankBufs, rank: usize, count: usize, dtype: DataType, in_place: bool) -> (u64, u64) {
+fn call_addrs(
+    func: Func,
+    b: &RankBufs,
+    rank: usize,
+    count: usize,
+    dtype: DataType,
+    in_place: bool,
+) -> (u64, u64) {
     let recv = b.recv.addr();
     let block = (rank * count * dtype.size()) as u64;
     match (func, in_place) {
@@ -52,7 +59,14 @@ fn call_addrs(func: Func, b: &RankBufs, rank: usize, count: usize, dtype: DataTy
 }
 
 impl Backend {
-    fn launch_all(&self, bufs: &[RankBufs], streams: &[Stream], cfg: &PerfConfig, count: usize, in_place: bool) -> Result<()> {
+    fn launch_all(
+        &self,
+        bufs: &[RankBufs],
+        streams: &[Stream],
+        cfg: &PerfConfig,
+        count: usize,
+        in_place: bool,
+    ) -> Result<()> {
         let (func, dtype, op) = (cfg.func, cfg.dtype, cfg.op);
         match self {
             Backend::Oxccl(comms) => {
@@ -91,7 +105,12 @@ impl Backend {
 /// bytes or `None` where the output is not defined — Reduce on non-roots), with `count` elements
 /// per rank. Values come from the exact generator of [`check`] (for AllGather and Broadcast the
 /// Sum generator: any values would do).
-fn check_data(cfg: &PerfConfig, nranks: usize, count: usize, seed: u64) -> Result<Vec<(Vec<u8>, Option<Vec<u8>>)>> {
+fn check_data(
+    cfg: &PerfConfig,
+    nranks: usize,
+    count: usize,
+    seed: u64,
+) -> Result<Vec<(Vec<u8>, Option<Vec<u8>>)>> {
     let input_of = |op: RedOp, r: usize, n: usize| {
         check::fill_input(Func::AllReduce, cfg.dtype, op, r, nranks, seed, n)
             .ok_or_else(|| Error::Internal("no data generator".into()))
@@ -104,7 +123,9 @@ fn check_data(cfg: &PerfConfig, nranks: usize, count: usize, seed: u64) -> Resul
     Ok(match cfg.func {
         Func::AllReduce => {
             let exp = reduced(count)?;
-            (0..nranks).map(|r| Ok((input_of(cfg.op, r, count)?, Some(exp.clone())))).collect::<Result<_>>()?
+            (0..nranks)
+                .map(|r| Ok((input_of(cfg.op, r, count)?, Some(exp.clone()))))
+                .collect::<Result<_>>()?
         }
         Func::Reduce => {
             let exp = reduced(count)?;
@@ -115,17 +136,29 @@ fn check_data(cfg: &PerfConfig, nranks: usize, count: usize, seed: u64) -> Resul
         Func::ReduceScatter => {
             let exp = reduced(nranks * count)?;
             (0..nranks)
-                .map(|r| Ok((input_of(cfg.op, r, nranks * count)?, Some(exp[r * bytes..(r + 1) * bytes].to_vec()))))
+                .map(|r| {
+                    Ok((
+                        input_of(cfg.op, r, nranks * count)?,
+                        Some(exp[r * bytes..(r + 1) * bytes].to_vec()),
+                    ))
+                })
                 .collect::<Result<_>>()?
         }
         Func::Broadcast => {
             let data = input_of(RedOp::Sum, ROOT, count)?;
             (0..nranks)
-                .map(|r| (if r == ROOT { data.clone() } else { vec![0; bytes] }, Some(data.clone())))
+                .map(|r| {
+                    (
+                        if r == ROOT { data.clone() } else { vec![0; bytes] },
+                        Some(data.clone()),
+                    )
+                })
                 .collect()
         }
         Func::AllGather => {
-            let inputs: Vec<Vec<u8>> = (0..nranks).map(|r| input_of(RedOp::Sum, r, count)).collect::<Result<_>>()?;
+            let inputs: Vec<Vec<u8>> = (0..nranks)
+                .map(|r| input_of(RedOp::Sum, r, count))
+                .collect::<Result<_>>()?;
             let all = inputs.concat();
             inputs.into_iter().map(|i| (i, Some(all.clone()))).collect()
         }
@@ -152,9 +185,16 @@ impl Bench {
         let mut bufs = Vec::new();
         for d in devices {
             streams.push(d.new_stream()?);
-            bufs.push(RankBufs { send: d.alloc(max_bytes as usize)?, recv: d.alloc(max_bytes as usize)? });
+            bufs.push(RankBufs {
+                send: d.alloc(max_bytes as usize)?,
+                recv: d.alloc(max_bytes as usize)?,
+            });
         }
-        Ok(Bench { devices: devices.to_vec(), streams, bufs })
+        Ok(Bench {
+            devices: devices.to_vec(),
+            streams,
+            bufs,
+        })
     }
 
     fn sync(&self) -> Result<()> {
@@ -194,13 +234,16 @@ impl Bench {
                 match (cfg.func, in_place) {
                     (_, false) => {
                         rb.send.write(0, input)?;
-                        rb.recv.write(0, &check::poison(cfg.dtype, out_elems.max(count)))?;
+                        rb.recv
+                            .write(0, &check::poison(cfg.dtype, out_elems.max(count)))?;
                     }
                     (Func::AllGather, true) => {
                         rb.recv.write(0, &check::poison(cfg.dtype, n * count))?;
                         rb.recv.write(r * block, input)?;
                     }
-                    (Func::Broadcast, true) if r != ROOT => rb.recv.write(0, &check::poison(cfg.dtype, count))?,
+                    (Func::Broadcast, true) if r != ROOT => {
+                        rb.recv.write(0, &check::poison(cfg.dtype, count))?
+                    }
                     (_, true) => rb.recv.write(0, input)?,
                 }
             }
@@ -225,7 +268,11 @@ impl Bench {
         let mut out = Vec::with_capacity(2);
         for in_place in [false, true] {
             let t = self.time(b, cfg, count, in_place)?;
-            let wrong = if cfg.check > 0 { Some(self.check(b, cfg, count, in_place)?) } else { None };
+            let wrong = if cfg.check > 0 {
+                Some(self.check(b, cfg, count, in_place)?)
+            } else {
+                None
+            };
             out.push(Measure::new(cfg.func, n, data, t * 1e6, wrong));
         }
         Ok((count, out[0], out[1]))
@@ -248,8 +295,14 @@ pub fn sweep(
             Some(r) => {
                 let (_, roop, rip) = bench.measure(r, cfg, bytes)?;
                 Some(NcclCols {
-                    out_of_place: RefTiming { time_us: roop.time_us, busbw: roop.busbw },
-                    in_place: RefTiming { time_us: rip.time_us, busbw: rip.busbw },
+                    out_of_place: RefTiming {
+                        time_us: roop.time_us,
+                        busbw: roop.busbw,
+                    },
+                    in_place: RefTiming {
+                        time_us: rip.time_us,
+                        busbw: rip.busbw,
+                    },
                 })
             }
             None => None,
@@ -259,7 +312,11 @@ pub fn sweep(
             count,
             dtype: cfg.dtype,
             redop: (!matches!(cfg.func, Func::Broadcast | Func::AllGather)).then_some(cfg.op),
-            root: if matches!(cfg.func, Func::Broadcast | Func::Reduce) { ROOT as i32 } else { -1 },
+            root: if matches!(cfg.func, Func::Broadcast | Func::Reduce) {
+                ROOT as i32
+            } else {
+                -1
+            },
             out_of_place: oop,
             in_place: ip,
             nccl,

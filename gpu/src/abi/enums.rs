@@ -51,7 +51,10 @@ impl DataType {
     }
     /// True for the floating-point types.
     pub const fn is_float(self) -> bool {
-        matches!(self, DataType::F16 | DataType::F32 | DataType::F64 | DataType::Bf16)
+        matches!(
+            self,
+            DataType::F16 | DataType::F32 | DataType::F64 | DataType::Bf16
+        )
     }
 }
 

@@ -120,7 +120,10 @@ pub unsafe fn load_volatile_v4(p: *const Pack) -> Pack {
     let q = p as *mut u64;
     // SAFETY: caller guarantees validity and alignment.
     let (lo, hi) = unsafe {
-        (AtomicU64::from_ptr(q).load(Ordering::Acquire), AtomicU64::from_ptr(q.add(1)).load(Ordering::Acquire))
+        (
+            AtomicU64::from_ptr(q).load(Ordering::Acquire),
+            AtomicU64::from_ptr(q.add(1)).load(Ordering::Acquire),
+        )
     };
     Pack([lo as u32, (lo >> 32) as u32, hi as u32, (hi >> 32) as u32])
 }

@@ -72,7 +72,9 @@ pub unsafe fn fence_sc_sys() {
 pub unsafe fn load_acquire_sys_u64(p: *const u64) -> u64 {
     let v: u64;
     // SAFETY: caller guarantees `p`.
-    unsafe { asm!("ld.acquire.sys.global.u64 {v}, [{p}];", v = out(reg64) v, p = in(reg64) p, options(nostack)) }
+    unsafe {
+        asm!("ld.acquire.sys.global.u64 {v}, [{p}];", v = out(reg64) v, p = in(reg64) p, options(nostack))
+    }
     v
 }
 
@@ -83,7 +85,9 @@ pub unsafe fn load_acquire_sys_u64(p: *const u64) -> u64 {
 #[inline(always)]
 pub unsafe fn store_release_sys_u64(p: *mut u64, v: u64) {
     // SAFETY: caller guarantees `p`.
-    unsafe { asm!("st.release.sys.global.u64 [{p}], {v};", p = in(reg64) p, v = in(reg64) v, options(nostack)) }
+    unsafe {
+        asm!("st.release.sys.global.u64 [{p}], {v};", p = in(reg64) p, v = in(reg64) v, options(nostack))
+    }
 }
 
 /// `ld.volatile.global.u64`: a load that is never cached or merged (relaxed; the flag poll).

@@ -23,7 +23,14 @@ pub fn ring<P: Primitives>(p: &mut P, r: &RingCtx, count: u64, chunk_elems: u64,
         // Offset and length of the chunk owned by user rank `owner` in this loop iteration.
         let chunk = |owner: u64| -> (u64, u64) {
             let off = base + owner * real_chunk;
-            (off, if off >= count { 0 } else { core::cmp::min(real_chunk, count - off) })
+            (
+                off,
+                if off >= count {
+                    0
+                } else {
+                    core::cmp::min(real_chunk, count - off)
+                },
+            )
         };
 
         // Reduce-scatter: send the chunk of the rank just upstream of us (it ends at its owner).

@@ -33,3 +33,35 @@ pub const fn align_elems(n: u64, esize: u64) -> u64 {
     let per = crate::abi::PACK_BYTES / esize;
     n.div_ceil(per) * per
 }
+
+/// Walks this channel's chunks of a `count`-element vector cut per loop into `nchannels` chunks of
+/// at most `chunk_elems` (NCCL's grid loop of the one-block-per-rank collectives): calls
+/// `step(offset, len)` once per loop, `len` possibly 0 on the last loop; stops when it returns
+/// `false` (abort).
+#[inline(always)]
+pub fn channel_chunks(
+    r: &RingCtx,
+    count: u64,
+    chunk_elems: u64,
+    esize: u64,
+    mut step: impl FnMut(u64, u64) -> bool,
+) {
+    let loop_size = r.nchannels * chunk_elems;
+    let mut grid_off = 0u64;
+    while grid_off < count {
+        let real_chunk = align_elems(
+            core::cmp::min(chunk_elems, (count - grid_off).div_ceil(r.nchannels)),
+            esize,
+        );
+        let off = grid_off + r.channel * real_chunk;
+        let len = if off >= count {
+            0
+        } else {
+            core::cmp::min(real_chunk, count - off)
+        };
+        if !step(off, len) {
+            return;
+        }
+        grid_off += loop_size;
+    }
+}

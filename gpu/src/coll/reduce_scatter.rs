@@ -1,6 +1,6 @@
 //! Ring ReduceScatter (NCCL's `reduce_scatter.h`): block `k` of every rank's input travels the ring
 //! once, reduced at each hop, and ends at rank `k`, which writes it to its output.
-use super::{RingCtx, align_elems};
+use super::{RingCtx, channel_chunks};
 use crate::proto::Primitives;
 
 /// This channel's share of a ReduceScatter of `count` elements per rank: input offsets are
@@ -8,21 +8,13 @@ use crate::proto::Primitives;
 #[inline(always)]
 pub fn ring<P: Primitives>(p: &mut P, r: &RingCtx, count: u64, chunk_elems: u64, esize: u64) {
     let n = r.nranks;
-    let loop_size = r.nchannels * chunk_elems;
-    let mut grid_off = 0u64;
-    while grid_off < count {
-        let real_chunk = align_elems(core::cmp::min(chunk_elems, (count - grid_off).div_ceil(r.nchannels)), esize);
-        let chunk_off = grid_off + r.channel * real_chunk;
-        let len = if chunk_off >= count { 0 } else { core::cmp::min(real_chunk, count - chunk_off) };
+    channel_chunks(r, count, chunk_elems, esize, |chunk_off, len| {
         let inp = |owner: u64| chunk_off + owner * count;
         p.send(inp(r.user_rank(n - 1)), len);
         for j in 2..n {
             p.recv_reduce_send(inp(r.user_rank(n - j)), len);
         }
         p.recv_reduce_copy(inp(r.user_rank(0)), chunk_off, len, true);
-        if p.aborted() {
-            return;
-        }
-        grid_off += loop_size;
-    }
+        !p.aborted()
+    });
 }

@@ -80,14 +80,21 @@ impl<T: Elem, Op: RedFn<T>> Simple<T, Op> {
     ) -> Self {
         // SAFETY: caller guarantees `channel` is valid; fields are plain data.
         let (send, recv) = unsafe {
-            (Conn::load(&raw mut (*channel).send), Conn::load(&raw mut (*channel).recv))
+            (
+                Conn::load(&raw mut (*channel).send),
+                Conn::load(&raw mut (*channel).recv),
+            )
         };
         let slot_bytes = buff_size / FIFO_STEPS / PACK_BYTES * PACK_BYTES;
         let esize = core::mem::size_of::<T>() as u64;
         let slot_elems = slot_bytes / esize;
         // A slice spans 1, 2 or 4 contiguous slots, so at least two slices are always in flight.
         let max_slice = slot_elems * (FIFO_STEPS / 2);
-        let slice_elems = if slice_elems == 0 || slice_elems > max_slice { slot_elems } else { slice_elems };
+        let slice_elems = if slice_elems == 0 || slice_elems > max_slice {
+            slot_elems
+        } else {
+            slice_elems
+        };
         let steps_per_slice = slice_elems.div_ceil(slot_elems).next_power_of_two();
         Simple {
             tid,
@@ -228,8 +235,16 @@ impl<T: Elem, Op: RedFn<T>> Simple<T, Op> {
             }
             let in_ptr = self.input.wrapping_add((src + done) as usize) as *const u8;
             let out_ptr = self.output.wrapping_add((dst + done) as usize) as *mut u8;
-            let recv_ptr = if RECV { self.slot(&self.recv) } else { core::ptr::null_mut() };
-            let send_ptr = if SEND { self.slot(&self.send) } else { core::ptr::null_mut() };
+            let recv_ptr = if RECV {
+                self.slot(&self.recv)
+            } else {
+                core::ptr::null_mut()
+            };
+            let send_ptr = if SEND {
+                self.slot(&self.send)
+            } else {
+                core::ptr::null_mut()
+            };
             let (s0, s1): (*const u8, *const u8) = match (SRC, RECV) {
                 (true, true) => (recv_ptr, in_ptr),
                 (true, false) => (in_ptr, core::ptr::null()),
@@ -244,10 +259,18 @@ impl<T: Elem, Op: RedFn<T>> Simple<T, Op> {
             // SAFETY: the pointers cover `len` elements (algorithm and FIFO geometry contracts).
             unsafe {
                 match (SRC && RECV, DST && SEND) {
-                    (true, true) => reduce_copy::<T, Op, true, true>(self.tid, self.nthreads, s0, s1, d0, d1, len, div),
-                    (true, false) => reduce_copy::<T, Op, true, false>(self.tid, self.nthreads, s0, s1, d0, d1, len, div),
-                    (false, true) => reduce_copy::<T, Op, false, true>(self.tid, self.nthreads, s0, s1, d0, d1, len, div),
-                    (false, false) => reduce_copy::<T, Op, false, false>(self.tid, self.nthreads, s0, s1, d0, d1, len, div),
+                    (true, true) => {
+                        reduce_copy::<T, Op, true, true>(self.tid, self.nthreads, s0, s1, d0, d1, len, div)
+                    }
+                    (true, false) => {
+                        reduce_copy::<T, Op, true, false>(self.tid, self.nthreads, s0, s1, d0, d1, len, div)
+                    }
+                    (false, true) => {
+                        reduce_copy::<T, Op, false, true>(self.tid, self.nthreads, s0, s1, d0, d1, len, div)
+                    }
+                    (false, false) => {
+                        reduce_copy::<T, Op, false, false>(self.tid, self.nthreads, s0, s1, d0, d1, len, div)
+                    }
                 }
             }
             self.post::<RECV, SEND>();
@@ -302,7 +325,11 @@ unsafe fn reduce_copy<T: Elem, Op: RedFn<T>, const TWO_SRC: bool, const TWO_DST:
     if TWO_DST {
         addrs |= d1 as u64;
     }
-    let npacks = if addrs % PACK_BYTES == 0 { n * esize / PACK_BYTES } else { 0 };
+    let npacks = if addrs % PACK_BYTES == 0 {
+        n * esize / PACK_BYTES
+    } else {
+        0
+    };
     let stride = nthreads as u64;
     let op = |a: Pack, b: Pack| -> Pack {
         let v = if TWO_SRC { Op::apply_pack(a, b) } else { a };
@@ -336,7 +363,11 @@ unsafe fn reduce_copy<T: Elem, Op: RedFn<T>, const TWO_SRC: bool, const TWO_DST:
         }
         while i < npacks {
             let a = arch::load_v4(ps0.add(i as usize));
-            let b = if TWO_SRC { arch::load_v4(ps1.add(i as usize)) } else { Pack::default() };
+            let b = if TWO_SRC {
+                arch::load_v4(ps1.add(i as usize))
+            } else {
+                Pack::default()
+            };
             let r = op(a, b);
             arch::store_v4(pd0.add(i as usize), r);
             if TWO_DST {
