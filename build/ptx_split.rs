@@ -19,7 +19,11 @@ fn is_ident(c: char) -> bool {
 /// The symbol an item defines or declares: the identifier after `.entry`/`.func` (skipping a
 /// `(.param ...)` return list), or for a variable the identifier before `[`, `=` or `;`.
 fn item_name(text: &str) -> Option<(String, bool)> {
-    let head: String = text.lines().filter(|l| !l.trim_start().starts_with("//")).collect::<Vec<_>>().join(" ");
+    let head: String = text
+        .lines()
+        .filter(|l| !l.trim_start().starts_with("//"))
+        .collect::<Vec<_>>()
+        .join(" ");
     for kw in [".entry", ".func"] {
         if let Some(p) = head.find(kw) {
             let mut rest = head[p + kw.len()..].trim_start();
@@ -46,7 +50,10 @@ pub fn split_ptx(ptx: &str) -> Result<Vec<(String, String)>, String> {
     for line in ptx.lines() {
         let t = line.trim();
         if in_header {
-            if t.is_empty() || t.starts_with("//") || t.starts_with(".version") || t.starts_with(".target")
+            if t.is_empty()
+                || t.starts_with("//")
+                || t.starts_with(".version")
+                || t.starts_with(".target")
                 || t.starts_with(".address_size")
             {
                 header.push_str(line);
@@ -61,7 +68,8 @@ pub fn split_ptx(ptx: &str) -> Result<Vec<(String, String)>, String> {
         let ends = depth == 0 && (t == "}" || (t.ends_with(';') && !t.starts_with("//")));
         if ends {
             let text = std::mem::take(&mut cur);
-            let (name, entry) = item_name(&text).ok_or_else(|| format!("cannot name PTX item: {text:.200}"))?;
+            let (name, entry) =
+                item_name(&text).ok_or_else(|| format!("cannot name PTX item: {text:.200}"))?;
             items.push(Item { name, text, entry });
         }
     }

@@ -147,7 +147,11 @@ impl Comm {
     /// reach each other's memory.
     pub fn init_all(devices: &[Device]) -> Result<Vec<Comm>> {
         check_devices(devices)?;
-        let params = Params::from_env()?;
+        let mut params = Params::from_env()?;
+        if devices[0].is_cuda() && params.nthreads > cuda::MAX_JIT_THREADS {
+            tracing::warn!(target: "oxccl::init", "NCCL_NTHREADS={} rounded down to {} (the most threads per block the kernels are built for)", params.nthreads, cuda::MAX_JIT_THREADS);
+            params.nthreads = cuda::MAX_JIT_THREADS;
+        }
         let nranks = devices.len();
         let default_nch = if devices[0].is_cuda() {
             CUDA_DEFAULT_NCHANNELS

@@ -206,8 +206,9 @@ impl Context {
     }
 }
 
-/// Block size the JIT register cap is computed for (NCCL's default `NCCL_NTHREADS`).
-const MAX_JIT_THREADS: u32 = 512;
+/// Block size the JIT register cap is computed for (NCCL's default `NCCL_NTHREADS`): the most
+/// threads per block the kernels launch with.
+pub const MAX_JIT_THREADS: u32 = 512;
 
 /// A loaded PTX module and its collective kernel.
 pub struct Module {
@@ -287,6 +288,8 @@ impl DevAlloc {
             ctx: ctx.clone(),
         };
         cu!(cuMemsetD8_v2(ptr, 0, bytes.max(1)))?;
+        // cuMemsetD8 may still be running: streams created non-blocking do not wait for it.
+        cu!(cuCtxSynchronize())?;
         Ok(a)
     }
     /// Synchronous host→device copy at byte offset `off`.
@@ -298,12 +301,7 @@ impl DevAlloc {
                 self.bytes
             )));
         }
-        self.ctx.bind()?;
-        cu!(cuMemcpyHtoD_v2(
-            self.ptr + off as u64,
-            data.as_ptr() as *const c_void,
-            data.len()
-        ))
+        copy_htod(&self.ctx, self.ptr + off as u64, data)
     }
 }
 
@@ -318,9 +316,14 @@ impl Drop for DevAlloc {
 }
 
 /// Synchronous host→device copy. `dst` must be device memory of `ctx` valid for `src.len()` bytes.
+///
+/// From pageable memory the driver may return before the DMA has landed, and non-blocking streams
+/// are not ordered after it: the copy is followed by a context synchronize, so work queued
+/// afterwards on any stream sees the data.
 pub fn copy_htod(ctx: &Context, dst: u64, src: &[u8]) -> Result<()> {
     ctx.bind()?;
-    cu!(cuMemcpyHtoD_v2(dst, src.as_ptr() as *const c_void, src.len()))
+    cu!(cuMemcpyHtoD_v2(dst, src.as_ptr() as *const c_void, src.len()))?;
+    cu!(cuCtxSynchronize())
 }
 
 /// Synchronous device→host copy. `src` must be device memory of `ctx` valid for `dst.len()` bytes.
@@ -330,9 +333,12 @@ pub fn copy_dtoh(ctx: &Context, dst: &mut [u8], src: u64) -> Result<()> {
 }
 
 /// Synchronous byte fill of device memory.
+///
+/// `cuMemsetD8` may be asynchronous: it is followed by a context synchronize, as [`copy_htod`].
 pub fn memset(ctx: &Context, dst: u64, byte: u8, bytes: usize) -> Result<()> {
     ctx.bind()?;
-    cu!(cuMemsetD8_v2(dst, byte, bytes))
+    cu!(cuMemsetD8_v2(dst, byte, bytes))?;
+    cu!(cuCtxSynchronize())
 }
 
 /// Page-locked host memory mapped into every device's address space (`cuMemHostAlloc` with
