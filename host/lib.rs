@@ -44,15 +44,25 @@ pub use error::{Error, Result, ResultCode, error_string};
 pub use mem::{DevSlice, Device, DeviceBuffer, Stream};
 pub use oxccl_gpu::abi::{Algo, DataType, Func, Proto, RedOp, kernel_name};
 
-/// The embedded kernels: `PTX_MODULES` lists (kernel entry point, PTX module) pairs, one module
-/// per entry point, split by build.rs from the PTX built from `gpu/` (empty when built with
-/// `OXCCL_SKIP_PTX`); `PTX_BYTES` is the size of the module before splitting.
+/// The embedded kernels: `PTX_MODULES` lists (kernel entry point, deflated PTX module) pairs, one
+/// module per entry point, split by build.rs from the PTX built from `gpu/` (empty when built with
+/// `OXCCL_SKIP_PTX`); `PTX_BYTES` is the size of the linked PTX before splitting.
 pub mod kernels {
     include!(concat!(env!("OUT_DIR"), "/ptx_modules.rs"));
 
-    /// The PTX module holding kernel entry point `name`.
-    pub fn module(name: &str) -> Option<&'static str> {
-        PTX_MODULES.iter().find(|(n, _)| *n == name).map(|(_, ptx)| *ptx)
+    /// The PTX text of the module holding kernel entry point `name`.
+    pub fn module(name: &str) -> Option<String> {
+        let (_, packed) = PTX_MODULES.iter().find(|(n, _)| *n == name)?;
+        let bytes = miniz_oxide::inflate::decompress_to_vec(packed).ok()?;
+        String::from_utf8(bytes).ok()
+    }
+
+    /// Every kernel entry point with its PTX text.
+    pub fn all() -> Vec<(&'static str, String)> {
+        PTX_MODULES
+            .iter()
+            .filter_map(|(n, _)| module(n).map(|m| (*n, m)))
+            .collect()
     }
 }
 

@@ -1,7 +1,7 @@
 //! The embedded PTX modules (`oxccl::kernels`): one module per kernel entry point, each
 //! self-contained (every function it calls or names is defined in it), none holding another
 //! kernel, each smaller than the linked PTX it was split from. Pure text checks: no GPU needed.
-use oxccl::kernels::{PTX_BYTES, PTX_MODULES};
+use oxccl::kernels::PTX_BYTES;
 use oxccl::{DataType, Func, RedOp};
 use oxccl_gpu::abi::kernel_name;
 use std::collections::{BTreeMap, BTreeSet};
@@ -179,10 +179,16 @@ fn parse(ptx: &str) -> Module {
 
 #[test]
 fn every_all_reduce_kernel_has_a_module() {
-    let names: BTreeSet<&str> = PTX_MODULES.iter().map(|(n, _)| *n).collect();
+    let modules = oxccl::kernels::all();
+    assert_eq!(
+        modules.len(),
+        oxccl::kernels::PTX_MODULES.len(),
+        "a module failed to inflate"
+    );
+    let names: BTreeSet<&str> = modules.iter().map(|(n, _)| *n).collect();
     assert_eq!(
         names.len(),
-        PTX_MODULES.len(),
+        modules.len(),
         "duplicate module names in PTX_MODULES"
     );
     let mut missing = Vec::new();
@@ -202,18 +208,19 @@ fn every_all_reduce_kernel_has_a_module() {
         missing.is_empty(),
         "{} AllReduce kernels have no PTX module: {missing:?} (modules: {})",
         missing.len(),
-        PTX_MODULES.len()
+        modules.len()
     );
 }
 
 #[test]
 fn modules_are_self_contained_single_kernels() {
+    let modules = oxccl::kernels::all();
     assert!(
-        !PTX_MODULES.is_empty(),
+        !modules.is_empty(),
         "no PTX modules embedded (built with OXCCL_SKIP_PTX?)"
     );
-    let all_names: BTreeSet<&str> = PTX_MODULES.iter().map(|(n, _)| *n).collect();
-    let parsed: BTreeMap<&str, Module> = PTX_MODULES.iter().map(|(n, ptx)| (*n, parse(ptx))).collect();
+    let all_names: BTreeSet<&str> = modules.iter().map(|(n, _)| *n).collect();
+    let parsed: BTreeMap<&str, Module> = modules.iter().map(|(n, ptx)| (*n, parse(ptx))).collect();
     // Every function defined anywhere: a module naming one must define it itself.
     let all_funcs: BTreeSet<&str> = parsed
         .values()
@@ -226,7 +233,7 @@ fn modules_are_self_contained_single_kernels() {
     let mut total = 0usize;
     let mut largest = (0usize, "");
     let mut problems = Vec::new();
-    for (name, ptx) in PTX_MODULES {
+    for (name, ptx) in &modules {
         let m = &parsed[name];
         total += ptx.len();
         if ptx.len() > largest.0 {
@@ -296,7 +303,7 @@ fn modules_are_self_contained_single_kernels() {
     eprintln!(
         "kernels: {} modules, {total} bytes in all (largest {} bytes, {}); linked PTX {PTX_BYTES} bytes; \
          {nfuncs} functions defined and {ncalls} call targets over all modules (entries included)",
-        PTX_MODULES.len(),
+        modules.len(),
         largest.0,
         largest.1
     );

@@ -44,11 +44,11 @@ unsafe fn by_op<T: Elem>(args: &KernelArgs, bid: u32, tid: u32, nthreads: u32, s
     // SAFETY: forwarded caller contract.
     unsafe {
         match op {
-            RedOp::Sum => run_typed::<T, FuncSum>(args, bid, tid, nthreads, smem, false),
-            RedOp::Prod => run_typed::<T, FuncProd>(args, bid, tid, nthreads, smem, false),
-            RedOp::Max => run_typed::<T, FuncMax>(args, bid, tid, nthreads, smem, false),
-            RedOp::Min => run_typed::<T, FuncMin>(args, bid, tid, nthreads, smem, false),
-            RedOp::Avg => run_typed::<T, FuncSum>(args, bid, tid, nthreads, smem, true),
+            RedOp::Sum => run_typed::<T, FuncSum>(args, bid, tid, nthreads, smem, false, None),
+            RedOp::Prod => run_typed::<T, FuncProd>(args, bid, tid, nthreads, smem, false, None),
+            RedOp::Max => run_typed::<T, FuncMax>(args, bid, tid, nthreads, smem, false, None),
+            RedOp::Min => run_typed::<T, FuncMin>(args, bid, tid, nthreads, smem, false, None),
+            RedOp::Avg => run_typed::<T, FuncSum>(args, bid, tid, nthreads, smem, true, None),
         }
     }
 }
@@ -66,13 +66,15 @@ pub unsafe fn run_typed<T: Elem, Op: RedFn<T>>(
     nthreads: u32,
     smem: *mut u32,
     avg: bool,
+    only: Option<Func>,
 ) {
     let w = &args.work;
     // SAFETY: caller contract.
     let comm = unsafe { &*(args.comm as *const DevComm) };
     let postdiv = if avg { comm.nranks } else { 0 };
+    // A kernel entry point passes its collective as a constant, so only that one is compiled in.
     let (Some(func), Some(Algo::Ring), Some(Proto::Simple)) = (
-        Func::from_u8(w.func),
+        only.or(Func::from_u8(w.func)),
         Algo::from_u8(w.algo),
         Proto::from_u8(w.proto),
     ) else {

@@ -304,7 +304,7 @@ fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
             let m = oxccl::cuda::Context::get(*o)?.kernel(&name)?;
             println!(
                 "# kernel {name}: PTX {} bytes, JIT {:.1} ms, {} registers, {} bytes local memory per thread",
-                oxccl::kernels::module(&name).map_or(0, str::len),
+                oxccl::kernels::module(&name).map_or(0, |m| m.len()),
                 m.load_seconds * 1e3,
                 m.num_regs,
                 m.local_bytes
@@ -356,9 +356,15 @@ fn info() -> Result<ExitCode, Box<dyn std::error::Error>> {
     Ok(ExitCode::SUCCESS)
 }
 
-fn ptx_target() -> &'static str {
-    oxccl::kernels::PTX_MODULES
+fn ptx_target() -> String {
+    let first = oxccl::kernels::PTX_MODULES
         .first()
-        .and_then(|(_, ptx)| ptx.lines().find(|l| l.starts_with(".target")))
-        .map_or("none", |l| l.trim_start_matches(".target").trim())
+        .and_then(|(n, _)| oxccl::kernels::module(n));
+    first
+        .and_then(|ptx| {
+            ptx.lines()
+                .find(|l| l.starts_with(".target"))
+                .map(|l| l.trim_start_matches(".target").trim().to_string())
+        })
+        .unwrap_or_else(|| "none".into())
 }

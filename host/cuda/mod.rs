@@ -200,7 +200,7 @@ impl Context {
                 "kernel {name} is not in this build (built with OXCCL_SKIP_PTX?)"
             ))
         })?;
-        let m = Arc::new(Module::load(self, name, ptx)?);
+        let m = Arc::new(Module::load(self, name, &ptx)?);
         mods.insert(name.to_string(), m.clone());
         Ok(m)
     }
