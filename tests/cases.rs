@@ -7,6 +7,15 @@
 //! of non-roots), AllGather, ReduceScatter; grouped Send/Recv with count 0 comes when Send/Recv
 //! exist. C03 covers avg, sum and max (PreMulSum does not exist yet). The matrices and C08 are
 //! AllReduce only.
+
+/// Prints past libtest's output capture, so every run shows why a test skipped.
+macro_rules! skipped {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($t)*);
+    }};
+}
+
 mod common;
 
 use oxccl::{Comm, DataType, DevSlice, Device, DeviceBuffer, Error, RedOp, ResultCode, Stream};
@@ -687,7 +696,7 @@ fn argument_errors_gpu() {
         argument_errors(&[Device::Cuda(0)], Device::Cuda(1));
         argument_errors(&Device::all_cuda()[..2], Device::Cuda(1));
     } else {
-        eprintln!("SKIPPED: argument_errors_gpu (buffer on another GPU): needs 2 GPUs, 1 visible");
+        skipped!("SKIPPED: argument_errors_gpu (buffer on another GPU): needs 2 GPUs, 1 visible");
     }
 }
 

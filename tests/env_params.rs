@@ -2,6 +2,15 @@
 //! naming the variable; odd values are rounded and still give exact results. Environment
 //! variables are process-global, so everything runs serially in one #[test] of its own binary,
 //! and the variables are restored afterwards (even on failure).
+
+/// Prints past libtest's output capture, so every run shows why a test skipped.
+macro_rules! skipped {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($t)*);
+    }};
+}
+
 mod common;
 
 use oxccl::perf::check;
@@ -187,7 +196,7 @@ fn env_params_serial() {
         } else {
             format!("needs 2 GPUs, {gpus} visible")
         };
-        eprintln!("SKIPPED: env_params_serial (GPU runs): {why}");
+        skipped!("SKIPPED: env_params_serial (GPU runs): {why}");
     }
     // Runs `exact` on 2 and 4 CPU ranks and, when there are 2 or more, on every GPU.
     let all = |what: &str, p: &dyn Fn(&oxccl::params::Params)| {

@@ -5,6 +5,15 @@
 //!
 //! Without a GPU (CI), each test prints `SKIPPED: <test>: <reason>` to stderr and returns. GPU
 //! tests in this binary take a lock so two communicators never spin on the same GPUs at once.
+
+/// Prints past libtest's output capture, so every run shows why a test skipped.
+macro_rules! skipped {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($t)*);
+    }};
+}
+
 mod common;
 
 use oxccl::Device;
@@ -64,7 +73,7 @@ fn gpu_all_reduce_more_than_8_gpus() {
     let test = "gpu_all_reduce_more_than_8_gpus";
     let have = Device::cuda_count();
     if have == 0 {
-        eprintln!(
+        skipped!(
             "SKIPPED: {test}: no CUDA driver/GPU visible ({})",
             common::no_gpu_reason()
         );
@@ -76,7 +85,7 @@ fn gpu_all_reduce_more_than_8_gpus() {
         } else {
             format!("gpu_all_reduce_{have}_gpus")
         };
-        eprintln!("SKIPPED: {test}: {have} GPUs visible; the full count {have} is run by {by}");
+        skipped!("SKIPPED: {test}: {have} GPUs visible; the full count {have} is run by {by}");
         return;
     }
     for n in 9..=have {

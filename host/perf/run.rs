@@ -289,6 +289,14 @@ pub fn sweep(
     mut emit: impl FnMut(&Row),
 ) -> Result<Vec<Row>> {
     let mut rows = Vec::new();
+    // Like nccl-tests' warmup pass: the first size's timing must not include module loads and
+    // first-touch costs of either backend.
+    if let Some(&first) = cfg.sizes.first() {
+        let count = table::count_for(cfg.func, first, cfg.dtype, bench.devices.len());
+        for b in std::iter::once(main).chain(reference) {
+            bench.time(b, cfg, count, false)?;
+        }
+    }
     for &bytes in &cfg.sizes {
         let (count, oop, ip) = bench.measure(main, cfg, bytes)?;
         let nccl = match reference {

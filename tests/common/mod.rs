@@ -3,6 +3,14 @@
 //! skip reporting, and a stall watchdog so a hung collective fails the test instead of blocking CI.
 #![allow(dead_code)]
 
+/// Prints past libtest's output capture, so every run shows why a test skipped.
+macro_rules! skipped {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($t)*);
+    }};
+}
+
 use oxccl::perf::check;
 use oxccl::{Comm, DataType, Device, DeviceBuffer, Func, RedOp, Stream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -39,14 +47,14 @@ pub fn no_gpu_reason() -> String {
 pub fn gpus_or_skip(test: &str, n: usize) -> Option<Vec<Device>> {
     let have = Device::cuda_count();
     if have == 0 {
-        eprintln!(
+        skipped!(
             "SKIPPED: {test}: no CUDA driver/GPU visible ({})",
             no_gpu_reason()
         );
         return None;
     }
     if have < n {
-        eprintln!("SKIPPED: {test}: needs {n} GPUs, {have} visible");
+        skipped!("SKIPPED: {test}: needs {n} GPUs, {have} visible");
         return None;
     }
     Some((0..n).map(Device::Cuda).collect())
