@@ -12,6 +12,7 @@ use crate::cuda;
 use crate::error::{Error, Result};
 use crate::mem::{DevSlice, Device, Stream};
 use crate::params::Params;
+use crate::tuning::Selection;
 use bytemuck::Zeroable;
 use oxccl_gpu::abi::{
     Algo, ConnInfo, DEFAULT_CHUNK_STEPS, DataType, DevChannel, DevComm, DevRing, FIFO_STEPS, Func,
@@ -53,6 +54,7 @@ pub struct Comm {
     nranks: usize,
     device: Device,
     params: Params,
+    selection: Selection,
     nchannels: u32,
     dev_comm: u64,
     res: Res,
@@ -152,6 +154,7 @@ impl Comm {
             tracing::warn!(target: "oxccl::init", "NCCL_NTHREADS={} rounded down to {} (the most threads per block the kernels are built for)", params.nthreads, cuda::MAX_JIT_THREADS);
             params.nthreads = cuda::MAX_JIT_THREADS;
         }
+        let selection = Selection::from_env()?;
         let nranks = devices.len();
         let default_nch = if devices[0].is_cuda() {
             CUDA_DEFAULT_NCHANNELS
@@ -224,6 +227,7 @@ impl Comm {
                     nranks,
                     device: devices[r],
                     params: params.clone(),
+                    selection,
                     nchannels: nch,
                     dev_comm: comm_mem.ptr,
                     res: Res::Cuda(CudaRes {
@@ -276,6 +280,7 @@ impl Comm {
                     nranks,
                     device: devices[r],
                     params: params.clone(),
+                    selection,
                     nchannels: nch,
                     dev_comm: group.comm_mem[r].addr(),
                     res: Res::Cpu(CpuRes { group: group.clone() }),
@@ -607,7 +612,7 @@ impl Comm {
             }
             _ => recv_bytes.max(count as u64 * esize),
         };
-        let choice = self.plan(func, total, esize);
+        let choice = self.plan(func, total, esize)?;
         let work = WorkColl {
             sendbuff: send,
             recvbuff: recv,
@@ -663,7 +668,8 @@ impl Comm {
 
     /// Channels, chunk and slice for a call of `bytes` bytes (the seed's tuning step; the
     /// protocol/algorithm model comes with the tuning work).
-    fn plan(&self, func: Func, bytes: u64, esize: u64) -> Choice {
+    fn plan(&self, func: Func, bytes: u64, esize: u64) -> Result<Choice> {
+        let (algo, proto) = self.selection.choose(func)?;
         let min = self.params.min_nchannels.unwrap_or(1).min(self.nchannels);
         let nch = (bytes.div_ceil(MIN_BYTES_PER_CHANNEL) as u32).clamp(min, self.nchannels);
         let slot_bytes = self.params.buffsize / FIFO_STEPS / PACK_BYTES * PACK_BYTES;
@@ -678,14 +684,14 @@ impl Comm {
                 .next_multiple_of(PACK_BYTES)
                 .clamp((32 << 10).min(slot_bytes), chunk_bytes / 2)
         };
-        Choice {
+        Ok(Choice {
             func,
-            algo: Algo::Ring,
-            proto: Proto::Simple,
+            algo,
+            proto,
             nchannels: nch,
             chunk_elems: chunk_bytes / esize,
             slice_elems: slice_bytes / esize,
-        }
+        })
     }
 
     fn copy(&self, dst: u64, src: u64, bytes: usize, stream: &Stream) -> Result<()> {

@@ -38,6 +38,7 @@ pub mod mem;
 pub mod nccl;
 pub mod params;
 pub mod perf;
+pub mod tuning;
 
 pub use comm::{Choice, Comm};
 pub use error::{Error, Result, ResultCode, error_string};

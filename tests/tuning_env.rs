@@ -1,0 +1,101 @@
+//! Case C13 on the CPU target: `NCCL_PROTO` / `NCCL_ALGO` forcing is honoured or refused
+//! explicitly — the plan of each call shows only allowed choices, a bogus value names the variable,
+//! and "nothing available" is an error naming the collective, never a silent fallback or a hang.
+//! Environment variables are process-global, so everything runs in one serial test.
+use oxccl::{Algo, Comm, DataType, Device, Error, Proto, RedOp};
+
+struct EnvGuard(Vec<&'static str>);
+impl Drop for EnvGuard {
+    fn drop(&mut self) {
+        for k in &self.0 {
+            // SAFETY: this test binary runs a single test; no other thread reads the environment.
+            unsafe { std::env::remove_var(k) };
+        }
+    }
+}
+
+fn set(k: &str, v: &str) {
+    // SAFETY: as in EnvGuard::drop.
+    unsafe { std::env::set_var(k, v) };
+}
+
+/// AllReduce of rank+1 over 3 CPU ranks; returns the error of the first failing call.
+fn run_all_reduce() -> Result<Vec<Option<oxccl::Choice>>, Error> {
+    let comms = Comm::init_all(&Device::cpus(3))?;
+    let count = 1000;
+    let mut streams = Vec::new();
+    let mut bufs = Vec::new();
+    for (r, c) in comms.iter().enumerate() {
+        let b = c.device().alloc(count * 4)?;
+        b.write(0, &((r + 1) as f32).to_ne_bytes().repeat(count))?;
+        bufs.push(b);
+        streams.push(c.device().new_stream()?);
+    }
+    for (r, c) in comms.iter().enumerate() {
+        c.all_reduce(&bufs[r], &bufs[r], count, DataType::F32, RedOp::Sum, &streams[r])?;
+    }
+    for s in &streams {
+        s.synchronize()?;
+    }
+    for b in &bufs {
+        let out = b.to_vec()?;
+        assert!(
+            out.chunks(4)
+                .all(|c| f32::from_ne_bytes(c.try_into().unwrap()) == 6.0)
+        );
+    }
+    Ok(comms.iter().map(|c| c.last_choice()).collect())
+}
+
+#[test]
+fn proto_and_algo_forcing_c13() {
+    let _g = EnvGuard(vec!["NCCL_PROTO", "NCCL_ALGO", "OXCCL_PROTO"]);
+
+    for ok in ["Simple", "^LL", "^LL,LL128", "simple,LL"] {
+        set("NCCL_PROTO", ok);
+        let choices = run_all_reduce().unwrap_or_else(|e| panic!("NCCL_PROTO={ok}: {e}"));
+        for c in choices {
+            let c = c.expect("a plan is recorded");
+            assert_eq!((c.algo, c.proto), (Algo::Ring, Proto::Simple), "NCCL_PROTO={ok}");
+        }
+    }
+
+    // Allowed but not implemented yet: an explicit error naming the collective, on every rank.
+    set("NCCL_PROTO", "LL128");
+    let e = run_all_reduce().unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+    assert!(
+        e.to_string().contains("allreduce") && e.to_string().contains("LL128"),
+        "{e}"
+    );
+
+    // A bogus value fails init and names the variable (OXCCL_ spelling wins over NCCL_).
+    set("NCCL_PROTO", "bogus");
+    let e = Comm::init_all(&Device::cpus(2))
+        .err()
+        .expect("bogus NCCL_PROTO must fail");
+    assert!(
+        e.to_string().contains("NCCL_PROTO") && e.to_string().contains("bogus"),
+        "{e}"
+    );
+    set("OXCCL_PROTO", "Simple");
+    run_all_reduce().expect("OXCCL_PROTO=Simple overrides the bogus NCCL_PROTO");
+    // SAFETY: as in EnvGuard::drop.
+    unsafe {
+        std::env::remove_var("OXCCL_PROTO");
+        std::env::remove_var("NCCL_PROTO");
+    }
+
+    // NCCL_ALGO=Tree with Broadcast must not fall back to ring silently.
+    set("NCCL_ALGO", "Tree");
+    let comms = Comm::init_all(&Device::cpus(2)).unwrap();
+    let s = comms[0].device().new_stream().unwrap();
+    let b = comms[0].device().alloc(64).unwrap();
+    let e = comms[0]
+        .broadcast(Some(b.as_slice()), &b, 16, DataType::F32, 0, &s)
+        .unwrap_err();
+    assert!(
+        e.to_string().contains("broadcast") && e.to_string().contains("{tree}"),
+        "{e}"
+    );
+}
