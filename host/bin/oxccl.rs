@@ -4,7 +4,7 @@
 use clap::{Parser, Subcommand, ValueEnum};
 use oxccl::nccl::{self, NcclComms};
 use oxccl::perf::run::{Backend, Bench, PerfConfig, sweep};
-use oxccl::perf::table;
+use oxccl::perf::{report, table};
 use oxccl::{Comm, DataType, Device, Func, RedOp};
 use std::process::ExitCode;
 
@@ -114,6 +114,12 @@ struct PerfArgs {
     /// Also run NCCL on the same GPUs in the same process and print the oxccl/NCCL ratio.
     #[arg(long, value_enum)]
     compare: Option<CompareArg>,
+    /// Write every result (and NCCL's, when compared) as JSON to this file.
+    #[arg(long, value_name = "FILE")]
+    json: Option<std::path::PathBuf>,
+    /// Write an SVG plot of busbw against size (oxccl and NCCL curves) to this file.
+    #[arg(long, value_name = "FILE")]
+    plot: Option<std::path::PathBuf>,
 }
 
 fn size_arg(s: &str) -> Result<u64, String> {
@@ -282,6 +288,7 @@ fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         );
     }
     let mut wrong = 0;
+    let mut all_rows: Vec<(Func, Vec<table::Row>)> = Vec::new();
     for func in a.collective.funcs() {
         let cfg = PerfConfig {
             func,
@@ -299,6 +306,7 @@ fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         })?;
         print!("{}", table::footer(&rows));
         wrong += table::total_wrong(&rows);
+        all_rows.push((func, rows));
         if let (Backend::Oxccl(_), Some(Device::Cuda(o))) = (&main, devices.first()) {
             let name = oxccl::kernel_name(func, cfg.dtype, cfg.op).as_str().to_string();
             let m = oxccl::cuda::Context::get(*o)?.kernel(&name)?;
@@ -310,6 +318,41 @@ fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
                 m.local_bytes
             );
         }
+    }
+    let sweeps: Vec<report::Sweep<'_>> = all_rows
+        .iter()
+        .map(|(f, r)| report::Sweep { func: *f, rows: r })
+        .collect();
+    let describe = format!(
+        "{name}{} on {} x {}, {} {}",
+        if compare { " vs NCCL" } else { "" },
+        devices.len(),
+        match devices[0] {
+            Device::Cuda(o) => oxccl::cuda::Context::get(o)?.name()?,
+            Device::Cpu(_) => "CPU-target rank".into(),
+        },
+        a.dtype,
+        a.op
+    );
+    if let Some(path) = &a.json {
+        let meta = serde_json::json!({
+            "oxccl_version": env!("CARGO_PKG_VERSION"),
+            "backend": name,
+            "compare": if compare { Some("nccl") } else { None },
+            "nccl_version": if compare || nccl_main { nccl::version().ok().map(nccl::version_string) } else { None },
+            "nranks": devices.len(),
+            "devices": devices.iter().map(|d| format!("{d:?}")).collect::<Vec<_>>(),
+            "description": describe,
+            "warmup": a.warmup, "iters": a.iters, "check": a.check,
+        });
+        std::fs::write(path, report::to_json(meta, &sweeps))
+            .map_err(|e| format!("--json {}: {e}", path.display()))?;
+        println!("# wrote {}", path.display());
+    }
+    if let Some(path) = &a.plot {
+        std::fs::write(path, report::svg_plot(&describe, &sweeps))
+            .map_err(|e| format!("--plot {}: {e}", path.display()))?;
+        println!("# wrote {}", path.display());
     }
     Ok(if wrong > 0 {
         ExitCode::from(1)
