@@ -83,11 +83,12 @@ pub fn svg_plot(title: &str, sweeps: &[Sweep<'_>]) -> String {
         xml_escape(title)
     );
     // Axes, grid and labels.
+    let decimals = if ymax >= 50.0 { 0 } else if ymax >= 5.0 { 1 } else { 2 };
     for i in 0..=5 {
         let v = ymax * i as f64 / 5.0;
         let y = py(v);
         s += &format!(
-            "<line x1=\"{ml}\" y1=\"{y:.1}\" x2=\"{:.1}\" y2=\"{y:.1}\" stroke=\"#ddd\"/><text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"end\">{v:.0}</text>\n",
+            "<line x1=\"{ml}\" y1=\"{y:.1}\" x2=\"{:.1}\" y2=\"{y:.1}\" stroke=\"#ddd\"/><text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"end\">{v:.decimals$}</text>\n",
             w - mr,
             ml - 6.0,
             y + 4.0
