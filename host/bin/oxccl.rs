@@ -203,6 +203,9 @@ fn devices_for(a: &PerfArgs) -> Result<(Vec<Device>, bool), String> {
         BackendArg::Auto if ngpu > 0 => Ok((gpu_list(ngpu)?, false)),
         BackendArg::Auto | BackendArg::Cpu => {
             let n = a.ranks.unwrap_or(4);
+            if a.backend == BackendArg::Auto {
+                println!("# no CUDA GPU visible: running on oxccl's CPU target");
+            }
             if n == 0 || n > 64 {
                 return Err(format!(
                     "--ranks {n} is out of range for the CPU target (accepted: 1..=64)"

@@ -316,7 +316,7 @@ pub fn sweep(
             None => None,
         };
         let row = Row {
-            bytes,
+            bytes: table::data_bytes(cfg.func, count, cfg.dtype, bench.devices.len()),
             count,
             dtype: cfg.dtype,
             redop: (!matches!(cfg.func, Func::Broadcast | Func::AllGather)).then_some(cfg.op),
