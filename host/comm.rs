@@ -69,11 +69,18 @@ enum Res {
 
 struct CudaRes {
     ctx: Arc<cuda::Context>,
-    _comm_mem: cuda::DevAlloc,
-    _conn_mem: cuda::DevAlloc,
-    abort: cuda::HostMapped,
+    group: Arc<CudaGroup>,
     last_event: cuda::Event,
     launched: std::sync::atomic::AtomicBool,
+}
+
+/// Every rank's device memory of one `init_all`, freed when the last rank is dropped: a rank's
+/// kernel writes into its neighbours' FIFOs and counters (the receiver's head credit can land after
+/// the sender's own kernel has finished), so no rank's memory may go before every rank is done.
+struct CudaGroup {
+    _comm_mem: Vec<cuda::DevAlloc>,
+    _conn_mem: Vec<cuda::DevAlloc>,
+    abort: Vec<cuda::HostMapped>,
 }
 
 /// The CPU target keeps every rank's memory alive until the last queued operation of any rank is
@@ -207,19 +214,27 @@ impl Comm {
                 abort.push(cuda::HostMapped::zeroed(ctx, 64)?);
             }
             let conn_base: Vec<u64> = conn.iter().map(|a| a.ptr).collect();
-            let mut comms = Vec::with_capacity(nranks);
-            for (r, ((conn_mem, comm_mem), abort)) in conn.into_iter().zip(block).zip(abort).enumerate() {
+            for r in 0..nranks {
                 let bytes = build_comm_block(
                     r,
                     nranks,
                     nch,
                     &layout,
                     &conn_base,
-                    comm_mem.ptr,
-                    abort.dev_ptr,
+                    block[r].ptr,
+                    abort[r].dev_ptr,
                     &params,
                 );
-                comm_mem.write(0, &bytes)?;
+                block[r].write(0, &bytes)?;
+            }
+            let dev_comms: Vec<u64> = block.iter().map(|b| b.ptr).collect();
+            let group = Arc::new(CudaGroup {
+                _comm_mem: block,
+                _conn_mem: conn,
+                abort,
+            });
+            let mut comms = Vec::with_capacity(nranks);
+            for (r, dev_comm) in dev_comms.into_iter().enumerate() {
                 let ctx = ctxs[r].clone();
                 let last_event = cuda::Event::new(&ctx)?;
                 comms.push(Comm {
@@ -229,12 +244,10 @@ impl Comm {
                     params: params.clone(),
                     selection,
                     nchannels: nch,
-                    dev_comm: comm_mem.ptr,
+                    dev_comm,
                     res: Res::Cuda(CudaRes {
                         ctx,
-                        _comm_mem: comm_mem,
-                        _conn_mem: conn_mem,
-                        abort,
+                        group: group.clone(),
                         last_event,
                         launched: false.into(),
                     }),
@@ -735,7 +748,7 @@ impl Comm {
 
     fn abort_flag(&self) -> &AtomicU32 {
         let p = match &self.res {
-            Res::Cuda(r) => r.abort.host_ptr() as *const u32,
+            Res::Cuda(r) => r.group.abort[self.rank].host_ptr() as *const u32,
             Res::Cpu(r) => r.group.abort[self.rank].addr() as *const u32,
         };
         // SAFETY: the flag lives in memory owned by `self.res`, 4-byte aligned, accessed atomically.
