@@ -30,6 +30,7 @@
 //! each rank's kernel waits for its peers'.)
 #![deny(unsafe_op_in_unsafe_fn)]
 
+pub mod bootstrap;
 pub mod comm;
 pub mod cpu;
 pub mod cuda;
