@@ -99,17 +99,33 @@ struct CpuGroup {
 /// the counters block (head of the send connection at +0, tail of the receive connection at +128).
 struct ConnLayout {
     buffsize: u64,
+    ll_buffsize: u64,
     nch: u64,
 }
 impl ConnLayout {
-    fn bytes(&self) -> u64 {
-        self.nch * (self.buffsize + COUNTERS_BYTES)
+    fn new(params: &Params, nch: u32) -> Self {
+        ConnLayout {
+            buffsize: params.buffsize,
+            ll_buffsize: params.ll_buffsize,
+            nch: nch as u64,
+        }
     }
+    fn per_channel(&self) -> u64 {
+        self.buffsize + self.ll_buffsize
+    }
+    fn bytes(&self) -> u64 {
+        self.nch * (self.per_channel() + COUNTERS_BYTES)
+    }
+    /// The Simple receive buffer of channel `c`.
     fn buff(&self, base: u64, c: u64) -> u64 {
-        base + c * self.buffsize
+        base + c * self.per_channel()
+    }
+    /// The LL receive buffer of channel `c`.
+    fn ll(&self, base: u64, c: u64) -> u64 {
+        self.buff(base, c) + self.buffsize
     }
     fn head(&self, base: u64, c: u64) -> u64 {
-        base + self.nch * self.buffsize + c * COUNTERS_BYTES
+        base + self.nch * self.per_channel() + c * COUNTERS_BYTES
     }
     fn tail(&self, base: u64, c: u64) -> u64 {
         self.head(base, c) + 128
@@ -172,10 +188,7 @@ impl Comm {
             .max_nchannels
             .unwrap_or(default_nch)
             .clamp(1, MAX_CHANNELS as u32);
-        let layout = ConnLayout {
-            buffsize: params.buffsize,
-            nch: nch as u64,
-        };
+        let layout = ConnLayout::new(&params, nch);
         let _span = tracing::debug_span!(target: "oxccl::init", "init_all", nranks, nch).entered();
 
         if devices[0].is_cuda() {
@@ -226,6 +239,14 @@ impl Comm {
                     &params,
                 );
                 block[r].write(0, &bytes)?;
+                if params.initial_step != 0 {
+                    for c in 0..nch as u64 {
+                        for at in [layout.head(conn_base[r], c), layout.tail(conn_base[r], c)] {
+                            conn[r]
+                                .write((at - conn_base[r]) as usize, &params.initial_step.to_ne_bytes())?;
+                        }
+                    }
+                }
             }
             let dev_comms: Vec<u64> = block.iter().map(|b| b.ptr).collect();
             let group = Arc::new(CudaGroup {
@@ -281,6 +302,12 @@ impl Comm {
                 unsafe {
                     std::ptr::copy_nonoverlapping(bytes.as_ptr(), comm_mem[r].addr() as *mut u8, bytes.len())
                 };
+                for c in 0..nch as u64 {
+                    for at in [layout.head(conn_base[r], c), layout.tail(conn_base[r], c)] {
+                        // SAFETY: the counters lie inside rank r's connection memory, unused so far.
+                        unsafe { (at as *mut u64).write(params.initial_step) };
+                    }
+                }
             }
             let group = Arc::new(CpuGroup {
                 comm_mem,
@@ -326,10 +353,7 @@ impl Comm {
     }
     /// Device memory used by this rank's connections and communicator state, in bytes.
     pub fn device_memory_bytes(&self) -> u64 {
-        let layout = ConnLayout {
-            buffsize: self.params.buffsize,
-            nch: self.nchannels as u64,
-        };
+        let layout = ConnLayout::new(&self.params, self.nchannels);
         layout.bytes() + comm_block_bytes(self.nchannels as usize, self.nranks) as u64
     }
     /// The plan of the most recent collective call on this communicator.
@@ -685,6 +709,19 @@ impl Comm {
         let (algo, proto) = self.selection.choose(func)?;
         let min = self.params.min_nchannels.unwrap_or(1).min(self.nchannels);
         let nch = (bytes.div_ceil(MIN_BYTES_PER_CHANNEL) as u32).clamp(min, self.nchannels);
+        if proto == Proto::Ll {
+            // One chunk is one step of lines: 8 data bytes per 16-byte line (NCCL's LL chunk).
+            let step_data = self.params.ll_buffsize / FIFO_STEPS / 16 * 8;
+            let chunk = (step_data / esize).max(1);
+            return Ok(Choice {
+                func,
+                algo,
+                proto,
+                nchannels: nch,
+                chunk_elems: chunk,
+                slice_elems: chunk,
+            });
+        }
         let slot_bytes = self.params.buffsize / FIFO_STEPS / PACK_BYTES * PACK_BYTES;
         let chunk_bytes = slot_bytes * DEFAULT_CHUNK_STEPS;
         // Slices of up to half a chunk (NCCL's 2 steps per slice), and at least 4 per chunk for
@@ -818,6 +855,7 @@ fn build_comm_block(
     let ranks_off = channels_off + nchu * size_of::<DevChannel>();
     let mut buff_sizes = [0u64; Proto::COUNT];
     buff_sizes[Proto::Simple as usize] = params.buffsize;
+    buff_sizes[Proto::Ll as usize] = params.ll_buffsize;
     let dc = DevComm {
         rank: r as u32,
         nranks: nranks as u32,
@@ -833,10 +871,14 @@ fn build_comm_block(
     for c in 0..nch as u64 {
         let mut send = ConnInfo::zeroed();
         send.buffs[Proto::Simple as usize] = layout.buff(conn_base[next], c);
+        send.buffs[Proto::Ll as usize] = layout.ll(conn_base[next], c);
+        send.step = params.initial_step;
         send.tail = layout.tail(conn_base[next], c);
         send.head = layout.head(conn_base[r], c);
         let mut recv = ConnInfo::zeroed();
         recv.buffs[Proto::Simple as usize] = layout.buff(conn_base[r], c);
+        recv.buffs[Proto::Ll as usize] = layout.ll(conn_base[r], c);
+        recv.step = params.initial_step;
         recv.tail = layout.tail(conn_base[r], c);
         recv.head = layout.head(conn_base[prev], c);
         let ch = DevChannel {

@@ -8,6 +8,10 @@ use oxccl_gpu::abi::{
     WARP_SIZE,
 };
 
+/// Default LL buffer per connection: NCCL's `DEFAULT_LL_BUFFSIZE` (8 lines per thread × 512 threads
+/// × 8 steps × 16-byte lines = 512 KiB).
+pub const DEFAULT_LL_BUFFSIZE: u64 = 8 * 512 * FIFO_STEPS * 16;
+
 /// Smallest Simple buffer accepted: one 16-byte pack... times 64 per slot, so a slot is never tiny.
 pub const MIN_BUFFSIZE: u64 = FIFO_STEPS * PACK_BYTES * 64;
 /// Largest Simple buffer accepted (per connection).
@@ -27,6 +31,12 @@ pub struct Params {
     pub max_nchannels: Option<u32>,
     /// Minimum channels of a call (`NCCL_MIN_NCHANNELS` / `OXCCL_MIN_NCHANNELS`).
     pub min_nchannels: Option<u32>,
+    /// LL-protocol connection buffer in bytes (`NCCL_LL_BUFFSIZE` / `OXCCL_LL_BUFFSIZE`), a multiple
+    /// of `FIFO_STEPS` × 16-byte lines.
+    pub ll_buffsize: u64,
+    /// Test hook (`OXCCL_TEST_INITIAL_STEP`, oxccl spelling only): the step every connection starts
+    /// at, e.g. near 2^31 to exercise the LL flag wrap (case C11) without 10^9 operations.
+    pub initial_step: u64,
 }
 
 impl Default for Params {
@@ -36,6 +46,8 @@ impl Default for Params {
             nthreads: DEFAULT_NTHREADS,
             max_nchannels: None,
             min_nchannels: None,
+            ll_buffsize: DEFAULT_LL_BUFFSIZE,
+            initial_step: 0,
         }
     }
 }
@@ -92,6 +104,18 @@ impl Params {
         }
         if let Some((key, v)) = get("MAX_NCHANNELS") {
             p.max_nchannels = Some(parse_int(&key, &v, 1, MAX_CHANNELS as i64)? as u32);
+        }
+        if let Some((key, v)) = get("LL_BUFFSIZE") {
+            let unit = FIFO_STEPS * 16;
+            let n = parse_int(&key, &v, (unit * 64) as i64, MAX_BUFFSIZE as i64)? as u64;
+            let rounded = n / unit * unit;
+            if rounded != n {
+                tracing::warn!(target: "oxccl::init", "{key}={n} rounded down to {rounded} (a multiple of {unit} bytes: {FIFO_STEPS} slots of 16-byte lines)");
+            }
+            p.ll_buffsize = rounded;
+        }
+        if let Some((key, v)) = get("TEST_INITIAL_STEP").filter(|(k, _)| k.starts_with("OXCCL_")) {
+            p.initial_step = parse_int(&key, &v, 0, i64::MAX / 2)? as u64;
         }
         if let Some((key, v)) = get("MIN_NCHANNELS") {
             p.min_nchannels = Some(parse_int(&key, &v, 1, MAX_CHANNELS as i64)? as u32);

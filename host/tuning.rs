@@ -90,7 +90,7 @@ impl Selection {
     }
 
     /// The (algorithm, protocol) for `func`: the best allowed pair that oxccl implements. Today the
-    /// ring on the Simple protocol is implemented for every collective (LL, LL128 and tree come
+    /// ring on the Simple and LL protocols is implemented for every collective (LL128 and tree come
     /// later); a selection that allows none of the implemented pairs is an error naming `func`.
     pub fn choose(&self, func: Func) -> Result<(Algo, Proto)> {
         for &(algo, proto) in implemented(func) {
@@ -123,9 +123,10 @@ impl Selection {
     }
 }
 
-/// (algorithm, protocol) pairs implemented for `func`, best first.
+/// (algorithm, protocol) pairs implemented for `func`, in order of preference when the environment
+/// allows several. LL runs only when forced (`NCCL_PROTO=LL`) until the size-based model picks it.
 pub fn implemented(_func: Func) -> &'static [(Algo, Proto)] {
-    &[(Algo::Ring, Proto::Simple)]
+    &[(Algo::Ring, Proto::Simple), (Algo::Ring, Proto::Ll)]
 }
 
 #[cfg(test)]

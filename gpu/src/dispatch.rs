@@ -1,8 +1,10 @@
 //! From a [`KernelArgs`] to the monomorphised algorithm (NCCL's `ncclDevFuncTable` +
 //! `RunWorkColl`), shared by the GPU kernel entry point and the CPU target's block threads: one
 //! kernel entry point, a `match` inside on (func, algo, proto, dtype, op).
-use crate::abi::{Algo, DataType, DevChannel, DevComm, Func, KernelArgs, Proto, RedOp};
+use crate::abi::{Algo, DataType, DevChannel, DevComm, Func, KernelArgs, Proto, RedOp, WorkColl};
 use crate::coll::{self, RingCtx};
+use crate::proto::Primitives;
+use crate::proto::ll::Ll;
 use crate::proto::simple::Simple;
 use crate::reduce::{Elem, FuncMax, FuncMin, FuncProd, FuncSum, RedFn};
 use half::{bf16, f16};
@@ -73,14 +75,13 @@ pub unsafe fn run_typed<T: Elem, Op: RedFn<T>>(
     let comm = unsafe { &*(args.comm as *const DevComm) };
     let postdiv = if avg { comm.nranks } else { 0 };
     // A kernel entry point passes its collective as a constant, so only that one is compiled in.
-    let (Some(func), Some(Algo::Ring), Some(Proto::Simple)) = (
+    let (Some(func), Some(Algo::Ring), Some(proto)) = (
         only.or(Func::from_u8(w.func)),
         Algo::from_u8(w.algo),
         Proto::from_u8(w.proto),
     ) else {
         crate::arch::trap()
     };
-    let esize = core::mem::size_of::<T>() as u64;
     // SAFETY: caller contract.
     unsafe {
         let channel = (comm.channels as *mut DevChannel).add(bid as usize);
@@ -90,31 +91,59 @@ pub unsafe fn run_typed<T: Elem, Op: RedFn<T>>(
             channel: bid as u64,
             nchannels: w.nchannels as u64,
         };
-        let mut p = Simple::<T, Op>::new(
-            tid,
-            nthreads,
-            channel,
-            comm.buff_sizes[Proto::Simple as usize],
-            w.sendbuff as *const T,
-            w.recvbuff as *mut T,
-            comm.abort_flag,
-            smem,
-            postdiv,
-            w.slice_elems,
-        );
-        let (count, chunk, root) = (w.count, w.chunk_elems, w.root as u64);
-        match func {
-            Func::AllReduce => coll::all_reduce::ring(&mut p, &ring, count, chunk, esize),
-            Func::Broadcast => {
-                coll::broadcast::ring(&mut p, &ring, count, root, chunk, esize, w.sendbuff == w.recvbuff)
+        let (input, output) = (w.sendbuff as *const T, w.recvbuff as *mut T);
+        match proto {
+            Proto::Simple => {
+                let mut p = Simple::<T, Op>::new(
+                    tid,
+                    nthreads,
+                    channel,
+                    comm.buff_sizes[Proto::Simple as usize],
+                    input,
+                    output,
+                    comm.abort_flag,
+                    smem,
+                    postdiv,
+                    w.slice_elems,
+                );
+                run_ring::<T, _>(&mut p, &ring, comm, w, func);
+                p.finish();
             }
-            Func::Reduce => coll::reduce::ring(&mut p, &ring, count, root, chunk, esize),
-            Func::AllGather => {
-                let in_place = w.sendbuff == w.recvbuff + comm.rank as u64 * count * esize;
-                coll::all_gather::ring(&mut p, &ring, count, chunk, esize, in_place)
+            Proto::Ll => {
+                let mut p = Ll::<T, Op>::new(
+                    tid,
+                    nthreads,
+                    channel,
+                    comm.buff_sizes[Proto::Ll as usize],
+                    input,
+                    output,
+                    comm.abort_flag,
+                    smem,
+                    postdiv,
+                );
+                run_ring::<T, _>(&mut p, &ring, comm, w, func);
+                p.finish();
             }
-            Func::ReduceScatter => coll::reduce_scatter::ring(&mut p, &ring, count, chunk, esize),
+            Proto::Ll128 => crate::arch::trap(),
         }
-        p.finish();
+    }
+}
+
+/// The ring schedule of `func`, over any protocol's primitives.
+#[inline(always)]
+fn run_ring<T, P: Primitives>(p: &mut P, ring: &RingCtx, comm: &DevComm, w: &WorkColl, func: Func) {
+    let esize = core::mem::size_of::<T>() as u64;
+    let (count, chunk, root) = (w.count, w.chunk_elems, w.root as u64);
+    match func {
+        Func::AllReduce => coll::all_reduce::ring(p, ring, count, chunk, esize),
+        Func::Broadcast => {
+            coll::broadcast::ring(p, ring, count, root, chunk, esize, w.sendbuff == w.recvbuff)
+        }
+        Func::Reduce => coll::reduce::ring(p, ring, count, root, chunk, esize),
+        Func::AllGather => {
+            let in_place = w.sendbuff == w.recvbuff + comm.rank as u64 * count * esize;
+            coll::all_gather::ring(p, ring, count, chunk, esize, in_place)
+        }
+        Func::ReduceScatter => coll::reduce_scatter::ring(p, ring, count, chunk, esize),
     }
 }

@@ -6,6 +6,7 @@
 //! (output). A verb moves `n` elements through as many FIFO steps as it needs; sender and receiver
 //! compute the same steps from the same `n`.
 
+pub mod ll;
 pub mod simple;
 
 /// The data-movement verbs of NCCL's `Primitives` class.
