@@ -103,10 +103,11 @@ struct ConnLayout {
     nch: u64,
 }
 impl ConnLayout {
-    fn new(params: &Params, nch: u32) -> Self {
+    /// `ll`: whether connections get LL buffers (the CPU target; GPU kernels run Simple only so far).
+    fn new(params: &Params, nch: u32, ll: bool) -> Self {
         ConnLayout {
             buffsize: params.buffsize,
-            ll_buffsize: params.ll_buffsize,
+            ll_buffsize: if ll { params.ll_buffsize } else { 0 },
             nch: nch as u64,
         }
     }
@@ -188,7 +189,7 @@ impl Comm {
             .max_nchannels
             .unwrap_or(default_nch)
             .clamp(1, MAX_CHANNELS as u32);
-        let layout = ConnLayout::new(&params, nch);
+        let layout = ConnLayout::new(&params, nch, !devices[0].is_cuda());
         let _span = tracing::debug_span!(target: "oxccl::init", "init_all", nranks, nch).entered();
 
         if devices[0].is_cuda() {
@@ -353,7 +354,7 @@ impl Comm {
     }
     /// Device memory used by this rank's connections and communicator state, in bytes.
     pub fn device_memory_bytes(&self) -> u64 {
-        let layout = ConnLayout::new(&self.params, self.nchannels);
+        let layout = ConnLayout::new(&self.params, self.nchannels, !self.device.is_cuda());
         layout.bytes() + comm_block_bytes(self.nchannels as usize, self.nranks) as u64
     }
     /// The plan of the most recent collective call on this communicator.
@@ -707,6 +708,12 @@ impl Comm {
     /// protocol/algorithm model comes with the tuning work).
     fn plan(&self, func: Func, bytes: u64, esize: u64) -> Result<Choice> {
         let (algo, proto) = self.selection.choose(func)?;
+        if proto == Proto::Ll && self.device.is_cuda() {
+            return Err(Error::InvalidUsage(format!(
+                "{func}: NCCL_PROTO allows only LL here, and oxccl's LL protocol runs on the CPU target only \
+                 so far (its GPU kernels are pending verification on a GPU); allow Simple (e.g. NCCL_PROTO=Simple)"
+            )));
+        }
         let min = self.params.min_nchannels.unwrap_or(1).min(self.nchannels);
         let nch = (bytes.div_ceil(MIN_BYTES_PER_CHANNEL) as u32).clamp(min, self.nchannels);
         if proto == Proto::Ll {
@@ -855,7 +862,7 @@ fn build_comm_block(
     let ranks_off = channels_off + nchu * size_of::<DevChannel>();
     let mut buff_sizes = [0u64; Proto::COUNT];
     buff_sizes[Proto::Simple as usize] = params.buffsize;
-    buff_sizes[Proto::Ll as usize] = params.ll_buffsize;
+    buff_sizes[Proto::Ll as usize] = layout.ll_buffsize;
     let dc = DevComm {
         rank: r as u32,
         nranks: nranks as u32,
@@ -871,13 +878,17 @@ fn build_comm_block(
     for c in 0..nch as u64 {
         let mut send = ConnInfo::zeroed();
         send.buffs[Proto::Simple as usize] = layout.buff(conn_base[next], c);
-        send.buffs[Proto::Ll as usize] = layout.ll(conn_base[next], c);
+        if layout.ll_buffsize > 0 {
+            send.buffs[Proto::Ll as usize] = layout.ll(conn_base[next], c);
+        }
         send.step = params.initial_step;
         send.tail = layout.tail(conn_base[next], c);
         send.head = layout.head(conn_base[r], c);
         let mut recv = ConnInfo::zeroed();
         recv.buffs[Proto::Simple as usize] = layout.buff(conn_base[r], c);
-        recv.buffs[Proto::Ll as usize] = layout.ll(conn_base[r], c);
+        if layout.ll_buffsize > 0 {
+            recv.buffs[Proto::Ll as usize] = layout.ll(conn_base[r], c);
+        }
         recv.step = params.initial_step;
         recv.tail = layout.tail(conn_base[r], c);
         recv.head = layout.head(conn_base[prev], c);
