@@ -39,6 +39,7 @@ pub mod mem;
 pub mod nccl;
 pub mod params;
 pub mod perf;
+pub mod topo;
 pub mod tuning;
 
 pub use comm::{Choice, Comm};
