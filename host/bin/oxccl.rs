@@ -25,6 +25,18 @@ enum Cmd {
     Perf(PerfArgs),
     /// Print the version, the devices and the kernel module.
     Info,
+    /// Print a topology: its nodes and links, the GPU path matrix and path bandwidths.
+    Topo(TopoArgs),
+}
+
+#[derive(clap::Args)]
+struct TopoArgs {
+    /// NCCL-format topology XML to load (default: NCCL_TOPO_FILE).
+    #[arg(long, value_name = "FILE")]
+    topo_file: Option<std::path::PathBuf>,
+    /// Write the topology back as NCCL-format XML to this file.
+    #[arg(long, value_name = "FILE")]
+    dump: Option<std::path::PathBuf>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -173,6 +185,7 @@ fn main() -> ExitCode {
     let r = match cli.cmd {
         Cmd::Perf(a) => perf(a),
         Cmd::Info => info(),
+        Cmd::Topo(t) => topo(t),
     };
     match r {
         Ok(code) => code,
@@ -362,6 +375,23 @@ fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     } else {
         ExitCode::SUCCESS
     })
+}
+
+fn topo(t: TopoArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
+    let system = match &t.topo_file {
+        Some(path) => oxccl::topo::System::from_xml_file(path)?,
+        None => oxccl::topo::System::from_env()?.ok_or(
+            "no topology given: pass --topo-file FILE or set NCCL_TOPO_FILE (detection from NVML/sysfs is not \
+             implemented yet)",
+        )?,
+    };
+    print!("{}", system.describe());
+    if let Some(path) = &t.dump {
+        std::fs::write(path, system.to_xml_string())
+            .map_err(|e| format!("--dump {}: {e}", path.display()))?;
+        println!("# wrote {}", path.display());
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 fn info() -> Result<ExitCode, Box<dyn std::error::Error>> {
