@@ -87,12 +87,19 @@ struct CudaGroup {
 /// done: a rank's blocks write into its neighbours' FIFOs.
 struct CpuRes {
     group: Arc<CpuGroup>,
+    /// This rank's index in the group's `comm_mem`/`abort` (its rank for `init_all`, 0 for
+    /// `init_rank`).
+    slot: usize,
 }
 
 struct CpuGroup {
     comm_mem: Vec<HostMem>,
     _conn_mem: Vec<HostMem>,
     abort: Vec<HostMem>,
+    /// `init_rank`: this rank's connection memory and its ring neighbours', shared across processes.
+    _shm: Vec<crate::cpu::ShmSegment>,
+    /// `init_rank`: the bootstrap network to the other ranks.
+    _bootstrap: Option<crate::bootstrap::Bootstrap>,
 }
 
 /// Layout of one rank's connection memory: per channel a Simple receive buffer, then per channel
@@ -314,6 +321,8 @@ impl Comm {
                 comm_mem,
                 _conn_mem: conn,
                 abort,
+                _shm: Vec::new(),
+                _bootstrap: None,
             });
             Ok((0..nranks)
                 .map(|r| Comm {
@@ -324,12 +333,149 @@ impl Comm {
                     selection,
                     nchannels: nch,
                     dev_comm: group.comm_mem[r].addr(),
-                    res: Res::Cpu(CpuRes { group: group.clone() }),
+                    res: Res::Cpu(CpuRes {
+                        group: group.clone(),
+                        slot: r,
+                    }),
                     inflight: Arc::new(AtomicUsize::new(0)),
                     last: Mutex::new(None),
                 })
                 .collect())
         }
+    }
+
+    /// Creates this process's rank `rank` of an `nranks`-rank communicator whose ranks meet through
+    /// the bootstrap of `id` (NCCL's `ncclCommInitRank`; every rank calls it with the same `id`,
+    /// usually in its own process). Peer information (host, process, device) is exchanged like the
+    /// seed's `fillInfo` + AllGather1; two ranks on the same device of one host are an
+    /// `InvalidUsage` on every rank naming both (case C26; `OXCCL_ALLOW_SHARED_DEVICE=1` allows it).
+    ///
+    /// CPU-target devices connect through shared memory (`/dev/shm`), so ranks may be threads or
+    /// processes. CUDA devices need the IPC transport, which is not implemented yet: they are
+    /// refused with `InvalidUsage` (use [`Comm::init_all`] inside one process).
+    pub fn init_rank(
+        nranks: usize,
+        id: &crate::bootstrap::UniqueId,
+        rank: usize,
+        device: Device,
+    ) -> Result<Comm> {
+        if nranks == 0 || rank >= nranks {
+            return Err(Error::invalid(format!(
+                "rank {rank} is out of range for nranks {nranks} (accepted: 0..{nranks})"
+            )));
+        }
+        let params = Params::from_env()?;
+        let selection = Selection::from_env()?;
+        let bootstrap = crate::bootstrap::Bootstrap::init(id, rank, nranks)?;
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+        let host = crate::params::env_var("HOSTID").map_or(host.trim().to_string(), |(_, v)| v);
+        let (kind, index) = match device {
+            Device::Cuda(o) => ("cuda", o),
+            Device::Cpu(i) => ("cpu", i),
+        };
+        let me = format!("{kind}\n{index}\n{host}\n{}", std::process::id());
+        let peers: Vec<Vec<String>> = bootstrap
+            .allgather(me.as_bytes())?
+            .into_iter()
+            .map(|b| {
+                String::from_utf8_lossy(&b)
+                    .split('\n')
+                    .map(str::to_string)
+                    .collect()
+            })
+            .collect();
+        let shared_ok = crate::params::env_var("ALLOW_SHARED_DEVICE").is_some_and(|(_, v)| v == "1");
+        for (a, pa) in peers.iter().enumerate() {
+            if pa.len() != 4 || pa[0] != kind {
+                return Err(Error::InvalidUsage(format!(
+                    "rank {a} is on a {} device but rank {rank} is on a {kind} device: a communicator is all CUDA or all CPU-target",
+                    pa.first().map_or("?", String::as_str)
+                )));
+            }
+            for (b, pb) in peers.iter().enumerate().skip(a + 1) {
+                if pa[..3] == pb[..3] && !shared_ok {
+                    return Err(Error::InvalidUsage(format!(
+                        "ranks {a} and {b} are both on {kind} device {} of host {:?}; one device per rank is required \
+                         (set OXCCL_ALLOW_SHARED_DEVICE=1 to share a device for testing)",
+                        pa[1], pa[2]
+                    )));
+                }
+            }
+        }
+        if device.is_cuda() {
+            return Err(Error::InvalidUsage(
+                "init_rank on CUDA devices needs the CUDA IPC transport, which oxccl does not have yet; \
+                 use Comm::init_all inside one process"
+                    .into(),
+            ));
+        }
+        let default_nch = CPU_DEFAULT_NCHANNELS;
+        let nch = params
+            .max_nchannels
+            .unwrap_or(default_nch)
+            .clamp(1, MAX_CHANNELS as u32);
+        let layout = ConnLayout::new(&params, nch, true);
+        // Named after the id and the creating process, unique among live processes.
+        let name = |r: usize| format!("oxccl-{:08x}-{}-r{r}", id_tag(id), peers[r][3]);
+        let own = crate::cpu::ShmSegment::create(&name(rank), layout.bytes() as usize)?;
+        for c in 0..nch as u64 {
+            for at in [layout.head(own.addr(), c), layout.tail(own.addr(), c)] {
+                // SAFETY: the counters lie inside our fresh segment; no peer maps it yet.
+                unsafe { (at as *mut u64).write(params.initial_step) };
+            }
+        }
+        bootstrap.barrier()?;
+        let (next, prev) = ((rank + 1) % nranks, (rank + nranks - 1) % nranks);
+        let mut conn_base = vec![0u64; nranks];
+        conn_base[rank] = own.addr();
+        let mut shm = vec![own];
+        for peer in [next, prev] {
+            if conn_base[peer] == 0 {
+                let seg = crate::cpu::ShmSegment::open(&name(peer), layout.bytes() as usize)?;
+                conn_base[peer] = seg.addr();
+                shm.push(seg);
+            }
+        }
+        // Every neighbour has mapped our segment: its name can go (the mappings stay).
+        bootstrap.barrier()?;
+        if let Err(e) = shm[0].unlink() {
+            tracing::warn!(target: "oxccl::init", "{e}");
+        }
+        let comm_mem = HostMem::zeroed(comm_block_bytes(nch as usize, nranks))?;
+        let abort = HostMem::zeroed(64)?;
+        let bytes = build_comm_block(
+            rank,
+            nranks,
+            nch,
+            &layout,
+            &conn_base,
+            comm_mem.addr(),
+            abort.addr(),
+            &params,
+        );
+        // SAFETY: the block was allocated with exactly this size; nothing else uses it yet.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), comm_mem.addr() as *mut u8, bytes.len()) };
+        let dev_comm = comm_mem.addr();
+        let group = Arc::new(CpuGroup {
+            comm_mem: vec![comm_mem],
+            _conn_mem: Vec::new(),
+            abort: vec![abort],
+            _shm: shm,
+            _bootstrap: Some(bootstrap),
+        });
+        tracing::debug!(target: "oxccl::init", rank, nranks, nch, "CPU-target communicator over shared memory ready");
+        Ok(Comm {
+            rank,
+            nranks,
+            device,
+            params,
+            selection,
+            nchannels: nch,
+            dev_comm,
+            res: Res::Cpu(CpuRes { group, slot: 0 }),
+            inflight: Arc::new(AtomicUsize::new(0)),
+            last: Mutex::new(None),
+        })
     }
 
     /// This communicator's rank.
@@ -793,7 +939,7 @@ impl Comm {
     fn abort_flag(&self) -> &AtomicU32 {
         let p = match &self.res {
             Res::Cuda(r) => r.group.abort[self.rank].host_ptr() as *const u32,
-            Res::Cpu(r) => r.group.abort[self.rank].addr() as *const u32,
+            Res::Cpu(r) => r.group.abort[r.slot].addr() as *const u32,
         };
         // SAFETY: the flag lives in memory owned by `self.res`, 4-byte aligned, accessed atomically.
         unsafe { AtomicU32::from_ptr(p as *mut u32) }
@@ -842,6 +988,13 @@ fn launch_cpu(
             )))
         }
     })
+}
+
+/// A short tag of a unique id, so segment names of different communicators never collide.
+fn id_tag(id: &crate::bootstrap::UniqueId) -> u64 {
+    id.to_bytes().iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
+        (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+    }) & 0xffff_ffff
 }
 
 /// Builds rank `r`'s communicator block: [`DevComm`], its channels (ring + connections), and the

@@ -154,3 +154,113 @@ impl Drop for CpuStream {
         }
     }
 }
+
+/// A POSIX shared-memory segment (`/dev/shm/<name>`) mapped into this process: the CPU target's
+/// connection memory when ranks live in different processes (the seed's SHM path, `shmutils.cc`).
+/// The creator sizes it; peers open it by name. Unmapped on drop.
+pub struct ShmSegment {
+    ptr: *mut u8,
+    bytes: usize,
+    path: std::path::PathBuf,
+}
+// SAFETY: shared memory accessed through raw pointers under the FIFO protocol, like HostMem.
+unsafe impl Send for ShmSegment {}
+// SAFETY: as above.
+unsafe impl Sync for ShmSegment {}
+
+fn os_err(what: String) -> Error {
+    Error::System(format!("{what}: {}", std::io::Error::last_os_error()))
+}
+
+impl ShmSegment {
+    /// Creates `/dev/shm/<name>` of `bytes` zeroed bytes and maps it. Space is reserved up front, so
+    /// a `/dev/shm` that is too small is an error saying how much was needed, not a later SIGBUS.
+    pub fn create(name: &str, bytes: usize) -> Result<ShmSegment> {
+        let path = std::path::Path::new("/dev/shm").join(name);
+        let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())
+            .map_err(|_| Error::invalid(format!("shared-memory name {name:?} contains NUL")))?;
+        // SAFETY: valid C string; flags create a new file exclusively.
+        let fd = unsafe { libc::open(c.as_ptr(), libc::O_CREAT | libc::O_EXCL | libc::O_RDWR, 0o600) };
+        if fd < 0 {
+            return Err(os_err(format!("creating {}", path.display())));
+        }
+        // SAFETY: `fd` is an open file we own.
+        let r = unsafe { libc::posix_fallocate(fd, 0, bytes as libc::off_t) };
+        if r != 0 {
+            // SAFETY: closing and unlinking our own file.
+            unsafe {
+                libc::close(fd);
+                libc::unlink(c.as_ptr());
+            }
+            return Err(Error::System(format!(
+                "/dev/shm has too little space: {bytes} bytes were needed for {} ({}); enlarge /dev/shm \
+                 (e.g. docker --shm-size) or lower NCCL_BUFFSIZE / NCCL_MAX_NCHANNELS",
+                path.display(),
+                std::io::Error::from_raw_os_error(r)
+            )));
+        }
+        Self::map(fd, path, bytes)
+    }
+
+    /// Maps the existing segment `name` of `bytes` bytes (created by a peer).
+    pub fn open(name: &str, bytes: usize) -> Result<ShmSegment> {
+        let path = std::path::Path::new("/dev/shm").join(name);
+        let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())
+            .map_err(|_| Error::invalid(format!("shared-memory name {name:?} contains NUL")))?;
+        // SAFETY: valid C string.
+        let fd = unsafe { libc::open(c.as_ptr(), libc::O_RDWR) };
+        if fd < 0 {
+            return Err(os_err(format!("opening a peer's {}", path.display())));
+        }
+        Self::map(fd, path, bytes)
+    }
+
+    fn map(fd: libc::c_int, path: std::path::PathBuf, bytes: usize) -> Result<ShmSegment> {
+        // SAFETY: mapping `bytes` of an open file we own; the fd is closed right after.
+        let p = unsafe {
+            let p = libc::mmap(
+                std::ptr::null_mut(),
+                bytes.max(1),
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd,
+                0,
+            );
+            libc::close(fd);
+            p
+        };
+        if p == libc::MAP_FAILED {
+            return Err(os_err(format!("mapping {}", path.display())));
+        }
+        Ok(ShmSegment {
+            ptr: p as *mut u8,
+            bytes,
+            path,
+        })
+    }
+
+    /// Base address in this process.
+    pub fn addr(&self) -> u64 {
+        self.ptr as u64
+    }
+
+    /// Removes the name from `/dev/shm` (the mappings stay valid).
+    pub fn unlink(&self) -> Result<()> {
+        let c = std::ffi::CString::new(self.path.as_os_str().as_encoded_bytes())
+            .map_err(|_| Error::Internal("shm path with NUL".into()))?;
+        // SAFETY: valid C string.
+        if unsafe { libc::unlink(c.as_ptr()) } != 0 {
+            return Err(os_err(format!("unlinking {}", self.path.display())));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for ShmSegment {
+    fn drop(&mut self) {
+        // SAFETY: unmapping our own mapping.
+        if unsafe { libc::munmap(self.ptr as *mut libc::c_void, self.bytes.max(1)) } != 0 {
+            tracing::warn!(target: "oxccl::init", "munmap {}: {}", self.path.display(), std::io::Error::last_os_error());
+        }
+    }
+}

@@ -1,0 +1,147 @@
+//! `Comm::init_rank` on the CPU target: ranks as threads and as processes meet through the
+//! bootstrap of one unique id and run collectives over shared memory (`/dev/shm`) with exact
+//! results; two ranks on one device get `InvalidUsage` naming both (case C26).
+use oxccl::bootstrap::{UniqueId, get_unique_id};
+use oxccl::{Comm, DataType, Device, Error, RedOp};
+use std::time::{Duration, Instant};
+
+/// AllReduce (sum of rank+1) and AllGather on one rank; returns the number of wrong elements.
+fn run_rank(id: &UniqueId, rank: usize, nranks: usize) -> Result<usize, Error> {
+    let comm = Comm::init_rank(nranks, id, rank, Device::Cpu(rank))?;
+    let dev = comm.device();
+    let stream = dev.new_stream()?;
+    let count = 100_003;
+    let buf = dev.alloc(count * 4)?;
+    buf.write(0, &((rank + 1) as f32).to_ne_bytes().repeat(count))?;
+    comm.all_reduce(&buf, &buf, count, DataType::F32, RedOp::Sum, &stream)?;
+    let per = 1001;
+    let send = dev.alloc(per * 4)?;
+    let recv = dev.alloc(per * 4 * nranks)?;
+    let mine: Vec<u8> = (0..per)
+        .flat_map(|i| ((rank * 10_000 + i) as u32).to_ne_bytes())
+        .collect();
+    send.write(0, &mine)?;
+    comm.all_gather(&send, &recv, per, DataType::U32, &stream)?;
+    stream.synchronize()?;
+    let want = (nranks * (nranks + 1) / 2) as f32;
+    let sum = buf.to_vec()?;
+    let mut wrong = sum
+        .chunks(4)
+        .filter(|c| f32::from_ne_bytes((*c).try_into().unwrap()) != want)
+        .count();
+    let all = recv.to_vec()?;
+    for (k, c) in all.chunks(4).enumerate() {
+        let (owner, i) = (k / per, k % per);
+        wrong += usize::from(u32::from_ne_bytes(c.try_into().unwrap()) != (owner * 10_000 + i) as u32);
+    }
+    Ok(wrong)
+}
+
+#[test]
+fn ranks_as_threads() {
+    for nranks in [1usize, 2, 4] {
+        let id = get_unique_id().expect("unique id");
+        let results: Vec<_> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..nranks)
+                .map(|r| s.spawn(move || run_rank(&id, r, nranks)))
+                .collect();
+            hs.into_iter().map(|h| h.join().expect("rank thread")).collect()
+        });
+        for (r, res) in results.into_iter().enumerate() {
+            assert_eq!(
+                res.unwrap_or_else(|e| panic!("nranks {nranks} rank {r}: {e}")),
+                0,
+                "rank {r} wrong elements"
+            );
+        }
+    }
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
+        .collect()
+}
+
+/// The body of a child process of `ranks_as_processes` (a no-op in a normal test run).
+#[test]
+fn child_rank_entry() {
+    let (Ok(rank), Ok(id)) = (
+        std::env::var("OXCCL_TEST_CHILD_RANK"),
+        std::env::var("OXCCL_TEST_CHILD_ID"),
+    ) else {
+        return;
+    };
+    let id = UniqueId::from_bytes(&unhex(&id)).expect("id");
+    let nranks: usize = std::env::var("OXCCL_TEST_CHILD_NRANKS").unwrap().parse().unwrap();
+    let wrong = run_rank(&id, rank.parse().unwrap(), nranks).expect("child rank");
+    assert_eq!(wrong, 0);
+    println!("CHILD-RANK-OK");
+}
+
+#[test]
+fn ranks_as_processes() {
+    let nranks = 3;
+    let id = get_unique_id().expect("unique id");
+    let exe = std::env::current_exe().unwrap();
+    let children: Vec<_> = (0..nranks)
+        .map(|r| {
+            std::process::Command::new(&exe)
+                .args(["--exact", "child_rank_entry", "--nocapture", "--test-threads=1"])
+                .env("OXCCL_TEST_CHILD_RANK", r.to_string())
+                .env("OXCCL_TEST_CHILD_NRANKS", nranks.to_string())
+                .env("OXCCL_TEST_CHILD_ID", hex(&id.to_bytes()))
+                .stdout(std::process::Stdio::piped())
+                .spawn()
+                .expect("spawn child rank")
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    for (r, mut c) in children.into_iter().enumerate() {
+        loop {
+            if let Some(status) = c.try_wait().unwrap() {
+                let mut out = String::new();
+                std::io::Read::read_to_string(c.stdout.as_mut().unwrap(), &mut out).unwrap();
+                assert!(
+                    status.success() && out.contains("CHILD-RANK-OK"),
+                    "child rank {r}: {status}\n{out}"
+                );
+                break;
+            }
+            if Instant::now() > deadline {
+                let _ = c.kill();
+                panic!("child rank {r} did not finish in 120 s");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+#[test]
+fn two_ranks_on_one_device_c26() {
+    let id = get_unique_id().expect("unique id");
+    let errs: Vec<_> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2)
+            .map(|r| s.spawn(move || Comm::init_rank(2, &id, r, Device::Cpu(0)).err()))
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (r, e) in errs.into_iter().enumerate() {
+        let e = e.unwrap_or_else(|| panic!("rank {r}: init_rank on a shared device must fail"));
+        assert!(matches!(e, Error::InvalidUsage(_)), "rank {r}: {e}");
+        let m = e.to_string();
+        assert!(
+            m.contains("ranks 0 and 1") && m.contains("cpu device 0"),
+            "rank {r}: {m}"
+        );
+    }
+    assert!(
+        Comm::init_rank(2, &id, 2, Device::Cpu(0))
+            .is_err_and(|e| e.to_string().contains("rank 2 is out of range"))
+    );
+}
