@@ -20,7 +20,9 @@ fn nccl_err(call: &str, e: result::NcclError) -> Error {
 /// NCCL's version code (e.g. 22803 for 2.28.3).
 pub fn version() -> Result<i32> {
     if !available() {
-        return Err(Error::System("libnccl.so.2 (the system NCCL) was not found".into()));
+        return Err(Error::System(
+            "libnccl.so.2 (the system NCCL) was not found".into(),
+        ));
     }
     result::get_nccl_version().map_err(|e| nccl_err("ncclGetVersion", e))
 }

@@ -83,7 +83,13 @@ pub fn svg_plot(title: &str, sweeps: &[Sweep<'_>]) -> String {
         xml_escape(title)
     );
     // Axes, grid and labels.
-    let decimals = if ymax >= 50.0 { 0 } else if ymax >= 5.0 { 1 } else { 2 };
+    let decimals = if ymax >= 50.0 {
+        0
+    } else if ymax >= 5.0 {
+        1
+    } else {
+        2
+    };
     for i in 0..=5 {
         let v = ymax * i as f64 / 5.0;
         let y = py(v);
