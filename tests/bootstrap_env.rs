@@ -3,60 +3,17 @@
 //! through the environment. Environment variables are process-global, so everything runs
 //! serially in the one #[test] of this binary, and the variables are restored afterwards (even on
 //! failure). Loopback only.
+
+mod common;
+
+use common::env::Env;
 use oxccl::ResultCode;
 use oxccl::bootstrap::{Bootstrap, BootstrapConfig, get_unique_id, get_unique_id_with, list_interfaces};
-use std::ffi::OsString;
 use std::net::TcpListener;
 use std::time::{Duration, Instant};
 
 /// Every variable this test touches (both spellings).
 const VARS: &[&str] = &["BOOTSTRAP_TIMEOUT", "SOCKET_IFNAME", "COMM_ID"];
-
-/// Clears the variables on creation and restores their old values on drop.
-struct Env {
-    saved: Vec<(String, Option<OsString>)>,
-}
-
-impl Env {
-    fn clean() -> Env {
-        let mut saved = Vec::new();
-        for v in VARS {
-            for p in ["NCCL_", "OXCCL_"] {
-                let k = format!("{p}{v}");
-                saved.push((k.clone(), std::env::var_os(&k)));
-            }
-        }
-        let env = Env { saved };
-        env.set(&[]);
-        env
-    }
-
-    /// Sets exactly `vars` (every other variable of [`VARS`] unset).
-    fn set(&self, vars: &[(&str, &str)]) {
-        for (k, _) in &self.saved {
-            // SAFETY: this binary has one test, and no other thread runs while the environment changes.
-            unsafe { std::env::remove_var(k) };
-        }
-        for (k, v) in vars {
-            // SAFETY: as above.
-            unsafe { std::env::set_var(k, v) };
-        }
-    }
-}
-
-impl Drop for Env {
-    fn drop(&mut self) {
-        for (k, v) in &self.saved {
-            // SAFETY: as above.
-            unsafe {
-                match v {
-                    Some(v) => std::env::set_var(k, v),
-                    None => std::env::remove_var(k),
-                }
-            }
-        }
-    }
-}
 
 fn closed_port() -> u16 {
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
@@ -80,7 +37,7 @@ fn expect_err(
 
 #[test]
 fn bootstrap_environment() {
-    let env = Env::clean();
+    let env = Env::clean(VARS);
     let lo = BootstrapConfig {
         ifname: Some("=lo".into()),
         timeout: Duration::from_secs(30),

@@ -13,9 +13,10 @@ macro_rules! skipped {
 
 mod common;
 
+use common::env::Env;
+
 use oxccl::perf::check;
 use oxccl::{Comm, DataType, Device, Func, RedOp, ResultCode};
-use std::ffi::OsString;
 use std::time::{Duration, Instant};
 
 /// Every variable these tests touch (both spellings).
@@ -26,51 +27,6 @@ const VARS: &[&str] = &[
     "MIN_NCHANNELS",
     "ALLOW_SHARED_DEVICE",
 ];
-
-/// Clears the variables on creation and restores their old values on drop.
-struct Env {
-    saved: Vec<(String, Option<OsString>)>,
-}
-
-impl Env {
-    fn clean() -> Env {
-        let mut saved = Vec::new();
-        for v in VARS {
-            for p in ["NCCL_", "OXCCL_"] {
-                let k = format!("{p}{v}");
-                saved.push((k.clone(), std::env::var_os(&k)));
-                // SAFETY: this binary has one test, and no other thread reads the environment.
-                unsafe { std::env::remove_var(&k) };
-            }
-        }
-        Env { saved }
-    }
-    /// Sets exactly `vars` (every other variable of [`VARS`] unset).
-    fn set(&self, vars: &[(&str, &str)]) {
-        for (k, _) in &self.saved {
-            // SAFETY: as above.
-            unsafe { std::env::remove_var(k) };
-        }
-        for (k, v) in vars {
-            // SAFETY: as above.
-            unsafe { std::env::set_var(k, v) };
-        }
-    }
-}
-
-impl Drop for Env {
-    fn drop(&mut self) {
-        for (k, v) in &self.saved {
-            // SAFETY: as above.
-            unsafe {
-                match v {
-                    Some(v) => std::env::set_var(k, v),
-                    None => std::env::remove_var(k),
-                }
-            }
-        }
-    }
-}
 
 const COUNT: usize = 1_000_003;
 const SEED: u64 = 0xC12;
@@ -182,7 +138,7 @@ fn exact(devices: &[Device], d: &Data, what: &str, check_params: &dyn Fn(&oxccl:
 
 #[test]
 fn env_params_serial() {
-    let env = Env::clean();
+    let env = Env::clean(VARS);
     let dog = common::Watchdog::new("env_params_serial", Duration::from_secs(300));
     let t0 = Instant::now();
     let d2 = data(2);

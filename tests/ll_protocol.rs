@@ -2,17 +2,10 @@
 //! implemented protocol; (B) the LL flag wrap — connections start just below the flag period
 //! (2^31 − 1 steps), below 2^32 and below the second period through the `OXCCL_TEST_INITIAL_STEP`
 //! hook, then 1000 AllReduces must be exact and must not hang. Environment variables are process-global: one serial test.
-use oxccl::{Comm, DataType, Device, DeviceBuffer, Proto, RedOp, Stream};
+mod common;
 
-fn set(k: &str, v: Option<&str>) {
-    // SAFETY: this binary runs one test; nothing else reads the environment concurrently.
-    unsafe {
-        match v {
-            Some(v) => std::env::set_var(k, v),
-            None => std::env::remove_var(k),
-        }
-    }
-}
+use common::env::Env;
+use oxccl::{Comm, DataType, Device, DeviceBuffer, Proto, RedOp, Stream};
 
 struct Ranks {
     comms: Vec<Comm>,
@@ -34,8 +27,8 @@ fn sync(r: &Ranks) {
 }
 
 /// C11 (A): in-place Broadcast of arange(count) as int32 and int64, root cycling over every rank.
-fn broadcast_arange(proto: &str) {
-    set("NCCL_PROTO", Some(proto));
+fn broadcast_arange(env: &Env, proto: &str) {
+    env.set(&[("NCCL_PROTO", proto)]);
     let n = 4;
     let r = ranks(n, 7809 * 8);
     for dtype in [DataType::I32, DataType::I64] {
@@ -83,9 +76,11 @@ fn broadcast_arange(proto: &str) {
 }
 
 /// C11 (B): 1000 small AllReduces from `start` on, each checked.
-fn all_reduces_across(start: u64, n: usize) {
-    set("OXCCL_TEST_INITIAL_STEP", Some(&start.to_string()));
-    set("NCCL_PROTO", Some("LL"));
+fn all_reduces_across(env: &Env, start: u64, n: usize) {
+    env.set(&[
+        ("OXCCL_TEST_INITIAL_STEP", &start.to_string()),
+        ("NCCL_PROTO", "LL"),
+    ]);
     let r = ranks(n, 4 * 4);
     for it in 0..1000u32 {
         for (k, b) in r.bufs.iter().enumerate() {
@@ -118,19 +113,18 @@ fn all_reduces_across(start: u64, n: usize) {
         }
         assert_eq!(r.comms[0].last_choice().unwrap().proto, Proto::Ll);
     }
-    set("OXCCL_TEST_INITIAL_STEP", None);
 }
 
 #[test]
 fn c11_broadcast_arange_and_ll_flag_wrap() {
+    let env = Env::clean(&["PROTO", "TEST_INITIAL_STEP"]);
     for proto in ["LL", "Simple"] {
-        broadcast_arange(proto);
+        broadcast_arange(&env, proto);
     }
     // Note: LL128 is not implemented yet (an explicit error, see tests/tuning_env.rs).
     for start in [(1u64 << 31) - 64, (1u64 << 32) - 64, 2 * ((1u64 << 31) - 1) - 64] {
         for n in [2, 4] {
-            all_reduces_across(start, n);
+            all_reduces_across(&env, start, n);
         }
     }
-    set("NCCL_PROTO", None);
 }

@@ -2,22 +2,10 @@
 //! explicitly — the plan of each call shows only allowed choices, a bogus value names the variable,
 //! and "nothing available" is an error naming the collective, never a silent fallback or a hang.
 //! Environment variables are process-global, so everything runs in one serial test.
+mod common;
+
+use common::env::Env;
 use oxccl::{Algo, Comm, DataType, Device, Error, Proto, RedOp};
-
-struct EnvGuard(Vec<&'static str>);
-impl Drop for EnvGuard {
-    fn drop(&mut self) {
-        for k in &self.0 {
-            // SAFETY: this test binary runs a single test; no other thread reads the environment.
-            unsafe { std::env::remove_var(k) };
-        }
-    }
-}
-
-fn set(k: &str, v: &str) {
-    // SAFETY: as in EnvGuard::drop.
-    unsafe { std::env::set_var(k, v) };
-}
 
 /// AllReduce of rank+1 over 3 CPU ranks; returns the error of the first failing call.
 fn run_all_reduce() -> Result<Vec<Option<oxccl::Choice>>, Error> {
@@ -49,10 +37,10 @@ fn run_all_reduce() -> Result<Vec<Option<oxccl::Choice>>, Error> {
 
 #[test]
 fn proto_and_algo_forcing_c13() {
-    let _g = EnvGuard(vec!["NCCL_PROTO", "NCCL_ALGO", "OXCCL_PROTO"]);
+    let env = Env::clean(&["PROTO", "ALGO"]);
 
     for ok in ["Simple", "^LL", "^LL,LL128", "simple,LL"] {
-        set("NCCL_PROTO", ok);
+        env.set(&[("NCCL_PROTO", ok)]);
         let choices = run_all_reduce().unwrap_or_else(|e| panic!("NCCL_PROTO={ok}: {e}"));
         for c in choices {
             let c = c.expect("a plan is recorded");
@@ -61,7 +49,7 @@ fn proto_and_algo_forcing_c13() {
     }
 
     // Allowed but not implemented yet: an explicit error naming the collective, on every rank.
-    set("NCCL_PROTO", "LL128");
+    env.set(&[("NCCL_PROTO", "LL128")]);
     let e = run_all_reduce().unwrap_err();
     assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
     assert!(
@@ -70,7 +58,7 @@ fn proto_and_algo_forcing_c13() {
     );
 
     // A bogus value fails init and names the variable (OXCCL_ spelling wins over NCCL_).
-    set("NCCL_PROTO", "bogus");
+    env.set(&[("NCCL_PROTO", "bogus")]);
     let e = Comm::init_all(&Device::cpus(2))
         .err()
         .expect("bogus NCCL_PROTO must fail");
@@ -78,16 +66,11 @@ fn proto_and_algo_forcing_c13() {
         e.to_string().contains("NCCL_PROTO") && e.to_string().contains("bogus"),
         "{e}"
     );
-    set("OXCCL_PROTO", "Simple");
+    env.set(&[("NCCL_PROTO", "bogus"), ("OXCCL_PROTO", "Simple")]);
     run_all_reduce().expect("OXCCL_PROTO=Simple overrides the bogus NCCL_PROTO");
-    // SAFETY: as in EnvGuard::drop.
-    unsafe {
-        std::env::remove_var("OXCCL_PROTO");
-        std::env::remove_var("NCCL_PROTO");
-    }
 
     // NCCL_ALGO=Tree with Broadcast must not fall back to ring silently.
-    set("NCCL_ALGO", "Tree");
+    env.set(&[("NCCL_ALGO", "Tree")]);
     let comms = Comm::init_all(&Device::cpus(2)).unwrap();
     let s = comms[0].device().new_stream().unwrap();
     let b = comms[0].device().alloc(64).unwrap();

@@ -3,6 +3,8 @@
 //! skip reporting, and a stall watchdog so a hung collective fails the test instead of blocking CI.
 #![allow(dead_code)]
 
+pub mod env;
+
 /// Prints past libtest's output capture, so every run shows why a test skipped.
 macro_rules! skipped {
     ($($t:tt)*) => {{
