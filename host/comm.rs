@@ -28,6 +28,8 @@ pub const CUDA_DEFAULT_NCHANNELS: u32 = 64;
 pub const CPU_DEFAULT_NCHANNELS: u32 = 2;
 /// Bytes per channel below which a call uses fewer channels.
 const MIN_BYTES_PER_CHANNEL: u64 = 128 << 10;
+/// How long [`Comm::abort`] waits for in-flight operations to exit.
+const ABORT_WAIT: Duration = Duration::from_secs(5);
 /// How long dropping a communicator waits for its last operation before it raises the abort flag.
 const DROP_WAIT: Duration = Duration::from_secs(10);
 /// Bytes reserved per channel for the two step counters (head, tail), each on its own 128-byte line.
@@ -503,6 +505,38 @@ impl Comm {
         let layout = ConnLayout::new(&self.params, self.nchannels, !self.device.is_cuda());
         layout.bytes() + comm_block_bytes(self.nchannels as usize, self.nranks) as u64
     }
+    /// Aborts this rank (NCCL's `ncclCommAbort`): raises the abort flag that every kernel spin
+    /// loop polls, so operations still waiting for a peer exit and their streams drain, then waits
+    /// up to 5 s for this rank's queued operations to finish. The communicator is unusable
+    /// afterwards: later calls return `InvalidUsage`. Safe to call from any thread, more than once.
+    /// Results of the interrupted operations are undefined.
+    pub fn abort(&self) -> Result<()> {
+        self.abort_flag().store(1, Ordering::Release);
+        tracing::warn!(target: "oxccl::init", rank = self.rank, "communicator aborted");
+        let start = Instant::now();
+        let done = || -> Result<bool> {
+            Ok(match &self.res {
+                Res::Cuda(res) => !res.launched.load(Ordering::Acquire) || res.last_event.is_complete()?,
+                Res::Cpu(_) => self.inflight.load(Ordering::Acquire) == 0,
+            })
+        };
+        while !done()? {
+            if start.elapsed() > ABORT_WAIT {
+                return Err(Error::Timeout(format!(
+                    "rank {}: operations still running {ABORT_WAIT:?} after abort",
+                    self.rank
+                )));
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        Ok(())
+    }
+
+    /// True once [`Comm::abort`] was called (or dropping raised the abort flag).
+    pub fn is_aborted(&self) -> bool {
+        self.abort_flag().load(Ordering::Acquire) != 0
+    }
+
     /// The plan of the most recent collective call on this communicator.
     pub fn last_choice(&self) -> Option<Choice> {
         self.last.lock().ok().and_then(|g| *g)
@@ -777,6 +811,12 @@ impl Comm {
         self.check_root(func, root)?;
         let (_, recv_bytes) = self.buffer_bytes(func, count, dtype)?;
         self.check_stream(stream)?;
+        if self.is_aborted() {
+            return Err(Error::InvalidUsage(format!(
+                "rank {}: the communicator was aborted",
+                self.rank
+            )));
+        }
         if count == 0 {
             return Ok(());
         }

@@ -1,0 +1,79 @@
+//! Case C28 on the CPU target: while every rank loops AllReduce (f32, 1 M elements), another thread
+//! aborts every communicator after a pseudo-random 0–50 ms. Each `abort` returns within 5 s, the
+//! in-flight operations exit so the rank threads drain, and later calls fail with `InvalidUsage`.
+//! Run for both protocols and 2 and 4 ranks.
+mod common;
+
+use common::env::Env;
+use oxccl::{Comm, DataType, Device, Error, RedOp};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+const REPS: u64 = 10;
+
+#[test]
+fn abort_while_all_reduce_loops_c28() {
+    let env = Env::clean(&["PROTO"]);
+    // A hang is the failure this test exists for: fail loudly instead of blocking CI.
+    let finished = std::sync::Arc::new(AtomicBool::new(false));
+    let f = finished.clone();
+    std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_secs(240));
+        if !f.load(Ordering::Acquire) {
+            eprintln!("TIMEOUT: abort_while_all_reduce_loops_c28 did not finish in 240 s");
+            std::process::exit(101);
+        }
+    });
+    let count = 1 << 20;
+    for proto in ["Simple", "LL"] {
+        env.set(&[("NCCL_PROTO", proto)]);
+        for nranks in [2usize, 4] {
+            for rep in 0..REPS {
+                let comms = Comm::init_all(&Device::cpus(nranks)).unwrap();
+                let streams: Vec<_> = comms.iter().map(|c| c.device().new_stream().unwrap()).collect();
+                let bufs: Vec<_> = comms
+                    .iter()
+                    .map(|c| c.device().alloc(count * 4).unwrap())
+                    .collect();
+                let delay_ms = (rep * 2_654_435_761 + nranks as u64 * 40_503) % 51;
+                std::thread::scope(|s| {
+                    for r in 0..nranks {
+                        let (c, st, b) = (&comms[r], &streams[r], &bufs[r]);
+                        s.spawn(move || {
+                            for _ in 0..100_000 {
+                                if let Err(e) = c.all_reduce(b, b, count, DataType::F32, RedOp::Sum, st) {
+                                    assert!(matches!(e, Error::InvalidUsage(_)), "rank {r}: {e}");
+                                    break;
+                                }
+                                let _ = st.synchronize();
+                            }
+                        });
+                    }
+                    s.spawn(|| {
+                        std::thread::sleep(Duration::from_millis(delay_ms));
+                        for c in &comms {
+                            let t = Instant::now();
+                            c.abort()
+                                .unwrap_or_else(|e| panic!("{proto} nranks {nranks} rep {rep}: {e}"));
+                            assert!(
+                                t.elapsed() < Duration::from_secs(5),
+                                "abort took {:?}",
+                                t.elapsed()
+                            );
+                            assert!(c.is_aborted());
+                        }
+                    });
+                });
+                // Everything drained: a later call is refused, and streams synchronize.
+                for (r, c) in comms.iter().enumerate() {
+                    streams[r].synchronize().unwrap();
+                    let e = c
+                        .all_reduce(&bufs[r], &bufs[r], 4, DataType::F32, RedOp::Sum, &streams[r])
+                        .unwrap_err();
+                    assert!(e.to_string().contains("aborted"), "{e}");
+                }
+            }
+        }
+    }
+    finished.store(true, Ordering::Release);
+}
