@@ -145,3 +145,105 @@ fn two_ranks_on_one_device_c26() {
             .is_err_and(|e| e.to_string().contains("rank 2 is out of range"))
     );
 }
+
+/// The body of a child process of `from_env_as_a_launcher_would` (a no-op in a normal test run).
+#[test]
+fn child_from_env_entry() {
+    if std::env::var("OXCCL_TEST_FROM_ENV").is_err() {
+        return;
+    }
+    let comm = Comm::from_env().expect("Comm::from_env");
+    let (rank, nranks) = (comm.rank(), comm.nranks());
+    let stream = comm.device().new_stream().unwrap();
+    let buf = comm.device().alloc(4 * 1000).unwrap();
+    buf.write(0, &((rank + 1) as u32).to_ne_bytes().repeat(1000))
+        .unwrap();
+    comm.all_reduce(&buf, &buf, 1000, DataType::U32, RedOp::Sum, &stream)
+        .unwrap();
+    stream.synchronize().unwrap();
+    let want = ((nranks * (nranks + 1) / 2) as u32).to_ne_bytes().repeat(1000);
+    assert_eq!(buf.to_vec().unwrap(), want);
+    println!("CHILD-FROM-ENV-OK");
+}
+
+#[test]
+fn from_env_as_a_launcher_would() {
+    let world = 3;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let exe = std::env::current_exe().unwrap();
+    let children: Vec<_> = (0..world)
+        .map(|r| {
+            std::process::Command::new(&exe)
+                .args([
+                    "--exact",
+                    "child_from_env_entry",
+                    "--nocapture",
+                    "--test-threads=1",
+                ])
+                .env("OXCCL_TEST_FROM_ENV", "1")
+                .env("RANK", r.to_string())
+                .env("LOCAL_RANK", r.to_string())
+                .env("WORLD_SIZE", world.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .env_remove("NCCL_COMM_ID")
+                .env_remove("OXCCL_COMM_ID")
+                .stdout(std::process::Stdio::piped())
+                .spawn()
+                .expect("spawn child rank")
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    for (r, mut c) in children.into_iter().enumerate() {
+        loop {
+            if let Some(status) = c.try_wait().unwrap() {
+                let mut out = String::new();
+                std::io::Read::read_to_string(c.stdout.as_mut().unwrap(), &mut out).unwrap();
+                assert!(
+                    status.success() && out.contains("CHILD-FROM-ENV-OK"),
+                    "rank {r}: {status}\n{out}"
+                );
+                break;
+            }
+            if Instant::now() > deadline {
+                let _ = c.kill();
+                panic!("rank {r} did not finish in 120 s");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+#[test]
+fn from_env_names_missing_or_bad_variables() {
+    // SAFETY: no other test of this binary reads these variables in this process (children get
+    // their own environment).
+    unsafe {
+        std::env::set_var("RANK", "0");
+        std::env::remove_var("WORLD_SIZE");
+    }
+    let e = Comm::from_env().unwrap_err().to_string();
+    assert!(e.contains("WORLD_SIZE is not set"), "{e}");
+    // SAFETY: as above.
+    unsafe {
+        std::env::set_var("WORLD_SIZE", "two");
+    }
+    let e = Comm::from_env().unwrap_err().to_string();
+    assert!(e.contains("WORLD_SIZE=\"two\""), "{e}");
+    // SAFETY: as above.
+    unsafe {
+        std::env::set_var("WORLD_SIZE", "2");
+        std::env::set_var("RANK", "2");
+    }
+    let e = Comm::from_env().unwrap_err().to_string();
+    assert!(e.contains("RANK=2 is out of range for WORLD_SIZE=2"), "{e}");
+    // SAFETY: as above.
+    unsafe {
+        std::env::remove_var("RANK");
+        std::env::remove_var("WORLD_SIZE");
+    }
+}
