@@ -1147,6 +1147,18 @@ fn build_comm_block(
     out
 }
 
+impl std::fmt::Debug for Comm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Comm")
+            .field("rank", &self.rank)
+            .field("nranks", &self.nranks)
+            .field("device", &self.device)
+            .field("nchannels", &self.nchannels)
+            .field("aborted", &self.is_aborted())
+            .finish_non_exhaustive()
+    }
+}
+
 impl Drop for Comm {
     /// Waits (bounded) for this rank's last queued operation, then raises the abort flag so a
     /// kernel still waiting for a peer exits, then frees everything. Never panics.
