@@ -572,6 +572,30 @@ impl Comm {
         Ok(())
     }
 
+    /// Destroys this rank (NCCL's `ncclCommDestroy`): waits for its queued operations (up to 10 s,
+    /// then aborts them), then frees its resources, returning the first error met on the way.
+    /// Taking `self` makes a second destroy or a use after destroy a compile error (case C27).
+    pub fn destroy(self) -> Result<()> {
+        let start = Instant::now();
+        loop {
+            let done = match &self.res {
+                Res::Cuda(res) => !res.launched.load(Ordering::Acquire) || res.last_event.is_complete()?,
+                Res::Cpu(_) => self.inflight.load(Ordering::Acquire) == 0,
+            };
+            if done {
+                return Ok(());
+            }
+            if start.elapsed() > DROP_WAIT {
+                self.abort()?;
+                return Err(Error::Timeout(format!(
+                    "rank {}: destroy waited {DROP_WAIT:?} for queued operations and aborted them",
+                    self.rank
+                )));
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+
     /// True once [`Comm::abort`] was called (or dropping raised the abort flag).
     pub fn is_aborted(&self) -> bool {
         self.abort_flag().load(Ordering::Acquire) != 0

@@ -77,3 +77,22 @@ fn abort_while_all_reduce_loops_c28() {
     }
     finished.store(true, Ordering::Release);
 }
+
+#[test]
+fn destroy_waits_for_queued_work_and_returns_ok() {
+    let comms = Comm::init_all(&Device::cpus(2)).unwrap();
+    let streams: Vec<_> = comms.iter().map(|c| c.device().new_stream().unwrap()).collect();
+    let bufs: Vec<_> = comms.iter().map(|c| c.device().alloc(4 << 20).unwrap()).collect();
+    for (r, c) in comms.iter().enumerate() {
+        bufs[r].write(0, &((r + 1) as f32).to_ne_bytes().repeat(1 << 20)).unwrap();
+        c.all_reduce(&bufs[r], &bufs[r], 1 << 20, DataType::F32, RedOp::Sum, &streams[r]).unwrap();
+    }
+    // No synchronize: destroy itself waits for the queued AllReduce of each rank.
+    for c in comms {
+        c.destroy().unwrap();
+    }
+    for (s, b) in streams.iter().zip(&bufs) {
+        s.synchronize().unwrap();
+        assert!(b.to_vec().unwrap().chunks(4).all(|x| f32::from_ne_bytes(x.try_into().unwrap()) == 3.0));
+    }
+}
