@@ -28,6 +28,9 @@ pub const CUDA_DEFAULT_NCHANNELS: u32 = 64;
 pub const CPU_DEFAULT_NCHANNELS: u32 = 2;
 /// Bytes per channel below which a call uses fewer channels.
 const MIN_BYTES_PER_CHANNEL: u64 = 128 << 10;
+/// Abort-flag values: this rank called abort, or another rank of its process group did.
+const ABORTED_HERE: u32 = 1;
+const ABORTED_BY_PEER: u32 = 2;
 /// How long [`Comm::abort`] waits for in-flight operations to exit.
 const ABORT_WAIT: Duration = Duration::from_secs(5);
 /// How long dropping a communicator waits for its last operation before it raises the abort flag.
@@ -551,7 +554,12 @@ impl Comm {
     /// afterwards: later calls return `InvalidUsage`. Safe to call from any thread, more than once.
     /// Results of the interrupted operations are undefined.
     pub fn abort(&self) -> Result<()> {
-        self.abort_flag().store(1, Ordering::Release);
+        self.abort_flag().store(ABORTED_HERE, Ordering::Release);
+        // Ranks of the same process group would otherwise wait for us forever: their kernels exit
+        // too, and their later calls report the remote abort (case C28, one rank aborting).
+        for peer in self.group_abort_flags() {
+            let _ = peer.compare_exchange(0, ABORTED_BY_PEER, Ordering::AcqRel, Ordering::Acquire);
+        }
         tracing::warn!(target: "oxccl::init", rank = self.rank, "communicator aborted");
         let start = Instant::now();
         let done = || -> Result<bool> {
@@ -875,6 +883,12 @@ impl Comm {
         self.check_root(func, root)?;
         let (_, recv_bytes) = self.buffer_bytes(func, count, dtype)?;
         self.check_stream(stream)?;
+        if self.abort_flag().load(Ordering::Acquire) == ABORTED_BY_PEER {
+            return Err(Error::Remote(format!(
+                "rank {}: another rank of this communicator aborted; abort or destroy this rank too",
+                self.rank
+            )));
+        }
         if self.is_aborted() {
             return Err(Error::InvalidUsage(format!(
                 "rank {}: the communicator was aborted",
@@ -1047,6 +1061,33 @@ impl Comm {
         };
         // SAFETY: the flag lives in memory owned by `self.res`, 4-byte aligned, accessed atomically.
         unsafe { AtomicU32::from_ptr(p as *mut u32) }
+    }
+
+    /// The abort flags of the other ranks of this process's group (`init_all`); none for
+    /// `init_rank`, whose peers live in other processes.
+    fn group_abort_flags(&self) -> Vec<&AtomicU32> {
+        let ptrs: Vec<*const u32> = match &self.res {
+            Res::Cuda(r) => r
+                .group
+                .abort
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| *i != self.rank)
+                .map(|(_, a)| a.host_ptr() as *const u32)
+                .collect(),
+            Res::Cpu(r) => r
+                .group
+                .abort
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| *i != r.slot)
+                .map(|(_, a)| a.addr() as *const u32)
+                .collect(),
+        };
+        // SAFETY: the flags live in memory owned by the shared group, which `self` keeps alive.
+        ptrs.into_iter()
+            .map(|p| unsafe { AtomicU32::from_ptr(p as *mut u32) })
+            .collect()
     }
 }
 

@@ -42,7 +42,11 @@ fn abort_while_all_reduce_loops_c28() {
                         s.spawn(move || {
                             for _ in 0..100_000 {
                                 if let Err(e) = c.all_reduce(b, b, count, DataType::F32, RedOp::Sum, st) {
-                                    assert!(matches!(e, Error::InvalidUsage(_)), "rank {r}: {e}");
+                                    // Aborted here, or told that another rank aborted first.
+                                    assert!(
+                                        matches!(e, Error::InvalidUsage(_) | Error::Remote(_)),
+                                        "rank {r}: {e}"
+                                    );
                                     break;
                                 }
                                 let _ = st.synchronize();
@@ -84,8 +88,18 @@ fn destroy_waits_for_queued_work_and_returns_ok() {
     let streams: Vec<_> = comms.iter().map(|c| c.device().new_stream().unwrap()).collect();
     let bufs: Vec<_> = comms.iter().map(|c| c.device().alloc(4 << 20).unwrap()).collect();
     for (r, c) in comms.iter().enumerate() {
-        bufs[r].write(0, &((r + 1) as f32).to_ne_bytes().repeat(1 << 20)).unwrap();
-        c.all_reduce(&bufs[r], &bufs[r], 1 << 20, DataType::F32, RedOp::Sum, &streams[r]).unwrap();
+        bufs[r]
+            .write(0, &((r + 1) as f32).to_ne_bytes().repeat(1 << 20))
+            .unwrap();
+        c.all_reduce(
+            &bufs[r],
+            &bufs[r],
+            1 << 20,
+            DataType::F32,
+            RedOp::Sum,
+            &streams[r],
+        )
+        .unwrap();
     }
     // No synchronize: destroy itself waits for the queued AllReduce of each rank.
     for c in comms {
@@ -93,6 +107,59 @@ fn destroy_waits_for_queued_work_and_returns_ok() {
     }
     for (s, b) in streams.iter().zip(&bufs) {
         s.synchronize().unwrap();
-        assert!(b.to_vec().unwrap().chunks(4).all(|x| f32::from_ne_bytes(x.try_into().unwrap()) == 3.0));
+        assert!(
+            b.to_vec()
+                .unwrap()
+                .chunks(4)
+                .all(|x| f32::from_ne_bytes(x.try_into().unwrap()) == 3.0)
+        );
+    }
+}
+
+/// C28, variant: only rank 0 aborts. The other ranks' in-flight operations exit, their next call
+/// reports `Remote` naming the cause within a bounded time, and their own abort then returns.
+#[test]
+fn one_rank_aborts_the_others_see_remote_error_c28() {
+    let count = 1 << 20;
+    for nranks in [2usize, 4] {
+        let comms = Comm::init_all(&Device::cpus(nranks)).unwrap();
+        let streams: Vec<_> = comms.iter().map(|c| c.device().new_stream().unwrap()).collect();
+        let bufs: Vec<_> = comms
+            .iter()
+            .map(|c| c.device().alloc(count * 4).unwrap())
+            .collect();
+        std::thread::scope(|s| {
+            for r in 0..nranks {
+                let (c, st, b) = (&comms[r], &streams[r], &bufs[r]);
+                s.spawn(move || {
+                    let t = Instant::now();
+                    loop {
+                        match c.all_reduce(b, b, count, DataType::F32, RedOp::Sum, st) {
+                            Ok(()) => {
+                                let _ = st.synchronize();
+                            }
+                            Err(e) => {
+                                if r != 0 {
+                                    assert!(matches!(e, Error::Remote(_)), "rank {r}: {e}");
+                                    assert!(e.to_string().contains("another rank"), "{e}");
+                                    let a = Instant::now();
+                                    c.abort().unwrap();
+                                    assert!(a.elapsed() < Duration::from_secs(5));
+                                }
+                                break;
+                            }
+                        }
+                        assert!(
+                            t.elapsed() < Duration::from_secs(30),
+                            "rank {r} never saw the abort"
+                        );
+                    }
+                });
+            }
+            s.spawn(|| {
+                std::thread::sleep(Duration::from_millis(20));
+                comms[0].abort().unwrap();
+            });
+        });
     }
 }
