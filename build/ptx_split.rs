@@ -87,10 +87,10 @@ pub fn split_ptx(ptx: &str) -> Result<Vec<(String, String)>, String> {
         .map(|it| {
             let mut out = BTreeSet::new();
             for tok in it.text.split(|c: char| !is_ident(c)) {
-                if tok != it.name {
-                    if let Some(ix) = by_name.get(tok) {
-                        out.extend(ix.iter().copied());
-                    }
+                if tok != it.name
+                    && let Some(ix) = by_name.get(tok)
+                {
+                    out.extend(ix.iter().copied());
                 }
             }
             out

@@ -163,13 +163,13 @@ fn check_devices(devices: &[Device]) -> Result<()> {
     }
     let shared_ok = crate::params::env_var("ALLOW_SHARED_DEVICE").is_some_and(|(_, v)| v == "1");
     for (i, a) in devices.iter().enumerate() {
-        if let Some(j) = devices[..i].iter().position(|b| b == a) {
-            if !shared_ok {
-                return Err(Error::InvalidUsage(format!(
-                    "ranks {j} and {i} are both on device {a:?}; one GPU per rank is required \
+        if let Some(j) = devices[..i].iter().position(|b| b == a)
+            && !shared_ok
+        {
+            return Err(Error::InvalidUsage(format!(
+                "ranks {j} and {i} are both on device {a:?}; one GPU per rank is required \
                      (set OXCCL_ALLOW_SHARED_DEVICE=1 to share a device for testing)"
-                )));
-            }
+            )));
         }
     }
     Ok(())

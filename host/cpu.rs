@@ -81,10 +81,10 @@ impl CpuStream {
                 for job in rx {
                     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job))
                         .unwrap_or_else(|_| Err(Error::Internal("a CPU-target operation panicked".into())));
-                    if let Err(e) = r {
-                        if let Ok(mut slot) = err.lock() {
-                            slot.get_or_insert(e);
-                        }
+                    if let Err(e) = r
+                        && let Ok(mut slot) = err.lock()
+                    {
+                        slot.get_or_insert(e);
                     }
                 }
             })

@@ -79,7 +79,7 @@ fn parse_int(key: &str, v: &str, lo: i64, hi: i64) -> Result<i64> {
 impl Params {
     /// Reads the environment. Errors name the variable and the accepted range.
     pub fn from_env() -> Result<Self> {
-        Self::from_lookup(|name| env_var(name))
+        Self::from_lookup(env_var)
     }
 
     /// As [`Params::from_env`], with the variables given by `get` (tests use this).

@@ -287,10 +287,10 @@ fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     }
     if devices[0].is_cuda() {
         println!("# CUDA driver {}", oxccl::cuda::driver_version()?);
-        if let Ok(v) = nccl::version() {
-            if nccl_main || compare {
-                println!("# NCCL {}", nccl::version_string(v));
-            }
+        if let Ok(v) = nccl::version()
+            && (nccl_main || compare)
+        {
+            println!("# NCCL {}", nccl::version_string(v));
         }
     }
     if let Backend::Oxccl(comms) = &main {

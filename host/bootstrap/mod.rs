@@ -103,11 +103,11 @@ impl BootstrapConfig {
             }
             c.timeout = Duration::from_secs_f64(s);
         }
-        if let Some((key, v)) = get("SOCKET_IFNAME") {
-            if !v.trim().is_empty() {
-                c.ifname = Some(v);
-                c.ifname_var = key;
-            }
+        if let Some((key, v)) = get("SOCKET_IFNAME")
+            && !v.trim().is_empty()
+        {
+            c.ifname = Some(v);
+            c.ifname_var = key;
         }
         if let Some((key, v)) = get("COMM_ID") {
             c.comm_id = Some(unique_id::parse_comm_id(&key, &v)?);
@@ -580,13 +580,13 @@ impl Bootstrap {
         let deadline = Instant::now() + self.timeout;
         let mut st = self.mailbox.lock();
         loop {
-            if let Some(q) = st.queues.get_mut(&(peer, tag)) {
-                if let Some(m) = q.pop_front() {
-                    if q.is_empty() {
-                        st.queues.remove(&(peer, tag));
-                    }
-                    return Ok(m);
+            if let Some(q) = st.queues.get_mut(&(peer, tag))
+                && let Some(m) = q.pop_front()
+            {
+                if q.is_empty() {
+                    st.queues.remove(&(peer, tag));
                 }
+                return Ok(m);
             }
             if let Some(why) = &st.failed {
                 return Err(Error::System(format!(
@@ -623,10 +623,10 @@ fn stop_listener(wake: &mut Option<UnixStream>, listener: &mut Option<JoinHandle
         // Closing the socket alone wakes the thread; the byte is a second nudge.
         let _ = w.write_all(&[1]);
         drop(w);
-        if let Some(h) = listener.take() {
-            if h.join().is_err() {
-                tracing::warn!(target: "oxccl::bootstrap", "bootstrap listener thread panicked");
-            }
+        if let Some(h) = listener.take()
+            && h.join().is_err()
+        {
+            tracing::warn!(target: "oxccl::bootstrap", "bootstrap listener thread panicked");
         }
     }
 }

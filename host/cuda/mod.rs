@@ -307,10 +307,10 @@ impl DevAlloc {
 
 impl Drop for DevAlloc {
     fn drop(&mut self) {
-        if self.ctx.bind().is_ok() {
-            if let Err(e) = cu!(cuMemFree_v2(self.ptr)) {
-                tracing::warn!(target: "oxccl::alloc", "freeing device memory: {e}");
-            }
+        if self.ctx.bind().is_ok()
+            && let Err(e) = cu!(cuMemFree_v2(self.ptr))
+        {
+            tracing::warn!(target: "oxccl::alloc", "freeing device memory: {e}");
         }
     }
 }
@@ -478,10 +478,11 @@ impl Stream {
 
 impl Drop for Stream {
     fn drop(&mut self) {
-        if self.owned && self.ctx.bind().is_ok() {
-            if let Err(e) = cu!(cuStreamDestroy_v2(self.raw)) {
-                tracing::warn!(target: "oxccl::init", "destroying a stream: {e}");
-            }
+        if self.owned
+            && self.ctx.bind().is_ok()
+            && let Err(e) = cu!(cuStreamDestroy_v2(self.raw))
+        {
+            tracing::warn!(target: "oxccl::init", "destroying a stream: {e}");
         }
     }
 }
@@ -537,10 +538,10 @@ impl Event {
 
 impl Drop for Event {
     fn drop(&mut self) {
-        if self.ctx.bind().is_ok() {
-            if let Err(e) = cu!(cuEventDestroy_v2(self.raw)) {
-                tracing::warn!(target: "oxccl::init", "destroying an event: {e}");
-            }
+        if self.ctx.bind().is_ok()
+            && let Err(e) = cu!(cuEventDestroy_v2(self.raw))
+        {
+            tracing::warn!(target: "oxccl::init", "destroying an event: {e}");
         }
     }
 }
