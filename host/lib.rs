@@ -35,6 +35,7 @@ pub mod comm;
 pub mod cpu;
 pub mod cuda;
 pub mod error;
+pub mod graph;
 pub mod mem;
 pub mod nccl;
 pub mod params;
