@@ -5,8 +5,8 @@
 //! bandwidths of `src/graph/topo.h` (NVLink per link: SM90 20.6, SM80 and SM70 20.0 GB/s), the
 //! intra-node speed lists (sm90: 60, 50, 40, 30, ...; before sm90: 40, 30, 20, 18, ...), each
 //! channel taking its speed on every link of every hop, lower speeds tried while the next one is
-//! > 0.49 × the best found, then `ncclTopoDupChannels` (double the channels and halve the speed
-//! at >= 25 GB/s unless sm > 80, speed < 50 and > 4 channels). `max_channels` is NCCL's ring
+//! more than 0.49 × the best found, then `ncclTopoDupChannels` (double the channels and halve the speed
+//! at ≥ 25 GB/s unless sm > 80, speed < 50 and > 4 channels). `max_channels` is NCCL's ring
 //! default, `MAXCHANNELS / 2` = 32.
 //!
 //! The Azure files are PCI-only; GPUs and NVLinks are filled in as tests/topo.rs does (the
@@ -422,6 +422,7 @@ impl Rng {
 /// A random one-node topology: 1 or 2 CPUs, 2-8 GPUs each under a PCI switch (shared by up to 2)
 /// or directly under a CPU, and either an NVSwitch (all GPUs 1-18 links), random direct
 /// NVLinks (0-3 per pair, symmetric; pairs without fall back to PCI), or none.
+#[allow(clippy::needless_range_loop)] // symmetric pair matrix
 fn random_topology(rng: &mut Rng) -> String {
     let n = 2 + rng.below(7) as usize;
     let ncpu = 1 + rng.below(2) as usize;

@@ -129,17 +129,17 @@ impl Search<'_> {
 
     /// Tries `ring` as given; on success its bandwidth stays taken.
     fn try_fixed(&mut self, ring: &[usize]) -> bool {
-        let mut done = 0;
-        for k in 0..ring.len() {
-            let (a, b) = (ring[k], ring[(k + 1) % ring.len()]);
+        let n = ring.len();
+        for k in 0..n {
+            let (a, b) = (ring[k], ring[(k + 1) % n]);
             if !self.fits(a, b) {
-                for m in (0..done).rev() {
-                    self.take(ring[m], ring[(m + 1) % ring.len()], -1.0);
+                // Give back what the hops before this one took.
+                for m in (0..k).rev() {
+                    self.take(ring[m], ring[(m + 1) % n], -1.0);
                 }
                 return false;
             }
             self.take(a, b, 1.0);
-            done += 1;
         }
         true
     }
