@@ -525,3 +525,43 @@ fn random_topologies_give_valid_deterministic_rings() {
     // The generator reaches NVLink and PCI-only rings.
     assert!(seen.keys().any(|k| k.1 == "NVL") && seen.keys().any(|k| k.1 != "NVL"));
 }
+
+#[test]
+fn bad_inputs_are_invalid_arguments() {
+    // Ranks must be 0..n-1: a lone GPU of rank 1 is refused, and so is max_channels = 0.
+    let text = r#"<system version="1">
+  <cpu numaid="0" arch="x86_64" vendor="GenuineIntel" familyid="6" modelid="143">
+    <pci busid="0000:01:00.0" class="0x030200" link_speed="32.0 GT/s PCIe" link_width="16">
+      <gpu dev="0" sm="90" rank="1" gdr="1"/>
+    </pci>
+  </cpu>
+</system>
+"#;
+    let sys = System::from_xml_with(Xml::parse(text, "gap.xml").unwrap(), PathOptions::default()).unwrap();
+    let e = search_rings(&sys, MAX_CHANNELS).unwrap_err();
+    assert_eq!(e.code(), oxccl::ResultCode::InvalidArgument, "{e}");
+    assert!(e.to_string().contains("ranks [1]"), "{e}");
+    let e = search_rings(&h200x2(), 0).unwrap_err();
+    assert_eq!(e.code(), oxccl::ResultCode::InvalidArgument, "{e}");
+}
+
+#[test]
+fn ndv5_without_nvlink_orders_by_pci() {
+    // The NDv5 PCI tree alone (no NVLink, as in tests/topo.rs): PCI Gen5 x16 = 48 GB/s per GPU
+    // (maxBw = totalBw = 48), Sapphire Rapids sockets 22 GB/s each way. A ring over both sockets
+    // crosses CPU0 -> CPU1 and CPU1 -> CPU0 at least once (SYS hops), so the socket link bounds
+    // it: 40, 30, 24 find nothing (22 < speed); 20: rank order (GPUs 0-3 on socket 0, 4-7 on
+    // socket 1: one crossing each way) once, 22 - 20 = 2 left: 1 channel = 20 GB/s; 15 and 12:
+    // 1 channel, worse; 11 (11/20 > 0.49): rank order twice = 22 GB/s, better; 6 (6/11 > 0.49):
+    // 3 × 6 = 18, worse; 3/11 < 0.49 stops. No dup (11 < 25): 2 channels at 11, type SYS.
+    let mut xml = Xml::from_file(fixture("azure-ndv5-topo.xml")).unwrap();
+    fill_azure(&mut xml, 90, &|_, _| Vec::new(), 400_000);
+    let sys = System::from_xml_with(xml, PathOptions::default()).unwrap();
+    assert_eq!(sys.count(NodeType::Nvs), 0);
+    let g = search_rings(&sys, MAX_CHANNELS).unwrap();
+    assert_eq!(g.nchannels, 2);
+    assert!(close(g.speed_intra, 11.0), "{}", g.speed_intra);
+    assert_eq!(g.type_intra, PathType::Sys);
+    assert_eq!(g.rings, sequential(8, 2));
+    check_graph(&sys, &g, MAX_CHANNELS);
+}
