@@ -25,7 +25,8 @@ enum Cmd {
     Perf(PerfArgs),
     /// Print the version, the devices and the kernel module.
     Info,
-    /// Print a topology: its nodes and links, the GPU path matrix and path bandwidths.
+    /// Print a topology: its nodes and links, the GPU path matrix, path bandwidths and the rings
+    /// the graph search builds.
     Topo(TopoArgs),
 }
 
@@ -386,6 +387,19 @@ fn topo(t: TopoArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         )?,
     };
     print!("{}", system.describe());
+    let graph = oxccl::graph::search_rings(&system, 32)?;
+    println!(
+        "\nRing graph: {} channels at {} GB/s each, paths up to {:?}",
+        graph.nchannels, graph.speed_intra, graph.type_intra
+    );
+    for (c, ring) in graph.rings.iter().enumerate() {
+        let order: Vec<String> = ring.iter().map(|r| r.to_string()).collect();
+        println!(
+            "  channel {c:2}: {} -> {}",
+            order.join(" -> "),
+            order.first().map_or("", String::as_str)
+        );
+    }
     if let Some(path) = &t.dump {
         std::fs::write(path, system.to_xml_string())
             .map_err(|e| format!("--dump {}: {e}", path.display()))?;
