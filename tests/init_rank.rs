@@ -84,6 +84,29 @@ fn child_rank_entry() {
     println!("CHILD-RANK-OK");
 }
 
+/// Waits (at most 120 s) for every child rank; each must exit successfully and print `marker`.
+fn wait_children(children: Vec<std::process::Child>, marker: &str) {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    for (r, mut c) in children.into_iter().enumerate() {
+        loop {
+            if let Some(status) = c.try_wait().unwrap() {
+                let mut out = String::new();
+                std::io::Read::read_to_string(c.stdout.as_mut().unwrap(), &mut out).unwrap();
+                assert!(
+                    status.success() && out.contains(marker),
+                    "child rank {r}: {status}\n{out}"
+                );
+                break;
+            }
+            if Instant::now() > deadline {
+                let _ = c.kill();
+                panic!("child rank {r} did not finish in 120 s");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
 #[test]
 fn ranks_as_processes() {
     let nranks = 3;
@@ -101,25 +124,7 @@ fn ranks_as_processes() {
                 .expect("spawn child rank")
         })
         .collect();
-    let deadline = Instant::now() + Duration::from_secs(120);
-    for (r, mut c) in children.into_iter().enumerate() {
-        loop {
-            if let Some(status) = c.try_wait().unwrap() {
-                let mut out = String::new();
-                std::io::Read::read_to_string(c.stdout.as_mut().unwrap(), &mut out).unwrap();
-                assert!(
-                    status.success() && out.contains("CHILD-RANK-OK"),
-                    "child rank {r}: {status}\n{out}"
-                );
-                break;
-            }
-            if Instant::now() > deadline {
-                let _ = c.kill();
-                panic!("child rank {r} did not finish in 120 s");
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
+    wait_children(children, "CHILD-RANK-OK");
 }
 
 #[test]
@@ -197,25 +202,7 @@ fn from_env_as_a_launcher_would() {
                 .expect("spawn child rank")
         })
         .collect();
-    let deadline = Instant::now() + Duration::from_secs(120);
-    for (r, mut c) in children.into_iter().enumerate() {
-        loop {
-            if let Some(status) = c.try_wait().unwrap() {
-                let mut out = String::new();
-                std::io::Read::read_to_string(c.stdout.as_mut().unwrap(), &mut out).unwrap();
-                assert!(
-                    status.success() && out.contains("CHILD-FROM-ENV-OK"),
-                    "rank {r}: {status}\n{out}"
-                );
-                break;
-            }
-            if Instant::now() > deadline {
-                let _ = c.kill();
-                panic!("rank {r} did not finish in 120 s");
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
+    wait_children(children, "CHILD-FROM-ENV-OK");
 }
 
 #[test]
