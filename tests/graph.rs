@@ -11,89 +11,15 @@
 //!
 //! The Azure files are PCI-only; GPUs and NVLinks are filled in as tests/topo.rs does (the
 //! helper is copied below), with the same stated assumptions about each VM.
+mod common;
+
+use common::topo::{CUBE_MESH, close, fill_azure, fixture};
 use oxccl::graph::{RingGraph, search_rings, speed_array_intra};
-use oxccl::topo::{
-    GpuFill, NetFill, NodeType, NvLinkFill, PathOptions, PathType, System, Xml, xml::bus_id_to_int,
-};
+use oxccl::topo::{NodeType, NvLinkFill, PathOptions, PathType, System, Xml};
 use std::collections::HashMap;
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 const MAX_CHANNELS: usize = 32;
-
-fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/topo")
-        .join(name)
-}
-
-/// Bus ids of the `<pci>` elements whose class starts with `class`, in bus-id order (copied from
-/// tests/topo.rs).
-fn pci_of_class(xml: &Xml, class: &str) -> Vec<String> {
-    fn rec(n: &oxccl::topo::XmlNode, class: &str, out: &mut Vec<String>) {
-        if n.name == "pci"
-            && n.attr("class").is_some_and(|c| c.starts_with(class))
-            && let Some(b) = n.attr("busid")
-        {
-            out.push(b.to_string());
-        }
-        for s in &n.subs {
-            rec(s, class, out);
-        }
-    }
-    let mut out = Vec::new();
-    rec(&xml.root, class, &mut out);
-    out.sort_by_key(|b| bus_id_to_int(b));
-    out
-}
-
-/// What detection adds on an Azure VM (copied from tests/topo.rs): GPUs get dev = rank = their
-/// position in bus-id order, compute capability `sm`, GDR and the NVLinks `nvlinks(dev)`; IB
-/// NICs get a `<net>` `mlx5_<i>`.
-fn fill_azure(
-    xml: &mut Xml,
-    sm: u32,
-    nvlinks: &dyn Fn(usize, &[String]) -> Vec<NvLinkFill>,
-    speed_mbps: u64,
-) -> Vec<String> {
-    let gpus = pci_of_class(xml, "0x03");
-    let nics = pci_of_class(xml, "0x02");
-    for (dev, bus) in gpus.iter().enumerate() {
-        let fill = GpuFill {
-            dev: dev as i32,
-            rank: dev as i32,
-            sm,
-            gdr: true,
-            nvlinks: nvlinks(dev, &gpus),
-        };
-        xml.fill_gpu(bus, &fill).unwrap();
-    }
-    for (dev, bus) in nics.iter().enumerate() {
-        let fill = NetFill {
-            name: format!("mlx5_{dev}"),
-            dev: dev as i32,
-            speed_mbps,
-            port: 1,
-            guid: 0x1000 + dev as u64,
-            gdr: true,
-            maxconn: 131072,
-        };
-        xml.fill_net(bus, &fill).unwrap();
-    }
-    gpus
-}
-
-/// DGX-1V hybrid cube-mesh NVLink counts (copied from tests/topo.rs; an assumption about NDv2).
-const CUBE_MESH: [[u32; 8]; 8] = [
-    [0, 1, 1, 2, 2, 0, 0, 0],
-    [1, 0, 2, 1, 0, 2, 0, 0],
-    [1, 2, 0, 2, 0, 0, 1, 0],
-    [2, 1, 2, 0, 0, 0, 0, 1],
-    [2, 0, 0, 0, 0, 1, 1, 2],
-    [0, 2, 0, 0, 1, 0, 2, 1],
-    [0, 0, 1, 0, 1, 2, 0, 2],
-    [0, 0, 0, 1, 2, 1, 2, 0],
-];
 
 fn ndv2() -> System {
     let mut xml = Xml::from_file(fixture("azure-ndv2-topo.xml")).unwrap();
@@ -107,7 +33,9 @@ fn ndv2() -> System {
                 .collect()
         },
         100_000,
-    );
+        true,
+    )
+    .0;
     assert_eq!(gpus.len(), 8);
     System::from_xml_with(xml, PathOptions::default()).unwrap()
 }
@@ -115,24 +43,32 @@ fn ndv2() -> System {
 fn ndv4() -> System {
     let mut xml = Xml::from_file(fixture("azure-ndv4-topo.xml")).unwrap();
     // sm 80, 12 NVLinks per A100 to the (collapsed) NVSwitch.
-    fill_azure(&mut xml, 80, &|_, _| vec![NvLinkFill::nvswitch(12)], 200_000);
+    fill_azure(
+        &mut xml,
+        80,
+        &|_, _| vec![NvLinkFill::nvswitch(12)],
+        200_000,
+        true,
+    );
     System::from_xml_with(xml, PathOptions::default()).unwrap()
 }
 
 fn ndv5() -> System {
     let mut xml = Xml::from_file(fixture("azure-ndv5-topo.xml")).unwrap();
     // sm 90, 18 NVLinks per H100 to the (collapsed) NVSwitch.
-    fill_azure(&mut xml, 90, &|_, _| vec![NvLinkFill::nvswitch(18)], 400_000);
+    fill_azure(
+        &mut xml,
+        90,
+        &|_, _| vec![NvLinkFill::nvswitch(18)],
+        400_000,
+        true,
+    );
     System::from_xml_with(xml, PathOptions::default()).unwrap()
 }
 
 fn h200x2() -> System {
     let xml = Xml::from_file(fixture("h200x2-nccl-topo.xml")).unwrap();
     System::from_xml_with(xml, PathOptions::default()).unwrap()
-}
-
-fn close(a: f64, b: f64) -> bool {
-    (a - b).abs() < 1e-9 * b.abs().max(1.0)
 }
 
 /// The GPU node of each rank.
@@ -555,7 +491,7 @@ fn ndv5_without_nvlink_orders_by_pci() {
     // 1 channel, worse; 11 (11/20 > 0.49): rank order twice = 22 GB/s, better; 6 (6/11 > 0.49):
     // 3 × 6 = 18, worse; 3/11 < 0.49 stops. No dup (11 < 25): 2 channels at 11, type SYS.
     let mut xml = Xml::from_file(fixture("azure-ndv5-topo.xml")).unwrap();
-    fill_azure(&mut xml, 90, &|_, _| Vec::new(), 400_000);
+    fill_azure(&mut xml, 90, &|_, _| Vec::new(), 400_000, true);
     let sys = System::from_xml_with(xml, PathOptions::default()).unwrap();
     assert_eq!(sys.count(NodeType::Nvs), 0);
     let g = search_rings(&sys, MAX_CHANNELS).unwrap();

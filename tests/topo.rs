@@ -11,19 +11,14 @@
 //! `<gpu>` (with NVLinks) and `<nic><net>` elements. The tests add them the same way through
 //! `Xml::fill_gpu` / `Xml::fill_net`, with what each VM type is documented to have; those
 //! inputs are stated at each fill and are assumptions, not contents of the files.
+mod common;
+
+use common::topo::{CUBE_MESH, close, fill_azure, fixture};
 use oxccl::ResultCode;
 use oxccl::topo::{
-    CpuModel, CpuVendor, GpuFill, LinkType, NetFill, NodeId, NodeType, NvLinkFill, PathOptions, PathType,
-    System, Xml, xml::bus_id_to_int,
+    CpuModel, CpuVendor, LinkType, NodeId, NodeType, NvLinkFill, PathOptions, PathType, System, Xml,
 };
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
-
-fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/topo")
-        .join(name)
-}
 
 const FIXTURES: [&str; 5] = [
     "h200x2-nccl-topo.xml",
@@ -32,10 +27,6 @@ const FIXTURES: [&str; 5] = [
     "azure-ndv4-topo.xml",
     "azure-ndv5-topo.xml",
 ];
-
-fn close(a: f64, b: f64) -> bool {
-    (a - b).abs() < 1e-9 * b.abs().max(1.0)
-}
 
 macro_rules! assert_bw {
     ($a:expr, $b:expr) => {{
@@ -46,63 +37,6 @@ macro_rules! assert_bw {
         let (a, b): (f64, f64) = ($a, $b);
         assert!(close(a, b), "bandwidth {a} GB/s, expected {b} GB/s: {}", format!($($t)+));
     }};
-}
-
-/// Bus ids of the `<pci>` elements whose class starts with `class`, in bus-id order.
-fn pci_of_class(xml: &Xml, class: &str) -> Vec<String> {
-    fn rec(n: &oxccl::topo::XmlNode, class: &str, out: &mut Vec<String>) {
-        if n.name == "pci"
-            && n.attr("class").is_some_and(|c| c.starts_with(class))
-            && let Some(b) = n.attr("busid")
-        {
-            out.push(b.to_string());
-        }
-        for s in &n.subs {
-            rec(s, class, out);
-        }
-    }
-    let mut out = Vec::new();
-    rec(&xml.root, class, &mut out);
-    out.sort_by_key(|b| bus_id_to_int(b));
-    out
-}
-
-/// What detection adds on an Azure VM: GPUs (class 0x03...) get dev = rank = their position in
-/// bus-id order (CUDA's PCI order), compute capability `sm`, GDR, and the NVLinks `nvlinks(dev)`;
-/// IB NICs (class 0x02...) get a `<net>` `mlx5_<i>` with dev = i in bus-id order, `speed_mbps`,
-/// GDR `net_gdr`. Returns the GPU and NIC bus ids in dev order.
-fn fill_azure(
-    xml: &mut Xml,
-    sm: u32,
-    nvlinks: &dyn Fn(usize, &[String]) -> Vec<NvLinkFill>,
-    speed_mbps: u64,
-    net_gdr: bool,
-) -> (Vec<String>, Vec<String>) {
-    let gpus = pci_of_class(xml, "0x03");
-    let nics = pci_of_class(xml, "0x02");
-    for (dev, bus) in gpus.iter().enumerate() {
-        let fill = GpuFill {
-            dev: dev as i32,
-            rank: dev as i32,
-            sm,
-            gdr: true,
-            nvlinks: nvlinks(dev, &gpus),
-        };
-        xml.fill_gpu(bus, &fill).unwrap();
-    }
-    for (dev, bus) in nics.iter().enumerate() {
-        let fill = NetFill {
-            name: format!("mlx5_{dev}"),
-            dev: dev as i32,
-            speed_mbps,
-            port: 1,
-            guid: 0x1000 + dev as u64,
-            gdr: net_gdr,
-            maxconn: 131072,
-        };
-        xml.fill_net(bus, &fill).unwrap();
-    }
-    (gpus, nics)
 }
 
 fn gpu(sys: &System, dev: i32) -> NodeId {
@@ -357,20 +291,6 @@ fn h200x2_trim_to_one_rank() {
 
 // ---------------------------------------------------------------------------------------------
 // Azure NDv2: 8 × V100 (sm70) in the DGX-1 hybrid cube-mesh, one IB NIC on socket 0
-
-/// NVLinks between V100s of a DGX-1 hybrid cube-mesh, as `nvidia-smi topo -m` shows them on a
-/// DGX-1V (NV1/NV2; 0 = no NVLink; each GPU has 6 links). An assumption about the NDv2 VM
-/// (documented as NVLink hybrid cube-mesh), with CUDA devices in bus-id order; not in the file.
-const CUBE_MESH: [[u32; 8]; 8] = [
-    [0, 1, 1, 2, 2, 0, 0, 0],
-    [1, 0, 2, 1, 0, 2, 0, 0],
-    [1, 2, 0, 2, 0, 0, 1, 0],
-    [2, 1, 2, 0, 0, 0, 0, 1],
-    [2, 0, 0, 0, 0, 1, 1, 2],
-    [0, 2, 0, 0, 1, 0, 2, 1],
-    [0, 0, 1, 0, 1, 2, 0, 2],
-    [0, 0, 0, 1, 2, 1, 2, 0],
-];
 
 fn ndv2(opts: PathOptions) -> System {
     let mut xml = Xml::from_file(fixture("azure-ndv2-topo.xml")).unwrap();

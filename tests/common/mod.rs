@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod env;
+pub mod topo;
 
 /// Prints past libtest's output capture, so every run shows why a test skipped.
 macro_rules! skipped {
