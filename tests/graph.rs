@@ -13,7 +13,7 @@
 //! helper is copied below), with the same stated assumptions about each VM.
 mod common;
 
-use common::topo::{CUBE_MESH, close, fill_azure, fixture};
+use common::topo::{CUBE_MESH, close, cube_mesh_nvlinks, fill_azure, fixture};
 use oxccl::graph::{RingGraph, search_rings, speed_array_intra};
 use oxccl::topo::{NodeType, NvLinkFill, PathOptions, PathType, System, Xml};
 use std::collections::HashMap;
@@ -23,19 +23,7 @@ const MAX_CHANNELS: usize = 32;
 
 fn ndv2() -> System {
     let mut xml = Xml::from_file(fixture("azure-ndv2-topo.xml")).unwrap();
-    let gpus = fill_azure(
-        &mut xml,
-        70,
-        &|dev, bus| {
-            (0..8)
-                .filter(|&j| CUBE_MESH[dev][j] > 0)
-                .map(|j| NvLinkFill::gpu(&bus[j], CUBE_MESH[dev][j]))
-                .collect()
-        },
-        100_000,
-        true,
-    )
-    .0;
+    let gpus = fill_azure(&mut xml, 70, &cube_mesh_nvlinks, 100_000, true).0;
     assert_eq!(gpus.len(), 8);
     System::from_xml_with(xml, PathOptions::default()).unwrap()
 }

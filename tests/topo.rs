@@ -13,7 +13,7 @@
 //! inputs are stated at each fill and are assumptions, not contents of the files.
 mod common;
 
-use common::topo::{CUBE_MESH, close, fill_azure, fixture};
+use common::topo::{CUBE_MESH, close, cube_mesh_nvlinks, fill_azure, fixture};
 use oxccl::ResultCode;
 use oxccl::topo::{
     CpuModel, CpuVendor, LinkType, NodeId, NodeType, NvLinkFill, PathOptions, PathType, System, Xml,
@@ -295,18 +295,7 @@ fn h200x2_trim_to_one_rank() {
 fn ndv2(opts: PathOptions) -> System {
     let mut xml = Xml::from_file(fixture("azure-ndv2-topo.xml")).unwrap();
     // Detection on the VM: sm 70; the cube-mesh NVLinks; the NIC is EDR InfiniBand, 100 Gb/s.
-    let (gpus, nics) = fill_azure(
-        &mut xml,
-        70,
-        &|dev, bus| {
-            (0..8)
-                .filter(|&j| CUBE_MESH[dev][j] > 0)
-                .map(|j| NvLinkFill::gpu(&bus[j], CUBE_MESH[dev][j]))
-                .collect()
-        },
-        100_000,
-        true,
-    );
+    let (gpus, nics) = fill_azure(&mut xml, 70, &cube_mesh_nvlinks, 100_000, true);
     assert_eq!(gpus.len(), 8);
     assert_eq!(nics, ["0101:00:00.0"]);
     System::from_xml_with(xml, opts).unwrap()

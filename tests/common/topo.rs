@@ -79,3 +79,12 @@ pub const CUBE_MESH: [[u32; 8]; 8] = [
     [0, 0, 1, 0, 1, 2, 0, 2],
     [0, 0, 0, 1, 2, 1, 2, 0],
 ];
+
+/// The NVLinks of GPU `dev` in the DGX-1V hybrid cube mesh ([`CUBE_MESH`]), for [`fill_azure`]
+/// on NDv2 (`bus` = the GPUs' bus ids in dev order).
+pub fn cube_mesh_nvlinks(dev: usize, bus: &[String]) -> Vec<NvLinkFill> {
+    (0..8)
+        .filter(|&j| CUBE_MESH[dev][j] > 0)
+        .map(|j| NvLinkFill::gpu(&bus[j], CUBE_MESH[dev][j]))
+        .collect()
+}
