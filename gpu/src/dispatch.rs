@@ -4,7 +4,6 @@
 use crate::abi::{Algo, DataType, DevChannel, DevComm, Func, KernelArgs, Proto, RedOp, WorkColl};
 use crate::coll::{self, RingCtx};
 use crate::proto::Primitives;
-#[cfg(not(target_arch = "nvptx64"))]
 use crate::proto::ll::Ll;
 use crate::proto::simple::Simple;
 use crate::reduce::{Elem, FuncMax, FuncMin, FuncProd, FuncSum, RedFn};
@@ -76,16 +75,6 @@ pub unsafe fn run_typed<T: Elem, Op: RedFn<T>>(
     let comm = unsafe { &*(args.comm as *const DevComm) };
     let postdiv = if avg { comm.nranks } else { 0 };
     // A kernel entry point passes its collective as a constant, so only that one is compiled in.
-    // GPU kernels run the Simple protocol only, until LL has been verified on a GPU.
-    #[cfg(target_arch = "nvptx64")]
-    let (Some(func), Some(Algo::Ring), Some(proto @ Proto::Simple)) = (
-        only.or(Func::from_u8(w.func)),
-        Algo::from_u8(w.algo),
-        Proto::from_u8(w.proto),
-    ) else {
-        crate::arch::trap()
-    };
-    #[cfg(not(target_arch = "nvptx64"))]
     let (Some(func), Some(Algo::Ring), Some(proto)) = (
         only.or(Func::from_u8(w.func)),
         Algo::from_u8(w.algo),
@@ -120,7 +109,6 @@ pub unsafe fn run_typed<T: Elem, Op: RedFn<T>>(
                 run_ring::<T, _>(&mut p, &ring, comm, w, func);
                 p.finish();
             }
-            #[cfg(not(target_arch = "nvptx64"))]
             Proto::Ll => {
                 let mut p = Ll::<T, Op>::new(
                     tid,

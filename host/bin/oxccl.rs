@@ -133,6 +133,13 @@ struct PerfArgs {
     /// Write an SVG plot of busbw against size (oxccl and NCCL curves) to this file.
     #[arg(long, value_name = "FILE")]
     plot: Option<std::path::PathBuf>,
+    /// Force oxccl's protocol(s): an NCCL_PROTO-style list (`LL`, `LL128`, `Simple`, `^LL`).
+    /// Sets OXCCL_PROTO, so a compared NCCL keeps its own choice unless NCCL_PROTO is set.
+    #[arg(long, value_name = "LIST")]
+    proto: Option<String>,
+    /// Force oxccl's algorithm(s): an NCCL_ALGO-style list (`ring`, `tree`). Sets OXCCL_ALGO.
+    #[arg(long, value_name = "LIST")]
+    algo: Option<String>,
 }
 
 fn size_arg(s: &str) -> Result<u64, String> {
@@ -231,6 +238,13 @@ fn devices_for(a: &PerfArgs) -> Result<(Vec<Device>, bool), String> {
 }
 
 fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
+    for (var, value) in [("OXCCL_PROTO", &a.proto), ("OXCCL_ALGO", &a.algo)] {
+        if let Some(v) = value {
+            // SAFETY: called before this process starts any thread (communicators, NCCL, streams
+            // are all created below), so nothing reads the environment concurrently.
+            unsafe { std::env::set_var(var, v) };
+        }
+    }
     let (devices, nccl_main) = devices_for(&a)?;
     let compare = a.compare.is_some();
     if compare && !devices[0].is_cuda() {
