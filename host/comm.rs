@@ -65,6 +65,8 @@ pub struct Comm {
     res: Res,
     inflight: Arc<AtomicUsize>,
     last: Mutex<Option<Choice>>,
+    /// Set by [`Comm::finalize`]: later collectives are refused.
+    finalized: std::sync::atomic::AtomicBool,
 }
 
 enum Res {
@@ -85,7 +87,10 @@ struct CudaRes {
 struct CudaGroup {
     _comm_mem: Vec<cuda::DevAlloc>,
     _conn_mem: Vec<cuda::DevAlloc>,
+    /// `init_all`: every rank's abort flag (empty for `init_rank`, whose flags live in `mp`).
     abort: Vec<cuda::HostMapped>,
+    /// `init_rank`: bootstrap, peer mappings, shared abort page.
+    mp: Option<InitRankRes>,
 }
 
 /// The CPU target keeps every rank's memory alive until the last queued operation of any rank is
@@ -101,10 +106,10 @@ struct CpuGroup {
     comm_mem: Vec<HostMem>,
     _conn_mem: Vec<HostMem>,
     abort: Vec<HostMem>,
-    /// `init_rank`: this rank's connection memory and its ring neighbours', shared across processes.
+    /// `init_rank`: this rank's connection memory, shared with its ring neighbours.
     _shm: Vec<crate::cpu::ShmSegment>,
-    /// `init_rank`: the bootstrap network to the other ranks.
-    _bootstrap: Option<crate::bootstrap::Bootstrap>,
+    /// `init_rank`: bootstrap, peer mappings, shared abort page.
+    mp: Option<InitRankRes>,
 }
 
 /// Layout of one rank's connection memory: per channel a Simple receive buffer, then per channel
@@ -266,6 +271,7 @@ impl Comm {
                 _comm_mem: block,
                 _conn_mem: conn,
                 abort,
+                mp: None,
             });
             let mut comms = Vec::with_capacity(nranks);
             for (r, dev_comm) in dev_comms.into_iter().enumerate() {
@@ -287,6 +293,7 @@ impl Comm {
                     }),
                     inflight: Arc::new(AtomicUsize::new(0)),
                     last: Mutex::new(None),
+                    finalized: false.into(),
                 });
             }
             tracing::debug!(target: "oxccl::init", nranks, nch, "CUDA communicators ready");
@@ -327,7 +334,7 @@ impl Comm {
                 _conn_mem: conn,
                 abort,
                 _shm: Vec::new(),
-                _bootstrap: None,
+                mp: None,
             });
             Ok((0..nranks)
                 .map(|r| Comm {
@@ -344,6 +351,7 @@ impl Comm {
                     }),
                     inflight: Arc::new(AtomicUsize::new(0)),
                     last: Mutex::new(None),
+                    finalized: false.into(),
                 })
                 .collect())
         }
@@ -351,14 +359,46 @@ impl Comm {
 
     /// Creates this process's rank `rank` of an `nranks`-rank communicator whose ranks meet through
     /// the bootstrap of `id` (NCCL's `ncclCommInitRank`; every rank calls it with the same `id`,
-    /// usually in its own process). Peer information (host, process, device) is exchanged like the
-    /// seed's `fillInfo` + AllGather1; two ranks on the same device of one host are an
-    /// `InvalidUsage` on every rank naming both (case C26; `OXCCL_ALLOW_SHARED_DEVICE=1` allows it).
+    /// usually in its own process, with the same `NCCL_BUFFSIZE`/`NCCL_MAX_NCHANNELS`).
     ///
-    /// CPU-target devices connect through shared memory (`/dev/shm`), so ranks may be threads or
-    /// processes. CUDA devices need the IPC transport, which is not implemented yet: they are
-    /// refused with `InvalidUsage` (use [`Comm::init_all`] inside one process).
+    /// Peer information (rank, device, PCI bus id, host, process, connection memory) is exchanged
+    /// in one bootstrap allgather like the seed's `fillInfo` + AllGather1, then each rank connects
+    /// to its two ring neighbours with the transport [`PeerLink::connect`] picks per peer: shared
+    /// memory (`/dev/shm`) on the CPU target; on CUDA, P2P — the neighbour's pointer over peer
+    /// access when it lives in this process, CUDA IPC (`cuIpcOpenMemHandle`) when it lives in
+    /// another process of this host. The abort flags of all ranks share one `/dev/shm` page, so an
+    /// [`abort`](Comm::abort) on any rank reaches every rank's kernels.
+    ///
+    /// Errors, the same on every rank in bounded time (the bootstrap timeout): `InvalidArgument`
+    /// for `rank` outside `0..nranks` or a corrupt id; `InvalidUsage` for two ranks on the same
+    /// device of one host (case C26, naming both ranks and the device / bus id;
+    /// `OXCCL_ALLOW_SHARED_DEVICE=1` allows it), for a mix of CUDA and CPU-target devices, or for
+    /// ranks that disagree on the channel count or buffer sizes; `System` naming both ranks when
+    /// no transport connects two ring neighbours (`NCCL_P2P_DISABLE=1` on CUDA, different hosts);
+    /// `Remote`/`Timeout` from the bootstrap.
+    ///
+    /// Teardown is collective: destroying or dropping the communicator waits at a bootstrap
+    /// barrier (bounded by the bootstrap timeout) until every rank is done with the others'
+    /// memory, so ranks in one thread must be created and destroyed from separate threads.
     pub fn init_rank(
+        nranks: usize,
+        id: &crate::bootstrap::UniqueId,
+        rank: usize,
+        device: Device,
+    ) -> Result<Comm> {
+        let result = Self::init_rank_inner(nranks, id, rank, device);
+        if result.is_err() {
+            // Names this rank created and had not unlinked yet (absent ones are fine).
+            let prefix = format!("/dev/shm/oxccl-{:08x}-{}", id_tag(id), std::process::id());
+            let _ = std::fs::remove_file(format!("{prefix}-r{rank}"));
+            if rank == 0 {
+                let _ = std::fs::remove_file(format!("{prefix}-abort"));
+            }
+        }
+        result
+    }
+
+    fn init_rank_inner(
         nranks: usize,
         id: &crate::bootstrap::UniqueId,
         rank: usize,
@@ -369,106 +409,151 @@ impl Comm {
                 "rank {rank} is out of range for nranks {nranks} (accepted: 0..{nranks})"
             )));
         }
-        let params = Params::from_env()?;
+        let mut params = Params::from_env()?;
+        let is_cuda = device.is_cuda();
+        if is_cuda && params.nthreads > cuda::MAX_JIT_THREADS {
+            tracing::warn!(target: "oxccl::init", "NCCL_NTHREADS={} rounded down to {} (the most threads per block the kernels are built for)", params.nthreads, cuda::MAX_JIT_THREADS);
+            params.nthreads = cuda::MAX_JIT_THREADS;
+        }
         let selection = Selection::from_env()?;
-        let bootstrap = crate::bootstrap::Bootstrap::init(id, rank, nranks)?;
-        let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
-        let host = crate::params::env_var("HOSTID").map_or(host.trim().to_string(), |(_, v)| v);
-        let (kind, index) = match device {
-            Device::Cuda(o) => ("cuda", o),
-            Device::Cpu(i) => ("cpu", i),
+        let ctx = match device {
+            Device::Cuda(o) => Some(cuda::Context::get(o)?),
+            Device::Cpu(_) => None,
         };
-        let me = format!("{kind}\n{index}\n{host}\n{}", std::process::id());
-        let peers: Vec<Vec<String>> = bootstrap
-            .allgather(me.as_bytes())?
-            .into_iter()
-            .map(|b| {
-                String::from_utf8_lossy(&b)
-                    .split('\n')
-                    .map(str::to_string)
-                    .collect()
-            })
-            .collect();
-        let shared_ok = crate::params::env_var("ALLOW_SHARED_DEVICE").is_some_and(|(_, v)| v == "1");
-        for (a, pa) in peers.iter().enumerate() {
-            if pa.len() != 4 || pa[0] != kind {
-                return Err(Error::InvalidUsage(format!(
-                    "rank {a} is on a {} device but rank {rank} is on a {kind} device: a communicator is all CUDA or all CPU-target",
-                    pa.first().map_or("?", String::as_str)
-                )));
-            }
-            for (b, pb) in peers.iter().enumerate().skip(a + 1) {
-                if pa[..3] == pb[..3] && !shared_ok {
-                    return Err(Error::InvalidUsage(format!(
-                        "ranks {a} and {b} are both on {kind} device {} of host {:?}; one device per rank is required \
-                         (set OXCCL_ALLOW_SHARED_DEVICE=1 to share a device for testing)",
-                        pa[1], pa[2]
-                    )));
-                }
-            }
-        }
-        if device.is_cuda() {
-            return Err(Error::InvalidUsage(
-                "init_rank on CUDA devices needs the CUDA IPC transport, which oxccl does not have yet; \
-                 use Comm::init_all inside one process"
-                    .into(),
-            ));
-        }
-        let default_nch = CPU_DEFAULT_NCHANNELS;
+        let bootstrap = crate::bootstrap::Bootstrap::init(id, rank, nranks)?;
+        let default_nch = if is_cuda {
+            CUDA_DEFAULT_NCHANNELS
+        } else {
+            CPU_DEFAULT_NCHANNELS
+        };
         let nch = params
             .max_nchannels
             .unwrap_or(default_nch)
             .clamp(1, MAX_CHANNELS as u32);
         let layout = ConnLayout::new(&params, nch, true);
-        // Named after the id and the creating process, unique among live processes.
-        let name = |r: usize| format!("oxccl-{:08x}-{}-r{r}", id_tag(id), peers[r][3]);
-        let own = crate::cpu::ShmSegment::create(&name(rank), layout.bytes() as usize)?;
-        for c in 0..nch as u64 {
-            for at in [layout.head(own.addr(), c), layout.tail(own.addr(), c)] {
-                // SAFETY: the counters lie inside our fresh segment; no peer maps it yet.
-                unsafe { (at as *mut u64).write(params.initial_step) };
-            }
-        }
-        bootstrap.barrier()?;
+        let _span = tracing::debug_span!(target: "oxccl::init", "init_rank", rank, nranks, nch).entered();
+        // Names after the id and the creating process: unique among live processes.
+        let prefix = format!("oxccl-{:08x}-{}", id_tag(id), std::process::id());
+        let own_name = format!("{prefix}-r{rank}");
+        let own = OwnConn::alloc(ctx.as_ref(), &layout, &own_name, params.initial_step)?;
+        let page_bytes = nranks * ABORT_LINE_BYTES;
+        let page_name = format!("{prefix}-abort");
+        let created_page = if rank == 0 {
+            Some(crate::cpu::ShmSegment::create(&page_name, page_bytes)?)
+        } else {
+            None
+        };
+        let me = PeerInfo::local(
+            device,
+            ctx.as_deref(),
+            nch,
+            layout.bytes(),
+            own.desc(&own_name)?,
+            if rank == 0 { page_name } else { String::new() },
+        )?;
+        let peers: Vec<PeerInfo> = bootstrap
+            .allgather(me.encode().as_bytes())?
+            .iter()
+            .enumerate()
+            .map(|(r, b)| PeerInfo::decode(r, b))
+            .collect::<Result<_>>()?;
+        check_peers(rank, &peers)?;
+        let page = match created_page {
+            Some(p) => p,
+            None => crate::cpu::ShmSegment::open(&peers[0].abort_page, page_bytes)?,
+        };
         let (next, prev) = ((rank + 1) % nranks, (rank + nranks - 1) % nranks);
         let mut conn_base = vec![0u64; nranks];
-        conn_base[rank] = own.addr();
-        let mut shm = vec![own];
+        conn_base[rank] = own.base();
+        let mut links = Vec::new();
         for peer in [next, prev] {
             if conn_base[peer] == 0 {
-                let seg = crate::cpu::ShmSegment::open(&name(peer), layout.bytes() as usize)?;
-                conn_base[peer] = seg.addr();
-                shm.push(seg);
+                let link = PeerLink::connect(rank, &peers, peer, ctx.as_ref(), &layout)?;
+                conn_base[peer] = link.base();
+                links.push(link);
             }
         }
-        // Every neighbour has mapped our segment: its name can go (the mappings stay).
+        // Every rank has mapped what it needs: the names can go (the mappings stay).
         bootstrap.barrier()?;
-        if let Err(e) = shm[0].unlink() {
+        let unlinked = match &own {
+            OwnConn::Shm(s) => s.unlink(),
+            OwnConn::Dev(_) => Ok(()),
+        };
+        if let Err(e) = unlinked.and(if rank == 0 { page.unlink() } else { Ok(()) }) {
             tracing::warn!(target: "oxccl::init", "{e}");
         }
-        let comm_mem = HostMem::zeroed(comm_block_bytes(nch as usize, nranks))?;
-        let abort = HostMem::zeroed(64)?;
-        let bytes = build_comm_block(
+        let abort = SharedAbort::new(page, rank, nranks, ctx.as_ref())?;
+        let abort_dev = abort.dev_flag;
+        let mp = InitRankRes {
             rank,
-            nranks,
-            nch,
-            &layout,
-            &conn_base,
-            comm_mem.addr(),
-            abort.addr(),
-            &params,
-        );
-        // SAFETY: the block was allocated with exactly this size; nothing else uses it yet.
-        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), comm_mem.addr() as *mut u8, bytes.len()) };
-        let dev_comm = comm_mem.addr();
-        let group = Arc::new(CpuGroup {
-            comm_mem: vec![comm_mem],
-            _conn_mem: Vec::new(),
-            abort: vec![abort],
-            _shm: shm,
-            _bootstrap: Some(bootstrap),
-        });
-        tracing::debug!(target: "oxccl::init", rank, nranks, nch, "CPU-target communicator over shared memory ready");
+            peers,
+            links: Mutex::new(links),
+            abort,
+            synced: std::sync::atomic::AtomicBool::new(false),
+            bootstrap,
+        };
+        let block_bytes = comm_block_bytes(nch as usize, nranks);
+        let (dev_comm, res) = match (own, ctx) {
+            (OwnConn::Shm(seg), None) => {
+                let comm_mem = HostMem::zeroed(block_bytes)?;
+                let bytes = build_comm_block(
+                    rank,
+                    nranks,
+                    nch,
+                    &layout,
+                    &conn_base,
+                    comm_mem.addr(),
+                    abort_dev,
+                    &params,
+                );
+                // SAFETY: the block was allocated with exactly this size; nothing else uses it yet.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(bytes.as_ptr(), comm_mem.addr() as *mut u8, bytes.len())
+                };
+                let dev_comm = comm_mem.addr();
+                let group = Arc::new(CpuGroup {
+                    comm_mem: vec![comm_mem],
+                    _conn_mem: Vec::new(),
+                    abort: Vec::new(),
+                    _shm: vec![seg],
+                    mp: Some(mp),
+                });
+                (dev_comm, Res::Cpu(CpuRes { group, slot: 0 }))
+            }
+            (OwnConn::Dev(mem), Some(ctx)) => {
+                let block = cuda::DevAlloc::zeroed(&ctx, block_bytes)?;
+                let bytes = build_comm_block(
+                    rank,
+                    nranks,
+                    nch,
+                    &layout,
+                    &conn_base,
+                    block.ptr,
+                    abort_dev,
+                    &params,
+                );
+                block.write(0, &bytes)?;
+                let dev_comm = block.ptr;
+                let last_event = cuda::Event::new(&ctx)?;
+                let group = Arc::new(CudaGroup {
+                    _comm_mem: vec![block],
+                    _conn_mem: vec![mem],
+                    abort: Vec::new(),
+                    mp: Some(mp),
+                });
+                (
+                    dev_comm,
+                    Res::Cuda(CudaRes {
+                        ctx,
+                        group,
+                        last_event,
+                        launched: false.into(),
+                    }),
+                )
+            }
+            _ => return Err(Error::Internal("connection memory of the wrong kind".into())),
+        };
+        tracing::debug!(target: "oxccl::init", rank, nranks, nch, cuda = is_cuda, "init_rank communicator ready");
         Ok(Comm {
             rank,
             nranks,
@@ -477,9 +562,10 @@ impl Comm {
             selection,
             nchannels: nch,
             dev_comm,
-            res: Res::Cpu(CpuRes { group, slot: 0 }),
+            res,
             inflight: Arc::new(AtomicUsize::new(0)),
             last: Mutex::new(None),
+            finalized: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -560,15 +646,12 @@ impl Comm {
         for peer in self.group_abort_flags() {
             let _ = peer.compare_exchange(0, ABORTED_BY_PEER, Ordering::AcqRel, Ordering::Acquire);
         }
+        if let Some(mp) = self.init_rank_res() {
+            mp.abort.raise_peers();
+        }
         tracing::warn!(target: "oxccl::init", rank = self.rank, "communicator aborted");
         let start = Instant::now();
-        let done = || -> Result<bool> {
-            Ok(match &self.res {
-                Res::Cuda(res) => !res.launched.load(Ordering::Acquire) || res.last_event.is_complete()?,
-                Res::Cpu(_) => self.inflight.load(Ordering::Acquire) == 0,
-            })
-        };
-        while !done()? {
+        while !self.idle()? {
             if start.elapsed() > ABORT_WAIT {
                 return Err(Error::Timeout(format!(
                     "rank {}: operations still running {ABORT_WAIT:?} after abort",
@@ -580,33 +663,148 @@ impl Comm {
         Ok(())
     }
 
-    /// Destroys this rank (NCCL's `ncclCommDestroy`): waits for its queued operations (up to 10 s,
-    /// then aborts them), then frees its resources, returning the first error met on the way.
-    /// Taking `self` makes a second destroy or a use after destroy a compile error (case C27).
-    pub fn destroy(self) -> Result<()> {
+    /// True when this rank has no queued operation left.
+    fn idle(&self) -> Result<bool> {
+        Ok(match &self.res {
+            Res::Cuda(res) => !res.launched.load(Ordering::Acquire) || res.last_event.is_complete()?,
+            Res::Cpu(_) => self.inflight.load(Ordering::Acquire) == 0,
+        })
+    }
+
+    /// Waits up to `limit` for this rank's queued operations; `Ok(false)` when some still run.
+    fn wait_idle(&self, limit: Duration) -> Result<bool> {
         let start = Instant::now();
-        loop {
-            let done = match &self.res {
-                Res::Cuda(res) => !res.launched.load(Ordering::Acquire) || res.last_event.is_complete()?,
-                Res::Cpu(_) => self.inflight.load(Ordering::Acquire) == 0,
-            };
-            if done {
-                return Ok(());
-            }
-            if start.elapsed() > DROP_WAIT {
-                self.abort()?;
-                return Err(Error::Timeout(format!(
-                    "rank {}: destroy waited {DROP_WAIT:?} for queued operations and aborted them",
-                    self.rank
-                )));
+        while !self.idle()? {
+            if start.elapsed() > limit {
+                return Ok(false);
             }
             std::thread::sleep(Duration::from_micros(200));
         }
+        Ok(true)
+    }
+
+    /// Destroys this rank (NCCL's `ncclCommDestroy`): waits for its queued operations (up to 10 s,
+    /// then aborts them), then — for [`Comm::init_rank`] communicators not finalized or aborted —
+    /// closes its mappings of its neighbours' memory and waits at a bootstrap barrier for every
+    /// rank (bounded by the bootstrap timeout), then frees its resources, returning the first error
+    /// met on the way. Taking `self` makes a second destroy or a use after destroy a compile error
+    /// (case C27; [`crate::handle::CommHandle`] detects them at run time for handle users).
+    pub fn destroy(self) -> Result<()> {
+        if !self.wait_idle(DROP_WAIT)? {
+            self.abort()?;
+            return Err(Error::Timeout(format!(
+                "rank {}: destroy waited {DROP_WAIT:?} for queued operations and aborted them",
+                self.rank
+            )));
+        }
+        match self.init_rank_res() {
+            Some(mp) => mp.sync_teardown(),
+            None => Ok(()),
+        }
+    }
+
+    /// Finishes this rank's part of the communicator (NCCL's `ncclCommFinalize`): waits for its
+    /// queued operations (up to 10 s: `Timeout` then, without aborting), then — for
+    /// [`Comm::init_rank`] communicators — closes its mappings of its neighbours' memory and waits
+    /// at a bootstrap barrier until every rank has finalized too (bounded by the bootstrap
+    /// timeout). Afterwards collectives are refused with `InvalidUsage` and
+    /// [`destroy`](Comm::destroy) is purely local. Calling it again returns `Ok` at once.
+    pub fn finalize(&self) -> Result<()> {
+        if self.finalized.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        if !self.wait_idle(DROP_WAIT)? {
+            return Err(Error::Timeout(format!(
+                "rank {}: finalize waited {DROP_WAIT:?} for queued operations; abort to stop them",
+                self.rank
+            )));
+        }
+        self.finalized.store(true, Ordering::Release);
+        match self.init_rank_res() {
+            Some(mp) => mp.sync_teardown(),
+            None => Ok(()),
+        }
+    }
+
+    /// The error this communicator has met outside any call (NCCL's `ncclCommGetAsyncError`):
+    /// `Ok(())` while healthy; `Remote` once another rank aborted (naming it when known) or, for
+    /// [`Comm::init_rank`], once a peer process of this host has exited; `InvalidUsage` after
+    /// this rank's own abort; `Cuda` when a kernel of this rank failed. Cheap enough to poll while
+    /// waiting for a stream. After an error, [`abort`](Comm::abort) the communicator.
+    pub fn get_async_error(&self) -> Result<()> {
+        match self.flag_state() {
+            0 => {}
+            ABORTED_BY_PEER => {
+                let who = match self.init_rank_res().and_then(|mp| mp.abort.raised_by_peer()) {
+                    Some(r) => format!("rank {r}"),
+                    None => "another rank".to_string(),
+                };
+                return Err(Error::Remote(format!(
+                    "rank {}: {who} of this communicator aborted; abort or destroy this rank too",
+                    self.rank
+                )));
+            }
+            _ => {
+                return Err(Error::InvalidUsage(format!(
+                    "rank {}: the communicator was aborted",
+                    self.rank
+                )));
+            }
+        }
+        if let Res::Cuda(res) = &self.res
+            && res.launched.load(Ordering::Acquire)
+        {
+            res.last_event.is_complete()?;
+        }
+        match self.init_rank_res() {
+            Some(mp) => mp.check_peers_alive(),
+            None => Ok(()),
+        }
+    }
+
+    /// The abort state: 0, [`ABORTED_HERE`] or [`ABORTED_BY_PEER`] (also when a peer raised this
+    /// rank's shared line while its kernels poll a private flag).
+    fn flag_state(&self) -> u32 {
+        let v = self.abort_flag().load(Ordering::Acquire);
+        if v == 0
+            && let Some(mp) = self.init_rank_res()
+            && mp.abort.raised_by_peer().is_some()
+        {
+            return ABORTED_BY_PEER;
+        }
+        v
+    }
+
+    /// Number of ranks (NCCL's `ncclCommCount`; the same as [`Comm::nranks`]).
+    pub fn count(&self) -> usize {
+        self.nranks
+    }
+
+    /// This rank (NCCL's `ncclCommUserRank`; the same as [`Comm::rank`]).
+    pub fn user_rank(&self) -> usize {
+        self.rank
+    }
+
+    /// The CUDA device ordinal of this rank (NCCL's `ncclCommCuDevice`). Errors: `InvalidUsage`
+    /// for a CPU-target rank.
+    pub fn cu_device(&self) -> Result<usize> {
+        match self.device {
+            Device::Cuda(o) => Ok(o),
+            Device::Cpu(i) => Err(Error::InvalidUsage(format!(
+                "rank {} is on CPU-target device {i}, not on a CUDA device",
+                self.rank
+            ))),
+        }
+    }
+
+    /// True once [`Comm::finalize`] has returned successfully or started its barrier.
+    pub fn is_finalized(&self) -> bool {
+        self.finalized.load(Ordering::Acquire)
     }
 
     /// True once [`Comm::abort`] was called (or dropping raised the abort flag).
     pub fn is_aborted(&self) -> bool {
-        self.abort_flag().load(Ordering::Acquire) != 0
+        self.flag_state() != 0
     }
 
     /// The plan of the most recent collective call on this communicator.
@@ -883,15 +1081,13 @@ impl Comm {
         self.check_root(func, root)?;
         let (_, recv_bytes) = self.buffer_bytes(func, count, dtype)?;
         self.check_stream(stream)?;
-        if self.abort_flag().load(Ordering::Acquire) == ABORTED_BY_PEER {
-            return Err(Error::Remote(format!(
-                "rank {}: another rank of this communicator aborted; abort or destroy this rank too",
-                self.rank
-            )));
+        if self.flag_state() != 0 {
+            // Remote (another rank aborted) or InvalidUsage (this rank did).
+            return self.get_async_error();
         }
-        if self.is_aborted() {
+        if self.finalized.load(Ordering::Acquire) {
             return Err(Error::InvalidUsage(format!(
-                "rank {}: the communicator was aborted",
+                "rank {}: the communicator was finalized; only destroy is allowed after finalize",
                 self.rank
             )));
         }
@@ -1055,16 +1251,25 @@ impl Comm {
     }
 
     fn abort_flag(&self) -> &AtomicU32 {
-        let p = match &self.res {
-            Res::Cuda(r) => r.group.abort[self.rank].host_ptr() as *const u32,
-            Res::Cpu(r) => r.group.abort[r.slot].addr() as *const u32,
+        let p = match (&self.res, self.init_rank_res()) {
+            (_, Some(mp)) => mp.abort.own_flag() as *const u32,
+            (Res::Cuda(r), None) => r.group.abort[self.rank].host_ptr() as *const u32,
+            (Res::Cpu(r), None) => r.group.abort[r.slot].addr() as *const u32,
         };
         // SAFETY: the flag lives in memory owned by `self.res`, 4-byte aligned, accessed atomically.
         unsafe { AtomicU32::from_ptr(p as *mut u32) }
     }
 
+    /// The `init_rank` state (bootstrap, peers, shared abort page); `None` for `init_all`.
+    fn init_rank_res(&self) -> Option<&InitRankRes> {
+        match &self.res {
+            Res::Cuda(r) => r.group.mp.as_ref(),
+            Res::Cpu(r) => r.group.mp.as_ref(),
+        }
+    }
+
     /// The abort flags of the other ranks of this process's group (`init_all`); none for
-    /// `init_rank`, whose peers live in other processes.
+    /// `init_rank`, whose peers' flags [`SharedAbort::raise_peers`] raises.
     fn group_abort_flags(&self) -> Vec<&AtomicU32> {
         let ptrs: Vec<*const u32> = match &self.res {
             Res::Cuda(r) => r
@@ -1133,6 +1338,577 @@ fn launch_cpu(
             )))
         }
     })
+}
+
+// ---------------------------------------------------------------------------------------------
+// init_rank: peer information, per-peer transport choice, shared abort flags, teardown.
+
+/// Bytes of one rank's line in the shared abort page: the flag its kernels poll (u32 at +0) and
+/// which rank raised it, plus one (u32 at +4).
+const ABORT_LINE_BYTES: usize = 64;
+
+/// What one rank tells the others at init (the seed's `ncclPeerInfo`, gathered by AllGather1),
+/// including how to reach its connection memory.
+#[derive(Clone, Debug, PartialEq)]
+struct PeerInfo {
+    cuda: bool,
+    /// CUDA ordinal in the rank's own process, or CPU-target device index.
+    dev: usize,
+    /// PCI bus id of the GPU (CUDA); empty on the CPU target.
+    bus_id: String,
+    /// Host name (or `OXCCL_HOSTID`), and a hash of it (NCCL's hostHash).
+    host: String,
+    host_hash: u64,
+    pid: u32,
+    /// Process start time (`/proc/<pid>/stat` field 22, clock ticks): tells a live peer from a
+    /// reused pid.
+    start_time: u64,
+    /// `NCCL_P2P_DISABLE=1` in the rank's environment.
+    p2p_disable: bool,
+    /// Channels and connection-memory bytes per rank: every rank must agree.
+    nch: u32,
+    conn_bytes: u64,
+    conn: ConnDesc,
+    /// Name of the shared abort page (rank 0 only; empty on the others).
+    abort_page: String,
+}
+
+/// How peers reach a rank's connection memory.
+#[derive(Clone, Debug, PartialEq)]
+enum ConnDesc {
+    /// CPU target: a `/dev/shm` segment name.
+    Shm(String),
+    /// CUDA: the device pointer in the owner's process and its IPC handle.
+    Ipc {
+        ptr: u64,
+        handle: [u8; cuda::IPC_HANDLE_BYTES],
+    },
+}
+
+fn fnv64(b: &[u8]) -> u64 {
+    b.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &x| {
+        (h ^ x as u64).wrapping_mul(0x100_0000_01b3)
+    })
+}
+
+/// Start time of process `pid` (`/proc/<pid>/stat` field 22) and whether it is a zombie; `None`
+/// when there is no such process.
+fn proc_start(pid: u32) -> Option<(u64, bool)> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name (which may hold spaces) start with the state (field 3).
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    Some((fields.get(19)?.parse().ok()?, fields.first() == Some(&"Z")))
+}
+
+impl PeerInfo {
+    fn local(
+        device: Device,
+        ctx: Option<&cuda::Context>,
+        nch: u32,
+        conn_bytes: u64,
+        conn: ConnDesc,
+        abort_page: String,
+    ) -> Result<PeerInfo> {
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+        let host = crate::params::env_var("HOSTID").map_or(host.trim().to_string(), |(_, v)| v);
+        let pid = std::process::id();
+        let (cuda, dev) = match device {
+            Device::Cuda(o) => (true, o),
+            Device::Cpu(i) => (false, i),
+        };
+        Ok(PeerInfo {
+            cuda,
+            dev,
+            bus_id: match ctx {
+                Some(c) => c.bus_id()?,
+                None => String::new(),
+            },
+            host_hash: fnv64(host.as_bytes()),
+            host,
+            pid,
+            start_time: proc_start(pid).map_or(0, |(t, _)| t),
+            p2p_disable: crate::params::env_var("P2P_DISABLE").is_some_and(|(_, v)| v.trim() == "1"),
+            nch,
+            conn_bytes,
+            conn,
+            abort_page,
+        })
+    }
+
+    fn kind(&self) -> &'static str {
+        if self.cuda { "cuda" } else { "cpu" }
+    }
+
+    /// One line per field; byte strings in hex.
+    fn encode(&self) -> String {
+        let conn = match &self.conn {
+            ConnDesc::Shm(name) => format!("shm {name}"),
+            ConnDesc::Ipc { ptr, handle } => format!(
+                "ipc {ptr:x} {}",
+                handle.iter().map(|b| format!("{b:02x}")).collect::<String>()
+            ),
+        };
+        [
+            self.kind().to_string(),
+            self.dev.to_string(),
+            self.bus_id.clone(),
+            self.host.clone(),
+            format!("{:x}", self.host_hash),
+            self.pid.to_string(),
+            self.start_time.to_string(),
+            u8::from(self.p2p_disable).to_string(),
+            self.nch.to_string(),
+            self.conn_bytes.to_string(),
+            conn,
+            self.abort_page.clone(),
+        ]
+        .join("\n")
+    }
+
+    /// Parses rank `rank`'s [`PeerInfo::encode`]; `Remote` naming the rank when malformed.
+    fn decode(rank: usize, b: &[u8]) -> Result<PeerInfo> {
+        let bad = |what: &str| Error::Remote(format!("rank {rank} sent malformed peer information ({what})"));
+        let text = std::str::from_utf8(b).map_err(|_| bad("not UTF-8"))?;
+        let f: Vec<&str> = text.split('\n').collect();
+        if f.len() != 12 {
+            return Err(bad(&format!("{} fields, expected 12", f.len())));
+        }
+        let num = |i: usize, what: &str| f[i].parse::<u64>().map_err(|_| bad(what));
+        let conn = match f[10].split(' ').collect::<Vec<_>>()[..] {
+            ["shm", name] => ConnDesc::Shm(name.to_string()),
+            ["ipc", ptr, hex] if hex.len() == 2 * cuda::IPC_HANDLE_BYTES => {
+                let mut handle = [0u8; cuda::IPC_HANDLE_BYTES];
+                for (i, h) in handle.iter_mut().enumerate() {
+                    *h = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).map_err(|_| bad("IPC handle"))?;
+                }
+                ConnDesc::Ipc {
+                    ptr: u64::from_str_radix(ptr, 16).map_err(|_| bad("device pointer"))?,
+                    handle,
+                }
+            }
+            _ => return Err(bad("connection descriptor")),
+        };
+        Ok(PeerInfo {
+            cuda: match f[0] {
+                "cuda" => true,
+                "cpu" => false,
+                _ => return Err(bad("device kind")),
+            },
+            dev: num(1, "device")? as usize,
+            bus_id: f[2].to_string(),
+            host: f[3].to_string(),
+            host_hash: u64::from_str_radix(f[4], 16).map_err(|_| bad("host hash"))?,
+            pid: num(5, "pid")? as u32,
+            start_time: num(6, "start time")?,
+            p2p_disable: num(7, "P2P flag")? != 0,
+            nch: num(8, "channels")? as u32,
+            conn_bytes: num(9, "connection bytes")?,
+            conn,
+            abort_page: f[11].to_string(),
+        })
+    }
+
+    /// The device as messages name it: `cpu device 1`, `cuda device 0 (bus id 0000:18:00.0)`.
+    fn describe_device(&self) -> String {
+        if self.cuda {
+            format!("cuda device {} (bus id {})", self.dev, self.bus_id)
+        } else {
+            format!("cpu device {}", self.dev)
+        }
+    }
+}
+
+/// Checks the gathered peer information, identically on every rank so every rank fails alike:
+/// one device kind, one device per rank per host (C26), the same channels and buffer sizes, and a
+/// transport between every pair of ring neighbours.
+fn check_peers(rank: usize, peers: &[PeerInfo]) -> Result<()> {
+    let me = &peers[rank];
+    let shared_ok = crate::params::env_var("ALLOW_SHARED_DEVICE").is_some_and(|(_, v)| v == "1");
+    for (a, pa) in peers.iter().enumerate() {
+        if pa.cuda != me.cuda {
+            return Err(Error::InvalidUsage(format!(
+                "rank {a} is on a {} device but rank {rank} is on a {} device: a communicator is all CUDA or all CPU-target",
+                pa.kind(),
+                me.kind()
+            )));
+        }
+        if (pa.nch, pa.conn_bytes) != (me.nch, me.conn_bytes) {
+            return Err(Error::InvalidUsage(format!(
+                "rank {a} set up {} channels with {} bytes of connection memory but rank {rank} {} channels with {} bytes: \
+                 NCCL_MAX_NCHANNELS, NCCL_BUFFSIZE and NCCL_LL_BUFFSIZE must be the same on every rank",
+                pa.nch, pa.conn_bytes, me.nch, me.conn_bytes
+            )));
+        }
+        for (b, pb) in peers.iter().enumerate().skip(a + 1) {
+            let same_dev = if pa.cuda {
+                pa.bus_id == pb.bus_id
+            } else {
+                pa.dev == pb.dev
+            };
+            if same_dev && pa.host == pb.host && !shared_ok {
+                return Err(Error::InvalidUsage(format!(
+                    "ranks {a} and {b} are both on {} of host {:?}; one device per rank is required \
+                     (set OXCCL_ALLOW_SHARED_DEVICE=1 to share a device for testing)",
+                    pa.describe_device(),
+                    pa.host
+                )));
+            }
+        }
+    }
+    let n = peers.len();
+    for a in 0..n {
+        let b = (a + 1) % n;
+        if a != b {
+            can_connect(peers, a, b)?;
+        }
+    }
+    Ok(())
+}
+
+/// Whether any transport connects ranks `a` and `b` (NCCL's `canConnect` of each transport):
+/// `Ok`, or `System` naming both ranks and why not.
+fn can_connect(peers: &[PeerInfo], a: usize, b: usize) -> Result<()> {
+    let (pa, pb) = (&peers[a], &peers[b]);
+    let why = if pa.host_hash != pb.host_hash || pa.host != pb.host {
+        Some(format!(
+            "they are on different hosts ({:?} and {:?}) and oxccl has no network transport yet",
+            pa.host, pb.host
+        ))
+    } else if pa.cuda && (pa.p2p_disable || pb.p2p_disable) {
+        Some(format!(
+            "NCCL_P2P_DISABLE=1 (set on rank {}) turns off P2P, the only transport between CUDA devices so far",
+            if pa.p2p_disable { a } else { b }
+        ))
+    } else {
+        None
+    };
+    match why {
+        Some(why) => Err(Error::System(format!(
+            "no transport can connect rank {a} ({}) and rank {b} ({}): {why}",
+            pa.describe_device(),
+            pb.describe_device()
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// This rank's connection memory (receive buffers and counters, [`ConnLayout`]).
+enum OwnConn {
+    /// CPU target: a `/dev/shm` segment its neighbours map.
+    Shm(crate::cpu::ShmSegment),
+    /// CUDA: `cuMemAlloc` memory its neighbours open through CUDA IPC (or use directly).
+    Dev(cuda::DevAlloc),
+}
+
+impl OwnConn {
+    fn alloc(ctx: Option<&Arc<cuda::Context>>, layout: &ConnLayout, name: &str, initial_step: u64) -> Result<OwnConn> {
+        let bytes = layout.bytes() as usize;
+        Ok(match ctx {
+            None => {
+                let seg = crate::cpu::ShmSegment::create(name, bytes)?;
+                for c in 0..layout.nch {
+                    for at in [layout.head(seg.addr(), c), layout.tail(seg.addr(), c)] {
+                        // SAFETY: the counters lie inside our fresh segment; no peer maps it yet.
+                        unsafe { (at as *mut u64).write(initial_step) };
+                    }
+                }
+                OwnConn::Shm(seg)
+            }
+            Some(ctx) => {
+                let mem = cuda::DevAlloc::zeroed(ctx, bytes)?;
+                if initial_step != 0 {
+                    for c in 0..layout.nch {
+                        for at in [layout.head(mem.ptr, c), layout.tail(mem.ptr, c)] {
+                            mem.write((at - mem.ptr) as usize, &initial_step.to_ne_bytes())?;
+                        }
+                    }
+                }
+                OwnConn::Dev(mem)
+            }
+        })
+    }
+
+    fn base(&self) -> u64 {
+        match self {
+            OwnConn::Shm(s) => s.addr(),
+            OwnConn::Dev(m) => m.ptr,
+        }
+    }
+
+    fn desc(&self, name: &str) -> Result<ConnDesc> {
+        Ok(match self {
+            OwnConn::Shm(_) => ConnDesc::Shm(name.to_string()),
+            OwnConn::Dev(m) => ConnDesc::Ipc {
+                ptr: m.ptr,
+                handle: m.ipc_handle()?,
+            },
+        })
+    }
+}
+
+/// How this rank reaches one ring neighbour's connection memory: the transport chosen for that
+/// peer. (A network transport through the proxy becomes another variant, chosen in
+/// [`PeerLink::connect`] for peers on other hosts.)
+enum PeerLink {
+    /// CPU target: the neighbour's `/dev/shm` segment, mapped here (the seed's SHM transport).
+    Shm(crate::cpu::ShmSegment),
+    /// CUDA, neighbour in this process: its device pointer, used over peer access (P2P).
+    P2pDirect(u64),
+    /// CUDA, neighbour in another process of this host: its memory opened through CUDA IPC
+    /// (P2P/IPC), closed before this rank's teardown barrier.
+    P2pIpc(cuda::IpcMapping),
+}
+
+impl PeerLink {
+    /// Connects rank `me` to ring neighbour `peer` (NCCL's per-peer `selectTransport`): the first
+    /// transport whose rules allow the pair (see [`can_connect`]).
+    fn connect(
+        me: usize,
+        peers: &[PeerInfo],
+        peer: usize,
+        ctx: Option<&Arc<cuda::Context>>,
+        layout: &ConnLayout,
+    ) -> Result<PeerLink> {
+        can_connect(peers, me, peer)?;
+        let (mi, pi) = (&peers[me], &peers[peer]);
+        let context = |e: Error| match e {
+            Error::Cuda {
+                call,
+                code,
+                name,
+                msg,
+            } => Error::Cuda {
+                call,
+                code,
+                name,
+                msg: format!("{msg} (rank {me} connecting to rank {peer}'s connection memory)"),
+            },
+            e => e,
+        };
+        match (&pi.conn, ctx) {
+            (ConnDesc::Shm(name), None) => Ok(PeerLink::Shm(crate::cpu::ShmSegment::open(
+                name,
+                layout.bytes() as usize,
+            )?)),
+            (ConnDesc::Ipc { ptr, handle }, Some(ctx)) => {
+                let no_peer_access = || {
+                    Error::System(format!(
+                        "no transport can connect rank {me} ({}) and rank {peer} ({}): peer access is not supported between them",
+                        mi.describe_device(),
+                        pi.describe_device()
+                    ))
+                };
+                if pi.pid == mi.pid && pi.host == mi.host {
+                    if pi.dev != mi.dev {
+                        let pctx = cuda::Context::get(pi.dev)?;
+                        if !ctx.can_access_peer(&pctx)? {
+                            return Err(no_peer_access());
+                        }
+                        ctx.enable_peer_access(&pctx)?;
+                    }
+                    tracing::debug!(target: "oxccl::init", rank = me, peer, "P2P (same process)");
+                    return Ok(PeerLink::P2pDirect(*ptr));
+                }
+                if pi.bus_id != mi.bus_id
+                    && let Some(o) = cuda::device_by_bus_id(&pi.bus_id)?
+                    && !ctx.can_access_peer(&*cuda::Context::get(o)?)?
+                {
+                    return Err(no_peer_access());
+                }
+                let m = cuda::IpcMapping::open(ctx, handle).map_err(context)?;
+                tracing::debug!(target: "oxccl::init", rank = me, peer, "P2P/IPC");
+                Ok(PeerLink::P2pIpc(m))
+            }
+            _ => Err(Error::Internal(format!(
+                "rank {peer}'s connection descriptor does not match rank {me}'s device kind"
+            ))),
+        }
+    }
+
+    fn base(&self) -> u64 {
+        match self {
+            PeerLink::Shm(s) => s.addr(),
+            PeerLink::P2pDirect(p) => *p,
+            PeerLink::P2pIpc(m) => m.ptr(),
+        }
+    }
+}
+
+/// The abort flags of an `init_rank` communicator: one [`ABORT_LINE_BYTES`] line per rank in a
+/// `/dev/shm` page every rank maps, so any rank can raise every other rank's flag. On CUDA the
+/// page is registered with the driver and each rank's kernels poll its line through the device
+/// mapping; if registration fails, kernels poll a private host-mapped flag instead (then an abort
+/// elsewhere reaches this rank's host calls only).
+struct SharedAbort {
+    /// Dropped before `page`: unregistered before unmapped.
+    _reg: Option<cuda::HostRegistration>,
+    fallback: Option<cuda::HostMapped>,
+    page: crate::cpu::ShmSegment,
+    rank: usize,
+    nranks: usize,
+    /// The address this rank's kernels poll.
+    dev_flag: u64,
+}
+
+impl SharedAbort {
+    fn new(
+        page: crate::cpu::ShmSegment,
+        rank: usize,
+        nranks: usize,
+        ctx: Option<&Arc<cuda::Context>>,
+    ) -> Result<SharedAbort> {
+        let line = (rank * ABORT_LINE_BYTES) as u64;
+        let (reg, fallback, dev_flag) = match ctx {
+            None => (None, None, page.addr() + line),
+            // SAFETY: the page is a page-aligned mapping of nranks lines that `SharedAbort` keeps
+            // until after the registration is dropped (field order).
+            Some(ctx) => match unsafe {
+                cuda::HostRegistration::new(ctx, page.addr() as *mut u8, nranks * ABORT_LINE_BYTES)
+            } {
+                Ok(r) => {
+                    let d = r.dev_ptr() + line;
+                    (Some(r), None, d)
+                }
+                Err(e) => {
+                    tracing::warn!(target: "oxccl::init", rank, "registering the shared abort page failed ({e}); \
+                        this rank's kernels poll a private flag, so other ranks' aborts reach its host calls only");
+                    let f = cuda::HostMapped::zeroed(ctx, 64)?;
+                    let d = f.dev_ptr;
+                    (None, Some(f), d)
+                }
+            },
+        };
+        Ok(SharedAbort {
+            _reg: reg,
+            fallback,
+            page,
+            rank,
+            nranks,
+            dev_flag,
+        })
+    }
+
+    /// Host address of rank `r`'s line.
+    fn line(&self, r: usize) -> u64 {
+        self.page.addr() + (r * ABORT_LINE_BYTES) as u64
+    }
+
+    /// Host address of the flag this rank's kernels poll.
+    fn own_flag(&self) -> u64 {
+        match &self.fallback {
+            Some(f) => f.host_ptr() as u64,
+            None => self.line(self.rank),
+        }
+    }
+
+    /// Raised in this rank's line by another rank: `Some(that rank)` (or `Some(None)` when the
+    /// flag was raised by an `init_all` peer).
+    fn raised_by_peer(&self) -> Option<usize> {
+        // SAFETY: the line lies in the mapped page, 4-byte aligned, accessed atomically.
+        let (flag, who) = unsafe {
+            (
+                AtomicU32::from_ptr(self.line(self.rank) as *mut u32).load(Ordering::Acquire),
+                AtomicU32::from_ptr((self.line(self.rank) + 4) as *mut u32).load(Ordering::Acquire),
+            )
+        };
+        (flag == ABORTED_BY_PEER && who > 0).then(|| who as usize - 1)
+    }
+
+    /// Raises every other rank's flag, noting `self.rank` as the cause.
+    fn raise_peers(&self) {
+        for r in (0..self.nranks).filter(|&r| r != self.rank) {
+            // SAFETY: as in `raised_by_peer`.
+            unsafe {
+                let _ = AtomicU32::from_ptr((self.line(r) + 4) as *mut u32).compare_exchange(
+                    0,
+                    self.rank as u32 + 1,
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                );
+                let _ = AtomicU32::from_ptr(self.line(r) as *mut u32).compare_exchange(
+                    0,
+                    ABORTED_BY_PEER,
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                );
+            }
+        }
+    }
+}
+
+/// What an `init_rank` communicator holds besides its own memory: the bootstrap, the gathered
+/// peer information, its mappings of ring neighbours' memory and the shared abort page.
+struct InitRankRes {
+    rank: usize,
+    peers: Vec<PeerInfo>,
+    links: Mutex<Vec<PeerLink>>,
+    abort: SharedAbort,
+    /// Set once the ranks have synchronized for teardown ([`InitRankRes::sync_teardown`]).
+    synced: std::sync::atomic::AtomicBool,
+    bootstrap: crate::bootstrap::Bootstrap,
+}
+
+impl InitRankRes {
+    /// The collective part of teardown, done once: closes this rank's mappings of its
+    /// neighbours' memory, then waits at a bootstrap barrier (bounded by the bootstrap timeout)
+    /// so that no rank frees memory a peer may still write into or has mapped. Skipped after an
+    /// abort: the aborting rank raised every rank's flag, so no kernel keeps writing, and a peer
+    /// may never arrive. The caller's own operations must be finished.
+    fn sync_teardown(&self) -> Result<()> {
+        if self.synced.swap(true, Ordering::AcqRel) {
+            return Ok(());
+        }
+        drop(std::mem::take(
+            &mut *self.links.lock().unwrap_or_else(|p| p.into_inner()),
+        ));
+        // SAFETY: the flag lives in memory owned by `self.abort`.
+        let aborted = unsafe { AtomicU32::from_ptr(self.abort.own_flag() as *mut u32) }.load(Ordering::Acquire) != 0;
+        if aborted || self.abort.raised_by_peer().is_some() {
+            return Ok(());
+        }
+        self.bootstrap.barrier().map_err(|e| {
+            tracing::warn!(target: "oxccl::init", rank = self.rank, "teardown barrier: {e}");
+            e
+        })
+    }
+
+    /// `Remote` naming the first peer process of this host that has exited.
+    fn check_peers_alive(&self) -> Result<()> {
+        let me = &self.peers[self.rank];
+        for (r, p) in self.peers.iter().enumerate() {
+            if p.host != me.host || p.pid == me.pid || p.start_time == 0 {
+                continue;
+            }
+            let alive = matches!(proc_start(p.pid), Some((t, false)) if t == p.start_time);
+            if !alive {
+                return Err(Error::Remote(format!(
+                    "rank {}: peer rank {r} (process {} on host {:?}) has exited; abort this communicator",
+                    self.rank, p.pid, p.host
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for CudaGroup {
+    /// `init_rank`: the teardown barrier before any memory is freed (see
+    /// [`InitRankRes::sync_teardown`]); errors are logged there.
+    fn drop(&mut self) {
+        if let Some(mp) = &self.mp {
+            let _ = mp.sync_teardown();
+        }
+    }
+}
+
+impl Drop for CpuGroup {
+    /// As for [`CudaGroup`].
+    fn drop(&mut self) {
+        if let Some(mp) = &self.mp {
+            let _ = mp.sync_teardown();
+        }
+    }
 }
 
 /// A short tag of a unique id, so segment names of different communicators never collide.
@@ -1248,7 +2024,10 @@ impl Drop for Comm {
                     }
                 }
                 tracing::warn!(target: "oxccl::init", rank = self.rank, "destroy: operations still running after {DROP_WAIT:?}; aborting them");
-                self.abort_flag().store(1, Ordering::Release);
+                self.abort_flag().store(ABORTED_HERE, Ordering::Release);
+                if let Some(mp) = self.init_rank_res() {
+                    mp.abort.raise_peers();
+                }
                 if let Err(e) = res.ctx.synchronize() {
                     tracing::warn!(target: "oxccl::init", rank = self.rank, "destroy: {e}");
                 }
@@ -1257,7 +2036,10 @@ impl Drop for Comm {
                 while self.inflight.load(Ordering::Acquire) > 0 {
                     if start.elapsed() > DROP_WAIT {
                         tracing::warn!(target: "oxccl::init", rank = self.rank, "destroy: operations still running after {DROP_WAIT:?}; aborting them");
-                        self.abort_flag().store(1, Ordering::Release);
+                        self.abort_flag().store(ABORTED_HERE, Ordering::Release);
+                        if let Some(mp) = self.init_rank_res() {
+                            mp.abort.raise_peers();
+                        }
                         break;
                     }
                     std::thread::sleep(Duration::from_millis(1));

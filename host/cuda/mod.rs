@@ -545,3 +545,135 @@ impl Drop for Event {
         }
     }
 }
+
+/// Bytes of a CUDA IPC memory handle (`CUipcMemHandle`).
+pub const IPC_HANDLE_BYTES: usize = 64;
+
+impl DevAlloc {
+    /// The device address of the allocation (a `CUdeviceptr`).
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Exports this allocation to other processes (`cuIpcGetMemHandle`, as NCCL's P2P transport
+    /// does for its buffers): the handle's bytes, which a peer process opens with
+    /// [`IpcMapping::open`]. The allocation must stay alive while any peer has it open.
+    pub fn ipc_handle(&self) -> Result<[u8; IPC_HANDLE_BYTES]> {
+        self.ctx.bind()?;
+        let mut h = sys::CUipcMemHandle {
+            reserved: [0; IPC_HANDLE_BYTES],
+        };
+        cu!(cuIpcGetMemHandle(&mut h, self.ptr))?;
+        Ok(h.reserved.map(|b| b as u8))
+    }
+}
+
+/// Device memory of another process opened in this one (`cuIpcOpenMemHandle` with
+/// `CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS`), closed with `cuIpcCloseMemHandle` on drop. The
+/// exporting process must keep the memory allocated until every mapping of it is closed.
+pub struct IpcMapping {
+    ptr: u64,
+    ctx: Arc<Context>,
+}
+// SAFETY: a device address valid in `ctx`, which is usable from any thread.
+unsafe impl Send for IpcMapping {}
+// SAFETY: as above; the mapping itself is never mutated.
+unsafe impl Sync for IpcMapping {}
+
+impl IpcMapping {
+    /// Opens the memory behind `handle` (from [`DevAlloc::ipc_handle`] in another process) in
+    /// `ctx`. Errors: [`Error::Cuda`] naming `cuIpcOpenMemHandle_v2` (a handle from this same
+    /// process, a device this one cannot reach, or a freed allocation).
+    pub fn open(ctx: &Arc<Context>, handle: &[u8; IPC_HANDLE_BYTES]) -> Result<IpcMapping> {
+        ctx.bind()?;
+        let h = sys::CUipcMemHandle {
+            reserved: handle.map(|b| b as std::ffi::c_char),
+        };
+        let mut ptr = 0;
+        cu!(cuIpcOpenMemHandle_v2(
+            &mut ptr,
+            h,
+            sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32
+        ))?;
+        Ok(IpcMapping {
+            ptr,
+            ctx: ctx.clone(),
+        })
+    }
+
+    /// The peer's memory as a device address in this process.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+}
+
+impl Drop for IpcMapping {
+    fn drop(&mut self) {
+        if self.ctx.bind().is_ok()
+            && let Err(e) = cu!(cuIpcCloseMemHandle(self.ptr))
+        {
+            tracing::warn!(target: "oxccl::alloc", "closing a CUDA IPC mapping: {e}");
+        }
+    }
+}
+
+/// Host memory allocated elsewhere (e.g. a `/dev/shm` mapping shared with other processes),
+/// page-locked and mapped into every device's address space (`cuMemHostRegister` with
+/// `DEVICEMAP | PORTABLE`, as NCCL's `ncclShmOpen` registers its segments); unregistered on drop.
+pub struct HostRegistration {
+    host: *mut c_void,
+    dev_ptr: u64,
+}
+// SAFETY: registration of process-wide memory; this value only holds addresses.
+unsafe impl Send for HostRegistration {}
+// SAFETY: as above.
+unsafe impl Sync for HostRegistration {}
+
+impl HostRegistration {
+    /// Registers `bytes` bytes at `host` with the driver (needs a current context: `ctx`).
+    ///
+    /// # Safety
+    /// `host` is page-aligned and valid for `bytes` bytes until the registration is dropped.
+    pub unsafe fn new(ctx: &Context, host: *mut u8, bytes: usize) -> Result<HostRegistration> {
+        ctx.bind()?;
+        let flags = sys::CU_MEMHOSTREGISTER_DEVICEMAP | sys::CU_MEMHOSTREGISTER_PORTABLE;
+        cu!(cuMemHostRegister_v2(host as *mut c_void, bytes, flags))?;
+        // Owned from here on: an error below unregisters through Drop.
+        let mut r = HostRegistration {
+            host: host as *mut c_void,
+            dev_ptr: 0,
+        };
+        cu!(cuMemHostGetDevicePointer_v2(&mut r.dev_ptr, r.host, 0))?;
+        Ok(r)
+    }
+
+    /// The device address of the registered memory's first byte.
+    pub fn dev_ptr(&self) -> u64 {
+        self.dev_ptr
+    }
+}
+
+impl Drop for HostRegistration {
+    fn drop(&mut self) {
+        if let Err(e) = cu!(cuMemHostUnregister(self.host)) {
+            tracing::warn!(target: "oxccl::alloc", "unregistering host memory: {e}");
+        }
+    }
+}
+
+/// The ordinal, in this process, of the GPU with PCI bus id `bus_id` (e.g. "0000:18:00.0"), or
+/// `None` when it is not visible here (`cuDeviceGetByPCIBusId`; other processes may see another
+/// subset of GPUs through `CUDA_VISIBLE_DEVICES`).
+pub fn device_by_bus_id(bus_id: &str) -> Result<Option<usize>> {
+    driver()?;
+    let c = CString::new(bus_id).map_err(|_| Error::invalid(format!("bus id {bus_id:?} contains NUL")))?;
+    let mut dev = 0;
+    // SAFETY: valid C string and out-pointer.
+    let r = unsafe { sys::cuDeviceGetByPCIBusId(&mut dev, c.as_ptr()) };
+    if r == CUresult::CUDA_ERROR_INVALID_DEVICE || r == CUresult::CUDA_ERROR_INVALID_VALUE {
+        return Ok(None);
+    }
+    check(r, "cuDeviceGetByPCIBusId")?;
+    // Driver-API device handles are the ordinals of the visible devices.
+    Ok(Some(dev.max(0) as usize))
+}
