@@ -452,21 +452,32 @@ fn random_topologies_give_valid_deterministic_rings() {
 
 #[test]
 fn bad_inputs_are_invalid_arguments() {
-    // Ranks must be 0..n-1: a lone GPU of rank 1 is refused, and so is max_channels = 0.
+    // Two GPUs with one rank are refused (ranks need not start at 0: the GPUs of node 1 of a
+    // two-node job are ranks 8-15), and so is max_channels = 0 or above MAXCHANNELS (64).
     let text = r#"<system version="1">
   <cpu numaid="0" arch="x86_64" vendor="GenuineIntel" familyid="6" modelid="143">
     <pci busid="0000:01:00.0" class="0x030200" link_speed="32.0 GT/s PCIe" link_width="16">
       <gpu dev="0" sm="90" rank="1" gdr="1"/>
     </pci>
+    <pci busid="0000:02:00.0" class="0x030200" link_speed="32.0 GT/s PCIe" link_width="16">
+      <gpu dev="1" sm="90" rank="1" gdr="1"/>
+    </pci>
   </cpu>
 </system>
 "#;
-    let sys = System::from_xml_with(Xml::parse(text, "gap.xml").unwrap(), PathOptions::default()).unwrap();
+    let sys = System::from_xml_with(Xml::parse(text, "dup.xml").unwrap(), PathOptions::default()).unwrap();
     let e = search_rings(&sys, MAX_CHANNELS).unwrap_err();
     assert_eq!(e.code(), oxccl::ResultCode::InvalidArgument, "{e}");
-    assert!(e.to_string().contains("ranks [1]"), "{e}");
+    assert!(e.to_string().contains("ranks [1, 1]"), "{e}");
     let e = search_rings(&h200x2(), 0).unwrap_err();
     assert_eq!(e.code(), oxccl::ResultCode::InvalidArgument, "{e}");
+    let e = search_rings(&h200x2(), 65).unwrap_err();
+    assert!(e.to_string().contains("accepted 1..=64"), "{e}");
+    // A lone GPU of rank 5 is a valid one-GPU ring of rank 5.
+    let text = text.replace("rank=\"1\" gdr=\"1\"/>\n    </pci>\n    <pci busid=\"0000:02:00.0\" class=\"0x030200\" link_speed=\"32.0 GT/s PCIe\" link_width=\"16\">\n      <gpu dev=\"1\" sm=\"90\" rank=\"1\"", "rank=\"5\"");
+    let sys = System::from_xml_with(Xml::parse(&text, "one.xml").unwrap(), PathOptions::default()).unwrap();
+    assert_eq!(sys.count(NodeType::Gpu), 1, "{text}");
+    assert_eq!(search_rings(&sys, 2).unwrap().rings, [[5], [5]]);
 }
 
 #[test]
