@@ -65,8 +65,34 @@ impl Error {
         }
     }
 
+    /// NCCL's `ncclGetErrorString` for this error's code: a fixed text per code (the message
+    /// itself, with the details, is this error's `Display`).
+    pub fn error_string(&self) -> &'static str {
+        error_string(self.code())
+    }
+
     pub(crate) fn invalid(msg: impl fmt::Display) -> Self {
         Error::InvalidArgument(msg.to_string())
+    }
+}
+
+impl ResultCode {
+    /// The code of an `ncclResult_t` value; `None` outside 0..=8.
+    pub fn from_i32(v: i32) -> Option<ResultCode> {
+        use ResultCode::*;
+        [
+            Success,
+            UnhandledCudaError,
+            SystemError,
+            InternalError,
+            InvalidArgument,
+            InvalidUsage,
+            RemoteError,
+            InProgress,
+            Timeout,
+        ]
+        .into_iter()
+        .find(|c| *c as i32 == v)
     }
 }
 
@@ -85,5 +111,34 @@ pub fn error_string(code: ResultCode) -> &'static str {
         ResultCode::RemoteError => "remote process exited or there was a network error",
         ResultCode::InProgress => "NCCL operation in progress",
         ResultCode::Timeout => "operation timed out",
+    }
+}
+
+/// `ncclGetErrorString` on a raw `ncclResult_t` value (as a C caller holds it): the code's text,
+/// or "unknown result code" outside 0..=8.
+pub fn error_string_of(code: i32) -> &'static str {
+    ResultCode::from_i32(code).map_or("unknown result code", error_string)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_round_trip_and_have_nccl_texts() {
+        // Values and texts as NCCL 2.28's nccl.h and ncclGetErrorString define them.
+        for v in 0..=8 {
+            assert_eq!(ResultCode::from_i32(v).map(|c| c as i32), Some(v));
+        }
+        assert_eq!(ResultCode::from_i32(9), None);
+        assert_eq!(ResultCode::from_i32(-1), None);
+        assert_eq!(
+            error_string_of(6),
+            "remote process exited or there was a network error"
+        );
+        assert_eq!(error_string_of(42), "unknown result code");
+        let e = Error::Timeout("x".into());
+        assert_eq!(e.code() as i32, 8);
+        assert_eq!(e.error_string(), "operation timed out");
     }
 }

@@ -36,6 +36,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod error;
 pub mod graph;
+pub mod handle;
 pub mod mem;
 pub mod nccl;
 pub mod params;
@@ -44,7 +45,8 @@ pub mod topo;
 pub mod tuning;
 
 pub use comm::{Choice, Comm};
-pub use error::{Error, Result, ResultCode, error_string};
+pub use error::{Error, Result, ResultCode, error_string, error_string_of};
+pub use handle::CommHandle;
 pub use mem::{DevSlice, Device, DeviceBuffer, Stream};
 pub use oxccl_gpu::abi::{Algo, DataType, Func, Proto, RedOp, kernel_name};
 
@@ -74,12 +76,18 @@ pub mod kernels {
 #[path = "../build/ptx_split.rs"]
 mod ptx_split;
 
-/// oxccl's version, as NCCL encodes it (major × 10000 + minor × 100 + patch).
+/// oxccl's version as NCCL's `ncclGetVersion` encodes it: major × 10000 + minor × 100 + patch
+/// (e.g. 100 for 0.1.0). [`version_string`] gives the text.
 pub fn version() -> u32 {
     let p = |s: &str| s.parse::<u32>().unwrap_or(0);
     p(env!("CARGO_PKG_VERSION_MAJOR")) * 10000
         + p(env!("CARGO_PKG_VERSION_MINOR")) * 100
         + p(env!("CARGO_PKG_VERSION_PATCH"))
+}
+
+/// oxccl's version as text, e.g. "0.1.0" (the crate version; [`version`] is its integer code).
+pub fn version_string() -> &'static str {
+    env!("CARGO_PKG_VERSION")
 }
 
 #[cfg(test)]
