@@ -26,8 +26,6 @@ use std::time::{Duration, Instant};
 pub const CUDA_DEFAULT_NCHANNELS: u32 = 64;
 /// Default channel count on the CPU target (each channel is a host thread per rank).
 pub const CPU_DEFAULT_NCHANNELS: u32 = 2;
-/// Bytes per channel below which a call uses fewer channels.
-const MIN_BYTES_PER_CHANNEL: u64 = 128 << 10;
 /// Abort-flag values: this rank called abort, or another rank of its process group did.
 const ABORTED_HERE: u32 = 1;
 const ABORTED_BY_PEER: u32 = 2;
@@ -117,19 +115,21 @@ struct CpuGroup {
 struct ConnLayout {
     buffsize: u64,
     ll_buffsize: u64,
+    ll128_buffsize: u64,
     nch: u64,
 }
 impl ConnLayout {
-    /// `ll`: whether connections get LL buffers (the CPU target; GPU kernels run Simple only so far).
+    /// `ll`: whether connections get LL and LL128 buffers (every communicator does today).
     fn new(params: &Params, nch: u32, ll: bool) -> Self {
         ConnLayout {
             buffsize: params.buffsize,
             ll_buffsize: if ll { params.ll_buffsize } else { 0 },
+            ll128_buffsize: if ll { params.ll128_buffsize } else { 0 },
             nch: nch as u64,
         }
     }
     fn per_channel(&self) -> u64 {
-        self.buffsize + self.ll_buffsize
+        self.buffsize + self.ll_buffsize + self.ll128_buffsize
     }
     fn bytes(&self) -> u64 {
         self.nch * (self.per_channel() + COUNTERS_BYTES)
@@ -141,6 +141,10 @@ impl ConnLayout {
     /// The LL receive buffer of channel `c`.
     fn ll(&self, base: u64, c: u64) -> u64 {
         self.buff(base, c) + self.buffsize
+    }
+    /// The LL128 receive buffer of channel `c` (128-byte aligned: every size is a multiple of 128).
+    fn ll128(&self, base: u64, c: u64) -> u64 {
+        self.ll(base, c) + self.ll_buffsize
     }
     fn head(&self, base: u64, c: u64) -> u64 {
         base + self.nch * self.per_channel() + c * COUNTERS_BYTES
@@ -206,7 +210,7 @@ impl Comm {
             .max_nchannels
             .unwrap_or(default_nch)
             .clamp(1, MAX_CHANNELS as u32);
-        let layout = ConnLayout::new(&params, nch, !devices[0].is_cuda());
+        let layout = ConnLayout::new(&params, nch, true);
         let _span = tracing::debug_span!(target: "oxccl::init", "init_all", nranks, nch).entered();
 
         if devices[0].is_cuda() {
@@ -631,7 +635,7 @@ impl Comm {
     }
     /// Device memory used by this rank's connections and communicator state, in bytes.
     pub fn device_memory_bytes(&self) -> u64 {
-        let layout = ConnLayout::new(&self.params, self.nchannels, !self.device.is_cuda());
+        let layout = ConnLayout::new(&self.params, self.nchannels, true);
         layout.bytes() + comm_block_bytes(self.nchannels as usize, self.nranks) as u64
     }
     /// Aborts this rank (NCCL's `ncclCommAbort`): raises the abort flag that every kernel spin
@@ -1164,21 +1168,28 @@ impl Comm {
         Ok(())
     }
 
-    /// Channels, chunk and slice for a call of `bytes` bytes (the seed's tuning step; the
-    /// protocol/algorithm model comes with the tuning work).
+    /// Algorithm, protocol, channels, chunk and slice for a call of `bytes` bytes (the seed's
+    /// tuning step: the cost model of [`crate::tuning::Model`] among what `NCCL_ALGO` /
+    /// `NCCL_PROTO` allow).
     fn plan(&self, func: Func, bytes: u64, esize: u64) -> Result<Choice> {
-        let (algo, proto) = self.selection.choose(func)?;
-        if proto == Proto::Ll && self.device.is_cuda() {
-            return Err(Error::InvalidUsage(format!(
-                "{func}: NCCL_PROTO allows only LL here, and oxccl's LL protocol runs on the CPU target only \
-                 so far (its GPU kernels are pending verification on a GPU); allow Simple (e.g. NCCL_PROTO=Simple)"
-            )));
-        }
-        let min = self.params.min_nchannels.unwrap_or(1).min(self.nchannels);
-        let nch = (bytes.div_ceil(MIN_BYTES_PER_CHANNEL) as u32).clamp(min, self.nchannels);
-        if proto == Proto::Ll {
-            // One chunk is one step of lines: 8 data bytes per 16-byte line (NCCL's LL chunk).
-            let step_data = self.params.ll_buffsize / FIFO_STEPS / 16 * 8;
+        let fabric = if self.device.is_cuda() {
+            crate::tuning::Fabric::NvLink
+        } else {
+            crate::tuning::Fabric::Host
+        };
+        let model = crate::tuning::Model::for_fabric(fabric);
+        let min = self.params.min_nchannels.unwrap_or(1);
+        let (algo, proto, nch) =
+            self.selection
+                .choose_sized(&model, func, bytes, self.nranks, min, self.nchannels)?;
+        if proto != Proto::Simple {
+            // One chunk is one step of lines: 8 data bytes per 16-byte LL line, 120 per 128-byte
+            // LL128 line (NCCL's LL / LL128 chunk).
+            let step_data = if proto == Proto::Ll {
+                self.params.ll_buffsize / FIFO_STEPS / 16 * 8
+            } else {
+                self.params.ll128_buffsize / FIFO_STEPS / 128 * 120
+            };
             let chunk = (step_data / esize).max(1);
             return Ok(Choice {
                 func,
@@ -1937,6 +1948,7 @@ fn build_comm_block(
     let mut buff_sizes = [0u64; Proto::COUNT];
     buff_sizes[Proto::Simple as usize] = params.buffsize;
     buff_sizes[Proto::Ll as usize] = layout.ll_buffsize;
+    buff_sizes[Proto::Ll128 as usize] = layout.ll128_buffsize;
     let dc = DevComm {
         rank: r as u32,
         nranks: nranks as u32,
@@ -1954,6 +1966,7 @@ fn build_comm_block(
         send.buffs[Proto::Simple as usize] = layout.buff(conn_base[next], c);
         if layout.ll_buffsize > 0 {
             send.buffs[Proto::Ll as usize] = layout.ll(conn_base[next], c);
+            send.buffs[Proto::Ll128 as usize] = layout.ll128(conn_base[next], c);
         }
         send.step = params.initial_step;
         send.tail = layout.tail(conn_base[next], c);
@@ -1962,6 +1975,7 @@ fn build_comm_block(
         recv.buffs[Proto::Simple as usize] = layout.buff(conn_base[r], c);
         if layout.ll_buffsize > 0 {
             recv.buffs[Proto::Ll as usize] = layout.ll(conn_base[r], c);
+            recv.buffs[Proto::Ll128 as usize] = layout.ll128(conn_base[r], c);
         }
         recv.step = params.initial_step;
         recv.tail = layout.tail(conn_base[r], c);
@@ -2046,5 +2060,99 @@ impl Drop for Comm {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod init_rank_tests {
+    use super::*;
+
+    fn cuda_peer(bus: &str, host: &str, pid: u32) -> PeerInfo {
+        PeerInfo {
+            cuda: true,
+            dev: 0,
+            bus_id: bus.into(),
+            host: host.into(),
+            host_hash: fnv64(host.as_bytes()),
+            pid,
+            start_time: 77,
+            p2p_disable: false,
+            nch: 4,
+            conn_bytes: 1 << 20,
+            conn: ConnDesc::Ipc {
+                ptr: 0x7f00_0000_0000,
+                handle: std::array::from_fn(|i| i as u8 * 3),
+            },
+            abort_page: String::new(),
+        }
+    }
+
+    #[test]
+    fn peer_info_round_trips() {
+        let mut p = cuda_peer("0000:18:00.0", "node a", 4242);
+        p.abort_page = "oxccl-1-2-abort".into();
+        assert_eq!(PeerInfo::decode(0, p.encode().as_bytes()).unwrap(), p);
+        let q = PeerInfo {
+            cuda: false,
+            bus_id: String::new(),
+            conn: ConnDesc::Shm("oxccl-1-2-r1".into()),
+            ..p
+        };
+        assert_eq!(PeerInfo::decode(1, q.encode().as_bytes()).unwrap(), q);
+        let e = PeerInfo::decode(3, b"cuda\n0").unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "remote error: rank 3 sent malformed peer information (2 fields, expected 12)"
+        );
+    }
+
+    #[test]
+    fn cuda_rules_name_both_ranks() {
+        // Two processes whose CUDA ordinal is 0 but on different GPUs (CUDA_VISIBLE_DEVICES): fine.
+        let (a, b) = (cuda_peer("0000:18:00.0", "h", 1), cuda_peer("0000:2a:00.0", "h", 2));
+        check_peers(0, &[a.clone(), b.clone()]).unwrap();
+        // The same bus id twice: C26, naming both ranks and the bus id.
+        let e = check_peers(1, &[a.clone(), a.clone()]).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "invalid usage: ranks 0 and 1 are both on cuda device 0 (bus id 0000:18:00.0) of host \"h\"; one device \
+             per rank is required (set OXCCL_ALLOW_SHARED_DEVICE=1 to share a device for testing)"
+        );
+        // NCCL_P2P_DISABLE=1 on either side: no transport for CUDA ranks.
+        let mut c = b.clone();
+        c.p2p_disable = true;
+        let e = check_peers(0, &[a.clone(), c]).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "system error: no transport can connect rank 0 (cuda device 0 (bus id 0000:18:00.0)) and rank 1 \
+             (cuda device 0 (bus id 0000:2a:00.0)): NCCL_P2P_DISABLE=1 (set on rank 1) turns off P2P, the only \
+             transport between CUDA devices so far"
+        );
+        // Different hosts.
+        let d = cuda_peer("0000:2a:00.0", "other", 2);
+        let e = check_peers(0, &[a.clone(), d]).unwrap_err();
+        assert!(
+            e.to_string().ends_with(
+                "they are on different hosts (\"h\" and \"other\") and oxccl has no network transport yet"
+            ),
+            "{e}"
+        );
+        // A CPU-target rank among CUDA ranks.
+        let mut cpu = b;
+        cpu.cuda = false;
+        let e = check_peers(0, &[a, cpu]).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "invalid usage: rank 1 is on a cpu device but rank 0 is on a cuda device: a communicator is all CUDA or \
+             all CPU-target"
+        );
+    }
+
+    #[test]
+    fn proc_start_of_this_process() {
+        let (t, zombie) = proc_start(std::process::id()).unwrap();
+        assert!(t > 0 && !zombie);
+        // Pids above the kernel's maximum (4194304) never exist.
+        assert_eq!(proc_start(u32::MAX), None);
     }
 }

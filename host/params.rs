@@ -12,6 +12,11 @@ use oxccl_gpu::abi::{
 /// × 8 steps × 16-byte lines = 512 KiB).
 pub const DEFAULT_LL_BUFFSIZE: u64 = 8 * 512 * FIFO_STEPS * 16;
 
+/// Default LL128 buffer per connection: 8 steps of 1024 lines of 128 bytes (120 KiB of data per
+/// step) = 1 MiB. NCCL's default is 4.7 MB for 640 threads × 120 elements × 8 steps; oxccl keeps
+/// it smaller because it runs up to 64 channels (`NCCL_LL128_BUFFSIZE` overrides).
+pub const DEFAULT_LL128_BUFFSIZE: u64 = FIFO_STEPS * 1024 * 128;
+
 /// Smallest Simple buffer accepted: one 16-byte pack... times 64 per slot, so a slot is never tiny.
 pub const MIN_BUFFSIZE: u64 = FIFO_STEPS * PACK_BYTES * 64;
 /// Largest Simple buffer accepted (per connection).
@@ -34,6 +39,9 @@ pub struct Params {
     /// LL-protocol connection buffer in bytes (`NCCL_LL_BUFFSIZE` / `OXCCL_LL_BUFFSIZE`), a multiple
     /// of `FIFO_STEPS` × 16-byte lines.
     pub ll_buffsize: u64,
+    /// LL128-protocol connection buffer in bytes (`NCCL_LL128_BUFFSIZE` / `OXCCL_LL128_BUFFSIZE`),
+    /// a whole number of 128-byte lines per step: a multiple of `FIFO_STEPS` × 128.
+    pub ll128_buffsize: u64,
     /// Test hook (`OXCCL_TEST_INITIAL_STEP`, oxccl spelling only): the step every connection starts
     /// at, e.g. near 2^31 to exercise the LL flag wrap (case C11) without 10^9 operations.
     pub initial_step: u64,
@@ -47,6 +55,7 @@ impl Default for Params {
             max_nchannels: None,
             min_nchannels: None,
             ll_buffsize: DEFAULT_LL_BUFFSIZE,
+            ll128_buffsize: DEFAULT_LL128_BUFFSIZE,
             initial_step: 0,
         }
     }
@@ -113,6 +122,15 @@ impl Params {
                 tracing::warn!(target: "oxccl::init", "{key}={n} rounded down to {rounded} (a multiple of {unit} bytes: {FIFO_STEPS} slots of 16-byte lines)");
             }
             p.ll_buffsize = rounded;
+        }
+        if let Some((key, v)) = get("LL128_BUFFSIZE") {
+            let unit = FIFO_STEPS * 128;
+            let n = parse_int(&key, &v, (unit * 8) as i64, MAX_BUFFSIZE as i64)? as u64;
+            let rounded = n / unit * unit;
+            if rounded != n {
+                tracing::warn!(target: "oxccl::init", "{key}={n} rounded down to {rounded} (a multiple of {unit} bytes: {FIFO_STEPS} slots of 128-byte lines)");
+            }
+            p.ll128_buffsize = rounded;
         }
         if let Some((key, v)) = get("TEST_INITIAL_STEP").filter(|(k, _)| k.starts_with("OXCCL_")) {
             p.initial_step = parse_int(&key, &v, 0, i64::MAX / 2)? as u64;

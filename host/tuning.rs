@@ -90,7 +90,7 @@ impl Selection {
     }
 
     /// The (algorithm, protocol) for `func`: the best allowed pair that oxccl implements. Today the
-    /// ring on the Simple and LL protocols is implemented for every collective (LL128 and tree come
+    /// ring on the Simple, LL and LL128 protocols is implemented for every collective (tree comes
     /// later); a selection that allows none of the implemented pairs is an error naming `func`.
     pub fn choose(&self, func: Func) -> Result<(Algo, Proto)> {
         for &(algo, proto) in implemented(func) {
@@ -123,10 +123,123 @@ impl Selection {
     }
 }
 
+/// What the ring's links are, for the cost model's constants.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fabric {
+    /// GPUs connected by NVLink (directly or through NVSwitch): CUDA P2P.
+    NvLink,
+    /// CPU-target ranks: host threads writing into host memory.
+    Host,
+}
+
+/// The latency + bandwidth cost model of one fabric (NCCL's `ncclTopoTuneModel`: a base latency
+/// per protocol, a latency per ring hop, a bandwidth per channel and a bus ceiling), in µs and
+/// GB/s of bus bandwidth (nccl-tests' busbw). Protocol arrays are indexed by [`Proto`]'s ABI
+/// order (LL, LL128, Simple).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Model {
+    /// Launch and first-step latency of a call, µs.
+    pub base_lat_us: [f64; Proto::COUNT],
+    /// Latency added per ring step (hop), µs.
+    pub hop_lat_us: [f64; Proto::COUNT],
+    /// Bus bandwidth one channel (one block) sustains, GB/s.
+    pub channel_bw: [f64; Proto::COUNT],
+    /// Bus bandwidth ceiling of the protocol on this fabric, GB/s (LL moves 8 data bytes per
+    /// 16-byte line, LL128 120 per 128, Simple the payload only).
+    pub bus_cap: [f64; Proto::COUNT],
+    /// Bytes per channel below which a call uses fewer channels.
+    pub min_channel_bytes: [u64; Proto::COUNT],
+}
+
+impl Model {
+    /// The constants of `fabric`. NVLink: measured on 2×H200 (NVSwitch, 18 NVLink-4 links per
+    /// GPU) with `oxccl perf all-reduce --proto P`: LL ≈ 14 µs and Simple ≈ 17 µs for ≤ 32 KiB
+    /// (base = that minus two hops); Simple reaches 337 GB/s busbw at 512 MiB with 64 channels,
+    /// LL saturates near 150 GB/s. Per-hop latencies are NCCL's NVLink ring values (0.6, 1.9,
+    /// 3.4 µs). The host fabric only orders the protocols sensibly for the CPU target.
+    pub fn for_fabric(fabric: Fabric) -> Model {
+        match fabric {
+            Fabric::NvLink => Model {
+                base_lat_us: [12.5, 13.5, 14.5],
+                hop_lat_us: [0.6, 1.9, 3.4],
+                channel_bw: [4.0, 9.0, 12.0],
+                bus_cap: [150.0, 300.0, 345.0],
+                min_channel_bytes: [16 << 10, 64 << 10, 128 << 10],
+            },
+            Fabric::Host => Model {
+                base_lat_us: [20.0, 25.0, 30.0],
+                hop_lat_us: [2.0, 3.0, 4.0],
+                channel_bw: [0.5, 1.0, 2.0],
+                bus_cap: [1.0, 2.0, 4.0],
+                min_channel_bytes: [16 << 10, 64 << 10, 128 << 10],
+            },
+        }
+    }
+
+    /// Channels a call of `bytes` uses on `proto`: one per `min_channel_bytes`, within
+    /// `min..=max` (`NCCL_MIN_NCHANNELS` / the communicator's channel count).
+    pub fn nchannels(&self, proto: Proto, bytes: u64, min: u32, max: u32) -> u32 {
+        let want = bytes.div_ceil(self.min_channel_bytes[proto as usize].max(1));
+        (want.min(u32::MAX as u64) as u32).clamp(min.min(max), max)
+    }
+
+    /// Predicted time in µs of a ring `func` of `bytes` (nccl-tests' size: the larger of the
+    /// per-rank send and receive buffers) over `nranks` ranks and `nch` channels on `proto`.
+    pub fn predict_us(&self, func: Func, proto: Proto, nranks: usize, nch: u32, bytes: u64) -> f64 {
+        let p = proto as usize;
+        let n = nranks.max(1) as f64;
+        // Ring steps (hops) and bus bytes per nccl-tests' busbw convention.
+        let (steps, bus_factor) = match func {
+            Func::AllReduce => (2.0 * (n - 1.0), 2.0 * (n - 1.0) / n),
+            Func::AllGather | Func::ReduceScatter => (n - 1.0, (n - 1.0) / n),
+            Func::Broadcast | Func::Reduce => (n - 1.0, 1.0),
+        };
+        let bw = (self.channel_bw[p] * nch as f64).min(self.bus_cap[p]);
+        // GB/s = 1e3 bytes per µs.
+        self.base_lat_us[p] + steps * self.hop_lat_us[p] + bytes as f64 * bus_factor / (bw * 1e3)
+    }
+}
+
+impl Selection {
+    /// The (algorithm, protocol, channels) with the lowest predicted time for a `bytes`-byte
+    /// `func` on `nranks` ranks of at most `max_nch` channels (at least `min_nch`), among those
+    /// both allowed by `NCCL_ALGO`/`NCCL_PROTO` and implemented (NCCL's `topoGetAlgoInfo`).
+    /// Errors as [`Selection::choose`] when nothing is left.
+    pub fn choose_sized(
+        &self,
+        model: &Model,
+        func: Func,
+        bytes: u64,
+        nranks: usize,
+        min_nch: u32,
+        max_nch: u32,
+    ) -> Result<(Algo, Proto, u32)> {
+        let mut best: Option<(f64, Algo, Proto, u32)> = None;
+        for &(algo, proto) in implemented(func) {
+            if !(self.algos.0[algo as usize] && self.protos.0[proto as usize]) {
+                continue;
+            }
+            let nch = model.nchannels(proto, bytes, min_nch, max_nch);
+            let t = model.predict_us(func, proto, nranks, nch, bytes);
+            if best.is_none_or(|b| t < b.0) {
+                best = Some((t, algo, proto, nch));
+            }
+        }
+        match best {
+            Some((_, algo, proto, nch)) => Ok((algo, proto, nch)),
+            None => self.choose(func).map(|(a, p)| (a, p, 1)),
+        }
+    }
+}
+
 /// (algorithm, protocol) pairs implemented for `func`, in order of preference when the environment
-/// allows several. LL runs only when forced (`NCCL_PROTO=LL`) until the size-based model picks it.
+/// allows several (the size-based choice is [`Selection::choose_sized`]).
 pub fn implemented(_func: Func) -> &'static [(Algo, Proto)] {
-    &[(Algo::Ring, Proto::Simple), (Algo::Ring, Proto::Ll)]
+    &[
+        (Algo::Ring, Proto::Simple),
+        (Algo::Ring, Proto::Ll),
+        (Algo::Ring, Proto::Ll128),
+    ]
 }
 
 #[cfg(test)]
@@ -160,6 +273,32 @@ mod tests {
     }
 
     #[test]
+    fn model_picks_ll_for_small_and_simple_for_large_calls_on_nvlink() {
+        let m = Model::for_fabric(Fabric::NvLink);
+        let all = sel(None, None).unwrap();
+        // 8 B: LL's base latency (12.5 µs) is the lowest; 512 MiB: Simple's 345 GB/s ceiling wins.
+        let (a, p, nch) = all.choose_sized(&m, Func::AllReduce, 8, 2, 1, 64).unwrap();
+        assert_eq!((a, p, nch), (Algo::Ring, Proto::Ll, 1));
+        let (_, p, nch) = all.choose_sized(&m, Func::AllReduce, 512 << 20, 2, 1, 64).unwrap();
+        assert_eq!((p, nch), (Proto::Simple, 64));
+        // LL uses one channel per 16 KiB: 128 KiB → 8 channels.
+        assert_eq!(m.nchannels(Proto::Ll, 128 << 10, 1, 64), 8);
+        assert_eq!(m.nchannels(Proto::Simple, 128 << 10, 1, 64), 1);
+        // NCCL_MIN_NCHANNELS above the communicator's count is clamped to it.
+        assert_eq!(m.nchannels(Proto::Simple, 8, 80, 64), 64);
+        // Forcing wins over the model at every size.
+        let simple = sel(None, Some("Simple")).unwrap();
+        let (_, p, _) = simple.choose_sized(&m, Func::AllReduce, 8, 2, 1, 64).unwrap();
+        assert_eq!(p, Proto::Simple);
+        let ll = sel(None, Some("LL")).unwrap();
+        let (_, p, nch) = ll.choose_sized(&m, Func::Broadcast, 1 << 30, 2, 1, 64).unwrap();
+        assert_eq!((p, nch), (Proto::Ll, 64));
+        // Predictions: 8 B AllReduce on 2 ranks = base + 2 hops on LL.
+        let t = m.predict_us(Func::AllReduce, Proto::Ll, 2, 1, 8);
+        assert!((t - (12.5 + 2.0 * 0.6 + 8.0 / 4e3)).abs() < 1e-9, "{t}");
+    }
+
+    #[test]
     fn bogus_values_name_the_variable_and_the_accepted_values() {
         for v in ["bogus", "", "^", "LL,bogus"] {
             let e = sel(None, Some(v)).unwrap_err();
@@ -178,7 +317,7 @@ mod tests {
 
     #[test]
     fn nothing_implemented_is_an_explicit_error_naming_the_op() {
-        let e = sel(None, Some("LL128"))
+        let e = sel(Some("tree"), Some("LL128"))
             .unwrap()
             .choose(Func::Broadcast)
             .unwrap_err()

@@ -458,7 +458,11 @@ fn init_errors_across_processes() {
 #[test]
 fn init_rank_on_cuda_without_a_gpu_is_no_cuda() {
     if Device::cuda_count() > 0 {
-        eprintln!("SKIPPED: a GPU is visible (this checks the error without one)");
+        // Written to stderr directly: libtest does not capture that.
+        let _ = std::io::Write::write_fmt(
+            &mut std::io::stderr(),
+            format_args!("SKIPPED: a GPU is visible (this checks the error without one)\n"),
+        );
         return;
     }
     let id = get_unique_id().unwrap();

@@ -39,23 +39,34 @@ fn run_all_reduce() -> Result<Vec<Option<oxccl::Choice>>, Error> {
 fn proto_and_algo_forcing_c13() {
     let env = Env::clean(&["PROTO", "ALGO"]);
 
-    for ok in ["Simple", "^LL", "^LL,LL128", "simple,LL"] {
-        env.set(&[("NCCL_PROTO", ok)]);
-        let choices = run_all_reduce().unwrap_or_else(|e| panic!("NCCL_PROTO={ok}: {e}"));
+    // Each forcing: every call's plan uses an allowed protocol (4000-byte calls: the model's pick
+    // among the allowed ones), and forcing a single protocol gives exactly that one.
+    for (value, allowed) in [
+        ("Simple", &[Proto::Simple][..]),
+        ("LL", &[Proto::Ll]),
+        ("LL128", &[Proto::Ll128]),
+        ("^LL", &[Proto::Ll128, Proto::Simple]),
+        ("^LL,LL128", &[Proto::Simple]),
+        ("simple,LL", &[Proto::Simple, Proto::Ll]),
+    ] {
+        env.set(&[("NCCL_PROTO", value)]);
+        let choices = run_all_reduce().unwrap_or_else(|e| panic!("NCCL_PROTO={value}: {e}"));
         for c in choices {
             let c = c.expect("a plan is recorded");
-            assert_eq!((c.algo, c.proto), (Algo::Ring, Proto::Simple), "NCCL_PROTO={ok}");
+            assert_eq!(c.algo, Algo::Ring, "NCCL_PROTO={value}");
+            assert!(allowed.contains(&c.proto), "NCCL_PROTO={value}: chose {}", c.proto);
         }
     }
 
-    // Allowed but not implemented yet: an explicit error naming the collective, on every rank.
-    env.set(&[("NCCL_PROTO", "LL128")]);
+    // Allowed but not implemented yet: tree. An explicit error naming the collective, on every rank.
+    env.set(&[("NCCL_ALGO", "Tree")]);
     let e = run_all_reduce().unwrap_err();
     assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
     assert!(
-        e.to_string().contains("allreduce") && e.to_string().contains("LL128"),
+        e.to_string().contains("allreduce") && e.to_string().contains("{tree}"),
         "{e}"
     );
+    env.set(&[]);
 
     // A bogus value fails init and names the variable (OXCCL_ spelling wins over NCCL_).
     env.set(&[("NCCL_PROTO", "bogus")]);

@@ -5,6 +5,7 @@ use crate::abi::{Algo, DataType, DevChannel, DevComm, Func, KernelArgs, Proto, R
 use crate::coll::{self, RingCtx};
 use crate::proto::Primitives;
 use crate::proto::ll::Ll;
+use crate::proto::ll128::Ll128;
 use crate::proto::simple::Simple;
 use crate::reduce::{Elem, FuncMax, FuncMin, FuncProd, FuncSum, RedFn};
 use half::{bf16, f16};
@@ -124,7 +125,21 @@ pub unsafe fn run_typed<T: Elem, Op: RedFn<T>>(
                 run_ring::<T, _>(&mut p, &ring, comm, w, func);
                 p.finish();
             }
-            _ => crate::arch::trap(),
+            Proto::Ll128 => {
+                let mut p = Ll128::<T, Op>::new(
+                    tid,
+                    nthreads,
+                    channel,
+                    comm.buff_sizes[Proto::Ll128 as usize],
+                    input,
+                    output,
+                    comm.abort_flag,
+                    smem,
+                    postdiv,
+                );
+                run_ring::<T, _>(&mut p, &ring, comm, w, func);
+                p.finish();
+            }
         }
     }
 }

@@ -6,11 +6,17 @@ use std::ffi::OsString;
 /// values on drop (also when the test fails).
 pub struct Env {
     saved: Vec<(String, Option<OsString>)>,
+    /// Held for the guard's life: tests of one binary that set variables run one at a time.
+    _lock: std::sync::MutexGuard<'static, ()>,
 }
+
+static ENV_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 impl Env {
     /// Saves and clears `NCCL_<name>` and `OXCCL_<name>` for every name.
     pub fn clean(names: &[&str]) -> Env {
+        // A test that panicked while holding the lock has restored its variables in Drop already.
+        let lock = ENV_LOCK.lock().unwrap_or_else(|p| p.into_inner());
         let mut saved = Vec::new();
         for v in names {
             for p in ["NCCL_", "OXCCL_"] {
@@ -20,7 +26,7 @@ impl Env {
                 unsafe { std::env::remove_var(&k) };
             }
         }
-        Env { saved }
+        Env { saved, _lock: lock }
     }
 
     /// Sets exactly `vars`: every other saved variable is unset.

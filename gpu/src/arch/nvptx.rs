@@ -199,6 +199,50 @@ pub unsafe fn shfl_xor(v: u32, lane_mask: u32) -> u32 {
     r
 }
 
+/// `ld.volatile.global.v2.u64`: one 16-byte volatile load (an LL128 thread's part of a line).
+///
+/// # Safety
+/// `p` is a valid, 16-byte aligned global address.
+#[inline(always)]
+pub unsafe fn load_volatile_v2_u64(p: *const u64) -> (u64, u64) {
+    let (a, b): (u64, u64);
+    // SAFETY: caller guarantees `p`.
+    unsafe {
+        asm!("ld.volatile.global.v2.u64 {{{a},{b}}}, [{p}];", a = out(reg64) a, b = out(reg64) b,
+             p = in(reg64) p, options(nostack))
+    }
+    (a, b)
+}
+
+/// `st.volatile.global.v2.u64`: one 16-byte volatile store (an LL128 thread's part of a line;
+/// the 8 threads of a line store together, so the 128-byte line travels as one unit).
+///
+/// # Safety
+/// `p` is a valid, 16-byte aligned global address.
+#[inline(always)]
+pub unsafe fn store_volatile_v2_u64(p: *mut u64, a: u64, b: u64) {
+    // SAFETY: caller guarantees `p`.
+    unsafe {
+        asm!("st.volatile.global.v2.u64 [{p}], {{{a},{b}}};", p = in(reg64) p, a = in(reg64) a,
+             b = in(reg64) b, options(nostack))
+    }
+}
+
+/// `vote.sync.any.pred` over the whole warp: true if `pred` holds on any lane.
+///
+/// # Safety
+/// All 32 lanes of the warp must execute it.
+#[inline(always)]
+pub unsafe fn vote_any(pred: bool) -> bool {
+    let r: u32;
+    // SAFETY: caller guarantees full-warp convergence.
+    unsafe {
+        asm!("{{ .reg .pred p, q; setp.ne.u32 p, {v}, 0; vote.sync.any.pred q, p, 0xffffffff; selp.u32 {r}, 1, 0, q; }}",
+             v = in(reg32) pred as u32, r = out(reg32) r, options(nostack, nomem))
+    }
+    r != 0
+}
+
 /// The kernel's shared memory: `KERNEL_SMEM_BYTES` bytes declared `.shared .align 16` and turned
 /// into a generic address with `cvta.shared.u64`.
 ///

@@ -77,7 +77,7 @@ pub struct Ll<T, Op> {
 /// # Safety
 /// `p` is valid for `nbytes` bytes and aligned to `esize`.
 #[inline(always)]
-unsafe fn load_partial(p: *const u8, nbytes: u64, esize: u64) -> u64 {
+pub(crate) unsafe fn load_partial(p: *const u8, nbytes: u64, esize: u64) -> u64 {
     if nbytes == 8 && (p as u64) % 8 == 0 {
         // SAFETY: caller guarantees 8 valid, aligned bytes.
         return unsafe { (p as *const u64).read() };
@@ -99,7 +99,7 @@ unsafe fn load_partial(p: *const u8, nbytes: u64, esize: u64) -> u64 {
 /// # Safety
 /// `p` is valid for `nbytes` bytes and aligned to `esize`.
 #[inline(always)]
-unsafe fn store_partial(p: *mut u8, v: u64, nbytes: u64, esize: u64) {
+pub(crate) unsafe fn store_partial(p: *mut u8, v: u64, nbytes: u64, esize: u64) {
     if nbytes == 8 && (p as u64) % 8 == 0 {
         // SAFETY: caller guarantees 8 valid, aligned bytes.
         unsafe { (p as *mut u64).write(v) };

@@ -7,6 +7,7 @@
 //! compute the same steps from the same `n`.
 
 pub mod ll;
+pub mod ll128;
 pub mod simple;
 
 /// The data-movement verbs of NCCL's `Primitives` class.

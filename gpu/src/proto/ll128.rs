@@ -1,0 +1,465 @@
+//! The LL128 protocol (NCCL's `prims_ll128.h`): data travels in 128-byte lines of 15 data words
+//! and one flag word (120 data bytes per 128), so it keeps LL's "no fence, no tail" latency at
+//! nearly Simple's bandwidth.
+//!
+//! On the GPU a line is written warp-cooperatively: the 8 threads of a line group each store 16
+//! bytes (`st.volatile.v2.u64`) in one warp instruction, the last thread's second word being the
+//! flag, and NVLink delivers the 128-byte line as one unit; the reader's 8 threads load the line
+//! the same way and the warp retries until every flag thread of the warp saw its flag (a warp
+//! vote). On the CPU target one thread handles all 8 parts of a line and orders the flag after
+//! the data explicitly (release store, acquire load).
+//!
+//! A connection's LL128 buffer (`buff_sizes[Ll128]` bytes) holds [`FIFO_STEPS`] slots of lines.
+//! Lines of step `s` carry the flag `s + 1` as a full 64-bit word: it never wraps in practice
+//! (2^64 steps), so unlike LL no cleanup pass exists, and a slot's previous flag (`s − 7`) never
+//! equals the current one. Credits work as in LL: the sender waits for `head + FIFO_STEPS ≥ s + 1`,
+//! the receiver sets `head = s + 1` once the whole block has read the slot.
+use super::Primitives;
+use super::ll::{load_partial, store_partial};
+use crate::abi::{ConnInfo, DevChannel, FIFO_STEPS, Proto, SPINS_BEFORE_CHECK_ABORT};
+use crate::arch::{self, Pack};
+use crate::reduce::{Elem, RedFn, div_pack};
+use core::marker::PhantomData;
+
+/// Bytes per LL128 line.
+pub const LL128_LINE_BYTES: u64 = 128;
+/// Data bytes per line (15 of the 16 words; the last word is the flag).
+pub const LL128_DATA_BYTES: u64 = 120;
+/// Threads (16-byte parts) per line on the GPU.
+pub const LL128_LINE_PARTS: u64 = 8;
+
+/// Line parts one thread handles: one on the GPU (warp-cooperative), all eight on the CPU target.
+#[cfg(target_arch = "nvptx64")]
+const PARTS: usize = 1;
+#[cfg(not(target_arch = "nvptx64"))]
+const PARTS: usize = LL128_LINE_PARTS as usize;
+
+/// The flag of the lines of step `step`: never 0, never repeated within a connection's lifetime.
+#[inline(always)]
+pub const fn ll128_flag(step: u64) -> u64 {
+    step.wrapping_add(1)
+}
+
+struct Conn {
+    info: *mut ConnInfo,
+    buff: *mut u64,
+    head: *mut u64,
+    step: u64,
+}
+
+impl Conn {
+    /// # Safety
+    /// `info` points at a connection set up for the LL128 protocol.
+    unsafe fn load(info: *mut ConnInfo) -> Self {
+        // SAFETY: caller guarantees `info`.
+        let c = unsafe { info.read() };
+        Conn {
+            info,
+            buff: c.buffs[Proto::Ll128 as usize] as *mut u64,
+            head: c.head as *mut u64,
+            step: c.step,
+        }
+    }
+}
+
+/// This thread's place in the line layout of a block.
+#[derive(Clone, Copy)]
+struct Lanes {
+    /// First line this thread works on; then every `stride` lines.
+    group: u64,
+    stride: u64,
+    /// First part (16-byte piece) of the line this thread owns; it owns [`PARTS`] of them.
+    part0: u64,
+    /// First line of this thread's warp: loop bounds use it so a warp stays converged.
+    warp_group: u64,
+}
+
+impl Lanes {
+    #[cfg(target_arch = "nvptx64")]
+    fn new(tid: u32, nthreads: u32) -> Self {
+        let (tid, n) = (tid as u64, nthreads as u64);
+        Lanes {
+            group: tid / LL128_LINE_PARTS,
+            stride: n / LL128_LINE_PARTS,
+            part0: tid % LL128_LINE_PARTS,
+            warp_group: tid / 32 * (32 / LL128_LINE_PARTS),
+        }
+    }
+    #[cfg(not(target_arch = "nvptx64"))]
+    fn new(tid: u32, nthreads: u32) -> Self {
+        Lanes {
+            group: tid as u64,
+            stride: nthreads as u64,
+            part0: 0,
+            warp_group: tid as u64,
+        }
+    }
+}
+
+/// LL128-protocol primitives for one channel of a ring.
+pub struct Ll128<T, Op> {
+    tid: u32,
+    lanes: Lanes,
+    input: *const T,
+    output: *mut T,
+    send: Conn,
+    recv: Conn,
+    /// Lines per step (slot).
+    step_lines: u64,
+    abort_flag: *const u32,
+    smem: *mut u32,
+    aborted: bool,
+    postdiv: u32,
+    _op: PhantomData<Op>,
+}
+
+impl<T: Elem, Op: RedFn<T>> Ll128<T, Op> {
+    /// Loads the channel's ring connections.
+    ///
+    /// # Safety
+    /// As `Simple::new`, for a communicator whose LL128 buffers are `buff_size` bytes (a multiple
+    /// of `FIFO_STEPS × 128`), with `nthreads` a multiple of 32 on the GPU.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn new(
+        tid: u32,
+        nthreads: u32,
+        channel: *mut DevChannel,
+        buff_size: u64,
+        input: *const T,
+        output: *mut T,
+        abort_flag: u64,
+        smem: *mut u32,
+        postdiv: u32,
+    ) -> Self {
+        // SAFETY: caller guarantees `channel` and `smem`; every thread reaches the barrier.
+        let (send, recv) = unsafe {
+            if tid == 0 {
+                smem.add(1).write_volatile(0); // the block's abort word of `generic_op`
+            }
+            arch::sync_threads();
+            (
+                Conn::load(&raw mut (*channel).send),
+                Conn::load(&raw mut (*channel).recv),
+            )
+        };
+        Ll128 {
+            tid,
+            lanes: Lanes::new(tid, nthreads),
+            input,
+            output,
+            send,
+            recv,
+            step_lines: buff_size / FIFO_STEPS / LL128_LINE_BYTES,
+            abort_flag: abort_flag as *const u32,
+            smem,
+            aborted: false,
+            postdiv,
+            _op: PhantomData,
+        }
+    }
+
+    /// Elements of `T` one step carries (120 data bytes per line).
+    pub fn step_elems(&self) -> u64 {
+        self.step_lines * LL128_DATA_BYTES / core::mem::size_of::<T>() as u64
+    }
+
+    /// Stores the connection steps back for the next kernel.
+    ///
+    /// # Safety
+    /// All threads of the block call it, once, after the last verb.
+    pub unsafe fn finish(self) {
+        // SAFETY: every thread reaches the barrier; then only thread 0 writes.
+        unsafe {
+            arch::sync_threads();
+            if self.tid == 0 {
+                (*self.send.info).step = self.send.step;
+                (*self.recv.info).step = self.recv.step;
+            }
+        }
+    }
+
+    #[inline(always)]
+    fn check_abort(&self) -> bool {
+        // SAFETY: `abort_flag` is 0 or valid (constructor contract).
+        !self.abort_flag.is_null() && unsafe { arch::load_volatile_u32(self.abort_flag) } != 0
+    }
+
+    /// Waits until this thread's parts of `line` carry `flag` and returns them; `None` on abort.
+    /// GPU: every lane of the warp calls it together (`active` false for lanes past the end).
+    #[cfg(target_arch = "nvptx64")]
+    #[inline(always)]
+    fn read_parts(&self, line: *const u64, flag: u64, active: bool) -> Option<[u64; 2 * PARTS]> {
+        let mut spins = 0u32;
+        let p = self.lanes.part0;
+        loop {
+            let (a, b) = if active {
+                // SAFETY: the part lies inside the receive slot, 16-byte aligned.
+                unsafe { arch::load_volatile_v2_u64(line.add(2 * p as usize)) }
+            } else {
+                (0, 0)
+            };
+            let stale = active && p == LL128_LINE_PARTS - 1 && b != flag;
+            // SAFETY: the caller keeps the warp converged.
+            if !unsafe { arch::vote_any(stale) } {
+                return Some([a, b]);
+            }
+            spins += 1;
+            if spins == SPINS_BEFORE_CHECK_ABORT {
+                spins = 0;
+                // SAFETY: as above; every lane takes the same branch.
+                if unsafe { arch::vote_any(self.check_abort()) } {
+                    return None;
+                }
+            }
+        }
+    }
+
+    /// CPU target: waits for the flag word (acquire), then reads the 15 data words.
+    #[cfg(not(target_arch = "nvptx64"))]
+    #[inline(always)]
+    fn read_parts(&self, line: *const u64, flag: u64, active: bool) -> Option<[u64; 2 * PARTS]> {
+        let mut w = [0u64; 2 * PARTS];
+        if !active {
+            return Some(w);
+        }
+        let mut spins = 0u32;
+        // SAFETY: the line lies inside the receive slot; its words are only accessed atomically.
+        unsafe {
+            while arch::load_acquire_sys_u64(line.add(15)) != flag {
+                spins += 1;
+                if spins == SPINS_BEFORE_CHECK_ABORT {
+                    spins = 0;
+                    if self.check_abort() {
+                        return None;
+                    }
+                }
+                arch::spin_pause();
+            }
+            for (i, word) in w.iter_mut().enumerate().take(15) {
+                *word = arch::load_volatile_u64(line.add(i));
+            }
+        }
+        w[15] = flag;
+        Some(w)
+    }
+
+    /// Writes this thread's parts of `line` with `flag` in the last word (GPU: one 16-byte store
+    /// per lane, the 8 lanes of a line in the same instruction).
+    #[cfg(target_arch = "nvptx64")]
+    #[inline(always)]
+    fn write_parts(&self, line: *mut u64, w: [u64; 2 * PARTS], flag: u64) {
+        let p = self.lanes.part0;
+        let hi = if p == LL128_LINE_PARTS - 1 { flag } else { w[1] };
+        // SAFETY: the part lies inside the peer's slot, 16-byte aligned.
+        unsafe { arch::store_volatile_v2_u64(line.add(2 * p as usize), w[0], hi) }
+    }
+
+    /// CPU target: data words first, then the flag with release ordering.
+    #[cfg(not(target_arch = "nvptx64"))]
+    #[inline(always)]
+    fn write_parts(&self, line: *mut u64, w: [u64; 2 * PARTS], flag: u64) {
+        // SAFETY: the line lies inside the peer's slot; its words are only accessed atomically.
+        unsafe {
+            for (i, &word) in w.iter().enumerate().take(15) {
+                arch::store_volatile_u64(line.add(i), word);
+            }
+            arch::store_release_sys_u64(line.add(15), flag);
+        }
+    }
+
+    /// Thread 0 waits for a free send slot; then the block learns whether to abort.
+    #[inline(always)]
+    fn wait_send_credit(&mut self) -> bool {
+        if self.tid == 0 {
+            let (head, want) = (self.send.head, self.send.step + 1);
+            let mut ok = true;
+            let mut spins = 0u32;
+            // SAFETY: `head` is this connection's counter.
+            while unsafe { arch::load_volatile_u64(head) } + FIFO_STEPS < want {
+                spins += 1;
+                if spins == SPINS_BEFORE_CHECK_ABORT {
+                    spins = 0;
+                    if self.check_abort() {
+                        ok = false;
+                        break;
+                    }
+                }
+                arch::spin_pause();
+            }
+            // SAFETY: smem is the kernel's shared memory.
+            unsafe { self.smem.write_volatile(u32::from(!ok)) };
+        }
+        // SAFETY: all threads execute this with the same control flow.
+        unsafe { arch::sync_threads() };
+        // SAFETY: written by thread 0 before the barrier.
+        self.aborted = unsafe { self.smem.read_volatile() } != 0;
+        !self.aborted
+    }
+
+    /// The one engine behind every verb (NCCL's `GenericOp` of `prims_ll128.h`).
+    #[inline(always)]
+    fn generic_op<const RECV: bool, const SEND: bool, const SRC: bool, const DST: bool>(
+        &mut self,
+        src: u64,
+        dst: u64,
+        n: u64,
+        post: bool,
+    ) {
+        if self.aborted {
+            return;
+        }
+        let esize = core::mem::size_of::<T>() as u64;
+        let per_step = self.step_elems();
+        let div = if post { self.postdiv } else { 0 };
+        let lanes = self.lanes;
+        let line_words = (LL128_LINE_BYTES / 8) as usize;
+        let mut done = 0u64;
+        while done < n {
+            let len = core::cmp::min(per_step, n - done);
+            if SEND && !self.wait_send_credit() {
+                return;
+            }
+            let nbytes = len * esize;
+            let nlines = nbytes.div_ceil(LL128_DATA_BYTES);
+            let (fs, fr) = (ll128_flag(self.send.step), ll128_flag(self.recv.step));
+            // SAFETY: slots lie inside the connection buffers.
+            let (slot_s, slot_r) = unsafe {
+                (
+                    self.send
+                        .buff
+                        .add(((self.send.step % FIFO_STEPS) * self.step_lines) as usize * line_words),
+                    self.recv
+                        .buff
+                        .add(((self.recv.step % FIFO_STEPS) * self.step_lines) as usize * line_words),
+                )
+            };
+            let in_base = self.input.wrapping_add((src + done) as usize) as *const u8;
+            let out_base = self.output.wrapping_add((dst + done) as usize) as *mut u8;
+            let mut aborted = false;
+            let mut j = 0u64;
+            // Bounded by the warp's first line so every lane of a warp runs the same iterations.
+            while lanes.warp_group + j * lanes.stride < nlines {
+                let line = lanes.group + j * lanes.stride;
+                j += 1;
+                let active = line < nlines;
+                let k = line as usize * line_words;
+                let mut w = [0u64; 2 * PARTS];
+                if RECV {
+                    // SAFETY: the line is inside the receive slot when active (not read otherwise).
+                    match self.read_parts(unsafe { slot_r.add(k) }, fr, active) {
+                        Some(r) => w = r,
+                        None => {
+                            aborted = true;
+                            break;
+                        }
+                    }
+                }
+                if !active {
+                    continue;
+                }
+                for i in 0..PARTS {
+                    let part = lanes.part0 + i as u64;
+                    let off = line * LL128_DATA_BYTES + part * 16;
+                    let cap = if part == LL128_LINE_PARTS - 1 { 8 } else { 16 };
+                    let valid = core::cmp::min(cap, nbytes.saturating_sub(off));
+                    let (lo_b, hi_b) = (core::cmp::min(8, valid), valid.saturating_sub(8));
+                    let mut v = Pack([w[2 * i] as u32, (w[2 * i] >> 32) as u32, w[2 * i + 1] as u32, (w[2 * i + 1] >> 32) as u32]);
+                    if SRC {
+                        // SAFETY: `valid` bytes at `off` lie inside the caller's input range.
+                        let (a, b) = unsafe {
+                            (
+                                load_partial(in_base.add(off as usize), lo_b, esize),
+                                load_partial(in_base.add(off as usize + 8), hi_b, esize),
+                            )
+                        };
+                        let s = Pack([a as u32, (a >> 32) as u32, b as u32, (b >> 32) as u32]);
+                        v = if RECV { Op::apply_pack(v, s) } else { s };
+                    }
+                    if div != 0 {
+                        v = div_pack::<T>(v, div);
+                    }
+                    w[2 * i] = v.0[0] as u64 | (v.0[1] as u64) << 32;
+                    w[2 * i + 1] = v.0[2] as u64 | (v.0[3] as u64) << 32;
+                    if DST {
+                        // SAFETY: as for the load, in the caller's output range.
+                        unsafe {
+                            store_partial(out_base.add(off as usize), w[2 * i], lo_b, esize);
+                            store_partial(out_base.add(off as usize + 8), w[2 * i + 1], hi_b, esize);
+                        }
+                    }
+                }
+                if SEND {
+                    // SAFETY: the line is inside the peer's slot.
+                    self.write_parts(unsafe { slot_s.add(k) }, w, fs);
+                }
+            }
+            // Free the received slot once every thread has read its lines; share any abort.
+            // SAFETY: every thread reaches the barriers; only thread 0 posts the credit.
+            unsafe {
+                if aborted {
+                    self.smem.add(1).write_volatile(1);
+                }
+                arch::sync_threads();
+                if self.smem.add(1).read_volatile() != 0 {
+                    self.aborted = true;
+                    return;
+                }
+                if RECV && self.tid == 0 {
+                    arch::store_volatile_u64(self.recv.head, self.recv.step + 1);
+                }
+            }
+            if SEND {
+                self.send.step += 1;
+            }
+            if RECV {
+                self.recv.step += 1;
+            }
+            done += len;
+        }
+    }
+}
+
+impl<T: Elem, Op: RedFn<T>> Primitives for Ll128<T, Op> {
+    fn send(&mut self, src: u64, n: u64) {
+        self.generic_op::<false, true, true, false>(src, 0, n, false)
+    }
+    fn recv(&mut self, dst: u64, n: u64) {
+        self.generic_op::<true, false, false, true>(0, dst, n, false)
+    }
+    fn recv_reduce_send(&mut self, src: u64, n: u64) {
+        self.generic_op::<true, true, true, false>(src, 0, n, false)
+    }
+    fn recv_reduce_copy(&mut self, src: u64, dst: u64, n: u64, post: bool) {
+        self.generic_op::<true, false, true, true>(src, dst, n, post)
+    }
+    fn recv_copy_send(&mut self, dst: u64, n: u64) {
+        self.generic_op::<true, true, false, true>(0, dst, n, false)
+    }
+    fn recv_reduce_copy_send(&mut self, src: u64, dst: u64, n: u64, post: bool) {
+        self.generic_op::<true, true, true, true>(src, dst, n, post)
+    }
+    fn copy_send(&mut self, src: u64, dst: u64, n: u64) {
+        self.generic_op::<false, true, true, true>(src, dst, n, false)
+    }
+    fn aborted(&self) -> bool {
+        self.aborted
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flags_never_zero_and_slots_never_see_their_previous_flag() {
+        assert_eq!(ll128_flag(0), 1);
+        for s in [7u64, 1 << 31, (1 << 32) - 1, 1 << 40] {
+            // The slot of step s last held step s − FIFO_STEPS.
+            assert_ne!(ll128_flag(s), ll128_flag(s - FIFO_STEPS));
+            assert_ne!(ll128_flag(s), 0);
+        }
+        // 15 data words + 1 flag word per line.
+        assert_eq!(LL128_DATA_BYTES + 8, LL128_LINE_BYTES);
+        assert_eq!(LL128_LINE_PARTS * 16, LL128_LINE_BYTES);
+    }
+}

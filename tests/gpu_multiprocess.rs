@@ -1,0 +1,159 @@
+//! `Comm::init_rank` on CUDA across processes: the test spawns itself as 2 child processes, rank r
+//! on GPU r, bootstrapped through one unique id; they connect through the P2P/IPC transport
+//! (`cuIpcOpenMemHandle`) and run AllReduce with exact float results, then an abort on rank 0
+//! must reach rank 1's spinning kernel through the shared abort page. Prints SKIPPED without 2
+//! GPUs.
+use oxccl::bootstrap::{UniqueId, get_unique_id};
+use oxccl::{Comm, DataType, Device, Error, RedOp};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+const NRANKS: usize = 2;
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
+        .collect()
+}
+
+/// Rank `rank`'s input: element i is (rank + 1) × (i mod 1000), an integer below 2^24, so sums
+/// over ranks are exact in f32.
+fn input(rank: usize, count: usize) -> Vec<f32> {
+    (0..count).map(|i| ((rank + 1) * (i % 1000)) as f32).collect()
+}
+
+fn to_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_ne_bytes()).collect()
+}
+
+/// The body of one child rank (a no-op in a normal run).
+#[test]
+fn gpu_child_rank() {
+    let (Ok(rank), Ok(id)) = (
+        std::env::var("OXCCL_TEST_GPU_MP_RANK"),
+        std::env::var("OXCCL_TEST_GPU_MP_ID"),
+    ) else {
+        return;
+    };
+    let rank: usize = rank.parse().unwrap();
+    let id = UniqueId::from_bytes(&unhex(&id)).unwrap();
+    let t = Instant::now();
+    let comm = Comm::init_rank(NRANKS, &id, rank, Device::Cuda(rank)).expect("init_rank");
+    println!("rank {rank}: init {:.1} ms", t.elapsed().as_secs_f64() * 1e3);
+    assert_eq!(
+        (comm.count(), comm.user_rank(), comm.cu_device().unwrap()),
+        (NRANKS, rank, rank)
+    );
+    let dev = comm.device();
+    let stream = dev.new_stream().unwrap();
+    // Sizes: below one slice, several chunks, and one not a multiple of anything.
+    for count in [17usize, 1 << 20, (8 << 20) + 3] {
+        let send = dev.alloc(count * 4).unwrap();
+        let recv = dev.alloc(count * 4).unwrap();
+        send.write(0, &to_bytes(&input(rank, count))).unwrap();
+        comm.all_reduce(&send, &recv, count, DataType::F32, RedOp::Sum, &stream)
+            .unwrap();
+        // In place too.
+        comm.all_reduce(&send, &send, count, DataType::F32, RedOp::Sum, &stream)
+            .unwrap();
+        stream.synchronize().unwrap();
+        // Sum over ranks of (r + 1) × (i mod 1000) = 3 × (i mod 1000) for 2 ranks.
+        let want: Vec<f32> = (0..count).map(|i| (3 * (i % 1000)) as f32).collect();
+        for (what, buf) in [("out-of-place", &recv), ("in-place", &send)] {
+            let got: Vec<f32> = buf
+                .to_vec()
+                .unwrap()
+                .chunks(4)
+                .map(|c| f32::from_ne_bytes(c.try_into().unwrap()))
+                .collect();
+            let wrong = got.iter().zip(&want).filter(|(g, w)| g != w).count();
+            assert_eq!(
+                wrong, 0,
+                "rank {rank} count {count} {what}: {wrong} wrong elements"
+            );
+        }
+        comm.get_async_error().unwrap();
+    }
+    // Abort across processes: rank 1's AllReduce spins for a rank 0 that never joins; rank 0's
+    // abort raises rank 1's flag in the shared page, so rank 1's kernel exits.
+    let count = 1 << 20;
+    let buf = dev.alloc(count * 4).unwrap();
+    if rank == 1 {
+        comm.all_reduce(&buf, &buf, count, DataType::F32, RedOp::Sum, &stream)
+            .unwrap();
+        let t = Instant::now();
+        stream.synchronize().unwrap();
+        println!(
+            "rank 1: kernel exited {:.0} ms after its launch",
+            t.elapsed().as_secs_f64() * 1e3
+        );
+        let e = comm.get_async_error().unwrap_err();
+        assert!(matches!(e, Error::Remote(_)), "{e}");
+        assert!(
+            e.to_string().contains("rank 0 of this communicator aborted"),
+            "{e}"
+        );
+    } else {
+        std::thread::sleep(Duration::from_millis(500));
+        let t = Instant::now();
+        comm.abort().unwrap();
+        assert!(t.elapsed() < Duration::from_secs(5));
+    }
+    comm.destroy().unwrap();
+    println!("GPU-MP-RANK-OK");
+}
+
+#[test]
+fn all_reduce_two_processes_one_gpu_each() {
+    let ngpu = Device::cuda_count();
+    if ngpu < NRANKS {
+        // Written to stderr directly: libtest does not capture that.
+        let _ = std::io::Write::write_fmt(
+            &mut std::io::stderr(),
+            format_args!("SKIPPED: needs {NRANKS} GPUs, {ngpu} visible\n"),
+        );
+        return;
+    }
+    let id = get_unique_id().unwrap();
+    let exe = std::env::current_exe().unwrap();
+    let mut children: Vec<_> = (0..NRANKS)
+        .map(|r| {
+            Command::new(&exe)
+                .args(["--exact", "gpu_child_rank", "--nocapture", "--test-threads=1"])
+                .env("OXCCL_TEST_GPU_MP_RANK", r.to_string())
+                .env("OXCCL_TEST_GPU_MP_ID", hex(&id.to_bytes()))
+                .env("NCCL_NVLS_ENABLE", "0")
+                .stdout(Stdio::piped())
+                .spawn()
+                .expect("spawn child rank")
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(180);
+    for r in 0..NRANKS {
+        loop {
+            if let Some(status) = children[r].try_wait().unwrap() {
+                let mut out = String::new();
+                std::io::Read::read_to_string(children[r].stdout.as_mut().unwrap(), &mut out).unwrap();
+                print!("{out}");
+                assert!(
+                    status.success() && out.contains("GPU-MP-RANK-OK"),
+                    "child rank {r}: {status}\n{out}"
+                );
+                break;
+            }
+            if Instant::now() > deadline {
+                for c in &mut children {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                }
+                panic!("child rank {r} did not finish in 180 s");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
