@@ -1,6 +1,8 @@
-//! Helpers shared by the integration tests: the AllReduce correctness matrix (nccl-tests-style
-//! data and exact checking from `oxccl::perf::check`, with guard bytes around every buffer), GPU
-//! skip reporting, and a stall watchdog so a hung collective fails the test instead of blocking CI.
+//! Helpers shared by the integration tests: the correctness matrix of every collective
+//! ([`run_collective`]: nccl-tests-style data and exact checking from `oxccl::perf::check`, guard
+//! bytes around every buffer, in-place and out-of-place, each protocol forced through
+//! `NCCL_PROTO`), GPU skip reporting, and a stall watchdog so a hung collective fails the test
+//! instead of blocking CI.
 #![allow(dead_code)]
 
 pub mod env;
@@ -15,7 +17,7 @@ macro_rules! skipped {
 }
 
 use oxccl::perf::check;
-use oxccl::{Comm, DataType, Device, DeviceBuffer, Func, RedOp, Stream};
+use oxccl::{Comm, DataType, DevSlice, Device, DeviceBuffer, Func, RedOp, Stream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -126,40 +128,6 @@ impl Drop for Watchdog {
     }
 }
 
-/// One rank's resources for the matrix.
-pub struct Rank {
-    pub comm: Comm,
-    pub stream: Stream,
-    pub send: DeviceBuffer,
-    pub recv: DeviceBuffer,
-}
-
-/// Creates communicators over `devices` and per rank a stream and send/recv buffers of
-/// `FRONT + max_bytes + BACK` bytes.
-pub fn setup(devices: &[Device], max_bytes: usize) -> Vec<Rank> {
-    let comms = Comm::init_all(devices).unwrap_or_else(|e| panic!("init_all({devices:?}): {e}"));
-    comms
-        .into_iter()
-        .map(|comm| {
-            let dev = comm.device();
-            let stream = dev
-                .new_stream()
-                .unwrap_or_else(|e| panic!("new_stream on {dev:?}: {e}"));
-            let alloc = |what| {
-                dev.alloc(FRONT + max_bytes + BACK)
-                    .unwrap_or_else(|e| panic!("alloc {what} on {dev:?}: {e}"))
-            };
-            let (send, recv) = (alloc("send"), alloc("recv"));
-            Rank {
-                comm,
-                stream,
-                send,
-                recv,
-            }
-        })
-        .collect()
-}
-
 /// `front sentinel ++ data ++ back sentinel`.
 fn framed(data: &[u8], salt: u8) -> Vec<u8> {
     let mut v = sentinel(FRONT, salt);
@@ -195,74 +163,442 @@ fn guard_damage(got: &[u8], data_len: usize, salt: u8) -> Option<String> {
     None
 }
 
-/// Runs the whole AllReduce matrix (every dtype × op × [`COUNTS`] × out-of-place/in-place) on one
-/// set of communicators over `devices` and panics listing every failure.
+/// Protocols the collective matrices force, one after the other, through `NCCL_PROTO` (NCCL's
+/// spelling). Adding a protocol is one entry here; a protocol the library refuses with an
+/// "implemented only as" InvalidArgument is reported `SKIPPED` for that collective.
+pub const PROTOS: &[&str] = &["LL", "Simple"];
+
+/// Serializes changes of the process environment inside one test binary. The variables the
+/// matrices set (`NCCL_PROTO`, `NCCL_ALGO`) are read by `Comm::init_all` only, so only the
+/// initialisation holds this lock and the collectives themselves run in parallel.
+pub fn env_lock() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Communicators over `devices`. With `proto`, they are created with exactly `NCCL_PROTO=proto`
+/// set (the `OXCCL_` spellings and `NCCL_ALGO` cleared) and the environment is restored
+/// afterwards; without, the environment is left alone.
+pub fn init_comms(devices: &[Device], proto: Option<&str>) -> Vec<Comm> {
+    let init = || {
+        Comm::init_all(devices)
+            .unwrap_or_else(|e| panic!("init_all({devices:?}) with NCCL_PROTO={proto:?}: {e}"))
+    };
+    match proto {
+        None => init(),
+        Some(p) => {
+            let _lock = env_lock();
+            let env = env::Env::clean(&["PROTO", "ALGO"]);
+            env.set(&[("NCCL_PROTO", p)]);
+            init()
+        }
+    }
+}
+
+/// One collective's correctness matrix (see [`run_collective`]).
+pub struct Matrix<'a> {
+    pub func: Func,
+    /// Element counts (`count` argument of the call) run for every dtype × op.
+    pub counts: &'a [usize],
+    /// Further counts run only for the (dtype, op) pairs of `extra_pairs` (for Broadcast and
+    /// AllGather, which have no operator, for the dtypes of `extra_pairs`).
+    pub extra_counts: &'a [usize],
+    pub extra_pairs: &'a [(DataType, RedOp)],
+    /// Protocols forced one after the other (see [`PROTOS`]); `None` forces nothing (the
+    /// communicator's default choice). With one rank no protocol runs (the call is a copy), so
+    /// the matrix runs once, unforced.
+    pub protos: Option<&'a [&'a str]>,
+}
+
+/// Whether `func` takes a reduction operator.
+pub fn has_op(func: Func) -> bool {
+    matches!(func, Func::Reduce | Func::ReduceScatter | Func::AllReduce)
+}
+
+/// Whether `func` takes a root.
+pub fn has_root(func: Func) -> bool {
+    matches!(func, Func::Broadcast | Func::Reduce)
+}
+
+/// Elements of one rank's send (`.0`) and receive (`.1`) buffer for `func` with call count `count`.
+pub fn buffer_elems(func: Func, nranks: usize, count: usize) -> (usize, usize) {
+    match func {
+        Func::AllGather => (count, nranks * count),
+        Func::ReduceScatter => (nranks * count, count),
+        _ => (count, count),
+    }
+}
+
+/// The AllReduce matrix of `cpu_all_reduce.rs` / `gpu_all_reduce.rs`: every dtype × op × `counts`
+/// × out-of-place/in-place, unforced protocol (see [`run_collective`]).
+pub fn run_matrix(test: &str, devices: &[Device], counts: &[usize]) {
+    run_collective(
+        test,
+        devices,
+        &Matrix {
+            func: Func::AllReduce,
+            counts,
+            extra_counts: &[],
+            extra_pairs: &[],
+            protos: None,
+        },
+    );
+}
+
+/// Per-rank streams and buffers, shared by the communicators of every protocol (they run one call
+/// at a time).
+struct RankBufs {
+    stream: Stream,
+    send: DeviceBuffer,
+    recv: DeviceBuffer,
+}
+
+/// Which of a rank's two buffers.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Which {
+    Send,
+    Recv,
+}
+
+/// The data part (between the guards) of one buffer in one case: what is written before the call,
+/// what it must hold after, and the byte range holding the collective's result (compared with
+/// `check::count_wrong`, i.e. with the float-Avg tolerance; every other byte must be bitwise
+/// unchanged).
+struct Region {
+    which: Which,
+    init: Vec<u8>,
+    want: Vec<u8>,
+    result: std::ops::Range<usize>,
+}
+
+/// One rank's part of one case: the buffers written (the receive buffer is not used in place) and
+/// the call's arguments as (buffer, byte offset into the data part, byte length).
+struct RankCase {
+    regions: Vec<Region>,
+    send: Option<(Which, usize, usize)>,
+    recv: Option<(Which, usize, usize)>,
+}
+
+/// A rank's regions and arguments for `func` (see [`run_collective`] for the in-place forms).
 ///
-/// Per run: every rank's input from `check::fill_input`, written between sentinels; out of place,
-/// the receive range is poisoned (`check::poison`) between other sentinels. After the run, on
-/// every rank: the data equals `check::expected` (`check::count_wrong` == 0), the sentinels are
-/// intact, out of place the send buffer is unchanged, and the result is bitwise identical to rank
-/// 0's.
+/// Expected values: AllReduce and Reduce expect `check::expected` (the reduction over the ranks'
+/// `check::fill_input` inputs, element by element); ReduceScatter rank `r` expects block `r` of
+/// the same reduction over `nranks × count` elements (element `i` of the reduction only depends
+/// on element `i` of every input, so block `r` is the prefix's slice `[r·count, (r+1)·count)`);
+/// Broadcast expects the root's input; AllGather the ranks' inputs concatenated in rank order.
+#[allow(clippy::too_many_arguments)]
+fn plan_rank(
+    func: Func,
+    nranks: usize,
+    r: usize,
+    root: usize,
+    count: usize,
+    dtype: DataType,
+    in_place: bool,
+    inputs: &[Vec<u8>],
+    exp_all: &[u8],
+) -> RankCase {
+    use Which::{Recv, Send};
+    let b = count * dtype.size();
+    let nb = nranks * b;
+    let poison = |elems| check::poison(dtype, elems);
+    let own = &inputs[r];
+    let region = |which, init: Vec<u8>, want: Vec<u8>, result| Region {
+        which,
+        init,
+        want,
+        result,
+    };
+    let unchanged = |which, data: &[u8]| region(which, data.to_vec(), data.to_vec(), 0..0);
+    let gathered = || {
+        inputs
+            .iter()
+            .flat_map(|v| v[..b].iter().copied())
+            .collect::<Vec<u8>>()
+    };
+    match (func, in_place) {
+        (Func::AllReduce, false) => RankCase {
+            regions: vec![
+                unchanged(Send, &own[..b]),
+                region(Recv, poison(count), exp_all[..b].to_vec(), 0..b),
+            ],
+            send: Some((Send, 0, b)),
+            recv: Some((Recv, 0, b)),
+        },
+        (Func::AllReduce, true) => RankCase {
+            regions: vec![region(Send, own[..b].to_vec(), exp_all[..b].to_vec(), 0..b)],
+            send: Some((Send, 0, b)),
+            recv: Some((Send, 0, b)),
+        },
+        // Non-root ranks pass no receive buffer; theirs (poisoned) must stay untouched.
+        (Func::Reduce, false) => RankCase {
+            regions: vec![
+                unchanged(Send, &own[..b]),
+                if r == root {
+                    region(Recv, poison(count), exp_all[..b].to_vec(), 0..b)
+                } else {
+                    unchanged(Recv, &poison(count))
+                },
+            ],
+            send: Some((Send, 0, b)),
+            recv: (r == root).then_some((Recv, 0, b)),
+        },
+        // Every rank passes recv == send; only the root's buffer may change.
+        (Func::Reduce, true) => RankCase {
+            regions: vec![if r == root {
+                region(Send, own[..b].to_vec(), exp_all[..b].to_vec(), 0..b)
+            } else {
+                unchanged(Send, &own[..b])
+            }],
+            send: Some((Send, 0, b)),
+            recv: Some((Send, 0, b)),
+        },
+        // Non-root ranks pass no send buffer; theirs must stay untouched.
+        (Func::Broadcast, false) => RankCase {
+            regions: vec![
+                unchanged(Send, &own[..b]),
+                region(Recv, poison(count), inputs[root][..b].to_vec(), 0..b),
+            ],
+            send: (r == root).then_some((Send, 0, b)),
+            recv: Some((Recv, 0, b)),
+        },
+        // Every rank passes send == recv; the root's holds its input, the others' are poisoned.
+        (Func::Broadcast, true) => RankCase {
+            regions: vec![region(
+                Send,
+                if r == root {
+                    own[..b].to_vec()
+                } else {
+                    poison(count)
+                },
+                inputs[root][..b].to_vec(),
+                0..b,
+            )],
+            send: Some((Send, 0, b)),
+            recv: Some((Send, 0, b)),
+        },
+        (Func::AllGather, false) => RankCase {
+            regions: vec![
+                unchanged(Send, &own[..b]),
+                region(Recv, poison(nranks * count), gathered(), 0..nb),
+            ],
+            send: Some((Send, 0, b)),
+            recv: Some((Recv, 0, nb)),
+        },
+        // In place: send = recv + rank × count elements, the rest of recv poisoned.
+        (Func::AllGather, true) => {
+            let mut init = poison(nranks * count);
+            init[r * b..(r + 1) * b].copy_from_slice(&own[..b]);
+            RankCase {
+                regions: vec![region(Send, init, gathered(), 0..nb)],
+                send: Some((Send, r * b, b)),
+                recv: Some((Send, 0, nb)),
+            }
+        }
+        (Func::ReduceScatter, false) => RankCase {
+            regions: vec![
+                unchanged(Send, &own[..nb]),
+                region(Recv, poison(count), exp_all[r * b..(r + 1) * b].to_vec(), 0..b),
+            ],
+            send: Some((Send, 0, nb)),
+            recv: Some((Recv, 0, b)),
+        },
+        // In place: recv = send + rank × count elements; the other blocks must stay unchanged.
+        (Func::ReduceScatter, true) => {
+            let mut want = own[..nb].to_vec();
+            want[r * b..(r + 1) * b].copy_from_slice(&exp_all[r * b..(r + 1) * b]);
+            RankCase {
+                regions: vec![region(Send, own[..nb].to_vec(), want, r * b..(r + 1) * b)],
+                send: Some((Send, 0, nb)),
+                recv: Some((Send, r * b, b)),
+            }
+        }
+    }
+}
+
+/// Runs `m.func`'s correctness matrix on communicators over `devices` and panics listing every
+/// failure: every dtype × op (Reduce, ReduceScatter, AllReduce; Broadcast and AllGather have none)
+/// × count × root (Broadcast, Reduce: every rank) × out-of-place/in-place × protocol.
+///
+/// In-place forms (NCCL's): AllReduce, Reduce, Broadcast `send == recv` on every rank; AllGather
+/// `send = recv + rank × count` elements; ReduceScatter `recv = send + rank × count` elements.
+/// Out of place, Broadcast's non-root ranks pass no send buffer and Reduce's no receive buffer.
+///
+/// Per case, every buffer a rank uses is written between guard sentinels: inputs from
+/// `check::fill_input` (for Broadcast and AllGather, which only copy, random bytes — every bit
+/// pattern, NaNs included, must arrive unchanged), outputs poisoned (`check::poison`). After the
+/// call, on every rank: the result equals the expected value (derivation in [`plan_rank`]) by
+/// `check::count_wrong` (bitwise; float Avg within 2 ulps), every other byte — guards, send
+/// buffers, non-root outputs, the other blocks of an in-place ReduceScatter — is bitwise
+/// unchanged, AllReduce results are bitwise identical to rank 0's, and each call's plan
+/// (`Comm::last_choice`) shows the forced protocol.
 ///
 /// Inputs and expected results depend only on (seed, rank, element index), so they are generated
-/// once per (dtype, op) for the largest count and every smaller count uses their prefix (data
-/// generation in a debug build dominates the run time). A call or synchronize error panics at
-/// once (the ranks would be out of step); wrong data is collected and reported at the end.
-pub fn run_matrix(test: &str, devices: &[Device], counts: &[usize]) {
+/// once per (dtype, op) for the largest count and smaller counts use prefixes (data generation in
+/// a debug build dominates the run time). A call or synchronize error panics at once (the ranks
+/// would be out of step), except a refusal "implemented only as" on every rank, which marks the
+/// protocol SKIPPED for this collective; wrong data is collected and reported at the end.
+pub fn run_collective(test: &str, devices: &[Device], m: &Matrix) {
     let n = devices.len();
-    let max_count = counts.iter().copied().max().unwrap_or(0);
-    let max_bytes = max_count * DataType::ALL.iter().map(|d| d.size()).max().unwrap();
-    let ranks = setup(devices, max_bytes);
+    let func = m.func;
+    let protos: Vec<Option<&str>> = match m.protos {
+        Some(p) if n > 1 => p.iter().map(|s| Some(*s)).collect(),
+        _ => vec![None],
+    };
+    let max_count = m.counts.iter().chain(m.extra_counts).copied().max().unwrap_or(0);
+    let (send_elems, recv_elems) = buffer_elems(func, n, max_count);
+    let max_size = DataType::ALL.iter().map(|d| d.size()).max().unwrap();
+    let bufs: Vec<RankBufs> = devices
+        .iter()
+        .map(|dev| {
+            let alloc = |what, elems: usize| {
+                dev.alloc(FRONT + elems * max_size + BACK)
+                    .unwrap_or_else(|e| panic!("alloc {what} on {dev:?}: {e}"))
+            };
+            RankBufs {
+                stream: dev
+                    .new_stream()
+                    .unwrap_or_else(|e| panic!("new_stream on {dev:?}: {e}")),
+                // In place, AllGather's whole receive range lives in the send buffer.
+                send: alloc("send", send_elems.max(recv_elems)),
+                recv: alloc("recv", recv_elems),
+            }
+        })
+        .collect();
+    let comms: Vec<Vec<Comm>> = protos.iter().map(|p| init_comms(devices, *p)).collect();
+    let mut refused: Vec<Option<String>> = vec![None; protos.len()];
     let dog = Watchdog::new(test, Duration::from_secs(300));
     let mut failures: Vec<String> = Vec::new();
     let mut nfail = 0usize;
-    let mut runs = 0usize;
+    let mut runs = vec![0usize; protos.len()];
     let t0 = Instant::now();
     let mut t_gen = Duration::ZERO;
-    let mut t_run = [Duration::ZERO; 2];
+    let mut t_call = Duration::ZERO;
+    let ops: &[RedOp] = if has_op(func) { RedOp::ALL } else { &[RedOp::Sum] };
+    let roots: Vec<usize> = if has_root(func) { (0..n).collect() } else { vec![0] };
+    // Copies get random bytes (the U8 Max inputs are uniform over all 256 values), one set for
+    // every dtype.
+    let copy_inputs: Vec<Vec<u8>> = if has_op(func) {
+        Vec::new()
+    } else {
+        dog.step(format!("{func} nranks={n}: generating data"));
+        let tg = Instant::now();
+        let v = (0..n)
+            .map(|r| {
+                check::fill_input(
+                    Func::AllReduce,
+                    DataType::U8,
+                    RedOp::Max,
+                    r,
+                    n,
+                    0x5eed_c0b1,
+                    send_elems * max_size,
+                )
+                .unwrap()
+            })
+            .collect();
+        t_gen += tg.elapsed();
+        v
+    };
     for &dtype in DataType::ALL {
         let td = Instant::now();
-        for &op in RedOp::ALL {
-            let seed = 0x5eed_0000 + 16 * dtype as u64 + op as u64;
-            dog.step(format!("{dtype} {op} nranks={n}: generating data"));
-            let tg = Instant::now();
-            let inputs: Vec<Vec<u8>> = (0..n)
-                .map(|r| check::fill_input(Func::AllReduce, dtype, op, r, n, seed, max_count).unwrap())
+        for &op in ops {
+            let extra = m
+                .extra_pairs
+                .iter()
+                .any(|&(d, o)| d == dtype && (o == op || !has_op(func)));
+            let counts: Vec<usize> = m
+                .counts
+                .iter()
+                .chain(if extra { m.extra_counts } else { &[] })
+                .copied()
                 .collect();
-            let exp_all = check::expected(Func::AllReduce, dtype, op, n, seed, max_count).unwrap();
-            t_gen += tg.elapsed();
-            for &count in counts {
-                for in_place in [false, true] {
-                    let place = if in_place { "in-place" } else { "out-of-place" };
-                    let what = format!("dtype={dtype} op={op} count={count} nranks={n} {place}");
-                    dog.step(what.clone());
-                    runs += 1;
-                    let (errs, t_call) =
-                        run_one(&ranks, dtype, op, count, in_place, &inputs, &exp_all, &what);
-                    t_run[(count == max_count) as usize] += t_call;
-                    nfail += errs.len();
-                    for e in errs {
-                        if failures.len() < 40 {
-                            failures.push(e);
+            let cmax = counts.iter().copied().max().unwrap_or(0);
+            let in_elems = buffer_elems(func, n, cmax).0;
+            let seed = 0x5eed_0000 + 0x100 * func as u64 + 16 * dtype as u64 + op as u64;
+            let (owned, exp_all): (Vec<Vec<u8>>, Vec<u8>) = if has_op(func) {
+                dog.step(format!("{func} {dtype} {op} nranks={n}: generating data"));
+                let tg = Instant::now();
+                let inputs = (0..n)
+                    .map(|r| check::fill_input(Func::AllReduce, dtype, op, r, n, seed, in_elems).unwrap())
+                    .collect();
+                let exp = check::expected(Func::AllReduce, dtype, op, n, seed, in_elems).unwrap();
+                t_gen += tg.elapsed();
+                (inputs, exp)
+            } else {
+                (Vec::new(), Vec::new())
+            };
+            let inputs = if has_op(func) { &owned } else { &copy_inputs };
+            let op_name = if has_op(func) { op.name() } else { "-" };
+            for &count in &counts {
+                for &root in &roots {
+                    for in_place in [false, true] {
+                        for (pi, proto) in protos.iter().enumerate() {
+                            if refused[pi].is_some() {
+                                continue;
+                            }
+                            let place = if in_place { "in-place" } else { "out-of-place" };
+                            let root_s = if has_root(func) {
+                                format!(" root={root}")
+                            } else {
+                                String::new()
+                            };
+                            let what = format!(
+                                "{func} proto={} dtype={dtype} op={op_name} count={count}{root_s} nranks={n} {place}",
+                                proto.unwrap_or("default")
+                            );
+                            dog.step(what.clone());
+                            let case = Case {
+                                func,
+                                dtype,
+                                op,
+                                count,
+                                root,
+                                in_place,
+                                proto: *proto,
+                            };
+                            match run_case(&comms[pi], &bufs, &case, inputs, &exp_all, &what) {
+                                Outcome::Refused(e) => {
+                                    skipped!(
+                                        "SKIPPED: {test}: {func} on protocol {}: {e}",
+                                        proto.unwrap_or("default")
+                                    );
+                                    refused[pi] = Some(e);
+                                }
+                                Outcome::Ran(errs, t) => {
+                                    runs[pi] += 1;
+                                    t_call += t;
+                                    nfail += errs.len();
+                                    for e in errs {
+                                        if failures.len() < 40 {
+                                            failures.push(e);
+                                        }
+                                    }
+                                }
+                            }
                         }
                     }
                 }
             }
         }
-        eprintln!(
-            "{test}: {dtype}: {} ops × {} counts × 2 placements in {:.2?}",
-            RedOp::ALL.len(),
-            counts.len(),
-            td.elapsed()
-        );
+        eprintln!("{test}: {func} {dtype} done in {:.2?}", td.elapsed());
     }
+    let per_proto: Vec<String> = protos
+        .iter()
+        .zip(&runs)
+        .zip(&refused)
+        .map(|((p, k), s)| match s {
+            None => format!("{}: {k} runs", p.unwrap_or("default")),
+            Some(_) => format!("{}: SKIPPED", p.unwrap_or("default")),
+        })
+        .collect();
     eprintln!(
-        "{test}: {runs} runs on {n} ranks in {:.2?} (generating inputs and expected results {:.2?}; \
-         collective calls: count {max_count} {:.2?}, other counts {:.2?}; the rest is writing and checking)",
+        "{test}: {func} on {n} ranks ({}) in {:.2?} (generating inputs and expected results {:.2?}; \
+         collective calls {:.2?}; the rest is writing and checking)",
+        per_proto.join(", "),
         t0.elapsed(),
         t_gen,
-        t_run[1],
-        t_run[0]
+        t_call
     );
     drop(dog);
     assert!(
@@ -271,113 +607,229 @@ pub fn run_matrix(test: &str, devices: &[Device], counts: &[usize]) {
         failures.len(),
         failures.join("\n")
     );
+    assert!(
+        runs.iter().any(|&k| k > 0),
+        "{test}: no protocol ran {func} (every one was refused: {refused:?})"
+    );
 }
 
-/// One call on every rank; returns the failures and the time from the first call to the last
-/// synchronize (a call or synchronize error panics at once: the ranks would be out of step
-/// afterwards).
-#[allow(clippy::too_many_arguments)]
-fn run_one(
-    ranks: &[Rank],
+/// One cell of the matrix.
+struct Case<'a> {
+    func: Func,
     dtype: DataType,
     op: RedOp,
     count: usize,
+    root: usize,
     in_place: bool,
+    proto: Option<&'a str>,
+}
+
+enum Outcome {
+    /// The failures found and the time from the first call to the last synchronize.
+    Ran(Vec<String>, Duration),
+    /// Every rank refused the protocol for this collective ("implemented only as ...").
+    Refused(String),
+}
+
+/// Whether `e` is the library's refusal of a forced algorithm/protocol it does not implement for
+/// the collective (`Selection::choose`).
+pub fn is_not_implemented(e: &oxccl::Error) -> bool {
+    matches!(e, oxccl::Error::InvalidArgument(_)) && e.to_string().contains("implemented only as")
+}
+
+/// Calls `func` on one rank with the safe entry point.
+#[allow(clippy::too_many_arguments)]
+fn call<'a>(
+    comm: &Comm,
+    func: Func,
+    send: Option<DevSlice<'a>>,
+    recv: Option<DevSlice<'a>>,
+    count: usize,
+    dtype: DataType,
+    op: RedOp,
+    root: usize,
+    stream: &Stream,
+) -> oxccl::Result<()> {
+    let need = |s: Option<DevSlice<'a>>, what: &str| -> DevSlice<'a> {
+        s.unwrap_or_else(|| panic!("{func} needs a {what} buffer"))
+    };
+    match func {
+        Func::Broadcast => comm.broadcast(send, need(recv, "recv"), count, dtype, root, stream),
+        Func::Reduce => comm.reduce(need(send, "send"), recv, count, dtype, op, root, stream),
+        Func::AllGather => comm.all_gather(need(send, "send"), need(recv, "recv"), count, dtype, stream),
+        Func::ReduceScatter => {
+            comm.reduce_scatter(need(send, "send"), need(recv, "recv"), count, dtype, op, stream)
+        }
+        Func::AllReduce => comm.all_reduce(need(send, "send"), need(recv, "recv"), count, dtype, op, stream),
+    }
+}
+
+/// One call on every rank, then the checks of [`run_collective`].
+fn run_case(
+    comms: &[Comm],
+    bufs: &[RankBufs],
+    c: &Case<'_>,
     inputs: &[Vec<u8>],
     exp_all: &[u8],
     what: &str,
-) -> (Vec<String>, Duration) {
-    let n = ranks.len();
-    let bytes = count * dtype.size();
-    let expected = &exp_all[..bytes];
-    let poison = check::poison(dtype, count);
-    for (r, rk) in ranks.iter().enumerate() {
-        rk.send
-            .write(0, &framed(&inputs[r][..bytes], 1))
-            .unwrap_or_else(|e| panic!("{what}: write send: {e}"));
-        if !in_place {
-            rk.recv
-                .write(0, &framed(&poison, 7))
-                .unwrap_or_else(|e| panic!("{what}: write recv: {e}"));
+) -> Outcome {
+    let n = comms.len();
+    let size = c.dtype.size();
+    let salt = |w: Which| if w == Which::Send { 1 } else { 7 };
+    let plans: Vec<RankCase> = (0..n)
+        .map(|r| {
+            plan_rank(
+                c.func, n, r, c.root, c.count, c.dtype, c.in_place, inputs, exp_all,
+            )
+        })
+        .collect();
+    for (r, (rk, plan)) in bufs.iter().zip(&plans).enumerate() {
+        for reg in &plan.regions {
+            let buf = if reg.which == Which::Send {
+                &rk.send
+            } else {
+                &rk.recv
+            };
+            buf.write(0, &framed(&reg.init, salt(reg.which)))
+                .unwrap_or_else(|e| panic!("{what}: rank {r}: write {:?}: {e}", reg.which));
         }
     }
     let tc = Instant::now();
-    for (r, rk) in ranks.iter().enumerate() {
-        let send = rk.send.slice(FRONT, bytes).unwrap();
-        let recv = if in_place {
-            send
-        } else {
-            rk.recv.slice(FRONT, bytes).unwrap()
+    for (r, ((comm, rk), plan)) in comms.iter().zip(bufs).zip(&plans).enumerate() {
+        let slice = |a: Option<(Which, usize, usize)>| {
+            a.map(|(w, off, len)| {
+                let buf = if w == Which::Send { &rk.send } else { &rk.recv };
+                buf.slice(FRONT + off, len).unwrap()
+            })
         };
-        rk.comm
-            .all_reduce(send, recv, count, dtype, op, &rk.stream)
-            .unwrap_or_else(|e| panic!("{what}: rank {r}: all_reduce returned {e}"));
+        let res = call(
+            comm,
+            c.func,
+            slice(plan.send),
+            slice(plan.recv),
+            c.count,
+            c.dtype,
+            c.op,
+            c.root,
+            &rk.stream,
+        );
+        match res {
+            Ok(()) => {}
+            Err(e) if r == 0 && is_not_implemented(&e) => {
+                // Nothing was queued on rank 0: the others must refuse too (none may wait for it).
+                for (k, (comm, rk)) in comms.iter().zip(bufs).enumerate().skip(1) {
+                    let p = &plans[k];
+                    let slice = |a: Option<(Which, usize, usize)>| {
+                        a.map(|(w, off, len)| {
+                            let buf = if w == Which::Send { &rk.send } else { &rk.recv };
+                            buf.slice(FRONT + off, len).unwrap()
+                        })
+                    };
+                    let rk_res = call(
+                        comm,
+                        c.func,
+                        slice(p.send),
+                        slice(p.recv),
+                        c.count,
+                        c.dtype,
+                        c.op,
+                        c.root,
+                        &rk.stream,
+                    );
+                    match rk_res {
+                        Err(e2) if is_not_implemented(&e2) => {}
+                        other => panic!("{what}: rank 0 refused ({e}) but rank {k} returned {other:?}"),
+                    }
+                }
+                return Outcome::Refused(e.to_string());
+            }
+            Err(e) => panic!("{what}: rank {r}: {} returned {e}", c.func),
+        }
     }
-    for (r, rk) in ranks.iter().enumerate() {
+    let mut errs = Vec::new();
+    if let Some(p) = c.proto.filter(|_| c.count > 0 && n > 1) {
+        for (r, comm) in comms.iter().enumerate() {
+            match comm.last_choice() {
+                Some(ch) if ch.func == c.func && ch.proto.name().eq_ignore_ascii_case(p) => {}
+                other => errs.push(format!(
+                    "{what} rank={r}: NCCL_PROTO={p} did not take effect: last_choice() = {other:?}"
+                )),
+            }
+        }
+    }
+    for (r, rk) in bufs.iter().enumerate() {
         rk.stream
             .synchronize()
             .unwrap_or_else(|e| panic!("{what}: rank {r}: synchronize returned {e}"));
     }
     let t_call = tc.elapsed();
-    let mut errs = Vec::new();
+    // Float Avg is accepted within 2 ulps; copies and every other op are bitwise.
+    let op_chk = if has_op(c.func) { c.op } else { RedOp::Sum };
     let mut rank0: Option<Vec<u8>> = None;
-    for (r, rk) in ranks.iter().enumerate() {
-        let (out_buf, salt) = if in_place { (&rk.send, 1) } else { (&rk.recv, 7) };
-        let mut got = vec![0u8; FRONT + bytes + BACK];
-        out_buf
-            .read(0, &mut got)
-            .unwrap_or_else(|e| panic!("{what}: rank {r}: read result: {e}"));
-        let data = &got[FRONT..FRONT + bytes];
-        // count_wrong accepts every bitwise-equal element, so a bitwise-equal buffer has 0 wrong:
-        // the memcmp only skips its per-element loop (slow in debug builds) when it cannot fail.
-        let wrong = if data == expected {
-            0
-        } else {
-            check::count_wrong(dtype, op, data, expected, n)
-        };
-        if wrong > 0 {
-            let i = check::first_wrong(dtype, op, data, expected, n).unwrap_or(0);
-            let s = dtype.size();
-            errs.push(format!(
-                "{what} rank={r}: {wrong} of {count} elements wrong; first at index {i}: got {}, expected {}",
-                check::format_elem(dtype, &data[(i * s).min(data.len())..]),
-                check::format_elem(dtype, &expected[(i * s).min(expected.len())..]),
-            ));
-        }
-        if let Some(g) = guard_damage(&got, bytes, salt) {
-            errs.push(format!("{what} rank={r}: output buffer: {g}"));
-        }
-        if !in_place {
-            let mut sent = vec![0u8; FRONT + bytes + BACK];
-            rk.send
-                .read(0, &mut sent)
-                .unwrap_or_else(|e| panic!("{what}: rank {r}: read send: {e}"));
-            if let Some(g) = guard_damage(&sent, bytes, 1) {
-                errs.push(format!("{what} rank={r}: send buffer: {g}"));
+    for (r, (rk, plan)) in bufs.iter().zip(&plans).enumerate() {
+        for reg in &plan.regions {
+            let (buf, name) = match reg.which {
+                Which::Send if c.in_place => (&rk.send, "in-place buffer"),
+                Which::Send => (&rk.send, "send buffer"),
+                Which::Recv => (&rk.recv, "recv buffer"),
+            };
+            let len = reg.init.len();
+            let mut got = vec![0u8; FRONT + len + BACK];
+            buf.read(0, &mut got)
+                .unwrap_or_else(|e| panic!("{what}: rank {r}: read {name}: {e}"));
+            if let Some(g) = guard_damage(&got, len, salt(reg.which)) {
+                errs.push(format!("{what} rank={r}: {name}: {g}"));
             }
-            let sent = &sent[FRONT..FRONT + bytes];
-            if sent != &inputs[r][..bytes] {
-                let i = (0..bytes).find(|&i| sent[i] != inputs[r][i]).unwrap_or(0);
-                errs.push(format!(
-                    "{what} rank={r}: the send buffer was modified (first at byte {i})"
-                ));
-            }
-        }
-        match &rank0 {
-            None => rank0 = Some(data.to_vec()),
-            Some(d0) if d0.as_slice() != data => {
-                if let Some(i) = (0..bytes).find(|&i| d0[i] != data[i]) {
-                    let e = i / dtype.size() * dtype.size();
+            let data = &got[FRONT..FRONT + len];
+            if data == reg.want.as_slice() {
+                // count_wrong accepts every bitwise-equal element: skip its per-element loop.
+            } else {
+                let res = reg.result.clone();
+                let (g, w) = (&data[res.clone()], &reg.want[res.clone()]);
+                let wrong = check::count_wrong(c.dtype, op_chk, g, w, n);
+                if wrong > 0 {
+                    let i = check::first_wrong(c.dtype, op_chk, g, w, n).unwrap_or(0);
+                    let at = (i * size).min(g.len());
                     errs.push(format!(
-                        "{what}: rank {r}'s result differs bitwise from rank 0's at element {}: {} vs {}",
-                        i / dtype.size(),
-                        check::format_elem(dtype, &data[e..]),
-                        check::format_elem(dtype, &d0[e..]),
+                        "{what} rank={r}: {name}: {wrong} of {} result elements wrong; first at result index {i}: got {}, expected {}",
+                        res.len() / size,
+                        check::format_elem(c.dtype, &g[at..]),
+                        check::format_elem(c.dtype, &w[at..]),
+                    ));
+                }
+                let outside = (0..len).find(|&i| !res.contains(&i) && data[i] != reg.want[i]);
+                if let Some(i) = outside {
+                    let k = (0..len)
+                        .filter(|&i| !res.contains(&i) && data[i] != reg.want[i])
+                        .count();
+                    errs.push(format!(
+                        "{what} rank={r}: {name}: {k} bytes outside the result were modified, first at byte {i} \
+                         (element {}): 0x{:02x} -> 0x{:02x}",
+                        i / size,
+                        reg.want[i],
+                        data[i]
                     ));
                 }
             }
-            Some(_) => {}
+            if c.func == Func::AllReduce && !reg.result.is_empty() {
+                let d = &data[reg.result.clone()];
+                match &rank0 {
+                    None => rank0 = Some(d.to_vec()),
+                    Some(d0) if d0.as_slice() != d => {
+                        if let Some(i) = (0..d.len()).find(|&i| d0[i] != d[i]) {
+                            let e = i / size * size;
+                            errs.push(format!(
+                                "{what}: rank {r}'s result differs bitwise from rank 0's at element {}: {} vs {}",
+                                i / size,
+                                check::format_elem(c.dtype, &d[e..]),
+                                check::format_elem(c.dtype, &d0[e..]),
+                            ));
+                        }
+                    }
+                    Some(_) => {}
+                }
+            }
         }
     }
-    (errs, t_call)
+    Outcome::Ran(errs, t_call)
 }

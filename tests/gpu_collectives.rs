@@ -1,0 +1,77 @@
+//! The correctness matrix of `tests/collectives.rs` on local GPUs (issue 3, deliverable 6):
+//! Broadcast (every root), Reduce (every root; non-root ranks pass no receive buffer), AllGather,
+//! ReduceScatter and AllReduce × every protocol of `common::PROTOS` (forced with `NCCL_PROTO`; each
+//! call's `Comm::last_choice` must show it) × every DataType × every RedOp (the reducing
+//! collectives) × out-of-place/in-place × the full count set {0, 1, 2, 3, 7, 1023, 1025, 65536+3,
+//! 2^20+3} for every dtype × op, on 1 and 2 GPUs (and on all of them when more than 2 are
+//! visible). Checks as in `common::run_collective`: exact expected values from
+//! `oxccl::perf::check`, guard bytes around every buffer, poisoned outputs, unchanged inputs and
+//! non-root outputs, AllReduce results bitwise identical on every rank. On one GPU every
+//! collective is a copy and no protocol runs, so the 1-GPU matrices run once, unforced.
+//!
+//! Without enough GPUs (CI), each test prints `SKIPPED: <test>: <reason>` to stderr and returns.
+//! GPU tests in this binary take a lock so two communicators never spin on the same GPUs at once.
+mod common;
+
+use oxccl::{Device, Func};
+
+/// Every count of the CPU matrix, the large one for every dtype × op.
+const COUNTS: &[usize] = &[0, 1, 2, 3, 7, 1023, 1025, (1 << 16) + 3, (1 << 20) + 3];
+
+fn run(func: Func, devices: &[Device], test: &str) {
+    common::run_collective(
+        test,
+        devices,
+        &common::Matrix {
+            func,
+            counts: COUNTS,
+            extra_counts: &[],
+            extra_pairs: &[],
+            protos: Some(common::PROTOS),
+        },
+    );
+}
+
+fn matrix(func: Func, nranks: usize, test: &str) {
+    let Some(devices) = common::gpus_or_skip(test, nranks) else {
+        return;
+    };
+    let _gpu = common::gpu_lock();
+    run(func, &devices, test);
+}
+
+/// All GPUs when more than 2 are visible (1 and 2 have their own tests).
+fn matrix_all_gpus(func: Func, test: &str) {
+    if Device::cuda_count() <= 2 {
+        // Prints why: no GPU, or fewer than 3 (1 and 2 GPUs run in the tests above).
+        let _ = common::gpus_or_skip(test, 3);
+        return;
+    }
+    let _gpu = common::gpu_lock();
+    run(func, &Device::all_cuda(), test);
+}
+
+macro_rules! gpu_tests {
+    ($($func:ident: $one:ident, $two:ident, $all:ident;)*) => {$(
+        #[test]
+        fn $one() {
+            matrix(Func::$func, 1, stringify!($one));
+        }
+        #[test]
+        fn $two() {
+            matrix(Func::$func, 2, stringify!($two));
+        }
+        #[test]
+        fn $all() {
+            matrix_all_gpus(Func::$func, stringify!($all));
+        }
+    )*};
+}
+
+gpu_tests! {
+    Broadcast: broadcast_1_gpu, broadcast_2_gpus, broadcast_all_gpus;
+    Reduce: reduce_1_gpu, reduce_2_gpus, reduce_all_gpus;
+    AllGather: all_gather_1_gpu, all_gather_2_gpus, all_gather_all_gpus;
+    ReduceScatter: reduce_scatter_1_gpu, reduce_scatter_2_gpus, reduce_scatter_all_gpus;
+    AllReduce: all_reduce_1_gpu, all_reduce_2_gpus, all_reduce_all_gpus;
+}
