@@ -41,7 +41,9 @@ pub mod mem;
 pub mod nccl;
 pub mod params;
 pub mod perf;
+pub mod proxy;
 pub mod topo;
+pub mod transport;
 pub mod tuning;
 
 pub use comm::{Choice, Comm};

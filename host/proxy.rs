@@ -1,0 +1,915 @@
+//! The proxy thread (NCCL's `proxy.cc` with `transport/net.cc`'s `sendProxyProgress` and
+//! `recvProxyProgress`): it moves the NET transport's FIFO steps between this process's memory
+//! and the network, so the kernels keep using the same FIFO protocol as for P2P and SHM.
+//!
+//! **Send side.** The kernel's send connection points at a *staging FIFO* in local memory with the
+//! layout of a receive FIFO (Simple slots + tail, LL lines) and at a local head counter. The proxy
+//! watches it and sends each completed step to the peer's proxy, then returns the slot to the
+//! kernel by advancing the head (the credit):
+//! - a Simple step `s` is complete once the staging tail passes `s`; the whole slot is sent;
+//! - an LL or LL128 step has no tail: its lines are forwarded as soon as a line carries the
+//!   step's flag (both flag words for LL, the last word for LL128), prefix by prefix, and the step
+//!   is complete once the kernel has moved on (the tail passes it, or line 0 of step `s + 1`
+//!   carries its flag).
+//!
+//! Simple steps always send whole slots: the FIFO does not say how much of a slot a step used
+//! (NCCL's `connFifo[].size`), so the proxy cannot send less.
+//!
+//! **Receive side.** Each message is a 32-byte header (kind, step, lines) then its payload. The
+//! proxy waits for the kernel's credit (`head + FIFO_STEPS > step`) before it takes the payload
+//! into the real receive FIFO, so TCP's own flow control holds the sender back; then it publishes
+//! the step: the tail for Simple, the lines themselves (flag words last) for LL and LL128.
+//!
+//! **Threads and failures.** One proxy thread per device per process, fed by a crossbeam channel
+//! ([`register`]); it progresses every connection of every communicator in turn and never blocks on
+//! one. A lost peer (end of stream, reset, timeout) fails the communicator: the error is logged
+//! (target `oxccl::proxy`) and kept ([`ProxyHandle::error`]), the communicator's abort flag is
+//! raised so waiting kernels exit, and its other connections are closed so that their peers learn
+//! of it too. A communicator whose abort flag is raised by its owner is closed the same way.
+//! Unregistering (when the communicator is freed) first flushes staged steps and tells each peer
+//! with a close message, so an orderly shutdown is never taken for a failure.
+use crate::error::{Error, Result};
+use crate::mem::Device;
+use crate::transport::net::{Net, RecvComm, Request, SendComm};
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TryRecvError, bounded, unbounded};
+use oxccl_gpu::abi::FIFO_STEPS;
+use oxccl_gpu::proto::ll::ll_flag;
+
+/// The flag of LL128 lines of step `step` (`proto/ll128.rs`'s `ll128_flag`).
+const fn ll128_flag(step: u64) -> u64 {
+    step.wrapping_add(1)
+}
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Abort-flag value the proxy raises: "another rank failed" (the value `Comm` reports as a remote
+/// abort, `ABORTED_BY_PEER` in `comm.rs`).
+pub const ABORTED_BY_PEER: u32 = 2;
+/// Bytes of a message header.
+const HDR_BYTES: usize = 32;
+/// How long unregistering waits for staged steps and close messages to leave.
+const FLUSH_WAIT: Duration = Duration::from_secs(5);
+/// Longest sleep of an idle proxy (it wakes at once for (un)registrations).
+const IDLE_SLEEP: Duration = Duration::from_micros(200);
+
+/// Message kinds on a NET connection.
+const KIND_SIMPLE: u32 = 1;
+const KIND_LL: u32 = 2;
+const KIND_CLOSE: u32 = 3;
+const KIND_LL128: u32 = 4;
+
+/// The flag-line protocols, whose steps have no tail: each line carries its step's flag.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Lines {
+    /// 16-byte lines `{data1, flag1, data2, flag2}`, flag [`ll_flag`] (`proto/ll.rs`).
+    Ll,
+    /// 128-byte lines of 15 data words and a flag word `step + 1` (`proto/ll128.rs`).
+    Ll128,
+}
+
+impl Lines {
+    const ALL: [Lines; 2] = [Lines::Ll, Lines::Ll128];
+    fn line_bytes(self) -> u64 {
+        match self {
+            Lines::Ll => 16,
+            Lines::Ll128 => 128,
+        }
+    }
+    fn kind(self) -> u32 {
+        match self {
+            Lines::Ll => KIND_LL,
+            Lines::Ll128 => KIND_LL128,
+        }
+    }
+    fn of_kind(kind: u32) -> Option<Lines> {
+        match kind {
+            KIND_LL => Some(Lines::Ll),
+            KIND_LL128 => Some(Lines::Ll128),
+            _ => None,
+        }
+    }
+    /// (buffer address, lines per slot) of this protocol in `spec`; address 0: no buffer.
+    fn buffer(self, spec: &FifoSpec) -> (u64, u64) {
+        match self {
+            Lines::Ll => (spec.ll, spec.step_lines),
+            Lines::Ll128 => (spec.ll128, spec.ll128_lines),
+        }
+    }
+    /// Address of line `line` of `step`'s slot.
+    fn line_addr(self, spec: &FifoSpec, step: u64, line: u64) -> u64 {
+        let (base, lines) = self.buffer(spec);
+        base + ((step % FIFO_STEPS) * lines + line) * self.line_bytes()
+    }
+}
+
+/// Where one end of a NET connection lives in this process. Addresses are host addresses (the CPU
+/// target) of memory that stays valid until the communicator is unregistered.
+///
+/// For a send connection, `simple`, `ll` and `tail` are the staging FIFO the kernel writes and
+/// `head` the counter the proxy advances (the kernel's credit). For a receive connection, they are
+/// the real receive FIFO and tail the proxy fills, and `head` the counter the kernel advances.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FifoSpec {
+    /// Ring peer of this connection (for messages).
+    pub peer: usize,
+    /// Channel of this connection.
+    pub channel: u32,
+    /// Simple buffer: [`FIFO_STEPS`] slots of `slot_bytes` bytes.
+    pub simple: u64,
+    /// Bytes of one Simple slot (`NCCL_BUFFSIZE / FIFO_STEPS`, rounded down to 16 bytes).
+    pub slot_bytes: u64,
+    /// LL buffer: [`FIFO_STEPS`] slots of `step_lines` 16-byte lines; 0 when there is none.
+    pub ll: u64,
+    /// Lines of one LL slot.
+    pub step_lines: u64,
+    /// LL128 buffer: [`FIFO_STEPS`] slots of `ll128_lines` 128-byte lines; 0 when there is none.
+    pub ll128: u64,
+    /// Lines of one LL128 slot.
+    pub ll128_lines: u64,
+    /// Address of the `u64` head counter.
+    pub head: u64,
+    /// Address of the `u64` tail counter.
+    pub tail: u64,
+    /// The connection's first step (`OXCCL_TEST_INITIAL_STEP`, else 0).
+    pub step: u64,
+}
+
+/// One communicator's NET connections, handed to the proxy by [`register`].
+pub struct ProxyComm {
+    /// This rank (for messages).
+    pub rank: usize,
+    /// Address of the communicator's `u32` abort flag.
+    pub abort_flag: u64,
+    /// The network the connections belong to.
+    pub net: Arc<dyn Net>,
+    /// Send connections with their staging FIFOs.
+    pub sends: Vec<(FifoSpec, SendComm)>,
+    /// Receive connections with their receive FIFOs.
+    pub recvs: Vec<(FifoSpec, RecvComm)>,
+}
+
+enum Msg {
+    Add(u64, Box<ProxyComm>, Arc<Mutex<Option<String>>>),
+    Remove(u64, Sender<()>),
+}
+
+/// A registration with a proxy thread: dropping it flushes and closes the communicator's
+/// connections, and returns only once the proxy no longer touches its memory.
+pub struct ProxyHandle {
+    id: u64,
+    tx: Sender<Msg>,
+    error: Arc<Mutex<Option<String>>>,
+}
+
+impl ProxyHandle {
+    /// The first failure the proxy met on this communicator's connections (NCCL's async error),
+    /// as [`Error::Remote`]; `None` while all is well.
+    pub fn error(&self) -> Option<Error> {
+        self.error
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+            .map(Error::Remote)
+    }
+}
+
+impl Drop for ProxyHandle {
+    fn drop(&mut self) {
+        let (ack_tx, ack_rx) = bounded(1);
+        if self.tx.send(Msg::Remove(self.id, ack_tx)).is_ok() {
+            // The proxy answers within FLUSH_WAIT plus one round; it never blocks. Waiting
+            // without a bound is what keeps the proxy from touching freed memory.
+            let _ = ack_rx.recv();
+        }
+    }
+}
+
+type Registry = Mutex<HashMap<Device, Sender<Msg>>>;
+
+fn registry() -> &'static Registry {
+    static R: std::sync::OnceLock<Registry> = std::sync::OnceLock::new();
+    R.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// Hands `comm`'s connections to the proxy thread of `device` (started on first use: one per
+/// device per process, NCCL's `ncclProxyCreate`).
+///
+/// # Safety
+/// Every address in `comm` (FIFOs, counters, the abort flag) stays valid until the returned
+/// handle is dropped; no one but the proxy writes the receive FIFOs and tails, and the staging
+/// FIFOs are written only by the kernel under the FIFO protocol.
+///
+/// Errors: `System` when the thread cannot be started.
+pub unsafe fn register(device: Device, comm: ProxyComm) -> Result<ProxyHandle> {
+    static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+    let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+    let error = Arc::new(Mutex::new(None));
+    let mut reg = registry().lock().unwrap_or_else(|p| p.into_inner());
+    let mut msg = Msg::Add(id, Box::new(comm), error.clone());
+    if let Some(tx) = reg.get(&device) {
+        match tx.send(msg) {
+            Ok(()) => {
+                return Ok(ProxyHandle {
+                    id,
+                    tx: tx.clone(),
+                    error,
+                });
+            }
+            // The thread is gone (it never exits while registered; be safe anyway): restart.
+            Err(e) => msg = e.into_inner(),
+        }
+    }
+    let (tx, rx) = unbounded();
+    let name = match device {
+        Device::Cuda(o) => format!("oxccl-proxy-cuda{o}"),
+        Device::Cpu(i) => format!("oxccl-proxy-cpu{i}"),
+    };
+    std::thread::Builder::new()
+        .name(name)
+        .spawn(move || run(rx))
+        .map_err(|e| Error::System(format!("starting the proxy thread of {device:?}: {e}")))?;
+    tx.send(msg)
+        .map_err(|_| Error::Internal("the new proxy thread exited at once".into()))?;
+    reg.insert(device, tx.clone());
+    Ok(ProxyHandle { id, tx, error })
+}
+
+/// The proxy thread's loop (NCCL's `ncclProxyProgress`).
+fn run(rx: Receiver<Msg>) {
+    let mut comms: Vec<CommOps> = Vec::new();
+    let mut idle = 0u32;
+    loop {
+        let msg = if comms.is_empty() {
+            match rx.recv() {
+                Ok(m) => Some(m),
+                Err(_) => return,
+            }
+        } else if idle > 2048 {
+            let wait = IDLE_SLEEP.min(Duration::from_micros(10 * (idle as u64 - 2048) + 10));
+            match rx.recv_timeout(wait) {
+                Ok(m) => Some(m),
+                Err(RecvTimeoutError::Timeout) => None,
+                Err(RecvTimeoutError::Disconnected) => return,
+            }
+        } else {
+            match rx.try_recv() {
+                Ok(m) => Some(m),
+                Err(TryRecvError::Empty) => None,
+                Err(TryRecvError::Disconnected) => return,
+            }
+        };
+        match msg {
+            Some(Msg::Add(id, c, error)) => {
+                comms.push(CommOps::new(id, *c, error));
+                idle = 0;
+            }
+            Some(Msg::Remove(id, ack)) => {
+                match comms.iter_mut().find(|c| c.id == id) {
+                    Some(c) => c.closing = Some((Instant::now() + FLUSH_WAIT, ack, false)),
+                    None => {
+                        let _ = ack.send(());
+                    }
+                }
+                idle = 0;
+            }
+            None => {}
+        }
+        let mut progressed = false;
+        for c in &mut comms {
+            progressed |= c.progress();
+        }
+        comms.retain_mut(|c| !c.finish_if_closed());
+        if progressed {
+            idle = 0;
+        } else {
+            idle = idle.saturating_add(1);
+            if idle < 64 {
+                std::hint::spin_loop();
+            } else if idle <= 2048 {
+                std::thread::yield_now();
+            }
+        }
+    }
+}
+
+/// Reads a `u64` counter.
+///
+/// # Safety
+/// `addr` is a valid, 8-byte aligned counter ([`register`]'s contract).
+unsafe fn load(addr: u64) -> u64 {
+    // SAFETY: caller's contract; counters are only accessed atomically while shared.
+    unsafe { AtomicU64::from_ptr(addr as *mut u64).load(Ordering::Acquire) }
+}
+
+/// Publishes a `u64` counter.
+///
+/// # Safety
+/// As [`load`].
+unsafe fn store(addr: u64, v: u64) {
+    // SAFETY: caller's contract.
+    unsafe { AtomicU64::from_ptr(addr as *mut u64).store(v, Ordering::Release) }
+}
+
+/// Whether line `line` of `step`'s slot of protocol `p` carries the step's flag.
+///
+/// # Safety
+/// `p`'s buffer in `spec` is valid (non-zero) and `line` is below its lines per slot.
+unsafe fn line_ready(spec: &FifoSpec, p: Lines, step: u64, line: u64) -> bool {
+    let at = p.line_addr(spec, step, line);
+    match p {
+        Lines::Ll => {
+            let flag = ll_flag(step) as u64;
+            // SAFETY: inside the buffer (caller); lines are written as two release stores, low
+            // then high half, so loading the high half first makes a matching low half the same
+            // write's.
+            let (hi, lo) = unsafe { (load(at + 8), load(at)) };
+            hi >> 32 == flag && lo >> 32 == flag
+        }
+        // SAFETY: as above; the flag word is stored (release) after the data words.
+        Lines::Ll128 => (unsafe { load(at + 120) }) == ll128_flag(step),
+    }
+}
+
+/// The flag-line protocol whose line 0 of `step` carries the step's flag, if any.
+fn step_lines_proto(spec: &FifoSpec, step: u64) -> Option<Lines> {
+    Lines::ALL.into_iter().find(|&p| {
+        let (base, lines) = p.buffer(spec);
+        // SAFETY: the buffer exists and has at least one line ([`register`]'s contract).
+        base != 0 && lines > 0 && unsafe { line_ready(spec, p, step, 0) }
+    })
+}
+
+/// A message header.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Hdr {
+    kind: u32,
+    nlines: u32,
+    step: u64,
+    first_line: u64,
+    bytes: u64,
+}
+
+impl Hdr {
+    fn encode(&self) -> Box<[u8; HDR_BYTES]> {
+        let mut b = Box::new([0u8; HDR_BYTES]);
+        b[0..4].copy_from_slice(&self.kind.to_le_bytes());
+        b[4..8].copy_from_slice(&self.nlines.to_le_bytes());
+        b[8..16].copy_from_slice(&self.step.to_le_bytes());
+        b[16..24].copy_from_slice(&self.first_line.to_le_bytes());
+        b[24..32].copy_from_slice(&self.bytes.to_le_bytes());
+        b
+    }
+    fn decode(b: &[u8; HDR_BYTES]) -> Hdr {
+        let w = |r: std::ops::Range<usize>| u64::from_le_bytes(b[r].try_into().unwrap_or([0; 8]));
+        Hdr {
+            kind: u32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+            nlines: u32::from_le_bytes([b[4], b[5], b[6], b[7]]),
+            step: w(8..16),
+            first_line: w(16..24),
+            bytes: w(24..32),
+        }
+    }
+}
+
+/// One queued outgoing message (header, then payload), or a bare credit.
+struct Out {
+    hdr: Option<Box<[u8; HDR_BYTES]>>,
+    /// Payload address and bytes (0 bytes: none).
+    payload: (u64, u64),
+    reqs: [Option<Request>; 2],
+    /// Requests still to post (header, payload).
+    to_post: u8,
+    /// Head value to publish once this message has left.
+    credit: Option<u64>,
+}
+
+struct SendOp {
+    spec: FifoSpec,
+    comm: Option<SendComm>,
+    /// Next step to forward.
+    cur: u64,
+    /// Lines of `cur` already queued (LL, LL128).
+    lines_done: u64,
+    /// The flag-line protocol of `cur`, once its line 0 was seen.
+    cur_lines: Option<Lines>,
+    out: VecDeque<Out>,
+}
+
+struct RecvOp {
+    spec: FifoSpec,
+    comm: Option<RecvComm>,
+    hdr: Box<[u8; HDR_BYTES]>,
+    state: RState,
+    bounce: Vec<u8>,
+    /// Lowest step a message may still be about.
+    next_step: u64,
+    /// The peer sent its close message.
+    closed: bool,
+}
+
+enum RState {
+    Idle,
+    Header(Request),
+    Credit(Hdr),
+    Payload(Hdr, Request),
+}
+
+impl SendOp {
+    /// Finds newly completed steps and flag lines in the staging FIFO and queues them.
+    fn discover(&mut self) -> bool {
+        let s = self.spec;
+        let mut found = false;
+        for _ in 0..2 * FIFO_STEPS {
+            // SAFETY: the spec's addresses are valid ([`register`]).
+            let tail = unsafe { load(s.tail) };
+            let cur = self.cur;
+            if let Some(p) = self.cur_lines.or_else(|| step_lines_proto(&s, cur)) {
+                self.cur_lines = Some(p);
+                // Read before scanning: lines written before the kernel moved on are then seen.
+                let finished = tail > cur || step_lines_proto(&s, cur + 1).is_some();
+                let lines = p.buffer(&s).1;
+                let mut n = self.lines_done;
+                // SAFETY: `n` stays below the slot's lines.
+                while n < lines && unsafe { line_ready(&s, p, cur, n) } {
+                    n += 1;
+                }
+                if n > self.lines_done {
+                    let first = self.lines_done;
+                    let bytes = (n - first) * p.line_bytes();
+                    self.out.push_back(Out::new(
+                        Hdr {
+                            kind: p.kind(),
+                            nlines: (n - first) as u32,
+                            step: cur,
+                            first_line: first,
+                            bytes,
+                        },
+                        (p.line_addr(&s, cur, first), bytes),
+                        None,
+                    ));
+                    self.lines_done = n;
+                    found = true;
+                }
+                if !finished {
+                    break;
+                }
+                // Every line of `cur` was written before the kernel moved on, so the scan above
+                // saw them all: the slot can go back once the queued lines have left.
+                self.out.push_back(Out::credit(cur + 1));
+                self.cur += 1;
+                self.lines_done = 0;
+                self.cur_lines = None;
+                found = true;
+            } else if tail > cur {
+                self.out.push_back(Out::new(
+                    Hdr {
+                        kind: KIND_SIMPLE,
+                        nlines: 0,
+                        step: cur,
+                        first_line: 0,
+                        bytes: s.slot_bytes,
+                    },
+                    (s.simple + (cur % FIFO_STEPS) * s.slot_bytes, s.slot_bytes),
+                    Some(cur + 1),
+                ));
+                self.cur += 1;
+                found = true;
+            } else {
+                break;
+            }
+        }
+        found
+    }
+
+    /// Posts queued messages and retires finished ones in order; publishes credits.
+    fn progress(&mut self, net: &dyn Net) -> std::result::Result<bool, String> {
+        let mut did = self.discover();
+        let Some(comm) = self.comm.as_mut() else {
+            return Ok(did);
+        };
+        for o in self.out.iter_mut() {
+            if !o.post(net, comm)? {
+                break;
+            }
+        }
+        while let Some(o) = self.out.front_mut() {
+            if o.to_post > 0 || !o.test(net)? {
+                break;
+            }
+            if let Some(c) = o.credit {
+                // SAFETY: the head counter is valid ([`register`]).
+                unsafe { store(self.spec.head, c) };
+            }
+            self.out.pop_front();
+            did = true;
+        }
+        Ok(did)
+    }
+}
+
+impl Out {
+    fn new(h: Hdr, payload: (u64, u64), credit: Option<u64>) -> Out {
+        Out {
+            hdr: Some(h.encode()),
+            payload,
+            reqs: [None, None],
+            to_post: if payload.1 > 0 { 2 } else { 1 },
+            credit,
+        }
+    }
+    fn credit(c: u64) -> Out {
+        Out {
+            hdr: None,
+            payload: (0, 0),
+            reqs: [None, None],
+            to_post: 0,
+            credit: Some(c),
+        }
+    }
+    /// Posts what is left to post; `Ok(true)` once everything is posted.
+    fn post(&mut self, net: &dyn Net, comm: &mut SendComm) -> std::result::Result<bool, String> {
+        while self.to_post > 0 {
+            let total = if self.payload.1 > 0 { 2 } else { 1 };
+            let k = total - self.to_post as usize;
+            let (ptr, len) = match (k, &self.hdr) {
+                (0, Some(h)) => (h.as_ptr(), HDR_BYTES),
+                _ => (self.payload.0 as *const u8, self.payload.1 as usize),
+            };
+            // SAFETY: the header is boxed and lives in `self` until the request is done; the
+            // payload is a staging slot (or lines) the kernel does not touch before the credit
+            // this message carries (or a later one) is published.
+            match unsafe { net.isend(comm, ptr, len, 0) } {
+                Ok(Some(r)) => {
+                    self.reqs[k] = Some(r);
+                    self.to_post -= 1;
+                }
+                Ok(None) => return Ok(false),
+                Err(e) => return Err(e.to_string()),
+            }
+        }
+        Ok(true)
+    }
+    /// Whether every request of this message has finished.
+    fn test(&mut self, net: &dyn Net) -> std::result::Result<bool, String> {
+        for slot in &mut self.reqs {
+            if let Some(r) = slot {
+                match net.test(r) {
+                    Ok(Some(_)) => *slot = None,
+                    Ok(None) => return Ok(false),
+                    Err(e) => return Err(e.to_string()),
+                }
+            }
+        }
+        Ok(true)
+    }
+}
+
+impl RecvOp {
+    fn progress(&mut self, net: &dyn Net) -> std::result::Result<bool, String> {
+        let s = self.spec;
+        let mut did = false;
+        loop {
+            if self.closed {
+                return Ok(did);
+            }
+            let Some(comm) = self.comm.as_mut() else {
+                return Ok(did);
+            };
+            match std::mem::replace(&mut self.state, RState::Idle) {
+                RState::Idle => {
+                    // SAFETY: the header buffer is boxed in `self` and outlives the request.
+                    match unsafe { net.irecv(comm, self.hdr.as_mut_ptr(), HDR_BYTES, 0) } {
+                        Ok(Some(r)) => self.state = RState::Header(r),
+                        Ok(None) => return Ok(did),
+                        Err(e) => return Err(e.to_string()),
+                    }
+                }
+                RState::Header(mut r) => match net.test(&mut r).map_err(|e| e.to_string())? {
+                    None => {
+                        self.state = RState::Header(r);
+                        return Ok(did);
+                    }
+                    Some(n) => {
+                        did = true;
+                        let h = Hdr::decode(&self.hdr);
+                        if n != HDR_BYTES {
+                            return Err(format!(
+                                "rank {}: a {n}-byte message arrived for a header",
+                                s.peer
+                            ));
+                        }
+                        if h.kind == KIND_CLOSE {
+                            self.closed = true;
+                            return Ok(did);
+                        }
+                        self.check(&h)?;
+                        self.state = RState::Credit(h);
+                    }
+                },
+                RState::Credit(h) => {
+                    // SAFETY: the head counter is valid ([`register`]).
+                    if unsafe { load(s.head) } + FIFO_STEPS <= h.step {
+                        self.state = RState::Credit(h);
+                        return Ok(did);
+                    }
+                    let dst = if h.kind == KIND_SIMPLE {
+                        (s.simple + (h.step % FIFO_STEPS) * s.slot_bytes) as *mut u8
+                    } else {
+                        self.bounce.as_mut_ptr()
+                    };
+                    // SAFETY: the kernel has freed this slot (credit checked above) and reads it
+                    // only after the tail moves; the bounce buffer is ours. Both outlive the
+                    // request.
+                    match unsafe { net.irecv(comm, dst, h.bytes as usize, 0) } {
+                        Ok(Some(r)) => self.state = RState::Payload(h, r),
+                        Ok(None) => {
+                            self.state = RState::Credit(h);
+                            return Ok(did);
+                        }
+                        Err(e) => return Err(e.to_string()),
+                    }
+                }
+                RState::Payload(h, mut r) => match net.test(&mut r).map_err(|e| e.to_string())? {
+                    None => {
+                        self.state = RState::Payload(h, r);
+                        return Ok(did);
+                    }
+                    Some(n) => {
+                        did = true;
+                        if n as u64 != h.bytes {
+                            return Err(format!(
+                                "rank {}: step {}: {n} bytes arrived, the header announced {}",
+                                s.peer, h.step, h.bytes
+                            ));
+                        }
+                        match Lines::of_kind(h.kind) {
+                            None => {
+                                // SAFETY: the tail counter is valid ([`register`]).
+                                unsafe { store(s.tail, h.step + 1) };
+                                self.next_step = h.step + 1;
+                            }
+                            Some(p) => {
+                                self.publish_lines(&h, p);
+                                self.next_step = h.step;
+                            }
+                        }
+                    }
+                },
+            }
+        }
+    }
+
+    /// Refuses a header that does not fit this connection.
+    fn check(&self, h: &Hdr) -> std::result::Result<(), String> {
+        let s = &self.spec;
+        let ok = h.step >= self.next_step
+            && match (h.kind, Lines::of_kind(h.kind)) {
+                (KIND_SIMPLE, _) => h.bytes == s.slot_bytes,
+                (_, Some(p)) => {
+                    let (base, lines) = p.buffer(s);
+                    base != 0
+                        && h.nlines > 0
+                        && h.first_line + h.nlines as u64 <= lines
+                        && h.bytes == h.nlines as u64 * p.line_bytes()
+                }
+                _ => false,
+            };
+        if ok {
+            Ok(())
+        } else {
+            Err(format!(
+                "rank {}: malformed message on channel {} ({h:?}, next step {}, slot {} bytes, {} LL lines, {} LL128 lines)",
+                s.peer, s.channel, self.next_step, s.slot_bytes, s.step_lines, s.ll128_lines
+            ))
+        }
+    }
+
+    /// Writes received lines into their slot as the kernel's line stores do: LL lines as low
+    /// half (data1, flag1) then high half (data2, flag2), both release; LL128 lines as the 15 data
+    /// words, then the flag word with release.
+    fn publish_lines(&self, h: &Hdr, p: Lines) {
+        let s = &self.spec;
+        let lb = p.line_bytes() as usize;
+        for (i, line) in self.bounce[..h.bytes as usize].chunks_exact(lb).enumerate() {
+            let at = p.line_addr(s, h.step, h.first_line + i as u64);
+            let word = |k: usize| u64::from_ne_bytes(line[8 * k..8 * k + 8].try_into().unwrap_or([0; 8]));
+            // SAFETY: inside the slot (checked in `check`); the kernel freed it (credit checked)
+            // and reads a line's data only after its flag, which is stored last.
+            unsafe {
+                match p {
+                    Lines::Ll => {
+                        store(at, word(0));
+                        store(at + 8, word(1));
+                    }
+                    Lines::Ll128 => {
+                        std::ptr::copy_nonoverlapping(line.as_ptr(), at as *mut u8, 120);
+                        store(at + 120, word(15));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// One registered communicator in the proxy.
+struct CommOps {
+    id: u64,
+    rank: usize,
+    abort_flag: u64,
+    net: Arc<dyn Net>,
+    sends: Vec<SendOp>,
+    recvs: Vec<RecvOp>,
+    error: Arc<Mutex<Option<String>>>,
+    /// Connections are closed (failure or abort): nothing is progressed any more.
+    failed: bool,
+    /// Unregistering: (deadline, ack, close messages queued).
+    closing: Option<(Instant, Sender<()>, bool)>,
+}
+
+impl CommOps {
+    fn new(id: u64, c: ProxyComm, error: Arc<Mutex<Option<String>>>) -> CommOps {
+        let sends = c
+            .sends
+            .into_iter()
+            .map(|(spec, comm)| SendOp {
+                spec,
+                comm: Some(comm),
+                cur: spec.step,
+                lines_done: 0,
+                cur_lines: None,
+                out: VecDeque::new(),
+            })
+            .collect();
+        let recvs = c
+            .recvs
+            .into_iter()
+            .map(|(spec, comm)| RecvOp {
+                spec,
+                comm: Some(comm),
+                hdr: Box::new([0; HDR_BYTES]),
+                state: RState::Idle,
+                bounce: vec![0; (spec.step_lines * 16).max(spec.ll128_lines * 128) as usize],
+                next_step: spec.step,
+                closed: false,
+            })
+            .collect();
+        tracing::debug!(target: "oxccl::proxy", rank = c.rank, net = c.net.name(), "communicator registered");
+        CommOps {
+            id,
+            rank: c.rank,
+            abort_flag: c.abort_flag,
+            net: c.net,
+            sends,
+            recvs,
+            error,
+            failed: false,
+            closing: None,
+        }
+    }
+
+    fn abort_flag(&self) -> &AtomicU32 {
+        // SAFETY: the flag stays valid while registered ([`register`]); accessed atomically.
+        unsafe { AtomicU32::from_ptr(self.abort_flag as *mut u32) }
+    }
+
+    /// Closes every connection (peers see the stream end without a close message).
+    fn close_all(&mut self) {
+        for s in &mut self.sends {
+            s.out.clear();
+            if let Some(c) = s.comm.take()
+                && let Err(e) = self.net.close_send(c)
+            {
+                tracing::debug!(target: "oxccl::proxy", rank = self.rank, "close: {e}");
+            }
+        }
+        for r in &mut self.recvs {
+            r.state = RState::Idle;
+            if let Some(c) = r.comm.take()
+                && let Err(e) = self.net.close_recv(c)
+            {
+                tracing::debug!(target: "oxccl::proxy", rank = self.rank, "close: {e}");
+            }
+        }
+        self.failed = true;
+    }
+
+    /// A connection failed: record, raise the abort flag so kernels exit, close everything.
+    fn fail(&mut self, what: String) {
+        if self.closing.is_some() {
+            tracing::debug!(target: "oxccl::proxy", rank = self.rank, "while closing: {what}");
+        } else {
+            tracing::error!(target: "oxccl::proxy", rank = self.rank, "{what}; aborting the communicator");
+            self.error
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get_or_insert(what);
+            let _ =
+                self.abort_flag()
+                    .compare_exchange(0, ABORTED_BY_PEER, Ordering::AcqRel, Ordering::Acquire);
+        }
+        self.close_all();
+    }
+
+    /// One round over every connection; whether anything moved.
+    fn progress(&mut self) -> bool {
+        if self.failed {
+            return false;
+        }
+        if self.closing.is_none() && self.abort_flag().load(Ordering::Acquire) != 0 {
+            tracing::debug!(target: "oxccl::proxy", rank = self.rank, "abort flag raised: closing the connections");
+            self.close_all();
+            return true;
+        }
+        let mut did = false;
+        let net = self.net.clone();
+        let mut failure = None;
+        for s in &mut self.sends {
+            match s.progress(net.as_ref()) {
+                Ok(d) => did |= d,
+                Err(e) => {
+                    failure = Some(format!(
+                        "rank {}: NET send to rank {} (channel {}): {e}",
+                        self.rank, s.spec.peer, s.spec.channel
+                    ));
+                    break;
+                }
+            }
+        }
+        if failure.is_none() && self.closing.is_none() {
+            for r in &mut self.recvs {
+                match r.progress(net.as_ref()) {
+                    Ok(d) => did |= d,
+                    Err(e) => {
+                        failure = Some(format!(
+                            "rank {}: NET receive from rank {} (channel {}): {e}",
+                            self.rank, r.spec.peer, r.spec.channel
+                        ));
+                        break;
+                    }
+                }
+            }
+        }
+        if let Some(f) = failure {
+            self.fail(f);
+            return true;
+        }
+        did
+    }
+
+    /// While unregistering: queues close messages once everything staged has left; returns
+    /// `true` (and acknowledges) once the communicator can go.
+    fn finish_if_closed(&mut self) -> bool {
+        let Some((deadline, _, queued)) = &mut self.closing else {
+            return false;
+        };
+        let drained = self.sends.iter().all(|s| s.out.is_empty());
+        let done = self.failed || (drained && *queued) || Instant::now() > *deadline;
+        if !done && drained && !*queued {
+            *queued = true;
+            for s in &mut self.sends {
+                s.out.push_back(Out::new(
+                    Hdr {
+                        kind: KIND_CLOSE,
+                        nlines: 0,
+                        step: s.cur,
+                        first_line: 0,
+                        bytes: 0,
+                    },
+                    (0, 0),
+                    None,
+                ));
+            }
+            return false;
+        }
+        if !done {
+            return false;
+        }
+        if !self.failed {
+            self.close_all();
+        }
+        if let Some((_, ack, _)) = self.closing.take() {
+            let _ = ack.send(());
+        }
+        tracing::debug!(target: "oxccl::proxy", rank = self.rank, "communicator unregistered");
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn headers_round_trip() {
+        let h = Hdr {
+            kind: KIND_LL,
+            nlines: 7,
+            step: (1 << 40) + 3,
+            first_line: 9,
+            bytes: 112,
+        };
+        assert_eq!(Hdr::decode(&h.encode()), h);
+    }
+}

@@ -1,0 +1,453 @@
+//! Transports: how a rank's ring connections reach its neighbours (NCCL's `transport.cc`,
+//! `transport/{p2p,shm,net}.cc`).
+//!
+//! For every ring neighbour the first transport that can connect the pair is used, in NCCL's order
+//! ([`select_transport`]):
+//!
+//! | transport | can connect when | the kernel's pointers point at |
+//! |---|---|---|
+//! | P2P | both ranks are CUDA devices of one host, `NCCL_P2P_DISABLE` unset on both | the peer's device memory |
+//! | SHM | both ranks are on one host, `NCCL_SHM_DISABLE` unset on both | the peer's `/dev/shm` segment |
+//! | NET | always | a local staging FIFO that the proxy thread ([`crate::proxy`]) sends over the network |
+//!
+//! "One host" means equal host ids: the host name, or `OXCCL_HOSTID` when set (so tests can make
+//! "hosts" inside one machine). The choice is made from both ranks' information, which the ranks
+//! all-gather first, so the two ends always agree. The network is the one `NCCL_NET` names
+//! (case-insensitively; default: the first available, the socket network [`net_socket`]); an
+//! unknown name is an error listing the available ones (NCCL's `initNet`). Connection handles are
+//! exchanged through the bootstrap (NCCL's `ncclTransportP2pSetup`).
+pub mod net;
+pub mod net_socket;
+
+use crate::bootstrap::Bootstrap;
+use crate::cpu::HostMem;
+use crate::error::{Error, Result};
+use crate::mem::Device;
+use crate::proxy::{FifoSpec, ProxyComm, ProxyHandle};
+use net::{NET_HANDLE_BYTES, Net, NetHandle};
+use oxccl_gpu::abi::{FIFO_STEPS, PACK_BYTES};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// A transport (NCCL's `ncclTransport`: `p2pTransport`, `shmTransport`, `netTransport`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum TransportKind {
+    /// Direct device memory access between GPUs of one host.
+    P2p,
+    /// Host shared memory between processes of one host.
+    Shm,
+    /// The network, driven by the proxy thread.
+    Net,
+}
+
+impl std::fmt::Display for TransportKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            TransportKind::P2p => "P2P",
+            TransportKind::Shm => "SHM",
+            TransportKind::Net => "NET",
+        })
+    }
+}
+
+/// What transport selection knows about one rank (NCCL's `ncclPeerInfo`, the parts that matter).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PeerInfo {
+    /// A CUDA device (else a CPU-target device).
+    pub cuda: bool,
+    /// Host id: host name or `OXCCL_HOSTID` (NCCL's `hostHash`).
+    pub host: String,
+    /// `NCCL_P2P_DISABLE=1` on this rank.
+    pub p2p_disable: bool,
+    /// `NCCL_SHM_DISABLE=1` on this rank.
+    pub shm_disable: bool,
+}
+
+/// Reads a 0/1 switch `OXCCL_<name>` / `NCCL_<name>` (unset: off). Errors name the variable and
+/// the accepted values.
+pub fn env_switch(name: &str) -> Result<bool> {
+    match crate::params::env_var(name) {
+        None => Ok(false),
+        Some((key, v)) => match v.trim() {
+            "0" | "" => Ok(false),
+            "1" => Ok(true),
+            _ => Err(Error::invalid(format!(
+                "{key}={v:?} is not 0 or 1 (accepted: 0, 1)"
+            ))),
+        },
+    }
+}
+
+impl PeerInfo {
+    /// This rank's information: `cuda` and `host` from init, the switches from the environment
+    /// (`NCCL_P2P_DISABLE`, `NCCL_SHM_DISABLE`).
+    pub fn local(cuda: bool, host: &str) -> Result<PeerInfo> {
+        Ok(PeerInfo {
+            cuda,
+            host: host.to_string(),
+            p2p_disable: env_switch("P2P_DISABLE")?,
+            shm_disable: env_switch("SHM_DISABLE")?,
+        })
+    }
+
+    fn encode(&self) -> Vec<u8> {
+        format!(
+            "{}\n{}\n{}\n{}",
+            u8::from(self.cuda),
+            u8::from(self.p2p_disable),
+            u8::from(self.shm_disable),
+            self.host
+        )
+        .into_bytes()
+    }
+
+    fn decode(b: &[u8]) -> Option<PeerInfo> {
+        let s = String::from_utf8_lossy(b);
+        let mut it = s.splitn(4, '\n');
+        let flag = |x: Option<&str>| x.map(|v| v == "1");
+        Some(PeerInfo {
+            cuda: flag(it.next())?,
+            p2p_disable: flag(it.next())?,
+            shm_disable: flag(it.next())?,
+            host: it.next()?.to_string(),
+        })
+    }
+}
+
+/// The transport between ranks `a` and `b`: the first of P2P, SHM, NET that can connect them
+/// (NCCL's `selectTransport` over `canConnect`). Symmetric in `a` and `b`.
+pub fn select_transport(a: &PeerInfo, b: &PeerInfo) -> TransportKind {
+    let same_host = a.host == b.host;
+    if same_host && a.cuda && b.cuda && !a.p2p_disable && !b.p2p_disable {
+        TransportKind::P2p
+    } else if same_host && !a.shm_disable && !b.shm_disable {
+        TransportKind::Shm
+    } else {
+        TransportKind::Net
+    }
+}
+
+/// Names of the networks this process can use, in order of preference (NCCL's `ncclNets`).
+pub fn available_nets() -> Vec<String> {
+    vec!["Socket".to_string()]
+}
+
+/// The network `NCCL_NET` (or `OXCCL_NET`) asks for, checked against [`available_nets`]
+/// (case-insensitively, as NCCL's `initNet`); `None` when unset.
+///
+/// Errors: `InvalidArgument` for an unknown name, listing the available networks.
+pub fn wanted_net() -> Result<Option<String>> {
+    let Some((key, v)) = crate::params::env_var("NET").filter(|(_, v)| !v.trim().is_empty()) else {
+        return Ok(None);
+    };
+    let avail = available_nets();
+    match avail.iter().find(|n| n.eq_ignore_ascii_case(v.trim())) {
+        Some(n) => Ok(Some(n.clone())),
+        None => Err(Error::invalid(format!(
+            "{key}={v:?}: no network of that name (available: {})",
+            avail.join(", ")
+        ))),
+    }
+}
+
+/// The network to use: [`wanted_net`], else the first available one. The socket network listens
+/// on the `NCCL_SOCKET_IFNAME` interface, else on `near`'s interface (the bootstrap's).
+///
+/// Errors: those of [`wanted_net`] and of [`net_socket::NetSocket::from_env`].
+pub fn net_from_env(near: Option<std::net::IpAddr>) -> Result<Arc<dyn Net>> {
+    let _name = wanted_net()?;
+    Ok(Arc::new(net_socket::NetSocket::from_env(near)?))
+}
+
+/// Addresses of one channel's connection memory inside a rank's connection block (what
+/// `ConnLayout` in `comm.rs` computes): Simple buffer, LL buffer, head and tail counters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FifoAddrs {
+    pub simple: u64,
+    pub ll: u64,
+    pub ll128: u64,
+    pub head: u64,
+    pub tail: u64,
+}
+
+/// What [`connect_net`] needs from `Comm::init_rank`.
+pub struct RingSetup<'a> {
+    pub bootstrap: &'a Bootstrap,
+    pub rank: usize,
+    pub nranks: usize,
+    pub device: Device,
+    /// Every rank's host id, by rank.
+    pub hosts: &'a [String],
+    pub nch: u32,
+    /// Bytes of one rank's connection block.
+    pub block_bytes: usize,
+    /// The addresses of channel `c` in the block at `base`.
+    pub fifo: &'a dyn Fn(u64, u64) -> FifoAddrs,
+    /// Simple buffer bytes per connection (`NCCL_BUFFSIZE`).
+    pub buffsize: u64,
+    /// LL buffer bytes per connection (0: none).
+    pub ll_buffsize: u64,
+    /// LL128 buffer bytes per connection (0: none).
+    pub ll128_buffsize: u64,
+    /// First step of every connection.
+    pub initial_step: u64,
+    /// Address of this rank's `u32` abort flag.
+    pub abort_flag: u64,
+}
+
+/// Resources of a rank's NET connections: the proxy registration and the local staging blocks.
+/// Dropping it first unregisters from the proxy (flushing staged steps), then frees the blocks.
+pub struct NetResources {
+    handle: ProxyHandle,
+    _blocks: Vec<HostMem>,
+}
+
+impl NetResources {
+    /// The first failure of a NET connection ([`ProxyHandle::error`]).
+    pub fn error(&self) -> Option<Error> {
+        self.handle.error()
+    }
+}
+
+/// Bootstrap tag of the handle of channel `c` (NET connection setup).
+const HANDLE_TAG: u32 = 0x4e45_5400;
+/// Pause between `connect`/`accept` polls during setup.
+const SETUP_POLL: Duration = Duration::from_millis(1);
+
+/// Connects this rank's ring neighbours that need the NET transport (part of `Comm::init_rank`'s
+/// per-neighbour setup, NCCL's `ncclTransportP2pSetup` for `netTransport`): selects every
+/// neighbour's transport ([`select_transport`]), and for each NET neighbour sets
+/// `conn_base[peer]` to a local block (the staging FIFOs of the send connection, the head
+/// counters of the receive connection), connects one network connection per channel and
+/// direction, and hands them to the proxy thread. Other neighbours are left alone
+/// (`conn_base[peer]` untouched) for `init_rank`'s SHM/P2P setup. Returns `None` when no neighbour
+/// uses NET, and at once for CUDA devices (NET for GPUs is not implemented: they use P2P/SHM). Every
+/// CPU-target rank must call it at the same point of init (it all-gathers through the bootstrap).
+///
+/// Errors: bad `NCCL_P2P_DISABLE` / `NCCL_SHM_DISABLE` / `NCCL_NET` values (`InvalidArgument`),
+/// bootstrap failures, a peer that does not connect within the bootstrap timeout (`Timeout`).
+///
+/// # Safety
+/// `conn_base[setup.rank]` is this rank's connection block (`setup.block_bytes` bytes, laid out as
+/// `setup.fifo` says) and `setup.abort_flag` its abort flag; both stay valid until the returned
+/// resources are dropped.
+pub unsafe fn connect_net(setup: &RingSetup<'_>, conn_base: &mut [u64]) -> Result<Option<NetResources>> {
+    let s = setup;
+    let (rank, nranks) = (s.rank, s.nranks);
+    if s.device.is_cuda() || nranks == 1 {
+        return Ok(None);
+    }
+    let me = PeerInfo::local(false, &s.hosts[rank])?;
+    wanted_net()?;
+    let infos: Vec<PeerInfo> = s
+        .bootstrap
+        .allgather(&me.encode())?
+        .iter()
+        .enumerate()
+        .map(|(r, b)| {
+            PeerInfo::decode(b)
+                .ok_or_else(|| Error::Remote(format!("rank {r} sent malformed transport information")))
+        })
+        .collect::<Result<_>>()?;
+    let (next, prev) = ((rank + 1) % nranks, (rank + nranks - 1) % nranks);
+    let mut blocks = Vec::new();
+    let mut kinds = vec![None; nranks];
+    for peer in [next, prev] {
+        if kinds[peer].is_some() {
+            continue;
+        }
+        let kind = select_transport(&infos[rank], &infos[peer]);
+        kinds[peer] = Some(kind);
+        match kind {
+            TransportKind::P2p | TransportKind::Shm => {}
+            TransportKind::Net => {
+                let blk = HostMem::zeroed(s.block_bytes)?;
+                for c in 0..s.nch as u64 {
+                    let f = (s.fifo)(blk.addr(), c);
+                    for at in [f.head, f.tail] {
+                        // SAFETY: the counters lie inside the fresh block; no one else uses it.
+                        unsafe { (at as *mut u64).write(s.initial_step) };
+                    }
+                }
+                conn_base[peer] = blk.addr();
+                blocks.push(blk);
+            }
+        }
+    }
+    let send_net = kinds[next] == Some(TransportKind::Net);
+    let recv_net = kinds[prev] == Some(TransportKind::Net);
+    let near = s.bootstrap.addrs().get(rank).map(|a| a.ip());
+    let net = if send_net || recv_net {
+        Some(net_from_env(near)?)
+    } else {
+        None
+    };
+    for c in 0..s.nch {
+        for (dir, peer) in [("->", next), ("<-", prev)] {
+            let via = match (kinds[peer], &net) {
+                (Some(TransportKind::Net), Some(n)) => format!("NET/{}/0", n.name()),
+                (Some(k), _) => k.to_string(),
+                (None, _) => continue,
+            };
+            tracing::info!(target: "oxccl::transport", "Channel {c:02} : {rank} {dir} {peer} via {via}");
+        }
+    }
+    let Some(net) = net else {
+        return Ok(None);
+    };
+    let timeout = s.bootstrap.timeout();
+    // Listen for each channel of the receive side and publish the handles to prev.
+    let mut listens = Vec::new();
+    if recv_net {
+        for c in 0..s.nch {
+            let (h, l) = net.listen(0)?;
+            s.bootstrap.send(prev, HANDLE_TAG + c, &h)?;
+            listens.push(l);
+        }
+    }
+    // Connect each channel of the send side to next's listener.
+    let mut sends = Vec::new();
+    if send_net {
+        for c in 0..s.nch {
+            let got = s.bootstrap.recv(next, HANDLE_TAG + c)?;
+            let h: NetHandle = got.as_slice().try_into().map_err(|_| {
+                Error::Remote(format!(
+                    "rank {next} sent a {}-byte NET handle for channel {c} (expected {NET_HANDLE_BYTES})",
+                    got.len()
+                ))
+            })?;
+            let deadline = Instant::now() + timeout;
+            let comm = loop {
+                if let Some(comm) = net.connect(0, &h)? {
+                    break comm;
+                }
+                if Instant::now() > deadline {
+                    return Err(Error::Timeout(format!(
+                        "rank {rank}: NET/{}: connecting channel {c} to rank {next} took more than {:.1} s",
+                        net.name(),
+                        timeout.as_secs_f64()
+                    )));
+                }
+                std::thread::sleep(SETUP_POLL);
+            };
+            let f_stage = (s.fifo)(conn_base[next], c as u64);
+            let f_own = (s.fifo)(conn_base[rank], c as u64);
+            sends.push((spec(s, next, c, f_stage, f_own.head, f_stage.tail), comm));
+        }
+    }
+    // Accept prev's connection on each channel's listener.
+    let mut recvs = Vec::new();
+    for (c, mut l) in listens.into_iter().enumerate() {
+        let deadline = Instant::now() + timeout;
+        let comm = loop {
+            if let Some(comm) = net.accept(&mut l)? {
+                break comm;
+            }
+            if Instant::now() > deadline {
+                return Err(Error::Timeout(format!(
+                    "rank {rank}: NET/{}: rank {prev} did not connect channel {c} within {:.1} s",
+                    net.name(),
+                    timeout.as_secs_f64()
+                )));
+            }
+            std::thread::sleep(SETUP_POLL);
+        };
+        net.close_listen(l)?;
+        let f_own = (s.fifo)(conn_base[rank], c as u64);
+        let f_sink = (s.fifo)(conn_base[prev], c as u64);
+        recvs.push((spec(s, prev, c as u32, f_own, f_sink.head, f_own.tail), comm));
+    }
+    tracing::debug!(target: "oxccl::transport", rank, net = net.name(), sends = sends.len(), recvs = recvs.len(),
+        "NET connections ready");
+    let comm = ProxyComm {
+        rank,
+        abort_flag: s.abort_flag,
+        net,
+        sends,
+        recvs,
+    };
+    // SAFETY: the FIFOs and counters are in this rank's block (caller's contract) and in
+    // `blocks`, which the returned resources drop only after the registration.
+    let handle = unsafe { crate::proxy::register(s.device, comm)? };
+    Ok(Some(NetResources {
+        handle,
+        _blocks: blocks,
+    }))
+}
+
+/// The proxy's view of one connection: data and tail from `fifo`, the other counter `head`.
+fn spec(s: &RingSetup<'_>, peer: usize, channel: u32, fifo: FifoAddrs, head: u64, tail: u64) -> FifoSpec {
+    FifoSpec {
+        peer,
+        channel,
+        simple: fifo.simple,
+        slot_bytes: s.buffsize / FIFO_STEPS / PACK_BYTES * PACK_BYTES,
+        ll: if s.ll_buffsize > 0 { fifo.ll } else { 0 },
+        step_lines: s.ll_buffsize / FIFO_STEPS / 16,
+        ll128: if s.ll128_buffsize > 0 { fifo.ll128 } else { 0 },
+        ll128_lines: s.ll128_buffsize / FIFO_STEPS / 128,
+        head,
+        tail,
+        step: s.initial_step,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info(cuda: bool, host: &str, p2p_disable: bool, shm_disable: bool) -> PeerInfo {
+        PeerInfo {
+            cuda,
+            host: host.into(),
+            p2p_disable,
+            shm_disable,
+        }
+    }
+
+    #[test]
+    fn selection_follows_p2p_shm_net_and_is_symmetric() {
+        use TransportKind::*;
+        let cases = [
+            // (a, b, expected)
+            (
+                info(true, "h1", false, false),
+                info(true, "h1", false, false),
+                P2p,
+            ),
+            (info(true, "h1", true, false), info(true, "h1", false, false), Shm),
+            (info(true, "h1", true, false), info(true, "h1", false, true), Net),
+            (
+                info(false, "h1", false, false),
+                info(false, "h1", false, false),
+                Shm,
+            ),
+            (
+                info(false, "h1", false, true),
+                info(false, "h1", false, false),
+                Net,
+            ),
+            (
+                info(false, "h1", false, false),
+                info(false, "h2", false, false),
+                Net,
+            ),
+            (
+                info(true, "h1", false, false),
+                info(true, "h2", false, false),
+                Net,
+            ),
+        ];
+        for (a, b, want) in cases {
+            assert_eq!(select_transport(&a, &b), want, "{a:?} {b:?}");
+            assert_eq!(select_transport(&b, &a), want, "{b:?} {a:?}");
+        }
+    }
+
+    #[test]
+    fn peer_info_round_trips() {
+        let p = info(false, "node-7\nodd", true, false);
+        assert_eq!(PeerInfo::decode(&p.encode()), Some(p));
+        assert_eq!(PeerInfo::decode(b"1\n0"), None);
+    }
+}
