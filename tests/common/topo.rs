@@ -88,3 +88,35 @@ pub fn cube_mesh_nvlinks(dev: usize, bus: &[String]) -> Vec<NvLinkFill> {
         .map(|j| NvLinkFill::gpu(&bus[j], CUBE_MESH[dev][j]))
         .collect()
 }
+
+/// The system of fixture `name` (tests/topo/), paths computed with NCCL's defaults (no
+/// environment variables read).
+pub fn load(name: &str) -> oxccl::topo::System {
+    let xml = Xml::from_file(fixture(name)).unwrap_or_else(|e| panic!("{name}: {e}"));
+    oxccl::topo::System::from_xml_with(xml, oxccl::topo::PathOptions::default())
+        .unwrap_or_else(|e| panic!("{name}: {e}"))
+}
+
+/// Fixtures written for the graph search (tests/graph.rs), with what they model:
+/// - `dgx-h100-topo.xml`: DGX-H100-like, 8 × H100 (sm90) with 18 NVLinks each to 4 NVSwitches
+///   (5 + 4 + 4 + 5 links, NCCL merges them into one NVS node), 4 PCIe Gen5 switches of 2 GPUs,
+///   2 Sapphire Rapids sockets, no compute NICs.
+/// - `pcie-8gpu-2socket-topo.xml`: 8 PCIe GPUs (sm89, no NVLink, Gen4 x16 = 24 GB/s), 2 per PCIe
+///   Gen4 switch, 2 switches per Sapphire Rapids socket (22 GB/s between sockets).
+/// - `nvlink-mesh-4gpu-topo.xml`: 4 × sm80 GPUs, all pairs NVLinked with unequal counts
+///   ([`MESH4`]), 6 links (120 GB/s) per GPU, one Ice Lake CPU.
+/// - `dgx-h100-net-node0-topo.xml`, `dgx-h100-net-node1-topo.xml`: the two nodes of a 16-GPU job
+///   (ranks 0-7 and 8-15, distinct `host_hash`), as NCCL models several nodes: each rank's
+///   system holds its own node only, the network reached through NET nodes. Each node: 8 × H100
+///   on 4 NVSwitches (18 links), each GPU sharing a PCIe Gen5 switch (48 GB/s) with one 400 Gb/s
+///   NIC (50 GB/s, own guid), 4 switches per socket.
+pub const GRAPH_FIXTURES: [&str; 5] = [
+    "dgx-h100-topo.xml",
+    "pcie-8gpu-2socket-topo.xml",
+    "nvlink-mesh-4gpu-topo.xml",
+    "dgx-h100-net-node0-topo.xml",
+    "dgx-h100-net-node1-topo.xml",
+];
+
+/// NVLink counts between the GPUs of `nvlink-mesh-4gpu-topo.xml` (symmetric).
+pub const MESH4: [[u32; 4]; 4] = [[0, 3, 1, 2], [3, 0, 2, 1], [1, 2, 0, 3], [2, 1, 3, 0]];
