@@ -234,3 +234,49 @@ fn from_env_names_missing_or_bad_variables() {
         std::env::remove_var("WORLD_SIZE");
     }
 }
+
+/// `oxccl perf --procs 3` on the CPU target: three processes, one rank each, bootstrapped through
+/// one unique id; rank 0 prints one row per size with zero wrong elements.
+#[test]
+fn perf_procs_runs_ranks_as_processes() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_oxccl"))
+        .args([
+            "perf",
+            "all-reduce",
+            "--backend",
+            "cpu",
+            "--procs",
+            "3",
+            "-b",
+            "4K",
+            "-e",
+            "256K",
+            "-f",
+            "8",
+            "-n",
+            "2",
+            "-w",
+            "1",
+        ])
+        .output()
+        .expect("run oxccl");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("# nranks 3 (3 processes"), "{text}");
+    let rows: Vec<Vec<&str>> = text
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    // Sizes 4K, 32K, 256K (factor 8); float elements = bytes / 4; #wrong (columns 8 and 12) 0.
+    let sizes: Vec<&str> = rows.iter().map(|r| r[0]).collect();
+    assert_eq!(sizes, ["4096", "32768", "262144"], "{text}");
+    for r in &rows {
+        assert_eq!(r[1], (r[0].parse::<usize>().unwrap() / 4).to_string());
+        assert_eq!((r[8], r[12]), ("0", "0"), "{text}");
+    }
+}

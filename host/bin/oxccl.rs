@@ -121,6 +121,10 @@ struct PerfArgs {
     /// Number of ranks (CPU target; on GPUs at most the visible count, default all).
     #[arg(long)]
     ranks: Option<usize>,
+    /// Run N ranks as N processes of this binary (rank r on GPU r, or on CPU-target device r),
+    /// bootstrapped through one unique id (Comm::init_rank); rank 0 prints the results.
+    #[arg(long, value_name = "N")]
+    procs: Option<usize>,
     /// Where to run.
     #[arg(long, value_enum, default_value_t = BackendArg::Auto)]
     backend: BackendArg,
@@ -204,6 +208,123 @@ fn main() -> ExitCode {
     }
 }
 
+/// This process's rank when `oxccl perf --procs` started it (environment set by [`perf_spawn`]).
+struct ProcRank {
+    rank: usize,
+    nranks: usize,
+    id: oxccl::bootstrap::UniqueId,
+    device: Device,
+}
+
+/// The rank `perf_spawn` gave this process, if any: `OXCCL_PERF_RANK`, `OXCCL_PERF_NRANKS`,
+/// `OXCCL_PERF_ID` (hex unique id) and `OXCCL_PERF_GPU` (1: rank r on GPU r).
+fn proc_rank() -> Result<Option<ProcRank>, Box<dyn std::error::Error>> {
+    let Ok(rank) = std::env::var("OXCCL_PERF_RANK") else {
+        return Ok(None);
+    };
+    let var = |k: &str| std::env::var(k).map_err(|_| format!("{k} is not set (OXCCL_PERF_RANK is)"));
+    let num = |k: &str, v: String| v.parse::<usize>().map_err(|_| format!("{k}={v:?} is not a number"));
+    let rank = num("OXCCL_PERF_RANK", rank)?;
+    let nranks = num("OXCCL_PERF_NRANKS", var("OXCCL_PERF_NRANKS")?)?;
+    let hex = var("OXCCL_PERF_ID")?;
+    let bytes: Vec<u8> = (0..hex.len() / 2)
+        .map(|i| u8::from_str_radix(hex.get(2 * i..2 * i + 2).unwrap_or("?"), 16))
+        .collect::<Result<_, _>>()
+        .map_err(|_| format!("OXCCL_PERF_ID={hex:?} is not hex"))?;
+    let id = oxccl::bootstrap::UniqueId::from_bytes(&bytes)?;
+    let device = if var("OXCCL_PERF_GPU")? == "1" {
+        Device::Cuda(rank)
+    } else {
+        Device::Cpu(rank)
+    };
+    Ok(Some(ProcRank {
+        rank,
+        nranks,
+        id,
+        device,
+    }))
+}
+
+/// `oxccl perf --procs N`: starts N processes of this binary with the same arguments, one rank
+/// each, bootstrapped through a fresh unique id; rank 0's output is this command's. Returns the
+/// first failing rank's exit status (the other ranks are then stopped, as they could only wait).
+fn perf_spawn(a: &PerfArgs, n: usize) -> Result<ExitCode, Box<dyn std::error::Error>> {
+    if a.compare.is_some() || a.backend == BackendArg::Nccl {
+        return Err("--procs runs oxccl only: drop --compare and --backend nccl".into());
+    }
+    if a.ranks.is_some() {
+        return Err("--procs N sets the number of ranks: drop --ranks".into());
+    }
+    let ngpu = Device::cuda_count();
+    let gpu = match a.backend {
+        BackendArg::Cuda if ngpu == 0 => {
+            return Err("no CUDA GPU is visible (no driver or no device); use --backend cpu".into());
+        }
+        BackendArg::Cuda => true,
+        BackendArg::Auto => ngpu > 0,
+        BackendArg::Cpu | BackendArg::Nccl => false,
+    };
+    let limit = if gpu { ngpu } else { 64 };
+    if n == 0 || n > limit {
+        return Err(format!(
+            "--procs {n} is out of range (accepted: 1..={limit}, {})",
+            if gpu {
+                "one process per visible GPU"
+            } else {
+                "CPU-target ranks"
+            }
+        )
+        .into());
+    }
+    let id = oxccl::bootstrap::get_unique_id()?;
+    let hex: String = id.to_bytes().iter().map(|b| format!("{b:02x}")).collect();
+    let exe = std::env::current_exe()?;
+    let mut children = Vec::with_capacity(n);
+    for r in 0..n {
+        let child = std::process::Command::new(&exe)
+            .args(std::env::args_os().skip(1))
+            .env("OXCCL_PERF_RANK", r.to_string())
+            .env("OXCCL_PERF_NRANKS", n.to_string())
+            .env("OXCCL_PERF_ID", &hex)
+            .env("OXCCL_PERF_GPU", if gpu { "1" } else { "0" })
+            .stdout(if r == 0 {
+                std::process::Stdio::inherit()
+            } else {
+                std::process::Stdio::null()
+            })
+            .spawn()
+            .map_err(|e| format!("starting rank {r} ({}): {e}", exe.display()))?;
+        children.push(Some(child));
+    }
+    let mut failed: Option<(usize, std::process::ExitStatus)> = None;
+    while children.iter().any(Option::is_some) {
+        for (r, slot) in children.iter_mut().enumerate() {
+            let Some(c) = slot else { continue };
+            if let Some(status) = c.try_wait()? {
+                *slot = None;
+                if !status.success() && failed.is_none() {
+                    failed = Some((r, status));
+                }
+            }
+        }
+        if failed.is_some() {
+            for c in children.iter_mut().flatten() {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    match failed {
+        None => Ok(ExitCode::SUCCESS),
+        Some((r, status)) => {
+            eprintln!("oxccl: rank {r} of {n} failed ({status}); stopped the others");
+            Ok(ExitCode::from(status.code().map_or(1, |c| c.clamp(1, 255) as u8)))
+        }
+    }
+}
+
 fn devices_for(a: &PerfArgs) -> Result<(Vec<Device>, bool), String> {
     let ngpu = Device::cuda_count();
     let gpu_list = |n: usize| -> Result<Vec<Device>, String> {
@@ -245,7 +366,18 @@ fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
             unsafe { std::env::set_var(var, v) };
         }
     }
-    let (devices, nccl_main) = devices_for(&a)?;
+    let proc_rank = proc_rank()?;
+    if let (Some(n), None) = (a.procs, &proc_rank) {
+        return perf_spawn(&a, n);
+    }
+    let (devices, nccl_main) = match &proc_rank {
+        Some(p) => (vec![p.device], false),
+        None => devices_for(&a)?,
+    };
+    let (ranks, nranks): (Vec<usize>, usize) = match &proc_rank {
+        Some(p) => (vec![p.rank], p.nranks),
+        None => ((0..devices.len()).collect(), devices.len()),
+    };
     let compare = a.compare.is_some();
     if compare && !devices[0].is_cuda() {
         return Err("--compare nccl needs GPUs (NCCL does not run on the CPU target)".into());
@@ -266,6 +398,8 @@ fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     let t0 = std::time::Instant::now();
     let main = if nccl_main {
         nccl_comms("--backend nccl")?
+    } else if let Some(p) = &proc_rank {
+        Backend::Oxccl(vec![Comm::init_rank(p.nranks, &p.id, p.rank, p.device)?])
     } else {
         Backend::Oxccl(Comm::init_all(&devices)?)
     };
@@ -276,13 +410,18 @@ fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         None
     };
     let max_bytes = sizes.iter().copied().max().unwrap_or(0).max(16);
-    let bench = Bench::new(&devices, max_bytes)?;
+    let bench = Bench::with_ranks(&devices, &ranks, nranks, max_bytes)?;
 
     let name = if nccl_main { "nccl" } else { "oxccl" };
     println!("# {name} perf (oxccl {})", env!("CARGO_PKG_VERSION"));
     println!(
-        "# nranks {}  minBytes {}  maxBytes {}  step: {}  warmup iters: {}  iters: {}  validation: {}",
-        devices.len(),
+        "# nranks {}{}  minBytes {}  maxBytes {}  step: {}  warmup iters: {}  iters: {}  validation: {}",
+        nranks,
+        if proc_rank.is_some() {
+            format!(" ({nranks} processes; rank 0's devices shown)")
+        } else {
+            String::new()
+        },
         a.min_bytes,
         a.max_bytes,
         a.step
@@ -291,7 +430,7 @@ fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         a.iters,
         a.check
     );
-    for (r, d) in devices.iter().enumerate() {
+    for (d, r) in devices.iter().zip(&ranks) {
         match d {
             Device::Cuda(o) => {
                 let ctx = oxccl::cuda::Context::get(*o)?;
@@ -357,7 +496,7 @@ fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     let describe = format!(
         "{name}{} on {} x {}, {} {}",
         if compare { " vs NCCL" } else { "" },
-        devices.len(),
+        nranks,
         match devices[0] {
             Device::Cuda(o) => oxccl::cuda::Context::get(o)?.name()?,
             Device::Cpu(_) => "CPU-target rank".into(),
@@ -371,7 +510,7 @@ fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
             "backend": name,
             "compare": if compare { Some("nccl") } else { None },
             "nccl_version": if compare || nccl_main { nccl::version().ok().map(nccl::version_string) } else { None },
-            "nranks": devices.len(),
+            "nranks": nranks,
             "devices": devices.iter().map(|d| format!("{d:?}")).collect::<Vec<_>>(),
             "description": describe,
             "warmup": a.warmup, "iters": a.iters, "check": a.check,

@@ -59,10 +59,13 @@ fn call_addrs(
 }
 
 impl Backend {
+    /// Queues one call on every local rank; `ranks[i]` is the global rank of local slot `i`.
+    #[allow(clippy::too_many_arguments)]
     fn launch_all(
         &self,
         bufs: &[RankBufs],
         streams: &[Stream],
+        ranks: &[usize],
         cfg: &PerfConfig,
         count: usize,
         in_place: bool,
@@ -71,7 +74,7 @@ impl Backend {
         match self {
             Backend::Oxccl(comms) => {
                 for (r, c) in comms.iter().enumerate() {
-                    let (send, recv) = call_addrs(func, &bufs[r], r, count, dtype, in_place);
+                    let (send, recv) = call_addrs(func, &bufs[r], ranks[r], count, dtype, in_place);
                     // SAFETY: the buffers hold the sweep's largest message (nccl-tests' S bytes,
                     // which covers nranks × count for AllGather/ReduceScatter) on rank r's device
                     // and stay alive until the synchronize that follows.
@@ -83,7 +86,7 @@ impl Backend {
                 NcclComms::group_start()?;
                 let mut res = Ok(());
                 for r in 0..n.nranks() {
-                    let (send, recv) = call_addrs(func, &bufs[r], r, count, dtype, in_place);
+                    let (send, recv) = call_addrs(func, &bufs[r], ranks[r], count, dtype, in_place);
                     let Stream::Cuda(s) = &streams[r] else {
                         res = Err(Error::invalid("NCCL needs CUDA streams"));
                         break;
@@ -171,16 +174,36 @@ pub struct RankBufs {
     pub recv: DeviceBuffer,
 }
 
-/// Devices, streams and buffers shared by every backend of one sweep.
+/// Devices, streams and buffers shared by every backend of one sweep: the ranks of this process
+/// (all of them, or one per process with `oxccl perf --procs`).
 pub struct Bench {
     pub devices: Vec<Device>,
     pub streams: Vec<Stream>,
     pub bufs: Vec<RankBufs>,
+    /// Global rank of each local slot.
+    pub ranks: Vec<usize>,
+    /// Ranks in the communicator, over all processes.
+    pub nranks: usize,
 }
 
 impl Bench {
-    /// Allocates buffers of `max_bytes` per rank (plus streams) on `devices`.
+    /// Allocates buffers of `max_bytes` per rank (plus streams) on `devices`, rank `i` on
+    /// `devices[i]`: every rank in this process.
     pub fn new(devices: &[Device], max_bytes: u64) -> Result<Bench> {
+        let ranks: Vec<usize> = (0..devices.len()).collect();
+        Bench::with_ranks(devices, &ranks, devices.len(), max_bytes)
+    }
+
+    /// As [`Bench::new`] for the ranks `ranks` (global rank of each device) of an
+    /// `nranks`-rank communicator spread over processes. Times are then the slowest rank's and
+    /// `#wrong` the sum over all ranks, both combined with an AllReduce on the oxccl backend.
+    pub fn with_ranks(devices: &[Device], ranks: &[usize], nranks: usize, max_bytes: u64) -> Result<Bench> {
+        if ranks.len() != devices.len() || ranks.iter().any(|&r| r >= nranks) {
+            return Err(Error::invalid(format!(
+                "ranks {ranks:?} do not match {} devices of an {nranks}-rank communicator",
+                devices.len()
+            )));
+        }
         let mut streams = Vec::new();
         let mut bufs = Vec::new();
         for d in devices {
@@ -194,7 +217,39 @@ impl Bench {
             devices: devices.to_vec(),
             streams,
             bufs,
+            ranks: ranks.to_vec(),
+            nranks,
         })
+    }
+
+    /// True when other processes hold some of the ranks.
+    fn spread(&self) -> bool {
+        self.ranks.len() < self.nranks
+    }
+
+    /// Combines `v` over every process's ranks with `op` (an AllReduce of one u64 over the oxccl
+    /// communicator, as nccl-tests combines results over MPI); `v` itself when this process holds
+    /// every rank.
+    fn across_ranks(&self, b: &Backend, v: u64, op: RedOp) -> Result<u64> {
+        if !self.spread() {
+            return Ok(v);
+        }
+        let Backend::Oxccl(comms) = b else {
+            return Err(Error::InvalidUsage(
+                "ranks spread over processes need the oxccl backend".into(),
+            ));
+        };
+        let mut out = v;
+        for (i, c) in comms.iter().enumerate() {
+            let buf = self.devices[i].alloc(8)?;
+            buf.write(0, &v.to_ne_bytes())?;
+            c.all_reduce(&buf, &buf, 1, DataType::U64, op, &self.streams[i])?;
+            self.streams[i].synchronize()?;
+            let mut got = [0u8; 8];
+            buf.read(0, &mut got)?;
+            out = u64::from_ne_bytes(got);
+        }
+        Ok(out)
     }
 
     fn sync(&self) -> Result<()> {
@@ -207,28 +262,32 @@ impl Bench {
     /// Seconds per iteration of `iters` back-to-back collectives on every rank, after `warmup`.
     pub fn time(&self, b: &Backend, cfg: &PerfConfig, count: usize, in_place: bool) -> Result<f64> {
         for _ in 0..cfg.warmup {
-            b.launch_all(&self.bufs, &self.streams, cfg, count, in_place)?;
+            b.launch_all(&self.bufs, &self.streams, &self.ranks, cfg, count, in_place)?;
         }
         self.sync()?;
         let t = Instant::now();
         for _ in 0..cfg.iters.max(1) {
-            b.launch_all(&self.bufs, &self.streams, cfg, count, in_place)?;
+            b.launch_all(&self.bufs, &self.streams, &self.ranks, cfg, count, in_place)?;
         }
         self.sync()?;
-        Ok(t.elapsed().as_secs_f64() / cfg.iters.max(1) as f64)
+        let ns = (t.elapsed().as_secs_f64() * 1e9) as u64;
+        // The slowest rank's time, as every rank's collective is only done when all are.
+        let ns = self.across_ranks(b, ns, RedOp::Max)?;
+        Ok(ns as f64 * 1e-9 / cfg.iters.max(1) as f64)
     }
 
     /// Runs the collective once per check repetition with exact inputs and poisoned outputs and
     /// returns the wrong elements summed over ranks and repetitions (nccl-tests' `#wrong`).
     pub fn check(&self, b: &Backend, cfg: &PerfConfig, count: usize, in_place: bool) -> Result<u64> {
-        let n = self.devices.len();
+        let n = self.nranks;
         let esize = cfg.dtype.size();
         let block = count * esize;
         let mut wrong = 0u64;
         for rep in 0..cfg.check {
             let seed = rep as u64 * 7919 + count as u64;
             let data = check_data(cfg, n, count, seed)?;
-            for (r, (rb, (input, exp))) in self.bufs.iter().zip(&data).enumerate() {
+            for (rb, &r) in self.bufs.iter().zip(&self.ranks) {
+                let (input, exp) = &data[r];
                 let out_len = exp.as_ref().map_or(block, Vec::len);
                 let out_elems = out_len / esize.max(1);
                 match (cfg.func, in_place) {
@@ -247,22 +306,22 @@ impl Bench {
                     (_, true) => rb.recv.write(0, input)?,
                 }
             }
-            b.launch_all(&self.bufs, &self.streams, cfg, count, in_place)?;
+            b.launch_all(&self.bufs, &self.streams, &self.ranks, cfg, count, in_place)?;
             self.sync()?;
-            for (r, (rb, (_, exp))) in self.bufs.iter().zip(&data).enumerate() {
-                let Some(exp) = exp else { continue };
+            for (rb, &r) in self.bufs.iter().zip(&self.ranks) {
+                let Some(exp) = &data[r].1 else { continue };
                 let (_, recv) = call_addrs(cfg.func, rb, r, count, cfg.dtype, in_place);
                 let mut got = vec![0u8; exp.len()];
                 rb.recv.read((recv - rb.recv.addr()) as usize, &mut got)?;
                 wrong += check::count_wrong(cfg.dtype, cfg.op, &got, exp, n) as u64;
             }
         }
-        Ok(wrong)
+        self.across_ranks(b, wrong, RedOp::Sum)
     }
 
     /// Times and checks one size on `b`, out-of-place then in-place.
     pub fn measure(&self, b: &Backend, cfg: &PerfConfig, bytes: u64) -> Result<(usize, Measure, Measure)> {
-        let n = self.devices.len();
+        let n = self.nranks;
         let count = table::count_for(cfg.func, bytes, cfg.dtype, n);
         let data = table::data_bytes(cfg.func, count, cfg.dtype, n);
         let mut out = Vec::with_capacity(2);
@@ -292,7 +351,7 @@ pub fn sweep(
     // Like nccl-tests' warmup pass: the first size's timing must not include module loads and
     // first-touch costs of either backend.
     if let Some(&first) = cfg.sizes.first() {
-        let count = table::count_for(cfg.func, first, cfg.dtype, bench.devices.len());
+        let count = table::count_for(cfg.func, first, cfg.dtype, bench.nranks);
         for b in std::iter::once(main).chain(reference) {
             bench.time(b, cfg, count, false)?;
         }
@@ -316,7 +375,7 @@ pub fn sweep(
             None => None,
         };
         let row = Row {
-            bytes: table::data_bytes(cfg.func, count, cfg.dtype, bench.devices.len()),
+            bytes: table::data_bytes(cfg.func, count, cfg.dtype, bench.nranks),
             count,
             dtype: cfg.dtype,
             redop: (!matches!(cfg.func, Func::Broadcast | Func::AllGather)).then_some(cfg.op),
