@@ -1100,3 +1100,155 @@ fn graph_searches_are_fast() {
         assert!(best < Duration::from_secs(2), "{f}: {best:?}");
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Property test: random topologies give valid rings and trees.
+
+/// A random one-node topology: `n` GPUs (1-8) of one compute capability over 1 or 2 CPUs, each
+/// GPU under a PCI switch or directly under its CPU, and NVLinks: all GPUs to an NVSwitch with
+/// `nvs_links` links each (mode 0), direct NVLinks with `counts` links per pair (mode 1), or none
+/// (mode 2).
+#[derive(Clone, Debug)]
+struct RandomTopo {
+    n: usize,
+    sm: u32,
+    mode: u8,
+    nvs_links: u32,
+    /// Links per GPU pair (i < j), in pair order.
+    counts: Vec<u32>,
+    /// Per GPU: its CPU and whether it sits under a PCI switch (shared by consecutive GPUs on
+    /// the same CPU with the flag set, at most 2 per switch).
+    place: Vec<(usize, bool)>,
+    ncpu: usize,
+}
+
+impl RandomTopo {
+    fn xml(&self) -> String {
+        let bus = |g: usize| format!("0000:{:02x}:00.0", 0x10 + g);
+        let pair = |i: usize, j: usize| {
+            let (a, b) = (i.min(j), i.max(j));
+            // Index of (a, b) among pairs in order (0,1), (0,2), ..., (1,2), ...
+            a * (2 * self.n - a - 1) / 2 + (b - a - 1)
+        };
+        let gpu_xml = |g: usize, indent: &str| {
+            let mut s = format!(
+                "{indent}<pci busid=\"{}\" class=\"0x030200\" link_speed=\"16.0 GT/s PCIe\" link_width=\"16\">\n\
+                 {indent}  <gpu dev=\"{g}\" sm=\"{}\" rank=\"{g}\" gdr=\"1\">\n",
+                bus(g),
+                self.sm
+            );
+            if self.mode == 0 {
+                s += &format!(
+                    "{indent}    <nvlink target=\"fffffff:ff:ff.0\" count=\"{}\" tclass=\"0x068000\"/>\n",
+                    self.nvs_links
+                );
+            }
+            if self.mode == 1 {
+                for j in (0..self.n).filter(|&j| j != g) {
+                    let c = self.counts[pair(g, j)];
+                    if c > 0 {
+                        s += &format!(
+                            "{indent}    <nvlink target=\"{}\" count=\"{c}\" tclass=\"0x030200\"/>\n",
+                            bus(j)
+                        );
+                    }
+                }
+            }
+            s + &format!("{indent}  </gpu>\n{indent}</pci>\n")
+        };
+        let mut cpus = vec![String::new(); self.ncpu];
+        let mut g = 0;
+        let mut sw = 0;
+        while g < self.n {
+            let (c, under) = self.place[g];
+            let c = c % self.ncpu;
+            if under {
+                let mut k = 1;
+                if g + 1 < self.n && self.place[g + 1].1 && self.place[g + 1].0 % self.ncpu == c {
+                    k = 2;
+                }
+                cpus[c] += &format!(
+                    "    <pci busid=\"0000:{:02x}:00.0\" class=\"0x060400\" link_speed=\"16.0 GT/s PCIe\" link_width=\"16\">\n",
+                    0x80 + sw
+                );
+                sw += 1;
+                for _ in 0..k {
+                    cpus[c] += &gpu_xml(g, "      ");
+                    g += 1;
+                }
+                cpus[c] += "    </pci>\n";
+            } else {
+                cpus[c] += &gpu_xml(g, "    ");
+                g += 1;
+            }
+        }
+        let mut s = String::from("<system version=\"1\">\n");
+        for (c, body) in cpus.iter().enumerate() {
+            s += &format!(
+                "  <cpu numaid=\"{c}\" arch=\"x86_64\" vendor=\"GenuineIntel\" familyid=\"6\" modelid=\"143\">\n{body}  </cpu>\n"
+            );
+        }
+        s + "</system>\n"
+    }
+}
+
+fn random_topo() -> impl proptest::strategy::Strategy<Value = RandomTopo> {
+    use proptest::prelude::*;
+    (
+        1usize..=8,
+        prop::sample::select(vec![70u32, 80, 90, 100]),
+        0u8..3,
+        1u32..=18,
+        1usize..=2,
+    )
+        .prop_flat_map(|(n, sm, mode, nvs_links, ncpu)| {
+            (
+                prop::collection::vec(0u32..4, n * (n - 1) / 2),
+                prop::collection::vec((0usize..2, any::<bool>()), n),
+            )
+                .prop_map(move |(counts, place)| RandomTopo {
+                    n,
+                    sm,
+                    mode,
+                    nvs_links,
+                    counts,
+                    place,
+                    ncpu,
+                })
+        })
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig { cases: 128, ..Default::default() })]
+
+    /// Random topologies (1-8 GPUs; NVSwitch with 1-18 links, random direct NVLink counts 0-3
+    /// per pair, or PCI only; 1 or 2 sockets; PCI switches): the ring graph has valid rings
+    /// (each rank once per channel, so every rank's prev and next are consistent: next(prev(r))
+    /// = r, no link oversubscribed), the tree graph valid chains, and the double binary tree
+    /// over 1-5 such nodes valid trees (every rank once, parents and children consistent).
+    #[test]
+    fn random_topologies_give_valid_rings_and_trees(t in random_topo(), max in 1usize..=32, nnodes in 1usize..=5) {
+        let text = t.xml();
+        let sys = System::from_xml_with(Xml::parse(&text, "random.xml").unwrap(), PathOptions::default()).unwrap();
+        let ring = search_graph(&sys, &GraphRequest { max_channels: max, ..GraphRequest::ring(false) }).unwrap();
+        check_any(&sys, &ring, max);
+        for r in &ring.intra {
+            // prev/next per rank, as a channel's ring connects them.
+            let n = r.len();
+            let pos = |x: usize| r.iter().position(|&y| y == x).unwrap();
+            for &x in r {
+                let next = r[(pos(x) + 1) % n];
+                let prev = r[(pos(next) + n - 1) % n];
+                proptest::prop_assert_eq!(prev, x);
+            }
+        }
+        let tree = search_trees(&sys, ring.nchannels, false).unwrap();
+        proptest::prop_assert!(tree.pattern.is_tree());
+        check_any(&sys, &tree, ring.nchannels);
+        let n = t.n;
+        let node_chains: Vec<Vec<usize>> =
+            (0..nnodes).map(|k| tree.intra[0].iter().map(|&r| k * n + r).collect()).collect();
+        let trees = double_binary_tree(&node_chains, tree.pattern).unwrap();
+        check_trees(&trees, &node_chains);
+    }
+}
