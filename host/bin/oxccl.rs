@@ -38,6 +38,10 @@ struct TopoArgs {
     /// Write the topology back as NCCL-format XML to this file.
     #[arg(long, value_name = "FILE")]
     dump: Option<std::path::PathBuf>,
+    /// Simulate a job over this many identical nodes (ranks of node k offset by k × GPUs per
+    /// node): the search then goes through the file's NETs and the trees join the nodes.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    nodes: u32,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -540,25 +544,65 @@ fn topo(t: TopoArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         )?,
     };
     print!("{}", system.describe());
-    let graph = oxccl::graph::search_rings(&system, 32)?;
-    println!(
-        "\nRing graph: {} channels at {} GB/s each, paths up to {:?}",
-        graph.nchannels, graph.speed_intra, graph.type_intra
-    );
-    for (c, ring) in graph.rings.iter().enumerate() {
-        let order: Vec<String> = ring.iter().map(|r| r.to_string()).collect();
-        println!(
-            "  channel {c:2}: {} -> {}",
-            order.join(" -> "),
-            order.first().map_or("", String::as_str)
-        );
-    }
+    print_graphs(&system, t.nodes as usize)?;
     if let Some(path) = &t.dump {
         std::fs::write(path, system.to_xml_string())
             .map_err(|e| format!("--dump {}: {e}", path.display()))?;
         println!("# wrote {}", path.display());
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The ring and tree graphs the search builds for `nodes` copies of `system`, and the trees of
+/// channel 0 (for every rank: parent and children in tree 0 and tree 1).
+fn print_graphs(system: &oxccl::topo::System, nodes: usize) -> Result<(), Box<dyn std::error::Error>> {
+    use oxccl::graph::{GraphRequest, double_binary_tree, search_graph, search_trees};
+    let inter = nodes > 1 && system.count(oxccl::topo::NodeType::Net) > 0;
+    if nodes > 1 && !inter {
+        println!("\n# the file has no NET: each node's channels stay within it");
+    }
+    let print_graph = |what: &str, g: &oxccl::graph::Graph| {
+        println!(
+            "\n{what} graph ({}): {} channels at {} GB/s intra / {} GB/s inter, paths up to {} / {}",
+            g.pattern, g.nchannels, g.speed_intra, g.speed_inter, g.type_intra, g.type_inter
+        );
+        for (c, order) in g.intra.iter().enumerate() {
+            let mut parts: Vec<String> = order.iter().map(|r| r.to_string()).collect();
+            if let Some([a, b]) = g.inter.get(c) {
+                parts.insert(0, format!("NET/{a}"));
+                parts.push(format!("NET/{b}"));
+            } else if g.pattern == oxccl::graph::Pattern::Ring {
+                parts.push(order.first().map_or(String::new(), |r| r.to_string()));
+            }
+            println!("  channel {c:2}: {}", parts.join(" -> "));
+        }
+    };
+    let ring = search_graph(system, &GraphRequest::ring(inter))?;
+    print_graph("Ring", &ring);
+    let tree = search_trees(system, ring.nchannels, inter)?;
+    print_graph("Tree", &tree);
+    let ngpus = tree.intra.first().map_or(0, Vec::len);
+    let base = tree
+        .intra
+        .first()
+        .and_then(|c| c.iter().min().copied())
+        .unwrap_or(0);
+    let chains: Vec<Vec<usize>> = (0..nodes)
+        .map(|k| tree.intra[0].iter().map(|&r| k * ngpus + r - base).collect())
+        .collect();
+    let [t0, t1] = double_binary_tree(&chains, tree.pattern)?;
+    println!(
+        "\nTrees of channel 0 over {nodes} node(s) (channel {} runs tree 1): rank: parent -> [children]",
+        tree.nchannels
+    );
+    let fmt = |t: &oxccl::graph::Tree| {
+        let down: Vec<String> = t.children().map(|d| d.to_string()).collect();
+        format!("{:>3} -> [{}]", t.up, down.join(","))
+    };
+    for r in 0..t0.len() {
+        println!("  rank {r:3}: tree 0 {:<16} tree 1 {}", fmt(&t0[r]), fmt(&t1[r]));
+    }
+    Ok(())
 }
 
 fn info() -> Result<ExitCode, Box<dyn std::error::Error>> {
