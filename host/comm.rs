@@ -367,7 +367,7 @@ impl Comm {
     ///
     /// Peer information (rank, device, PCI bus id, host, process, connection memory) is exchanged
     /// in one bootstrap allgather like the seed's `fillInfo` + AllGather1, then each rank connects
-    /// to its two ring neighbours with the transport [`PeerLink::connect`] picks per peer: shared
+    /// to its two ring neighbours with the transport chosen per peer (`PeerLink::connect`): shared
     /// memory (`/dev/shm`) on the CPU target; on CUDA, P2P — the neighbour's pointer over peer
     /// access when it lives in this process, CUDA IPC (`cuIpcOpenMemHandle`) when it lives in
     /// another process of this host. The abort flags of all ranks share one `/dev/shm` page, so an
