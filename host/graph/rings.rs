@@ -1,6 +1,6 @@
 //! Intra-node ring graphs: NCCL's `ncclTopoCompute` (`src/graph/search.cc`) for the ring
 //! pattern (`NCCL_TOPO_PATTERN_RING`) on one node, as a single-node communicator runs it (NET
-//! nodes trimmed). The search itself is [`search_graph`](super::search_graph), described in
+//! nodes trimmed). The search itself is [`search_graph`], described in
 //! [`search`](super::search); with NETs (several nodes) use it directly with
 //! [`GraphRequest::ring(true)`](super::GraphRequest::ring).
 use super::search::{GraphRequest, Pattern, search_graph};
