@@ -142,6 +142,8 @@ pub struct Model {
     pub base_lat_us: [f64; Proto::COUNT],
     /// Latency added per ring step (hop), µs.
     pub hop_lat_us: [f64; Proto::COUNT],
+    /// Extra time for the ring pipeline to fill (chunks of several steps), µs.
+    pub fill_us: [f64; Proto::COUNT],
     /// Bus bandwidth one channel (one block) sustains, GB/s.
     pub channel_bw: [f64; Proto::COUNT],
     /// Bus bandwidth ceiling of the protocol on this fabric, GB/s (LL moves 8 data bytes per
@@ -152,16 +154,19 @@ pub struct Model {
 }
 
 impl Model {
-    /// The constants of `fabric`. NVLink: measured on 2×H200 (NVSwitch, 18 NVLink-4 links per
-    /// GPU) with `oxccl perf all-reduce --proto P`: LL ≈ 14 µs and Simple ≈ 17 µs for ≤ 32 KiB
-    /// (base = that minus two hops); Simple reaches 337 GB/s busbw at 512 MiB with 64 channels,
-    /// LL saturates near 150 GB/s. Per-hop latencies are NCCL's NVLink ring values (0.6, 1.9,
-    /// 3.4 µs). The host fabric only orders the protocols sensibly for the CPU target.
+    /// The constants of `fabric`. NVLink: fitted to `oxccl perf all-reduce --proto P` on 2×H200
+    /// (NVSwitch, 18 NVLink-4 links per GPU, 2026-11-29): ≤ 32 KiB calls take ≈ 11 µs on LL and
+    /// LL128 and ≈ 17 µs on Simple (base = that minus two hops); LL saturates near 150 GB/s busbw,
+    /// LL128 near 300 GB/s (289 at 128 MiB); Simple reaches 336 GB/s at 512 MiB but only 240 at
+    /// 32 MiB — its 4-step chunks need ≈ 20 µs of pipeline fill (`fill_us`). So LL128 wins from
+    /// ≈ 64 KiB to ≈ 60 MiB and Simple above. Per-hop latencies are NCCL's NVLink ring values
+    /// (0.6, 1.9, 3.4 µs). The host fabric only orders the protocols sensibly for the CPU target.
     pub fn for_fabric(fabric: Fabric) -> Model {
         match fabric {
             Fabric::NvLink => Model {
-                base_lat_us: [12.5, 13.5, 14.5],
+                base_lat_us: [9.5, 9.5, 14.5],
                 hop_lat_us: [0.6, 1.9, 3.4],
+                fill_us: [0.0, 0.0, 20.0],
                 channel_bw: [4.0, 9.0, 12.0],
                 bus_cap: [150.0, 300.0, 345.0],
                 min_channel_bytes: [16 << 10, 64 << 10, 128 << 10],
@@ -169,6 +174,7 @@ impl Model {
             Fabric::Host => Model {
                 base_lat_us: [20.0, 25.0, 30.0],
                 hop_lat_us: [2.0, 3.0, 4.0],
+                fill_us: [0.0, 0.0, 0.0],
                 channel_bw: [0.5, 1.0, 2.0],
                 bus_cap: [1.0, 2.0, 4.0],
                 min_channel_bytes: [16 << 10, 64 << 10, 128 << 10],
@@ -196,7 +202,7 @@ impl Model {
         };
         let bw = (self.channel_bw[p] * nch as f64).min(self.bus_cap[p]);
         // GB/s = 1e3 bytes per µs.
-        self.base_lat_us[p] + steps * self.hop_lat_us[p] + bytes as f64 * bus_factor / (bw * 1e3)
+        self.base_lat_us[p] + self.fill_us[p] + steps * self.hop_lat_us[p] + bytes as f64 * bus_factor / (bw * 1e3)
     }
 }
 
@@ -276,11 +282,16 @@ mod tests {
     fn model_picks_ll_for_small_and_simple_for_large_calls_on_nvlink() {
         let m = Model::for_fabric(Fabric::NvLink);
         let all = sel(None, None).unwrap();
-        // 8 B: LL's base latency (12.5 µs) is the lowest; 512 MiB: Simple's 345 GB/s ceiling wins.
+        // 8 B: LL's latency (9.5 + 2 × 0.6 µs) is the lowest; 512 MiB: Simple's 345 GB/s ceiling
+        // wins; 8 MiB: LL128 (300 GB/s ceiling, no pipeline fill).
         let (a, p, nch) = all.choose_sized(&m, Func::AllReduce, 8, 2, 1, 64).unwrap();
         assert_eq!((a, p, nch), (Algo::Ring, Proto::Ll, 1));
         let (_, p, nch) = all.choose_sized(&m, Func::AllReduce, 512 << 20, 2, 1, 64).unwrap();
         assert_eq!((p, nch), (Proto::Simple, 64));
+        let (_, p, nch) = all.choose_sized(&m, Func::AllReduce, 8 << 20, 2, 1, 64).unwrap();
+        assert_eq!((p, nch), (Proto::Ll128, 64));
+        let (_, p, _) = all.choose_sized(&m, Func::AllReduce, 32 << 20, 2, 1, 64).unwrap();
+        assert_eq!(p, Proto::Ll128);
         // LL uses one channel per 16 KiB: 128 KiB → 8 channels.
         assert_eq!(m.nchannels(Proto::Ll, 128 << 10, 1, 64), 8);
         assert_eq!(m.nchannels(Proto::Simple, 128 << 10, 1, 64), 1);
@@ -295,7 +306,7 @@ mod tests {
         assert_eq!((p, nch), (Proto::Ll, 64));
         // Predictions: 8 B AllReduce on 2 ranks = base + 2 hops on LL.
         let t = m.predict_us(Func::AllReduce, Proto::Ll, 2, 1, 8);
-        assert!((t - (12.5 + 2.0 * 0.6 + 8.0 / 4e3)).abs() < 1e-9, "{t}");
+        assert!((t - (9.5 + 2.0 * 0.6 + 8.0 / 4e3)).abs() < 1e-9, "{t}");
     }
 
     #[test]
