@@ -3,6 +3,7 @@
 //! under an `OXCCL_` spelling, which wins when both are set. Bad values are errors that name the
 //! variable and the accepted range, or are rounded with a warning; never silently used.
 use crate::error::{Error, Result};
+use crate::topo::PathType;
 use oxccl_gpu::abi::{
     DEFAULT_BUFFSIZE, DEFAULT_NTHREADS, FIFO_STEPS, MAX_CHANNELS, MAX_NTHREADS, MIN_NTHREADS, PACK_BYTES,
     WARP_SIZE,
@@ -45,6 +46,9 @@ pub struct Params {
     /// Test hook (`OXCCL_TEST_INITIAL_STEP`, oxccl spelling only): the step every connection starts
     /// at, e.g. near 2^31 to exercise the LL flag wrap (case C11) without 10^9 operations.
     pub initial_step: u64,
+    /// Farthest path type between two GPUs over which P2P is used (`NCCL_P2P_LEVEL` /
+    /// `OXCCL_P2P_LEVEL`, see [`parse_p2p_level`] and [`p2p_allowed`]); `None` when unset.
+    pub p2p_level: Option<PathType>,
 }
 
 impl Default for Params {
@@ -57,6 +61,7 @@ impl Default for Params {
             ll_buffsize: DEFAULT_LL_BUFFSIZE,
             ll128_buffsize: DEFAULT_LL128_BUFFSIZE,
             initial_step: 0,
+            p2p_level: None,
         }
     }
 }
@@ -138,8 +143,68 @@ impl Params {
         if let Some((key, v)) = get("MIN_NCHANNELS") {
             p.min_nchannels = Some(parse_int(&key, &v, 1, MAX_CHANNELS as i64)? as u32);
         }
+        if let Some((key, v)) = get("P2P_LEVEL") {
+            p.p2p_level = Some(parse_p2p_level(&key, &v)?);
+        }
         tracing::debug!(target: "oxccl::init", params = ?p, "parameters");
         Ok(p)
+    }
+}
+
+/// Path types `NCCL_P2P_LEVEL` accepts by name: NCCL's names of every path type up to `SYS`
+/// (NCCL's `ncclGetLevel` compares against `topoPathTypeStr[0..=PATH_SYS]`).
+pub const P2P_LEVEL_NAMES: [&str; 10] = [
+    "LOC", "NVL", "NVB", "C2C", "PIX", "PXB", "PXN", "P2C", "PHB", "SYS",
+];
+
+/// NCCL's legacy numeric `NCCL_P2P_LEVEL` values 0..=5 (`levelsOldToNew` in NCCL's `paths.cc`).
+const P2P_LEVEL_NUMBERS: [PathType; 6] = [
+    PathType::Loc,
+    PathType::Pix,
+    PathType::Pxb,
+    PathType::Phb,
+    PathType::Sys,
+    PathType::Sys,
+];
+
+/// Parses an `NCCL_P2P_LEVEL` value (variable `key`): a path type name (`LOC`, `NVL`, `NVB`,
+/// `C2C`, `PIX`, `PXB`, `PXN`, `P2C`, `PHB`, `SYS`; case-sensitive as in NCCL), or a legacy integer
+/// 0-5 (0 `LOC`, 1 `PIX`, 2 `PXB`, 3 `PHB`, 4 and 5 `SYS`). Larger integers mean `SYS`, as NCCL
+/// clamps them, with a warning. Anything else is an `InvalidArgument` naming `key` and the
+/// accepted values.
+pub fn parse_p2p_level(key: &str, v: &str) -> Result<PathType> {
+    let t = v.trim();
+    if let Some(p) = PathType::from_name(t).filter(|p| *p <= PathType::Sys) {
+        return Ok(p);
+    }
+    if !t.is_empty() && t.bytes().all(|b| b.is_ascii_digit()) {
+        let n: u64 = t.parse().unwrap_or(u64::MAX);
+        let last = P2P_LEVEL_NUMBERS.len() - 1;
+        if n > last as u64 {
+            tracing::warn!(target: "oxccl::init", "{key}={t} is above the largest legacy level {last}: using SYS, as NCCL does");
+            return Ok(PathType::Sys);
+        }
+        return Ok(P2P_LEVEL_NUMBERS[n as usize]);
+    }
+    Err(Error::invalid(format!(
+        "{key}={v:?} is not a P2P level (accepted: {}, or a legacy integer 0-5)",
+        P2P_LEVEL_NAMES.join(", ")
+    )))
+}
+
+/// NCCL's P2P level rule (`ncclTopoCheckP2p`): two GPUs use P2P only when the type of the path
+/// between them is at most `level` (`NCCL_P2P_LEVEL`). `path` is that type where known (`LOC` for
+/// one GPU shared by two ranks). Returns `Some(true)` / `Some(false)` when the rule decides, and
+/// `None` when it cannot: `level` set but `path` unknown. Two distinct GPUs are at least `NVL`
+/// apart, so `LOC` refuses them even then. With `level` unset there is no restriction
+/// (`Some(true)`): NCCL's default level (`PXB`) only picks between P2P and SHM, and oxccl has no
+/// SHM transport between CUDA devices yet, so refusing P2P would only fail the init.
+pub fn p2p_allowed(level: Option<PathType>, path: Option<PathType>) -> Option<bool> {
+    match (level, path) {
+        (None, _) => Some(true),
+        (Some(level), Some(path)) => Some(path <= level),
+        (Some(PathType::Loc), None) => Some(false),
+        (Some(_), None) => None,
     }
 }
 
@@ -191,5 +256,82 @@ mod tests {
         );
         let e = with(&[("NCCL_MAX_NCHANNELS", "65")]).unwrap_err().to_string();
         assert!(e.contains("NCCL_MAX_NCHANNELS") && e.contains("1..=64"), "{e}");
+    }
+
+    #[test]
+    fn p2p_level_names_and_legacy_numbers() {
+        // Names map to NCCL's PATH_* of the same name; numbers follow NCCL's levelsOldToNew
+        // table {LOC, PIX, PXB, PHB, SYS, SYS}, and numbers above 5 clamp to SYS.
+        for (v, want) in [
+            ("LOC", PathType::Loc),
+            ("NVL", PathType::Nvl),
+            ("PIX", PathType::Pix),
+            ("PXB", PathType::Pxb),
+            ("PHB", PathType::Phb),
+            ("SYS", PathType::Sys),
+            (" NVB ", PathType::Nvb),
+            ("0", PathType::Loc),
+            ("1", PathType::Pix),
+            ("2", PathType::Pxb),
+            ("3", PathType::Phb),
+            ("4", PathType::Sys),
+            ("5", PathType::Sys),
+            ("9", PathType::Sys),
+            ("99999999999999999999999", PathType::Sys),
+        ] {
+            assert_eq!(
+                with(&[("NCCL_P2P_LEVEL", v)]).unwrap().p2p_level,
+                Some(want),
+                "{v:?}"
+            );
+        }
+        assert_eq!(with(&[]).unwrap().p2p_level, None);
+        assert_eq!(
+            with(&[("OXCCL_P2P_LEVEL", "NVL")]).unwrap().p2p_level,
+            Some(PathType::Nvl)
+        );
+    }
+
+    #[test]
+    fn bad_p2p_level_names_the_variable_and_the_accepted_values() {
+        // NET and DIS are path types but not levels (NCCL only matches names up to SYS).
+        for bad in ["nvl", "NET", "DIS", "-1", "", "2.5", "FAR"] {
+            let e = with(&[("NCCL_P2P_LEVEL", bad)]).unwrap_err();
+            assert_eq!(e.code(), crate::ResultCode::InvalidArgument, "{bad:?}");
+            assert_eq!(
+                e.to_string(),
+                format!(
+                    "invalid argument: NCCL_P2P_LEVEL={bad:?} is not a P2P level (accepted: LOC, NVL, NVB, C2C, PIX, \
+                     PXB, PXN, P2C, PHB, SYS, or a legacy integer 0-5)"
+                )
+            );
+        }
+    }
+
+    #[test]
+    fn p2p_level_rule() {
+        use PathType::*;
+        // Unset: no restriction, whatever the path.
+        for path in [None, Some(Loc), Some(Nvl), Some(Sys)] {
+            assert_eq!(p2p_allowed(None, path), Some(true));
+        }
+        // Known path: P2P iff path <= level, in NCCL's PATH_* order LOC < NVL < NVB < C2C < PIX <
+        // PXB < PXN < P2C < PHB < SYS.
+        assert_eq!(p2p_allowed(Some(Nvl), Some(Nvl)), Some(true));
+        assert_eq!(p2p_allowed(Some(Nvl), Some(Pix)), Some(false));
+        assert_eq!(p2p_allowed(Some(Pix), Some(Nvl)), Some(true));
+        assert_eq!(p2p_allowed(Some(Pix), Some(Nvb)), Some(true));
+        assert_eq!(p2p_allowed(Some(Pxb), Some(Phb)), Some(false));
+        assert_eq!(p2p_allowed(Some(Phb), Some(Phb)), Some(true));
+        assert_eq!(p2p_allowed(Some(Phb), Some(Sys)), Some(false));
+        assert_eq!(p2p_allowed(Some(Sys), Some(Sys)), Some(true));
+        // LOC: one shared GPU only.
+        assert_eq!(p2p_allowed(Some(Loc), Some(Loc)), Some(true));
+        assert_eq!(p2p_allowed(Some(Loc), Some(Nvl)), Some(false));
+        // Unknown path: only LOC decides (distinct GPUs are at least NVL apart).
+        assert_eq!(p2p_allowed(Some(Loc), None), Some(false));
+        for level in [Nvl, Pix, Pxb, Phb, Sys] {
+            assert_eq!(p2p_allowed(Some(level), None), None, "{level}");
+        }
     }
 }
