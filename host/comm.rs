@@ -472,7 +472,7 @@ impl Comm {
         let mut links = Vec::new();
         for peer in [next, prev] {
             if conn_base[peer] == 0 {
-                let link = PeerLink::connect(rank, &peers, peer, ctx.as_ref(), &layout)?;
+                let link = PeerLink::connect(rank, &peers, peer, ctx.as_ref(), &layout, params.p2p_level)?;
                 conn_base[peer] = link.base();
                 links.push(link);
             }
@@ -1673,16 +1673,22 @@ enum PeerLink {
 
 impl PeerLink {
     /// Connects rank `me` to ring neighbour `peer` (NCCL's per-peer `selectTransport`): the first
-    /// transport whose rules allow the pair (see [`can_connect`]).
+    /// transport whose rules allow the pair (see [`can_connect`]). Between CUDA devices P2P also
+    /// follows `p2p_level` (`NCCL_P2P_LEVEL`, see [`check_p2p_level`]); every rank must set the
+    /// same level, as each side of a pair decides on its own.
     fn connect(
         me: usize,
         peers: &[PeerInfo],
         peer: usize,
         ctx: Option<&Arc<cuda::Context>>,
         layout: &ConnLayout,
+        p2p_level: Option<crate::topo::PathType>,
     ) -> Result<PeerLink> {
         can_connect(peers, me, peer)?;
         let (mi, pi) = (&peers[me], &peers[peer]);
+        if mi.cuda {
+            check_p2p_level(me, mi, peer, pi, p2p_level, p2p_path_type)?;
+        }
         let context = |e: Error| match e {
             Error::Cuda {
                 call,
@@ -1743,6 +1749,177 @@ impl PeerLink {
             PeerLink::P2pDirect(p) => *p,
             PeerLink::P2pIpc(m) => m.ptr(),
         }
+    }
+}
+
+/// The type of the path between the GPUs of `a` and `b`, two CUDA ranks of one host, as
+/// `NCCL_P2P_LEVEL` compares it: `LOC` for one GPU (same bus id); otherwise the path between their
+/// bus ids in the topology of `NCCL_TOPO_FILE` (computed as NCCL's `ncclTopoComputePaths` does,
+/// before any P2P-level rerouting); `None` when there is no topology file or it lacks either GPU.
+/// (oxccl has no topology detection from NVML/sysfs yet, so without a file the path type of two
+/// distinct GPUs is unknown.) Errors: an unreadable or malformed topology file.
+fn p2p_path_type(a: &PeerInfo, b: &PeerInfo) -> Result<Option<crate::topo::PathType>> {
+    if a.bus_id == b.bus_id {
+        return Ok(Some(crate::topo::PathType::Loc));
+    }
+    let Some(xml) = crate::topo::Xml::from_env()? else {
+        return Ok(None);
+    };
+    let raw = crate::topo::PathOptions {
+        p2p_level: Some(crate::topo::PathType::Sys),
+        ..Default::default()
+    };
+    let sys = crate::topo::System::from_xml_with(xml, raw)?;
+    Ok(topo_gpu_path(&sys, &a.bus_id, &b.bus_id))
+}
+
+/// The path type from the GPU at `from` to the GPU at `to` (PCI bus ids) in `sys`; `None` when
+/// either is not a GPU of `sys`.
+fn topo_gpu_path(sys: &crate::topo::System, from: &str, to: &str) -> Option<crate::topo::PathType> {
+    let gpu = |bus: &str| sys.node_by_bus_id(crate::topo::NodeType::Gpu, bus);
+    Some(sys.paths().kind(gpu(from)?, gpu(to)?))
+}
+
+/// Applies `NCCL_P2P_LEVEL` (`level`) to CUDA ranks `me` and `peer` (NCCL's `ncclTopoCheckP2p`
+/// within `p2pCanConnect`): P2P only when their path type (`path_of`, e.g. [`p2p_path_type`]) is at
+/// most the level, by [`crate::params::p2p_allowed`]. When the path type is unknown (no topology
+/// file), only `LOC` refuses (two distinct GPUs); other levels are not applied and a warning says
+/// so. `Ok` when P2P may be used; `System` naming both ranks, the level and the path type when it
+/// may not (P2P is the only transport between CUDA devices so far, so nothing else connects them).
+fn check_p2p_level(
+    me: usize,
+    mi: &PeerInfo,
+    peer: usize,
+    pi: &PeerInfo,
+    level: Option<crate::topo::PathType>,
+    path_of: impl Fn(&PeerInfo, &PeerInfo) -> Result<Option<crate::topo::PathType>>,
+) -> Result<()> {
+    let Some(lvl) = level else {
+        return Ok(());
+    };
+    let path = path_of(mi, pi)?;
+    match crate::params::p2p_allowed(level, path) {
+        Some(true) => {
+            tracing::debug!(target: "oxccl::init", rank = me, peer, level = %lvl, path = ?path.map(|p| p.as_str()), "NCCL_P2P_LEVEL allows P2P");
+            Ok(())
+        }
+        Some(false) => Err(Error::System(format!(
+            "no transport can connect rank {me} ({}) and rank {peer} ({}): NCCL_P2P_LEVEL={lvl} allows P2P up to \
+             {lvl} paths but their path is {}, and P2P is the only transport between CUDA devices so far",
+            mi.describe_device(),
+            pi.describe_device(),
+            path.map_or("at least NVL (two distinct GPUs)", |p| p.as_str()),
+        ))),
+        None => {
+            tracing::warn!(target: "oxccl::init", rank = me, peer, "NCCL_P2P_LEVEL={lvl} not applied between rank {me} ({}) and rank {peer} ({}): their path type is unknown (set NCCL_TOPO_FILE to a topology holding both GPUs)", mi.describe_device(), pi.describe_device());
+            Ok(())
+        }
+    }
+}
+
+#[cfg(test)]
+mod p2p_level_tests {
+    use super::*;
+    use crate::topo::PathType;
+
+    fn gpu(rank: usize, bus_id: &str) -> PeerInfo {
+        PeerInfo {
+            cuda: true,
+            dev: rank,
+            bus_id: bus_id.into(),
+            host: "h".into(),
+            host_hash: fnv64(b"h"),
+            pid: 100 + rank as u32,
+            start_time: 1,
+            p2p_disable: false,
+            nch: 1,
+            conn_bytes: 64,
+            conn: ConnDesc::Ipc {
+                ptr: 0,
+                handle: [0; cuda::IPC_HANDLE_BYTES],
+            },
+            abort_page: String::new(),
+        }
+    }
+
+    fn topo(file: &str) -> crate::topo::System {
+        let path = format!("{}/tests/topo/{file}", env!("CARGO_MANIFEST_DIR"));
+        let raw = crate::topo::PathOptions {
+            p2p_level: Some(PathType::Sys),
+            ..Default::default()
+        };
+        crate::topo::System::from_xml_with(crate::topo::Xml::from_file(&path).unwrap(), raw).unwrap()
+    }
+
+    #[test]
+    fn path_types_from_the_topology() {
+        // The 2xH200 machine (NCCL's own dump): both GPUs on the NVSwitch -> NVL.
+        let h200 = topo("h200x2-nccl-topo.xml");
+        assert_eq!(
+            topo_gpu_path(&h200, "0000:00:06.0", "0000:00:07.0"),
+            Some(PathType::Nvl)
+        );
+        assert_eq!(
+            topo_gpu_path(&h200, "0000:00:06.0", "0000:00:06.0"),
+            Some(PathType::Loc)
+        );
+        assert_eq!(topo_gpu_path(&h200, "0000:00:06.0", "0000:99:00.0"), None);
+        // 8 PCIe GPUs, two per PCI switch, two switches per socket: GPUs 0 (11:00.0) and 1
+        // (13:00.0) share switch 10:00.0 -> PIX; GPU 2 (31:00.0) is under another switch of the
+        // same CPU -> PHB; GPU 4 (51:00.0) is on the other socket -> SYS.
+        let pcie = topo("pcie-8gpu-2socket-topo.xml");
+        assert_eq!(
+            topo_gpu_path(&pcie, "0000:11:00.0", "0000:13:00.0"),
+            Some(PathType::Pix)
+        );
+        assert_eq!(
+            topo_gpu_path(&pcie, "0000:11:00.0", "0000:31:00.0"),
+            Some(PathType::Phb)
+        );
+        assert_eq!(
+            topo_gpu_path(&pcie, "0000:11:00.0", "0000:51:00.0"),
+            Some(PathType::Sys)
+        );
+    }
+
+    #[test]
+    fn level_rule_at_connect() {
+        let (a, b) = (gpu(0, "0000:11:00.0"), gpu(1, "0000:13:00.0"));
+        let pix = |_: &PeerInfo, _: &PeerInfo| Ok(Some(PathType::Pix));
+        let unknown = |_: &PeerInfo, _: &PeerInfo| Ok(None);
+        // Unset, or a level at or beyond the path: P2P.
+        for level in [
+            None,
+            Some(PathType::Pix),
+            Some(PathType::Pxb),
+            Some(PathType::Sys),
+        ] {
+            check_p2p_level(0, &a, 1, &b, level, pix).unwrap();
+        }
+        // NVL below a PIX path: refused, naming both ranks, the level and the path.
+        let e = check_p2p_level(0, &a, 1, &b, Some(PathType::Nvl), pix).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "system error: no transport can connect rank 0 (cuda device 0 (bus id 0000:11:00.0)) and rank 1 (cuda \
+             device 1 (bus id 0000:13:00.0)): NCCL_P2P_LEVEL=NVL allows P2P up to NVL paths but their path is PIX, \
+             and P2P is the only transport between CUDA devices so far"
+        );
+        // Unknown path: LOC still refuses two distinct GPUs; other levels are not applied.
+        let e = check_p2p_level(1, &b, 0, &a, Some(PathType::Loc), unknown).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("NCCL_P2P_LEVEL=LOC allows P2P up to LOC paths but their path is at least NVL (two distinct GPUs)"),
+            "{e}"
+        );
+        check_p2p_level(0, &a, 1, &b, Some(PathType::Nvl), unknown).unwrap();
+        // One GPU shared by two ranks: LOC, allowed even at level LOC (no topology needed).
+        let shared = gpu(1, "0000:11:00.0");
+        assert_eq!(p2p_path_type(&a, &shared).unwrap(), Some(PathType::Loc));
+        check_p2p_level(0, &a, 1, &shared, Some(PathType::Loc), p2p_path_type).unwrap();
+        // A failing path lookup (e.g. a malformed NCCL_TOPO_FILE) is returned as is.
+        let broken = |_: &PeerInfo, _: &PeerInfo| Err(Error::invalid("NCCL_TOPO_FILE: bad"));
+        assert!(check_p2p_level(0, &a, 1, &b, Some(PathType::Nvl), broken).is_err());
+        check_p2p_level(0, &a, 1, &b, None, broken).unwrap();
     }
 }
 
