@@ -470,6 +470,38 @@ impl Comm {
         let mut conn_base = vec![0u64; nranks];
         conn_base[rank] = own.base();
         let mut links = Vec::new();
+        // NET neighbours (other hosts, or NCCL_SHM_DISABLE=1): local staging FIFOs and the proxy.
+        // SAFETY: our connection memory and abort line outlive `links`, which holds the NET
+        // resources and is dropped first at teardown (and on every error return).
+        if let Some(net) = unsafe {
+            crate::transport::connect_net(
+                &crate::transport::RingSetup {
+                    bootstrap: &bootstrap,
+                    rank,
+                    nranks,
+                    device,
+                    hosts: &peers.iter().map(|p| p.host.clone()).collect::<Vec<_>>(),
+                    nch,
+                    block_bytes: layout.bytes() as usize,
+                    fifo: &|b, c| crate::transport::FifoAddrs {
+                        simple: layout.buff(b, c),
+                        ll: layout.ll(b, c),
+                        ll128: layout.ll128(b, c),
+                        head: layout.head(b, c),
+                        tail: layout.tail(b, c),
+                    },
+                    buffsize: params.buffsize,
+                    ll_buffsize: layout.ll_buffsize,
+                    ll128_buffsize: layout.ll128_buffsize,
+                    initial_step: params.initial_step,
+                    abort_flag: page.addr() + (rank * ABORT_LINE_BYTES) as u64,
+                    abort_who: page.addr() + (rank * ABORT_LINE_BYTES) as u64 + 4,
+                },
+                &mut conn_base,
+            )?
+        } {
+            links.push(PeerLink::Net { _held: net });
+        }
         for peer in [next, prev] {
             if conn_base[peer] == 0 {
                 let link = PeerLink::connect(rank, &peers, peer, ctx.as_ref(), &layout, params.p2p_level)?;
@@ -1581,9 +1613,9 @@ fn check_peers(rank: usize, peers: &[PeerInfo]) -> Result<()> {
 /// `Ok`, or `System` naming both ranks and why not.
 fn can_connect(peers: &[PeerInfo], a: usize, b: usize) -> Result<()> {
     let (pa, pb) = (&peers[a], &peers[b]);
-    let why = if pa.host_hash != pb.host_hash || pa.host != pb.host {
+    let why = if pa.cuda && (pa.host_hash != pb.host_hash || pa.host != pb.host) {
         Some(format!(
-            "they are on different hosts ({:?} and {:?}) and oxccl has no network transport yet",
+            "they are on different hosts ({:?} and {:?}) and oxccl's NET transport drives CPU-target devices only so far",
             pa.host, pb.host
         ))
     } else if pa.cuda && (pa.p2p_disable || pb.p2p_disable) {
@@ -1659,9 +1691,11 @@ impl OwnConn {
 }
 
 /// How this rank reaches one ring neighbour's connection memory: the transport chosen for that
-/// peer. (A network transport through the proxy becomes another variant, chosen in
-/// [`PeerLink::connect`] for peers on other hosts.)
+/// peer.
 enum PeerLink {
+    /// CPU target, NET (both neighbours that use it): staging FIFOs and the proxy registration
+    /// (`transport::connect_net`); dropping it flushes and closes the network connections.
+    Net { _held: crate::transport::NetResources },
     /// CPU target: the neighbour's `/dev/shm` segment, mapped here (the seed's SHM transport).
     Shm(crate::cpu::ShmSegment),
     /// CUDA, neighbour in this process: its device pointer, used over peer access (P2P).
@@ -1748,6 +1782,7 @@ impl PeerLink {
             PeerLink::Shm(s) => s.addr(),
             PeerLink::P2pDirect(p) => *p,
             PeerLink::P2pIpc(m) => m.ptr(),
+            PeerLink::Net { .. } => 0,
         }
     }
 }
@@ -2310,7 +2345,7 @@ mod init_rank_tests {
         let e = check_peers(0, &[a.clone(), d]).unwrap_err();
         assert!(
             e.to_string().ends_with(
-                "they are on different hosts (\"h\" and \"other\") and oxccl has no network transport yet"
+                "they are on different hosts (\"h\" and \"other\") and oxccl's NET transport drives CPU-target devices only so far"
             ),
             "{e}"
         );

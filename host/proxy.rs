@@ -142,6 +142,9 @@ pub struct ProxyComm {
     pub rank: usize,
     /// Address of the communicator's `u32` abort flag.
     pub abort_flag: u64,
+    /// Address of a `u32` where a raised flag names its cause as rank + 1 (`init_rank`'s shared
+    /// abort line); 0 when there is none.
+    pub abort_who: u64,
     /// The network the connections belong to.
     pub net: Arc<dyn Net>,
     /// Send connections with their staging FIFOs.
@@ -718,6 +721,7 @@ struct CommOps {
     id: u64,
     rank: usize,
     abort_flag: u64,
+    abort_who: u64,
     net: Arc<dyn Net>,
     sends: Vec<SendOp>,
     recvs: Vec<RecvOp>,
@@ -760,6 +764,7 @@ impl CommOps {
             id,
             rank: c.rank,
             abort_flag: c.abort_flag,
+            abort_who: c.abort_who,
             net: c.net,
             sends,
             recvs,
@@ -795,8 +800,9 @@ impl CommOps {
         self.failed = true;
     }
 
-    /// A connection failed: record, raise the abort flag so kernels exit, close everything.
-    fn fail(&mut self, what: String) {
+    /// The connection with `peer` failed: record, raise the abort flag (naming `peer` as the
+    /// cause) so kernels exit, close everything.
+    fn fail(&mut self, what: String, peer: usize) {
         if self.closing.is_some() {
             tracing::debug!(target: "oxccl::proxy", rank = self.rank, "while closing: {what}");
         } else {
@@ -805,6 +811,11 @@ impl CommOps {
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .get_or_insert(what);
+            if self.abort_who != 0 {
+                // SAFETY: valid while registered ([`register`]); accessed atomically.
+                let who = unsafe { AtomicU32::from_ptr(self.abort_who as *mut u32) };
+                let _ = who.compare_exchange(0, peer as u32 + 1, Ordering::AcqRel, Ordering::Acquire);
+            }
             let _ =
                 self.abort_flag()
                     .compare_exchange(0, ABORTED_BY_PEER, Ordering::AcqRel, Ordering::Acquire);
@@ -829,9 +840,12 @@ impl CommOps {
             match s.progress(net.as_ref()) {
                 Ok(d) => did |= d,
                 Err(e) => {
-                    failure = Some(format!(
-                        "rank {}: NET send to rank {} (channel {}): {e}",
-                        self.rank, s.spec.peer, s.spec.channel
+                    failure = Some((
+                        format!(
+                            "rank {}: NET send to rank {} (channel {}): {e}",
+                            self.rank, s.spec.peer, s.spec.channel
+                        ),
+                        s.spec.peer,
                     ));
                     break;
                 }
@@ -842,17 +856,20 @@ impl CommOps {
                 match r.progress(net.as_ref()) {
                     Ok(d) => did |= d,
                     Err(e) => {
-                        failure = Some(format!(
-                            "rank {}: NET receive from rank {} (channel {}): {e}",
-                            self.rank, r.spec.peer, r.spec.channel
+                        failure = Some((
+                            format!(
+                                "rank {}: NET receive from rank {} (channel {}): {e}",
+                                self.rank, r.spec.peer, r.spec.channel
+                            ),
+                            r.spec.peer,
                         ));
                         break;
                     }
                 }
             }
         }
-        if let Some(f) = failure {
-            self.fail(f);
+        if let Some((f, peer)) = failure {
+            self.fail(f, peer);
             return true;
         }
         did

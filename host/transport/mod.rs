@@ -193,6 +193,8 @@ pub struct RingSetup<'a> {
     pub initial_step: u64,
     /// Address of this rank's `u32` abort flag.
     pub abort_flag: u64,
+    /// Address of the `u32` naming who raised it (rank + 1); 0 when there is none.
+    pub abort_who: u64,
 }
 
 /// Resources of a rank's NET connections: the proxy registration and the local staging blocks.
@@ -362,6 +364,7 @@ pub unsafe fn connect_net(setup: &RingSetup<'_>, conn_base: &mut [u64]) -> Resul
     let comm = ProxyComm {
         rank,
         abort_flag: s.abort_flag,
+        abort_who: s.abort_who,
         net,
         sends,
         recvs,

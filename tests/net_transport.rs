@@ -1,0 +1,637 @@
+//! The NET transport on the CPU target: ranks as processes on different "hosts" (`OXCCL_HOSTID`,
+//! and real network namespaces with a veth pair) run every collective over the socket network
+//! and the proxy thread with exact results, on each protocol; SHM stays in use between ranks of
+//! one host unless `NCCL_SHM_DISABLE=1`; a rank killed mid-collective gives the others an error in
+//! bounded time (case C29).
+//!
+//! Every test here launches this binary again as child ranks (`net_child_entry`), each with its
+//! own environment, and reads their output.
+use oxccl::bootstrap::{UniqueId, get_unique_id};
+use oxccl::{Comm, DataType, Device, Error, RedOp};
+use std::io::{BufRead, BufReader, Read};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
+        .collect()
+}
+
+/// Element counts: one element, an odd count, and one spanning many FIFO steps with the small
+/// buffers the tests use (NCCL_BUFFSIZE 64 KiB: 8 KiB slots).
+const COUNTS: [usize; 3] = [1, 4099, 200_003];
+
+fn ne<T: Copy>(v: &[T], f: impl Fn(T) -> Vec<u8>) -> Vec<u8> {
+    v.iter().flat_map(|&x| f(x)).collect()
+}
+
+/// Runs AllReduce, Broadcast, AllGather, ReduceScatter and Reduce on `comm` for every count of
+/// [`COUNTS`] and checks each result exactly; returns the failures found.
+fn run_collectives(comm: &Comm) -> Result<Vec<String>, Error> {
+    let (r, n) = (comm.rank(), comm.nranks());
+    let dev = comm.device();
+    let stream = dev.new_stream()?;
+    let mut bad = Vec::new();
+    let mut check = |what: String, got: Vec<u8>, want: Vec<u8>| {
+        if got != want {
+            let first = got.iter().zip(&want).position(|(a, b)| a != b);
+            bad.push(format!(
+                "rank {r}: {what}: first wrong byte at {first:?} (lengths {} / {})",
+                got.len(),
+                want.len()
+            ));
+        }
+    };
+    for count in COUNTS {
+        // AllReduce, i32 sum: in[i] = (r+1)·1000 + i mod 977, so out[i] = 1000·n(n+1)/2 + n·(i mod 977).
+        let input: Vec<i32> = (0..count)
+            .map(|i| (r as i32 + 1) * 1000 + (i % 977) as i32)
+            .collect();
+        let want: Vec<i32> = (0..count)
+            .map(|i| 1000 * (n * (n + 1) / 2) as i32 + n as i32 * (i % 977) as i32)
+            .collect();
+        let buf = dev.alloc(count * 4)?;
+        buf.write(0, &ne(&input, |x: i32| x.to_ne_bytes().to_vec()))?;
+        comm.all_reduce(&buf, &buf, count, DataType::I32, RedOp::Sum, &stream)?;
+        stream.synchronize()?;
+        check(
+            format!("AllReduce count {count}"),
+            buf.to_vec()?,
+            ne(&want, |x: i32| x.to_ne_bytes().to_vec()),
+        );
+
+        // Broadcast from the last rank, u8: out[i] = (31·i + root) mod 256 everywhere.
+        let root = n - 1;
+        let want: Vec<u8> = (0..count).map(|i| (i * 31 + root) as u8).collect();
+        let out = dev.alloc(count)?;
+        let src = dev.alloc(count)?;
+        src.write(0, &want)?;
+        let send = (r == root).then(|| (&src).into());
+        comm.broadcast(send, &out, count, DataType::U8, root, &stream)?;
+        stream.synchronize()?;
+        check(format!("Broadcast count {count}"), out.to_vec()?, want);
+
+        // AllGather, u32: rank q contributes q·1_000_003 + i, so out[k] = (k / count)·1_000_003 + k mod count.
+        let send = dev.alloc(count * 4)?;
+        send.write(
+            0,
+            &ne(&(0..count).collect::<Vec<_>>(), |i| {
+                ((r * 1_000_003 + i) as u32).to_ne_bytes().to_vec()
+            }),
+        )?;
+        let recv = dev.alloc(count * 4 * n)?;
+        comm.all_gather(&send, &recv, count, DataType::U32, &stream)?;
+        stream.synchronize()?;
+        let want = ne(&(0..count * n).collect::<Vec<_>>(), |k| {
+            (((k / count) * 1_000_003 + k % count) as u32)
+                .to_ne_bytes()
+                .to_vec()
+        });
+        check(format!("AllGather count {count}"), recv.to_vec()?, want);
+
+        // ReduceScatter, f32 max: rank q's in[j] = (7j + 13q) mod 1009, so rank r's out[i] is
+        // the max over q of (7(r·count + i) + 13q) mod 1009 (small integers: exact in f32).
+        let val = |j: usize, q: usize| ((7 * j + 13 * q) % 1009) as f32;
+        let send = dev.alloc(count * n * 4)?;
+        send.write(
+            0,
+            &ne(&(0..count * n).collect::<Vec<_>>(), |j| {
+                val(j, r).to_ne_bytes().to_vec()
+            }),
+        )?;
+        let recv = dev.alloc(count * 4)?;
+        comm.reduce_scatter(&send, &recv, count, DataType::F32, RedOp::Max, &stream)?;
+        stream.synchronize()?;
+        let want = ne(&(0..count).collect::<Vec<_>>(), |i| {
+            (0..n)
+                .map(|q| val(r * count + i, q))
+                .fold(f32::MIN, f32::max)
+                .to_ne_bytes()
+                .to_vec()
+        });
+        check(format!("ReduceScatter count {count}"), recv.to_vec()?, want);
+
+        // Reduce to rank 1 (rank 0 with one rank), i64 min: in[i] = ((i·2654435761) xor q) mod
+        // 100000 − 50000; the root's out[i] is the min over q; other ranks' recv is never written.
+        let root = 1 % n;
+        let val = |i: usize, q: usize| ((i as i64 * 2_654_435_761) ^ q as i64) % 100_000 - 50_000;
+        let send = dev.alloc(count * 8)?;
+        send.write(
+            0,
+            &ne(&(0..count).collect::<Vec<_>>(), |i| {
+                val(i, r).to_ne_bytes().to_vec()
+            }),
+        )?;
+        let recv = dev.alloc(count * 8)?;
+        recv.write(0, &vec![0x5a; count * 8])?;
+        comm.reduce(
+            &send,
+            (r == root).then(|| (&recv).into()),
+            count,
+            DataType::I64,
+            RedOp::Min,
+            root,
+            &stream,
+        )?;
+        stream.synchronize()?;
+        let want = if r == root {
+            ne(&(0..count).collect::<Vec<_>>(), |i| {
+                (0..n).map(|q| val(i, q)).min().unwrap().to_ne_bytes().to_vec()
+            })
+        } else {
+            vec![0x5a; count * 8]
+        };
+        check(format!("Reduce count {count}"), recv.to_vec()?, want);
+    }
+    Ok(bad)
+}
+
+/// The body of every child rank (a no-op in a normal test run). `OXCCL_TEST_NET_ROLE`:
+/// `coll` runs [`run_collectives`]; `loop` runs AllReduce until an error arrives.
+#[test]
+fn net_child_entry() {
+    let Ok(role) = std::env::var("OXCCL_TEST_NET_ROLE") else {
+        return;
+    };
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter("oxccl::transport=info,oxccl::net=debug,oxccl::proxy=error")
+        .with_writer(std::io::stdout)
+        .with_ansi(false)
+        .try_init();
+    let var = |k: &str| std::env::var(k).unwrap_or_else(|_| panic!("{k} is not set"));
+    let rank: usize = var("OXCCL_TEST_NET_RANK").parse().unwrap();
+    let nranks: usize = var("OXCCL_TEST_NET_NRANKS").parse().unwrap();
+    let id = match std::env::var("OXCCL_TEST_NET_ID") {
+        Ok(h) => UniqueId::from_bytes(&unhex(&h)).unwrap(),
+        Err(_) => UniqueId::from_comm_id(&var("NCCL_COMM_ID")).unwrap(),
+    };
+    let comm = Comm::init_rank(nranks, &id, rank, Device::Cpu(rank)).expect("init_rank");
+    match role.as_str() {
+        "coll" => {
+            let bad = run_collectives(&comm).expect("collectives");
+            assert!(bad.is_empty(), "{}", bad.join("\n"));
+            comm.destroy().expect("destroy");
+            println!("NET-CHILD-OK rank {rank}");
+        }
+        "loop" => {
+            let count = 1 << 18;
+            let dev = comm.device();
+            let stream = dev.new_stream().unwrap();
+            let buf = dev.alloc(count * 4).unwrap();
+            let mut iters = 0u64;
+            let err = loop {
+                if let Err(e) = comm.all_reduce(&buf, &buf, count, DataType::F32, RedOp::Sum, &stream) {
+                    break e;
+                }
+                if let Err(e) = stream.synchronize() {
+                    break e;
+                }
+                iters += 1;
+                if iters == 1 {
+                    println!("LOOPING rank {rank}");
+                }
+            };
+            println!("GOT-ERROR {:?} after {iters} iterations: {err}", err.code());
+            // No abort: only the proxies of the ranks tell each other (as across real hosts).
+            drop(comm);
+            println!("CHILD-EXITED rank {rank}");
+        }
+        r => panic!("unknown role {r}"),
+    }
+}
+
+/// A child rank: its process and the lines it printed so far (read by a thread).
+struct Rank {
+    child: Child,
+    lines: std::sync::mpsc::Receiver<String>,
+    out: Vec<String>,
+}
+
+impl Rank {
+    /// Starts this test binary as rank `rank` of `nranks`, with `env` (and no inherited `NCCL_` /
+    /// `OXCCL_` variables), optionally inside network namespace `netns`.
+    fn spawn(
+        role: &str,
+        rank: usize,
+        nranks: usize,
+        id: Option<&UniqueId>,
+        env: &[(&str, String)],
+        netns: Option<&str>,
+    ) -> Rank {
+        let exe = std::env::current_exe().unwrap();
+        let mut cmd = match netns {
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns]).arg(&exe);
+                c
+            }
+            None => Command::new(&exe),
+        };
+        cmd.args(["--exact", "net_child_entry", "--nocapture", "--test-threads=1"]);
+        for (k, _) in std::env::vars() {
+            if k.starts_with("NCCL_") || k.starts_with("OXCCL_") {
+                cmd.env_remove(k);
+            }
+        }
+        cmd.env("OXCCL_TEST_NET_ROLE", role)
+            .env("OXCCL_TEST_NET_RANK", rank.to_string())
+            .env("OXCCL_TEST_NET_NRANKS", nranks.to_string())
+            .env("OXCCL_BOOTSTRAP_TIMEOUT", "30");
+        if let Some(id) = id {
+            cmd.env("OXCCL_TEST_NET_ID", hex(&id.to_bytes()));
+        }
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn child rank");
+        let (tx, lines) = std::sync::mpsc::channel();
+        let (out, err) = (child.stdout.take().unwrap(), child.stderr.take().unwrap());
+        let tx2 = tx.clone();
+        std::thread::spawn(move || {
+            for l in BufReader::new(out).lines().map_while(Result::ok) {
+                let _ = tx.send(l);
+            }
+        });
+        std::thread::spawn(move || {
+            let mut s = String::new();
+            let _ = BufReader::new(err).read_to_string(&mut s);
+            let _ = tx2.send(format!("STDERR: {s}"));
+        });
+        Rank {
+            child,
+            lines,
+            out: Vec::new(),
+        }
+    }
+
+    fn drain(&mut self) {
+        while let Ok(l) = self.lines.try_recv() {
+            self.out.push(l);
+        }
+    }
+
+    fn has(&mut self, marker: &str) -> bool {
+        self.drain();
+        self.out.iter().any(|l| l.contains(marker))
+    }
+
+    fn text(&mut self) -> String {
+        self.drain();
+        self.out.join("\n")
+    }
+
+    /// Waits until the process exits (by `deadline`, else kills it); its success and output.
+    fn wait(&mut self, deadline: Instant) -> (bool, String) {
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                // Let the reader threads finish.
+                std::thread::sleep(Duration::from_millis(50));
+                return (status.success(), format!("{status}\n{}", self.text()));
+            }
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                return (false, format!("did not exit in time (killed)\n{}", self.text()));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Rank {
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// Runs one group of child ranks (`envs[r]` for rank `r`) through [`run_collectives`]; every rank
+/// must pass and print the `expect` lines given for it.
+fn run_group(
+    envs: &[Vec<(&str, String)>],
+    expect: &[Vec<String>],
+    netns: &[Option<&str>],
+    id: Option<&UniqueId>,
+) {
+    let n = envs.len();
+    let mut ranks: Vec<Rank> = (0..n)
+        .map(|r| Rank::spawn("coll", r, n, id, &envs[r], netns[r]))
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(240);
+    for (r, rank) in ranks.iter_mut().enumerate() {
+        let (ok, out) = rank.wait(deadline);
+        assert!(
+            ok && out.contains(&format!("NET-CHILD-OK rank {r}")),
+            "rank {r} ({:?}): {out}",
+            envs[r]
+        );
+        for line in &expect[r] {
+            assert!(
+                out.contains(line.as_str()),
+                "rank {r} ({:?}): no {line:?} in\n{out}",
+                envs[r]
+            );
+        }
+    }
+}
+
+#[test]
+fn collectives_across_hosts_every_protocol() {
+    // Ranks 0, 1 on host A (SHM between them); ranks 2, 3 on host B with NCCL_SHM_DISABLE=1
+    // (NET between them too); 1 → 2 and 3 → 0 cross hosts (NET). Small buffers: many FIFO steps.
+    for proto in ["Simple", "LL", "LL128"] {
+        let id = get_unique_id().expect("unique id");
+        let common = [
+            ("NCCL_PROTO", proto.to_string()),
+            ("NCCL_BUFFSIZE", "65536".to_string()),
+            ("NCCL_LL_BUFFSIZE", "16384".to_string()),
+            ("NCCL_LL128_BUFFSIZE", "65536".to_string()),
+        ];
+        let envs: Vec<Vec<(&str, String)>> = (0..4)
+            .map(|r| {
+                let mut e = common.to_vec();
+                e.push((
+                    "OXCCL_HOSTID",
+                    if r < 2 { "host-a" } else { "host-b" }.to_string(),
+                ));
+                if r >= 2 {
+                    e.push(("NCCL_SHM_DISABLE", "1".to_string()));
+                }
+                e
+            })
+            .collect();
+        let via = |a: usize, b: usize, t: &str| format!("Channel 00 : {a} -> {b} via {t}");
+        let expect = vec![
+            vec![via(0, 1, "SHM")],
+            vec![via(1, 2, "NET/Socket/0")],
+            vec![via(2, 3, "NET/Socket/0")],
+            vec![via(3, 0, "NET/Socket/0")],
+        ];
+        run_group(&envs, &expect, &[None; 4], Some(&id));
+        eprintln!("collectives_across_hosts: {proto} ok");
+    }
+}
+
+#[test]
+fn two_ranks_one_net_peer_and_unknown_net_name() {
+    // Two ranks on two hosts: each rank's only neighbour is on the other host, both directions
+    // over NET on the same pair of blocks; the default buffer sizes (512 KiB Simple slots).
+    let id = get_unique_id().expect("unique id");
+    let envs: Vec<Vec<(&str, String)>> = (0..2)
+        .map(|r| {
+            vec![
+                ("OXCCL_HOSTID", format!("solo-{r}")),
+                ("NCCL_NET", "socket".to_string()),
+            ]
+        })
+        .collect();
+    let expect = vec![
+        vec!["Channel 01 : 0 -> 1 via NET/Socket/0".to_string()],
+        vec!["Channel 01 : 1 <- 0 via NET/Socket/0".to_string()],
+    ];
+    run_group(&envs, &expect, &[None; 2], Some(&id));
+
+    // NCCL_NET naming a network that does not exist fails init on every rank, naming the choices.
+    let id = get_unique_id().expect("unique id");
+    let mut ranks: Vec<Rank> = (0..2)
+        .map(|r| {
+            Rank::spawn(
+                "coll",
+                r,
+                2,
+                Some(&id),
+                &[("OXCCL_HOSTID", format!("h{r}")), ("NCCL_NET", "IB".into())],
+                None,
+            )
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    for (r, rank) in ranks.iter_mut().enumerate() {
+        let (ok, out) = rank.wait(deadline);
+        assert!(!ok, "rank {r} passed with NCCL_NET=IB: {out}");
+        assert!(
+            out.contains("NCCL_NET=\\\"IB\\\": no network of that name (available: Socket)")
+                || out.contains("NCCL_NET=\"IB\": no network of that name (available: Socket)"),
+            "rank {r}: {out}"
+        );
+    }
+}
+
+#[test]
+fn killed_rank_gives_the_others_an_error_c29() {
+    // Four ranks on four hosts, all NET; rank 1 is killed while every rank loops AllReduce. Rank
+    // 2, which receives from it, sees the connection end; its proxy raises its abort flag and
+    // closes its own connections, so rank 3 (then rank 0) learns the same way: no rank relies on
+    // shared memory. Each must report an error and exit within 30 s of the kill.
+    let id = get_unique_id().expect("unique id");
+    let n = 4;
+    let mut ranks: Vec<Rank> = (0..n)
+        .map(|r| {
+            Rank::spawn(
+                "loop",
+                r,
+                n,
+                Some(&id),
+                &[("OXCCL_HOSTID", format!("k{r}")), ("NCCL_PROTO", "Simple".into())],
+                None,
+            )
+        })
+        .collect();
+    let t = Instant::now();
+    while !(0..n).all(|r| ranks[r].has("LOOPING")) {
+        assert!(
+            t.elapsed() < Duration::from_secs(120),
+            "ranks never all looped:\n{}",
+            (0..n)
+                .map(|r| ranks[r].text())
+                .collect::<Vec<_>>()
+                .join("\n---\n")
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    ranks[1].child.kill().unwrap();
+    let _ = ranks[1].child.wait();
+    let killed = Instant::now();
+    for r in [0, 2, 3] {
+        let (ok, out) = ranks[r].wait(killed + Duration::from_secs(30));
+        assert!(ok, "rank {r}: {out}");
+        assert!(out.contains("GOT-ERROR Remote"), "rank {r}: {out}");
+        assert!(out.contains(&format!("CHILD-EXITED rank {r}")), "rank {r}: {out}");
+        let line = out.lines().find(|l| l.contains("GOT-ERROR")).unwrap_or_default();
+        eprintln!("killed_rank: rank {r}: {line}");
+        // Rank 2 receives from rank 1 and names it; the others name the rank whose connection
+        // closed on them as the failure went around the ring.
+        if r == 2 {
+            assert!(line.contains("rank 1 of this communicator"), "rank {r}: {line}");
+        }
+    }
+    eprintln!(
+        "killed_rank: survivors exited {:.1} s after the kill",
+        killed.elapsed().as_secs_f64()
+    );
+}
+
+/// Network namespaces of one test, deleted on drop (also when the test fails).
+struct Netns {
+    names: Vec<String>,
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        for n in &self.names {
+            let _ = Command::new("ip").args(["netns", "del", n]).status();
+        }
+    }
+}
+
+fn ip(args: &[&str]) -> Result<(), String> {
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .map_err(|e| format!("ip {}: {e}", args.join(" ")))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "ip {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
+
+/// Deletes namespaces left by earlier runs of this test whose process is gone.
+fn remove_stale_namespaces() {
+    let Ok(out) = Command::new("ip").args(["netns", "list"]).output() else {
+        return;
+    };
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let name = line.split_whitespace().next().unwrap_or("");
+        if let Some(rest) = name.strip_prefix("oxnt")
+            && let Some(pid) = rest.get(..rest.len().saturating_sub(1))
+            && let Ok(pid) = pid.parse::<u32>()
+            && !std::path::Path::new(&format!("/proc/{pid}")).exists()
+        {
+            let _ = Command::new("ip").args(["netns", "del", name]).status();
+        }
+    }
+}
+
+#[test]
+fn two_hosts_in_network_namespaces() {
+    remove_stale_namespaces();
+    let pid = std::process::id();
+    let (na, nb) = (format!("oxnt{pid}a"), format!("oxnt{pid}b"));
+    let (va, vb) = (format!("oxv{pid}a"), format!("oxv{pid}b"));
+    if let Err(e) = ip(&["netns", "add", &na]) {
+        eprintln!("SKIPPED: two_hosts_in_network_namespaces: cannot create a network namespace ({e})");
+        return;
+    }
+    let mut ns = Netns {
+        names: vec![na.clone()],
+    };
+    ip(&["netns", "add", &nb]).expect("second namespace");
+    ns.names.push(nb.clone());
+    // One subnet per run: 10.77.S.0/24, host A at .1, host B at .2.
+    let s = pid % 250 + 1;
+    let (aa, ab) = (format!("10.77.{s}.1"), format!("10.77.{s}.2"));
+    let (cidr_a, cidr_b) = (format!("{aa}/24"), format!("{ab}/24"));
+    let setup = [
+        vec![
+            "link",
+            "add",
+            va.as_str(),
+            "netns",
+            na.as_str(),
+            "type",
+            "veth",
+            "peer",
+            "name",
+            vb.as_str(),
+            "netns",
+            nb.as_str(),
+        ],
+        vec![
+            "-n",
+            na.as_str(),
+            "addr",
+            "add",
+            cidr_a.as_str(),
+            "dev",
+            va.as_str(),
+        ],
+        vec![
+            "-n",
+            nb.as_str(),
+            "addr",
+            "add",
+            cidr_b.as_str(),
+            "dev",
+            vb.as_str(),
+        ],
+        vec!["-n", na.as_str(), "link", "set", va.as_str(), "up"],
+        vec!["-n", nb.as_str(), "link", "set", vb.as_str(), "up"],
+        vec!["-n", na.as_str(), "link", "set", "lo", "up"],
+        vec!["-n", nb.as_str(), "link", "set", "lo", "up"],
+    ];
+    for args in &setup {
+        let args: Vec<&str> = args.iter().map(|a| a.as_ref()).collect();
+        if let Err(e) = ip(&args) {
+            eprintln!("SKIPPED: two_hosts_in_network_namespaces: veth setup failed ({e})");
+            return;
+        }
+    }
+    if let Err(e) = ip(&["netns", "exec", &na, "true"]) {
+        eprintln!("SKIPPED: two_hosts_in_network_namespaces: cannot run a process in a namespace ({e})");
+        return;
+    }
+    // Ranks 0, 1 on host A (SHM between them), ranks 2, 3 on host B; the root on rank 0's address.
+    let comm_id = format!("{aa}:{}", 20000 + pid % 20000);
+    for proto in ["Simple", "LL"] {
+        let envs: Vec<Vec<(&str, String)>> = (0..4)
+            .map(|r| {
+                let (host, ifname) = if r < 2 { ("ns-a", &va) } else { ("ns-b", &vb) };
+                vec![
+                    ("OXCCL_HOSTID", host.to_string()),
+                    ("NCCL_SOCKET_IFNAME", format!("={ifname}")),
+                    ("NCCL_COMM_ID", comm_id.clone()),
+                    ("NCCL_PROTO", proto.to_string()),
+                    ("NCCL_BUFFSIZE", "65536".to_string()),
+                ]
+            })
+            .collect();
+        let expect: Vec<Vec<String>> = (0..4)
+            .map(|r| {
+                let ifname = if r < 2 { &va } else { &vb };
+                let next = (r + 1) % 4;
+                let t = if r % 2 == 0 { "SHM" } else { "NET/Socket/0" };
+                vec![
+                    format!("Channel 00 : {r} -> {next} via {t}"),
+                    format!("iface={ifname}"),
+                ]
+            })
+            .collect();
+        let netns = [
+            Some(na.as_str()),
+            Some(na.as_str()),
+            Some(nb.as_str()),
+            Some(nb.as_str()),
+        ];
+        run_group(&envs, &expect, &netns, None);
+        eprintln!("two_hosts_in_network_namespaces: {proto} ok");
+    }
+    drop(ns);
+}
