@@ -163,21 +163,30 @@ pub fn net_from_env(near: Option<std::net::IpAddr>) -> Result<Arc<dyn Net>> {
 /// `ConnLayout` in `comm.rs` computes): Simple buffer, LL buffer, head and tail counters.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FifoAddrs {
+    /// Simple buffer ([`FIFO_STEPS`] slots).
     pub simple: u64,
+    /// LL buffer (16-byte lines).
     pub ll: u64,
+    /// LL128 buffer (128-byte lines).
     pub ll128: u64,
+    /// `u64` head counter (the send connection's credit).
     pub head: u64,
+    /// `u64` tail counter (the receive connection's Simple progress).
     pub tail: u64,
 }
 
 /// What [`connect_net`] needs from `Comm::init_rank`.
 pub struct RingSetup<'a> {
+    /// The communicator's bootstrap (all-gather, handle exchange, timeout).
     pub bootstrap: &'a Bootstrap,
+    /// This rank and the number of ranks; ring neighbours are `rank ± 1`.
     pub rank: usize,
     pub nranks: usize,
+    /// This rank's device (its proxy thread is the device's).
     pub device: Device,
     /// Every rank's host id, by rank.
     pub hosts: &'a [String],
+    /// Channels: one network connection per channel and direction.
     pub nch: u32,
     /// Bytes of one rank's connection block.
     pub block_bytes: usize,
