@@ -28,6 +28,25 @@ enum Cmd {
     /// Print a topology: its nodes and links, the GPU path matrix, path bandwidths and the rings
     /// the graph search builds.
     Topo(TopoArgs),
+    /// Time communicator creation (Comm::init_rank, and NCCL's ncclCommInitRank with --compare
+    /// nccl), one rank per process: median/min/max over the iterations.
+    InitBench(InitBenchArgs),
+}
+
+#[derive(clap::Args)]
+struct InitBenchArgs {
+    /// Number of ranks, one process each (rank r on GPU r, or on CPU-target device r).
+    #[arg(long, value_name = "N", default_value_t = 2)]
+    procs: usize,
+    /// Timed inits per library.
+    #[arg(long, default_value_t = 10)]
+    iters: usize,
+    /// Also time NCCL's ncclCommInitRank (GPUs only), alternating with oxccl's inits.
+    #[arg(long, value_enum)]
+    compare: Option<CompareArg>,
+    /// Where to run: auto (GPUs when visible), cuda or cpu.
+    #[arg(long, value_enum, default_value_t = BackendArg::Auto)]
+    backend: BackendArg,
 }
 
 #[derive(clap::Args)]
@@ -202,6 +221,7 @@ fn main() -> ExitCode {
         Cmd::Perf(a) => perf(a),
         Cmd::Info => info(),
         Cmd::Topo(t) => topo(t),
+        Cmd::InitBench(a) => init_bench(a),
     };
     match r {
         Ok(code) => code,
@@ -533,6 +553,42 @@ fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     } else {
         ExitCode::SUCCESS
     })
+}
+
+/// `oxccl init-bench`: the parent validates and starts the ranks (oxccl::perf::init_bench::spawn);
+/// each child times its inits; rank 0 prints the table.
+fn init_bench(a: InitBenchArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
+    use oxccl::perf::init_bench::{self as ib, InitBenchConfig, Target};
+    let cfg = InitBenchConfig {
+        procs: a.procs,
+        iters: a.iters,
+        compare_nccl: a.compare.is_some(),
+        target: match a.backend {
+            BackendArg::Auto => Target::Auto,
+            BackendArg::Cuda => Target::Cuda,
+            BackendArg::Cpu => Target::Cpu,
+            BackendArg::Nccl => {
+                return Err("init-bench: use --compare nccl to time NCCL next to oxccl".into());
+            }
+        },
+    };
+    if let Some(me) = ib::ChildRank::from_env()? {
+        if let Some(result) = ib::run_rank(&me, &cfg)? {
+            print!("{}", ib::format_table(&result));
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
+    let gpu = cfg.validate(Device::cuda_count())?;
+    match ib::spawn(&cfg, gpu)? {
+        None => Ok(ExitCode::SUCCESS),
+        Some((r, status)) => {
+            eprintln!(
+                "oxccl: init-bench rank {r} of {} failed ({status}); stopped the others",
+                cfg.procs
+            );
+            Ok(ExitCode::from(status.code().map_or(1, |c| c.clamp(1, 255) as u8)))
+        }
+    }
 }
 
 fn topo(t: TopoArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {

@@ -1,7 +1,8 @@
 //! Benchmark support in the style of nccl-tests: data generation and checking ([`check`]), the
 //! result table ([`table`]), the sweep engine behind `oxccl perf` ([`run`]) and its JSON/SVG
-//! reports ([`report`]).
+//! reports ([`report`]); `oxccl init-bench`'s communicator-init timing ([`init_bench`]).
 pub mod check;
+pub mod init_bench;
 pub mod report;
 pub mod run;
 pub mod table;
