@@ -60,6 +60,9 @@ fn run_collectives(comm: &Comm) -> Result<Vec<String>, Error> {
         buf.write(0, &ne(&input, |x: i32| x.to_ne_bytes().to_vec()))?;
         comm.all_reduce(&buf, &buf, count, DataType::I32, RedOp::Sum, &stream)?;
         stream.synchronize()?;
+        if let Some(c) = comm.last_choice() {
+            println!("CHOICE AllReduce count {count} proto {:?}", c.proto);
+        }
         check(
             format!("AllReduce count {count}"),
             buf.to_vec()?,
@@ -324,12 +327,13 @@ fn run_group(
     expect: &[Vec<String>],
     netns: &[Option<&str>],
     id: Option<&UniqueId>,
-) {
+) -> Vec<String> {
     let n = envs.len();
     let mut ranks: Vec<Rank> = (0..n)
         .map(|r| Rank::spawn("coll", r, n, id, &envs[r], netns[r]))
         .collect();
     let deadline = Instant::now() + Duration::from_secs(240);
+    let mut outs = Vec::new();
     for (r, rank) in ranks.iter_mut().enumerate() {
         let (ok, out) = rank.wait(deadline);
         assert!(
@@ -344,24 +348,30 @@ fn run_group(
                 envs[r]
             );
         }
+        outs.push(out);
     }
+    outs
 }
 
 #[test]
 fn collectives_across_hosts_every_protocol() {
     // Ranks 0, 1 on host A (SHM between them); ranks 2, 3 on host B with NCCL_SHM_DISABLE=1
     // (NET between them too); 1 → 2 and 3 → 0 cross hosts (NET). Small buffers: many FIFO steps.
-    for proto in ["Simple", "LL", "LL128"] {
+    // "auto": no NCCL_PROTO, so the tuner's choice changes with the size and the protocols mix on
+    // the same connections, one collective after another.
+    for proto in ["Simple", "LL", "LL128", "auto"] {
         let id = get_unique_id().expect("unique id");
-        let common = [
-            ("NCCL_PROTO", proto.to_string()),
+        let mut common = vec![
             ("NCCL_BUFFSIZE", "65536".to_string()),
             ("NCCL_LL_BUFFSIZE", "16384".to_string()),
             ("NCCL_LL128_BUFFSIZE", "65536".to_string()),
         ];
+        if proto != "auto" {
+            common.push(("NCCL_PROTO", proto.to_string()));
+        }
         let envs: Vec<Vec<(&str, String)>> = (0..4)
             .map(|r| {
-                let mut e = common.to_vec();
+                let mut e = common.clone();
                 e.push((
                     "OXCCL_HOSTID",
                     if r < 2 { "host-a" } else { "host-b" }.to_string(),
@@ -379,8 +389,22 @@ fn collectives_across_hosts_every_protocol() {
             vec![via(2, 3, "NET/Socket/0")],
             vec![via(3, 0, "NET/Socket/0")],
         ];
-        run_group(&envs, &expect, &[None; 4], Some(&id));
-        eprintln!("collectives_across_hosts: {proto} ok");
+        let outs = run_group(&envs, &expect, &[None; 4], Some(&id));
+        let mut used: Vec<&str> = outs[0]
+            .lines()
+            .filter_map(|l| l.split(" proto ").nth(1).filter(|_| l.starts_with("CHOICE")))
+            .collect();
+        used.sort_unstable();
+        used.dedup();
+        if proto == "auto" {
+            assert!(used.len() >= 2, "one protocol for every size: {used:?}");
+        } else {
+            assert_eq!(
+                used,
+                [proto.replace("LL128", "Ll128").replace("LL", "Ll").as_str()]
+            );
+        }
+        eprintln!("collectives_across_hosts: {proto} ok (AllReduce used {used:?})");
     }
 }
 
