@@ -444,6 +444,14 @@ impl Stream {
         self.ctx.bind()?;
         cu!(cuMemcpyDtoDAsync_v2(dst, src, bytes, self.raw))
     }
+    /// Queues a fill of `bytes` bytes at device address `dst` with `byte` (`cuMemsetD8Async`),
+    /// e.g. as the launch-latency floor of the benchmarks. `dst` must be device memory of this
+    /// stream's context valid for `bytes` bytes until the fill has run. Errors: [`Error::Cuda`]
+    /// naming `cuMemsetD8Async` (an invalid address or range).
+    pub fn memset_d8(&self, dst: u64, byte: u8, bytes: usize) -> Result<()> {
+        self.ctx.bind()?;
+        cu!(cuMemsetD8Async(dst, byte, bytes, self.raw))
+    }
     /// Queues a launch of the collective kernel.
     pub fn launch(
         &self,
