@@ -6,12 +6,14 @@
 //! | [`xml`] | read / write the `<system version="1">` XML (`NCCL_TOPO_FILE`, `NCCL_TOPO_DUMP_FILE`), detection merge points | `src/graph/xml.cc` |
 //! | [`system`] | the system graph: nodes, links, bandwidths (GB/s) | `src/graph/topo.cc` |
 //! | [`paths`] | path type and bottleneck bandwidth between GPUs, NICs, CPUs | `src/graph/paths.cc` |
+//! | [`detect`] | the XML of the real machine from NVML and sysfs (GPUs, NVLinks, PCI tree, CPUs, NICs); GPU CPU affinity and thread binding | `ncclTopoGetSystem` in `src/graph/topo.cc`, `ncclTopoFill*` / `ncclTopoGetXmlFrom*` in `src/graph/xml.cc` |
 //!
 //! ```no_run
 //! let sys = oxccl::topo::System::from_xml_file("topo.xml")?;
 //! print!("{}", sys.describe()); // nodes, then the nvidia-smi-style GPU/NIC path matrix
 //! # Ok::<(), oxccl::Error>(())
 //! ```
+pub mod detect;
 mod describe;
 pub mod paths;
 pub mod system;
