@@ -51,10 +51,12 @@ struct InitBenchArgs {
 
 #[derive(clap::Args)]
 struct TopoArgs {
-    /// NCCL-format topology XML to load (default: NCCL_TOPO_FILE).
+    /// NCCL-format topology XML to load (default: NCCL_TOPO_FILE, else this machine as detected
+    /// from NVML and sysfs: every GPU NVML lists, ranks in NVML order).
     #[arg(long, value_name = "FILE")]
     topo_file: Option<std::path::PathBuf>,
-    /// Write the topology back as NCCL-format XML to this file.
+    /// Write the topology back as NCCL-format XML to this file (for a detected machine: what
+    /// NCCL_TOPO_DUMP_FILE would hold).
     #[arg(long, value_name = "FILE")]
     dump: Option<std::path::PathBuf>,
     /// Simulate a job over this many identical nodes (ranks of node k offset by k × GPUs per
@@ -594,18 +596,25 @@ fn init_bench(a: InitBenchArgs) -> Result<ExitCode, Box<dyn std::error::Error>> 
 fn topo(t: TopoArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     let system = match &t.topo_file {
         Some(path) => oxccl::topo::System::from_xml_file(path)?,
-        None => oxccl::topo::System::from_env()?.ok_or(
-            "no topology given: pass --topo-file FILE or set NCCL_TOPO_FILE (detection from NVML/sysfs is not \
-             implemented yet)",
-        )?,
+        None => match oxccl::topo::System::from_env()? {
+            Some(s) => s,
+            None => {
+                println!("# detected from NVML and sysfs (pass --topo-file FILE or set NCCL_TOPO_FILE to load one)");
+                oxccl::topo::detect::detect_system()?
+            }
+        },
     };
     print!("{}", system.describe());
-    print_graphs(&system, t.nodes as usize)?;
     if let Some(path) = &t.dump {
         std::fs::write(path, system.to_xml_string())
             .map_err(|e| format!("--dump {}: {e}", path.display()))?;
         println!("# wrote {}", path.display());
     }
+    if system.count(oxccl::topo::NodeType::Gpu) == 0 {
+        println!("\n# no GPU in this topology: no ring or tree to search");
+        return Ok(ExitCode::SUCCESS);
+    }
+    print_graphs(&system, t.nodes as usize)?;
     Ok(ExitCode::SUCCESS)
 }
 
