@@ -105,7 +105,7 @@ pub fn to_hex(bytes: &[u8]) -> String {
 /// Bytes of hex text `s` (`what` names it in errors): `InvalidArgument` when `s` has an odd
 /// length or a non-hex digit.
 pub fn from_hex(what: &str, s: &str) -> Result<Vec<u8>> {
-    if s.len() % 2 != 0 || !s.bytes().all(|b| b.is_ascii_hexdigit()) {
+    if !s.len().is_multiple_of(2) || !s.bytes().all(|b| b.is_ascii_hexdigit()) {
         return Err(Error::invalid(format!("{what}={s:?} is not hex bytes")));
     }
     (0..s.len() / 2)
@@ -385,7 +385,7 @@ fn encode(v: &[f64]) -> Vec<u8> {
 }
 
 fn decode(rank: usize, b: &[u8]) -> Result<Vec<f64>> {
-    if b.len() % 8 != 0 {
+    if !b.len().is_multiple_of(8) {
         return Err(Error::Remote(format!(
             "rank {rank} sent {} bytes of samples",
             b.len()
