@@ -221,6 +221,8 @@ impl Comm {
                     Device::Cpu(_) => Err(Error::Internal("CPU device in a CUDA communicator".into())),
                 })
                 .collect::<Result<_>>()?;
+            // NCCL_TOPO_DUMP_FILE, and this thread near the GPUs' CPUs until init returns.
+            let _near = crate::topo::detect::on_cuda_init(0, &ctxs)?;
             // P2P transport, same-process path: every rank writes into its ring neighbours.
             for r in 0..nranks {
                 for peer in [(r + 1) % nranks, (r + nranks - 1) % nranks] {
@@ -424,6 +426,8 @@ impl Comm {
             Device::Cuda(o) => Some(cuda::Context::get(o)?),
             Device::Cpu(_) => None,
         };
+        // NCCL_TOPO_DUMP_FILE, and this thread (so the helper threads it starts) near the GPU.
+        let _near = crate::topo::detect::on_cuda_init(rank, ctx.as_slice())?;
         let bootstrap = crate::bootstrap::Bootstrap::init(id, rank, nranks)?;
         let default_nch = if is_cuda {
             CUDA_DEFAULT_NCHANNELS

@@ -599,7 +599,9 @@ fn topo(t: TopoArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         None => match oxccl::topo::System::from_env()? {
             Some(s) => s,
             None => {
-                println!("# detected from NVML and sysfs (pass --topo-file FILE or set NCCL_TOPO_FILE to load one)");
+                println!(
+                    "# detected from NVML and sysfs (pass --topo-file FILE or set NCCL_TOPO_FILE to load one)"
+                );
                 oxccl::topo::detect::detect_system()?
             }
         },

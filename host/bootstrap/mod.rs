@@ -681,9 +681,14 @@ fn spawn_listener(
         format!("bootstrap rank {rank}"),
         allowed,
     )?;
+    // Near the GPU of the communicator being created, when its affinity is known.
+    let near = crate::topo::detect::helper_affinity();
     std::thread::Builder::new()
         .name(format!("oxccl-bs-{rank}"))
-        .spawn(move || listen_loop(server, wake, ring_tx, mailbox))
+        .spawn(move || {
+            crate::topo::detect::bind_helper_thread(near.as_ref());
+            listen_loop(server, wake, ring_tx, mailbox)
+        })
         .map_err(|e| {
             Error::System(format!(
                 "bootstrap: rank {rank}: cannot start the listener thread: {e}"

@@ -43,9 +43,14 @@ pub(crate) fn spawn(addr: SocketAddr, secret: u64, timeout: Duration) -> Result<
         format!("bootstrap root {local}"),
         allowed,
     )?;
+    // Near the GPU of the communicator being created, when its affinity is known.
+    let near = crate::topo::detect::helper_affinity();
     std::thread::Builder::new()
         .name("oxccl-bs-root".into())
-        .spawn(move || Root::new(secret, timeout, local).run(server))
+        .spawn(move || {
+            crate::topo::detect::bind_helper_thread(near.as_ref());
+            Root::new(secret, timeout, local).run(server)
+        })
         .map_err(|e| Error::System(format!("bootstrap: cannot start the root thread: {e}")))?;
     tracing::info!(target: "oxccl::bootstrap", %local, "bootstrap root listening");
     Ok(local)

@@ -1147,6 +1147,31 @@ pub fn comm_init_hook(gpus: &[RankGpu]) -> Result<AffinityGuard> {
     Ok(AffinityGuard::near_gpus(&buses))
 }
 
+/// [`comm_init_hook`] for the CUDA contexts of ranks `first_rank`, `first_rank + 1`, ... (what
+/// `Comm::init_all` and `Comm::init_rank` call first on CUDA devices); does nothing for an
+/// empty slice. Errors: those of [`comm_init_hook`], and `Cuda` when a bus id cannot be read.
+pub fn on_cuda_init(
+    first_rank: usize,
+    ctxs: &[std::sync::Arc<crate::cuda::Context>],
+) -> Result<AffinityGuard> {
+    if ctxs.is_empty() {
+        return Ok(AffinityGuard::bind(None));
+    }
+    let gpus = ctxs
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            Ok(RankGpu {
+                rank: (first_rank + i) as i32,
+                dev: c.ordinal as i32,
+                bus_id: c.bus_id()?,
+                sm: None,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    comm_init_hook(&gpus)
+}
+
 // ------------------------------------------------------------------------------------------
 // CPU affinity
 // ------------------------------------------------------------------------------------------
