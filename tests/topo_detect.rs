@@ -681,3 +681,53 @@ fn dump_file_on_communicator_init() {
     );
     let _ = std::fs::remove_file(&out);
 }
+
+/// GPU machine: detection through the real NVML and sysfs. Every GPU NVML lists gets a
+/// `<gpu>` with its `sm`; on the 2×H200 VM (GPUs at 0000:00:06.0 and 0000:00:07.0) the CPU and
+/// the GPUs' `<pci>` subtrees must equal NCCL's dump (tests/topo/h200x2-nccl-topo.xml) but for
+/// `host_hash` (NCCL hashes the host differently).
+#[test]
+fn gpu_detection_matches_nccls_dump_on_the_h200_machine() {
+    let Some(nvml) = detect::NvmlProbe::load() else {
+        skipped!("SKIPPED: NVML (libnvidia-ml.so.1) not available: no GPU to detect");
+        return;
+    };
+    let devices = nvml.devices();
+    if devices.is_empty() {
+        skipped!("SKIPPED: NVML lists no GPU");
+        return;
+    }
+    let xml = detect::detect_local(None);
+    eprintln!("detected topology:\n{xml}");
+    for (i, bus) in &devices {
+        let b = detect::normalize_bus_id(bus).unwrap();
+        let g = xml.find_pci(&b).and_then(|p| p.sub("gpu"));
+        let g = g.unwrap_or_else(|| panic!("GPU {i} ({bus}) has no <gpu> element"));
+        assert_eq!(g.attr("dev"), Some(i.to_string().as_str()));
+        assert!(g.attr("sm").is_some());
+    }
+    let sys = system(xml.clone());
+    assert_eq!(sys.count(NodeType::Gpu), devices.len());
+    let buses: Vec<String> = devices
+        .iter()
+        .map(|(_, b)| detect::normalize_bus_id(b).unwrap())
+        .collect();
+    if buses != ["0000:00:06.0", "0000:00:07.0"] {
+        skipped!("SKIPPED: not the 2xH200 VM of tests/topo/h200x2-nccl-topo.xml (GPUs at {buses:?})");
+        return;
+    }
+    let dump = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/topo/h200x2-nccl-topo.xml");
+    let nccl = Xml::from_file(&dump).unwrap();
+    let strip = |x: &Xml| {
+        let cpu = x.root.sub("cpu").unwrap();
+        let attrs: Vec<_> = cpu
+            .attrs
+            .iter()
+            .filter(|(k, _)| k != "host_hash")
+            .cloned()
+            .collect();
+        let pcis: Vec<XmlNode> = cpu.subs_named("pci").cloned().collect();
+        (attrs, pcis)
+    };
+    assert_eq!(strip(&xml), strip(&nccl));
+}
