@@ -1793,23 +1793,28 @@ impl PeerLink {
 
 /// The type of the path between the GPUs of `a` and `b`, two CUDA ranks of one host, as
 /// `NCCL_P2P_LEVEL` compares it: `LOC` for one GPU (same bus id); otherwise the path between their
-/// bus ids in the topology of `NCCL_TOPO_FILE` (computed as NCCL's `ncclTopoComputePaths` does,
-/// before any P2P-level rerouting); `None` when there is no topology file or it lacks either GPU.
-/// (oxccl has no topology detection from NVML/sysfs yet, so without a file the path type of two
-/// distinct GPUs is unknown.) Errors: an unreadable or malformed topology file.
+/// bus ids in this machine's topology, built as NCCL's `ncclTopoGetSystem` does (the
+/// `NCCL_TOPO_FILE` document if set, completed by detection from NVML and sysfs) and computed
+/// as `ncclTopoComputePaths` does before any P2P-level rerouting: NVLink (direct or through
+/// NVSwitches) gives `NVL`, PCI paths `PIX` / `PXB` / `PHB` / `SYS`. `None` when the topology
+/// lacks either GPU (no NVML and no file entry for it). Errors: an unreadable or malformed
+/// topology file, bad path variables.
 fn p2p_path_type(a: &PeerInfo, b: &PeerInfo) -> Result<Option<crate::topo::PathType>> {
+    use crate::topo::detect;
     if a.bus_id == b.bus_id {
         return Ok(Some(crate::topo::PathType::Loc));
     }
-    let Some(xml) = crate::topo::Xml::from_env()? else {
-        return Ok(None);
-    };
+    let mut xml = crate::topo::Xml::from_env()?.unwrap_or_else(crate::topo::Xml::new_system);
+    let nvml = detect::NvmlProbe::shared().map(|n| n as &dyn detect::NvmlSource);
+    detect::detect_into(&mut xml, &detect::DetectOptions::from_env(), nvml, None);
     let raw = crate::topo::PathOptions {
         p2p_level: Some(crate::topo::PathType::Sys),
         ..Default::default()
     };
     let sys = crate::topo::System::from_xml_with(xml, raw)?;
-    Ok(topo_gpu_path(&sys, &a.bus_id, &b.bus_id))
+    let path = topo_gpu_path(&sys, &a.bus_id, &b.bus_id);
+    tracing::debug!(target: "oxccl::init", from = %a.bus_id, to = %b.bus_id, path = ?path.map(|p| p.as_str()), "GPU path type for NCCL_P2P_LEVEL");
+    Ok(path)
 }
 
 /// The path type from the GPU at `from` to the GPU at `to` (PCI bus ids) in `sys`; `None` when
@@ -1821,9 +1826,9 @@ fn topo_gpu_path(sys: &crate::topo::System, from: &str, to: &str) -> Option<crat
 
 /// Applies `NCCL_P2P_LEVEL` (`level`) to CUDA ranks `me` and `peer` (NCCL's `ncclTopoCheckP2p`
 /// within `p2pCanConnect`): P2P only when their path type (`path_of`, e.g. [`p2p_path_type`]) is at
-/// most the level, by [`crate::params::p2p_allowed`]. When the path type is unknown (no topology
-/// file), only `LOC` refuses (two distinct GPUs); other levels are not applied and a warning says
-/// so. `Ok` when P2P may be used; `System` naming both ranks, the level and the path type when it
+/// most the level, by [`crate::params::p2p_allowed`]. When the path type is unknown (a GPU that
+/// neither NVML nor `NCCL_TOPO_FILE` describes), only `LOC` refuses (two distinct GPUs); other
+/// levels are not applied and a warning says so. `Ok` when P2P may be used; `System` naming both ranks, the level and the path type when it
 /// may not (P2P is the only transport between CUDA devices so far, so nothing else connects them).
 fn check_p2p_level(
     me: usize,
@@ -1850,7 +1855,7 @@ fn check_p2p_level(
             path.map_or("at least NVL (two distinct GPUs)", |p| p.as_str()),
         ))),
         None => {
-            tracing::warn!(target: "oxccl::init", rank = me, peer, "NCCL_P2P_LEVEL={lvl} not applied between rank {me} ({}) and rank {peer} ({}): their path type is unknown (set NCCL_TOPO_FILE to a topology holding both GPUs)", mi.describe_device(), pi.describe_device());
+            tracing::warn!(target: "oxccl::init", rank = me, peer, "NCCL_P2P_LEVEL={lvl} not applied between rank {me} ({}) and rank {peer} ({}): their path type is unknown (NVML does not describe both GPUs; NCCL_TOPO_FILE can)", mi.describe_device(), pi.describe_device());
             Ok(())
         }
     }
@@ -1951,6 +1956,10 @@ mod p2p_level_tests {
             "{e}"
         );
         check_p2p_level(0, &a, 1, &b, Some(PathType::Nvl), unknown).unwrap();
+        // Bus ids that no machine has: neither NVML nor sysfs describes them, so the path type
+        // is unknown (the lib tests never set NCCL_TOPO_FILE).
+        let (x, y) = (gpu(0, "00ff:fe:00.0"), gpu(1, "00ff:fe:01.0"));
+        assert_eq!(p2p_path_type(&x, &y).unwrap(), None);
         // One GPU shared by two ranks: LOC, allowed even at level LOC (no topology needed).
         let shared = gpu(1, "0000:11:00.0");
         assert_eq!(p2p_path_type(&a, &shared).unwrap(), Some(PathType::Loc));

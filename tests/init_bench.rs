@@ -132,3 +132,59 @@ fn gpu_compare_nccl() {
     assert!(text.contains("# ratio oxccl/nccl of the medians: "), "{text}");
     println!("{text}");
 }
+
+fn oxccl_env(var: (&str, &str), args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_oxccl"))
+        .arg("init-bench")
+        .args(args)
+        .env(var.0, var.1)
+        .output()
+        .expect("run oxccl")
+}
+
+/// NCCL_P2P_LEVEL is read by every rank's init: a bad value fails the init with an
+/// InvalidArgument naming the variable and the accepted values; a good one does not concern the
+/// CPU target's SHM transport (P2P levels apply between GPUs only).
+#[test]
+fn p2p_level_at_init_on_the_cpu_target() {
+    let out = oxccl_env(
+        ("NCCL_P2P_LEVEL", "FAR"),
+        &["--backend", "cpu", "--procs", "2", "--iters", "1"],
+    );
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(
+            "invalid argument: NCCL_P2P_LEVEL=\"FAR\" is not a P2P level (accepted: LOC, NVL, NVB, C2C, PIX, PXB, \
+             PXN, P2C, PHB, SYS, or a legacy integer 0-5)"
+        ),
+        "{err}"
+    );
+    let out = oxccl_env(
+        ("NCCL_P2P_LEVEL", "LOC"),
+        &["--backend", "cpu", "--procs", "2", "--iters", "1"],
+    );
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    check_row(&rows(&String::from_utf8_lossy(&out.stdout))[0], "oxccl", 1);
+}
+
+/// On 2 GPUs in 2 processes: NCCL_P2P_LEVEL=LOC refuses P2P between two distinct GPUs (their path
+/// is at least NVL whatever the topology), and P2P is the only CUDA transport, so init fails
+/// naming the level; SYS allows every path between GPUs of one host, so init succeeds.
+#[test]
+fn gpu_p2p_level_loc_refuses_and_sys_allows() {
+    if oxccl::Device::cuda_count() < 2 {
+        println!("SKIPPED: needs 2 CUDA GPUs");
+        return;
+    }
+    let args = ["--backend", "cuda", "--procs", "2", "--iters", "1"];
+    let out = oxccl_env(("NCCL_P2P_LEVEL", "LOC"), &args);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("NCCL_P2P_LEVEL=LOC allows P2P up to LOC paths but their path is "),
+        "{err}"
+    );
+    let out = oxccl_env(("NCCL_P2P_LEVEL", "SYS"), &args);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}
