@@ -11,7 +11,7 @@
 //! returns the slot (`head = s + 1`). Flags wrap: in the 8 steps before the flag value wraps
 //! ([`ll_clean`]) every line of the slot is written and read, so no line keeps a flag old enough
 //! to be mistaken for a new one (NCCL's `NCCL_LL_CLEAN_MASK` cleanup).
-use super::Primitives;
+use super::{Primitives, balanced_step};
 use crate::abi::{ConnInfo, DevChannel, FIFO_STEPS, LlFifoLine, Proto, SPINS_BEFORE_CHECK_ABORT};
 use crate::arch::{self, Pack};
 use crate::reduce::{Elem, RedFn, div_pack};
@@ -72,7 +72,12 @@ pub struct Ll<T, Op> {
     _op: PhantomData<Op>,
 }
 
-/// Reads an 8-byte value of `nbytes` valid bytes (elements of `esize` bytes) at `p`.
+// `load_partial` / `store_partial` place the byte at offset `i` in bits `8i..`: little-endian.
+#[cfg(not(target_endian = "little"))]
+compile_error!("oxccl's LL packing assumes a little-endian target");
+
+/// Reads an 8-byte value of `nbytes` valid bytes (elements of `esize` bytes) at `p`; bytes past
+/// `nbytes` read as 0. Element-sized loads, no stack buffer (so GPU code keeps it in registers).
 ///
 /// # Safety
 /// `p` is valid for `nbytes` bytes and aligned to `esize`.
@@ -82,16 +87,23 @@ pub(crate) unsafe fn load_partial(p: *const u8, nbytes: u64, esize: u64) -> u64 
         // SAFETY: caller guarantees 8 valid, aligned bytes.
         return unsafe { (p as *const u64).read() };
     }
-    let mut v = [0u8; 8];
+    let mut v = 0u64;
     let mut i = 0;
     while i < nbytes {
-        // SAFETY: element-sized copies inside the caller's range.
-        unsafe {
-            core::ptr::copy_nonoverlapping(p.add(i as usize), v.as_mut_ptr().add(i as usize), esize as usize)
+        // SAFETY: element-sized, element-aligned loads inside the caller's range.
+        let e = unsafe {
+            let q = p.add(i as usize);
+            match esize {
+                1 => q.read() as u64,
+                2 => (q as *const u16).read() as u64,
+                4 => (q as *const u32).read() as u64,
+                _ => (q as *const u64).read(),
+            }
         };
+        v |= e << (8 * i);
         i += esize;
     }
-    u64::from_ne_bytes(v)
+    v
 }
 
 /// Writes the first `nbytes` bytes of `v` at `p` (see [`load_partial`]).
@@ -105,13 +117,19 @@ pub(crate) unsafe fn store_partial(p: *mut u8, v: u64, nbytes: u64, esize: u64) 
         unsafe { (p as *mut u64).write(v) };
         return;
     }
-    let b = v.to_ne_bytes();
     let mut i = 0;
     while i < nbytes {
-        // SAFETY: element-sized copies inside the caller's range.
+        let e = v >> (8 * i);
+        // SAFETY: element-sized, element-aligned stores inside the caller's range.
         unsafe {
-            core::ptr::copy_nonoverlapping(b.as_ptr().add(i as usize), p.add(i as usize), esize as usize)
-        };
+            let q = p.add(i as usize);
+            match esize {
+                1 => q.write(e as u8),
+                2 => (q as *mut u16).write(e as u16),
+                4 => (q as *mut u32).write(e as u32),
+                _ => (q as *mut u64).write(e),
+            }
+        }
         i += esize;
     }
 }
@@ -255,7 +273,9 @@ impl<T: Elem, Op: RedFn<T>> Ll<T, Op> {
             return;
         }
         let esize = core::mem::size_of::<T>() as u64;
-        let per_step = self.step_elems();
+        // Equal steps: `n` over as few steps as fit, each the same size (up to one element), so
+        // a verb never ends with a sliver of a step (sender and receiver compute the same split).
+        let per_step = balanced_step(n, self.step_elems());
         let div = if post { self.postdiv } else { 0 };
         let mut done = 0u64;
         while done < n {

@@ -14,7 +14,7 @@
 //! (2^64 steps), so unlike LL no cleanup pass exists, and a slot's previous flag (`s − 7`) never
 //! equals the current one. Credits work as in LL: the sender waits for `head + FIFO_STEPS ≥ s + 1`,
 //! the receiver sets `head = s + 1` once the whole block has read the slot.
-use super::Primitives;
+use super::{Primitives, balanced_step};
 use super::ll::{load_partial, store_partial};
 use crate::abi::{ConnInfo, DevChannel, FIFO_STEPS, Proto, SPINS_BEFORE_CHECK_ABORT};
 use crate::arch::{self, Pack};
@@ -33,6 +33,13 @@ pub const LL128_LINE_PARTS: u64 = 8;
 const PARTS: usize = 1;
 #[cfg(not(target_arch = "nvptx64"))]
 const PARTS: usize = LL128_LINE_PARTS as usize;
+
+/// Lines a thread works on per loop iteration: their loads are all in flight at once. A
+/// build-time knob for kernel tuning: `OXCCL_BUILD_LL128_UNROLL=N cargo build` (1..=16; default 2).
+const UNROLL: usize = match option_env!("OXCCL_BUILD_LL128_UNROLL") {
+    Some(s) => super::simple::parse_unroll(s.as_bytes()),
+    None => 2,
+};
 
 /// The flag of the lines of step `step`: never 0, never repeated within a connection's lifetime.
 #[inline(always)]
@@ -184,40 +191,72 @@ impl<T: Elem, Op: RedFn<T>> Ll128<T, Op> {
         !self.abort_flag.is_null() && unsafe { arch::load_volatile_u32(self.abort_flag) } != 0
     }
 
-    /// Waits until this thread's parts of `line` carry `flag` and returns them; `None` on abort.
-    /// GPU: every lane of the warp calls it together (`active` false for lanes past the end).
+    /// Waits until this thread's parts of the [`UNROLL`] lines at `lines[u]` carry `flag` and
+    /// writes them to `w`; false on abort. Every load of the batch is issued before any flag is
+    /// checked (memory-level parallelism); when any flag thread of the warp saw a stale flag, the
+    /// warp reloads the whole batch (NCCL's `needReload`). Every lane of the warp calls it
+    /// together (`active[u]` false for lines past the end, which are not read).
     #[cfg(target_arch = "nvptx64")]
     #[inline(always)]
-    fn read_parts(&self, line: *const u64, flag: u64, active: bool) -> Option<[u64; 2 * PARTS]> {
+    fn read_batch(
+        &self,
+        lines: &[*const u64; UNROLL],
+        flag: u64,
+        active: &[bool; UNROLL],
+        w: &mut [[u64; 2 * PARTS]; UNROLL],
+    ) -> bool {
         let mut spins = 0u32;
         let p = self.lanes.part0;
+        let flag_part = p == LL128_LINE_PARTS - 1;
         loop {
-            let (a, b) = if active {
-                // SAFETY: the part lies inside the receive slot, 16-byte aligned.
-                unsafe { arch::load_volatile_v2_u64(line.add(2 * p as usize)) }
-            } else {
-                (0, 0)
-            };
-            let stale = active && p == LL128_LINE_PARTS - 1 && b != flag;
+            let mut stale = false;
+            for u in 0..UNROLL {
+                if active[u] {
+                    // SAFETY: the part lies inside the receive slot, 16-byte aligned.
+                    let (a, b) = unsafe { arch::load_volatile_v2_u64(lines[u].add(2 * p as usize)) };
+                    w[u][0] = a;
+                    w[u][1] = b;
+                    stale |= flag_part && b != flag;
+                }
+            }
             // SAFETY: the caller keeps the warp converged.
             if !unsafe { arch::vote_any(stale) } {
-                return Some([a, b]);
+                return true;
             }
             spins += 1;
             if spins == SPINS_BEFORE_CHECK_ABORT {
                 spins = 0;
                 // SAFETY: as above; every lane takes the same branch.
                 if unsafe { arch::vote_any(self.check_abort()) } {
-                    return None;
+                    return false;
                 }
             }
         }
     }
 
+    /// CPU target: each line of the batch in turn, as [`Self::read_line`].
+    #[cfg(not(target_arch = "nvptx64"))]
+    #[inline(always)]
+    fn read_batch(
+        &self,
+        lines: &[*const u64; UNROLL],
+        flag: u64,
+        active: &[bool; UNROLL],
+        w: &mut [[u64; 2 * PARTS]; UNROLL],
+    ) -> bool {
+        for u in 0..UNROLL {
+            match self.read_line(lines[u], flag, active[u]) {
+                Some(r) => w[u] = r,
+                None => return false,
+            }
+        }
+        true
+    }
+
     /// CPU target: waits for the flag word (acquire), then reads the 15 data words.
     #[cfg(not(target_arch = "nvptx64"))]
     #[inline(always)]
-    fn read_parts(&self, line: *const u64, flag: u64, active: bool) -> Option<[u64; 2 * PARTS]> {
+    fn read_line(&self, line: *const u64, flag: u64, active: bool) -> Option<[u64; 2 * PARTS]> {
         let mut w = [0u64; 2 * PARTS];
         if !active {
             return Some(w);
@@ -309,7 +348,9 @@ impl<T: Elem, Op: RedFn<T>> Ll128<T, Op> {
             return;
         }
         let esize = core::mem::size_of::<T>() as u64;
-        let per_step = self.step_elems();
+        // Equal steps: `n` over as few steps as fit, each the same size (up to one element), so
+        // a verb never ends with a sliver of a step (sender and receiver compute the same split).
+        let per_step = balanced_step(n, self.step_elems());
         let div = if post { self.postdiv } else { 0 };
         let lanes = self.lanes;
         let line_words = (LL128_LINE_BYTES / 8) as usize;
@@ -339,58 +380,62 @@ impl<T: Elem, Op: RedFn<T>> Ll128<T, Op> {
             let mut j = 0u64;
             // Bounded by the warp's first line so every lane of a warp runs the same iterations.
             while lanes.warp_group + j * lanes.stride < nlines {
-                let line = lanes.group + j * lanes.stride;
-                j += 1;
-                let active = line < nlines;
-                let k = line as usize * line_words;
-                let mut w = [0u64; 2 * PARTS];
-                if RECV {
-                    // SAFETY: the line is inside the receive slot when active (not read otherwise).
-                    match self.read_parts(unsafe { slot_r.add(k) }, fr, active) {
-                        Some(r) => w = r,
-                        None => {
-                            aborted = true;
-                            break;
+                let mut line = [0u64; UNROLL];
+                let mut active = [false; UNROLL];
+                let mut at = [core::ptr::null::<u64>(); UNROLL];
+                let mut src_w = [[0u64; 2 * PARTS]; UNROLL];
+                for u in 0..UNROLL {
+                    line[u] = lanes.group + (j + u as u64) * lanes.stride;
+                    active[u] = line[u] < nlines;
+                    at[u] = slot_r.wrapping_add(line[u] as usize * line_words);
+                    if SRC && active[u] {
+                        for i in 0..PARTS {
+                            let (off, lo_b, hi_b) = part_bytes(line[u], lanes.part0 + i as u64, nbytes);
+                            // SAFETY: `lo_b + hi_b` bytes at `off` lie inside the caller's input.
+                            unsafe {
+                                src_w[u][2 * i] = load_partial(in_base.add(off as usize), lo_b, esize);
+                                src_w[u][2 * i + 1] =
+                                    load_partial(in_base.add(off as usize + 8), hi_b, esize);
+                            }
                         }
                     }
                 }
-                if !active {
-                    continue;
+                j += UNROLL as u64;
+                let mut w = [[0u64; 2 * PARTS]; UNROLL];
+                // Active lines lie inside the receive slot (inactive ones are not read).
+                if RECV && !self.read_batch(&at, fr, &active, &mut w) {
+                    aborted = true;
+                    break;
                 }
-                for i in 0..PARTS {
-                    let part = lanes.part0 + i as u64;
-                    let off = line * LL128_DATA_BYTES + part * 16;
-                    let cap = if part == LL128_LINE_PARTS - 1 { 8 } else { 16 };
-                    let valid = core::cmp::min(cap, nbytes.saturating_sub(off));
-                    let (lo_b, hi_b) = (core::cmp::min(8, valid), valid.saturating_sub(8));
-                    let mut v = Pack([w[2 * i] as u32, (w[2 * i] >> 32) as u32, w[2 * i + 1] as u32, (w[2 * i + 1] >> 32) as u32]);
-                    if SRC {
-                        // SAFETY: `valid` bytes at `off` lie inside the caller's input range.
-                        let (a, b) = unsafe {
-                            (
-                                load_partial(in_base.add(off as usize), lo_b, esize),
-                                load_partial(in_base.add(off as usize + 8), hi_b, esize),
-                            )
-                        };
-                        let s = Pack([a as u32, (a >> 32) as u32, b as u32, (b >> 32) as u32]);
-                        v = if RECV { Op::apply_pack(v, s) } else { s };
-                    }
-                    if div != 0 {
-                        v = div_pack::<T>(v, div);
-                    }
-                    w[2 * i] = v.0[0] as u64 | (v.0[1] as u64) << 32;
-                    w[2 * i + 1] = v.0[2] as u64 | (v.0[3] as u64) << 32;
-                    if DST {
-                        // SAFETY: as for the load, in the caller's output range.
-                        unsafe {
-                            store_partial(out_base.add(off as usize), w[2 * i], lo_b, esize);
-                            store_partial(out_base.add(off as usize + 8), w[2 * i + 1], hi_b, esize);
+                for u in 0..UNROLL {
+                    if active[u] {
+                        for i in 0..PARTS {
+                            let (off, lo_b, hi_b) = part_bytes(line[u], lanes.part0 + i as u64, nbytes);
+                            let (r0, r1) = (w[u][2 * i], w[u][2 * i + 1]);
+                            let mut v = Pack([r0 as u32, (r0 >> 32) as u32, r1 as u32, (r1 >> 32) as u32]);
+                            if SRC {
+                                let (a, b) = (src_w[u][2 * i], src_w[u][2 * i + 1]);
+                                let s = Pack([a as u32, (a >> 32) as u32, b as u32, (b >> 32) as u32]);
+                                v = if RECV { Op::apply_pack(v, s) } else { s };
+                            }
+                            if div != 0 {
+                                v = div_pack::<T>(v, div);
+                            }
+                            w[u][2 * i] = v.0[0] as u64 | (v.0[1] as u64) << 32;
+                            w[u][2 * i + 1] = v.0[2] as u64 | (v.0[3] as u64) << 32;
+                            if DST {
+                                // SAFETY: `lo_b + hi_b` bytes at `off` lie inside the caller's output.
+                                unsafe {
+                                    store_partial(out_base.add(off as usize), w[u][2 * i], lo_b, esize);
+                                    store_partial(out_base.add(off as usize + 8), w[u][2 * i + 1], hi_b, esize);
+                                }
+                            }
+                        }
+                        if SEND {
+                            // SAFETY: the line is inside the peer's slot.
+                            self.write_parts(unsafe { slot_s.add(line[u] as usize * line_words) }, w[u], fs);
                         }
                     }
-                }
-                if SEND {
-                    // SAFETY: the line is inside the peer's slot.
-                    self.write_parts(unsafe { slot_s.add(k) }, w, fs);
                 }
             }
             // Free the received slot once every thread has read its lines; share any abort.
@@ -417,6 +462,17 @@ impl<T: Elem, Op: RedFn<T>> Ll128<T, Op> {
             done += len;
         }
     }
+}
+
+/// Where part `part` of line `line` lies in a step's data: its byte offset, and how many of its
+/// bytes are data in its low and high word, given the step's `nbytes` (the last part of a line
+/// carries 8 data bytes, the others 16).
+#[inline(always)]
+fn part_bytes(line: u64, part: u64, nbytes: u64) -> (u64, u64, u64) {
+    let off = line * LL128_DATA_BYTES + part * 16;
+    let cap = if part == LL128_LINE_PARTS - 1 { 8 } else { 16 };
+    let valid = core::cmp::min(cap, nbytes.saturating_sub(off));
+    (off, core::cmp::min(8, valid), valid.saturating_sub(8))
 }
 
 impl<T: Elem, Op: RedFn<T>> Primitives for Ll128<T, Op> {

@@ -33,3 +33,33 @@ pub trait Primitives {
     /// True once the communicator's abort flag was seen; every verb is then a no-op.
     fn aborted(&self) -> bool;
 }
+
+/// Elements per step when `n` elements travel in steps of at most `max_step`: the fewest steps,
+/// all of equal size except the last (shorter by less than one element per step).
+#[inline(always)]
+pub fn balanced_step(n: u64, max_step: u64) -> u64 {
+    let max_step = if max_step == 0 { 1 } else { max_step };
+    let steps = n.div_ceil(max_step);
+    if steps <= 1 { max_step } else { n.div_ceil(steps) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::balanced_step;
+
+    #[test]
+    fn steps_are_balanced_and_never_exceed_the_slot() {
+        // 128 Ki elements in steps of at most 120 Ki: two steps of 64 Ki (not 120 Ki + 8 Ki).
+        assert_eq!(balanced_step(128 << 10, 120 << 10), 64 << 10);
+        assert_eq!(balanced_step(100, 120), 120);
+        assert_eq!(balanced_step(0, 120), 120);
+        assert_eq!(balanced_step(241, 120), 81);
+        for n in [1u64, 7, 119, 120, 121, 1000, 123_457] {
+            for max in [1u64, 8, 120, 4096] {
+                let s = balanced_step(n, max);
+                assert!(s >= 1 && s <= max, "n {n} max {max}: {s}");
+                assert_eq!(n.div_ceil(s), n.div_ceil(max), "n {n} max {max}: same step count");
+            }
+        }
+    }
+}

@@ -286,15 +286,15 @@ const UNROLL: usize = match option_env!("OXCCL_BUILD_UNROLL") {
     None => 4,
 };
 
-const fn parse_unroll(s: &[u8]) -> usize {
+pub(crate) const fn parse_unroll(s: &[u8]) -> usize {
     let mut n = 0usize;
     let mut i = 0;
     while i < s.len() {
-        assert!(s[i].is_ascii_digit(), "OXCCL_BUILD_UNROLL must be a number");
+        assert!(s[i].is_ascii_digit(), "OXCCL_BUILD_*UNROLL must be a number");
         n = n * 10 + (s[i] - b'0') as usize;
         i += 1;
     }
-    assert!(n >= 1 && n <= 16, "OXCCL_BUILD_UNROLL must be in 1..=16");
+    assert!(n >= 1 && n <= 16, "OXCCL_BUILD_*UNROLL must be in 1..=16");
     n
 }
 
