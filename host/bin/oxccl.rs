@@ -501,6 +501,9 @@ fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
             println!("{}", table::format_row(row));
         })?;
         print!("{}", table::footer(&rows));
+        if let Some(line) = table::choices_line(&rows) {
+            print!("{line}");
+        }
         wrong += table::total_wrong(&rows);
         all_rows.push((func, rows));
         if let (Backend::Oxccl(_), Some(Device::Cuda(o))) = (&main, devices.first()) {

@@ -36,6 +36,11 @@ pub fn to_json(meta: Value, sweeps: &[Sweep<'_>]) -> String {
                         "in_place": { "time_us": n.in_place.time_us, "busbw_gbs": n.in_place.busbw },
                     })),
                     "ratio_busbw_out_of_place": r.ratio(),
+                    "choice": r.choice.map(|c| json!({
+                        "algo": c.algo.name(),
+                        "proto": c.proto.name(),
+                        "nchannels": c.nchannels,
+                    })),
                 })
             })
         })
@@ -188,6 +193,7 @@ mod tests {
             root: -1,
             out_of_place: m,
             in_place: m,
+            choice: None,
             nccl: nccl.map(|b| NcclCols {
                 out_of_place: RefTiming {
                     time_us: 12.0,

@@ -387,6 +387,10 @@ pub fn sweep(
             out_of_place: oop,
             in_place: ip,
             nccl,
+            choice: match main {
+                Backend::Oxccl(comms) => comms.first().and_then(Comm::last_choice),
+                Backend::Nccl(_) => None,
+            },
         };
         emit(&row);
         rows.push(row);

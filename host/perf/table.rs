@@ -185,6 +185,9 @@ pub struct Row {
     pub in_place: Measure,
     /// NCCL's results for comparison; when `Some` the row gets the comparison columns.
     pub nccl: Option<NcclCols>,
+    /// What oxccl planned for this size (algorithm, protocol, channels), when known: listed by
+    /// [`choices_line`] under the table.
+    pub choice: Option<crate::comm::Choice>,
 }
 
 impl Row {
@@ -311,6 +314,28 @@ pub fn footer(rows: &[Row]) -> String {
     s
 }
 
+/// `# oxccl choice : <first>-<last> B algo/proto/Nch, ...` — the plan oxccl made per size, runs of
+/// equal choices merged (`None` when no row records one, e.g. a pure NCCL run).
+pub fn choices_line(rows: &[Row]) -> Option<String> {
+    let mut runs: Vec<(u64, u64, String)> = Vec::new();
+    for r in rows {
+        let Some(c) = r.choice else { continue };
+        let what = format!("{}/{}/{}ch", c.algo.name(), c.proto.name(), c.nchannels);
+        match runs.last_mut() {
+            Some((_, last, w)) if *w == what => *last = r.bytes,
+            _ => runs.push((r.bytes, r.bytes, what)),
+        }
+    }
+    if runs.is_empty() {
+        return None;
+    }
+    let parts: Vec<String> = runs
+        .iter()
+        .map(|(a, b, w)| if a == b { format!("{a} B {w}") } else { format!("{a}-{b} B {w}") })
+        .collect();
+    Some(format!("# oxccl choice         : {}\n", parts.join(", ")))
+}
+
 fn mean(xs: impl Iterator<Item = f64>) -> f64 {
     let (sum, n) = xs.fold((0.0, 0usize), |(s, n), x| (s + x, n + 1));
     if n == 0 { 0.0 } else { sum / n as f64 }
@@ -377,7 +402,31 @@ mod tests {
             out_of_place: Measure::new(Func::AllReduce, n, b, oop_us, Some(0)),
             in_place: Measure::new(Func::AllReduce, n, b, ip_us, Some(0)),
             nccl: None,
+            choice: None,
         }
+    }
+
+    #[test]
+    fn choices_merge_runs_of_equal_plans() {
+        use crate::comm::Choice;
+        use oxccl_gpu::abi::{Algo, Proto};
+        let plan = |proto, nch| Choice {
+            func: Func::AllReduce,
+            algo: Algo::Ring,
+            proto,
+            nchannels: nch,
+            chunk_elems: 1,
+            slice_elems: 1,
+        };
+        let mut rows = vec![row(8, 10.0, 10.0, 2), row(64, 10.0, 10.0, 2), row(512, 10.0, 10.0, 2)];
+        assert_eq!(choices_line(&rows), None);
+        rows[0].choice = Some(plan(Proto::Ll, 1));
+        rows[1].choice = Some(plan(Proto::Ll, 1));
+        rows[2].choice = Some(plan(Proto::Ll128, 4));
+        assert_eq!(
+            choices_line(&rows).unwrap(),
+            "# oxccl choice         : 8-64 B ring/LL/1ch, 512 B ring/LL128/4ch\n"
+        );
     }
 
     #[test]
