@@ -421,6 +421,19 @@ fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
             .map(Backend::Nccl)
             .map_err(|e| format!("{what}: {e}").into())
     };
+    // Free memory of the first GPU at each stage, to report what each library allocates (contexts
+    // first, so neither is charged for the CUDA context).
+    let first_ctx = match devices.first() {
+        Some(Device::Cuda(o)) if proc_rank.is_none() => Some(oxccl::cuda::Context::get(*o)?),
+        _ => None,
+    };
+    for d in &devices {
+        if let Device::Cuda(o) = d {
+            oxccl::cuda::Context::get(*o)?;
+        }
+    }
+    let free = || first_ctx.as_ref().and_then(|c| c.mem_info().ok()).map(|(f, _)| f as i64);
+    let free_start = free();
     let t0 = std::time::Instant::now();
     let main = if nccl_main {
         nccl_comms("--backend nccl")?
@@ -430,13 +443,16 @@ fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         Backend::Oxccl(Comm::init_all(&devices)?)
     };
     let init_s = t0.elapsed().as_secs_f64();
+    let free_main = free();
     let reference = if compare {
         Some(nccl_comms("--compare nccl")?)
     } else {
         None
     };
+    let free_ref = free();
     let max_bytes = sizes.iter().copied().max().unwrap_or(0).max(16);
     let bench = Bench::with_ranks(&devices, &ranks, nranks, max_bytes)?;
+    let free_bench = free();
 
     let name = if nccl_main { "nccl" } else { "oxccl" };
     println!("# {name} perf (oxccl {})", env!("CARGO_PKG_VERSION"));
@@ -517,6 +533,19 @@ fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
                 m.local_bytes
             );
         }
+    }
+    if let (Some(a0), Some(a1), Some(a2), Some(a3), Some(a4)) =
+        (free_start, free_main, free_ref, free_bench, free())
+    {
+        let mib = |b: i64| b as f64 / (1 << 20) as f64;
+        println!(
+            "# device memory of GPU {} (cuMemGetInfo): {name} init {:.1} MiB{}; allocated during the sweeps {:.1} MiB \
+             (NCCL's lazily connected buffers and every loaded kernel module)",
+            ordinals.first().copied().unwrap_or(0),
+            mib(a0 - a1),
+            if compare { format!(", NCCL init {:.1} MiB", mib(a1 - a2)) } else { String::new() },
+            mib(a3 - a4)
+        );
     }
     let sweeps: Vec<report::Sweep<'_>> = all_rows
         .iter()
