@@ -43,6 +43,7 @@ const LARGE: &[(DataType, RedOp)] = &[
 ];
 
 fn matrix(func: Func, nranks: usize, test: &str) {
+    let protos = common::protos();
     common::run_collective(
         test,
         &Device::cpus(nranks),
@@ -51,7 +52,7 @@ fn matrix(func: Func, nranks: usize, test: &str) {
             counts: COUNTS,
             extra_counts: &[LARGE_COUNT],
             extra_pairs: LARGE,
-            protos: Some(common::PROTOS),
+            protos: Some(&protos),
         },
     );
 }

@@ -19,6 +19,7 @@ use oxccl::{Device, Func};
 const COUNTS: &[usize] = &[0, 1, 2, 3, 7, 1023, 1025, (1 << 16) + 3, (1 << 20) + 3];
 
 fn run(func: Func, devices: &[Device], test: &str) {
+    let protos = common::protos();
     common::run_collective(
         test,
         devices,
@@ -27,7 +28,7 @@ fn run(func: Func, devices: &[Device], test: &str) {
             counts: COUNTS,
             extra_counts: &[],
             extra_pairs: &[],
-            protos: Some(common::PROTOS),
+            protos: Some(&protos),
         },
     );
 }

@@ -166,7 +166,19 @@ fn guard_damage(got: &[u8], data_len: usize, salt: u8) -> Option<String> {
 /// Protocols the collective matrices force, one after the other, through `NCCL_PROTO` (NCCL's
 /// spelling). Adding a protocol is one entry here; a protocol the library refuses with an
 /// "implemented only as" InvalidArgument is reported `SKIPPED` for that collective.
-pub const PROTOS: &[&str] = &["LL", "Simple"];
+pub const PROTOS: &[&str] = &["LL", "LL128", "Simple"];
+
+/// [`PROTOS`], or the comma list in `OXCCL_TEST_PROTOS` (e.g. `LL128`) to rerun one protocol.
+pub fn protos() -> Vec<&'static str> {
+    match std::env::var("OXCCL_TEST_PROTOS") {
+        Ok(v) => PROTOS
+            .iter()
+            .copied()
+            .filter(|p| v.split(',').any(|w| w.trim().eq_ignore_ascii_case(p)))
+            .collect(),
+        Err(_) => PROTOS.to_vec(),
+    }
+}
 
 /// Serializes changes of the process environment inside one test binary. The variables the
 /// matrices set (`NCCL_PROTO`, `NCCL_ALGO`) are read by `Comm::init_all` only, so only the
