@@ -234,42 +234,6 @@ fn main() -> ExitCode {
     }
 }
 
-/// This process's rank when `oxccl perf --procs` started it (environment set by [`perf_spawn`]).
-struct ProcRank {
-    rank: usize,
-    nranks: usize,
-    id: oxccl::bootstrap::UniqueId,
-    device: Device,
-}
-
-/// The rank `perf_spawn` gave this process, if any: `OXCCL_PERF_RANK`, `OXCCL_PERF_NRANKS`,
-/// `OXCCL_PERF_ID` (hex unique id) and `OXCCL_PERF_GPU` (1: rank r on GPU r).
-fn proc_rank() -> Result<Option<ProcRank>, Box<dyn std::error::Error>> {
-    let Ok(rank) = std::env::var("OXCCL_PERF_RANK") else {
-        return Ok(None);
-    };
-    let var = |k: &str| std::env::var(k).map_err(|_| format!("{k} is not set (OXCCL_PERF_RANK is)"));
-    let num = |k: &str, v: String| v.parse::<usize>().map_err(|_| format!("{k}={v:?} is not a number"));
-    let rank = num("OXCCL_PERF_RANK", rank)?;
-    let nranks = num("OXCCL_PERF_NRANKS", var("OXCCL_PERF_NRANKS")?)?;
-    let hex = var("OXCCL_PERF_ID")?;
-    let bytes: Vec<u8> = (0..hex.len() / 2)
-        .map(|i| u8::from_str_radix(hex.get(2 * i..2 * i + 2).unwrap_or("?"), 16))
-        .collect::<Result<_, _>>()
-        .map_err(|_| format!("OXCCL_PERF_ID={hex:?} is not hex"))?;
-    let id = oxccl::bootstrap::UniqueId::from_bytes(&bytes)?;
-    let device = if var("OXCCL_PERF_GPU")? == "1" {
-        Device::Cuda(rank)
-    } else {
-        Device::Cpu(rank)
-    };
-    Ok(Some(ProcRank {
-        rank,
-        nranks,
-        id,
-        device,
-    }))
-}
 
 /// `oxccl perf --procs N`: starts N processes of this binary with the same arguments, one rank
 /// each, bootstrapped through a fresh unique id; rank 0's output is this command's. Returns the
@@ -302,46 +266,7 @@ fn perf_spawn(a: &PerfArgs, n: usize) -> Result<ExitCode, Box<dyn std::error::Er
         )
         .into());
     }
-    let id = oxccl::bootstrap::get_unique_id()?;
-    let hex: String = id.to_bytes().iter().map(|b| format!("{b:02x}")).collect();
-    let exe = std::env::current_exe()?;
-    let mut children = Vec::with_capacity(n);
-    for r in 0..n {
-        let child = std::process::Command::new(&exe)
-            .args(std::env::args_os().skip(1))
-            .env("OXCCL_PERF_RANK", r.to_string())
-            .env("OXCCL_PERF_NRANKS", n.to_string())
-            .env("OXCCL_PERF_ID", &hex)
-            .env("OXCCL_PERF_GPU", if gpu { "1" } else { "0" })
-            .stdout(if r == 0 {
-                std::process::Stdio::inherit()
-            } else {
-                std::process::Stdio::null()
-            })
-            .spawn()
-            .map_err(|e| format!("starting rank {r} ({}): {e}", exe.display()))?;
-        children.push(Some(child));
-    }
-    let mut failed: Option<(usize, std::process::ExitStatus)> = None;
-    while children.iter().any(Option::is_some) {
-        for (r, slot) in children.iter_mut().enumerate() {
-            let Some(c) = slot else { continue };
-            if let Some(status) = c.try_wait()? {
-                *slot = None;
-                if !status.success() && failed.is_none() {
-                    failed = Some((r, status));
-                }
-            }
-        }
-        if failed.is_some() {
-            for c in children.iter_mut().flatten() {
-                let _ = c.kill();
-                let _ = c.wait();
-            }
-            break;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
+    let failed = oxccl::perf::procs::spawn(n, gpu)?;
     match failed {
         None => Ok(ExitCode::SUCCESS),
         Some((r, status)) => {
@@ -392,7 +317,8 @@ fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
             unsafe { std::env::set_var(var, v) };
         }
     }
-    let proc_rank = proc_rank()?;
+    // This process's rank when `oxccl perf --procs` started it (see `perf_spawn`).
+    let proc_rank = oxccl::perf::procs::ChildRank::from_env()?;
     if let (Some(n), None) = (a.procs, &proc_rank) {
         return perf_spawn(&a, n);
     }
@@ -613,7 +539,7 @@ fn init_bench(a: InitBenchArgs) -> Result<ExitCode, Box<dyn std::error::Error>> 
         return Ok(ExitCode::SUCCESS);
     }
     let gpu = cfg.validate(Device::cuda_count())?;
-    match ib::spawn(&cfg, gpu)? {
+    match oxccl::perf::procs::spawn(cfg.procs, gpu)? {
         None => Ok(ExitCode::SUCCESS),
         Some((r, status)) => {
             eprintln!(
