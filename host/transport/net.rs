@@ -1,7 +1,7 @@
 //! The network interface of the NET transport (NCCL's `ncclNet_t`, `src/include/net.h` and
 //! `ext-net/…/net_v8.h`): a connection-oriented, non-blocking message layer the proxy thread
 //! drives. oxccl's built-in implementation is the socket network ([`super::net_socket`]); an
-//! NCCL network plugin can replace it through the same trait ([`super::net_plugin`]).
+//! NCCL network plugin can replace it through the same trait ([`super::plugin`]).
 //!
 //! The calls mirror NCCL's one for one:
 //!
@@ -11,6 +11,7 @@
 //! | [`Net::listen`] → ([`NetHandle`], [`ListenComm`]) | `listen(dev, handle, &listenComm)` |
 //! | [`Net::connect`] → [`SendComm`] | `connect(dev, handle, &sendComm, &sendDevComm)` |
 //! | [`Net::accept`] → [`RecvComm`] | `accept(listenComm, &recvComm, &recvDevComm)` |
+//! | [`Net::reg_mr_send`], [`Net::reg_mr_recv`] | `regMr(comm, data, size, NCCL_PTR_HOST, &mhandle)` |
 //! | [`Net::isend`] / [`Net::irecv`] → [`Request`] | `isend` / `irecv` (one buffer, `n == 1`) |
 //! | [`Net::test`] | `test(request, &done, &size)` |
 //! | [`Net::close_send`], [`Net::close_recv`], [`Net::close_listen`] | `closeSend`, `closeRecv`, `closeListen` |
@@ -84,6 +85,28 @@ pub trait Net: Send + Sync {
     fn connect(&self, dev: usize, handle: &NetHandle) -> Result<Option<SendComm>>;
     /// Accepts the next connection of `listen` (NCCL's `accept`); `Ok(None)`: call again.
     fn accept(&self, listen: &mut ListenComm) -> Result<Option<RecvComm>>;
+    /// Registers `size` bytes of host memory at `data` for the transfers of `comm` (NCCL's `regMr`
+    /// with `NCCL_PTR_HOST`), until the connection is closed. Registering is optional for the
+    /// caller: a network whose `isend` needs registered memory handles unregistered buffers
+    /// itself, only more slowly. The default does nothing (the socket network needs no
+    /// registration).
+    ///
+    /// Errors: the network's (e.g. a plugin's `regMr` failing).
+    ///
+    /// # Safety
+    /// `data..data+size` stays valid until `comm` is closed.
+    unsafe fn reg_mr_send(&self, comm: &mut SendComm, data: *const u8, size: usize) -> Result<()> {
+        let _ = (comm, data, size);
+        Ok(())
+    }
+    /// [`Net::reg_mr_send`] for a receiving end.
+    ///
+    /// # Safety
+    /// `data..data+size` stays valid until `comm` is closed.
+    unsafe fn reg_mr_recv(&self, comm: &mut RecvComm, data: *mut u8, size: usize) -> Result<()> {
+        let _ = (comm, data, size);
+        Ok(())
+    }
     /// Posts a send of `size` bytes at `data` (NCCL's `isend`); `Ok(None)`: busy, post again later.
     ///
     /// # Safety
