@@ -13,11 +13,13 @@
 //! "One host" means equal host ids: the host name, or `OXCCL_HOSTID` when set (so tests can make
 //! "hosts" inside one machine). The choice is made from both ranks' information, which the ranks
 //! all-gather first, so the two ends always agree. The network is the one `NCCL_NET` names
-//! (case-insensitively; default: the first available, the socket network [`net_socket`]); an
-//! unknown name is an error listing the available ones (NCCL's `initNet`). Connection handles are
-//! exchanged through the bootstrap (NCCL's `ncclTransportP2pSetup`).
+//! (case-insensitively; default: the first available: an NCCL network plugin when
+//! `NCCL_NET_PLUGIN`'s lookup finds a usable one ([`plugin`]), else the socket network
+//! [`net_socket`]); an unknown name is an error listing the available ones (NCCL's `initNet`).
+//! Connection handles are exchanged through the bootstrap (NCCL's `ncclTransportP2pSetup`).
 pub mod net;
 pub mod net_socket;
+pub mod plugin;
 
 use crate::bootstrap::Bootstrap;
 use crate::cpu::HostMem;
@@ -127,9 +129,13 @@ pub fn select_transport(a: &PeerInfo, b: &PeerInfo) -> TransportKind {
     }
 }
 
-/// Names of the networks this process can use, in order of preference (NCCL's `ncclNets`).
+/// Names of the networks this process can use, in order of preference (NCCL's `ncclNets`): the
+/// network plugin `NCCL_NET_PLUGIN` selects when one is loaded ([`plugin::from_env`]), then the
+/// socket network.
 pub fn available_nets() -> Vec<String> {
-    vec!["Socket".to_string()]
+    let mut nets: Vec<String> = plugin::from_env().map(|p| p.name().to_string()).into_iter().collect();
+    nets.push("Socket".to_string());
+    nets
 }
 
 /// The network `NCCL_NET` (or `OXCCL_NET`) asks for, checked against [`available_nets`]
@@ -155,7 +161,12 @@ pub fn wanted_net() -> Result<Option<String>> {
 ///
 /// Errors: those of [`wanted_net`] and of [`net_socket::NetSocket::from_env`].
 pub fn net_from_env(near: Option<std::net::IpAddr>) -> Result<Arc<dyn Net>> {
-    let _name = wanted_net()?;
+    let name = wanted_net()?;
+    if let Some(p) = plugin::from_env()
+        && name.as_deref().is_none_or(|n| n == p.name())
+    {
+        return Ok(Arc::new(p));
+    }
     Ok(Arc::new(net_socket::NetSocket::from_env(near)?))
 }
 
@@ -328,7 +339,7 @@ pub unsafe fn connect_net(setup: &RingSetup<'_>, conn_base: &mut [u64]) -> Resul
                 ))
             })?;
             let deadline = Instant::now() + timeout;
-            let comm = loop {
+            let mut comm = loop {
                 if let Some(comm) = net.connect(0, &h)? {
                     break comm;
                 }
@@ -341,6 +352,9 @@ pub unsafe fn connect_net(setup: &RingSetup<'_>, conn_base: &mut [u64]) -> Resul
                 }
                 std::thread::sleep(SETUP_POLL);
             };
+            // Register the staging block the proxy sends from (NCCL's regMr of the send buffers).
+            // SAFETY: the block is in `blocks`, freed only after the proxy closed the connection.
+            unsafe { net.reg_mr_send(&mut comm, conn_base[next] as *const u8, s.block_bytes)? };
             let f_stage = (s.fifo)(conn_base[next], c as u64);
             let f_own = (s.fifo)(conn_base[rank], c as u64);
             sends.push((spec(s, next, c, f_stage, f_own.head, f_stage.tail), comm));
@@ -350,7 +364,7 @@ pub unsafe fn connect_net(setup: &RingSetup<'_>, conn_base: &mut [u64]) -> Resul
     let mut recvs = Vec::new();
     for (c, mut l) in listens.into_iter().enumerate() {
         let deadline = Instant::now() + timeout;
-        let comm = loop {
+        let mut comm = loop {
             if let Some(comm) = net.accept(&mut l)? {
                 break comm;
             }
@@ -364,6 +378,9 @@ pub unsafe fn connect_net(setup: &RingSetup<'_>, conn_base: &mut [u64]) -> Resul
             std::thread::sleep(SETUP_POLL);
         };
         net.close_listen(l)?;
+        // Register this rank's block, which the proxy receives into.
+        // SAFETY: the block outlives the resources (caller's contract), so the connection.
+        unsafe { net.reg_mr_recv(&mut comm, conn_base[rank] as *mut u8, s.block_bytes)? };
         let f_own = (s.fifo)(conn_base[rank], c as u64);
         let f_sink = (s.fifo)(conn_base[prev], c as u64);
         recvs.push((spec(s, prev, c as u32, f_own, f_sink.head, f_own.tail), comm));

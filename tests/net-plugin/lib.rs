@@ -9,8 +9,9 @@
 //!   an error, as in NCCL's IB plugin;
 //! - closing a connection with memory still registered is reported (WARN).
 //!
-//! On close each connection reports its traffic (INFO `NET/OxTest : send comm closed: N
-//! messages, B bytes`), so a test can tell that data went through the plugin. Messages are framed
+//! On close each connection reports its traffic and its `regMr` calls (INFO `NET/OxTest : send
+//! comm closed: N messages, B bytes, R registrations`), so a test can tell that data went through
+//! the plugin and how memory was registered. Messages are framed
 //! by a 4-byte little-endian length; a receive longer than its buffer fails the connection.
 //!
 //! The plugin is a test fixture: it listens on 127.0.0.1 only and connects blocking (loopback
@@ -161,6 +162,8 @@ struct Comm {
     failed: bool,
     /// Memory registrations alive on this connection.
     mrs: usize,
+    /// `regMr` calls on this connection.
+    regs: u64,
     messages: u64,
     bytes: u64,
 }
@@ -258,6 +261,7 @@ fn new_comm(stream: TcpStream, send: bool) -> Option<*mut c_void> {
             live: Vec::new(),
             failed: false,
             mrs: 0,
+            regs: 0,
             messages: 0,
             bytes: 0,
         }))
@@ -350,7 +354,10 @@ unsafe extern "C" fn reg_mr(
         return INVALID_ARGUMENT;
     }
     // SAFETY: `comm` is an open send or receive comm of this plugin (plugin contract).
-    unsafe { (*comm.cast::<Comm>()).mrs += 1 };
+    unsafe {
+        (*comm.cast::<Comm>()).mrs += 1;
+        (*comm.cast::<Comm>()).regs += 1;
+    }
     let mr = Mr {
         comm,
         start: data as usize,
@@ -581,8 +588,8 @@ fn close_comm(comm: *mut c_void) -> c_int {
         LOG_INFO,
         line!(),
         &format!(
-            "NET/OxTest : {side} comm closed: {} messages, {} bytes",
-            c.messages, c.bytes
+            "NET/OxTest : {side} comm closed: {} messages, {} bytes, {} registrations",
+            c.messages, c.bytes, c.regs
         ),
     );
     for r in c.live {
