@@ -468,7 +468,18 @@ impl Comm {
         check_peers(rank, &peers)?;
         let page = match created_page {
             Some(p) => p,
-            None => crate::cpu::ShmSegment::open(&peers[0].abort_page, page_bytes)?,
+            // Gone: rank 0 failed or exited after the all-gather (on its own error, which names
+            // the cause), before this rank got here; say so rather than "no such file".
+            None => crate::cpu::ShmSegment::open(&peers[0].abort_page, page_bytes).map_err(|e| {
+                if std::path::Path::new("/dev/shm").join(&peers[0].abort_page).exists() {
+                    e
+                } else {
+                    Error::Remote(format!(
+                        "rank {rank}: rank 0 left init before this rank mapped its abort page \
+                         (rank 0's own error names the cause): {e}"
+                    ))
+                }
+            })?,
         };
         let (next, prev) = ((rank + 1) % nranks, (rank + nranks - 1) % nranks);
         let mut conn_base = vec![0u64; nranks];

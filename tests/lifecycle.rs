@@ -141,6 +141,9 @@ fn cycles_return_to_baseline() {
 fn abort_reaches_init_rank_peers_and_async_error_names_it() {
     let id = get_unique_id().unwrap();
     let count = 1 << 16;
+    // Rank 0 aborts only once ranks 1 and 2 have queued their AllReduce (a fixed sleep alone let
+    // a slow rank reach its call after the abort on a loaded machine, which then fails at once).
+    let queued = std::sync::Barrier::new(3);
     let errs = on_threads(3, |r| {
         let c = Comm::init_rank(3, &id, r, Device::Cpu(r)).unwrap();
         assert!(c.get_async_error().is_ok());
@@ -148,11 +151,13 @@ fn abort_reaches_init_rank_peers_and_async_error_names_it() {
         let buf = c.device().alloc(count * 4).unwrap();
         if r == 0 {
             // Ranks 1 and 2 are spinning on an AllReduce rank 0 never joins.
+            queued.wait();
             std::thread::sleep(Duration::from_millis(200));
             c.abort().unwrap();
         } else {
             c.all_reduce(&buf, &buf, count, DataType::F32, RedOp::Sum, &stream)
                 .unwrap();
+            queued.wait();
             let t = Instant::now();
             // The aborted operation exits, so the stream drains.
             stream.synchronize().unwrap();

@@ -116,6 +116,47 @@ impl PeerInfo {
     }
 }
 
+/// What one rank contributes to [`connect_net`]'s all-gather: its [`PeerInfo`] and, when opening
+/// its network failed, why (that matters only if one of its ring neighbours uses NET); or, when
+/// its local checks failed, only why.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum SetupRecord {
+    Info(PeerInfo, Option<String>),
+    Failed(String),
+}
+
+impl SetupRecord {
+    /// `I`, the network error's length (u32 LE, 0: none), the error, the info; or `F` and the
+    /// error.
+    fn encode(&self) -> Vec<u8> {
+        match self {
+            SetupRecord::Info(info, net_error) => {
+                let e = net_error.as_deref().unwrap_or("").as_bytes();
+                let mut b = vec![b'I'];
+                b.extend_from_slice(&(e.len() as u32).to_le_bytes());
+                b.extend_from_slice(e);
+                b.extend_from_slice(&info.encode());
+                b
+            }
+            SetupRecord::Failed(why) => [b"F".as_slice(), why.as_bytes()].concat(),
+        }
+    }
+
+    fn decode(b: &[u8]) -> Option<SetupRecord> {
+        match b.split_first()? {
+            (b'I', rest) => {
+                let len = u32::from_le_bytes(rest.get(..4)?.try_into().ok()?) as usize;
+                let e = rest.get(4..4 + len)?;
+                let info = PeerInfo::decode(rest.get(4 + len..)?)?;
+                let net_error = (len > 0).then(|| String::from_utf8_lossy(e).into_owned());
+                Some(SetupRecord::Info(info, net_error))
+            }
+            (b'F', why) => Some(SetupRecord::Failed(String::from_utf8_lossy(why).into_owned())),
+            _ => None,
+        }
+    }
+}
+
 /// The transport between ranks `a` and `b`: the first of P2P, SHM, NET that can connect them
 /// (NCCL's `selectTransport` over `canConnect`). Symmetric in `a` and `b`.
 pub fn select_transport(a: &PeerInfo, b: &PeerInfo) -> TransportKind {
@@ -247,7 +288,10 @@ const SETUP_POLL: Duration = Duration::from_millis(1);
 /// CPU-target rank must call it at the same point of init (it all-gathers through the bootstrap).
 ///
 /// Errors: bad `NCCL_P2P_DISABLE` / `NCCL_SHM_DISABLE` / `NCCL_NET` values (`InvalidArgument`),
-/// bootstrap failures, a peer that does not connect within the bootstrap timeout (`Timeout`).
+/// and a network that cannot be opened on a rank that needs it (`NetSocket::from_env`'s errors),
+/// on the rank concerned; every other rank then gets `Remote` naming that rank and its error
+/// (these checks are all-gathered before any rank goes on, so all ranks fail at the same point).
+/// Bootstrap failures, a peer that does not connect within the bootstrap timeout (`Timeout`).
 ///
 /// # Safety
 /// `conn_base[setup.rank]` is this rank's connection block (`setup.block_bytes` bytes, laid out as
@@ -259,18 +303,49 @@ pub unsafe fn connect_net(setup: &RingSetup<'_>, conn_base: &mut [u64]) -> Resul
     if s.device.is_cuda() || nranks == 1 {
         return Ok(None);
     }
-    let me = PeerInfo::local(false, &s.hosts[rank])?;
-    wanted_net()?;
-    let infos: Vec<PeerInfo> = s
-        .bootstrap
-        .allgather(&me.encode())?
-        .iter()
-        .enumerate()
-        .map(|(r, b)| {
-            PeerInfo::decode(b)
-                .ok_or_else(|| Error::Remote(format!("rank {r} sent malformed transport information")))
-        })
-        .collect::<Result<_>>()?;
+    // The local checks and the opening of the network go into the all-gather, so a rank that
+    // cannot set up its transports still takes part and every rank fails naming it and its cause,
+    // rather than finding its memory already gone or waiting for it until the bootstrap timeout.
+    let near = s.bootstrap.addrs().get(rank).map(|a| a.ip());
+    let local = PeerInfo::local(false, &s.hosts[rank]).and_then(|me| wanted_net().map(|_| me));
+    let mut opened = local.is_ok().then(|| net_from_env(near));
+    let record = match (&local, &opened) {
+        (Err(e), _) => SetupRecord::Failed(e.to_string()),
+        (Ok(me), Some(Err(e))) => SetupRecord::Info(me.clone(), Some(e.to_string())),
+        (Ok(me), _) => SetupRecord::Info(me.clone(), None),
+    };
+    let gathered = s.bootstrap.allgather(&record.encode())?;
+    local?;
+    let mut infos = Vec::with_capacity(nranks);
+    let mut net_errors = Vec::with_capacity(nranks);
+    for (r, b) in gathered.iter().enumerate() {
+        match SetupRecord::decode(b) {
+            Some(SetupRecord::Info(info, net_error)) => {
+                infos.push(info);
+                net_errors.push(net_error);
+            }
+            Some(SetupRecord::Failed(why)) => {
+                return Err(Error::Remote(format!(
+                    "rank {rank}: rank {r} cannot set up its transports: {why}"
+                )));
+            }
+            None => return Err(Error::Remote(format!("rank {r} sent malformed transport information"))),
+        }
+    }
+    // A rank that needs the network but could not open it fails every rank (the lowest such).
+    for q in 0..nranks {
+        let needs_net = [(q + 1) % nranks, (q + nranks - 1) % nranks]
+            .iter()
+            .any(|&p| select_transport(&infos[q], &infos[p]) == TransportKind::Net);
+        if let (true, Some(why)) = (needs_net, &net_errors[q]) {
+            return match opened.take() {
+                Some(Err(e)) if q == rank => Err(e),
+                _ => Err(Error::Remote(format!(
+                    "rank {rank}: rank {q} cannot open its network for the NET transport: {why}"
+                ))),
+            };
+        }
+    }
     let (next, prev) = ((rank + 1) % nranks, (rank + nranks - 1) % nranks);
     let mut blocks = Vec::new();
     let mut kinds = vec![None; nranks];
@@ -298,11 +373,10 @@ pub unsafe fn connect_net(setup: &RingSetup<'_>, conn_base: &mut [u64]) -> Resul
     }
     let send_net = kinds[next] == Some(TransportKind::Net);
     let recv_net = kinds[prev] == Some(TransportKind::Net);
-    let near = s.bootstrap.addrs().get(rank).map(|a| a.ip());
-    let net = if send_net || recv_net {
-        Some(net_from_env(near)?)
-    } else {
-        None
+    let net = match (send_net || recv_net, opened) {
+        (false, _) => None,
+        (true, Some(n)) => Some(n?),
+        (true, None) => return Err(Error::Internal(format!("rank {rank}: the network was not opened"))),
     };
     for c in 0..s.nch {
         for (dir, peer) in [("->", next), ("<-", prev)] {
@@ -471,6 +545,22 @@ mod tests {
             assert_eq!(select_transport(&a, &b), want, "{a:?} {b:?}");
             assert_eq!(select_transport(&b, &a), want, "{b:?} {a:?}");
         }
+    }
+
+    #[test]
+    fn setup_records_round_trip() {
+        for r in [
+            SetupRecord::Info(info(false, "h\n1", false, true), None),
+            SetupRecord::Info(info(false, "h2", true, false), Some("invalid usage: no\nmatch".into())),
+            SetupRecord::Failed("invalid argument: NCCL_NET=\"IB\"".into()),
+            SetupRecord::Failed(String::new()),
+        ] {
+            assert_eq!(SetupRecord::decode(&r.encode()), Some(r.clone()), "{r:?}");
+        }
+        // A length past the end, an unknown tag, nothing at all.
+        assert_eq!(SetupRecord::decode(b"I\x09\0\0\0abc"), None);
+        assert_eq!(SetupRecord::decode(b"X0\n0\n0\nh"), None);
+        assert_eq!(SetupRecord::decode(b""), None);
     }
 
     #[test]
