@@ -12,11 +12,11 @@ use crate::cuda;
 use crate::error::{Error, Result};
 use crate::mem::{DevSlice, Device, Stream};
 use crate::params::Params;
-use crate::tuning::Selection;
+use crate::tuning::{Selection, TreeShape};
 use bytemuck::Zeroable;
 use oxccl_gpu::abi::{
-    Algo, ConnInfo, DEFAULT_CHUNK_STEPS, DataType, DevChannel, DevComm, DevRing, FIFO_STEPS, Func,
-    KernelArgs, MAX_CHANNELS, PACK_BYTES, Proto, RedOp, WorkColl,
+    Algo, ConnInfo, DEFAULT_CHUNK_STEPS, DataType, DevChannel, DevComm, DevRing, DevTree, FIFO_STEPS,
+    Func, KernelArgs, MAX_CHANNELS, MAX_TREE_ARITY, PACK_BYTES, Proto, RedOp, WorkColl,
 };
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -63,6 +63,9 @@ pub struct Comm {
     res: Res,
     inflight: Arc<AtomicUsize>,
     last: Mutex<Option<Choice>>,
+    /// The double binary tree's connections, when the communicator spans several nodes and they
+    /// were set up (CPU-target `init_all` with `OXCCL_TEST_NODES`); `None` otherwise.
+    trees: Option<CommTrees>,
     /// Set by [`Comm::finalize`]: later collectives are refused.
     finalized: std::sync::atomic::AtomicBool,
 }
@@ -299,6 +302,7 @@ impl Comm {
                     }),
                     inflight: Arc::new(AtomicUsize::new(0)),
                     last: Mutex::new(None),
+                    trees: None,
                     finalized: false.into(),
                 });
             }
@@ -335,9 +339,15 @@ impl Comm {
                     }
                 }
             }
+            // Trees across the test nodes: their connection memory and DevTree arrays live as long
+            // as the ring connections.
+            let (trees, tree_mem) = match test_nodes(nranks)? {
+                Some(nnodes) => setup_cpu_trees(nranks, nnodes, nch, &params, &comm_mem)?,
+                None => (Vec::new(), Vec::new()),
+            };
             let group = Arc::new(CpuGroup {
                 comm_mem,
-                _conn_mem: conn,
+                _conn_mem: conn.into_iter().chain(tree_mem).collect(),
                 abort,
                 _shm: Vec::new(),
                 mp: None,
@@ -357,6 +367,7 @@ impl Comm {
                     }),
                     inflight: Arc::new(AtomicUsize::new(0)),
                     last: Mutex::new(None),
+                    trees: trees.get(r).copied(),
                     finalized: false.into(),
                 })
                 .collect())
@@ -616,6 +627,7 @@ impl Comm {
             res,
             inflight: Arc::new(AtomicUsize::new(0)),
             last: Mutex::new(None),
+            trees: None,
             finalized: std::sync::atomic::AtomicBool::new(false),
         })
     }
@@ -683,7 +695,9 @@ impl Comm {
     /// Device memory used by this rank's connections and communicator state, in bytes.
     pub fn device_memory_bytes(&self) -> u64 {
         let layout = ConnLayout::new(&self.params, self.nchannels, true);
-        layout.bytes() + comm_block_bytes(self.nchannels as usize, self.nranks) as u64
+        layout.bytes()
+            + comm_block_bytes(self.nchannels as usize, self.nranks) as u64
+            + self.trees.map_or(0, |t| t.bytes)
     }
     /// Aborts this rank (NCCL's `ncclCommAbort`): raises the abort flag that every kernel spin
     /// loop polls, so operations still waiting for a peer exit and their streams drain, then waits
@@ -1217,7 +1231,7 @@ impl Comm {
 
     /// Algorithm, protocol, channels, chunk and slice for a call of `bytes` bytes (the seed's
     /// tuning step: the cost model of [`crate::tuning::Model`] among what `NCCL_ALGO` /
-    /// `NCCL_PROTO` allow).
+    /// `NCCL_PROTO` allow and this communicator implements — the tree only when it has trees).
     fn plan(&self, func: Func, bytes: u64, esize: u64) -> Result<Choice> {
         let fabric = if self.device.is_cuda() {
             crate::tuning::Fabric::NvLink
@@ -1226,9 +1240,29 @@ impl Comm {
         };
         let model = crate::tuning::Model::for_fabric(fabric);
         let min = self.params.min_nchannels.unwrap_or(1);
+        let trees = self.trees.map(|t| t.shape);
         let (algo, proto, nch) =
             self.selection
-                .choose_sized(&model, func, bytes, self.nranks, min, self.nchannels)?;
+                .choose_sized_with(&model, func, bytes, self.nranks, min, self.nchannels, trees)?;
+        if algo == Algo::Tree {
+            // One FIFO slot per chunk and slice (NCCL's tree on Simple: chunkSteps = sliceSteps =
+            // 1), halved down to 128 KiB while there are fewer than 8 chunks per channel and tree
+            // level, so the levels pipeline.
+            let slot_bytes = self.params.buffsize / FIFO_STEPS / PACK_BYTES * PACK_BYTES;
+            let depth = trees.map_or(1, |t| t.depth.max(1)) as u64;
+            let mut chunk = slot_bytes;
+            while bytes / (nch as u64 * chunk) < depth * 8 && chunk > (128 << 10) {
+                chunk = chunk / 2 / PACK_BYTES * PACK_BYTES;
+            }
+            return Ok(Choice {
+                func,
+                algo,
+                proto,
+                nchannels: nch,
+                chunk_elems: chunk / esize,
+                slice_elems: chunk / esize,
+            });
+        }
         if proto != Proto::Simple {
             // One chunk is one step of lines: 8 data bytes per 16-byte LL line, 120 per 128-byte
             // LL128 line (NCCL's LL / LL128 chunk).
@@ -2238,6 +2272,218 @@ fn build_comm_block(
     out
 }
 
+// ---------------------------------------------------------------------------------------------
+// Trees: the double binary tree across nodes with a chain inside each node (NCCL's
+// `connectTrees` and the P2P/SHM setup of the tree peers' connections).
+
+/// Receive FIFOs (and counter blocks) per channel of a rank's tree connection memory: peer slot 0
+/// is the parent, slot 1 + i child `i`.
+const TREE_PEERS: usize = 1 + MAX_TREE_ARITY;
+
+/// A communicator's trees as its calls see them: their shape (for the choice) and this rank's
+/// tree connection memory in bytes.
+#[derive(Clone, Copy, Debug)]
+struct CommTrees {
+    shape: TreeShape,
+    bytes: u64,
+}
+
+/// The node count of a CPU-target [`Comm::init_all`] communicator from the test hook
+/// `OXCCL_TEST_NODES=N` (oxccl spelling only): its ranks are split into `N` equal nodes of
+/// consecutive ranks — node `n` holds ranks `n·k .. (n+1)·k` with `k = nranks / N` — as if they ran
+/// on `N` hosts. Rings are unchanged; with `N ≥ 2` the double binary tree's connections are set up
+/// too, so `NCCL_ALGO=tree` can run (and the tuning model may choose the tree for AllReduce).
+/// `None` when unset or 1. Errors: `InvalidArgument` naming the variable unless `N` is a divisor
+/// of `nranks` in `1..=nranks`.
+fn test_nodes(nranks: usize) -> Result<Option<usize>> {
+    let Ok(v) = std::env::var("OXCCL_TEST_NODES") else {
+        return Ok(None);
+    };
+    let bad = || {
+        Error::invalid(format!(
+            "OXCCL_TEST_NODES={v:?}: accepted a divisor of the rank count {nranks} in 1..={nranks} \
+             (the ranks split into that many equal nodes)"
+        ))
+    };
+    let n: usize = v.trim().parse().map_err(|_| bad())?;
+    if n == 0 || n > nranks || !nranks.is_multiple_of(n) {
+        return Err(bad());
+    }
+    Ok((n > 1).then_some(n))
+}
+
+/// Every channel's tree, indexed `[channel][rank]`, for ranks split into `node_chains` (each
+/// node's chain in order): the double binary tree with the balanced-tree attachment (NCCL's
+/// default pattern, [`crate::graph::double_binary_tree`]); channel `c` runs tree `c % 2`.
+fn channel_trees(node_chains: &[Vec<usize>], nch: u32) -> Result<Vec<Vec<crate::graph::Tree>>> {
+    let [t0, t1] = crate::graph::double_binary_tree(node_chains, crate::graph::Pattern::BalancedTree)?;
+    Ok((0..nch)
+        .map(|c| if c % 2 == 0 { t0.clone() } else { t1.clone() })
+        .collect())
+}
+
+/// Layout of one rank's tree connection memory: a Simple receive FIFO of `NCCL_BUFFSIZE` bytes per
+/// tree peer the rank has on each channel (peer slots as [`TREE_PEERS`]; absent peers get none, so
+/// a leaf holds one FIFO per channel), then per channel and peer slot a counters block: the head of
+/// the send connection to that peer at +0, the tail of the receive connection from it at +128.
+struct TreeLayout {
+    /// Offset of the FIFO of (channel, peer slot), `None` for an absent peer.
+    fifo: Vec<[Option<u64>; TREE_PEERS]>,
+    counters_at: u64,
+}
+
+impl TreeLayout {
+    fn new(buffsize: u64, trees: &[Vec<crate::graph::Tree>], rank: usize) -> TreeLayout {
+        let mut off = 0u64;
+        let fifo = trees
+            .iter()
+            .map(|t| {
+                let me = &t[rank];
+                let mut f = [None; TREE_PEERS];
+                let present = std::iter::once(me.up).chain(me.down);
+                for (slot, peer) in f.iter_mut().zip(present) {
+                    if peer >= 0 {
+                        *slot = Some(off);
+                        off += buffsize;
+                    }
+                }
+                f
+            })
+            .collect();
+        TreeLayout {
+            fifo,
+            counters_at: off.next_multiple_of(128),
+        }
+    }
+    fn bytes(&self) -> u64 {
+        self.counters_at + (self.fifo.len() * TREE_PEERS) as u64 * COUNTERS_BYTES
+    }
+    fn buff(&self, base: u64, c: usize, peer: usize) -> u64 {
+        self.fifo[c][peer].map_or(0, |o| base + o)
+    }
+    fn head(&self, base: u64, c: usize, peer: usize) -> u64 {
+        base + self.counters_at + (c * TREE_PEERS + peer) as u64 * COUNTERS_BYTES
+    }
+    fn tail(&self, base: u64, c: usize, peer: usize) -> u64 {
+        self.head(base, c, peer) + 128
+    }
+}
+
+/// Rank `r`'s [`DevTree`] of every channel: its parent and children, and a connection to and from
+/// each (NCCL's tree `ncclConnInfo`s), wired into the tree connection memory of every rank
+/// (`layouts[k]` at address `bases[k]`). For the edge between parent `p` and its child `r` (child
+/// slot `j` of `p`): `r` writes `p`'s FIFO of slot `1 + j` and `p`'s tail there, and its own head of
+/// slot 0 is freed by `p`; `p` writes `r`'s FIFO of slot 0 and `r`'s tail there, its own head of
+/// slot `1 + j` freed by `r`. Errors: `Internal` when the trees are not consistent (a child that
+/// does not name its parent).
+fn build_dev_trees(
+    r: usize,
+    trees: &[Vec<crate::graph::Tree>],
+    layouts: &[TreeLayout],
+    bases: &[u64],
+    initial_step: u64,
+) -> Result<Vec<DevTree>> {
+    let conn = |buff: u64, head: u64, tail: u64| {
+        let mut ci = ConnInfo::zeroed();
+        ci.buffs[Proto::Simple as usize] = buff;
+        ci.head = head;
+        ci.tail = tail;
+        ci.step = initial_step;
+        ci
+    };
+    let (me, lm, bm) = (r, &layouts[r], bases[r]);
+    let mut out = Vec::with_capacity(trees.len());
+    for (c, t) in trees.iter().enumerate() {
+        let tr = &t[me];
+        let mut d = DevTree {
+            up: tr.up,
+            down: tr.down,
+            depth: tr.depth,
+            ..DevTree::zeroed()
+        };
+        if let Ok(p) = usize::try_from(tr.up) {
+            let j = t[p].down.iter().position(|&x| x == me as i32).ok_or_else(|| {
+                Error::Internal(format!(
+                    "channel {c}: rank {me}'s parent {p} does not list it among its children {:?}",
+                    t[p].down
+                ))
+            })?;
+            let (lp, bp) = (&layouts[p], bases[p]);
+            d.send_up = conn(lp.buff(bp, c, 1 + j), lm.head(bm, c, 0), lp.tail(bp, c, 1 + j));
+            d.recv_up = conn(lm.buff(bm, c, 0), lp.head(bp, c, 1 + j), lm.tail(bm, c, 0));
+        }
+        for (i, &k) in tr.down.iter().enumerate() {
+            let Ok(k) = usize::try_from(k) else { continue };
+            if t[k].up != me as i32 {
+                return Err(Error::Internal(format!(
+                    "channel {c}: rank {me} lists child {k} whose parent is {}",
+                    t[k].up
+                )));
+            }
+            let (lk, bk) = (&layouts[k], bases[k]);
+            d.send_down[i] = conn(lk.buff(bk, c, 0), lm.head(bm, c, 1 + i), lk.tail(bk, c, 0));
+            d.recv_down[i] = conn(lm.buff(bm, c, 1 + i), lk.head(bk, c, 0), lm.tail(bm, c, 1 + i));
+        }
+        out.push(d);
+    }
+    Ok(out)
+}
+
+/// Sets up the trees of a CPU-target `init_all` communicator of `nranks` ranks split into `nnodes`
+/// nodes ([`test_nodes`]): every rank's tree connection memory (counters at `initial_step`) and
+/// [`DevTree`] array, whose address goes into the `trees` field of its [`DevComm`] in `comm_mem`.
+/// Returns each rank's [`CommTrees`] and the memory, which must outlive every operation.
+fn setup_cpu_trees(
+    nranks: usize,
+    nnodes: usize,
+    nch: u32,
+    params: &Params,
+    comm_mem: &[HostMem],
+) -> Result<(Vec<CommTrees>, Vec<HostMem>)> {
+    let k = nranks / nnodes;
+    let chains: Vec<Vec<usize>> = (0..nnodes).map(|n| (n * k..(n + 1) * k).collect()).collect();
+    let trees = channel_trees(&chains, nch)?;
+    let layouts: Vec<TreeLayout> = (0..nranks)
+        .map(|r| TreeLayout::new(params.buffsize, &trees, r))
+        .collect();
+    let mut mem: Vec<HostMem> = layouts
+        .iter()
+        .map(|l| HostMem::zeroed(l.bytes() as usize))
+        .collect::<Result<_>>()?;
+    let bases: Vec<u64> = mem.iter().map(|m| m.addr()).collect();
+    let shape = TreeShape {
+        nnodes,
+        depth: trees[0][0].depth.max(0) as u32,
+    };
+    let mut out = Vec::with_capacity(nranks);
+    for r in 0..nranks {
+        for c in 0..nch as usize {
+            for peer in 0..TREE_PEERS {
+                for at in [layouts[r].head(bases[r], c, peer), layouts[r].tail(bases[r], c, peer)] {
+                    // SAFETY: the counters lie inside rank r's fresh tree memory, unused so far.
+                    unsafe { (at as *mut u64).write(params.initial_step) };
+                }
+            }
+        }
+        let dev = build_dev_trees(r, &trees, &layouts, &bases, params.initial_step)?;
+        let bytes: &[u8] = bytemuck::cast_slice(&dev);
+        let block = HostMem::zeroed(bytes.len())?;
+        // SAFETY: `block` was allocated with exactly this size and the DevComm lies at the start
+        // of rank r's communicator block (8-byte aligned); no operation runs yet.
+        unsafe {
+            std::ptr::copy_nonoverlapping(bytes.as_ptr(), block.addr() as *mut u8, bytes.len());
+            (*(comm_mem[r].addr() as *mut DevComm)).trees = block.addr();
+        }
+        out.push(CommTrees {
+            shape,
+            bytes: layouts[r].bytes() + bytes.len() as u64,
+        });
+        mem.push(block);
+    }
+    tracing::debug!(target: "oxccl::init", nranks, nnodes, nch, depth = shape.depth, "CPU trees ready");
+    Ok((out, mem))
+}
+
 impl std::fmt::Debug for Comm {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Comm")
@@ -2390,5 +2636,81 @@ mod init_rank_tests {
         assert!(t > 0 && !zombie);
         // Pids above the kernel's maximum (4194304) never exist.
         assert_eq!(proc_start(u32::MAX), None);
+    }
+}
+
+#[cfg(test)]
+mod tree_tests {
+    use super::*;
+
+    #[test]
+    fn tree_connections_pair_up_across_ranks() {
+        // 2 nodes of 2 ranks (chains [0, 1] and [2, 3]), balanced pattern. Tree 0 (channel 0):
+        // btree(2) has node 0 as root and node 1 as its child of type 1, which attaches to the
+        // head c[0] = rank 0; so rank 0 has children 1 (its chain) and 2, rank 2 child 3. Tree 1
+        // (channel 1) is the mirror: node 1 roots it, node 0 hangs from rank 2.
+        let chains = vec![vec![0, 1], vec![2, 3]];
+        let trees = channel_trees(&chains, 3).unwrap();
+        let ud = |c: usize, r: usize| (trees[c][r].up, trees[c][r].down);
+        assert_eq!(ud(0, 0), (-1, [1, 2, -1]));
+        assert_eq!(ud(0, 2), (0, [3, -1, -1]));
+        assert_eq!(ud(1, 2), (-1, [3, 0, -1]));
+        assert_eq!(ud(1, 0), (2, [1, -1, -1]));
+        // Channel 2 runs tree 0 again.
+        assert_eq!(trees[2], trees[0]);
+
+        let buffsize = 1 << 20;
+        let layouts: Vec<TreeLayout> = (0..4).map(|r| TreeLayout::new(buffsize, &trees, r)).collect();
+        // A FIFO per present peer: rank 3 is a leaf in both trees (one per channel); rank 0 has
+        // two children in tree 0 (channels 0, 2) and a parent and a child in tree 1 (channel 1).
+        assert_eq!(layouts[3].counters_at, 3 * buffsize);
+        assert_eq!(layouts[0].counters_at, (2 + 2 + 2) * buffsize);
+        assert_eq!(layouts[0].bytes(), 6 * buffsize + 3 * 4 * COUNTERS_BYTES);
+        let bases: Vec<u64> = (0..4).map(|r| (r as u64 + 1) << 32).collect();
+        let dev: Vec<Vec<DevTree>> = (0..4)
+            .map(|r| build_dev_trees(r, &trees, &layouts, &bases, 7).unwrap())
+            .collect();
+        let simple = Proto::Simple as usize;
+        for c in 0..3 {
+            for (r, dr) in dev.iter().enumerate() {
+                let d = &dr[c];
+                assert_eq!((d.up, d.down), ud(c, r));
+                for (i, &k) in d.down.iter().enumerate() {
+                    let Ok(k) = usize::try_from(k) else {
+                        assert_eq!(d.send_down[i].buffs[simple], 0);
+                        continue;
+                    };
+                    // Parent r → child k: the same FIFO, tail and head seen from both ends.
+                    let (s, rv) = (&d.send_down[i], &dev[k][c].recv_up);
+                    assert_eq!((s.buffs, s.head, s.tail, s.step), (rv.buffs, rv.head, rv.tail, 7));
+                    // The FIFO and tail live in the child's memory, the head in the parent's.
+                    assert_eq!(s.buffs[simple] >> 32, k as u64 + 1);
+                    assert_eq!((s.tail >> 32, s.head >> 32), (k as u64 + 1, r as u64 + 1));
+                    // Child k → parent r.
+                    let (s, rv) = (&dev[k][c].send_up, &d.recv_down[i]);
+                    assert_eq!((s.buffs, s.head, s.tail, s.step), (rv.buffs, rv.head, rv.tail, 7));
+                    assert_eq!(s.buffs[simple] >> 32, r as u64 + 1);
+                    assert_eq!((s.tail >> 32, s.head >> 32), (r as u64 + 1, k as u64 + 1));
+                }
+                if d.up < 0 {
+                    assert_eq!(d.send_up.buffs[simple], 0);
+                }
+            }
+        }
+        // Every receive FIFO of a rank is its own, one slot apart at least.
+        for r in 0..4 {
+            let mut fifos: Vec<u64> = dev[r]
+                .iter()
+                .flat_map(|d| std::iter::once(d.recv_up).chain(d.recv_down))
+                .map(|ci| ci.buffs[simple])
+                .filter(|&b| b != 0)
+                .collect();
+            let n = fifos.len();
+            fifos.sort();
+            fifos.dedup();
+            assert_eq!(fifos.len(), n, "rank {r}");
+            assert!(fifos.windows(2).all(|w| w[1] - w[0] >= buffsize));
+            assert_eq!(n as u64 * buffsize, layouts[r].counters_at);
+        }
     }
 }

@@ -89,10 +89,20 @@ impl Selection {
         Self::from_lookup(crate::params::env_var)
     }
 
-    /// The (algorithm, protocol) for `func`: the best allowed pair that oxccl implements. Today the
-    /// ring on the Simple, LL and LL128 protocols is implemented for every collective (tree comes
-    /// later); a selection that allows none of the implemented pairs is an error naming `func`.
+    /// The (algorithm, protocol) for `func` on a communicator without trees: the best allowed pair
+    /// that oxccl implements (see [`Selection::choose_with`]).
     pub fn choose(&self, func: Func) -> Result<(Algo, Proto)> {
+        self.choose_with(func, None)
+    }
+
+    /// The (algorithm, protocol) for `func` on a communicator whose trees are `trees` (`None`: no
+    /// tree connections): the first allowed pair of [`implemented_with`]. The ring on the Simple,
+    /// LL and LL128 protocols is implemented for every collective, the tree on Simple for
+    /// AllReduce when the communicator has trees. A selection that allows none of the implemented
+    /// pairs is an `InvalidArgument` naming `func`, what the environment allows and what is
+    /// implemented (and, for a tree AllReduce without trees, why there are none).
+    pub fn choose_with(&self, func: Func, trees: Option<TreeShape>) -> Result<(Algo, Proto)> {
+        let implemented = |f| implemented_with(f, trees.is_some());
         for &(algo, proto) in implemented(func) {
             if self.algos.0[algo as usize] && self.protos.0[proto as usize] {
                 return Ok((algo, proto));
@@ -108,7 +118,7 @@ impl Selection {
         };
         Err(Error::invalid(format!(
             "no algorithm/protocol available for {func}: NCCL_ALGO allows {{{}}} and NCCL_PROTO allows {{{}}}, \
-             but {func} is implemented only as {}",
+             but {func} is implemented only as {}{}",
             names(&self.algos.0, &[Algo::Tree.name(), Algo::Ring.name()]),
             names(
                 &self.protos.0,
@@ -118,9 +128,26 @@ impl Selection {
                 .iter()
                 .map(|(a, p)| format!("{a}/{p}"))
                 .collect::<Vec<_>>()
-                .join(", ")
+                .join(", "),
+            if func == Func::AllReduce && trees.is_none() && self.algos.0[Algo::Tree as usize] {
+                " (tree needs a communicator spanning several nodes: ranks on different hosts, or \
+                 OXCCL_TEST_NODES for Comm::init_all on the CPU target)"
+            } else {
+                ""
+            }
         )))
     }
+}
+
+/// The trees a communicator has set up, as the choice sees them: present only when it spans
+/// several nodes and its transport connected the tree peers (NCCL's `comm->nNodes > 1` and the
+/// tree channels of `connectTrees`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TreeShape {
+    /// Nodes the communicator spans (at least 2).
+    pub nnodes: usize,
+    /// Depth of the trees: ranks per node − 1 + floor(log2(nnodes)) (NCCL's `tree.depth`).
+    pub depth: u32,
 }
 
 /// What the ring's links are, for the cost model's constants.
@@ -204,6 +231,19 @@ impl Model {
         // GB/s = 1e3 bytes per µs.
         self.base_lat_us[p] + self.fill_us[p] + steps * self.hop_lat_us[p] + bytes as f64 * bus_factor / (bw * 1e3)
     }
+
+    /// Predicted time in µs of a tree AllReduce of `bytes` over `tree` on `nch` channels on
+    /// `proto` (NCCL's tree model): `2 × depth` hops of latency (up, then down), and every byte
+    /// crosses the tree twice at 92 % of the bus bandwidth (NCCL's algorithm bandwidth of a tree is
+    /// half its bus bandwidth, which it caps at 0.92 of the ring's).
+    pub fn predict_tree_us(&self, proto: Proto, tree: TreeShape, nch: u32, bytes: u64) -> f64 {
+        let p = proto as usize;
+        let bw = (self.channel_bw[p] * nch as f64).min(self.bus_cap[p]) * 0.92;
+        self.base_lat_us[p]
+            + self.fill_us[p]
+            + 2.0 * tree.depth as f64 * self.hop_lat_us[p]
+            + 2.0 * bytes as f64 / (bw * 1e3)
+    }
 }
 
 impl Selection {
@@ -220,32 +260,71 @@ impl Selection {
         min_nch: u32,
         max_nch: u32,
     ) -> Result<(Algo, Proto, u32)> {
+        self.choose_sized_with(model, func, bytes, nranks, min_nch, max_nch, None)
+    }
+
+    /// [`Selection::choose_sized`] on a communicator whose trees are `trees` (`None`: none): the
+    /// tree pairs of [`implemented_with`] compete too, timed by [`Model::predict_tree_us`].
+    /// Errors as [`Selection::choose_with`] when nothing is left.
+    #[allow(clippy::too_many_arguments)]
+    pub fn choose_sized_with(
+        &self,
+        model: &Model,
+        func: Func,
+        bytes: u64,
+        nranks: usize,
+        min_nch: u32,
+        max_nch: u32,
+        trees: Option<TreeShape>,
+    ) -> Result<(Algo, Proto, u32)> {
         let mut best: Option<(f64, Algo, Proto, u32)> = None;
-        for &(algo, proto) in implemented(func) {
+        for &(algo, proto) in implemented_with(func, trees.is_some()) {
             if !(self.algos.0[algo as usize] && self.protos.0[proto as usize]) {
                 continue;
             }
             let nch = model.nchannels(proto, bytes, min_nch, max_nch);
-            let t = model.predict_us(func, proto, nranks, nch, bytes);
+            let t = match (algo, trees) {
+                (Algo::Tree, Some(tree)) => model.predict_tree_us(proto, tree, nch, bytes),
+                _ => model.predict_us(func, proto, nranks, nch, bytes),
+            };
             if best.is_none_or(|b| t < b.0) {
                 best = Some((t, algo, proto, nch));
             }
         }
         match best {
             Some((_, algo, proto, nch)) => Ok((algo, proto, nch)),
-            None => self.choose(func).map(|(a, p)| (a, p, 1)),
+            None => self.choose_with(func, trees).map(|(a, p)| (a, p, 1)),
         }
     }
 }
 
-/// (algorithm, protocol) pairs implemented for `func`, in order of preference when the environment
-/// allows several (the size-based choice is [`Selection::choose_sized`]).
-pub fn implemented(_func: Func) -> &'static [(Algo, Proto)] {
-    &[
+/// (algorithm, protocol) pairs implemented for `func` on every communicator, in order of
+/// preference when the environment allows several (the size-based choice is
+/// [`Selection::choose_sized`]): the ring on every protocol.
+pub fn implemented(func: Func) -> &'static [(Algo, Proto)] {
+    implemented_with(func, false)
+}
+
+/// (algorithm, protocol) pairs implemented for `func` on a communicator with (`trees`) or without
+/// tree connections: [`implemented`], plus the tree on Simple for AllReduce when it has trees
+/// (NCCL's tree also runs LL and LL128, and Reduce/Broadcast; oxccl not yet).
+pub fn implemented_with(func: Func, trees: bool) -> &'static [(Algo, Proto)] {
+    const RING: &[(Algo, Proto)] = &[
         (Algo::Ring, Proto::Simple),
         (Algo::Ring, Proto::Ll),
         (Algo::Ring, Proto::Ll128),
-    ]
+    ];
+    const RING_TREE: &[(Algo, Proto)] = &[
+        (Algo::Ring, Proto::Simple),
+        (Algo::Ring, Proto::Ll),
+        (Algo::Ring, Proto::Ll128),
+        (Algo::Tree, Proto::Simple),
+    ];
+    if trees && func == Func::AllReduce {
+        RING_TREE
+    } else {
+        RING
+    }
 }
 
 #[cfg(test)]
@@ -324,6 +403,54 @@ mod tests {
         );
         let e = sel(None, Some("^LL,LL128,Simple")).unwrap_err().to_string();
         assert!(e.contains("excludes every value"), "{e}");
+    }
+
+    #[test]
+    fn tree_competes_for_all_reduce_on_communicators_with_trees() {
+        let m = Model::for_fabric(Fabric::Host);
+        let all = sel(None, None).unwrap();
+        // 8 ranks in 4 nodes of 2: depth 2 - 1 + log2(4) = 3. A communicator of 2 channels.
+        let shape = TreeShape { nnodes: 4, depth: 3 };
+        let tree = Some(shape);
+        // Tree on Simple: base 30 µs + 2 × 3 hops of 4 µs, bytes twice at 0.92 × 2 GB/s (1 channel).
+        let t = m.predict_tree_us(Proto::Simple, shape, 1, 65536);
+        assert!((t - (30.0 + 24.0 + 2.0 * 65536.0 / (0.92 * 2e3))).abs() < 1e-9, "{t}");
+        // 8 B: ring LL 20 + 14 × 2 = 48 µs beats the tree's 54; 64 KiB: the tree's 125.2 µs beats
+        // ring Simple's 86 + 65536 × 1.75 / 2000 = 143.3 (LL 162.7, LL128 181.7); 4 MiB: ring Simple
+        // on 2 channels (86 + 1835 = 1921 µs) beats the tree (54 + 2279 = 2333).
+        let choose = |s: &Selection, f, bytes, t| s.choose_sized_with(&m, f, bytes, 8, 1, 2, t).unwrap();
+        assert_eq!(choose(&all, Func::AllReduce, 8, tree), (Algo::Ring, Proto::Ll, 1));
+        assert_eq!(choose(&all, Func::AllReduce, 64 << 10, tree), (Algo::Tree, Proto::Simple, 1));
+        assert_eq!(choose(&all, Func::AllReduce, 4 << 20, tree), (Algo::Ring, Proto::Simple, 2));
+        // Without trees, or for another collective, the tree never competes.
+        assert_eq!(choose(&all, Func::AllReduce, 64 << 10, None).0, Algo::Ring);
+        assert_eq!(choose(&all, Func::Broadcast, 64 << 10, tree).0, Algo::Ring);
+        // NCCL_ALGO=tree forces it at every size.
+        let forced = sel(Some("tree"), None).unwrap();
+        assert_eq!(choose(&forced, Func::AllReduce, 4 << 20, tree), (Algo::Tree, Proto::Simple, 2));
+        assert_eq!(
+            forced.choose_with(Func::AllReduce, tree).unwrap(),
+            (Algo::Tree, Proto::Simple)
+        );
+        // The tree on LL is not implemented: the error lists what is, without the node hint.
+        let e = sel(Some("tree"), Some("LL"))
+            .unwrap()
+            .choose_sized_with(&m, Func::AllReduce, 8, 8, 1, 2, tree)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("allreduce is implemented only as ring/Simple, ring/LL, ring/LL128, tree/Simple")
+                && !e.contains("several nodes"),
+            "{e}"
+        );
+        // Without trees the error says why the tree is missing.
+        let e = forced.choose(Func::AllReduce).unwrap_err().to_string();
+        assert!(
+            e.contains("only as ring/Simple, ring/LL, ring/LL128 (tree needs a communicator spanning several nodes"),
+            "{e}"
+        );
+        assert_eq!(implemented(Func::AllReduce), implemented_with(Func::AllReduce, false));
+        assert_eq!(implemented_with(Func::Reduce, true), implemented(Func::Reduce));
     }
 
     #[test]

@@ -75,6 +75,13 @@ pub unsafe fn run_typed<T: Elem, Op: RedFn<T>>(
     // SAFETY: caller contract.
     let comm = unsafe { &*(args.comm as *const DevComm) };
     let postdiv = if avg { comm.nranks } else { 0 };
+    // Trees run on the CPU target only so far (the GPU kernels are ring-only).
+    #[cfg(not(target_arch = "nvptx64"))]
+    if w.algo == Algo::Tree as u8 {
+        // SAFETY: forwarded caller contract.
+        unsafe { run_tree::<T, Op>(comm, w, bid, tid, nthreads, smem, postdiv, only) };
+        return;
+    }
     // A kernel entry point passes its collective as a constant, so only that one is compiled in.
     let (Some(func), Some(Algo::Ring), Some(proto)) = (
         only.or(Func::from_u8(w.func)),
@@ -160,5 +167,73 @@ fn run_ring<T, P: Primitives>(p: &mut P, ring: &RingCtx, comm: &DevComm, w: &Wor
             coll::all_gather::ring(p, ring, count, chunk, esize, in_place)
         }
         Func::ReduceScatter => coll::reduce_scatter::ring(p, ring, count, chunk, esize),
+    }
+}
+
+/// Runs block `bid` of a tree operation (NCCL's `RunWorkColl` for `NCCL_ALGO_TREE`): AllReduce on
+/// the Simple protocol over the channel's [`crate::abi::DevTree`], reduce phase then broadcast
+/// phase. Anything else (another collective or protocol, a communicator without trees) traps.
+///
+/// # Safety
+/// As [`run_typed`]; `comm.trees` is 0 or the address of `comm.nchannels` set-up trees.
+#[cfg(not(target_arch = "nvptx64"))]
+#[allow(clippy::too_many_arguments)]
+unsafe fn run_tree<T: Elem, Op: RedFn<T>>(
+    comm: &DevComm,
+    w: &WorkColl,
+    bid: u32,
+    tid: u32,
+    nthreads: u32,
+    smem: *mut u32,
+    postdiv: u32,
+    only: Option<Func>,
+) {
+    use crate::abi::DevTree;
+    use crate::coll::tree::{TreeCtx, all_reduce_down, all_reduce_up};
+    use crate::proto::tree::{Phase, TreeSimple};
+    let (Some(Func::AllReduce), Some(Proto::Simple)) = (only.or(Func::from_u8(w.func)), Proto::from_u8(w.proto))
+    else {
+        crate::arch::trap()
+    };
+    if comm.trees == 0 || bid >= comm.nchannels {
+        crate::arch::trap()
+    }
+    let esize = core::mem::size_of::<T>() as u64;
+    let (input, output) = (w.sendbuff as *const T, w.recvbuff as *mut T);
+    let buff = comm.buff_sizes[Proto::Simple as usize];
+    // SAFETY: caller contract: channel `bid` has a set-up tree.
+    unsafe {
+        let tree = (comm.trees as *mut DevTree).add(bid as usize);
+        let t = TreeCtx {
+            up: (*tree).up,
+            down0: (*tree).down[0],
+            channel: bid as u64,
+            nchannels: w.nchannels as u64,
+        };
+        let new = |phase| {
+            TreeSimple::<T, Op>::new(
+                phase,
+                tid,
+                nthreads,
+                tree,
+                buff,
+                input,
+                output,
+                comm.abort_flag,
+                smem,
+                postdiv,
+                w.slice_elems,
+            )
+        };
+        let mut p = new(Phase::Up);
+        all_reduce_up(&mut p, &t, w.count, w.chunk_elems, esize);
+        let aborted = p.aborted();
+        p.finish();
+        if aborted {
+            return;
+        }
+        let mut p = new(Phase::Down);
+        all_reduce_down(&mut p, &t, w.count, w.chunk_elems, esize);
+        p.finish();
     }
 }

@@ -146,7 +146,39 @@ pub struct DevComm {
     pub channels: u64,
     /// Buffer size in bytes of each protocol's connection buffer, indexed by [`Proto`].
     pub buff_sizes: [u64; Proto::COUNT],
-    pub _pad1: u64,
+    /// Address of `nchannels` [`DevTree`]s, or 0 when the communicator has no tree connections
+    /// (one node, or a transport that sets none up). Read by the CPU target's tree algorithm only;
+    /// the GPU kernels do not read it yet.
+    pub trees: u64,
+}
+
+/// Most children of a rank in a tree: two nodes below plus one GPU of its own node (NCCL's
+/// `NCCL_MAX_TREE_ARITY`).
+pub const MAX_TREE_ARITY: usize = 3;
+
+/// One channel's tree as seen from one rank (NCCL's `ncclTree` together with the tree peers'
+/// connections of `ncclChannelPeer`): parent and children in user ranks, and a send and a receive
+/// connection to each of them. `up == -1` at the root; `down` is filled from index 0, -1 for
+/// none. The connections of an absent peer are zero. Each receive connection has its own Simple
+/// FIFO of `buff_sizes[Simple]` bytes; tree connections carry the Simple protocol only.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]
+pub struct DevTree {
+    /// Parent user rank, -1 at the root.
+    pub up: i32,
+    /// Child user ranks, -1 for none.
+    pub down: [i32; MAX_TREE_ARITY],
+    /// Approximate depth of the whole tree (NCCL's `tree.depth`).
+    pub depth: i32,
+    pub _pad: [u32; 3],
+    /// Connection to `up` (child → parent, the reduce phase).
+    pub send_up: ConnInfo,
+    /// Connection from `up` (parent → child, the broadcast phase).
+    pub recv_up: ConnInfo,
+    /// Connections to `down[i]` (broadcast phase).
+    pub send_down: [ConnInfo; MAX_TREE_ARITY],
+    /// Connections from `down[i]` (reduce phase).
+    pub recv_down: [ConnInfo; MAX_TREE_ARITY],
 }
 
 /// One collective operation (NCCL's `ncclDevWorkColl`). Counts are in elements of `dtype`.
@@ -216,6 +248,12 @@ const _: () = {
     assert!(size_of::<DevComm>() == 64);
     assert!(offset_of!(DevComm, abort_flag) == 16);
     assert!(offset_of!(DevComm, channels) == 24);
+    assert!(offset_of!(DevComm, trees) == 56);
+    assert!(size_of::<DevTree>() == 32 + 8 * 64 && align_of::<DevTree>() == 8);
+    assert!(offset_of!(DevTree, send_up) == 32);
+    assert!(offset_of!(DevTree, recv_up) == 96);
+    assert!(offset_of!(DevTree, send_down) == 160);
+    assert!(offset_of!(DevTree, recv_down) == 352);
     assert!(size_of::<WorkColl>() == 64);
     assert!(offset_of!(WorkColl, root) == 48);
     assert!(offset_of!(WorkColl, nchannels) == 58);

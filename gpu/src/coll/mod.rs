@@ -6,6 +6,8 @@ pub mod all_reduce;
 pub mod broadcast;
 pub mod reduce;
 pub mod reduce_scatter;
+#[cfg(not(target_arch = "nvptx64"))]
+pub mod tree;
 
 /// What an algorithm needs to know about its ring and channel.
 #[derive(Clone, Copy)]
