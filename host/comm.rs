@@ -191,8 +191,14 @@ impl Comm {
     /// Creates one communicator per device, rank `i` on `devices[i]`, all in this process (NCCL's
     /// `ncclCommInitAll`). Devices must all be CUDA or all CPU-target, each used once.
     ///
+    /// Test hook, CPU target only: `OXCCL_TEST_NODES=N` (a divisor of the rank count) splits the
+    /// ranks into `N` equal nodes of consecutive ranks, as if on `N` hosts, and sets up the double
+    /// binary tree across them (a chain inside each node; channel `c` on tree `c % 2`), so AllReduce
+    /// may run (or, with `NCCL_ALGO=tree`, must run) as a tree. Rings are unchanged. CUDA devices
+    /// ignore it.
+    ///
     /// Errors: `InvalidArgument` for an empty or mixed list or a bad environment value
-    /// (`NCCL_BUFFSIZE`, `NCCL_NTHREADS`, `NCCL_MAX_NCHANNELS`, ...), `InvalidUsage` for a
+    /// (`NCCL_BUFFSIZE`, `NCCL_NTHREADS`, `NCCL_MAX_NCHANNELS`, `OXCCL_TEST_NODES`, ...), `InvalidUsage` for a
     /// repeated device, `NoCuda`/`Cuda` for driver failures, `System` when ring neighbours cannot
     /// reach each other's memory.
     pub fn init_all(devices: &[Device]) -> Result<Vec<Comm>> {

@@ -130,8 +130,8 @@ impl Selection {
                 .collect::<Vec<_>>()
                 .join(", "),
             if func == Func::AllReduce && trees.is_none() && self.algos.0[Algo::Tree as usize] {
-                " (tree needs a communicator spanning several nodes: ranks on different hosts, or \
-                 OXCCL_TEST_NODES for Comm::init_all on the CPU target)"
+                " (tree needs a communicator spanning several nodes with tree connections, which \
+                 oxccl sets up so far only for CPU-target Comm::init_all split by OXCCL_TEST_NODES)"
             } else {
                 ""
             }

@@ -16,7 +16,8 @@
 //! The remaining tests: on one node `NCCL_ALGO=tree` is refused with an error that says why; a
 //! bad `OXCCL_TEST_NODES` fails init naming it; without forcing, the cost model picks the tree
 //! for a mid-size AllReduce over 4 nodes and the ring elsewhere; trees and rings interleave on the
-//! same communicator. The environment is process-global, so every test holds `common::env::Env`
+//! same communicator; an abort releases a tree AllReduce stuck on a rank that never called; each
+//! tree peer costs one FIFO. The environment is process-global, so every test holds `common::env::Env`
 //! (one at a time in this binary).
 mod common;
 
@@ -214,5 +215,62 @@ fn model_picks_tree_for_mid_sizes_and_both_interleave() {
                 assert_eq!(c.algo, algo, "round {round}, rank {r}, {count} floats: {c:?}");
             }
         }
+    }
+}
+
+#[test]
+fn abort_releases_a_tree_all_reduce_waiting_for_a_missing_rank() {
+    let env = Env::clean(VARS);
+    env.set(&[("NCCL_ALGO", "tree"), ("OXCCL_TEST_NODES", "2")]);
+    // 4 ranks in 2 nodes; rank 3 never calls, so its parent (rank 2) and everything above wait in
+    // the tree's spin loops until the abort flag is seen.
+    let comms = Comm::init_all(&Device::cpus(4)).unwrap();
+    let count = 1 << 16;
+    let streams: Vec<_> = comms.iter().map(|c| c.device().new_stream().unwrap()).collect();
+    let bufs: Vec<_> = comms
+        .iter()
+        .map(|c| c.device().alloc(count * 4).unwrap())
+        .collect();
+    for r in 0..3 {
+        comms[r]
+            .all_reduce(&bufs[r], &bufs[r], count, DataType::F32, RedOp::Sum, &streams[r])
+            .unwrap();
+    }
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    for (r, c) in comms.iter().enumerate() {
+        let t = std::time::Instant::now();
+        c.abort().unwrap_or_else(|e| panic!("rank {r}: abort: {e}"));
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(5),
+            "rank {r}: abort took {:?}",
+            t.elapsed()
+        );
+    }
+    for (r, c) in comms.iter().enumerate() {
+        streams[r].synchronize().unwrap();
+        let e = c
+            .all_reduce(&bufs[r], &bufs[r], 4, DataType::F32, RedOp::Sum, &streams[r])
+            .unwrap_err();
+        assert!(e.to_string().contains("aborted"), "rank {r}: {e}");
+    }
+}
+
+#[test]
+fn tree_memory_is_one_fifo_per_tree_peer() {
+    let env = Env::clean(VARS);
+    let ring_only = Comm::init_all(&Device::cpus(2)).unwrap()[0].device_memory_bytes();
+    env.set(&[("OXCCL_TEST_NODES", "2")]);
+    let comms = Comm::init_all(&Device::cpus(2)).unwrap();
+    // 2 nodes of 1 rank, 2 channels (the CPU default): on each channel's tree one rank is the
+    // root and the other its only child, so each rank has one tree peer per channel: 2 Simple
+    // FIFOs of NCCL_BUFFSIZE (4 MiB), the counter blocks of 4 peer slots × 2 channels × 256
+    // bytes, and 2 DevTrees of 544 bytes.
+    for c in &comms {
+        assert_eq!(
+            c.device_memory_bytes() - ring_only,
+            2 * (4 << 20) + 2 * 4 * 256 + 2 * 544,
+            "rank {}",
+            c.rank()
+        );
     }
 }
