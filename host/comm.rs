@@ -389,8 +389,9 @@ impl Comm {
     /// to its two ring neighbours with the transport chosen per peer (`PeerLink::connect`): shared
     /// memory (`/dev/shm`) on the CPU target; on CUDA, P2P — the neighbour's pointer over peer
     /// access when it lives in this process, CUDA IPC (`cuIpcOpenMemHandle`) when it lives in
-    /// another process of this host. The abort flags of all ranks share one `/dev/shm` page, so an
-    /// [`abort`](Comm::abort) on any rank reaches every rank's kernels.
+    /// another process of this host. The abort flags of the ranks of one host share one
+    /// `/dev/shm` page, so an [`abort`](Comm::abort) on any rank reaches the kernels of every rank
+    /// of its host; ranks on other hosts learn of it through their NET connections (the proxy).
     ///
     /// Errors, the same on every rank in bounded time (the bootstrap timeout): `InvalidArgument`
     /// for `rank` outside `0..nranks` or a corrupt id; `InvalidUsage` for two ranks on the same
@@ -414,9 +415,7 @@ impl Comm {
             // Names this rank created and had not unlinked yet (absent ones are fine).
             let prefix = format!("/dev/shm/oxccl-{:08x}-{}", id_tag(id), std::process::id());
             let _ = std::fs::remove_file(format!("{prefix}-r{rank}"));
-            if rank == 0 {
-                let _ = std::fs::remove_file(format!("{prefix}-abort"));
-            }
+            let _ = std::fs::remove_file(format!("{prefix}-r{rank}-abort"));
         }
         result
     }
@@ -461,20 +460,19 @@ impl Comm {
         let prefix = format!("oxccl-{:08x}-{}", id_tag(id), std::process::id());
         let own_name = format!("{prefix}-r{rank}");
         let own = OwnConn::alloc(ctx.as_ref(), &layout, &own_name, params.initial_step)?;
+        // The shared abort page is per host (a rank cannot map another host's /dev/shm): every
+        // rank offers one, and the ranks of a host use that of its lowest rank (the others drop
+        // theirs once the peers are known).
         let page_bytes = nranks * ABORT_LINE_BYTES;
-        let page_name = format!("{prefix}-abort");
-        let created_page = if rank == 0 {
-            Some(crate::cpu::ShmSegment::create(&page_name, page_bytes)?)
-        } else {
-            None
-        };
+        let page_name = format!("{own_name}-abort");
+        let created_page = crate::cpu::ShmSegment::create(&page_name, page_bytes)?;
         let me = PeerInfo::local(
             device,
             ctx.as_deref(),
             nch,
             layout.bytes(),
             own.desc(&own_name)?,
-            if rank == 0 { page_name } else { String::new() },
+            page_name,
         )?;
         let peers: Vec<PeerInfo> = bootstrap
             .allgather(me.encode().as_bytes())?
@@ -483,20 +481,30 @@ impl Comm {
             .map(|(r, b)| PeerInfo::decode(r, b))
             .collect::<Result<_>>()?;
         check_peers(rank, &peers)?;
-        let page = match created_page {
-            Some(p) => p,
-            // Gone: rank 0 failed or exited after the all-gather (on its own error, which names
-            // the cause), before this rank got here; say so rather than "no such file".
-            None => crate::cpu::ShmSegment::open(&peers[0].abort_page, page_bytes).map_err(|e| {
-                if std::path::Path::new("/dev/shm").join(&peers[0].abort_page).exists() {
+        let leader = peers
+            .iter()
+            .position(|p| p.host == peers[rank].host)
+            .unwrap_or(rank);
+        let page = if leader == rank {
+            created_page
+        } else {
+            if let Err(e) = created_page.unlink() {
+                tracing::warn!(target: "oxccl::init", "{e}");
+            }
+            drop(created_page);
+            let name = &peers[leader].abort_page;
+            // Gone: the leader failed or exited after the all-gather (on its own error, which
+            // names the cause) before this rank got here; say so rather than "no such file".
+            crate::cpu::ShmSegment::open(name, page_bytes).map_err(|e| {
+                if std::path::Path::new("/dev/shm").join(name).exists() {
                     e
                 } else {
                     Error::Remote(format!(
-                        "rank {rank}: rank 0 left init before this rank mapped its abort page \
-                         (rank 0's own error names the cause): {e}"
+                        "rank {rank}: rank {leader} left init before this rank mapped its abort page \
+                         (rank {leader}'s own error names the cause): {e}"
                     ))
                 }
-            })?,
+            })?
         };
         let (next, prev) = ((rank + 1) % nranks, (rank + nranks - 1) % nranks);
         let mut conn_base = vec![0u64; nranks];
@@ -547,7 +555,7 @@ impl Comm {
             OwnConn::Shm(s) => s.unlink(),
             OwnConn::Dev(_) => Ok(()),
         };
-        if let Err(e) = unlinked.and(if rank == 0 { page.unlink() } else { Ok(()) }) {
+        if let Err(e) = unlinked.and(if rank == leader { page.unlink() } else { Ok(()) }) {
             tracing::warn!(target: "oxccl::init", "{e}");
         }
         let abort = SharedAbort::new(page, rank, nranks, ctx.as_ref())?;
@@ -1467,7 +1475,8 @@ struct PeerInfo {
     nch: u32,
     conn_bytes: u64,
     conn: ConnDesc,
-    /// Name of the shared abort page (rank 0 only; empty on the others).
+    /// Name of the shared abort page this rank offers (the ranks of a host use their lowest
+    /// rank's).
     abort_page: String,
 }
 
@@ -2023,7 +2032,8 @@ mod p2p_level_tests {
 }
 
 /// The abort flags of an `init_rank` communicator: one [`ABORT_LINE_BYTES`] line per rank in a
-/// `/dev/shm` page every rank maps, so any rank can raise every other rank's flag. On CUDA the
+/// `/dev/shm` page every rank of a host maps, so any rank can raise the flags of its host's ranks
+/// (the lines of other hosts' ranks stay unused there). On CUDA the
 /// page is registered with the driver and each rank's kernels poll its line through the device
 /// mapping; if registration fails, kernels poll a private host-mapped flag instead (then an abort
 /// elsewhere reaches this rank's host calls only).

@@ -239,11 +239,27 @@ impl Rank {
         env: &[(&str, String)],
         netns: Option<&str>,
     ) -> Rank {
+        match netns {
+            Some(ns) => Rank::spawn_wrapped(role, rank, nranks, id, env, &["ip", "netns", "exec", ns]),
+            None => Rank::spawn_wrapped(role, rank, nranks, id, env, &[]),
+        }
+    }
+
+    /// As [`Rank::spawn`], run through the command `wrap` (empty: directly), which must end by
+    /// executing the program and arguments it is given.
+    fn spawn_wrapped(
+        role: &str,
+        rank: usize,
+        nranks: usize,
+        id: Option<&UniqueId>,
+        env: &[(&str, String)],
+        wrap: &[&str],
+    ) -> Rank {
         let exe = std::env::current_exe().unwrap();
-        let mut cmd = match netns {
-            Some(ns) => {
-                let mut c = Command::new("ip");
-                c.args(["netns", "exec", ns]).arg(&exe);
+        let mut cmd = match wrap.split_first() {
+            Some((prog, args)) => {
+                let mut c = Command::new(prog);
+                c.args(args).arg(&exe);
                 c
             }
             None => Command::new(&exe),
@@ -630,6 +646,56 @@ fn killed_rank_gives_the_others_an_error_c29() {
         "killed_rank: survivors exited {:.1} s after the kill",
         killed.elapsed().as_secs_f64()
     );
+}
+
+#[test]
+fn hosts_with_their_own_dev_shm() {
+    // Real hosts do not share /dev/shm. Each rank here runs in its own mount namespace with a
+    // private tmpfs on /dev/shm, as on two machines: each host's ranks share an abort page of
+    // their own (before, every rank opened rank 0's page and init failed off rank 0's host with
+    // "opening a peer's /dev/shm/oxccl-...-abort: No such file or directory").
+    let wrap = [
+        "unshare",
+        "--mount",
+        "--propagation",
+        "private",
+        "sh",
+        "-c",
+        "mount -t tmpfs -o size=256m oxccl-test /dev/shm && exec \"$0\" \"$@\"",
+    ];
+    let probe = Command::new(wrap[0])
+        .args(&wrap[1..])
+        .args(["test", "-w", "/dev/shm"])
+        .output();
+    if !probe.as_ref().is_ok_and(|o| o.status.success()) {
+        eprintln!("SKIPPED: hosts_with_their_own_dev_shm: cannot mount a private /dev/shm ({probe:?})");
+        return;
+    }
+    // Two ranks on two hosts, each with its own /dev/shm: every collective of run_collectives
+    // exact, over NET both ways.
+    let id = get_unique_id().expect("unique id");
+    let mut ranks: Vec<Rank> = (0..2)
+        .map(|r| {
+            let env = [
+                ("OXCCL_HOSTID", format!("shm-host-{r}")),
+                ("NCCL_BUFFSIZE", "65536".to_string()),
+            ];
+            Rank::spawn_wrapped("coll", r, 2, Some(&id), &env, &wrap)
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(240);
+    for (r, rank) in ranks.iter_mut().enumerate() {
+        let (ok, out) = rank.wait(deadline);
+        assert!(
+            ok && out.contains(&format!("NET-CHILD-OK rank {r}")),
+            "rank {r}: {out}"
+        );
+        let next = 1 - r;
+        assert!(
+            out.contains(&format!("Channel 00 : {r} -> {next} via NET/Socket/0")),
+            "rank {r}: {out}"
+        );
+    }
 }
 
 /// Network namespaces of one test, deleted on drop (also when the test fails).
