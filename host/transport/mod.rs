@@ -290,7 +290,10 @@ const SETUP_POLL: Duration = Duration::from_millis(1);
 /// Errors: bad `NCCL_P2P_DISABLE` / `NCCL_SHM_DISABLE` / `NCCL_NET` values (`InvalidArgument`),
 /// and a network that cannot be opened on a rank that needs it (`NetSocket::from_env`'s errors),
 /// on the rank concerned; every other rank then gets `Remote` naming that rank and its error
-/// (these checks are all-gathered before any rank goes on, so all ranks fail at the same point).
+/// (these checks are all-gathered before any rank goes on, so all ranks fail at the same point;
+/// the network is opened before that only on ranks with a neighbour on another host or
+/// `NCCL_SHM_DISABLE=1`, and afterwards, failing that rank alone, on a rank that needs it only
+/// because a neighbour set `NCCL_SHM_DISABLE=1`).
 /// Bootstrap failures, a peer that does not connect within the bootstrap timeout (`Timeout`).
 ///
 /// # Safety
@@ -308,7 +311,15 @@ pub unsafe fn connect_net(setup: &RingSetup<'_>, conn_base: &mut [u64]) -> Resul
     // rather than finding its memory already gone or waiting for it until the bootstrap timeout.
     let near = s.bootstrap.addrs().get(rank).map(|a| a.ip());
     let local = PeerInfo::local(false, &s.hosts[rank]).and_then(|me| wanted_net().map(|_| me));
-    let mut opened = local.is_ok().then(|| net_from_env(near));
+    // The network is opened here only where NET is possible from this rank's side (a ring
+    // neighbour on another host, or NCCL_SHM_DISABLE=1 here), so SHM-only ranks never load it.
+    let (next, prev) = ((rank + 1) % nranks, (rank + nranks - 1) % nranks);
+    let mut opened = match &local {
+        Ok(me) if me.shm_disable || [next, prev].iter().any(|&p| s.hosts[p] != s.hosts[rank]) => {
+            Some(net_from_env(near))
+        }
+        _ => None,
+    };
     let record = match (&local, &opened) {
         (Err(e), _) => SetupRecord::Failed(e.to_string()),
         (Ok(me), Some(Err(e))) => SetupRecord::Info(me.clone(), Some(e.to_string())),
@@ -376,7 +387,9 @@ pub unsafe fn connect_net(setup: &RingSetup<'_>, conn_base: &mut [u64]) -> Resul
     let net = match (send_net || recv_net, opened) {
         (false, _) => None,
         (true, Some(n)) => Some(n?),
-        (true, None) => return Err(Error::Internal(format!("rank {rank}: the network was not opened"))),
+        // Only a neighbour's NCCL_SHM_DISABLE=1 made this rank need the network: opened now, so
+        // a failure here is this rank's alone.
+        (true, None) => Some(net_from_env(near)?),
     };
     for c in 0..s.nch {
         for (dir, peer) in [("->", next), ("<-", prev)] {
