@@ -357,7 +357,6 @@ pub unsafe fn connect_net(setup: &RingSetup<'_>, conn_base: &mut [u64]) -> Resul
             };
         }
     }
-    let (next, prev) = ((rank + 1) % nranks, (rank + nranks - 1) % nranks);
     let mut blocks = Vec::new();
     let mut kinds = vec![None; nranks];
     for peer in [next, prev] {
