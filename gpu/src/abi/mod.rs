@@ -34,7 +34,12 @@ pub const WARP_SIZE: u32 = 32;
 pub const KERNEL_SMEM_BYTES: usize = 64;
 /// A spinning thread reads the abort flag once every this many polls (NCCL's
 /// `NCCL_SPINS_BEFORE_CHECK_ABORT`).
+#[cfg(target_arch = "nvptx64")]
 pub const SPINS_BEFORE_CHECK_ABORT: u32 = 1 << 12;
+/// CPU target: every poll already yields the core (`arch::spin_pause`), which on a loaded machine
+/// costs a scheduler time slice, so 4096 polls could take tens of seconds: check on every poll.
+#[cfg(not(target_arch = "nvptx64"))]
+pub const SPINS_BEFORE_CHECK_ABORT: u32 = 1;
 /// Name of the kernel entry point for a (collective, element type, operator), e.g.
 /// `oxccl_allreduce_float_sum`: each is also the name of its own PTX module (see build.rs).
 pub fn kernel_name(func: Func, dtype: DataType, op: RedOp) -> KernelName {
