@@ -15,8 +15,8 @@ use crate::params::Params;
 use crate::tuning::{Selection, TreeShape};
 use bytemuck::Zeroable;
 use oxccl_gpu::abi::{
-    Algo, ConnInfo, DEFAULT_CHUNK_STEPS, DataType, DevChannel, DevComm, DevRing, DevTree, FIFO_STEPS,
-    Func, KernelArgs, MAX_CHANNELS, MAX_TREE_ARITY, PACK_BYTES, Proto, RedOp, WorkColl,
+    Algo, ConnInfo, DEFAULT_CHUNK_STEPS, DataType, DevChannel, DevComm, DevRing, DevTree, FIFO_STEPS, Func,
+    KernelArgs, MAX_CHANNELS, MAX_TREE_ARITY, PACK_BYTES, Proto, RedOp, WorkColl,
 };
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -599,14 +599,7 @@ impl Comm {
             (OwnConn::Dev(mem), Some(ctx)) => {
                 let block = cuda::DevAlloc::zeroed(&ctx, block_bytes)?;
                 let bytes = build_comm_block(
-                    rank,
-                    nranks,
-                    nch,
-                    &layout,
-                    &conn_base,
-                    block.ptr,
-                    abort_dev,
-                    &params,
+                    rank, nranks, nch, &layout, &conn_base, block.ptr, abort_dev, &params,
                 );
                 block.write(0, &bytes)?;
                 let dev_comm = block.ptr;
@@ -1709,7 +1702,12 @@ enum OwnConn {
 }
 
 impl OwnConn {
-    fn alloc(ctx: Option<&Arc<cuda::Context>>, layout: &ConnLayout, name: &str, initial_step: u64) -> Result<OwnConn> {
+    fn alloc(
+        ctx: Option<&Arc<cuda::Context>>,
+        layout: &ConnLayout,
+        name: &str,
+        initial_step: u64,
+    ) -> Result<OwnConn> {
         let bytes = layout.bytes() as usize;
         Ok(match ctx {
             None => {
@@ -2160,7 +2158,8 @@ impl InitRankRes {
             &mut *self.links.lock().unwrap_or_else(|p| p.into_inner()),
         ));
         // SAFETY: the flag lives in memory owned by `self.abort`.
-        let aborted = unsafe { AtomicU32::from_ptr(self.abort.own_flag() as *mut u32) }.load(Ordering::Acquire) != 0;
+        let aborted =
+            unsafe { AtomicU32::from_ptr(self.abort.own_flag() as *mut u32) }.load(Ordering::Acquire) != 0;
         if aborted || self.abort.raised_by_peer().is_some() {
             return Ok(());
         }
@@ -2475,7 +2474,10 @@ fn setup_cpu_trees(
     for r in 0..nranks {
         for c in 0..nch as usize {
             for peer in 0..TREE_PEERS {
-                for at in [layouts[r].head(bases[r], c, peer), layouts[r].tail(bases[r], c, peer)] {
+                for at in [
+                    layouts[r].head(bases[r], c, peer),
+                    layouts[r].tail(bases[r], c, peer),
+                ] {
                     // SAFETY: the counters lie inside rank r's fresh tree memory, unused so far.
                     unsafe { (at as *mut u64).write(params.initial_step) };
                 }
@@ -2607,7 +2609,10 @@ mod init_rank_tests {
     #[test]
     fn cuda_rules_name_both_ranks() {
         // Two processes whose CUDA ordinal is 0 but on different GPUs (CUDA_VISIBLE_DEVICES): fine.
-        let (a, b) = (cuda_peer("0000:18:00.0", "h", 1), cuda_peer("0000:2a:00.0", "h", 2));
+        let (a, b) = (
+            cuda_peer("0000:18:00.0", "h", 1),
+            cuda_peer("0000:2a:00.0", "h", 2),
+        );
         check_peers(0, &[a.clone(), b.clone()]).unwrap();
         // The same bus id twice: C26, naming both ranks and the bus id.
         let e = check_peers(1, &[a.clone(), a.clone()]).unwrap_err();

@@ -229,7 +229,10 @@ impl Model {
         };
         let bw = (self.channel_bw[p] * nch as f64).min(self.bus_cap[p]);
         // GB/s = 1e3 bytes per µs.
-        self.base_lat_us[p] + self.fill_us[p] + steps * self.hop_lat_us[p] + bytes as f64 * bus_factor / (bw * 1e3)
+        self.base_lat_us[p]
+            + self.fill_us[p]
+            + steps * self.hop_lat_us[p]
+            + bytes as f64 * bus_factor / (bw * 1e3)
     }
 
     /// Predicted time in µs of a tree AllReduce of `bytes` over `tree` on `nch` channels on
@@ -365,7 +368,9 @@ mod tests {
         // wins; 8 MiB: LL128 (300 GB/s ceiling, no pipeline fill).
         let (a, p, nch) = all.choose_sized(&m, Func::AllReduce, 8, 2, 1, 64).unwrap();
         assert_eq!((a, p, nch), (Algo::Ring, Proto::Ll, 1));
-        let (_, p, nch) = all.choose_sized(&m, Func::AllReduce, 512 << 20, 2, 1, 64).unwrap();
+        let (_, p, nch) = all
+            .choose_sized(&m, Func::AllReduce, 512 << 20, 2, 1, 64)
+            .unwrap();
         assert_eq!((p, nch), (Proto::Simple, 64));
         let (_, p, nch) = all.choose_sized(&m, Func::AllReduce, 8 << 20, 2, 1, 64).unwrap();
         assert_eq!((p, nch), (Proto::Ll128, 64));
@@ -414,20 +419,32 @@ mod tests {
         let tree = Some(shape);
         // Tree on Simple: base 30 µs + 2 × 3 hops of 4 µs, bytes twice at 0.92 × 2 GB/s (1 channel).
         let t = m.predict_tree_us(Proto::Simple, shape, 1, 65536);
-        assert!((t - (30.0 + 24.0 + 2.0 * 65536.0 / (0.92 * 2e3))).abs() < 1e-9, "{t}");
+        assert!(
+            (t - (30.0 + 24.0 + 2.0 * 65536.0 / (0.92 * 2e3))).abs() < 1e-9,
+            "{t}"
+        );
         // 8 B: ring LL 20 + 14 × 2 = 48 µs beats the tree's 54; 64 KiB: the tree's 125.2 µs beats
         // ring Simple's 86 + 65536 × 1.75 / 2000 = 143.3 (LL 162.7, LL128 181.7); 4 MiB: ring Simple
         // on 2 channels (86 + 1835 = 1921 µs) beats the tree (54 + 2279 = 2333).
         let choose = |s: &Selection, f, bytes, t| s.choose_sized_with(&m, f, bytes, 8, 1, 2, t).unwrap();
         assert_eq!(choose(&all, Func::AllReduce, 8, tree), (Algo::Ring, Proto::Ll, 1));
-        assert_eq!(choose(&all, Func::AllReduce, 64 << 10, tree), (Algo::Tree, Proto::Simple, 1));
-        assert_eq!(choose(&all, Func::AllReduce, 4 << 20, tree), (Algo::Ring, Proto::Simple, 2));
+        assert_eq!(
+            choose(&all, Func::AllReduce, 64 << 10, tree),
+            (Algo::Tree, Proto::Simple, 1)
+        );
+        assert_eq!(
+            choose(&all, Func::AllReduce, 4 << 20, tree),
+            (Algo::Ring, Proto::Simple, 2)
+        );
         // Without trees, or for another collective, the tree never competes.
         assert_eq!(choose(&all, Func::AllReduce, 64 << 10, None).0, Algo::Ring);
         assert_eq!(choose(&all, Func::Broadcast, 64 << 10, tree).0, Algo::Ring);
         // NCCL_ALGO=tree forces it at every size.
         let forced = sel(Some("tree"), None).unwrap();
-        assert_eq!(choose(&forced, Func::AllReduce, 4 << 20, tree), (Algo::Tree, Proto::Simple, 2));
+        assert_eq!(
+            choose(&forced, Func::AllReduce, 4 << 20, tree),
+            (Algo::Tree, Proto::Simple, 2)
+        );
         assert_eq!(
             forced.choose_with(Func::AllReduce, tree).unwrap(),
             (Algo::Tree, Proto::Simple)
@@ -446,10 +463,15 @@ mod tests {
         // Without trees the error says why the tree is missing.
         let e = forced.choose(Func::AllReduce).unwrap_err().to_string();
         assert!(
-            e.contains("only as ring/Simple, ring/LL, ring/LL128 (tree needs a communicator spanning several nodes"),
+            e.contains(
+                "only as ring/Simple, ring/LL, ring/LL128 (tree needs a communicator spanning several nodes"
+            ),
             "{e}"
         );
-        assert_eq!(implemented(Func::AllReduce), implemented_with(Func::AllReduce, false));
+        assert_eq!(
+            implemented(Func::AllReduce),
+            implemented_with(Func::AllReduce, false)
+        );
         assert_eq!(implemented_with(Func::Reduce, true), implemented(Func::Reduce));
     }
 

@@ -741,7 +741,10 @@ fn canonical(n: &XmlNode) -> XmlNode {
     c.line = 0;
     if c.name == "nvlink" && c.attr("tclass") == Some("0x068000") {
         for (k, v) in c.attrs.iter_mut() {
-            if k == "target" && v.chars().all(|ch| ch == 'f' || ch == ':' || ch == '.' || ch == '0') {
+            if k == "target"
+                && v.chars()
+                    .all(|ch| ch == 'f' || ch == ':' || ch == '.' || ch == '0')
+            {
                 *v = "nvswitch".into();
             }
         }

@@ -54,7 +54,11 @@ fn proto_and_algo_forcing_c13() {
         for c in choices {
             let c = c.expect("a plan is recorded");
             assert_eq!(c.algo, Algo::Ring, "NCCL_PROTO={value}");
-            assert!(allowed.contains(&c.proto), "NCCL_PROTO={value}: chose {}", c.proto);
+            assert!(
+                allowed.contains(&c.proto),
+                "NCCL_PROTO={value}: chose {}",
+                c.proto
+            );
         }
     }
 

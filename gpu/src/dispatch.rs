@@ -191,7 +191,8 @@ unsafe fn run_tree<T: Elem, Op: RedFn<T>>(
     use crate::abi::DevTree;
     use crate::coll::tree::{TreeCtx, all_reduce_down, all_reduce_up};
     use crate::proto::tree::{Phase, TreeSimple};
-    let (Some(Func::AllReduce), Some(Proto::Simple)) = (only.or(Func::from_u8(w.func)), Proto::from_u8(w.proto))
+    let (Some(Func::AllReduce), Some(Proto::Simple)) =
+        (only.or(Func::from_u8(w.func)), Proto::from_u8(w.proto))
     else {
         crate::arch::trap()
     };

@@ -234,7 +234,6 @@ fn main() -> ExitCode {
     }
 }
 
-
 /// `oxccl perf --procs N`: starts N processes of this binary with the same arguments, one rank
 /// each, bootstrapped through a fresh unique id; rank 0's output is this command's. Returns the
 /// first failing rank's exit status (the other ranks are then stopped, as they could only wait).
@@ -358,7 +357,12 @@ fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
             oxccl::cuda::Context::get(*o)?;
         }
     }
-    let free = || first_ctx.as_ref().and_then(|c| c.mem_info().ok()).map(|(f, _)| f as i64);
+    let free = || {
+        first_ctx
+            .as_ref()
+            .and_then(|c| c.mem_info().ok())
+            .map(|(f, _)| f as i64)
+    };
     let free_start = free();
     let t0 = std::time::Instant::now();
     let main = if nccl_main {
@@ -469,7 +473,11 @@ fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
              (NCCL's lazily connected buffers and every loaded kernel module)",
             ordinals.first().copied().unwrap_or(0),
             mib(a0 - a1),
-            if compare { format!(", NCCL init {:.1} MiB", mib(a1 - a2)) } else { String::new() },
+            if compare {
+                format!(", NCCL init {:.1} MiB", mib(a1 - a2))
+            } else {
+                String::new()
+            },
             mib(a3 - a4)
         );
     }

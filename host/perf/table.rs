@@ -331,7 +331,13 @@ pub fn choices_line(rows: &[Row]) -> Option<String> {
     }
     let parts: Vec<String> = runs
         .iter()
-        .map(|(a, b, w)| if a == b { format!("{a} B {w}") } else { format!("{a}-{b} B {w}") })
+        .map(|(a, b, w)| {
+            if a == b {
+                format!("{a} B {w}")
+            } else {
+                format!("{a}-{b} B {w}")
+            }
+        })
         .collect();
     Some(format!("# oxccl choice         : {}\n", parts.join(", ")))
 }
@@ -418,7 +424,11 @@ mod tests {
             chunk_elems: 1,
             slice_elems: 1,
         };
-        let mut rows = vec![row(8, 10.0, 10.0, 2), row(64, 10.0, 10.0, 2), row(512, 10.0, 10.0, 2)];
+        let mut rows = vec![
+            row(8, 10.0, 10.0, 2),
+            row(64, 10.0, 10.0, 2),
+            row(512, 10.0, 10.0, 2),
+        ];
         assert_eq!(choices_line(&rows), None);
         rows[0].choice = Some(plan(Proto::Ll, 1));
         rows[1].choice = Some(plan(Proto::Ll, 1));

@@ -13,8 +13,8 @@
 //! print!("{}", sys.describe()); // nodes, then the nvidia-smi-style GPU/NIC path matrix
 //! # Ok::<(), oxccl::Error>(())
 //! ```
-pub mod detect;
 mod describe;
+pub mod detect;
 pub mod paths;
 pub mod system;
 pub mod xml;

@@ -174,7 +174,10 @@ pub fn select_transport(a: &PeerInfo, b: &PeerInfo) -> TransportKind {
 /// network plugin `NCCL_NET_PLUGIN` selects when one is loaded ([`plugin::from_env`]), then the
 /// socket network.
 pub fn available_nets() -> Vec<String> {
-    let mut nets: Vec<String> = plugin::from_env().map(|p| p.name().to_string()).into_iter().collect();
+    let mut nets: Vec<String> = plugin::from_env()
+        .map(|p| p.name().to_string())
+        .into_iter()
+        .collect();
     nets.push("Socket".to_string());
     nets
 }
@@ -340,7 +343,11 @@ pub unsafe fn connect_net(setup: &RingSetup<'_>, conn_base: &mut [u64]) -> Resul
                     "rank {rank}: rank {r} cannot set up its transports: {why}"
                 )));
             }
-            None => return Err(Error::Remote(format!("rank {r} sent malformed transport information"))),
+            None => {
+                return Err(Error::Remote(format!(
+                    "rank {r} sent malformed transport information"
+                )));
+            }
         }
     }
     // A rank that needs the network but could not open it fails every rank (the lowest such).
@@ -563,7 +570,10 @@ mod tests {
     fn setup_records_round_trip() {
         for r in [
             SetupRecord::Info(info(false, "h\n1", false, true), None),
-            SetupRecord::Info(info(false, "h2", true, false), Some("invalid usage: no\nmatch".into())),
+            SetupRecord::Info(
+                info(false, "h2", true, false),
+                Some("invalid usage: no\nmatch".into()),
+            ),
             SetupRecord::Failed("invalid argument: NCCL_NET=\"IB\"".into()),
             SetupRecord::Failed(String::new()),
         ] {

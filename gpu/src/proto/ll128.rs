@@ -14,8 +14,8 @@
 //! (2^64 steps), so unlike LL no cleanup pass exists, and a slot's previous flag (`s − 7`) never
 //! equals the current one. Credits work as in LL: the sender waits for `head + FIFO_STEPS ≥ s + 1`,
 //! the receiver sets `head = s + 1` once the whole block has read the slot.
-use super::{Primitives, balanced_step};
 use super::ll::{load_partial, store_partial};
+use super::{Primitives, balanced_step};
 use crate::abi::{ConnInfo, DevChannel, FIFO_STEPS, Proto, SPINS_BEFORE_CHECK_ABORT};
 use crate::arch::{self, Pack};
 use crate::reduce::{Elem, RedFn, div_pack};
@@ -427,7 +427,12 @@ impl<T: Elem, Op: RedFn<T>> Ll128<T, Op> {
                                 // SAFETY: `lo_b + hi_b` bytes at `off` lie inside the caller's output.
                                 unsafe {
                                     store_partial(out_base.add(off as usize), w[u][2 * i], lo_b, esize);
-                                    store_partial(out_base.add(off as usize + 8), w[u][2 * i + 1], hi_b, esize);
+                                    store_partial(
+                                        out_base.add(off as usize + 8),
+                                        w[u][2 * i + 1],
+                                        hi_b,
+                                        esize,
+                                    );
                                 }
                             }
                         }
