@@ -279,12 +279,19 @@ fn devices_for(a: &PerfArgs) -> Result<(Vec<Device>, bool), String> {
     let ngpu = Device::cuda_count();
     let gpu_list = |n: usize| -> Result<Vec<Device>, String> {
         let want = a.ranks.unwrap_or(n);
-        if want == 0 || want > n {
+        // OXCCL_ALLOW_SHARED_DEVICE=1 (oxccl's backend only: NCCL refuses a shared device) lets
+        // several ranks share a GPU for testing: rank r on GPU r·n/want, contiguous blocks.
+        let shared = !matches!(a.backend, BackendArg::Nccl)
+            && a.compare.is_none()
+            && oxccl::params::env_var("ALLOW_SHARED_DEVICE").is_some_and(|(_, v)| v == "1");
+        let most = if shared { 64 } else { n };
+        if want == 0 || want > most {
             return Err(format!(
-                "--ranks {want} is out of range: {n} GPUs are visible (accepted: 1..={n})"
+                "--ranks {want} is out of range: {n} GPUs are visible (accepted: 1..={most}{})",
+                if shared { "" } else { "; OXCCL_ALLOW_SHARED_DEVICE=1 allows up to 64 sharing them" }
             ));
         }
-        Ok((0..want).map(Device::Cuda).collect())
+        Ok((0..want).map(|r| Device::Cuda(r * n / want)).collect())
     };
     match a.backend {
         BackendArg::Cuda | BackendArg::Nccl if ngpu == 0 => {
