@@ -216,7 +216,7 @@ fn gpu_cycles_return_to_baseline() {
         Duration::from_secs(400),
     );
     assert!(ok && out.contains("GPU-LIFECYCLE-OK"), "{out}");
-    println!("{}", out.lines().find(|l| l.starts_with("GPU-LIFECYCLE threads")).unwrap_or(""));
+    println!("{}", out.lines().find_map(|l| l.find("GPU-LIFECYCLE threads").map(|i| &l[i..])).unwrap_or(""));
 }
 
 #[test]
