@@ -215,11 +215,11 @@ impl Comm {
         } else {
             CPU_DEFAULT_NCHANNELS
         };
-        let nch = params
+        let mut nch = params
             .max_nchannels
             .unwrap_or(default_nch)
             .clamp(1, MAX_CHANNELS as u32);
-        let layout = ConnLayout::new(&params, nch, true);
+        let mut layout = ConnLayout::new(&params, nch, true);
         let _span = tracing::debug_span!(target: "oxccl::init", "init_all", nranks, nch).entered();
 
         if devices[0].is_cuda() {
@@ -230,6 +230,19 @@ impl Comm {
                     Device::Cpu(_) => Err(Error::Internal("CPU device in a CUDA communicator".into())),
                 })
                 .collect::<Result<_>>()?;
+            // Ranks sharing a GPU (OXCCL_ALLOW_SHARED_DEVICE=1) spin in kernels that must all be
+            // resident at once: at most SMs / ranks-per-GPU channels (one block each) per rank, or
+            // blocks waiting for an SM would wait forever for peers that cannot finish.
+            let per_gpu = devices.iter().map(|d| devices.iter().filter(|e| *e == d).count()).max().unwrap_or(1);
+            if per_gpu > 1 {
+                let sms = ctxs.iter().map(|c| c.multiprocessor_count()).collect::<Result<Vec<_>>>()?;
+                let cap = (sms.into_iter().min().unwrap_or(1) / per_gpu as u32).max(1);
+                if nch > cap {
+                    tracing::info!(target: "oxccl::init", "{per_gpu} ranks share a GPU: {nch} channels capped to {cap} (SMs per rank)");
+                    nch = cap;
+                    layout = ConnLayout::new(&params, nch, true);
+                }
+            }
             // NCCL_TOPO_DUMP_FILE, and this thread near the GPUs' CPUs until init returns.
             let _near = crate::topo::detect::on_cuda_init(0, &ctxs)?;
             // P2P transport, same-process path: every rank writes into its ring neighbours.

@@ -153,6 +153,17 @@ impl Context {
             .into_owned())
     }
 
+    /// Number of streaming multiprocessors (`CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT`).
+    pub fn multiprocessor_count(&self) -> Result<u32> {
+        let mut v = 0;
+        cu!(cuDeviceGetAttribute(
+            &mut v,
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            self.dev
+        ))?;
+        Ok(v.max(1) as u32)
+    }
+
     /// Whether this device can map `peer`'s memory.
     pub fn can_access_peer(&self, peer: &Context) -> Result<bool> {
         let mut v = 0;
