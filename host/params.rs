@@ -151,6 +151,65 @@ impl Params {
     }
 }
 
+/// Most data sockets of one socket-network connection (NCCL's `MAX_SOCKETS`).
+pub const MAX_SOCKETS: u32 = 64;
+/// Largest `NCCL_SOCKET_NTHREADS` (NCCL's `MAX_THREADS`).
+pub const MAX_SOCKET_THREADS: u32 = 16;
+
+/// Parallel streams of the socket network (NCCL's `ncclNetSocketGetNsockNthread`): each connection
+/// opens `nthreads × nsocks_per_thread` data sockets besides its control socket. NCCL's default
+/// is 1 × 1 except on AWS NICs (2 × 8); oxccl uses 1 × 1 everywhere.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SocketStreams {
+    /// `NCCL_SOCKET_NTHREADS` / `OXCCL_SOCKET_NTHREADS`, in 1..=16.
+    pub nthreads: u32,
+    /// `NCCL_NSOCKS_PERTHREAD` / `OXCCL_NSOCKS_PERTHREAD`, in 1..=64.
+    pub nsocks_per_thread: u32,
+}
+
+impl Default for SocketStreams {
+    fn default() -> Self {
+        SocketStreams {
+            nthreads: 1,
+            nsocks_per_thread: 1,
+        }
+    }
+}
+
+impl SocketStreams {
+    /// Data sockets per connection: `nthreads × nsocks_per_thread` (at most [`MAX_SOCKETS`]).
+    pub fn nsocks(&self) -> usize {
+        (self.nthreads * self.nsocks_per_thread) as usize
+    }
+}
+
+/// Reads `SOCKET_NTHREADS` and `NSOCKS_PERTHREAD` through `get` (e.g. [`env_var`]). Errors:
+/// `InvalidArgument` naming the variable and its accepted range (1..=16, 1..=64), or both
+/// variables when their product exceeds [`MAX_SOCKETS`] (NCCL clamps it with a warning instead).
+pub fn socket_streams(get: impl Fn(&str) -> Option<(String, String)>) -> Result<SocketStreams> {
+    let mut s = SocketStreams::default();
+    let nt = get("SOCKET_NTHREADS");
+    let ns = get("NSOCKS_PERTHREAD");
+    if let Some((key, v)) = &nt {
+        s.nthreads = parse_int(key, v, 1, MAX_SOCKET_THREADS as i64)? as u32;
+    }
+    if let Some((key, v)) = &ns {
+        s.nsocks_per_thread = parse_int(key, v, 1, MAX_SOCKETS as i64)? as u32;
+    }
+    if s.nsocks() > MAX_SOCKETS as usize {
+        let name = |x: &Option<(String, String)>, d: &str| x.as_ref().map_or(d.to_string(), |(k, _)| k.clone());
+        return Err(Error::invalid(format!(
+            "{}={} × {}={} = {} data sockets per connection is too many (accepted: a product of at most {MAX_SOCKETS})",
+            name(&nt, "NCCL_SOCKET_NTHREADS"),
+            s.nthreads,
+            name(&ns, "NCCL_NSOCKS_PERTHREAD"),
+            s.nsocks_per_thread,
+            s.nsocks()
+        )));
+    }
+    Ok(s)
+}
+
 /// Path types `NCCL_P2P_LEVEL` accepts by name: NCCL's names of every path type up to `SYS`
 /// (NCCL's `ncclGetLevel` compares against `topoPathTypeStr[0..=PATH_SYS]`).
 pub const P2P_LEVEL_NAMES: [&str; 10] = [
@@ -306,6 +365,43 @@ mod tests {
                 )
             );
         }
+    }
+
+    #[test]
+    fn socket_streams_ranges() {
+        let get = |vars: &[(&str, &str)]| {
+            let vars: Vec<(String, String)> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+            socket_streams(move |name| {
+                vars.iter()
+                    .find(|(k, _)| k.ends_with(name) && k.len() - name.len() <= 6)
+                    .map(|(k, v)| (k.clone(), v.clone()))
+            })
+        };
+        // NCCL's default (off AWS): 1 thread × 1 socket.
+        assert_eq!(get(&[]).unwrap().nsocks(), 1);
+        let s = get(&[("NCCL_SOCKET_NTHREADS", "4"), ("NCCL_NSOCKS_PERTHREAD", "16")]).unwrap();
+        assert_eq!((s.nthreads, s.nsocks_per_thread, s.nsocks()), (4, 16, 64));
+        assert_eq!(get(&[("OXCCL_NSOCKS_PERTHREAD", "64")]).unwrap().nsocks(), 64);
+        for (var, bad, range) in [
+            ("NCCL_SOCKET_NTHREADS", "0", "1..=16"),
+            ("NCCL_SOCKET_NTHREADS", "17", "1..=16"),
+            ("NCCL_SOCKET_NTHREADS", "two", "1..=16"),
+            ("NCCL_NSOCKS_PERTHREAD", "0", "1..=64"),
+            ("NCCL_NSOCKS_PERTHREAD", "65", "1..=64"),
+            ("OXCCL_NSOCKS_PERTHREAD", "-1", "1..=64"),
+        ] {
+            let e = get(&[(var, bad)]).unwrap_err();
+            assert_eq!(e.code(), crate::ResultCode::InvalidArgument, "{var}={bad}");
+            let m = e.to_string();
+            assert!(m.contains(var) && m.contains(range), "{m}");
+        }
+        // Each in range, but 16 × 8 = 128 sockets > 64.
+        let e = get(&[("NCCL_SOCKET_NTHREADS", "16"), ("NCCL_NSOCKS_PERTHREAD", "8")]).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "invalid argument: NCCL_SOCKET_NTHREADS=16 × NCCL_NSOCKS_PERTHREAD=8 = 128 data sockets per \
+             connection is too many (accepted: a product of at most 64)"
+        );
     }
 
     #[test]

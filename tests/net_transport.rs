@@ -486,6 +486,61 @@ fn two_ranks_one_net_peer_and_unknown_net_name() {
     );
 }
 
+#[test]
+fn parallel_socket_streams_across_hosts() {
+    // Two ranks on two hosts, NET both ways, each connection with NCCL_SOCKET_NTHREADS=2 ×
+    // NCCL_NSOCKS_PERTHREAD=3 = 6 data sockets; default buffers, so Simple steps are 512 KiB and
+    // split into 6 chunks of 87382 bytes (above the 64 KiB minimum). Every collective exact.
+    let id = get_unique_id().expect("unique id");
+    let envs: Vec<Vec<(&str, String)>> = (0..2)
+        .map(|r| {
+            vec![
+                ("OXCCL_HOSTID", format!("streams-{r}")),
+                ("NCCL_SOCKET_NTHREADS", "2".to_string()),
+                ("NCCL_NSOCKS_PERTHREAD", "3".to_string()),
+                ("NCCL_PROTO", "Simple".to_string()),
+            ]
+        })
+        .collect();
+    let expect = vec![
+        vec!["Channel 00 : 0 -> 1 via NET/Socket/0".to_string()],
+        vec!["Channel 00 : 1 -> 0 via NET/Socket/0".to_string()],
+    ];
+    let outs = run_group(&envs, &expect, &[None; 2], Some(&id));
+    // Each connection logs its traffic per data socket when it closes ("data sockets [a, b, c,
+    // d, e, f] bytes"): 6 sockets, and on some connection every one of them carried data.
+    for (r, out) in outs.iter().enumerate() {
+        let lists: Vec<Vec<u64>> = out
+            .lines()
+            .filter_map(|l| l.split("data sockets [").nth(1)?.split(']').next())
+            .map(|l| l.split(", ").map(|x| x.parse().unwrap()).collect())
+            .collect();
+        assert!(!lists.is_empty(), "rank {r}: no traffic lines in\n{out}");
+        assert!(lists.iter().all(|l| l.len() == 6), "rank {r}: {lists:?}");
+        assert!(
+            lists.iter().any(|l| l.iter().all(|&b| b > 0)),
+            "rank {r}: no connection used all 6 data sockets: {lists:?}"
+        );
+    }
+    // A bad value on rank 1 fails its init with an InvalidArgument naming the variable and its
+    // range; rank 0 gets a remote error naming rank 1 and that message.
+    let out = init_outcomes(&[
+        vec![("OXCCL_HOSTID", "h0".into())],
+        vec![("OXCCL_HOSTID", "h1".into()), ("NCCL_NSOCKS_PERTHREAD", "65".into())],
+    ]);
+    let bad = "invalid argument: NCCL_NSOCKS_PERTHREAD=65 is out of range (accepted: 1..=64)";
+    assert_eq!(
+        out,
+        [
+            format!(
+                "INIT-ERR rank 0 RemoteError: remote error: rank 0: rank 1 cannot open its network for the NET \
+                 transport: {bad}"
+            ),
+            format!("INIT-ERR rank 1 InvalidArgument: {bad}"),
+        ]
+    );
+}
+
 /// Runs `envs.len()` child ranks through `Comm::init_rank` only (`envs[r]` for rank r); returns
 /// each rank's `INIT-` line. Every child must exit successfully within 60 s.
 fn init_outcomes(envs: &[Vec<(&str, String)>]) -> Vec<String> {

@@ -1,7 +1,19 @@
-//! The socket network (NCCL's `transport/net_socket.cc` over `misc/socket.cc`): one TCP
-//! connection per NET connection, non-blocking, messages framed by a 4-byte length, so the proxy
-//! thread can progress every connection without blocking on any.
+//! The socket network (NCCL's `transport/net_socket.cc` over `misc/socket.cc`): each NET
+//! connection is a control socket plus `NCCL_SOCKET_NTHREADS` × `NCCL_NSOCKS_PERTHREAD` data
+//! sockets (1 × 1 by default, NCCL's default off AWS), all non-blocking, so the proxy thread can
+//! progress every connection without blocking on any.
 //!
+//! - **Messages:** each message's 4-byte little-endian size goes on the control socket, in posting
+//!   order. A message of at most [`MIN_CHUNK_BYTES`] (64 KiB, NCCL's `MIN_CHUNKSIZE`) follows its
+//!   size inline on the control socket (one write, the lowest latency); a larger one is split into
+//!   chunks of [`chunk_bytes`] (an even share per data socket, at least 64 KiB) dealt round robin
+//!   over the data sockets, continuing where the previous message stopped; both ends deal the
+//!   same way, so each data socket carries its chunks in the same order on both. A request
+//!   completes when its size, inline bytes and every chunk are through.
+//! - **Threads:** NCCL moves the chunks with `NCCL_SOCKET_NTHREADS` helper threads per connection.
+//!   oxccl spawns none: the proxy thread drives every data socket non-blockingly in each `test`,
+//!   so the sockets still run in parallel in the kernel (each has its own buffers and TCP window);
+//!   the thread count only multiplies the number of sockets, as in NCCL.
 //! - **Interface:** `NCCL_SOCKET_IFNAME` (NCCL's syntax, see [`crate::bootstrap::IfFilter`]) picks
 //!   the interface to listen on; without it the network listens on the address the bootstrap uses.
 //! - **Handle:** magic, a random per-listener nonce and the listen address. A connection that does
@@ -13,6 +25,7 @@ use super::net::{
     ListenComm, NET_HANDLE_BYTES, Net, NetHandle, NetProperties, Opaque, RecvComm, Request, SendComm,
 };
 use crate::error::{Error, Result};
+use crate::params::{MAX_SOCKETS, SocketStreams};
 use std::collections::VecDeque;
 use std::io::{ErrorKind, IoSlice, Read, Write};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV6, TcpListener, TcpStream};
@@ -23,8 +36,12 @@ use std::time::Duration;
 
 /// First bytes of every handle and of every connection's hello.
 const MAGIC: u64 = 0x4f58_4343_4c4e_4554; // "OXCCLNET"
-/// Bytes of the hello a connector sends: magic, then the listener's nonce.
-const HELLO_BYTES: usize = 16;
+/// Bytes of the hello a connector sends on each socket: magic, the listener's nonce, a connection
+/// id, the socket's index and the number of data sockets.
+const HELLO_BYTES: usize = 32;
+/// Messages above this many bytes are split over the data sockets, in chunks of at least this
+/// size (NCCL's `MIN_CHUNKSIZE`, 64 KiB); smaller ones travel inline on the control socket.
+pub const MIN_CHUNK_BYTES: usize = 64 << 10;
 /// How long `accept` waits for the hello of a connection it accepted.
 const HELLO_WAIT: Duration = Duration::from_secs(5);
 /// How long one `connect` attempt may take before it answers "call again".
@@ -41,25 +58,48 @@ pub struct NetSocket {
     addr: IpAddr,
     /// IPv6 scope id of `addr` (0 for IPv4).
     scope_id: u32,
+    /// Data sockets per connection (`NCCL_SOCKET_NTHREADS` × `NCCL_NSOCKS_PERTHREAD`).
+    streams: SocketStreams,
 }
 
 impl NetSocket {
-    /// The socket network listening on `addr` (interface `ifname`, IPv6 scope `scope_id`).
+    /// The socket network listening on `addr` (interface `ifname`, IPv6 scope `scope_id`), with
+    /// one data socket per connection (NCCL's default; see [`NetSocket::with_streams`]).
     pub fn new(ifname: &str, addr: IpAddr, scope_id: u32) -> NetSocket {
         NetSocket {
             ifname: ifname.to_string(),
             addr,
             scope_id,
+            streams: SocketStreams::default(),
         }
+    }
+
+    /// This network with `streams.nsocks()` data sockets per connection its listeners accept (a
+    /// connector follows the listener's count, as NCCL's `ncclNetSocketConnect` does).
+    pub fn with_streams(mut self, streams: SocketStreams) -> NetSocket {
+        self.streams = streams;
+        self
+    }
+
+    /// The parallel streams of this network's connections.
+    pub fn streams(&self) -> SocketStreams {
+        self.streams
     }
 
     /// The socket network from the environment: the interface `NCCL_SOCKET_IFNAME` (or
     /// `OXCCL_SOCKET_IFNAME`) selects, else the interface holding `fallback` (the bootstrap's
-    /// address), else NCCL's default order.
+    /// address), else NCCL's default order; the parallel streams from `NCCL_SOCKET_NTHREADS` and
+    /// `NCCL_NSOCKS_PERTHREAD` ([`crate::params::socket_streams`]).
     ///
     /// Errors: `InvalidUsage` naming the variable, its value and "no matching interface" when the
-    /// filter matches no interface that is up; `System` when interfaces cannot be listed.
+    /// filter matches no interface that is up; `InvalidArgument` naming the stream variable and
+    /// its accepted range; `System` when interfaces cannot be listed.
     pub fn from_env(fallback: Option<IpAddr>) -> Result<NetSocket> {
+        let streams = crate::params::socket_streams(crate::params::env_var)?;
+        Ok(Self::from_env_interface(fallback)?.with_streams(streams))
+    }
+
+    fn from_env_interface(fallback: Option<IpAddr>) -> Result<NetSocket> {
         let ifs = crate::bootstrap::list_interfaces()?;
         let named = crate::params::env_var("SOCKET_IFNAME").filter(|(_, v)| !v.trim().is_empty());
         if named.is_none()
@@ -82,8 +122,8 @@ impl NetSocket {
     }
 }
 
-/// Encodes a listen address and nonce into a handle.
-fn encode_handle(addr: &SocketAddr, nonce: u64) -> NetHandle {
+/// Encodes a listen address, nonce and data socket count into a handle.
+fn encode_handle(addr: &SocketAddr, nonce: u64, nsocks: u32) -> NetHandle {
     let mut h = [0u8; NET_HANDLE_BYTES];
     h[0..8].copy_from_slice(&MAGIC.to_le_bytes());
     h[8..16].copy_from_slice(&nonce.to_le_bytes());
@@ -99,11 +139,13 @@ fn encode_handle(addr: &SocketAddr, nonce: u64) -> NetHandle {
         }
     }
     h[33..35].copy_from_slice(&addr.port().to_be_bytes());
+    h[40..44].copy_from_slice(&nsocks.to_le_bytes());
     h
 }
 
-/// Decodes a handle; `None` when it is not a socket network handle.
-fn decode_handle(h: &NetHandle) -> Option<(SocketAddr, u64)> {
+/// Decodes a handle into address, nonce and data socket count; `None` when it is not a socket
+/// network handle or announces no data socket or more than [`MAX_SOCKETS`].
+fn decode_handle(h: &NetHandle) -> Option<(SocketAddr, u64, u32)> {
     let word = |r: std::ops::Range<usize>| u64::from_le_bytes(h[r].try_into().unwrap_or([0; 8]));
     if word(0..8) != MAGIC {
         return None;
@@ -118,7 +160,11 @@ fn decode_handle(h: &NetHandle) -> Option<(SocketAddr, u64)> {
         }
         _ => return None,
     };
-    Some((addr, word(8..16)))
+    let nsocks = u32::from_le_bytes(h[40..44].try_into().ok()?);
+    if nsocks == 0 || nsocks > MAX_SOCKETS {
+        return None;
+    }
+    Some((addr, word(8..16), nsocks))
 }
 
 /// 64 random bits from the OS, or from std's randomly keyed hasher.
@@ -174,41 +220,100 @@ fn prepare(stream: &TcpStream, peer: &SocketAddr) -> Result<()> {
     stream.set_nonblocking(true).map_err(sys)
 }
 
-/// A listener and the nonce its connections must present.
+/// A connection being accepted: the sockets of one connector that arrived so far.
+struct Partial {
+    /// The connector's random connection id (from its greetings).
+    id: u64,
+    peer: SocketAddr,
+    ctrl: Option<TcpStream>,
+    data: Vec<Option<TcpStream>>,
+}
+
+/// A listener, the nonce its connections must present, and the connections half accepted.
 struct SockListen {
     listener: TcpListener,
     nonce: u64,
     addr: SocketAddr,
+    /// Data sockets every connection to this listener opens (the handle announces it).
+    nsocks: usize,
+    partial: Vec<Partial>,
 }
 
-/// Completion state of one request, shared between the request and its connection's queue.
+/// Completion state of one request, shared between the request and its connection.
 #[derive(Default)]
 struct Slot {
     done: AtomicBool,
     size: AtomicUsize,
 }
 
-/// One queued send or receive.
-struct Pending {
+/// One posted send or receive.
+struct Req {
     slot: Arc<Slot>,
     send: bool,
     /// Address of the data (send) or of the posted buffer (receive).
     ptr: usize,
     /// Bytes to send, or bytes of the posted buffer.
     cap: usize,
-    /// The 4-byte little-endian length prefix (written for sends, read for receives).
-    len: [u8; 4],
-    len_done: usize,
-    /// Message bytes (sends: `cap`; receives: from the prefix).
+    /// The 4-byte little-endian size on the control socket (written for sends, read for receives).
+    hdr: [u8; 4],
+    hdr_done: usize,
+    /// Message bytes (sends: `cap`; receives: from the size).
     size: usize,
+    /// Bytes moved inline on the control socket (messages of at most [`MIN_CHUNK_BYTES`]).
+    inline_done: usize,
+    /// Chunks of this message still queued on data sockets.
+    chunks_left: usize,
+    done: bool,
+}
+
+impl Req {
+    fn inline(&self) -> usize {
+        if self.size <= MIN_CHUNK_BYTES {
+            self.size
+        } else {
+            0
+        }
+    }
+    fn finish(&mut self) {
+        self.done = true;
+        self.slot.size.store(self.size, Ordering::Relaxed);
+        self.slot.done.store(true, Ordering::Release);
+    }
+}
+
+/// A part of a message queued on one data socket.
+struct Chunk {
+    /// Id of its request (see [`Conn::base`]).
+    req: u64,
+    ptr: usize,
+    len: usize,
     done: usize,
 }
 
-/// One established connection: its stream and its queue of requests, progressed in order.
-struct Conn {
+/// One data socket of a connection and the chunks queued on it, moved in order.
+struct DataSock {
     stream: TcpStream,
+    fifo: VecDeque<Chunk>,
+    /// Bytes this socket has carried (statistics and tests).
+    bytes: u64,
+}
+
+/// One established connection: its control socket (sizes, and small messages inline), its data
+/// sockets, and its requests, progressed without blocking.
+struct Conn {
+    ctrl: TcpStream,
+    data: Vec<DataSock>,
+    /// Data socket the next chunk goes to (round robin, the same sequence on both ends).
+    next_sock: usize,
+    /// Bytes carried inline on the control socket (statistics and tests).
+    inline_bytes: u64,
     peer: SocketAddr,
-    queue: VecDeque<Pending>,
+    /// Posted requests not yet completed and retired, in posting order.
+    reqs: VecDeque<Req>,
+    /// Id of `reqs[0]`; ids count posted requests.
+    base: u64,
+    /// Index in `reqs` of the first request whose control part (size, inline data) is unfinished.
+    ctrl_pos: usize,
     /// Set when the connection failed; every later request fails with it.
     failed: Option<String>,
 }
@@ -239,8 +344,35 @@ fn lost(peer: &SocketAddr, e: &std::io::Error) -> String {
     format!("socket network: connection with {peer}: {what}")
 }
 
+/// Chunk size for a message of `size` bytes over `nsocks` data sockets: an even share, but at
+/// least [`MIN_CHUNK_BYTES`] (NCCL's `max(MIN_CHUNKSIZE, DIVUP(size, nSocks))`).
+pub fn chunk_bytes(size: usize, nsocks: usize) -> usize {
+    MIN_CHUNK_BYTES.max(size.div_ceil(nsocks.max(1)))
+}
+
 impl Conn {
-    /// Moves the queue forward as far as the socket allows without blocking.
+    fn new(ctrl: TcpStream, data: Vec<TcpStream>, peer: SocketAddr) -> Conn {
+        Conn {
+            ctrl,
+            data: data
+                .into_iter()
+                .map(|stream| DataSock {
+                    stream,
+                    fifo: VecDeque::new(),
+                    bytes: 0,
+                })
+                .collect(),
+            next_sock: 0,
+            inline_bytes: 0,
+            peer,
+            reqs: VecDeque::new(),
+            base: 0,
+            ctrl_pos: 0,
+            failed: None,
+        }
+    }
+
+    /// Moves every request forward as far as the sockets allow without blocking.
     fn progress(&mut self) -> std::result::Result<(), String> {
         if let Some(f) = &self.failed {
             return Err(f.clone());
@@ -248,52 +380,112 @@ impl Conn {
         let r = self.progress_inner();
         if let Err(e) = &r {
             self.failed = Some(e.clone());
-            let _ = self.stream.shutdown(std::net::Shutdown::Both);
+            let _ = self.ctrl.shutdown(std::net::Shutdown::Both);
+            for d in &self.data {
+                let _ = d.stream.shutdown(std::net::Shutdown::Both);
+            }
         }
         r
     }
 
     fn progress_inner(&mut self) -> std::result::Result<(), String> {
         let peer = self.peer;
-        while let Some(p) = self.queue.front_mut() {
-            let io = if p.send {
-                send_some(&mut self.stream, p)
+        let io_err = |e: std::io::Error| {
+            if e.kind() == ErrorKind::InvalidData {
+                format!("socket network: connection with {peer}: {e}")
             } else {
-                recv_some(&mut self.stream, p)
-            };
-            match io {
-                Ok(true) => {
-                    p.slot.size.store(p.size, Ordering::Relaxed);
-                    p.slot.done.store(true, Ordering::Release);
-                    self.queue.pop_front();
-                }
-                Ok(false) => return Ok(()),
-                Err(e) if e.kind() == ErrorKind::InvalidData => {
-                    return Err(format!("socket network: connection with {peer}: {e}"));
-                }
-                Err(e) => return Err(lost(&peer, &e)),
+                lost(&peer, &e)
             }
+        };
+        // Control socket: sizes (and small messages) in posting order. Once a size is known, the
+        // message's chunks go to the data sockets round robin; both ends compute the same split.
+        while self.ctrl_pos < self.reqs.len() {
+            let id = self.base + self.ctrl_pos as u64;
+            let r = &mut self.reqs[self.ctrl_pos];
+            let finished = if r.send {
+                ctrl_send(&mut self.ctrl, r)
+            } else {
+                ctrl_recv(&mut self.ctrl, r)
+            }
+            .map_err(io_err)?;
+            if !finished {
+                break;
+            }
+            self.inline_bytes += r.inline() as u64;
+            if r.size > MIN_CHUNK_BYTES {
+                let n = self.data.len();
+                let task = chunk_bytes(r.size, n);
+                let mut off = 0;
+                while off < r.size {
+                    let len = task.min(r.size - off);
+                    self.data[self.next_sock].fifo.push_back(Chunk {
+                        req: id,
+                        ptr: r.ptr + off,
+                        len,
+                        done: 0,
+                    });
+                    self.next_sock = (self.next_sock + 1) % n;
+                    r.chunks_left += 1;
+                    off += len;
+                }
+            }
+            if r.chunks_left == 0 {
+                r.finish();
+            }
+            self.ctrl_pos += 1;
+        }
+        // Data sockets: each moves the chunks queued on it, in order.
+        for d in &mut self.data {
+            while let Some(c) = d.fifo.front_mut() {
+                let r = &mut self.reqs[(c.req - self.base) as usize];
+                let moved = if r.send {
+                    chunk_send(&mut d.stream, c)
+                } else {
+                    chunk_recv(&mut d.stream, c)
+                }
+                .map_err(io_err)?;
+                if !moved {
+                    break;
+                }
+                d.bytes += c.len as u64;
+                d.fifo.pop_front();
+                r.chunks_left -= 1;
+                if r.chunks_left == 0 {
+                    r.finish();
+                }
+            }
+        }
+        // Retire finished requests from the front (their slots stay with their requests).
+        while self.reqs.front().is_some_and(|r| r.done) {
+            self.reqs.pop_front();
+            self.base += 1;
+            self.ctrl_pos -= 1;
         }
         Ok(())
     }
 }
 
-/// Writes as much of `p` as the socket takes; `Ok(true)` once all of it is written.
-fn send_some(s: &mut TcpStream, p: &mut Pending) -> std::io::Result<bool> {
+/// Writes `r`'s size and, for a small message, its data on the control socket; `Ok(true)` once
+/// all of it is written.
+fn ctrl_send(s: &mut TcpStream, r: &mut Req) -> std::io::Result<bool> {
+    let inline = r.inline();
     loop {
-        if p.len_done == 4 && p.done == p.size {
+        if r.hdr_done == 4 && r.inline_done == inline {
             return Ok(true);
         }
         // SAFETY: `isend`'s contract keeps `ptr..ptr+size` valid and unchanged until done.
-        let data = unsafe { std::slice::from_raw_parts(p.ptr as *const u8, p.size) };
-        let bufs = [IoSlice::new(&p.len[p.len_done..]), IoSlice::new(&data[p.done..])];
+        let data = unsafe { std::slice::from_raw_parts(r.ptr as *const u8, inline) };
+        let bufs = [
+            IoSlice::new(&r.hdr[r.hdr_done..]),
+            IoSlice::new(&data[r.inline_done..]),
+        ];
         match s.write_vectored(&bufs) {
             Ok(0) => return Err(ErrorKind::WriteZero.into()),
             Ok(mut n) => {
-                let h = n.min(4 - p.len_done);
-                p.len_done += h;
+                let h = n.min(4 - r.hdr_done);
+                r.hdr_done += h;
                 n -= h;
-                p.done += n;
+                r.inline_done += n;
             }
             Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(false),
             Err(e) if e.kind() == ErrorKind::Interrupted => {}
@@ -302,42 +494,77 @@ fn send_some(s: &mut TcpStream, p: &mut Pending) -> std::io::Result<bool> {
     }
 }
 
-/// Reads as much of `p`'s message as has arrived; `Ok(true)` once all of it is in.
-fn recv_some(s: &mut TcpStream, p: &mut Pending) -> std::io::Result<bool> {
+/// Reads `r`'s size and, for a small message, its data from the control socket; `Ok(true)` once
+/// all of it is in. A size above the posted buffer is `InvalidData`.
+fn ctrl_recv(s: &mut TcpStream, r: &mut Req) -> std::io::Result<bool> {
     loop {
-        let r = if p.len_done < 4 {
-            s.read(&mut p.len[p.len_done..])
-        } else if p.done < p.size {
+        let n = if r.hdr_done < 4 {
+            s.read(&mut r.hdr[r.hdr_done..])
+        } else if r.inline_done < r.inline() {
             // SAFETY: `irecv`'s contract keeps `ptr..ptr+cap` valid and ours until done, and
-            // `size <= cap` was checked when the prefix arrived.
-            let buf = unsafe { std::slice::from_raw_parts_mut(p.ptr as *mut u8, p.size) };
-            s.read(&mut buf[p.done..])
+            // `size <= cap` was checked when the size arrived.
+            let buf = unsafe { std::slice::from_raw_parts_mut(r.ptr as *mut u8, r.size) };
+            s.read(&mut buf[r.inline_done..])
         } else {
             return Ok(true);
         };
-        match r {
+        match n {
             Ok(0) => return Err(ErrorKind::UnexpectedEof.into()),
-            Ok(n) if p.len_done < 4 => {
-                p.len_done += n;
-                if p.len_done == 4 {
-                    p.size = u32::from_le_bytes(p.len) as usize;
-                    if p.size > p.cap {
+            Ok(n) if r.hdr_done < 4 => {
+                r.hdr_done += n;
+                if r.hdr_done == 4 {
+                    r.size = u32::from_le_bytes(r.hdr) as usize;
+                    if r.size > r.cap {
                         return Err(std::io::Error::new(
                             ErrorKind::InvalidData,
                             format!(
                                 "a message of {} bytes arrived for a receive of at most {} bytes",
-                                p.size, p.cap
+                                r.size, r.cap
                             ),
                         ));
                     }
                 }
             }
-            Ok(n) => p.done += n,
+            Ok(n) => r.inline_done += n,
             Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(false),
             Err(e) if e.kind() == ErrorKind::Interrupted => {}
             Err(e) => return Err(e),
         }
     }
+}
+
+/// Writes as much of chunk `c` as the socket takes; `Ok(true)` once all of it is written.
+fn chunk_send(s: &mut TcpStream, c: &mut Chunk) -> std::io::Result<bool> {
+    while c.done < c.len {
+        // SAFETY: the chunk lies inside a send's buffer, which `isend`'s contract keeps valid
+        // and unchanged until the request is done (it is not done while the chunk is queued).
+        let data = unsafe { std::slice::from_raw_parts(c.ptr as *const u8, c.len) };
+        match s.write(&data[c.done..]) {
+            Ok(0) => return Err(ErrorKind::WriteZero.into()),
+            Ok(n) => c.done += n,
+            Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(false),
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(true)
+}
+
+/// Reads as much of chunk `c` as has arrived; `Ok(true)` once all of it is in.
+fn chunk_recv(s: &mut TcpStream, c: &mut Chunk) -> std::io::Result<bool> {
+    while c.done < c.len {
+        // SAFETY: the chunk lies inside the first `size <= cap` bytes of a receive's buffer,
+        // which `irecv`'s contract keeps valid and ours until the request is done.
+        let buf = unsafe { std::slice::from_raw_parts_mut(c.ptr as *mut u8, c.len) };
+        match s.read(&mut buf[c.done..]) {
+            Ok(0) => return Err(ErrorKind::UnexpectedEof.into()),
+            Ok(n) => c.done += n,
+            Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(false),
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(true)
 }
 
 fn downcast<'a, T: 'static>(o: &'a mut Opaque, what: &str) -> Result<&'a mut T> {
@@ -346,6 +573,18 @@ fn downcast<'a, T: 'static>(o: &'a mut Opaque, what: &str) -> Result<&'a mut T> 
             "socket network: {what} was not created by the socket network"
         ))
     })
+}
+
+/// The greeting a connector sends on each of its sockets: magic, the listener's nonce, the
+/// connection id, the socket's index (`nsocks` for the control socket) and `nsocks`.
+fn hello(nonce: u64, id: u64, index: u32, nsocks: u32) -> [u8; HELLO_BYTES] {
+    let mut h = [0u8; HELLO_BYTES];
+    h[0..8].copy_from_slice(&MAGIC.to_le_bytes());
+    h[8..16].copy_from_slice(&nonce.to_le_bytes());
+    h[16..24].copy_from_slice(&id.to_le_bytes());
+    h[24..28].copy_from_slice(&index.to_le_bytes());
+    h[28..32].copy_from_slice(&nsocks.to_le_bytes());
+    h
 }
 
 impl NetSocket {
@@ -360,25 +599,74 @@ impl NetSocket {
         if let Some(f) = &c.failed {
             return Err(Error::Remote(f.clone()));
         }
-        if c.queue.len() >= MAX_REQUESTS {
+        if c.reqs.len() >= MAX_REQUESTS {
             return Ok(None);
         }
         let slot = Arc::new(Slot::default());
-        c.queue.push_back(Pending {
+        c.reqs.push_back(Req {
             slot: slot.clone(),
             send,
             ptr,
             cap,
-            len: if send { (cap as u32).to_le_bytes() } else { [0; 4] },
-            len_done: 0,
+            hdr: if send { (cap as u32).to_le_bytes() } else { [0; 4] },
+            hdr_done: 0,
             size: if send { cap } else { 0 },
-            done: 0,
+            inline_done: 0,
+            chunks_left: 0,
+            done: false,
         });
         drop(c);
         Ok(Some(Request(Opaque(Box::new(SockRequest {
             conn: conn.clone(),
             slot,
         })))))
+    }
+
+    /// Reads the greeting of an accepted socket and files it under its connection; `Ok(None)`
+    /// when the socket was dropped (no or a foreign greeting).
+    fn greet(l: &mut SockListen, mut stream: TcpStream, peer: SocketAddr) -> Result<Option<usize>> {
+        let mut h = [0u8; HELLO_BYTES];
+        let greeted = stream
+            .set_nonblocking(false)
+            .and_then(|_| stream.set_read_timeout(Some(HELLO_WAIT)))
+            .and_then(|_| stream.read_exact(&mut h));
+        let word = |r: std::ops::Range<usize>| u64::from_le_bytes(h[r].try_into().unwrap_or([0; 8]));
+        let half = |r: std::ops::Range<usize>| u32::from_le_bytes(h[r].try_into().unwrap_or([0; 4])) as usize;
+        let (id, index, nsocks) = (word(16..24), half(24..28), half(28..32));
+        let ok = greeted.is_ok()
+            && word(0..8) == MAGIC
+            && word(8..16) == l.nonce
+            && nsocks == l.nsocks
+            && index <= nsocks;
+        if !ok {
+            tracing::warn!(target: "oxccl::net", %peer, listen = %l.addr,
+                "socket network: dropped a connection without the expected greeting ({greeted:?}, \
+                 {nsocks} data sockets announced, {} expected)", l.nsocks);
+            return Ok(None);
+        }
+        stream
+            .set_read_timeout(None)
+            .map_err(|e| Error::System(format!("socket network: connection from {peer}: {e}")))?;
+        prepare(&stream, &peer)?;
+        let at = match l.partial.iter().position(|p| p.id == id) {
+            Some(at) => at,
+            None => {
+                l.partial.push(Partial {
+                    id,
+                    peer,
+                    ctrl: None,
+                    data: (0..nsocks).map(|_| None).collect(),
+                });
+                l.partial.len() - 1
+            }
+        };
+        let p = &mut l.partial[at];
+        if index == nsocks {
+            p.ctrl = Some(stream);
+        } else {
+            p.data[index] = Some(stream);
+        }
+        Ok(Some(at))
     }
 }
 
@@ -425,81 +713,94 @@ impl Net for NetSocket {
         listener.set_nonblocking(true).map_err(sys)?;
         let addr = listener.local_addr().map_err(sys)?;
         let nonce = nonce();
-        tracing::trace!(target: "oxccl::net", %addr, "socket network: listening");
+        let nsocks = self.streams.nsocks();
+        tracing::trace!(target: "oxccl::net", %addr, nsocks, "socket network: listening");
         Ok((
-            encode_handle(&addr, nonce),
+            encode_handle(&addr, nonce, nsocks as u32),
             ListenComm(Opaque(Box::new(SockListen {
                 listener,
                 nonce,
                 addr,
+                nsocks,
+                partial: Vec::new(),
             }))),
         ))
     }
 
     fn connect(&self, _dev: usize, handle: &NetHandle) -> Result<Option<SendComm>> {
-        let (addr, nonce) = decode_handle(handle).ok_or_else(|| {
+        let (addr, nonce, nsocks) = decode_handle(handle).ok_or_else(|| {
             Error::InvalidUsage(
                 "socket network: connect was given a handle the socket network did not make".into(),
             )
         })?;
-        let mut stream = match TcpStream::connect_timeout(&addr, CONNECT_ATTEMPT) {
-            Ok(s) => s,
-            Err(e) if matches!(e.kind(), ErrorKind::TimedOut | ErrorKind::Interrupted) => return Ok(None),
-            Err(e) => {
-                return Err(Error::Remote(format!(
-                    "socket network: connecting to {addr}: {e}"
-                )));
-            }
-        };
-        let mut hello = [0u8; HELLO_BYTES];
-        hello[0..8].copy_from_slice(&MAGIC.to_le_bytes());
-        hello[8..16].copy_from_slice(&nonce.to_le_bytes());
-        stream
-            .write_all(&hello)
-            .map_err(|e| Error::Remote(format!("socket network: greeting {addr}: {e}")))?;
-        prepare(&stream, &addr)?;
-        Ok(Some(SendComm(Opaque(Box::new(Arc::new(Mutex::new(Conn {
-            stream,
-            peer: addr,
-            queue: VecDeque::new(),
-            failed: None,
-        })))))))
+        let nsocks = nsocks as usize;
+        if nsocks != self.streams.nsocks() {
+            // NCCL's ncclNetSocketConnect: the receiving side decides.
+            tracing::warn!(target: "oxccl::net", peer = %addr,
+                "socket network: the receiving side uses {nsocks} data sockets, this side {}; using {nsocks}",
+                self.streams.nsocks());
+        }
+        let id = self::nonce();
+        // Data sockets 0..nsocks, then the control socket (index nsocks), as NCCL connects them.
+        let mut socks = Vec::with_capacity(nsocks + 1);
+        for index in 0..=nsocks {
+            let mut stream = match TcpStream::connect_timeout(&addr, CONNECT_ATTEMPT) {
+                Ok(s) => s,
+                Err(e) if matches!(e.kind(), ErrorKind::TimedOut | ErrorKind::Interrupted) => {
+                    return Ok(None);
+                }
+                Err(e) => {
+                    return Err(Error::Remote(format!(
+                        "socket network: connecting to {addr} (socket {index} of {}): {e}",
+                        nsocks + 1
+                    )));
+                }
+            };
+            stream
+                .write_all(&hello(nonce, id, index as u32, nsocks as u32))
+                .map_err(|e| Error::Remote(format!("socket network: greeting {addr}: {e}")))?;
+            prepare(&stream, &addr)?;
+            socks.push(stream);
+        }
+        let ctrl = socks
+            .pop()
+            .ok_or_else(|| Error::Internal("socket network: no control socket".into()))?;
+        Ok(Some(SendComm(Opaque(Box::new(Arc::new(Mutex::new(Conn::new(
+            ctrl, socks, addr,
+        ))))))))
     }
 
     fn accept(&self, listen: &mut ListenComm) -> Result<Option<RecvComm>> {
         let l = downcast::<SockListen>(&mut listen.0, "the listener")?;
-        let (mut stream, peer) = match l.listener.accept() {
-            Ok(x) => x,
-            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted) => return Ok(None),
-            Err(e) => {
-                return Err(Error::System(format!(
-                    "socket network: accepting on {}: {e}",
-                    l.addr
-                )));
+        loop {
+            let (stream, peer) = match l.listener.accept() {
+                Ok(x) => x,
+                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted) => {
+                    return Ok(None);
+                }
+                Err(e) => {
+                    return Err(Error::System(format!(
+                        "socket network: accepting on {}: {e}",
+                        l.addr
+                    )));
+                }
+            };
+            let Some(at) = NetSocket::greet(l, stream, peer)? else {
+                continue;
+            };
+            let p = &l.partial[at];
+            if p.ctrl.is_none() || p.data.iter().any(Option::is_none) {
+                continue;
             }
-        };
-        let mut hello = [0u8; HELLO_BYTES];
-        let greeted = stream
-            .set_nonblocking(false)
-            .and_then(|_| stream.set_read_timeout(Some(HELLO_WAIT)))
-            .and_then(|_| stream.read_exact(&mut hello));
-        let ok =
-            greeted.is_ok() && hello[0..8] == MAGIC.to_le_bytes() && hello[8..16] == l.nonce.to_le_bytes();
-        if !ok {
-            tracing::warn!(target: "oxccl::net", %peer, listen = %l.addr,
-                "socket network: dropped a connection without the expected greeting ({greeted:?})");
-            return Ok(None);
+            let p = l.partial.swap_remove(at);
+            let (Some(ctrl), data) = (p.ctrl, p.data.into_iter().flatten().collect::<Vec<_>>()) else {
+                continue;
+            };
+            tracing::trace!(target: "oxccl::net", peer = %p.peer, nsocks = data.len(), "socket network: accepted");
+            return Ok(Some(RecvComm(Opaque(Box::new(Arc::new(Mutex::new(Conn::new(
+                ctrl, data, p.peer,
+            ))))))));
         }
-        stream
-            .set_read_timeout(None)
-            .map_err(|e| Error::System(format!("socket network: connection from {peer}: {e}")))?;
-        prepare(&stream, &peer)?;
-        Ok(Some(RecvComm(Opaque(Box::new(Arc::new(Mutex::new(Conn {
-            stream,
-            peer,
-            queue: VecDeque::new(),
-            failed: None,
-        })))))))
     }
 
     unsafe fn isend(
@@ -535,12 +836,18 @@ impl Net for NetSocket {
             .then(|| r.slot.size.load(Ordering::Relaxed)))
     }
 
-    fn close_send(&self, comm: SendComm) -> Result<()> {
+    fn close_send(&self, mut comm: SendComm) -> Result<()> {
+        if let Ok(c) = downcast::<Shared>(&mut comm.0, "the send connection") {
+            log_traffic("send", &lock(c));
+        }
         drop(comm);
         Ok(())
     }
 
-    fn close_recv(&self, comm: RecvComm) -> Result<()> {
+    fn close_recv(&self, mut comm: RecvComm) -> Result<()> {
+        if let Ok(c) = downcast::<Shared>(&mut comm.0, "the receive connection") {
+            log_traffic("receive", &lock(c));
+        }
         drop(comm);
         Ok(())
     }
@@ -551,14 +858,28 @@ impl Net for NetSocket {
     }
 }
 
+/// Logs what a closing connection carried on each of its sockets.
+fn log_traffic(what: &str, c: &Conn) {
+    tracing::debug!(target: "oxccl::net",
+        "socket network: {what} connection with {} closed: {} bytes inline on the control socket, \
+         data sockets {:?} bytes", c.peer, c.inline_bytes,
+        c.data.iter().map(|d| d.bytes).collect::<Vec<_>>());
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::time::Instant;
 
     fn pair(net: &NetSocket) -> (SendComm, RecvComm) {
+        pair_with(net, net)
+    }
+
+    /// A connection from `from` to a listener of `to`.
+    fn pair_with(from: &NetSocket, to: &NetSocket) -> (SendComm, RecvComm) {
+        let net = to;
         let (h, mut l) = net.listen(0).unwrap();
-        let s = net.connect(0, &h).unwrap().expect("connected");
+        let s = from.connect(0, &h).unwrap().expect("connected");
         let t = Instant::now();
         loop {
             if let Some(r) = net.accept(&mut l).unwrap() {
@@ -586,7 +907,16 @@ mod tests {
     fn handles_round_trip() {
         for a in ["10.77.1.2:4567", "[fe80::1%3]:80", "127.0.0.1:1"] {
             let addr: SocketAddr = a.parse().unwrap();
-            assert_eq!(decode_handle(&encode_handle(&addr, 0xfeed)), Some((addr, 0xfeed)));
+            for n in [1, 64] {
+                assert_eq!(
+                    decode_handle(&encode_handle(&addr, 0xfeed, n)),
+                    Some((addr, 0xfeed, n))
+                );
+            }
+            // 0 and 65 data sockets are not handles the socket network makes.
+            for n in [0, 65] {
+                assert_eq!(decode_handle(&encode_handle(&addr, 0xfeed, n)), None);
+            }
         }
         assert_eq!(decode_handle(&[0u8; NET_HANDLE_BYTES]), None);
     }
@@ -675,12 +1005,158 @@ mod tests {
         assert!(e.contains("64 bytes") && e.contains("at most 16 bytes"), "{e}");
         // A connection that does not greet with the handle's nonce is dropped.
         let (h, mut l) = net.listen(0).unwrap();
-        let (addr, _) = decode_handle(&h).unwrap();
+        let (addr, nonce, _) = decode_handle(&h).unwrap();
         let mut stray = TcpStream::connect(addr).unwrap();
         stray.write_all(&[0u8; HELLO_BYTES]).unwrap();
         let t = Instant::now();
         while t.elapsed() < Duration::from_millis(300) {
             assert!(net.accept(&mut l).unwrap().is_none());
         }
+        // So is a complete connection whose greetings announce another data socket count (2
+        // where the listener expects 1).
+        let id = 77;
+        let _socks: Vec<TcpStream> = (0..3u32)
+            .map(|i| {
+                let mut s = TcpStream::connect(addr).unwrap();
+                s.write_all(&hello(nonce, id, i, 2)).unwrap();
+                s
+            })
+            .collect();
+        let t = Instant::now();
+        while t.elapsed() < Duration::from_millis(300) {
+            assert!(net.accept(&mut l).unwrap().is_none());
+        }
+    }
+
+    /// Bytes a connection carried: inline on the control socket, and per data socket.
+    fn traffic(o: &mut Opaque) -> (u64, Vec<u64>) {
+        let c = downcast::<Shared>(o, "conn").unwrap();
+        let c = lock(c);
+        (c.inline_bytes, c.data.iter().map(|d| d.bytes).collect())
+    }
+
+    fn streams(nthreads: u32, nsocks_per_thread: u32) -> NetSocket {
+        NetSocket::new("lo", IpAddr::V4(Ipv4Addr::LOCALHOST), 0).with_streams(SocketStreams {
+            nthreads,
+            nsocks_per_thread,
+        })
+    }
+
+    /// Sends every size of `sizes` (all posted at once, up to `MAX_REQUESTS`) and checks each
+    /// arrives exactly, with its size reported on both ends.
+    fn exchange(net: &NetSocket, s: &mut SendComm, r: &mut RecvComm, sizes: &[usize]) {
+        for batch in sizes.chunks(MAX_REQUESTS / 2) {
+            // Message k of size n: byte i = (i·131 + n + k) mod 251 (251 is prime, so a chunk
+            // landing at the wrong offset or on the wrong message shows).
+            let msgs: Vec<Vec<u8>> = batch
+                .iter()
+                .enumerate()
+                .map(|(k, &n)| (0..n).map(|i| ((i * 131 + n + k) % 251) as u8).collect())
+                .collect();
+            let mut bufs: Vec<Vec<u8>> = batch.iter().map(|&n| vec![0xEE; n + 8]).collect();
+            let mut reqs = Vec::new();
+            for (m, b) in msgs.iter().zip(bufs.iter_mut()) {
+                // SAFETY: the buffers outlive the requests, which finish in `wait`.
+                unsafe {
+                    reqs.push(net.isend(s, m.as_ptr(), m.len(), 0).unwrap().unwrap());
+                    reqs.push(net.irecv(r, b.as_mut_ptr(), b.len(), 0).unwrap().unwrap());
+                }
+            }
+            let got = wait(net, &mut reqs);
+            let want: Vec<usize> = batch.iter().flat_map(|&n| [n, n]).collect();
+            assert_eq!(got, want, "sizes");
+            for ((m, b), n) in msgs.iter().zip(&bufs).zip(batch) {
+                assert!(b[..*n] == m[..], "{n}-byte message differs");
+                assert_eq!(&b[*n..], &[0xEE; 8], "bytes past the {n}-byte message");
+            }
+        }
+    }
+
+    #[test]
+    fn chunk_sizes_follow_nccl() {
+        // max(64 KiB, ceil(size / nsocks)).
+        assert_eq!(chunk_bytes(65537, 1), 65537);
+        assert_eq!(chunk_bytes(65537, 4), 65536);
+        assert_eq!(chunk_bytes(10 << 20, 64), 163840);
+        assert_eq!(chunk_bytes((10 << 20) + 3, 64), 163841);
+        assert_eq!(chunk_bytes(1 << 20, 64), 65536);
+    }
+
+    #[test]
+    fn parallel_streams_carry_exact_data() {
+        // Sizes: empty, 1 byte, around the 64 KiB chunk threshold, ones that split unevenly over
+        // the data sockets, and 3 MiB + 7 (more than the socket buffers hold at once).
+        let t = MIN_CHUNK_BYTES;
+        let sizes = [
+            0,
+            1,
+            13,
+            t - 1,
+            t,
+            t + 1,
+            2 * t - 1,
+            2 * t + 1,
+            200_003,
+            4 * t + 5,
+            (1 << 20) + 1,
+            (3 << 20) + 7,
+            0,
+            1,
+        ];
+        for (nt, ns) in [(1, 1), (2, 2), (4, 16)] {
+            let net = streams(nt, ns);
+            let (mut s, mut r) = pair(&net);
+            exchange(&net, &mut s, &mut r, &sizes);
+            let (si, sd) = traffic(&mut s.0);
+            let (ri, rd) = traffic(&mut r.0);
+            assert_eq!(sd.len(), (nt * ns) as usize);
+            assert_eq!((si, &sd), (ri, &rd), "both ends count the same bytes per socket");
+            // Inline: the messages of at most 64 KiB: 0 + 1 + 13 + 65535 + 65536 + 0 + 1.
+            assert_eq!(si, 131_086, "{nt}x{ns}");
+            let big: usize = sizes.iter().filter(|&&n| n > t).sum();
+            assert_eq!(sd.iter().sum::<u64>(), big as u64, "{nt}x{ns}");
+            if nt * ns > 1 {
+                assert!(
+                    sd.iter().all(|&b| b > 0),
+                    "{nt}x{ns}: an idle data socket: {sd:?}"
+                );
+            }
+            net.close_send(s).unwrap();
+            net.close_recv(r).unwrap();
+        }
+    }
+
+    #[test]
+    fn chunks_are_dealt_round_robin() {
+        // 2 x 2 = 4 data sockets. 65537 bytes: chunks of max(65536, 16385) = 65536 → 65536 on
+        // socket 0, 1 on socket 1. 200003 bytes: chunks of max(65536, 50001) = 65536 → sockets
+        // 2, 3, 0 get 65536 each and socket 1 the last 3395. 100 bytes: inline.
+        let net = streams(2, 2);
+        let (mut s, mut r) = pair(&net);
+        exchange(&net, &mut s, &mut r, &[65537, 100, 200_003]);
+        assert_eq!(traffic(&mut r.0), (100, vec![131_072, 3396, 65536, 65536]));
+        // 4 x 16 = 64 sockets, 10 MiB + 3 on a fresh connection: chunks of ceil(10485763 / 64) =
+        // 163841; sockets 0..63 get one each, socket 63 the remaining 10485763 − 63·163841 =
+        // 163780.
+        let net = streams(4, 16);
+        let (mut s, mut r) = pair(&net);
+        exchange(&net, &mut s, &mut r, &[(10 << 20) + 3]);
+        let mut want = vec![163_841u64; 64];
+        want[63] = 163_780;
+        assert_eq!(traffic(&mut s.0), (0, want));
+    }
+
+    #[test]
+    fn the_connector_follows_the_listener_stream_count() {
+        // NCCL's rule: the receiving (listening) side's socket count wins.
+        let (one, four) = (streams(1, 1), streams(2, 2));
+        let (mut s, mut r) = pair_with(&one, &four);
+        assert_eq!(traffic(&mut s.0).1.len(), 4);
+        assert_eq!(traffic(&mut r.0).1.len(), 4);
+        exchange(&four, &mut s, &mut r, &[300_001, 5]);
+        let (mut s, mut r) = pair_with(&four, &one);
+        assert_eq!(traffic(&mut s.0).1.len(), 1);
+        exchange(&one, &mut s, &mut r, &[300_001, 5]);
+        assert_eq!(traffic(&mut r.0), (5, vec![300_001]));
     }
 }
