@@ -150,6 +150,12 @@ struct PerfArgs {
     /// bootstrapped through one unique id (Comm::init_rank); rank 0 prints the results.
     #[arg(long, value_name = "N")]
     procs: Option<usize>,
+    /// With --procs N: run the ranks on H simulated hosts (N/H each, in blocks), network
+    /// namespaces joined by veth pairs, so ranks of different hosts talk over the socket network.
+    /// Needs root (or CAP_SYS_ADMIN + CAP_NET_ADMIN) and iproute2's `ip`; the namespaces are
+    /// deleted afterwards.
+    #[arg(long, value_name = "H", requires = "procs")]
+    hosts: Option<usize>,
     /// Where to run.
     #[arg(long, value_enum, default_value_t = BackendArg::Auto)]
     backend: BackendArg,
@@ -265,7 +271,29 @@ fn perf_spawn(a: &PerfArgs, n: usize) -> Result<ExitCode, Box<dyn std::error::Er
         )
         .into());
     }
-    let failed = oxccl::perf::procs::spawn(n, gpu)?;
+    let failed = match a.hosts {
+        Some(h) if h > 1 => {
+            if h > n {
+                return Err(format!(
+                    "--hosts {h} is out of range for --procs {n} (accepted: 1..={n}, at least one rank per host)"
+                )
+                .into());
+            }
+            use oxccl::perf::procs::{Hosts, host_of, spawn_ranks};
+            let hosts = Hosts::create(h)?;
+            let per: Vec<usize> = (0..h)
+                .map(|k| (0..n).filter(|&r| host_of(r, n, h) == k).count())
+                .collect();
+            println!(
+                "# {h} simulated hosts: network namespaces {} (veths on a bridge), ranks per host {per:?}",
+                hosts.namespaces().join(", ")
+            );
+            // `hosts` is dropped (the namespaces deleted) whatever the ranks do.
+            spawn_ranks(n, gpu, &hosts.unique_id()?, |r| hosts.launch(host_of(r, n, h)))?
+        }
+        Some(0) => return Err(format!("--hosts 0 is out of range (accepted: 1..={n})").into()),
+        _ => oxccl::perf::procs::spawn(n, gpu)?,
+    };
     match failed {
         None => Ok(ExitCode::SUCCESS),
         Some((r, status)) => {
@@ -288,7 +316,11 @@ fn devices_for(a: &PerfArgs) -> Result<(Vec<Device>, bool), String> {
         if want == 0 || want > most {
             return Err(format!(
                 "--ranks {want} is out of range: {n} GPUs are visible (accepted: 1..={most}{})",
-                if shared { "" } else { "; OXCCL_ALLOW_SHARED_DEVICE=1 allows up to 64 sharing them" }
+                if shared {
+                    ""
+                } else {
+                    "; OXCCL_ALLOW_SHARED_DEVICE=1 allows up to 64 sharing them"
+                }
             ));
         }
         Ok((0..want).map(|r| Device::Cuda(r * n / want)).collect())

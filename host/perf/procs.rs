@@ -2,6 +2,10 @@
 //! init-bench`): the parent starts N copies of the running binary with its own arguments and
 //! tells each its rank, the rank count, the device kind and a unique id to bootstrap through, in
 //! environment variables; a child finds its rank with [`ChildRank::from_env`].
+//!
+//! `oxccl perf --procs N --hosts H` runs the ranks on H simulated hosts ([`Hosts`]): network
+//! namespaces joined by veth pairs to a bridge, so ranks of different hosts talk over the socket
+//! network (NET) with addresses of their own, and ranks of one host over SHM.
 use crate::Device;
 use crate::bootstrap::{UniqueId, get_unique_id};
 use crate::error::{Error, Result};
@@ -43,11 +47,40 @@ pub fn from_hex(what: &str, s: &str) -> Result<Vec<u8>> {
 /// for the control bootstrap (see [`get_unique_id`]).
 pub fn spawn(n: usize, gpu: bool) -> Result<Option<(usize, std::process::ExitStatus)>> {
     let id = get_unique_id()?;
+    spawn_ranks(n, gpu, &id, |_| Launch::default())
+}
+
+/// How one rank's process starts: through a wrapping command (empty: directly; else a command
+/// that ends by executing the program and arguments it is given, e.g. `ip netns exec NAME`),
+/// with extra environment variables.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Launch {
+    pub wrap: Vec<String>,
+    pub env: Vec<(String, String)>,
+}
+
+/// As [`spawn`], bootstrapped through `id`, rank r started as `launch(r)` says.
+pub fn spawn_ranks(
+    n: usize,
+    gpu: bool,
+    id: &UniqueId,
+    launch: impl Fn(usize) -> Launch,
+) -> Result<Option<(usize, std::process::ExitStatus)>> {
     let hex = to_hex(&id.to_bytes());
     let exe = std::env::current_exe().map_err(|e| Error::System(format!("locating this program: {e}")))?;
     let mut children = Vec::with_capacity(n);
     for r in 0..n {
-        let child = std::process::Command::new(&exe)
+        let how = launch(r);
+        let mut cmd = match how.wrap.split_first() {
+            Some((prog, args)) => {
+                let mut c = std::process::Command::new(prog);
+                c.args(args).arg(&exe);
+                c
+            }
+            None => std::process::Command::new(&exe),
+        };
+        cmd.envs(how.env.iter().map(|(k, v)| (k, v)));
+        let child = cmd
             .args(std::env::args_os().skip(1))
             .env(ENV_RANK, r.to_string())
             .env(ENV_NRANKS, n.to_string())
@@ -67,7 +100,8 @@ pub fn spawn(n: usize, gpu: bool) -> Result<Option<(usize, std::process::ExitSta
                     let _ = c.wait();
                 }
                 return Err(Error::System(format!(
-                    "starting rank {r} ({}): {e}",
+                    "starting rank {r} ({}{}): {e}",
+                    how.wrap.iter().map(|w| format!("{w} ")).collect::<String>(),
                     exe.display()
                 )));
             }
@@ -97,6 +131,196 @@ pub fn spawn(n: usize, gpu: bool) -> Result<Option<(usize, std::process::ExitSta
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
     Ok(failed)
+}
+
+/// Most simulated hosts of [`Hosts`] (one /24 subnet, one bridge).
+pub const MAX_HOSTS: usize = 64;
+
+/// Port of the bootstrap root in host 0's namespace (the namespaces are private to one run, so a
+/// fixed port cannot collide).
+const ROOT_PORT: u16 = 29400;
+
+/// Prefix of every namespace [`Hosts`] creates: `oxh<pid>s` (the switch), `oxh<pid>h<k>` (host k).
+const NS_PREFIX: &str = "oxh";
+
+/// The host (0..hosts) of rank `rank` of `nranks`: contiguous blocks, `rank · hosts / nranks`,
+/// so each host runs `nranks / hosts` ranks when that divides (else the counts differ by one).
+pub fn host_of(rank: usize, nranks: usize, hosts: usize) -> usize {
+    rank * hosts / nranks.max(1)
+}
+
+/// Runs iproute2's `ip` with `args`. Errors name the command line and say why it failed: `ip`
+/// missing, or its own message (e.g. "Operation not permitted" when not root).
+fn ip(args: &[&str]) -> std::result::Result<(), String> {
+    let line = format!("ip {}", args.join(" "));
+    let out = std::process::Command::new("ip")
+        .args(args)
+        .output()
+        .map_err(|e| {
+            format!("`{line}` could not run: {e} (simulated hosts need iproute2's `ip` on the PATH)")
+        })?;
+    if out.status.success() {
+        return Ok(());
+    }
+    Err(format!(
+        "`{line}` failed ({}): {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr).trim()
+    ))
+}
+
+/// Simulated hosts on one machine: `hosts` network namespaces (`oxh<pid>h<k>`), each with a veth
+/// `oxeth<k>` at 10.78.0.<k+1>/24 whose peer is on a bridge in a switch namespace (`oxh<pid>s`),
+/// plus loopback. Nothing is added to the caller's own namespace, and only these addresses are
+/// used. Dropping it deletes every namespace (and with them the veths and the bridge).
+#[derive(Debug)]
+pub struct Hosts {
+    /// Host namespaces, host k at index k.
+    hosts: Vec<String>,
+    /// The switch namespace, once created.
+    switch: Option<String>,
+}
+
+impl Hosts {
+    /// Creates `hosts` (2..=[`MAX_HOSTS`]) simulated hosts, after deleting namespaces that earlier
+    /// runs left behind (their process is gone, e.g. killed by a signal). Errors: `InvalidArgument`
+    /// for a count out of range; `System` naming the `ip` command that failed and why (network
+    /// namespaces need root, or CAP_SYS_ADMIN and CAP_NET_ADMIN, and iproute2); what was created
+    /// before the failure is deleted.
+    pub fn create(hosts: usize) -> Result<Hosts> {
+        if !(2..=MAX_HOSTS).contains(&hosts) {
+            return Err(Error::invalid(format!(
+                "--hosts {hosts} is out of range for simulated hosts (accepted: 2..={MAX_HOSTS})"
+            )));
+        }
+        remove_stale_namespaces();
+        let pid = std::process::id();
+        let mut h = Hosts {
+            hosts: Vec::new(),
+            switch: None,
+        };
+        let why = |e: String| {
+            Error::System(format!(
+                "--hosts {hosts}: setting up the simulated hosts (network namespaces) failed: {e}"
+            ))
+        };
+        let sw = format!("{NS_PREFIX}{pid}s");
+        ip(&["netns", "add", &sw]).map_err(why)?;
+        h.switch = Some(sw.clone());
+        for args in [
+            vec!["-n", &sw, "link", "add", "oxbr", "type", "bridge"],
+            vec!["-n", &sw, "link", "set", "oxbr", "up"],
+        ] {
+            ip(&args).map_err(why)?;
+        }
+        for k in 0..hosts {
+            let ns = format!("{NS_PREFIX}{pid}h{k}");
+            ip(&["netns", "add", &ns]).map_err(why)?;
+            h.hosts.push(ns.clone());
+            let (port, eth, cidr) = (
+                format!("oxsw{k}"),
+                format!("oxeth{k}"),
+                format!("{}/24", host_addr(k)),
+            );
+            for args in [
+                vec![
+                    "-n", &sw, "link", "add", &port, "type", "veth", "peer", "name", &eth, "netns", &ns,
+                ],
+                vec!["-n", &sw, "link", "set", &port, "master", "oxbr"],
+                vec!["-n", &sw, "link", "set", &port, "up"],
+                vec!["-n", &ns, "addr", "add", &cidr, "dev", &eth],
+                vec!["-n", &ns, "link", "set", &eth, "up"],
+                vec!["-n", &ns, "link", "set", "lo", "up"],
+            ] {
+                ip(&args).map_err(why)?;
+            }
+        }
+        ip(&["netns", "exec", &h.hosts[0], "true"]).map_err(why)?;
+        tracing::debug!(target: "oxccl::perf", hosts = ?h.hosts, switch = %sw, "simulated hosts up");
+        Ok(h)
+    }
+
+    /// Names of the host namespaces, host k at index k.
+    pub fn namespaces(&self) -> &[String] {
+        &self.hosts
+    }
+
+    /// The interface of host `k` (its veth).
+    pub fn ifname(k: usize) -> String {
+        format!("oxeth{k}")
+    }
+
+    /// The unique id every rank bootstraps through: a root that rank 0 (on host 0) starts at host
+    /// 0's address (NCCL_COMM_ID style), reachable from every host.
+    pub fn unique_id(&self) -> Result<UniqueId> {
+        UniqueId::from_comm_id(&format!("{}:{ROOT_PORT}", host_addr(0)))
+    }
+
+    /// How a rank on host `k` starts: inside the host's namespace (`ip netns exec`), with its own
+    /// host name (`OXCCL_HOSTID`, so ranks of other hosts are on other hosts) and the host's veth
+    /// as the interface for the bootstrap and the socket network (`OXCCL_SOCKET_IFNAME`).
+    pub fn launch(&self, k: usize) -> Launch {
+        let ns = self.hosts.get(k).cloned().unwrap_or_default();
+        Launch {
+            wrap: vec!["ip".into(), "netns".into(), "exec".into(), ns.clone()],
+            env: vec![
+                ("OXCCL_HOSTID".into(), ns),
+                ("OXCCL_SOCKET_IFNAME".into(), format!("={}", Hosts::ifname(k))),
+            ],
+        }
+    }
+}
+
+impl Drop for Hosts {
+    fn drop(&mut self) {
+        for ns in self.hosts.iter().chain(&self.switch) {
+            if let Err(e) = ip(&["netns", "del", ns]) {
+                tracing::warn!(target: "oxccl::perf", "removing simulated host namespace {ns}: {e}");
+            }
+        }
+    }
+}
+
+/// Address of simulated host `k`.
+fn host_addr(k: usize) -> std::net::Ipv4Addr {
+    std::net::Ipv4Addr::new(10, 78, 0, k as u8 + 1)
+}
+
+/// Deletes namespaces named by [`Hosts`] whose creating process no longer runs.
+fn remove_stale_namespaces() {
+    let Ok(out) = std::process::Command::new("ip").args(["netns", "list"]).output() else {
+        return;
+    };
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let name = line.split_whitespace().next().unwrap_or("");
+        let Some(rest) = name.strip_prefix(NS_PREFIX) else {
+            continue;
+        };
+        let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+        let tail = &rest[digits.len()..];
+        let ours = tail == "s"
+            || tail
+                .strip_prefix('h')
+                .is_some_and(|k| !k.is_empty() && k.bytes().all(|b| b.is_ascii_digit()));
+        if ours
+            && let Ok(pid) = digits.parse::<u32>()
+            && !std::path::Path::new(&format!("/proc/{pid}")).exists()
+        {
+            tracing::info!(target: "oxccl::perf", "removing namespace {name} left by process {pid}");
+            let _ = ip(&["netns", "del", name]);
+        }
+    }
+}
+
+/// `oxccl perf --procs n --hosts hosts`: creates the simulated [`Hosts`], runs rank r in host
+/// [`host_of`]`(r, n, hosts)` as [`spawn`] does, and deletes the hosts afterwards, also when a
+/// rank fails or the ranks cannot start. Errors: those of [`Hosts::create`] and [`spawn`].
+pub fn spawn_hosts(n: usize, hosts: usize, gpu: bool) -> Result<Option<(usize, std::process::ExitStatus)>> {
+    let h = Hosts::create(hosts)?;
+    let id = h.unique_id()?;
+    let r = spawn_ranks(n, gpu, &id, |r| h.launch(host_of(r, n, hosts)));
+    drop(h);
+    r
 }
 
 /// This process's rank, as [`spawn`] started it.
