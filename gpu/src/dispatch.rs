@@ -75,7 +75,8 @@ pub unsafe fn run_typed<T: Elem, Op: RedFn<T>>(
     // SAFETY: caller contract.
     let comm = unsafe { &*(args.comm as *const DevComm) };
     let postdiv = if avg { comm.nranks } else { 0 };
-    // Trees run on the CPU target only so far (the GPU kernels are ring-only).
+    // The CPU target's entry point dispatches trees here; the GPU's AllReduce entry points do it
+    // in `run_all_reduce`, so the other entry points' code stays ring-only.
     #[cfg(not(target_arch = "nvptx64"))]
     if w.algo == Algo::Tree as u8 {
         // SAFETY: forwarded caller contract.
@@ -151,6 +152,34 @@ pub unsafe fn run_typed<T: Elem, Op: RedFn<T>>(
     }
 }
 
+/// The body of the GPU's AllReduce entry points: the tree ([`run_tree`]) when the work element
+/// asks for it, else the ring ([`run_typed`]), for element type `T` and operator `Op` (`avg`:
+/// divide the final value by `nranks`).
+///
+/// # Safety
+/// As [`run_typed`], and `args.work.func` is AllReduce.
+#[inline(always)]
+pub unsafe fn run_all_reduce<T: Elem, Op: RedFn<T>>(
+    args: &KernelArgs,
+    bid: u32,
+    tid: u32,
+    nthreads: u32,
+    smem: *mut u32,
+    avg: bool,
+) {
+    let w = &args.work;
+    // SAFETY: forwarded caller contract.
+    unsafe {
+        if w.algo == Algo::Tree as u8 {
+            let comm = &*(args.comm as *const DevComm);
+            let postdiv = if avg { comm.nranks } else { 0 };
+            run_tree::<T, Op>(comm, w, bid, tid, nthreads, smem, postdiv, Some(Func::AllReduce));
+        } else {
+            run_typed::<T, Op>(args, bid, tid, nthreads, smem, avg, Some(Func::AllReduce));
+        }
+    }
+}
+
 /// The ring schedule of `func`, over any protocol's primitives.
 #[inline(always)]
 fn run_ring<T, P: Primitives>(p: &mut P, ring: &RingCtx, comm: &DevComm, w: &WorkColl, func: Func) {
@@ -176,8 +205,8 @@ fn run_ring<T, P: Primitives>(p: &mut P, ring: &RingCtx, comm: &DevComm, w: &Wor
 ///
 /// # Safety
 /// As [`run_typed`]; `comm.trees` is 0 or the address of `comm.nchannels` set-up trees.
-#[cfg(not(target_arch = "nvptx64"))]
 #[allow(clippy::too_many_arguments)]
+#[inline(always)]
 unsafe fn run_tree<T: Elem, Op: RedFn<T>>(
     comm: &DevComm,
     w: &WorkColl,
@@ -190,7 +219,7 @@ unsafe fn run_tree<T: Elem, Op: RedFn<T>>(
 ) {
     use crate::abi::DevTree;
     use crate::coll::tree::{TreeCtx, all_reduce_down, all_reduce_up};
-    use crate::proto::tree::{Phase, TreeSimple};
+    use crate::proto::tree::{TreeDown, TreeUp};
     let (Some(Func::AllReduce), Some(Proto::Simple)) =
         (only.or(Func::from_u8(w.func)), Proto::from_u8(w.proto))
     else {
@@ -211,29 +240,19 @@ unsafe fn run_tree<T: Elem, Op: RedFn<T>>(
             channel: bid as u64,
             nchannels: w.nchannels as u64,
         };
-        let new = |phase| {
-            TreeSimple::<T, Op>::new(
-                phase,
-                tid,
-                nthreads,
-                tree,
-                buff,
-                input,
-                output,
-                comm.abort_flag,
-                smem,
-                postdiv,
-                w.slice_elems,
-            )
-        };
-        let mut p = new(Phase::Up);
+        let (abort, slice) = (comm.abort_flag, w.slice_elems);
+        let mut p = TreeUp::<T, Op>::new(
+            tid, nthreads, tree, buff, input, output, abort, smem, postdiv, slice,
+        );
         all_reduce_up(&mut p, &t, w.count, w.chunk_elems, esize);
         let aborted = p.aborted();
         p.finish();
         if aborted {
             return;
         }
-        let mut p = new(Phase::Down);
+        let mut p = TreeDown::<T, Op>::new(
+            tid, nthreads, tree, buff, input, output, abort, smem, postdiv, slice,
+        );
         all_reduce_down(&mut p, &t, w.count, w.chunk_elems, esize);
         p.finish();
     }

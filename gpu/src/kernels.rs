@@ -2,7 +2,8 @@
 //! reduction operator), named `oxccl_<func>_<dtype>_<op>` after the ABI enums' names
 //! ([`crate::abi::kernel_name`]; Broadcast and AllGather only move bytes, so they have one entry
 //! per element size); the algorithm and protocol are dispatched inside
-//! ([`crate::dispatch::run_typed`]). build.rs splits the linked PTX into one module per entry
+//! ([`crate::dispatch::run_typed`]; AllReduce's entries go through
+//! [`crate::dispatch::run_all_reduce`], which adds the tree). build.rs splits the linked PTX into one module per entry
 //! point so that the driver JIT-compiles only the kernels a program uses, when it first uses them.
 use crate::abi::{Func, KernelArgs};
 use crate::arch;
@@ -11,6 +12,35 @@ use half::{bf16, f16};
 
 macro_rules! entries {
     ($($name:ident => $func:ident, $t:ty, $op:ty, $post:expr;)*) => {$(
+        entry!($name, $func, $t, $op, $post);
+    )*};
+}
+
+macro_rules! entry {
+    // AllReduce runs as a ring or a tree (`run_all_reduce` picks from the work element).
+    ($name:ident, AllReduce, $t:ty, $op:ty, $post:expr) => {
+        /// AllReduce kernel (ring or tree): grid = `args.work.nchannels` blocks, block =
+        /// `NCCL_NTHREADS` threads.
+        ///
+        /// # Safety
+        /// Launched by the host library with a valid [`KernelArgs`] (see `run_all_reduce`).
+        #[unsafe(no_mangle)]
+        pub unsafe extern "ptx-kernel" fn $name(args: KernelArgs) {
+            // SAFETY: called once in this kernel; the rest is the launch contract.
+            unsafe {
+                let smem = arch::kernel_shared_mem();
+                crate::dispatch::run_all_reduce::<$t, $op>(
+                    &args,
+                    arch::block_idx(),
+                    arch::thread_idx(),
+                    arch::block_dim(),
+                    smem,
+                    $post,
+                );
+            }
+        }
+    };
+    ($name:ident, $func:ident, $t:ty, $op:ty, $post:expr) => {
         /// Collective kernel: grid = `args.work.nchannels` blocks, block = `NCCL_NTHREADS` threads.
         ///
         /// # Safety
@@ -21,12 +51,17 @@ macro_rules! entries {
             unsafe {
                 let smem = arch::kernel_shared_mem();
                 crate::dispatch::run_typed::<$t, $op>(
-                    &args, arch::block_idx(), arch::thread_idx(), arch::block_dim(), smem, $post,
+                    &args,
+                    arch::block_idx(),
+                    arch::thread_idx(),
+                    arch::block_dim(),
+                    smem,
+                    $post,
                     Some(Func::$func),
                 );
             }
         }
-    )*};
+    };
 }
 
 entries! {

@@ -1,4 +1,4 @@
-//! Collective algorithms: ring (and later tree) schedules over chunks, written only in terms of
+//! Collective algorithms: ring and tree schedules over chunks, written only in terms of
 //! the [`crate::proto::Primitives`] verbs. Mirrors NCCL's `all_reduce.h`, `broadcast.h`, ...
 
 pub mod all_gather;
@@ -6,7 +6,6 @@ pub mod all_reduce;
 pub mod broadcast;
 pub mod reduce;
 pub mod reduce_scatter;
-#[cfg(not(target_arch = "nvptx64"))]
 pub mod tree;
 
 /// What an algorithm needs to know about its ring and channel.

@@ -9,7 +9,7 @@
 //! tree (NCCL gives tree 0 and tree 1 their own channels too). Each final value is computed once,
 //! at the root, so every rank ends up with identical bits. Every rank walks the same chunks in the
 //! same order, so both ends of each tree connection see the same sequence of steps.
-use super::{RingCtx, channel_chunks};
+use super::align_elems;
 use crate::proto::Primitives;
 use crate::proto::tree::SendFromOutput;
 
@@ -26,14 +26,23 @@ pub struct TreeCtx {
 }
 
 impl TreeCtx {
-    fn chunks(&self, count: u64, chunk_elems: u64, esize: u64, step: impl FnMut(u64, u64) -> bool) {
-        let r = RingCtx {
-            nranks: 1,
-            user_ranks: core::ptr::null(),
-            channel: self.channel,
-            nchannels: self.nchannels,
+    /// Offset and length (elements, the length possibly 0) of this channel's chunk in the loop
+    /// iteration that starts at `grid_off` (the grid loop of [`super::channel_chunks`], written
+    /// out here because a closure the compiler does not inline would keep the primitives in GPU
+    /// local memory).
+    #[inline(always)]
+    fn chunk(&self, grid_off: u64, count: u64, chunk_elems: u64, esize: u64) -> (u64, u64) {
+        let real_chunk = align_elems(
+            core::cmp::min(chunk_elems, (count - grid_off).div_ceil(self.nchannels)),
+            esize,
+        );
+        let off = grid_off + self.channel * real_chunk;
+        let len = if off >= count {
+            0
+        } else {
+            core::cmp::min(real_chunk, count - off)
         };
-        channel_chunks(&r, count, chunk_elems, esize, step);
+        (off, len)
     }
 }
 
@@ -41,7 +50,10 @@ impl TreeCtx {
 /// each), over primitives that receive from the children and send to the parent.
 #[inline(always)]
 pub fn all_reduce_up<P: Primitives>(p: &mut P, t: &TreeCtx, count: u64, chunk_elems: u64, esize: u64) {
-    t.chunks(count, chunk_elems, esize, |off, len| {
+    let loop_size = t.nchannels * chunk_elems;
+    let mut grid_off = 0u64;
+    while grid_off < count {
+        let (off, len) = t.chunk(grid_off, count, chunk_elems, esize);
         if t.up == -1 {
             p.recv_reduce_copy(off, off, len, true);
         } else if t.down0 == -1 {
@@ -49,8 +61,11 @@ pub fn all_reduce_up<P: Primitives>(p: &mut P, t: &TreeCtx, count: u64, chunk_el
         } else {
             p.recv_reduce_send(off, len);
         }
-        !p.aborted()
-    });
+        if p.aborted() {
+            return;
+        }
+        grid_off += loop_size;
+    }
 }
 
 /// The broadcast phase of this channel's share of an AllReduce, over primitives that receive from
@@ -64,7 +79,10 @@ pub fn all_reduce_down<P: Primitives + SendFromOutput>(
     chunk_elems: u64,
     esize: u64,
 ) {
-    t.chunks(count, chunk_elems, esize, |off, len| {
+    let loop_size = t.nchannels * chunk_elems;
+    let mut grid_off = 0u64;
+    while grid_off < count {
+        let (off, len) = t.chunk(grid_off, count, chunk_elems, esize);
         if t.up == -1 {
             p.send_from_output(off, len);
         } else if t.down0 == -1 {
@@ -72,6 +90,9 @@ pub fn all_reduce_down<P: Primitives + SendFromOutput>(
         } else {
             p.recv_copy_send(off, len);
         }
-        !p.aborted()
-    });
+        if p.aborted() {
+            return;
+        }
+        grid_off += loop_size;
+    }
 }

@@ -9,7 +9,6 @@
 pub mod ll;
 pub mod ll128;
 pub mod simple;
-#[cfg(not(target_arch = "nvptx64"))]
 pub mod tree;
 
 /// The data-movement verbs of NCCL's `Primitives` class.

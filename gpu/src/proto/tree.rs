@@ -8,15 +8,43 @@
 //! `head = s + 1`. A verb waits for *every* peer of each side before it copies, then posts on
 //! every peer, so the receivers of one step are all fed from the same combined value.
 //!
-//! Compiled for the CPU target only so far (the GPU kernels do not run trees yet); the code is
-//! written for a block of `nthreads` threads all the same (one thread polls and posts, all copy).
+//! The block structure and memory ordering are the ring Simple protocol's: thread 0 polls every
+//! peer's counter (`ld.volatile`), then `fence.acq_rel.sys`, tells the block through shared memory
+//! and `bar.sync`; the whole block copies with 16-byte vectors; after a `bar.sync`, thread 0 fences
+//! again and stores the counters (`st.volatile`). The same code runs on the CPU target, where a
+//! block is one thread.
+//!
+//! GPU constraints kept here: no array is ever indexed by a value only known at run time (the
+//! peers are visited by [`each_peer`] with constant indices, and the reduction is monomorphised on
+//! its source and destination counts), so nothing lands in local memory (`__local_depot`).
 use super::Primitives;
+use super::simple::parse_unroll;
 use crate::abi::{
     ConnInfo, DevTree, FIFO_STEPS, MAX_TREE_ARITY, PACK_BYTES, Proto, SPINS_BEFORE_CHECK_ABORT,
 };
 use crate::arch::{self, Pack};
 use crate::reduce::{Elem, RedFn, div_pack};
 use core::marker::PhantomData;
+
+/// 16-byte loads per source each thread keeps in flight in the copy loop: the ring Simple
+/// protocol's build-time knob (`OXCCL_BUILD_UNROLL=N`, 1..=16; default 4).
+const UNROLL: usize = match option_env!("OXCCL_BUILD_UNROLL") {
+    Some(s) => parse_unroll(s.as_bytes()),
+    None => 4,
+};
+
+// [`each_peer`] and the pointer lists below spell out three peers.
+const _: () = assert!(MAX_TREE_ARITY == 3);
+
+/// Calls `f(0)`, `f(1)`, `f(2)`: once inlined, every peer index is a constant, so the peer arrays
+/// stay in registers on the GPU (a loop the compiler might not unroll would index them at run
+/// time, through local memory).
+#[inline(always)]
+fn each_peer(mut f: impl FnMut(usize)) {
+    f(0);
+    f(1);
+    f(2);
+}
 
 /// Device-side state of one tree connection for the duration of a kernel.
 #[derive(Clone, Copy)]
@@ -39,6 +67,7 @@ impl Conn {
 
     /// # Safety
     /// `info` points at a connection set up for the Simple protocol.
+    #[inline(always)]
     unsafe fn load(info: *mut ConnInfo) -> Self {
         // SAFETY: caller guarantees `info`.
         let c = unsafe { info.read() };
@@ -52,19 +81,12 @@ impl Conn {
     }
 }
 
-/// Which half of NCCL's `runTreeUpDown` a [`TreeSimple`] serves.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub enum Phase {
-    /// Reduce: receive from the children (`down`), send to the parent (`up`).
-    Up,
-    /// Broadcast: receive from the parent, send to the children.
-    Down,
-}
-
-/// Simple-protocol primitives for one phase of one channel's tree, for element type `T` and
-/// operator `Op`. "recv" reduces the data of every receive peer (and the input, for the reducing
-/// verbs); "send" writes the same value to every send peer.
-pub struct TreeSimple<T, Op> {
+/// Simple-protocol primitives for one phase of one channel's tree (NCCL's `runTreeUpDown` builds
+/// one per phase), for element type `T` and operator `Op`. `UP`: the reduce phase, receiving from
+/// the children and sending to the parent; otherwise the broadcast phase, receiving from the
+/// parent and sending to the children. "recv" reduces the data of every receive peer (and the
+/// input, for the reducing verbs); "send" writes the same value to every send peer.
+pub struct TreeSimple<T, Op, const UP: bool> {
     tid: u32,
     nthreads: u32,
     input: *const T,
@@ -82,6 +104,11 @@ pub struct TreeSimple<T, Op> {
     _op: PhantomData<Op>,
 }
 
+/// The reduce phase: children → parent.
+pub type TreeUp<T, Op> = TreeSimple<T, Op, true>;
+/// The broadcast phase: parent → children.
+pub type TreeDown<T, Op> = TreeSimple<T, Op, false>;
+
 /// Verbs of the broadcast phase's root beyond [`Primitives`].
 pub trait SendFromOutput {
     /// output[src..src+n] → every send peer (NCCL's `directSendFromOutput`): the tree root
@@ -89,8 +116,13 @@ pub trait SendFromOutput {
     fn send_from_output(&mut self, src: u64, n: u64);
 }
 
-impl<T: Elem, Op: RedFn<T>> TreeSimple<T, Op> {
-    /// Loads the connections of `phase` from `tree` (NCCL's Primitives constructor with
+impl<T: Elem, Op: RedFn<T>, const UP: bool> TreeSimple<T, Op, UP> {
+    /// Most receive peers of the phase: the children going up, the parent going down.
+    const MAX_RECV: usize = if UP { MAX_TREE_ARITY } else { 1 };
+    /// Most send peers of the phase: the parent going up, the children going down.
+    const MAX_SEND: usize = if UP { 1 } else { MAX_TREE_ARITY };
+
+    /// Loads the connections of the phase from `tree` (NCCL's Primitives constructor with
     /// `tree->down` / `&tree->up` as receive and send peers, or the reverse). `slice_elems` is
     /// clamped to one FIFO slot of `buff_size / FIFO_STEPS` bytes.
     ///
@@ -100,8 +132,8 @@ impl<T: Elem, Op: RedFn<T>> TreeSimple<T, Op> {
     /// `smem` points at kernel shared memory; `abort_flag` is 0 or a valid flag address. All
     /// threads of the block call it.
     #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
     pub unsafe fn new(
-        phase: Phase,
         tid: u32,
         nthreads: u32,
         tree: *mut DevTree,
@@ -117,29 +149,33 @@ impl<T: Elem, Op: RedFn<T>> TreeSimple<T, Op> {
         let mut ndown = 0;
         let mut up = [Conn::NONE; MAX_TREE_ARITY];
         let mut nup = 0;
-        // SAFETY: caller guarantees `tree`; the fields are plain data.
+        // SAFETY: caller guarantees `tree`; the fields are plain data. `down` is filled from
+        // index 0, so the children are its leading non-negative entries.
         unsafe {
             let t = tree;
-            for i in 0..MAX_TREE_ARITY {
-                if (*t).down[i] >= 0 {
-                    downs[ndown] = match phase {
-                        Phase::Up => Conn::load(&raw mut (*t).recv_down[i]),
-                        Phase::Down => Conn::load(&raw mut (*t).send_down[i]),
+            each_peer(|i| {
+                if ndown == i && (*t).down[i] >= 0 {
+                    downs[i] = if UP {
+                        Conn::load(&raw mut (*t).recv_down[i])
+                    } else {
+                        Conn::load(&raw mut (*t).send_down[i])
                     };
-                    ndown += 1;
+                    ndown = i + 1;
                 }
-            }
+            });
             if (*t).up >= 0 {
-                up[0] = match phase {
-                    Phase::Up => Conn::load(&raw mut (*t).send_up),
-                    Phase::Down => Conn::load(&raw mut (*t).recv_up),
+                up[0] = if UP {
+                    Conn::load(&raw mut (*t).send_up)
+                } else {
+                    Conn::load(&raw mut (*t).recv_up)
                 };
                 nup = 1;
             }
         }
-        let (recv, nrecv, send, nsend) = match phase {
-            Phase::Up => (downs, ndown, up, nup),
-            Phase::Down => (up, nup, downs, ndown),
+        let (recv, nrecv, send, nsend) = if UP {
+            (downs, ndown, up, nup)
+        } else {
+            (up, nup, downs, ndown)
         };
         let slot_bytes = buff_size / FIFO_STEPS / PACK_BYTES * PACK_BYTES;
         let slot_elems = slot_bytes / core::mem::size_of::<T>() as u64;
@@ -154,9 +190,9 @@ impl<T: Elem, Op: RedFn<T>> TreeSimple<T, Op> {
             input,
             output,
             recv,
-            nrecv,
+            nrecv: nrecv.min(Self::MAX_RECV),
             send,
-            nsend,
+            nsend: nsend.min(Self::MAX_SEND),
             slot_bytes,
             slice_elems,
             abort_flag: abort_flag as *const u32,
@@ -171,15 +207,21 @@ impl<T: Elem, Op: RedFn<T>> TreeSimple<T, Op> {
     ///
     /// # Safety
     /// All threads of the block call it, once, after the last verb.
+    #[inline(always)]
     pub unsafe fn finish(self) {
         // SAFETY: every thread reaches this barrier; then only thread 0 writes the connections
         // this phase loaded (valid by the constructor's contract).
         unsafe {
             arch::sync_threads();
             if self.tid == 0 {
-                for c in self.recv[..self.nrecv].iter().chain(&self.send[..self.nsend]) {
-                    (*c.info).step = c.step;
-                }
+                each_peer(|i| {
+                    if i < self.nrecv {
+                        (*self.recv[i].info).step = self.recv[i].step;
+                    }
+                    if i < self.nsend {
+                        (*self.send[i].info).step = self.send[i].step;
+                    }
+                });
             }
         }
     }
@@ -208,20 +250,20 @@ impl<T: Elem, Op: RedFn<T>> TreeSimple<T, Op> {
     fn wait<const RECV: bool, const SEND: bool>(&mut self) -> bool {
         if self.tid == 0 {
             let mut ok = true;
-            if RECV {
-                for c in &self.recv[..self.nrecv] {
-                    let (tail, want) = (c.tail, c.step + 1);
+            each_peer(|i| {
+                if RECV && i < self.nrecv && ok {
+                    let (tail, want) = (self.recv[i].tail, self.recv[i].step + 1);
                     // SAFETY: `tail` is this connection's counter (constructor contract).
-                    ok = ok && self.spin(|| unsafe { arch::load_volatile_u64(tail) } >= want);
+                    ok = self.spin(|| unsafe { arch::load_volatile_u64(tail) } >= want);
                 }
-            }
-            if SEND {
-                for c in &self.send[..self.nsend] {
-                    let (head, want) = (c.head, c.step + 1);
+            });
+            each_peer(|i| {
+                if SEND && i < self.nsend && ok {
+                    let (head, want) = (self.send[i].head, self.send[i].step + 1);
                     // SAFETY: as above, for the send connection's head.
-                    ok = ok && self.spin(|| unsafe { arch::load_volatile_u64(head) } + FIFO_STEPS >= want);
+                    ok = self.spin(|| unsafe { arch::load_volatile_u64(head) } + FIFO_STEPS >= want);
                 }
-            }
+            });
             // SAFETY: fence has no operands; smem is valid kernel shared memory.
             unsafe {
                 arch::fence_acq_rel_sys();
@@ -244,34 +286,33 @@ impl<T: Elem, Op: RedFn<T>> TreeSimple<T, Op> {
             arch::sync_threads();
             if self.tid == 0 {
                 arch::fence_acq_rel_sys();
-                if SEND {
-                    for c in &self.send[..self.nsend] {
-                        arch::store_volatile_u64(c.tail, c.step + 1);
+                each_peer(|i| {
+                    if SEND && i < self.nsend {
+                        arch::store_volatile_u64(self.send[i].tail, self.send[i].step + 1);
                     }
-                }
-                if RECV {
-                    for c in &self.recv[..self.nrecv] {
-                        arch::store_volatile_u64(c.head, c.step + 1);
+                });
+                each_peer(|i| {
+                    if RECV && i < self.nrecv {
+                        arch::store_volatile_u64(self.recv[i].head, self.recv[i].step + 1);
                     }
-                }
+                });
             }
         }
-        if SEND {
-            for c in &mut self.send[..self.nsend] {
-                c.step += 1;
+        each_peer(|i| {
+            if SEND && i < self.nsend {
+                self.send[i].step += 1;
             }
-        }
-        if RECV {
-            for c in &mut self.recv[..self.nrecv] {
-                c.step += 1;
+            if RECV && i < self.nrecv {
+                self.recv[i].step += 1;
             }
-        }
+        });
     }
 
+    /// The FIFO slot of `c`'s current step (meaningless, and unused, for an absent peer).
     #[inline(always)]
     fn slot(&self, c: &Conn) -> *mut u8 {
-        // SAFETY: the slot lies inside the connection buffer.
-        unsafe { c.buff.add(((c.step % FIFO_STEPS) * self.slot_bytes) as usize) }
+        c.buff
+            .wrapping_add(((c.step % FIFO_STEPS) * self.slot_bytes) as usize)
     }
 
     /// The engine behind every verb (NCCL's `genericOp` with several peers): per FIFO step, wait
@@ -295,75 +336,155 @@ impl<T: Elem, Op: RedFn<T>> TreeSimple<T, Op> {
         if self.aborted {
             return;
         }
+        let nrecv = if RECV { self.nrecv.min(Self::MAX_RECV) } else { 0 };
+        let nsend = if SEND { self.nsend.min(Self::MAX_SEND) } else { 0 };
         let mut done = 0u64;
         while done < n {
             let len = core::cmp::min(self.slice_elems, n - done);
             if !self.wait::<RECV, SEND>() {
                 return;
             }
-            let null_src = core::ptr::null::<u8>();
-            let mut srcs = [null_src; MAX_TREE_ARITY + 1];
-            let mut nsrc = 0;
-            if SRC {
-                srcs[0] = self.input.wrapping_add((src + done) as usize) as *const u8;
-                nsrc = 1;
-            } else if SRC_OUT {
-                srcs[0] = self.output.wrapping_add((src + done) as usize) as *const u8;
-                nsrc = 1;
-            }
-            if RECV {
-                for i in 0..self.nrecv {
-                    srcs[nsrc] = self.slot(&self.recv[i]);
-                    nsrc += 1;
-                }
-            }
-            let mut dsts = [core::ptr::null_mut::<u8>(); MAX_TREE_ARITY + 1];
-            let mut ndst = 0;
-            if DST {
-                dsts[0] = self.output.wrapping_add((dst + done) as usize) as *mut u8;
-                ndst = 1;
-            }
-            if SEND {
-                for i in 0..self.nsend {
-                    dsts[ndst] = self.slot(&self.send[i]);
-                    ndst += 1;
-                }
-            }
-            let div = if post { self.postdiv } else { 0 };
-            // SAFETY: the pointers cover `len` elements (algorithm and FIFO geometry contracts);
-            // a destination equals a source only in place (output over input, exactly).
-            unsafe {
-                reduce_copy_multi::<T, Op>(self.tid, self.nthreads, &srcs[..nsrc], &dsts[..ndst], len, div)
+            let r = [
+                self.slot(&self.recv[0]) as *const u8,
+                self.slot(&self.recv[1]) as *const u8,
+                self.slot(&self.recv[2]) as *const u8,
+            ];
+            let s = [
+                self.slot(&self.send[0]),
+                self.slot(&self.send[1]),
+                self.slot(&self.send[2]),
+            ];
+            let x = if SRC {
+                self.input.wrapping_add((src + done) as usize) as *const u8
+            } else {
+                self.output.wrapping_add((src + done) as usize) as *const u8
             };
+            let (srcs, nsrc) = if SRC || SRC_OUT {
+                ([x, r[0], r[1], r[2]], 1 + nrecv)
+            } else {
+                ([r[0], r[1], r[2], core::ptr::null()], nrecv)
+            };
+            let out = self.output.wrapping_add((dst + done) as usize) as *mut u8;
+            let (dsts, ndst) = if DST {
+                ([out, s[0], s[1], s[2]], 1 + nsend)
+            } else {
+                ([s[0], s[1], s[2], core::ptr::null_mut()], nsend)
+            };
+            let div = if post { self.postdiv } else { 0 };
+            // SAFETY: the first `nsrc` / `ndst` pointers cover `len` elements (algorithm and FIFO
+            // geometry contracts); a destination equals a source only in place (output over
+            // input, exactly).
+            unsafe { reduce_copy_fan::<T, Op>(self.tid, self.nthreads, srcs, nsrc, dsts, ndst, len, div) };
             self.post::<RECV, SEND>();
             done += len;
         }
     }
 }
 
-/// `d = s[0] ⊕ s[1] ⊕ … (/ div)` into every `d` of `dsts`, over `n` elements spread over
-/// `nthreads` threads: 16-byte packs when every pointer is 16-byte aligned, then element by
-/// element (NCCL's `reduceCopy` with several sources and destinations). `div == 0` means no
-/// post-division. Nothing happens without a source or a destination.
+/// [`reduce_copy_n`] over the first `nsrc` of `srcs` and the first `ndst` of `dsts` (1 to 4 each),
+/// dispatched once to the monomorphised copy; nothing happens without a source or a destination.
 ///
 /// # Safety
-/// Every pointer is valid for `n` elements of `T`; a destination overlaps no source except
-/// exactly (in place).
+/// As [`reduce_copy_n`] for the pointers in use.
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn reduce_copy_multi<T: Elem, Op: RedFn<T>>(
+unsafe fn reduce_copy_fan<T: Elem, Op: RedFn<T>>(
     tid: u32,
     nthreads: u32,
-    srcs: &[*const u8],
-    dsts: &[*mut u8],
+    srcs: [*const u8; 4],
+    nsrc: usize,
+    dsts: [*mut u8; 4],
+    ndst: usize,
     n: u64,
     div: u32,
 ) {
-    if srcs.is_empty() || dsts.is_empty() {
-        return;
+    macro_rules! arms {
+        ($(($s:literal, $d:literal)),*) => {
+            match (nsrc, ndst) {
+                // SAFETY: forwarded caller contract for exactly these counts.
+                $(($s, $d) => unsafe { reduce_copy_n::<T, Op, $s, $d>(tid, nthreads, srcs, dsts, n, div) },)*
+                _ => {}
+            }
+        };
     }
+    arms!(
+        (1, 1),
+        (1, 2),
+        (1, 3),
+        (1, 4),
+        (2, 1),
+        (2, 2),
+        (2, 3),
+        (2, 4),
+        (3, 1),
+        (3, 2),
+        (3, 3),
+        (3, 4),
+        (4, 1),
+        (4, 2),
+        (4, 3),
+        (4, 4)
+    );
+}
+
+/// Folds `p`'s packs `i + u·stride` (u < UNROLL) into `v` with `Op`.
+///
+/// # Safety
+/// `p` is valid and 16-byte aligned at every one of those packs.
+// Indexed loops: `u` addresses both the pack arrays and the memory offsets.
+#[allow(clippy::needless_range_loop)]
+#[inline(always)]
+unsafe fn fold_packs<T: Elem, Op: RedFn<T>>(v: &mut [Pack; UNROLL], p: *const u8, i: u64, stride: u64) {
+    let p = p as *const Pack;
+    let mut w = [Pack::default(); UNROLL];
+    for u in 0..UNROLL {
+        // SAFETY: caller contract.
+        w[u] = unsafe { arch::load_v4(p.add((i + u as u64 * stride) as usize)) };
+    }
+    for u in 0..UNROLL {
+        v[u] = Op::apply_pack(v[u], w[u]);
+    }
+}
+
+/// `d = s[0] ⊕ s[1] ⊕ … (/ div)` into each of the `ND` destinations, from the `NS` sources, over
+/// `n` elements spread over `nthreads` threads: 16-byte packs (`UNROLL` in flight per thread) when
+/// every pointer is 16-byte aligned, then element by element (NCCL's `reduceCopy` with several
+/// sources and destinations). `div == 0` means no post-division.
+///
+/// # Safety
+/// The first `NS` sources and `ND` destinations are valid for `n` elements of `T`; a destination
+/// overlaps no source except exactly (in place).
+#[allow(clippy::needless_range_loop)]
+#[inline(always)]
+unsafe fn reduce_copy_n<T: Elem, Op: RedFn<T>, const NS: usize, const ND: usize>(
+    tid: u32,
+    nthreads: u32,
+    s: [*const u8; 4],
+    d: [*mut u8; 4],
+    n: u64,
+    div: u32,
+) {
     let esize = core::mem::size_of::<T>() as u64;
-    let addrs = srcs.iter().fold(0u64, |a, &p| a | p as u64) | dsts.iter().fold(0u64, |a, &p| a | p as u64);
-    let npacks = if addrs % PACK_BYTES == 0 {
+    let mut addrs = s[0] as u64 | d[0] as u64;
+    if NS > 1 {
+        addrs |= s[1] as u64;
+    }
+    if NS > 2 {
+        addrs |= s[2] as u64;
+    }
+    if NS > 3 {
+        addrs |= s[3] as u64;
+    }
+    if ND > 1 {
+        addrs |= d[1] as u64;
+    }
+    if ND > 2 {
+        addrs |= d[2] as u64;
+    }
+    if ND > 3 {
+        addrs |= d[3] as u64;
+    }
+    let npacks = if addrs.is_multiple_of(PACK_BYTES) {
         n * esize / PACK_BYTES
     } else {
         0
@@ -373,66 +494,124 @@ unsafe fn reduce_copy_multi<T: Elem, Op: RedFn<T>>(
     // SAFETY (whole block): indices stay below `npacks` (packs) or `n` (elements), inside the
     // caller's ranges; every source is read before any destination of the same index is written.
     unsafe {
+        let store = |k: usize, v: Pack| {
+            arch::store_v4((d[0] as *mut Pack).add(k), v);
+            if ND > 1 {
+                arch::store_v4((d[1] as *mut Pack).add(k), v);
+            }
+            if ND > 2 {
+                arch::store_v4((d[2] as *mut Pack).add(k), v);
+            }
+            if ND > 3 {
+                arch::store_v4((d[3] as *mut Pack).add(k), v);
+            }
+        };
+        while i + (UNROLL as u64 - 1) * stride < npacks {
+            let mut v = [Pack::default(); UNROLL];
+            for u in 0..UNROLL {
+                v[u] = arch::load_v4((s[0] as *const Pack).add((i + u as u64 * stride) as usize));
+            }
+            if NS > 1 {
+                fold_packs::<T, Op>(&mut v, s[1], i, stride);
+            }
+            if NS > 2 {
+                fold_packs::<T, Op>(&mut v, s[2], i, stride);
+            }
+            if NS > 3 {
+                fold_packs::<T, Op>(&mut v, s[3], i, stride);
+            }
+            for u in 0..UNROLL {
+                let r = if div != 0 { div_pack::<T>(v[u], div) } else { v[u] };
+                store((i + u as u64 * stride) as usize, r);
+            }
+            i += UNROLL as u64 * stride;
+        }
         while i < npacks {
             let k = i as usize;
-            let mut v = arch::load_v4((srcs[0] as *const Pack).add(k));
-            for &s in &srcs[1..] {
-                v = Op::apply_pack(v, arch::load_v4((s as *const Pack).add(k)));
+            let mut v = arch::load_v4((s[0] as *const Pack).add(k));
+            if NS > 1 {
+                v = Op::apply_pack(v, arch::load_v4((s[1] as *const Pack).add(k)));
+            }
+            if NS > 2 {
+                v = Op::apply_pack(v, arch::load_v4((s[2] as *const Pack).add(k)));
+            }
+            if NS > 3 {
+                v = Op::apply_pack(v, arch::load_v4((s[3] as *const Pack).add(k)));
             }
             if div != 0 {
                 v = div_pack::<T>(v, div);
             }
-            for &d in dsts {
-                arch::store_v4((d as *mut Pack).add(k), v);
-            }
+            store(k, v);
             i += stride;
         }
         let mut e = npacks * PACK_BYTES / esize + tid as u64;
         while e < n {
             let k = e as usize;
-            let mut r = (srcs[0] as *const T).add(k).read();
-            for &s in &srcs[1..] {
-                r = Op::apply(r, (s as *const T).add(k).read());
+            let mut r = (s[0] as *const T).add(k).read();
+            if NS > 1 {
+                r = Op::apply(r, (s[1] as *const T).add(k).read());
+            }
+            if NS > 2 {
+                r = Op::apply(r, (s[2] as *const T).add(k).read());
+            }
+            if NS > 3 {
+                r = Op::apply(r, (s[3] as *const T).add(k).read());
             }
             if div != 0 {
                 r = T::div(r, div);
             }
-            for &d in dsts {
-                (d as *mut T).add(k).write(r);
+            (d[0] as *mut T).add(k).write(r);
+            if ND > 1 {
+                (d[1] as *mut T).add(k).write(r);
+            }
+            if ND > 2 {
+                (d[2] as *mut T).add(k).write(r);
+            }
+            if ND > 3 {
+                (d[3] as *mut T).add(k).write(r);
             }
             e += stride;
         }
     }
 }
 
-impl<T: Elem, Op: RedFn<T>> Primitives for TreeSimple<T, Op> {
+impl<T: Elem, Op: RedFn<T>, const UP: bool> Primitives for TreeSimple<T, Op, UP> {
+    #[inline(always)]
     fn send(&mut self, src: u64, n: u64) {
         self.generic_op::<false, true, true, false, false>(src, 0, n, false)
     }
+    #[inline(always)]
     fn recv(&mut self, dst: u64, n: u64) {
         self.generic_op::<true, false, false, false, true>(0, dst, n, false)
     }
+    #[inline(always)]
     fn recv_reduce_send(&mut self, src: u64, n: u64) {
         self.generic_op::<true, true, true, false, false>(src, 0, n, false)
     }
+    #[inline(always)]
     fn recv_reduce_copy(&mut self, src: u64, dst: u64, n: u64, post: bool) {
         self.generic_op::<true, false, true, false, true>(src, dst, n, post)
     }
+    #[inline(always)]
     fn recv_copy_send(&mut self, dst: u64, n: u64) {
         self.generic_op::<true, true, false, false, true>(0, dst, n, false)
     }
+    #[inline(always)]
     fn recv_reduce_copy_send(&mut self, src: u64, dst: u64, n: u64, post: bool) {
         self.generic_op::<true, true, true, false, true>(src, dst, n, post)
     }
+    #[inline(always)]
     fn copy_send(&mut self, src: u64, dst: u64, n: u64) {
         self.generic_op::<false, true, true, false, true>(src, dst, n, false)
     }
+    #[inline(always)]
     fn aborted(&self) -> bool {
         self.aborted
     }
 }
 
-impl<T: Elem, Op: RedFn<T>> SendFromOutput for TreeSimple<T, Op> {
+impl<T: Elem, Op: RedFn<T>, const UP: bool> SendFromOutput for TreeSimple<T, Op, UP> {
+    #[inline(always)]
     fn send_from_output(&mut self, src: u64, n: u64) {
         self.generic_op::<false, true, false, true, false>(src, 0, n, false)
     }
@@ -446,11 +625,13 @@ mod tests {
     use std::vec::Vec;
 
     #[test]
-    fn reduce_copy_multi_folds_every_source_into_every_destination() {
-        // Four u32 sources (three children and the input) into two destinations (output and the
-        // parent's slot), 16-byte aligned (pack path) and shifted by one element (element path).
-        // Source s holds 10 i + s at element i, so the sum is 40 i + 6, and 10 i + 1 after a
-        // post-division by 4 (truncating).
+    fn reduce_copy_fan_folds_every_source_into_every_destination() {
+        // Every (sources, destinations) count from (1, 1) to (4, 4) over u32, 16-byte aligned
+        // (pack path, 37 elements: 9 packs and 1 element) and shifted by one element (element
+        // path), with and without a post-division by 4. Source s holds 10 i + s at element i, so
+        // the first `ns` sources sum to 10 ns i + ns (ns - 1) / 2 at buffer index i (truncated after
+        // a division);
+        // destinations past `nd` and every guard element keep their 0xdeadbeef.
         let n = 37usize;
         let buf = |fill: &dyn Fn(usize) -> u32| {
             let mut v = vec![Pack::default(); n.div_ceil(4) + 1];
@@ -461,36 +642,56 @@ mod tests {
             }
             v
         };
-        for shift in [0usize, 1] {
-            for div in [0u32, 4] {
-                let srcs: Vec<Vec<Pack>> = (0..4).map(|s| buf(&|i| (10 * i + s) as u32)).collect();
-                let mut dsts: Vec<Vec<Pack>> = (0..2).map(|_| buf(&|_| 0xdead_beef)).collect();
-                let sp: Vec<*const u8> = srcs
-                    .iter()
-                    .map(|v| (v.as_ptr() as *const u32).wrapping_add(shift) as *const u8)
-                    .collect();
-                let dp: Vec<*mut u8> = dsts
-                    .iter_mut()
-                    .map(|v| (v.as_mut_ptr() as *mut u32).wrapping_add(shift) as *mut u8)
-                    .collect();
-                // SAFETY: every pointer covers `n` elements after the shift.
-                unsafe { reduce_copy_multi::<u32, FuncSum>(0, 1, &sp, &dp, n as u64, div) };
-                for d in &dsts {
-                    let p = d.as_ptr() as *const u32;
-                    for k in 0..4 * d.len() {
-                        // SAFETY: inside the vector.
-                        let got = unsafe { p.add(k).read() };
-                        let want = if k < shift || k >= shift + n {
-                            0xdead_beef
-                        } else if div == 0 {
-                            (40 * k + 6) as u32
-                        } else {
-                            ((40 * k + 6) / 4) as u32
-                        };
-                        assert_eq!(got, want, "shift {shift}, div {div}, element {k}");
+        for ns in 1..=4usize {
+            for nd in 1..=4usize {
+                for shift in [0usize, 1] {
+                    for div in [0u32, 4] {
+                        let srcs: Vec<Vec<Pack>> = (0..4).map(|s| buf(&|i| (10 * i + s) as u32)).collect();
+                        let mut dsts: Vec<Vec<Pack>> = (0..4).map(|_| buf(&|_| 0xdead_beef)).collect();
+                        let sp: Vec<*const u8> = srcs
+                            .iter()
+                            .map(|v| (v.as_ptr() as *const u32).wrapping_add(shift) as *const u8)
+                            .collect();
+                        let dp: Vec<*mut u8> = dsts
+                            .iter_mut()
+                            .map(|v| (v.as_mut_ptr() as *mut u32).wrapping_add(shift) as *mut u8)
+                            .collect();
+                        let (sa, da) = ([sp[0], sp[1], sp[2], sp[3]], [dp[0], dp[1], dp[2], dp[3]]);
+                        // SAFETY: every pointer covers `n` elements after the shift.
+                        unsafe { reduce_copy_fan::<u32, FuncSum>(0, 1, sa, ns, da, nd, n as u64, div) };
+                        for (j, d) in dsts.iter().enumerate() {
+                            let p = d.as_ptr() as *const u32;
+                            for k in 0..4 * d.len() {
+                                // SAFETY: inside the vector.
+                                let got = unsafe { p.add(k).read() };
+                                let sum = 10 * ns * k + ns * (ns - 1) / 2;
+                                let want = if j >= nd || k < shift || k >= shift + n {
+                                    0xdead_beef
+                                } else if div == 0 {
+                                    sum as u32
+                                } else {
+                                    (sum / 4) as u32
+                                };
+                                assert_eq!(
+                                    got, want,
+                                    "{ns} sources, {nd} destinations, shift {shift}, div {div}, destination {j}, element {k}"
+                                );
+                            }
+                        }
                     }
                 }
             }
         }
+        // No source or no destination: nothing is written.
+        let src = buf(&|i| i as u32);
+        let mut dst = buf(&|_| 7);
+        let (s, d) = (src.as_ptr() as *const u8, dst.as_mut_ptr() as *mut u8);
+        let null = core::ptr::null_mut::<u8>();
+        // SAFETY: the pointers in use cover `n` elements.
+        unsafe {
+            reduce_copy_fan::<u32, FuncSum>(0, 1, [s; 4], 0, [d, null, null, null], 1, n as u64, 0);
+            reduce_copy_fan::<u32, FuncSum>(0, 1, [s; 4], 1, [d, null, null, null], 0, n as u64, 0);
+        }
+        assert!(dst.iter().all(|p| p.0 == [7; 4]));
     }
 }
