@@ -399,10 +399,15 @@ impl Comm {
     ///
     /// Peer information (rank, device, PCI bus id, host, process, connection memory) is exchanged
     /// in one bootstrap allgather like the seed's `fillInfo` + AllGather1, then each rank connects
-    /// to its two ring neighbours with the transport chosen per peer (`PeerLink::connect`): shared
-    /// memory (`/dev/shm`) on the CPU target; on CUDA, P2P — the neighbour's pointer over peer
-    /// access when it lives in this process, CUDA IPC (`cuIpcOpenMemHandle`) when it lives in
-    /// another process of this host. The abort flags of the ranks of one host share one
+    /// to its two ring neighbours with the transport chosen per peer, P2P then SHM then NET
+    /// (`ring_transport`, honouring `NCCL_P2P_DISABLE` / `NCCL_SHM_DISABLE`): P2P between CUDA
+    /// devices of one host — the neighbour's pointer over peer access when it lives in this
+    /// process, CUDA IPC (`cuIpcOpenMemHandle`) when it lives in another process; SHM on one host
+    /// — the receiver's `/dev/shm` segment, on CUDA registered with the driver in both processes
+    /// (`cuMemHostRegister`) so kernels use its device mapping; NET otherwise — staging FIFOs in
+    /// local memory (pinned, device-mapped on CUDA) that the proxy thread sends over the network.
+    /// LL128 is left out on CUDA communicators with SHM or NET connections unless `NCCL_PROTO`
+    /// names it (as NCCL's tuning). The abort flags of the ranks of one host share one
     /// `/dev/shm` page, so an [`abort`](Comm::abort) on any rank reaches the kernels of every rank
     /// of its host; ranks on other hosts learn of it through their NET connections (the proxy).
     ///
@@ -411,8 +416,10 @@ impl Comm {
     /// device of one host (case C26, naming both ranks and the device / bus id;
     /// `OXCCL_ALLOW_SHARED_DEVICE=1` allows it), for a mix of CUDA and CPU-target devices, or for
     /// ranks that disagree on the channel count or buffer sizes; `System` naming both ranks when
-    /// no transport connects two ring neighbours (`NCCL_P2P_DISABLE=1` on CUDA, different hosts);
-    /// `Remote`/`Timeout` from the bootstrap.
+    /// P2P is chosen but refused (no peer access, `NCCL_P2P_LEVEL`), or naming the bytes needed
+    /// and the path when `/dev/shm` is too small for SHM connection memory (the other ranks get
+    /// `Remote` naming that rank); the network's errors for NET; `Remote`/`Timeout` from the
+    /// bootstrap.
     ///
     /// Teardown is collective: destroying or dropping the communicator waits at a bootstrap
     /// barrier (bounded by the bootstrap timeout) until every rank is done with the others'
@@ -450,7 +457,7 @@ impl Comm {
             tracing::warn!(target: "oxccl::init", "NCCL_NTHREADS={} rounded down to {} (the most threads per block the kernels are built for)", params.nthreads, cuda::MAX_JIT_THREADS);
             params.nthreads = cuda::MAX_JIT_THREADS;
         }
-        let selection = Selection::from_env()?;
+        let mut selection = Selection::from_env()?;
         let ctx = match device {
             Device::Cuda(o) => Some(cuda::Context::get(o)?),
             Device::Cpu(_) => None,
@@ -485,6 +492,7 @@ impl Comm {
             nch,
             layout.bytes(),
             own.desc(&own_name)?,
+            own_name.clone(),
             page_name,
         )?;
         let peers: Vec<PeerInfo> = bootstrap
@@ -520,8 +528,38 @@ impl Comm {
             })?
         };
         let (next, prev) = ((rank + 1) % nranks, (rank + nranks - 1) % nranks);
+        use crate::transport::TransportKind;
+        // The transports of the send (next) and receive (prev) neighbours.
+        let kinds = [
+            ring_transport(&peers, rank, next),
+            ring_transport(&peers, rank, prev),
+        ];
+        // CUDA: the connection memory a SHM or NET neighbour (or its proxy) writes is host memory
+        // that the kernels reach through its device mapping. The NET block is made here (the
+        // proxy fills it), the SHM segment after connect_net.
+        let mut host_conns = HostConns::default();
+        if let Some(ctx) = &ctx
+            && kinds.contains(&TransportKind::Net)
+        {
+            let m = cuda::HostMapped::zeroed(ctx, layout.bytes() as usize)?;
+            for c in 0..layout.nch {
+                let base = m.host_ptr() as u64;
+                for at in [layout.head(base, c), layout.tail(base, c)] {
+                    // SAFETY: the counters lie inside the fresh block; no one else uses it yet.
+                    unsafe { (at as *mut u64).write(params.initial_step) };
+                }
+            }
+            host_conns.net = Some(m);
+        }
+        // Connection memory as the kernels address it (`conn_base`) and as the proxy does
+        // (`conn_host`, host addresses); the same on the CPU target.
         let mut conn_base = vec![0u64; nranks];
         conn_base[rank] = own.base();
+        let mut conn_host = vec![0u64; nranks];
+        conn_host[rank] = host_conns
+            .net
+            .as_ref()
+            .map_or(own.base(), |m| m.host_ptr() as u64);
         let mut links = Vec::new();
         // NET neighbours (other hosts, or NCCL_SHM_DISABLE=1): local staging FIFOs and the proxy.
         // SAFETY: our connection memory and abort line outlive `links`, which holds the NET
@@ -533,6 +571,7 @@ impl Comm {
                     rank,
                     nranks,
                     device,
+                    ctx: ctx.as_deref(),
                     hosts: &peers.iter().map(|p| p.host.clone()).collect::<Vec<_>>(),
                     nch,
                     block_bytes: layout.bytes() as usize,
@@ -550,16 +589,79 @@ impl Comm {
                     abort_flag: page.addr() + (rank * ABORT_LINE_BYTES) as u64,
                     abort_who: page.addr() + (rank * ABORT_LINE_BYTES) as u64 + 4,
                 },
-                &mut conn_base,
+                &mut conn_host,
             )?
         } {
+            for peer in [next, prev] {
+                if let Some(b) = net.kernel_base(peer) {
+                    conn_base[peer] = b;
+                }
+            }
             links.push(PeerLink::Net { _held: net });
         }
-        for peer in [next, prev] {
+        for (peer, kind) in [next, prev].into_iter().zip(kinds) {
+            if peer != rank && (kind == TransportKind::Net) != (conn_base[peer] != 0) {
+                return Err(Error::Internal(format!(
+                    "rank {rank}: init chose {kind} for ring neighbour {peer} but the NET setup disagrees"
+                )));
+            }
+        }
+        // CUDA SHM: each rank whose neighbour uses SHM creates its segment, and every rank learns
+        // whether all of them exist before any maps one (so all fail alike, naming the rank).
+        if (0..nranks)
+            .any(|a| peers[a].cuda && ring_transport(&peers, a, (a + 1) % nranks) == TransportKind::Shm)
+        {
+            let made = match &ctx {
+                Some(ctx) if kinds.contains(&TransportKind::Shm) => {
+                    RegisteredShm::create(ctx, &own_name, &layout, params.initial_step).map(Some)
+                }
+                _ => Ok(None),
+            };
+            let status = made.as_ref().err().map_or(String::new(), |e| e.to_string());
+            let all = bootstrap.allgather(status.as_bytes())?;
+            host_conns.shm = made?;
+            if let Some((r, why)) = all.iter().enumerate().find(|(_, b)| !b.is_empty()) {
+                return Err(Error::Remote(format!(
+                    "rank {rank}: rank {r} cannot create its SHM connection memory: {}",
+                    String::from_utf8_lossy(why)
+                )));
+            }
+        }
+        for (peer, kind) in [next, prev].into_iter().zip(kinds) {
             if conn_base[peer] == 0 {
-                let link = PeerLink::connect(rank, &peers, peer, ctx.as_ref(), &layout, params.p2p_level)?;
+                let link =
+                    PeerLink::connect(rank, &peers, peer, kind, ctx.as_ref(), &layout, params.p2p_level)?;
                 conn_base[peer] = link.base();
                 links.push(link);
+            }
+        }
+        // This rank's own connection memory as its kernels address it, per direction (send: the
+        // head counters next writes; receive: the FIFOs prev writes).
+        let mut own_split = [0u64; 2];
+        for (at, kind) in own_split.iter_mut().zip(kinds) {
+            *at = match (&own, kind) {
+                (OwnConn::Shm(s), _) => s.addr(),
+                (OwnConn::Dev(m), TransportKind::P2p) => m.ptr,
+                (OwnConn::Dev(_), TransportKind::Shm) => host_conns.shm.as_ref().map_or(0, |m| m.dev_base()),
+                (OwnConn::Dev(_), TransportKind::Net) => host_conns.net.as_ref().map_or(0, |m| m.dev_ptr()),
+            };
+            if *at == 0 {
+                return Err(Error::Internal(format!(
+                    "rank {rank}: no connection memory for its {kind} neighbour"
+                )));
+            }
+        }
+        // LL128 trusts 128-byte lines to arrive whole, which NVLink gives and host memory (SHM,
+        // NET without GPUDirect) does not: as NCCL's tuning, it is off on such communicators
+        // unless NCCL_PROTO names it. Decided from every ring pair, so all ranks agree.
+        let host_path = (0..nranks)
+            .any(|a| peers[a].cuda && ring_transport(&peers, a, (a + 1) % nranks) != TransportKind::P2p);
+        if host_path && !ll128_forced() {
+            let mut protos = selection.protos.0;
+            protos[Proto::Ll128 as usize] = false;
+            if protos.iter().any(|&b| b) {
+                selection.protos.0 = protos;
+                tracing::info!(target: "oxccl::init", rank, "LL128 off: ring connections through host memory (SHM/NET); NCCL_PROTO=LL128 forces it");
             }
         }
         // Every rank has mapped what it needs: the names can go (the mappings stay).
@@ -567,16 +669,19 @@ impl Comm {
         let unlinked = match &own {
             OwnConn::Shm(s) => s.unlink(),
             OwnConn::Dev(_) => Ok(()),
-        };
+        }
+        .and(host_conns.shm.as_ref().map_or(Ok(()), |m| m.seg.unlink()));
         if let Err(e) = unlinked.and(if rank == leader { page.unlink() } else { Ok(()) }) {
             tracing::warn!(target: "oxccl::init", "{e}");
         }
         let abort = SharedAbort::new(page, rank, nranks, ctx.as_ref())?;
         let abort_dev = abort.dev_flag;
+        let uses_dev = kinds.contains(&TransportKind::P2p);
         let mp = InitRankRes {
             rank,
             peers,
             links: Mutex::new(links),
+            _host_conns: host_conns,
             abort,
             synced: std::sync::atomic::AtomicBool::new(false),
             bootstrap,
@@ -611,15 +716,16 @@ impl Comm {
             }
             (OwnConn::Dev(mem), Some(ctx)) => {
                 let block = cuda::DevAlloc::zeroed(&ctx, block_bytes)?;
-                let bytes = build_comm_block(
-                    rank, nranks, nch, &layout, &conn_base, block.ptr, abort_dev, &params,
+                let bytes = build_comm_block_split(
+                    rank, nranks, nch, &layout, &conn_base, own_split, block.ptr, abort_dev, &params,
                 );
                 block.write(0, &bytes)?;
                 let dev_comm = block.ptr;
                 let last_event = cuda::Event::new(&ctx)?;
                 let group = Arc::new(CudaGroup {
                     _comm_mem: vec![block],
-                    _conn_mem: vec![mem],
+                    // Without a P2P neighbour no one maps the device block: freed now.
+                    _conn_mem: if uses_dev { vec![mem] } else { Vec::new() },
                     abort: Vec::new(),
                     mp: Some(mp),
                 });
@@ -1477,6 +1583,11 @@ struct PeerInfo {
     start_time: u64,
     /// `NCCL_P2P_DISABLE=1` in the rank's environment.
     p2p_disable: bool,
+    /// `NCCL_SHM_DISABLE=1` in the rank's environment.
+    shm_disable: bool,
+    /// Name of the `/dev/shm` segment of its SHM connection memory (CUDA ranks create it only
+    /// when a ring neighbour uses SHM; CPU-target ranks always, as [`ConnDesc::Shm`]).
+    shm_name: String,
     /// Channels and connection-memory bytes per rank: every rank must agree.
     nch: u32,
     conn_bytes: u64,
@@ -1521,6 +1632,7 @@ impl PeerInfo {
         nch: u32,
         conn_bytes: u64,
         conn: ConnDesc,
+        shm_name: String,
         abort_page: String,
     ) -> Result<PeerInfo> {
         let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
@@ -1542,6 +1654,9 @@ impl PeerInfo {
             pid,
             start_time: proc_start(pid).map_or(0, |(t, _)| t),
             p2p_disable: crate::params::env_var("P2P_DISABLE").is_some_and(|(_, v)| v.trim() == "1"),
+            // Read leniently here: a bad value fails every rank alike in `connect_net`.
+            shm_disable: crate::params::env_var("SHM_DISABLE").is_some_and(|(_, v)| v.trim() == "1"),
+            shm_name,
             nch,
             conn_bytes,
             conn,
@@ -1575,6 +1690,8 @@ impl PeerInfo {
             self.conn_bytes.to_string(),
             conn,
             self.abort_page.clone(),
+            u8::from(self.shm_disable).to_string(),
+            self.shm_name.clone(),
         ]
         .join("\n")
     }
@@ -1584,8 +1701,8 @@ impl PeerInfo {
         let bad = |what: &str| Error::Remote(format!("rank {rank} sent malformed peer information ({what})"));
         let text = std::str::from_utf8(b).map_err(|_| bad("not UTF-8"))?;
         let f: Vec<&str> = text.split('\n').collect();
-        if f.len() != 12 {
-            return Err(bad(&format!("{} fields, expected 12", f.len())));
+        if f.len() != 14 {
+            return Err(bad(&format!("{} fields, expected 14", f.len())));
         }
         let num = |i: usize, what: &str| f[i].parse::<u64>().map_err(|_| bad(what));
         let conn = match f[10].split(' ').collect::<Vec<_>>()[..] {
@@ -1619,6 +1736,8 @@ impl PeerInfo {
             conn_bytes: num(9, "connection bytes")?,
             conn,
             abort_page: f[11].to_string(),
+            shm_disable: num(12, "SHM flag")? != 0,
+            shm_name: f[13].to_string(),
         })
     }
 
@@ -1633,8 +1752,8 @@ impl PeerInfo {
 }
 
 /// Checks the gathered peer information, identically on every rank so every rank fails alike:
-/// one device kind, one device per rank per host (C26), the same channels and buffer sizes, and a
-/// transport between every pair of ring neighbours.
+/// one device kind, one device per rank per host (C26), the same channels and buffer sizes. (Every
+/// pair of ring neighbours has a transport: NET connects any two ranks, see [`ring_transport`].)
 fn check_peers(rank: usize, peers: &[PeerInfo]) -> Result<()> {
     let me = &peers[rank];
     let shared_ok = crate::params::env_var("ALLOW_SHARED_DEVICE").is_some_and(|(_, v)| v == "1");
@@ -1669,41 +1788,108 @@ fn check_peers(rank: usize, peers: &[PeerInfo]) -> Result<()> {
             }
         }
     }
-    let n = peers.len();
-    for a in 0..n {
-        let b = (a + 1) % n;
-        if a != b {
-            can_connect(peers, a, b)?;
-        }
-    }
     Ok(())
 }
 
-/// Whether any transport connects ranks `a` and `b` (NCCL's `canConnect` of each transport):
-/// `Ok`, or `System` naming both ranks and why not.
-fn can_connect(peers: &[PeerInfo], a: usize, b: usize) -> Result<()> {
-    let (pa, pb) = (&peers[a], &peers[b]);
-    let why = if pa.cuda && (pa.host_hash != pb.host_hash || pa.host != pb.host) {
-        Some(format!(
-            "they are on different hosts ({:?} and {:?}) and oxccl's NET transport drives CPU-target devices only so far",
-            pa.host, pb.host
-        ))
-    } else if pa.cuda && (pa.p2p_disable || pb.p2p_disable) {
-        Some(format!(
-            "NCCL_P2P_DISABLE=1 (set on rank {}) turns off P2P, the only transport between CUDA devices so far",
-            if pa.p2p_disable { a } else { b }
-        ))
-    } else {
-        None
-    };
-    match why {
-        Some(why) => Err(Error::System(format!(
-            "no transport can connect rank {a} ({}) and rank {b} ({}): {why}",
-            pa.describe_device(),
-            pb.describe_device()
-        ))),
-        None => Ok(()),
+/// The transport between ranks `a` and `b` (NCCL's `selectTransport`: the first of P2P, SHM, NET
+/// that can connect them, [`crate::transport::select_transport`]), decided from both ranks'
+/// information so the two ends agree. A rank is its own neighbour only in a 1-rank communicator,
+/// which uses its own memory (reported as P2P).
+fn ring_transport(peers: &[PeerInfo], a: usize, b: usize) -> crate::transport::TransportKind {
+    if a == b {
+        return crate::transport::TransportKind::P2p;
     }
+    let info = |p: &PeerInfo| crate::transport::PeerInfo {
+        cuda: p.cuda,
+        host: p.host.clone(),
+        p2p_disable: p.p2p_disable,
+        shm_disable: p.shm_disable,
+    };
+    crate::transport::select_transport(&info(&peers[a]), &info(&peers[b]))
+}
+
+/// Whether `NCCL_PROTO` (or `OXCCL_PROTO`) names LL128 in a list of protocols to use (not in an
+/// exclusion list): NCCL then enables LL128 even where it is off by default.
+fn ll128_forced() -> bool {
+    ll128_forced_by(crate::params::env_var("PROTO").map(|(_, v)| v).as_deref())
+}
+
+/// [`ll128_forced`] for the `NCCL_PROTO` value `proto` (`None`: unset).
+fn ll128_forced_by(proto: Option<&str>) -> bool {
+    proto.is_some_and(|v| {
+        let v = v.trim();
+        !v.starts_with('^') && v.split(',').any(|p| p.trim().eq_ignore_ascii_case("LL128"))
+    })
+}
+
+/// Rounds `bytes` up to whole pages (what `cuMemHostRegister` registers).
+fn page_round(bytes: usize) -> usize {
+    // SAFETY: sysconf has no memory effects.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    let page = if page > 0 { page as usize } else { 4096 };
+    bytes.div_ceil(page) * page
+}
+
+/// A `/dev/shm` segment mapped here and registered with CUDA (NCCL's SHM transport:
+/// `ncclShmOpen`, then `cudaHostRegister` with `DEVICEMAP | PORTABLE` and
+/// `cudaHostGetDevicePointer`): the host mapping for this process, the device mapping for its
+/// kernels. Dropping it unregisters, then unmaps (field order); the name is unlinked separately
+/// ([`ShmSegment::unlink`](crate::cpu::ShmSegment::unlink)) once every peer has mapped it.
+struct RegisteredShm {
+    reg: cuda::HostRegistration,
+    seg: crate::cpu::ShmSegment,
+}
+
+impl RegisteredShm {
+    /// Creates `/dev/shm/<name>` for one rank's connection memory (`layout`, rounded up to whole
+    /// pages), sets its step counters to `initial_step` and registers it. Errors: a `/dev/shm`
+    /// without the room (`System` naming the bytes needed and the path), driver failures.
+    fn create(
+        ctx: &cuda::Context,
+        name: &str,
+        layout: &ConnLayout,
+        initial_step: u64,
+    ) -> Result<RegisteredShm> {
+        let bytes = page_round(layout.bytes() as usize);
+        let seg = crate::cpu::ShmSegment::create(name, bytes)?;
+        for c in 0..layout.nch {
+            for at in [layout.head(seg.addr(), c), layout.tail(seg.addr(), c)] {
+                // SAFETY: the counters lie inside our fresh segment; no peer maps it yet.
+                unsafe { (at as *mut u64).write(initial_step) };
+            }
+        }
+        Self::register(ctx, seg, bytes)
+    }
+
+    /// Maps and registers a peer's segment `name` of `layout` (rounded up to whole pages).
+    fn open(ctx: &cuda::Context, name: &str, layout: &ConnLayout) -> Result<RegisteredShm> {
+        let bytes = page_round(layout.bytes() as usize);
+        Self::register(ctx, crate::cpu::ShmSegment::open(name, bytes)?, bytes)
+    }
+
+    fn register(ctx: &cuda::Context, seg: crate::cpu::ShmSegment, bytes: usize) -> Result<RegisteredShm> {
+        // SAFETY: the mapping is page-aligned, `bytes` long, and outlives the registration (field
+        // order of `RegisteredShm`).
+        let reg = unsafe { cuda::HostRegistration::new(ctx, seg.addr() as *mut u8, bytes)? };
+        Ok(RegisteredShm { reg, seg })
+    }
+
+    /// The address kernels use.
+    fn dev_base(&self) -> u64 {
+        self.reg.dev_ptr()
+    }
+}
+
+/// A CUDA rank's connection memory for its SHM and NET neighbours (its P2P neighbours use
+/// [`OwnConn::Dev`]): one block each, laid out as [`ConnLayout`], in host memory that both the
+/// kernels (through the device mapping) and the other side reach.
+#[derive(Default)]
+struct HostConns {
+    /// SHM: a `/dev/shm` segment that SHM neighbours map and register too.
+    shm: Option<RegisteredShm>,
+    /// NET: pinned, device-mapped host memory whose receive FIFOs and head counters the proxy
+    /// thread writes.
+    net: Option<cuda::HostMapped>,
 }
 
 /// This rank's connection memory (receive buffers and counters, [`ConnLayout`]).
@@ -1773,6 +1959,9 @@ enum PeerLink {
     Net { _held: crate::transport::NetResources },
     /// CPU target: the neighbour's `/dev/shm` segment, mapped here (the seed's SHM transport).
     Shm(crate::cpu::ShmSegment),
+    /// CUDA, neighbour of this host reached through SHM: its `/dev/shm` segment, mapped here and
+    /// registered with CUDA (unregistered and unmapped before this rank's teardown barrier).
+    ShmMapped(RegisteredShm),
     /// CUDA, neighbour in this process: its device pointer, used over peer access (P2P).
     P2pDirect(u64),
     /// CUDA, neighbour in another process of this host: its memory opened through CUDA IPC
@@ -1781,22 +1970,41 @@ enum PeerLink {
 }
 
 impl PeerLink {
-    /// Connects rank `me` to ring neighbour `peer` (NCCL's per-peer `selectTransport`): the first
-    /// transport whose rules allow the pair (see [`can_connect`]). Between CUDA devices P2P also
-    /// follows `p2p_level` (`NCCL_P2P_LEVEL`, see [`check_p2p_level`]); every rank must set the
-    /// same level, as each side of a pair decides on its own.
+    /// Connects rank `me` to ring neighbour `peer` over `kind`, the transport [`ring_transport`]
+    /// chose for the pair (P2P or SHM; NET connections are made by `transport::connect_net`).
+    /// Between CUDA devices P2P also follows `p2p_level` (`NCCL_P2P_LEVEL`, see
+    /// [`check_p2p_level`]); every rank must set the same level, as each side of a pair decides
+    /// on its own. CUDA SHM maps the peer's segment ([`PeerInfo::shm_name`]), which must exist.
+    #[allow(clippy::too_many_arguments)]
     fn connect(
         me: usize,
         peers: &[PeerInfo],
         peer: usize,
+        kind: crate::transport::TransportKind,
         ctx: Option<&Arc<cuda::Context>>,
         layout: &ConnLayout,
         p2p_level: Option<crate::topo::PathType>,
     ) -> Result<PeerLink> {
-        can_connect(peers, me, peer)?;
+        use crate::transport::TransportKind;
         let (mi, pi) = (&peers[me], &peers[peer]);
-        if mi.cuda {
-            check_p2p_level(me, mi, peer, pi, p2p_level, p2p_path_type)?;
+        match (kind, ctx) {
+            (TransportKind::Net, _) => {
+                return Err(Error::Internal(format!(
+                    "rank {me}: the NET connection to rank {peer} was not made by connect_net"
+                )));
+            }
+            (TransportKind::Shm, Some(ctx)) => {
+                let m = RegisteredShm::open(ctx, &pi.shm_name, layout)?;
+                tracing::debug!(target: "oxccl::init", rank = me, peer, "SHM (registered with CUDA)");
+                return Ok(PeerLink::ShmMapped(m));
+            }
+            (TransportKind::P2p, None) => {
+                return Err(Error::Internal(format!(
+                    "rank {me}: P2P chosen for CPU-target rank {peer}"
+                )));
+            }
+            (TransportKind::P2p, Some(_)) => check_p2p_level(me, mi, peer, pi, p2p_level, p2p_path_type)?,
+            (TransportKind::Shm, None) => {}
         }
         let context = |e: Error| match e {
             Error::Cuda {
@@ -1855,6 +2063,7 @@ impl PeerLink {
     fn base(&self) -> u64 {
         match self {
             PeerLink::Shm(s) => s.addr(),
+            PeerLink::ShmMapped(m) => m.dev_base(),
             PeerLink::P2pDirect(p) => *p,
             PeerLink::P2pIpc(m) => m.ptr(),
             PeerLink::Net { .. } => 0,
@@ -1900,7 +2109,7 @@ fn topo_gpu_path(sys: &crate::topo::System, from: &str, to: &str) -> Option<crat
 /// most the level, by [`crate::params::p2p_allowed`]. When the path type is unknown (a GPU that
 /// neither NVML nor `NCCL_TOPO_FILE` describes), only `LOC` refuses (two distinct GPUs); other
 /// levels are not applied and a warning says so. `Ok` when P2P may be used; `System` naming both ranks, the level and the path type when it
-/// may not (P2P is the only transport between CUDA devices so far, so nothing else connects them).
+/// may not (oxccl does not fall back to SHM/NET then, as NCCL would: `NCCL_P2P_DISABLE=1` selects them).
 fn check_p2p_level(
     me: usize,
     mi: &PeerInfo,
@@ -1920,7 +2129,8 @@ fn check_p2p_level(
         }
         Some(false) => Err(Error::System(format!(
             "no transport can connect rank {me} ({}) and rank {peer} ({}): NCCL_P2P_LEVEL={lvl} allows P2P up to \
-             {lvl} paths but their path is {}, and P2P is the only transport between CUDA devices so far",
+             {lvl} paths but their path is {}, and oxccl does not fall back to SHM or NET then (NCCL_P2P_DISABLE=1 \
+             selects them)",
             mi.describe_device(),
             pi.describe_device(),
             path.map_or("at least NVL (two distinct GPUs)", |p| p.as_str()),
@@ -1947,6 +2157,8 @@ mod p2p_level_tests {
             pid: 100 + rank as u32,
             start_time: 1,
             p2p_disable: false,
+            shm_disable: false,
+            shm_name: String::new(),
             nch: 1,
             conn_bytes: 64,
             conn: ConnDesc::Ipc {
@@ -2017,7 +2229,7 @@ mod p2p_level_tests {
             e.to_string(),
             "system error: no transport can connect rank 0 (cuda device 0 (bus id 0000:11:00.0)) and rank 1 (cuda \
              device 1 (bus id 0000:13:00.0)): NCCL_P2P_LEVEL=NVL allows P2P up to NVL paths but their path is PIX, \
-             and P2P is the only transport between CUDA devices so far"
+             and oxccl does not fall back to SHM or NET then (NCCL_P2P_DISABLE=1 selects them)"
         );
         // Unknown path: LOC still refuses two distinct GPUs; other levels are not applied.
         let e = check_p2p_level(1, &b, 0, &a, Some(PathType::Loc), unknown).unwrap_err();
@@ -2151,6 +2363,9 @@ struct InitRankRes {
     rank: usize,
     peers: Vec<PeerInfo>,
     links: Mutex<Vec<PeerLink>>,
+    /// CUDA: this rank's connection memory for SHM and NET neighbours, freed after the teardown
+    /// barrier (declared after `links`: the proxy stops writing into it first).
+    _host_conns: HostConns,
     abort: SharedAbort,
     /// Set once the ranks have synchronized for teardown ([`InitRankRes::sync_teardown`]).
     synced: std::sync::atomic::AtomicBool,
@@ -2228,7 +2443,8 @@ fn id_tag(id: &crate::bootstrap::UniqueId) -> u64 {
 }
 
 /// Builds rank `r`'s communicator block: [`DevComm`], its channels (ring + connections), and the
-/// user-rank arrays of each channel's ring.
+/// user-rank arrays of each channel's ring. `conn_base[p]` is the connection memory of rank `p`
+/// as this rank's kernels address it; `conn_base[r]` is this rank's own.
 #[allow(clippy::too_many_arguments)]
 fn build_comm_block(
     r: usize,
@@ -2240,6 +2456,38 @@ fn build_comm_block(
     abort_addr: u64,
     params: &Params,
 ) -> Vec<u8> {
+    let own = conn_base[r];
+    build_comm_block_split(
+        r,
+        nranks,
+        nch,
+        layout,
+        conn_base,
+        [own, own],
+        block_addr,
+        abort_addr,
+        params,
+    )
+}
+
+/// [`build_comm_block`] where this rank's own connection memory is split by transport: the head
+/// counters of its send connection (written by the next rank) in block `own[0]`, the receive
+/// FIFOs and tail of its receive connection (written by the previous rank) in block `own[1]`
+/// (e.g. device memory for a P2P neighbour and host memory for a NET one). `conn_base[r]` is
+/// unused.
+#[allow(clippy::too_many_arguments)]
+fn build_comm_block_split(
+    r: usize,
+    nranks: usize,
+    nch: u32,
+    layout: &ConnLayout,
+    conn_base: &[u64],
+    own: [u64; 2],
+    block_addr: u64,
+    abort_addr: u64,
+    params: &Params,
+) -> Vec<u8> {
+    let [own_send, own_recv] = own;
     let nchu = nch as usize;
     let channels_off = size_of::<DevComm>();
     let ranks_off = channels_off + nchu * size_of::<DevChannel>();
@@ -2268,15 +2516,15 @@ fn build_comm_block(
         }
         send.step = params.initial_step;
         send.tail = layout.tail(conn_base[next], c);
-        send.head = layout.head(conn_base[r], c);
+        send.head = layout.head(own_send, c);
         let mut recv = ConnInfo::zeroed();
-        recv.buffs[Proto::Simple as usize] = layout.buff(conn_base[r], c);
+        recv.buffs[Proto::Simple as usize] = layout.buff(own_recv, c);
         if layout.ll_buffsize > 0 {
-            recv.buffs[Proto::Ll as usize] = layout.ll(conn_base[r], c);
-            recv.buffs[Proto::Ll128 as usize] = layout.ll128(conn_base[r], c);
+            recv.buffs[Proto::Ll as usize] = layout.ll(own_recv, c);
+            recv.buffs[Proto::Ll128 as usize] = layout.ll128(own_recv, c);
         }
         recv.step = params.initial_step;
-        recv.tail = layout.tail(conn_base[r], c);
+        recv.tail = layout.tail(own_recv, c);
         recv.head = layout.head(conn_base[prev], c);
         let ch = DevChannel {
             ring: DevRing {
@@ -2590,6 +2838,8 @@ mod init_rank_tests {
             pid,
             start_time: 77,
             p2p_disable: false,
+            shm_disable: false,
+            shm_name: format!("oxccl-1-{pid}-r0"),
             nch: 4,
             conn_bytes: 1 << 20,
             conn: ConnDesc::Ipc {
@@ -2604,6 +2854,7 @@ mod init_rank_tests {
     fn peer_info_round_trips() {
         let mut p = cuda_peer("0000:18:00.0", "node a", 4242);
         p.abort_page = "oxccl-1-2-abort".into();
+        p.shm_disable = true;
         assert_eq!(PeerInfo::decode(0, p.encode().as_bytes()).unwrap(), p);
         let q = PeerInfo {
             cuda: false,
@@ -2615,7 +2866,7 @@ mod init_rank_tests {
         let e = PeerInfo::decode(3, b"cuda\n0").unwrap_err();
         assert_eq!(
             e.to_string(),
-            "remote error: rank 3 sent malformed peer information (2 fields, expected 12)"
+            "remote error: rank 3 sent malformed peer information (2 fields, expected 14)"
         );
     }
 
@@ -2634,25 +2885,12 @@ mod init_rank_tests {
             "invalid usage: ranks 0 and 1 are both on cuda device 0 (bus id 0000:18:00.0) of host \"h\"; one device \
              per rank is required (set OXCCL_ALLOW_SHARED_DEVICE=1 to share a device for testing)"
         );
-        // NCCL_P2P_DISABLE=1 on either side: no transport for CUDA ranks.
+        // NCCL_P2P_DISABLE=1 on either side, or different hosts: fine (SHM or NET connects them).
         let mut c = b.clone();
         c.p2p_disable = true;
-        let e = check_peers(0, &[a.clone(), c]).unwrap_err();
-        assert_eq!(
-            e.to_string(),
-            "system error: no transport can connect rank 0 (cuda device 0 (bus id 0000:18:00.0)) and rank 1 \
-             (cuda device 0 (bus id 0000:2a:00.0)): NCCL_P2P_DISABLE=1 (set on rank 1) turns off P2P, the only \
-             transport between CUDA devices so far"
-        );
-        // Different hosts.
+        check_peers(0, &[a.clone(), c]).unwrap();
         let d = cuda_peer("0000:2a:00.0", "other", 2);
-        let e = check_peers(0, &[a.clone(), d]).unwrap_err();
-        assert!(
-            e.to_string().ends_with(
-                "they are on different hosts (\"h\" and \"other\") and oxccl's NET transport drives CPU-target devices only so far"
-            ),
-            "{e}"
-        );
+        check_peers(0, &[a.clone(), d]).unwrap();
         // A CPU-target rank among CUDA ranks.
         let mut cpu = b;
         cpu.cuda = false;
@@ -2662,6 +2900,104 @@ mod init_rank_tests {
             "invalid usage: rank 1 is on a cpu device but rank 0 is on a cuda device: a communicator is all CUDA or \
              all CPU-target"
         );
+    }
+
+    #[test]
+    fn ring_transports_follow_p2p_shm_net() {
+        use crate::transport::TransportKind::{Net, P2p, Shm};
+        // Ranks 0-2 on host h, rank 3 on host k; rank 1 has NCCL_P2P_DISABLE=1, rank 2
+        // NCCL_SHM_DISABLE=1. Pairs: 0-1 SHM (P2P off on 1), 1-2 NET (P2P off on 1, SHM off on 2),
+        // 2-3 and 3-0 NET (other host); 0-0 (a 1-rank ring) its own memory, reported as P2P.
+        let mut p: Vec<PeerInfo> = (0..4)
+            .map(|r| {
+                cuda_peer(
+                    &format!("0000:{r:02x}:00.0"),
+                    if r == 3 { "k" } else { "h" },
+                    r as u32,
+                )
+            })
+            .collect();
+        assert_eq!(ring_transport(&p, 0, 1), P2p);
+        p[1].p2p_disable = true;
+        p[2].shm_disable = true;
+        let want = [
+            (0, 1, Shm),
+            (1, 2, Net),
+            (2, 3, Net),
+            (3, 0, Net),
+            (0, 2, P2p),
+            (0, 0, P2p),
+        ];
+        for (a, b, k) in want {
+            assert_eq!(
+                (ring_transport(&p, a, b), ring_transport(&p, b, a)),
+                (k, k),
+                "{a}-{b}"
+            );
+        }
+        // CPU-target ranks never use P2P: SHM on one host (0-2 also with P2P allowed on both),
+        // still NET where one side disabled SHM.
+        for q in &mut p {
+            q.cuda = false;
+        }
+        assert_eq!((ring_transport(&p, 0, 1), ring_transport(&p, 1, 2)), (Shm, Net));
+        p[2].shm_disable = false;
+        assert_eq!(ring_transport(&p, 0, 2), Shm);
+    }
+
+    #[test]
+    fn split_own_memory_by_transport() {
+        // Rank 1 of 3, 2 channels: next (2) reached through P2P, prev (0) through NET. Its send
+        // head must be in its device block (own[0]) where rank 2 writes it, its receive FIFOs and
+        // tail in its host block (own[1]) where the proxy writes them; peers' blocks as given.
+        let params = Params::default();
+        let layout = ConnLayout::new(&params, 2, true);
+        let bases = [0x1000_0000_0000u64, 0, 0x3000_0000_0000];
+        let own = [0x7000_0000_0000u64, 0x9000_0000_0000];
+        let bytes = build_comm_block_split(1, 3, 2, &layout, &bases, own, 0x5000, 0x6000, &params);
+        let chans: &[DevChannel] =
+            bytemuck::cast_slice(&bytes[size_of::<DevComm>()..][..2 * size_of::<DevChannel>()]);
+        for (c, ch) in chans.iter().enumerate() {
+            let c = c as u64;
+            assert_eq!(ch.send.buffs[Proto::Simple as usize], layout.buff(bases[2], c));
+            assert_eq!(ch.send.tail, layout.tail(bases[2], c));
+            assert_eq!(ch.send.head, layout.head(own[0], c));
+            assert_eq!(ch.recv.buffs[Proto::Simple as usize], layout.buff(own[1], c));
+            assert_eq!(ch.recv.buffs[Proto::Ll as usize], layout.ll(own[1], c));
+            assert_eq!(ch.recv.buffs[Proto::Ll128 as usize], layout.ll128(own[1], c));
+            assert_eq!(ch.recv.tail, layout.tail(own[1], c));
+            assert_eq!(ch.recv.head, layout.head(bases[0], c));
+        }
+        // Unsplit: the same as the split with conn_base[r] on both sides.
+        let whole = [bases[0], own[1], bases[2]];
+        assert_eq!(
+            build_comm_block(1, 3, 2, &layout, &whole, 0x5000, 0x6000, &params),
+            build_comm_block_split(
+                1,
+                3,
+                2,
+                &layout,
+                &whole,
+                [own[1], own[1]],
+                0x5000,
+                0x6000,
+                &params
+            )
+        );
+    }
+
+    #[test]
+    fn ll128_forced_only_by_a_positive_list() {
+        for (v, want) in [
+            (None, false),
+            (Some("LL128"), true),
+            (Some("simple, ll128"), true),
+            (Some("^LL"), false),
+            (Some("^LL128"), false),
+            (Some("LL"), false),
+        ] {
+            assert_eq!(ll128_forced_by(v), want, "{v:?}");
+        }
     }
 
     #[test]

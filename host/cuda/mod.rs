@@ -358,6 +358,8 @@ pub struct HostMapped {
     host: *mut c_void,
     pub(crate) dev_ptr: u64,
     bytes: usize,
+    /// Bound when freeing (the dropping thread may have no current context).
+    ctx: Option<Arc<Context>>,
 }
 // SAFETY: the allocation is process-wide pinned memory; access goes through atomics.
 unsafe impl Send for HostMapped {}
@@ -378,6 +380,7 @@ impl HostMapped {
             host,
             dev_ptr: 0,
             bytes,
+            ctx: Context::get(ctx.ordinal).ok(),
         };
         cu!(cuMemHostGetDevicePointer_v2(&mut m.dev_ptr, host, 0))?;
         Ok(m)
@@ -385,6 +388,10 @@ impl HostMapped {
     /// The host address.
     pub fn host_ptr(&self) -> *mut u8 {
         self.host as *mut u8
+    }
+    /// The device address of the first byte (what kernels use; `cuMemHostGetDevicePointer`).
+    pub fn dev_ptr(&self) -> u64 {
+        self.dev_ptr
     }
     /// Size in bytes.
     pub fn len(&self) -> usize {
@@ -398,6 +405,9 @@ impl HostMapped {
 
 impl Drop for HostMapped {
     fn drop(&mut self) {
+        if let Some(ctx) = &self.ctx {
+            let _ = ctx.bind();
+        }
         if let Err(e) = cu!(cuMemFreeHost(self.host)) {
             tracing::warn!(target: "oxccl::alloc", "freeing mapped host memory: {e}");
         }
@@ -642,6 +652,8 @@ impl Drop for IpcMapping {
 pub struct HostRegistration {
     host: *mut c_void,
     dev_ptr: u64,
+    /// Bound when unregistering (the dropping thread may have no current context).
+    ctx: Option<Arc<Context>>,
 }
 // SAFETY: registration of process-wide memory; this value only holds addresses.
 unsafe impl Send for HostRegistration {}
@@ -661,6 +673,7 @@ impl HostRegistration {
         let mut r = HostRegistration {
             host: host as *mut c_void,
             dev_ptr: 0,
+            ctx: Context::get(ctx.ordinal).ok(),
         };
         cu!(cuMemHostGetDevicePointer_v2(&mut r.dev_ptr, r.host, 0))?;
         Ok(r)
@@ -673,7 +686,11 @@ impl HostRegistration {
 }
 
 impl Drop for HostRegistration {
+    /// Unregisters; a failure is logged, never raised (the memory itself is its owner's to free).
     fn drop(&mut self) {
+        if let Some(ctx) = &self.ctx {
+            let _ = ctx.bind();
+        }
         if let Err(e) = cu!(cuMemHostUnregister(self.host)) {
             tracing::warn!(target: "oxccl::alloc", "unregistering host memory: {e}");
         }

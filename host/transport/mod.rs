@@ -7,8 +7,8 @@
 //! | transport | can connect when | the kernel's pointers point at |
 //! |---|---|---|
 //! | P2P | both ranks are CUDA devices of one host, `NCCL_P2P_DISABLE` unset on both | the peer's device memory |
-//! | SHM | both ranks are on one host, `NCCL_SHM_DISABLE` unset on both | the peer's `/dev/shm` segment |
-//! | NET | always | a local staging FIFO that the proxy thread ([`crate::proxy`]) sends over the network |
+//! | SHM | both ranks are on one host, `NCCL_SHM_DISABLE` unset on both | the peer's `/dev/shm` segment (on CUDA registered with the driver: its device mapping) |
+//! | NET | always | a local staging FIFO that the proxy thread ([`crate::proxy`]) sends over the network (on CUDA pinned, device-mapped host memory) |
 //!
 //! "One host" means equal host ids: the host name, or `OXCCL_HOSTID` when set (so tests can make
 //! "hosts" inside one machine). The choice is made from both ranks' information, which the ranks
@@ -239,6 +239,9 @@ pub struct RingSetup<'a> {
     pub nranks: usize,
     /// This rank's device (its proxy thread is the device's).
     pub device: Device,
+    /// The CUDA context of `device` (`None` on the CPU target): staging FIFOs are then pinned,
+    /// device-mapped host memory, so the kernel writes them and the proxy reads them.
+    pub ctx: Option<&'a crate::cuda::Context>,
     /// Every rank's host id, by rank.
     pub hosts: &'a [String],
     /// Channels: one network connection per channel and direction.
@@ -261,17 +264,61 @@ pub struct RingSetup<'a> {
     pub abort_who: u64,
 }
 
+/// A staging block of NET connections: plain host memory on the CPU target; on CUDA pinned host
+/// memory mapped into the device (`cuMemHostAlloc` with `DEVICEMAP | PORTABLE`), as NCCL's net
+/// transport keeps its host-memory FIFOs.
+enum Staging {
+    Host(HostMem),
+    Mapped(crate::cuda::HostMapped),
+}
+
+impl Staging {
+    /// Allocates `bytes` zeroed bytes: device-mapped when `ctx` is given.
+    fn alloc(ctx: Option<&crate::cuda::Context>, bytes: usize) -> Result<Staging> {
+        Ok(match ctx {
+            None => Staging::Host(HostMem::zeroed(bytes)?),
+            Some(ctx) => Staging::Mapped(crate::cuda::HostMapped::zeroed(ctx, bytes)?),
+        })
+    }
+    /// The address the proxy uses.
+    fn host(&self) -> u64 {
+        match self {
+            Staging::Host(m) => m.addr(),
+            Staging::Mapped(m) => m.host_ptr() as u64,
+        }
+    }
+    /// The address the kernel uses.
+    fn kernel(&self) -> u64 {
+        match self {
+            Staging::Host(m) => m.addr(),
+            Staging::Mapped(m) => m.dev_ptr(),
+        }
+    }
+}
+
 /// Resources of a rank's NET connections: the proxy registration and the local staging blocks.
 /// Dropping it first unregisters from the proxy (flushing staged steps), then frees the blocks.
 pub struct NetResources {
     handle: ProxyHandle,
-    _blocks: Vec<HostMem>,
+    /// (ring peer, its staging block).
+    blocks: Vec<(usize, Staging)>,
 }
 
 impl NetResources {
     /// The first failure of a NET connection ([`ProxyHandle::error`]).
     pub fn error(&self) -> Option<Error> {
         self.handle.error()
+    }
+
+    /// The address the kernel uses for ring neighbour `peer`'s connection block (its staging
+    /// FIFOs and the head counters of the receive side, laid out as `RingSetup::fifo` says): the
+    /// device mapping on CUDA, the host address on the CPU target (where `connect_net` also put it
+    /// in `conn_base[peer]`). `None` when `peer` does not use NET.
+    pub fn kernel_base(&self, peer: usize) -> Option<u64> {
+        self.blocks
+            .iter()
+            .find(|(p, _)| *p == peer)
+            .map(|(_, b)| b.kernel())
     }
 }
 
@@ -287,8 +334,16 @@ const SETUP_POLL: Duration = Duration::from_millis(1);
 /// counters of the receive connection), connects one network connection per channel and
 /// direction, and hands them to the proxy thread. Other neighbours are left alone
 /// (`conn_base[peer]` untouched) for `init_rank`'s SHM/P2P setup. Returns `None` when no neighbour
-/// uses NET, and at once for CUDA devices (NET for GPUs is not implemented: they use P2P/SHM). Every
-/// CPU-target rank must call it at the same point of init (it all-gathers through the bootstrap).
+/// uses NET. Every rank must call it at the same point of init (it all-gathers through the
+/// bootstrap).
+///
+/// `conn_base` holds host addresses (what the proxy reads and writes). On CUDA (`setup.ctx`) the
+/// staging blocks are pinned, device-mapped host memory and `conn_base[setup.rank]` must be too
+/// (the block whose receive FIFOs the proxy fills and whose head counters it advances); the
+/// kernel's addresses of the staging blocks are [`NetResources::kernel_base`]. The kernel then
+/// reaches every NET FIFO and counter through host memory, and its FIFO protocol needs nothing
+/// else: Simple posts its tail and head after `fence.acq_rel.sys` and LL lines carry their flags
+/// in each 8-byte word (LL128 is not safe through host memory, see `Comm::init_rank`).
 ///
 /// Errors: bad `NCCL_P2P_DISABLE` / `NCCL_SHM_DISABLE` / `NCCL_NET` values (`InvalidArgument`),
 /// and a network that cannot be opened on a rank that needs it (`NetSocket::from_env`'s errors),
@@ -306,14 +361,14 @@ const SETUP_POLL: Duration = Duration::from_millis(1);
 pub unsafe fn connect_net(setup: &RingSetup<'_>, conn_base: &mut [u64]) -> Result<Option<NetResources>> {
     let s = setup;
     let (rank, nranks) = (s.rank, s.nranks);
-    if s.device.is_cuda() || nranks == 1 {
+    if nranks == 1 {
         return Ok(None);
     }
     // The local checks and the opening of the network go into the all-gather, so a rank that
     // cannot set up its transports still takes part and every rank fails naming it and its cause,
     // rather than finding its memory already gone or waiting for it until the bootstrap timeout.
     let near = s.bootstrap.addrs().get(rank).map(|a| a.ip());
-    let local = PeerInfo::local(false, &s.hosts[rank]).and_then(|me| wanted_net().map(|_| me));
+    let local = PeerInfo::local(s.device.is_cuda(), &s.hosts[rank]).and_then(|me| wanted_net().map(|_| me));
     // The network is opened here only where NET is possible from this rank's side (a ring
     // neighbour on another host, or NCCL_SHM_DISABLE=1 here), so SHM-only ranks never load it.
     let (next, prev) = ((rank + 1) % nranks, (rank + nranks - 1) % nranks);
@@ -375,16 +430,16 @@ pub unsafe fn connect_net(setup: &RingSetup<'_>, conn_base: &mut [u64]) -> Resul
         match kind {
             TransportKind::P2p | TransportKind::Shm => {}
             TransportKind::Net => {
-                let blk = HostMem::zeroed(s.block_bytes)?;
+                let blk = Staging::alloc(s.ctx, s.block_bytes)?;
                 for c in 0..s.nch as u64 {
-                    let f = (s.fifo)(blk.addr(), c);
+                    let f = (s.fifo)(blk.host(), c);
                     for at in [f.head, f.tail] {
                         // SAFETY: the counters lie inside the fresh block; no one else uses it.
                         unsafe { (at as *mut u64).write(s.initial_step) };
                     }
                 }
-                conn_base[peer] = blk.addr();
-                blocks.push(blk);
+                conn_base[peer] = blk.host();
+                blocks.push((peer, blk));
             }
         }
     }
@@ -491,10 +546,7 @@ pub unsafe fn connect_net(setup: &RingSetup<'_>, conn_base: &mut [u64]) -> Resul
     // SAFETY: the FIFOs and counters are in this rank's block (caller's contract) and in
     // `blocks`, which the returned resources drop only after the registration.
     let handle = unsafe { crate::proxy::register(s.device, comm)? };
-    Ok(Some(NetResources {
-        handle,
-        _blocks: blocks,
-    }))
+    Ok(Some(NetResources { handle, blocks }))
 }
 
 /// The proxy's view of one connection: data and tail from `fifo`, the other counter `head`.
