@@ -1,9 +1,10 @@
 //! NCCL network plugins (`NCCL_NET_PLUGIN`, `host/transport/plugin.rs`): two CPU-target ranks as
 //! processes on two "hosts" (`OXCCL_HOSTID`) run AllReduce over the NET transport through the
-//! test plugin `libnccl-net-oxtest.so` (tests/net-plugin: `ncclNetPlugin_v8` over TCP, which
-//! refuses transfers of unregistered memory), on every protocol, with exact results; a plugin that
-//! is not there, or a library without the `ncclNetPlugin_v8` symbol, falls back to the socket
-//! network with an info message or a warning; `NCCL_NET` still picks the network by name.
+//! test plugin `libnccl-net-oxtest.so` (tests/net-plugin: `ncclNetPlugin_v8` and `_v9` over TCP,
+//! which refuses transfers of unregistered memory; oxccl uses the newer, v9), on every protocol,
+//! with exact results, and through its v8-only build `libnccl-net-oxtestv8.so`; a plugin that is
+//! not there, or a library without any `ncclNetPlugin_v*` symbol oxccl knows, falls back to the
+//! socket network with an info message or a warning; `NCCL_NET` still picks the network by name.
 //!
 //! **How the plugin gets built.** `cargo test` does not build a workspace member's `cdylib` for
 //! another package's test, so the first test that needs it runs `cargo build -p
@@ -12,7 +13,8 @@
 //! clone and with `cargo test --test net_plugin`, and never waits on the lock of the target
 //! directory `cargo test` itself holds. The library is then copied (by rename, so running ranks
 //! keep their copy) to `<target>/net-plugin/lib/libnccl-net-oxtest.so`, the name
-//! `NCCL_NET_PLUGIN=oxtest` asks the dynamic loader for.
+//! `NCCL_NET_PLUGIN=oxtest` asks the dynamic loader for; a second build with
+//! `--no-default-features` (no v9 table) becomes `libnccl-net-oxtestv8.so`.
 //!
 //! Every test launches this binary again as child ranks (`plugin_child_entry`), each with its own
 //! environment, and reads their logs.
@@ -44,19 +46,28 @@ fn plugin_dir() -> &'static Path {
         let target = exe.ancestors().nth(3).expect("target directory").to_path_buf();
         let out = target.join("net-plugin");
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_string());
-        let st = Command::new(&cargo)
-            .args(["build", "--quiet", "-p", "oxccl-net-oxtest", "--target-dir"])
-            .arg(&out)
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .status()
-            .unwrap_or_else(|e| panic!("running {cargo} build: {e}"));
-        assert!(st.success(), "cargo build -p oxccl-net-oxtest failed: {st}");
-        let built = out.join("debug").join("libnccl_net_oxtest.so");
         let dir = out.join("lib");
         std::fs::create_dir_all(&dir).unwrap();
-        let tmp = dir.join(format!(".libnccl-net-oxtest.so.{}", std::process::id()));
-        std::fs::copy(&built, &tmp).unwrap_or_else(|e| panic!("copying {}: {e}", built.display()));
-        std::fs::rename(&tmp, dir.join("libnccl-net-oxtest.so")).unwrap();
+        for (features, name) in [
+            (None, "libnccl-net-oxtest.so"),
+            (Some("--no-default-features"), "libnccl-net-oxtestv8.so"),
+        ] {
+            let st = Command::new(&cargo)
+                .args(["build", "--quiet", "-p", "oxccl-net-oxtest", "--target-dir"])
+                .arg(&out)
+                .args(features)
+                .current_dir(env!("CARGO_MANIFEST_DIR"))
+                .status()
+                .unwrap_or_else(|e| panic!("running {cargo} build: {e}"));
+            assert!(
+                st.success(),
+                "cargo build -p oxccl-net-oxtest {features:?} failed: {st}"
+            );
+            let built = out.join("debug").join("libnccl_net_oxtest.so");
+            let tmp = dir.join(format!(".{name}.{}", std::process::id()));
+            std::fs::copy(&built, &tmp).unwrap_or_else(|e| panic!("copying {}: {e}", built.display()));
+            std::fs::rename(&tmp, dir.join(name)).unwrap();
+        }
         dir
     })
 }
@@ -273,7 +284,8 @@ fn plugin_carries_all_reduce_on_every_protocol() {
             .enumerate()
         {
             let peer = 1 - r;
-            let loaded = line_with(out, "NET/Plugin: Loaded net plugin OxTest (v8)");
+            // The plugin exports v8 and v9: the newer is used, for every request.
+            let loaded = line_with(out, "NET/Plugin: Loaded net plugin OxTest (v9)");
             assert!(
                 loaded.contains(" INFO ") && loaded.ends_with(&format!("from {lib}")),
                 "{loaded}"
@@ -287,6 +299,14 @@ fn plugin_carries_all_reduce_on_every_protocol() {
             // i.e. all 200_003 * 4 = 800_012 bytes of the largest count (more with LL/LL128 flags
             // and the 32-byte headers), spread over one connection per channel and direction.
             let (sent, recvd) = (plugin_traffic(out, "send"), plugin_traffic(out, "recv"));
+            // Posts: every completed message, plus receives still posted at close (the next
+            // header each connection waits for).
+            let (v8, v9) = posts_by_version(out);
+            let msgs: u64 = sent.iter().chain(&recvd).map(|c| c.0).sum();
+            assert!(
+                v8 == 0 && v9 >= msgs,
+                "rank {r} {proto}: every request through v9: v8 {v8}, v9 {v9}, {msgs} messages"
+            );
             assert!(
                 !sent.is_empty() && sent.len() == recvd.len(),
                 "rank {r} {proto}: {sent:?} {recvd:?}\n{out}"
@@ -326,6 +346,59 @@ fn plugin_carries_all_reduce_on_every_protocol() {
     }
 }
 
+/// Requests posted through the plugin's v8 and v9 entry points, summed over the closed
+/// connections (`..., v8 posts P8, v9 posts P9`).
+fn posts_by_version(out: &str) -> (u64, u64) {
+    let num = |l: &str, key: &str| -> u64 {
+        l.split(key)
+            .nth(1)
+            .and_then(|t| t.split([',', ' ']).next())
+            .map_or(0, |n| n.parse().unwrap())
+    };
+    out.lines()
+        .filter(|l| l.contains("NET/OxTest : ") && l.contains(" comm closed: "))
+        .fold((0, 0), |(a, b), l| {
+            (a + num(l, "v8 posts "), b + num(l, "v9 posts "))
+        })
+}
+
+#[test]
+fn v8_only_plugin_is_used_through_v8() {
+    // The v8-only build (no ncclNetPlugin_v9): loaded as v8, every request through the v8
+    // entry points (int sizes), AllReduce exact.
+    let path = plugin_dir()
+        .join("libnccl-net-oxtestv8.so")
+        .to_str()
+        .unwrap()
+        .to_string();
+    let env = vec![
+        ("NCCL_NET_PLUGIN", path.clone()),
+        ("NCCL_PROTO", "Simple".to_string()),
+    ];
+    let outs = run_pair([env.clone(), env]);
+    for (r, out) in outs.iter().enumerate() {
+        let loaded = line_with(out, "NET/Plugin: Loaded net plugin OxTest (v8)");
+        assert!(loaded.ends_with(&format!("from {path}")), "{loaded}");
+        line_with(out, &format!("Channel 00 : {r} -> {} via NET/OxTest/0", 1 - r));
+        let msgs: u64 = plugin_traffic(out, "send")
+            .iter()
+            .chain(&plugin_traffic(out, "recv"))
+            .map(|c| c.0)
+            .sum();
+        assert!(
+            msgs > 0,
+            "rank {r}: no traffic
+{out}"
+        );
+        // Posts: every completed message, plus receives still posted at close.
+        let (v8, v9) = posts_by_version(out);
+        assert!(
+            v9 == 0 && v8 >= msgs,
+            "rank {r}: every request through v8: v8 {v8}, v9 {v9}, {msgs} messages"
+        );
+    }
+}
+
 #[test]
 fn missing_or_symbol_less_plugin_falls_back_to_sockets() {
     // Rank 0: no such library (an info message); rank 1: libm, a library without
@@ -340,7 +413,10 @@ fn missing_or_symbol_less_plugin_falls_back_to_sockets() {
         "NET/Plugin: Could not find: doesnotexist libnccl-net-doesnotexist.so; using the internal socket network",
     );
     assert!(info.contains(" INFO "), "{info}");
-    let warn = line_with(&outs[1], "NET/Plugin: libm.so.6: no ncclNetPlugin_v8 symbol");
+    let warn = line_with(
+        &outs[1],
+        "NET/Plugin: libm.so.6: no ncclNetPlugin_v10, ncclNetPlugin_v9 or ncclNetPlugin_v8 symbol",
+    );
     assert!(
         warn.contains(" WARN ") && warn.ends_with("; using the internal socket network"),
         "{warn}"
@@ -368,7 +444,7 @@ fn nccl_net_picks_socket_or_the_plugin_by_name() {
         ];
         let outs = run_pair([env.clone(), env]);
         for (r, out) in outs.iter().enumerate() {
-            line_with(out, "NET/Plugin: Loaded net plugin OxTest (v8)");
+            line_with(out, "NET/Plugin: Loaded net plugin OxTest (v9)");
             line_with(out, &format!("Channel 00 : {r} -> {} via {via}", 1 - r));
         }
     }

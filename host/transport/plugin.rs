@@ -7,13 +7,20 @@
 //! loader), then, for a bare name that is not itself `lib….so`, `libnccl-net-<name>.so`. Libraries
 //! are opened with `RTLD_NOW | RTLD_LOCAL`.
 //!
-//! **Which interface.** The library must export `ncclNetPlugin_v8` (NCCL's `ncclNet_v8_t`, mirrored
-//! by [`NetV8`]). oxccl then calls its `init`, requires at least one device whose properties say it
-//! can use host memory (`NCCL_PTR_HOST`) without device offload, and uses device 0.
+//! **Which interface.** The library must export `ncclNetPlugin_v10`, `ncclNetPlugin_v9` or
+//! `ncclNetPlugin_v8` (NCCL's `ncclNet_v10_t`, `ncclNet_v9_t`, `ncclNet_v8_t`, mirrored by
+//! [`NetV10`], [`NetV9`], [`NetV8`]); as NCCL does, the newest one present is used. v9 differs from
+//! v8 by `size_t` message sizes in `isend`/`irecv`, a larger properties struct
+//! ([`NetPropertiesV9`]: `forceFlush`, virtual devices, transfer limits) and `makeVDevice`; v10
+//! adds a profiler callback to `init`, a communicator config (traffic class) to `connect` and
+//! profiler handles to `isend`/`irecv`, which oxccl passes as "none" (null handles,
+//! `NCCL_NET_TRAFFIC_CLASS_UNDEF`). oxccl then calls the plugin's `init`, requires at least one
+//! device whose properties say it can use host memory (`NCCL_PTR_HOST`) without device offload, and
+//! uses device 0.
 //!
 //! **When there is none.** No library found → an info message (target `oxccl::net`: `NET/Plugin:
-//! Could not find: …`) and the socket network; a library found but unusable (no `ncclNetPlugin_v8`
-//! symbol, a missing required function, `init` failing, no usable device) → a warning naming the
+//! Could not find: …`) and the socket network; a library found but unusable (none of the three
+//! symbols, a missing required function, `init` failing, no usable device) → a warning naming the
 //! library and the reason, and the socket network. Either way communicator setup goes on.
 //!
 //! **Memory registration.** Every `isend`/`irecv` of a plugin carries a memory handle from its
@@ -46,6 +53,12 @@ pub const MAX_REQUESTS: usize = 32;
 pub const COPY_SLOT_BYTES: usize = 256;
 /// Name of the v8 function table a plugin exports.
 pub const SYMBOL_V8: &str = "ncclNetPlugin_v8";
+/// Name of the v9 function table a plugin exports.
+pub const SYMBOL_V9: &str = "ncclNetPlugin_v9";
+/// Name of the v10 function table a plugin exports.
+pub const SYMBOL_V10: &str = "ncclNetPlugin_v10";
+/// NCCL's `NCCL_NET_TRAFFIC_CLASS_UNDEF`: no traffic class requested (v10's `connect` config).
+pub const NCCL_NET_TRAFFIC_CLASS_UNDEF: c_int = -1;
 
 /// NCCL's `ncclDebugLogger_t`: `(level, subsystem flags, file, line, printf format, ...)`.
 pub type DebugLogger = unsafe extern "C" fn(c_int, c_ulong, *const c_char, c_int, *const c_char, ...);
@@ -172,58 +185,309 @@ pub struct NetV8 {
 const _: () = assert!(size_of::<NetPropertiesV8>() == 64);
 const _: () = assert!(size_of::<NetV8>() == 19 * 8);
 
+/// NCCL's `ncclNetVDeviceProps_v9_t` (also v10's): the physical devices behind a virtual NIC.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct NetVDeviceProps {
+    /// Number of devices in `devs`.
+    pub ndevs: c_int,
+    /// Device indices (`NCCL_NET_MAX_DEVS_PER_NIC` = 4).
+    pub devs: [c_int; 4],
+}
+
+/// NCCL's `ncclNetProperties_v9_t`, identical to `ncclNetProperties_v10_t`
+/// (`ext-net/example/nccl/net_v9.h`, `net_v10.h`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct NetPropertiesV9 {
+    /// Device name (for logs).
+    pub name: *mut c_char,
+    /// Path of the PCI device in `/sys` (may be null).
+    pub pci_path: *mut c_char,
+    /// Unique id of the NIC chip.
+    pub guid: u64,
+    /// `NCCL_PTR_HOST | NCCL_PTR_CUDA | NCCL_PTR_DMABUF` bits.
+    pub ptr_support: c_int,
+    /// Whether `regMr` is not tied to one connection.
+    pub reg_is_global: c_int,
+    /// Whether receives must be flushed (GPU memory; unused by oxccl).
+    pub force_flush: c_int,
+    /// Port speed in Mbit/s.
+    pub speed: c_int,
+    /// Port number.
+    pub port: c_int,
+    /// Network latency (microseconds).
+    pub latency: f32,
+    /// Most connections the device supports.
+    pub max_comms: c_int,
+    /// Most receives grouped in one `irecv`.
+    pub max_recvs: c_int,
+    /// `ncclNetDeviceType`: 0 = host, else a device-offload kind.
+    pub net_device_type: c_int,
+    /// Version of the device-offload interface.
+    pub net_device_version: c_int,
+    /// The physical devices of a virtual NIC.
+    pub v_props: NetVDeviceProps,
+    /// Largest point-to-point transfer, bytes.
+    pub max_p2p_bytes: usize,
+    /// Largest collective transfer, bytes.
+    pub max_coll_bytes: usize,
+}
+
+impl NetPropertiesV9 {
+    /// The fields v8 also has.
+    fn to_v8(self) -> NetPropertiesV8 {
+        NetPropertiesV8 {
+            name: self.name,
+            pci_path: self.pci_path,
+            guid: self.guid,
+            ptr_support: self.ptr_support,
+            reg_is_global: self.reg_is_global,
+            speed: self.speed,
+            port: self.port,
+            latency: self.latency,
+            max_comms: self.max_comms,
+            max_recvs: self.max_recvs,
+            net_device_type: self.net_device_type,
+            net_device_version: self.net_device_version,
+        }
+    }
+}
+
+/// NCCL's `ncclNetCommConfig_v10_t`: per-connection options of v10's `connect`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct NetCommConfigV10 {
+    /// Plugin-specific traffic class, or [`NCCL_NET_TRAFFIC_CLASS_UNDEF`].
+    pub traffic_class: c_int,
+}
+
+type GetPropsV9 = unsafe extern "C" fn(c_int, *mut NetPropertiesV9) -> c_int;
+type ConnectV8 =
+    unsafe extern "C" fn(c_int, *mut c_void, *mut *mut c_void, *mut *mut NetDeviceHandleV8) -> c_int;
+type ConnectV10 = unsafe extern "C" fn(
+    c_int,
+    *mut NetCommConfigV10,
+    *mut c_void,
+    *mut *mut c_void,
+    *mut *mut NetDeviceHandleV8,
+) -> c_int;
+type IsendV8 =
+    unsafe extern "C" fn(*mut c_void, *mut c_void, c_int, c_int, *mut c_void, *mut *mut c_void) -> c_int;
+type IsendV9 =
+    unsafe extern "C" fn(*mut c_void, *mut c_void, usize, c_int, *mut c_void, *mut *mut c_void) -> c_int;
+type IsendV10 = unsafe extern "C" fn(
+    *mut c_void,
+    *mut c_void,
+    usize,
+    c_int,
+    *mut c_void,
+    *mut c_void,
+    *mut *mut c_void,
+) -> c_int;
+type IrecvV8 = unsafe extern "C" fn(
+    *mut c_void,
+    c_int,
+    *mut *mut c_void,
+    *mut c_int,
+    *mut c_int,
+    *mut *mut c_void,
+    *mut *mut c_void,
+) -> c_int;
+type IrecvV9 = unsafe extern "C" fn(
+    *mut c_void,
+    c_int,
+    *mut *mut c_void,
+    *mut usize,
+    *mut c_int,
+    *mut *mut c_void,
+    *mut *mut c_void,
+) -> c_int;
+type IrecvV10 = unsafe extern "C" fn(
+    *mut c_void,
+    c_int,
+    *mut *mut c_void,
+    *mut usize,
+    *mut c_int,
+    *mut *mut c_void,
+    *mut *mut c_void,
+    *mut *mut c_void,
+) -> c_int;
+type Fn0 = Option<unsafe extern "C" fn()>;
+
+/// NCCL's `ncclNet_v9_t`: v8's table with `size_t` sizes in `isend`/`irecv`, v9 properties and
+/// `makeVDevice` at the end. Functions oxccl does not call are typed loosely (`Fn0`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct NetV9 {
+    /// Name of the network.
+    pub name: *const c_char,
+    /// `init(logFunction)`.
+    pub init: Option<unsafe extern "C" fn(Option<DebugLogger>) -> c_int>,
+    /// `devices(&ndev)`.
+    pub devices: Option<unsafe extern "C" fn(*mut c_int) -> c_int>,
+    /// `getProperties(dev, &props)` (v9 properties).
+    pub get_properties: Option<GetPropsV9>,
+    /// `listen(dev, handle, &listenComm)`.
+    pub listen: Option<unsafe extern "C" fn(c_int, *mut c_void, *mut *mut c_void) -> c_int>,
+    /// `connect(dev, handle, &sendComm, &sendDevComm)`.
+    pub connect: Option<ConnectV8>,
+    /// `accept(listenComm, &recvComm, &recvDevComm)`.
+    pub accept:
+        Option<unsafe extern "C" fn(*mut c_void, *mut *mut c_void, *mut *mut NetDeviceHandleV8) -> c_int>,
+    /// `regMr(comm, data, size, type, &mhandle)`.
+    pub reg_mr:
+        Option<unsafe extern "C" fn(*mut c_void, *mut c_void, usize, c_int, *mut *mut c_void) -> c_int>,
+    /// `regMrDmaBuf` (unused).
+    pub reg_mr_dma_buf: Fn0,
+    /// `deregMr(comm, mhandle)`.
+    pub dereg_mr: Option<unsafe extern "C" fn(*mut c_void, *mut c_void) -> c_int>,
+    /// `isend(sendComm, data, size_t size, tag, mhandle, &request)`.
+    pub isend: Option<IsendV9>,
+    /// `irecv(recvComm, n, data[], size_t sizes[], tags[], mhandles[], &request)`.
+    pub irecv: Option<IrecvV9>,
+    /// `iflush` (unused).
+    pub iflush: Fn0,
+    /// `test(request, &done, int sizes[])`.
+    pub test: Option<unsafe extern "C" fn(*mut c_void, *mut c_int, *mut c_int) -> c_int>,
+    /// `closeSend(sendComm)`.
+    pub close_send: Option<unsafe extern "C" fn(*mut c_void) -> c_int>,
+    /// `closeRecv(recvComm)`.
+    pub close_recv: Option<unsafe extern "C" fn(*mut c_void) -> c_int>,
+    /// `closeListen(listenComm)`.
+    pub close_listen: Option<unsafe extern "C" fn(*mut c_void) -> c_int>,
+    /// `getDeviceMr` (unused).
+    pub get_device_mr: Fn0,
+    /// `irecvConsumed` (unused).
+    pub irecv_consumed: Fn0,
+    /// `makeVDevice(&d, &props)` (unused).
+    pub make_v_device: Fn0,
+}
+
+/// NCCL's `ncclNet_v10_t`: v9's table with a profiler callback in `init`, a connection config
+/// in `connect` and profiler handles in `isend`/`irecv`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct NetV10 {
+    /// Name of the network.
+    pub name: *const c_char,
+    /// `init(logFunction, profFunction)`; oxccl passes no profiler callback (null).
+    pub init: Option<unsafe extern "C" fn(Option<DebugLogger>, *mut c_void) -> c_int>,
+    /// `devices(&ndev)`.
+    pub devices: Option<unsafe extern "C" fn(*mut c_int) -> c_int>,
+    /// `getProperties(dev, &props)` (same properties as v9).
+    pub get_properties: Option<GetPropsV9>,
+    /// `listen(dev, handle, &listenComm)`.
+    pub listen: Option<unsafe extern "C" fn(c_int, *mut c_void, *mut *mut c_void) -> c_int>,
+    /// `connect(dev, config, handle, &sendComm, &sendDevComm)`.
+    pub connect: Option<ConnectV10>,
+    /// `accept(listenComm, &recvComm, &recvDevComm)`.
+    pub accept:
+        Option<unsafe extern "C" fn(*mut c_void, *mut *mut c_void, *mut *mut NetDeviceHandleV8) -> c_int>,
+    /// `regMr(comm, data, size, type, &mhandle)`.
+    pub reg_mr:
+        Option<unsafe extern "C" fn(*mut c_void, *mut c_void, usize, c_int, *mut *mut c_void) -> c_int>,
+    /// `regMrDmaBuf` (unused).
+    pub reg_mr_dma_buf: Fn0,
+    /// `deregMr(comm, mhandle)`.
+    pub dereg_mr: Option<unsafe extern "C" fn(*mut c_void, *mut c_void) -> c_int>,
+    /// `isend(sendComm, data, size_t size, tag, mhandle, phandle, &request)`.
+    pub isend: Option<IsendV10>,
+    /// `irecv(recvComm, n, data[], size_t sizes[], tags[], mhandles[], phandles[], &request)`.
+    pub irecv: Option<IrecvV10>,
+    /// `iflush` (unused).
+    pub iflush: Fn0,
+    /// `test(request, &done, int sizes[])`.
+    pub test: Option<unsafe extern "C" fn(*mut c_void, *mut c_int, *mut c_int) -> c_int>,
+    /// `closeSend(sendComm)`.
+    pub close_send: Option<unsafe extern "C" fn(*mut c_void) -> c_int>,
+    /// `closeRecv(recvComm)`.
+    pub close_recv: Option<unsafe extern "C" fn(*mut c_void) -> c_int>,
+    /// `closeListen(listenComm)`.
+    pub close_listen: Option<unsafe extern "C" fn(*mut c_void) -> c_int>,
+    /// `getDeviceMr` (unused).
+    pub get_device_mr: Fn0,
+    /// `irecvConsumed` (unused).
+    pub irecv_consumed: Fn0,
+    /// `makeVDevice(&d, &props)` (unused).
+    pub make_v_device: Fn0,
+}
+
+const _: () = assert!(size_of::<NetPropertiesV9>() == 104);
+const _: () = assert!(size_of::<NetV9>() == 20 * 8);
+const _: () = assert!(size_of::<NetV10>() == 20 * 8);
+
+/// The calls whose signatures differ between interface versions.
+#[derive(Clone, Copy)]
+enum Versioned {
+    V8 {
+        get_properties: unsafe extern "C" fn(c_int, *mut NetPropertiesV8) -> c_int,
+        connect: ConnectV8,
+        isend: IsendV8,
+        irecv: IrecvV8,
+    },
+    V9 {
+        get_properties: GetPropsV9,
+        connect: ConnectV8,
+        isend: IsendV9,
+        irecv: IrecvV9,
+    },
+    V10 {
+        get_properties: GetPropsV9,
+        connect: ConnectV10,
+        isend: IsendV10,
+        irecv: IrecvV10,
+    },
+}
+
 /// The functions oxccl calls, all present (checked when the plugin is loaded).
 #[derive(Clone, Copy)]
 struct Api {
     devices: unsafe extern "C" fn(*mut c_int) -> c_int,
-    get_properties: unsafe extern "C" fn(c_int, *mut NetPropertiesV8) -> c_int,
     listen: unsafe extern "C" fn(c_int, *mut c_void, *mut *mut c_void) -> c_int,
-    connect: unsafe extern "C" fn(c_int, *mut c_void, *mut *mut c_void, *mut *mut NetDeviceHandleV8) -> c_int,
     accept: unsafe extern "C" fn(*mut c_void, *mut *mut c_void, *mut *mut NetDeviceHandleV8) -> c_int,
     reg_mr: unsafe extern "C" fn(*mut c_void, *mut c_void, usize, c_int, *mut *mut c_void) -> c_int,
     dereg_mr: unsafe extern "C" fn(*mut c_void, *mut c_void) -> c_int,
-    isend:
-        unsafe extern "C" fn(*mut c_void, *mut c_void, c_int, c_int, *mut c_void, *mut *mut c_void) -> c_int,
-    irecv: unsafe extern "C" fn(
-        *mut c_void,
-        c_int,
-        *mut *mut c_void,
-        *mut c_int,
-        *mut c_int,
-        *mut *mut c_void,
-        *mut *mut c_void,
-    ) -> c_int,
     test: unsafe extern "C" fn(*mut c_void, *mut c_int, *mut c_int) -> c_int,
     close_send: unsafe extern "C" fn(*mut c_void) -> c_int,
     close_recv: unsafe extern "C" fn(*mut c_void) -> c_int,
     close_listen: unsafe extern "C" fn(*mut c_void) -> c_int,
+    v: Versioned,
 }
 
-impl Api {
-    /// The required functions of `t`, or the name of the first missing one.
-    fn of(t: &NetV8) -> std::result::Result<Api, &'static str> {
-        Ok(Api {
-            devices: t.devices.ok_or("devices")?,
-            get_properties: t.get_properties.ok_or("getProperties")?,
-            listen: t.listen.ok_or("listen")?,
-            connect: t.connect.ok_or("connect")?,
-            accept: t.accept.ok_or("accept")?,
-            reg_mr: t.reg_mr.ok_or("regMr")?,
-            dereg_mr: t.dereg_mr.ok_or("deregMr")?,
-            isend: t.isend.ok_or("isend")?,
-            irecv: t.irecv.ok_or("irecv")?,
-            test: t.test.ok_or("test")?,
-            close_send: t.close_send.ok_or("closeSend")?,
-            close_recv: t.close_recv.ok_or("closeRecv")?,
-            close_listen: t.close_listen.ok_or("closeListen")?,
-        })
-    }
+/// The required functions of a table, or the name of the first missing one (the tables of every
+/// version name them alike).
+macro_rules! api_of {
+    ($t:expr, $ver:ident) => {{
+        let t = $t;
+        (|| -> std::result::Result<Api, &'static str> {
+            Ok(Api {
+                devices: t.devices.ok_or("devices")?,
+                listen: t.listen.ok_or("listen")?,
+                accept: t.accept.ok_or("accept")?,
+                reg_mr: t.reg_mr.ok_or("regMr")?,
+                dereg_mr: t.dereg_mr.ok_or("deregMr")?,
+                test: t.test.ok_or("test")?,
+                close_send: t.close_send.ok_or("closeSend")?,
+                close_recv: t.close_recv.ok_or("closeRecv")?,
+                close_listen: t.close_listen.ok_or("closeListen")?,
+                v: Versioned::$ver {
+                    get_properties: t.get_properties.ok_or("getProperties")?,
+                    connect: t.connect.ok_or("connect")?,
+                    isend: t.isend.ok_or("isend")?,
+                    irecv: t.irecv.ok_or("irecv")?,
+                },
+            })
+        })()
+    }};
 }
 
 /// A loaded, initialized plugin. Connections hold it, so the library stays loaded while any of
 /// them is open.
 struct Plugin {
     api: Api,
+    /// Interface version in use: 8, 9 or 10.
+    version: u32,
     /// The plugin's network name (`ncclNet_v8_t::name`).
     name: String,
     /// The library as it was opened (name or path).
@@ -347,7 +611,7 @@ pub fn load(spec: Option<&str>) -> PluginLoad {
     let r = load_quiet(spec);
     match &r {
         PluginLoad::Loaded(p) => tracing::info!(target: "oxccl::net",
-            "NET/Plugin: Loaded net plugin {} (v8) from {}", p.0.name, p.0.library),
+            "NET/Plugin: Loaded net plugin {} (v{}) from {}", p.0.name, p.0.version, p.0.library),
         PluginLoad::Disabled => tracing::info!(target: "oxccl::net",
             "NET/Plugin: disabled by NCCL_NET_PLUGIN=none; using the internal socket network"),
         PluginLoad::NotFound(names) => tracing::info!(target: "oxccl::net",
@@ -383,46 +647,94 @@ fn load_quiet(spec: Option<&str>) -> PluginLoad {
     }
 }
 
-/// Looks up the v8 table of an opened library, checks it and initializes the plugin.
+/// The name of a plugin's table (null: "plugin").
+fn table_name(p: *const c_char) -> String {
+    if p.is_null() {
+        "plugin".to_string()
+    } else {
+        // SAFETY: the plugin's name is a NUL-terminated string inside the loaded library.
+        unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+    }
+}
+
+/// Reads the table behind `symbol` of `lib`: `Ok(None)` when the library does not export it.
+///
+/// # Safety
+/// `T` is the table type the plugin ABI defines for `symbol`.
+unsafe fn table<T: Copy>(lib: &Library, symbol: &str) -> std::result::Result<Option<T>, String> {
+    // SAFETY: only the symbol's address is taken here.
+    let Ok(sym) = (unsafe { lib.get::<*const T>(symbol) }) else {
+        return Ok(None);
+    };
+    let p = *sym;
+    if p.is_null() {
+        return Err(format!("{symbol} is null"));
+    }
+    // SAFETY: a non-null table symbol points at the plugin's table of type `T` (the caller's
+    // contract), valid while the library is loaded; it is copied out here.
+    Ok(Some(unsafe { p.read() }))
+}
+
+/// Looks up the newest function table an opened library exports (v10, v9, then v8, as NCCL's
+/// `ncclNetPluginLoad` tries them), checks it and initializes the plugin.
 fn init(library: &str, lib: Library) -> PluginLoad {
     let unusable = |reason: String| PluginLoad::Unusable {
         library: library.to_string(),
         reason,
     };
-    // SAFETY: the symbol, when present, is an `ncclNet_v8_t` (the plugin ABI); only its address
-    // is taken here.
-    let table = match unsafe { lib.get::<*const NetV8>(SYMBOL_V8) } {
-        Ok(sym) => *sym,
-        Err(e) => {
-            let e = std::error::Error::source(&e).map_or_else(|| e.to_string(), |s| s.to_string());
+    let logger = Some(logger());
+    // (version, symbol, name, api or the missing function, init's result)
+    type Found = (
+        u32,
+        &'static str,
+        String,
+        std::result::Result<Api, &'static str>,
+        Option<c_int>,
+    );
+    let found: std::result::Result<Option<Found>, String> = (|| {
+        // SAFETY: each symbol is read as the table type of its version (the plugin ABI); `init`
+        // is called once, with NCCL's logger (and no profiler), before any other call.
+        unsafe {
+            if let Some(t) = table::<NetV10>(&lib, SYMBOL_V10)? {
+                let rc = t.init.map(|f| f(logger, std::ptr::null_mut()));
+                return Ok(Some((10, SYMBOL_V10, table_name(t.name), api_of!(t, V10), rc)));
+            }
+            if let Some(t) = table::<NetV9>(&lib, SYMBOL_V9)? {
+                let rc = t.init.map(|f| f(logger));
+                return Ok(Some((9, SYMBOL_V9, table_name(t.name), api_of!(t, V9), rc)));
+            }
+            if let Some(t) = table::<NetV8>(&lib, SYMBOL_V8)? {
+                let rc = t.init.map(|f| f(logger));
+                return Ok(Some((8, SYMBOL_V8, table_name(t.name), api_of!(t, V8), rc)));
+            }
+        }
+        Ok(None)
+    })();
+    let (version, symbol, name, api, rc) = match found {
+        Err(reason) => return unusable(reason),
+        Ok(None) => {
+            // SAFETY: only the lookup's error message is used.
+            let e = match unsafe { lib.get::<*const c_void>(SYMBOL_V8) } {
+                Err(e) => std::error::Error::source(&e).map_or_else(|| e.to_string(), |s| s.to_string()),
+                Ok(_) => String::new(),
+            };
             return unusable(format!(
-                "no {SYMBOL_V8} symbol (oxccl needs the v8 net plugin interface): {e}"
+                "no {SYMBOL_V10}, {SYMBOL_V9} or {SYMBOL_V8} symbol (oxccl needs the v8, v9 or v10 net \
+                 plugin interface): {e}"
             ));
         }
+        Ok(Some(f)) => f,
     };
-    if table.is_null() {
-        return unusable(format!("{SYMBOL_V8} is null"));
-    }
-    // SAFETY: a non-null `ncclNetPlugin_v8` points at the plugin's `ncclNet_v8_t`, which stays
-    // valid while the library is loaded; it is copied out here.
-    let t = unsafe { table.read() };
-    let name = if t.name.is_null() {
-        "plugin".to_string()
-    } else {
-        // SAFETY: the plugin's name is a NUL-terminated string inside the loaded library.
-        unsafe { CStr::from_ptr(t.name) }.to_string_lossy().into_owned()
-    };
-    let api = match Api::of(&t) {
+    let api = match api {
         Ok(a) => a,
-        Err(missing) => return unusable(format!("{SYMBOL_V8} ({name}) has no {missing} function")),
+        Err(missing) => return unusable(format!("{symbol} ({name}) has no {missing} function")),
     };
-    let Some(init_fn) = t.init else {
-        return unusable(format!("{SYMBOL_V8} ({name}) has no init function"));
+    let Some(rc) = rc else {
+        return unusable(format!("{symbol} ({name}) has no init function"));
     };
-    // SAFETY: the plugin ABI: init with NCCL's logger, once, before any other call.
-    let rc = unsafe { init_fn(Some(logger())) };
     let plugin = Plugin {
         api,
+        version,
         name,
         library: library.to_string(),
         _lib: lib,
@@ -469,16 +781,35 @@ impl PluginNet {
         &self.0.library
     }
 
-    /// Properties of device `dev` as the plugin reports them (NCCL's `getProperties`).
+    /// The net plugin interface version in use (8, 9 or 10).
+    pub fn version(&self) -> u32 {
+        self.0.version
+    }
+
+    /// Properties of device `dev` as the plugin reports them (NCCL's `getProperties`), as v8's
+    /// struct (a v9/v10 plugin's extra fields left out).
     ///
     /// Errors: `InvalidArgument` for `dev` beyond `i32::MAX`; the plugin's error otherwise.
     pub fn properties_v8(&self, dev: usize) -> Result<NetPropertiesV8> {
         let d = c_int::try_from(dev)
             .map_err(|_| Error::invalid(format!("NET/{}: device {dev} is out of range", self.0.name)))?;
-        // SAFETY: plain data; the plugin fills it.
-        let mut p: NetPropertiesV8 = unsafe { std::mem::zeroed() };
-        // SAFETY: the plugin ABI; `p` is a valid properties struct.
-        let rc = unsafe { (self.0.api.get_properties)(d, &mut p) };
+        let rc;
+        let p = match self.0.api.v {
+            Versioned::V8 { get_properties, .. } => {
+                // SAFETY: plain data; the plugin fills it.
+                let mut p: NetPropertiesV8 = unsafe { std::mem::zeroed() };
+                // SAFETY: the plugin ABI; `p` is a valid v8 properties struct.
+                rc = unsafe { get_properties(d, &mut p) };
+                p
+            }
+            Versioned::V9 { get_properties, .. } | Versioned::V10 { get_properties, .. } => {
+                // SAFETY: plain data; the plugin fills it.
+                let mut p: NetPropertiesV9 = unsafe { std::mem::zeroed() };
+                // SAFETY: the plugin ABI; `p` is a valid v9/v10 properties struct.
+                rc = unsafe { get_properties(d, &mut p) };
+                p.to_v8()
+            }
+        };
         self.0.check(rc, "getProperties")?;
         Ok(p)
     }
@@ -762,10 +1093,12 @@ fn dev_int(name: &str, dev: usize) -> Result<c_int> {
 impl PluginNet {
     fn post(&self, comm: &Shared, data: *mut u8, size: usize, tag: u32) -> Result<Option<Request>> {
         let p = &self.0;
+        // Sizes are `int` in v8, `size_t` since v9; `test` reports an `int` in every version.
         let isize = c_int::try_from(size).map_err(|_| {
             Error::invalid(format!(
-                "NET/{}: message of {size} bytes exceeds the v8 interface's limit of {} bytes",
+                "NET/{}: message of {size} bytes exceeds the v{} interface's limit of {} bytes",
                 p.name,
+                p.version,
                 c_int::MAX
             ))
         })?;
@@ -778,20 +1111,33 @@ impl PluginNet {
             return Ok(None);
         };
         let mut req = std::ptr::null_mut();
-        let (rc, what) = if st.send {
-            // SAFETY: the plugin ABI on an open send comm; `buf..buf+size` stays valid and
-            // registered (`mh`) until the request completes (isend's contract, or our copy slot).
-            (
-                unsafe { (p.api.isend)(ptr, buf.cast(), isize, tag as c_int, mh, &mut req) },
-                "isend",
-            )
-        } else {
-            let (mut d, mut s, mut t, mut m) = (buf.cast::<c_void>(), isize, tag as c_int, mh);
-            // SAFETY: as above for a receive of one buffer (n = 1); the arrays outlive the call.
-            (
-                unsafe { (p.api.irecv)(ptr, 1, &mut d, &mut s, &mut t, &mut m, &mut req) },
+        let (b, t, null) = (buf.cast::<c_void>(), tag as c_int, std::ptr::null_mut());
+        let (mut d, mut tt, mut m, mut ph) = (b, t, mh, null);
+        let (mut s32, mut s64) = (isize, size);
+        // SAFETY (every call below): the plugin ABI on an open comm of the right side;
+        // `buf..buf+size` stays valid and registered (`mh`) until the request completes (the
+        // isend/irecv contract, or our copy slot); a receive posts one buffer (n = 1) through
+        // arrays that outlive the call; v10's profiler handles are null (no profiler).
+        let (rc, what) = match (st.send, p.api.v) {
+            (true, Versioned::V8 { isend, .. }) => {
+                (unsafe { isend(ptr, b, isize, t, mh, &mut req) }, "isend")
+            }
+            (true, Versioned::V9 { isend, .. }) => (unsafe { isend(ptr, b, size, t, mh, &mut req) }, "isend"),
+            (true, Versioned::V10 { isend, .. }) => {
+                (unsafe { isend(ptr, b, size, t, mh, null, &mut req) }, "isend")
+            }
+            (false, Versioned::V8 { irecv, .. }) => (
+                unsafe { irecv(ptr, 1, &mut d, &mut s32, &mut tt, &mut m, &mut req) },
                 "irecv",
-            )
+            ),
+            (false, Versioned::V9 { irecv, .. }) => (
+                unsafe { irecv(ptr, 1, &mut d, &mut s64, &mut tt, &mut m, &mut req) },
+                "irecv",
+            ),
+            (false, Versioned::V10 { irecv, .. }) => (
+                unsafe { irecv(ptr, 1, &mut d, &mut s64, &mut tt, &mut m, &mut ph, &mut req) },
+                "irecv",
+            ),
         };
         if let Err(e) = p.check(rc, what) {
             let _ = st.release(extra, None);
@@ -875,9 +1221,19 @@ impl Net for PluginNet {
         let d = dev_int(&self.0.name, dev)?;
         let mut h = *handle;
         let (mut c, mut dev_comm) = (std::ptr::null_mut(), std::ptr::null_mut());
+        let mut config = NetCommConfigV10 {
+            traffic_class: NCCL_NET_TRAFFIC_CLASS_UNDEF,
+        };
         // SAFETY: the plugin ABI; a null device handle asks for no device offload (as NCCL does
-        // for host networks).
-        let rc = unsafe { (self.0.api.connect)(d, h.as_mut_ptr().cast(), &mut c, &mut dev_comm) };
+        // for host networks); v10's config asks for no traffic class.
+        let rc = match self.0.api.v {
+            Versioned::V8 { connect, .. } | Versioned::V9 { connect, .. } => unsafe {
+                connect(d, h.as_mut_ptr().cast(), &mut c, &mut dev_comm)
+            },
+            Versioned::V10 { connect, .. } => unsafe {
+                connect(d, &mut config, h.as_mut_ptr().cast(), &mut c, &mut dev_comm)
+            },
+        };
         self.0.check(rc, "connect")?;
         Ok((!c.is_null()).then(|| SendComm(Opaque(Box::new(CommState::new(&self.0, c, true))))))
     }
@@ -1010,7 +1366,10 @@ mod tests {
         match load(Some("libm.so.6")) {
             PluginLoad::Unusable { library, reason } => {
                 assert_eq!(library, "libm.so.6");
-                assert!(reason.contains("no ncclNetPlugin_v8 symbol"), "{reason}");
+                assert!(
+                    reason.contains("no ncclNetPlugin_v10, ncclNetPlugin_v9 or ncclNetPlugin_v8 symbol"),
+                    "{reason}"
+                );
             }
             other => panic!("expected Unusable, got {other:?}"),
         }
@@ -1038,5 +1397,37 @@ mod tests {
         assert_eq!(std::mem::offset_of!(NetV8, isend), 10 * 8);
         assert_eq!(std::mem::offset_of!(NetV8, irecv_consumed), 18 * 8);
         assert_eq!(std::mem::offset_of!(NetDeviceHandleV8, needs_proxy_progress), 24);
+    }
+
+    #[test]
+    fn abi_layout_matches_net_v9_h_and_net_v10_h() {
+        // ncclNetProperties_v9_t (= _v10_t): v8's fields with forceFlush after regIsGlobal, then
+        // vProps (5 ints: 20 bytes at 64, padded to 88) and two size_t limits.
+        assert_eq!(std::mem::offset_of!(NetPropertiesV9, ptr_support), 24);
+        assert_eq!(std::mem::offset_of!(NetPropertiesV9, force_flush), 32);
+        assert_eq!(std::mem::offset_of!(NetPropertiesV9, speed), 36);
+        assert_eq!(std::mem::offset_of!(NetPropertiesV9, latency), 44);
+        assert_eq!(std::mem::offset_of!(NetPropertiesV9, net_device_type), 56);
+        assert_eq!(std::mem::offset_of!(NetPropertiesV9, v_props), 64);
+        assert_eq!(std::mem::offset_of!(NetPropertiesV9, max_p2p_bytes), 88);
+        assert_eq!(std::mem::offset_of!(NetPropertiesV9, max_coll_bytes), 96);
+        // ncclNet_v9_t / _v10_t: name + 19 function pointers, in v8's order, makeVDevice last.
+        for (isend, test, close_listen, make_v_device) in [
+            (
+                std::mem::offset_of!(NetV9, isend),
+                std::mem::offset_of!(NetV9, test),
+                std::mem::offset_of!(NetV9, close_listen),
+                std::mem::offset_of!(NetV9, make_v_device),
+            ),
+            (
+                std::mem::offset_of!(NetV10, isend),
+                std::mem::offset_of!(NetV10, test),
+                std::mem::offset_of!(NetV10, close_listen),
+                std::mem::offset_of!(NetV10, make_v_device),
+            ),
+        ] {
+            assert_eq!((isend, test, close_listen, make_v_device), (80, 104, 128, 152));
+        }
+        assert_eq!(size_of::<NetCommConfigV10>(), 4);
     }
 }

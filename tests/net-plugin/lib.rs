@@ -1,6 +1,7 @@
 //! `libnccl-net-oxtest.so`: a minimal NCCL network plugin for oxccl's tests. It exports
-//! `ncclNetPlugin_v8` (NCCL's `ext-net/example/nccl/net_v8.h`), named "OxTest", over plain TCP on
-//! loopback, and checks how it is used, the way an RDMA plugin's hardware would:
+//! `ncclNetPlugin_v8` (NCCL's `ext-net/example/nccl/net_v8.h`) and, with the default feature
+//! `v9`, `ncclNetPlugin_v9` (`net_v9.h`: `size_t` sizes, larger properties), both named "OxTest",
+//! over plain TCP on loopback, and checks how it is used, the way an RDMA plugin's hardware would:
 //!
 //! - every `isend`/`irecv` must carry a memory handle from `regMr` on the same connection that
 //!   covers the whole buffer (else `ncclInvalidUsage`, and a WARN through NCCL's logger);
@@ -9,8 +10,9 @@
 //!   an error, as in NCCL's IB plugin;
 //! - closing a connection with memory still registered is reported (WARN).
 //!
-//! On close each connection reports its traffic and its `regMr` calls (INFO `NET/OxTest : send
-//! comm closed: N messages, B bytes, R registrations`), so a test can tell that data went through
+//! On close each connection reports its traffic, its `regMr` calls and which interface posted its
+//! requests (INFO `NET/OxTest : send comm closed: N messages, B bytes, R registrations, v8 posts
+//! P8, v9 posts P9`), so a test can tell that data went through
 //! the plugin and how memory was registered. Messages are framed
 //! by a 4-byte little-endian length; a receive longer than its buffer fails the connection.
 //!
@@ -97,12 +99,95 @@ pub struct NetV8 {
 
 /// The exported table (raw pointers in a static need `Sync`).
 #[repr(transparent)]
-pub struct Exported(NetV8);
+pub struct Exported<T>(T);
 // SAFETY: the table is immutable; its pointers are to 'static strings and functions.
-unsafe impl Sync for Exported {}
+unsafe impl<T> Sync for Exported<T> {}
+
+/// `ncclNetProperties_v9_t`.
+#[cfg(feature = "v9")]
+#[repr(C)]
+pub struct NetPropertiesV9 {
+    name: *const c_char,
+    pci_path: *const c_char,
+    guid: u64,
+    ptr_support: c_int,
+    reg_is_global: c_int,
+    force_flush: c_int,
+    speed: c_int,
+    port: c_int,
+    latency: f32,
+    max_comms: c_int,
+    max_recvs: c_int,
+    net_device_type: c_int,
+    net_device_version: c_int,
+    v_ndevs: c_int,
+    v_devs: [c_int; 4],
+    max_p2p_bytes: usize,
+    max_coll_bytes: usize,
+}
+
+/// `ncclNet_v9_t`.
+#[cfg(feature = "v9")]
+#[repr(C)]
+pub struct NetV9 {
+    name: *const c_char,
+    init: unsafe extern "C" fn(Option<DebugLogger>) -> c_int,
+    devices: unsafe extern "C" fn(*mut c_int) -> c_int,
+    get_properties: unsafe extern "C" fn(c_int, *mut NetPropertiesV9) -> c_int,
+    listen: unsafe extern "C" fn(c_int, *mut c_void, *mut *mut c_void) -> c_int,
+    connect: unsafe extern "C" fn(c_int, *mut c_void, *mut *mut c_void, *mut *mut c_void) -> c_int,
+    accept: unsafe extern "C" fn(*mut c_void, *mut *mut c_void, *mut *mut c_void) -> c_int,
+    reg_mr: unsafe extern "C" fn(*mut c_void, *mut c_void, usize, c_int, *mut *mut c_void) -> c_int,
+    reg_mr_dma_buf: Option<unsafe extern "C" fn()>,
+    dereg_mr: unsafe extern "C" fn(*mut c_void, *mut c_void) -> c_int,
+    isend:
+        unsafe extern "C" fn(*mut c_void, *mut c_void, usize, c_int, *mut c_void, *mut *mut c_void) -> c_int,
+    irecv: unsafe extern "C" fn(
+        *mut c_void,
+        c_int,
+        *mut *mut c_void,
+        *mut usize,
+        *mut c_int,
+        *mut *mut c_void,
+        *mut *mut c_void,
+    ) -> c_int,
+    iflush: Option<unsafe extern "C" fn()>,
+    test: unsafe extern "C" fn(*mut c_void, *mut c_int, *mut c_int) -> c_int,
+    close_send: unsafe extern "C" fn(*mut c_void) -> c_int,
+    close_recv: unsafe extern "C" fn(*mut c_void) -> c_int,
+    close_listen: unsafe extern "C" fn(*mut c_void) -> c_int,
+    get_device_mr: Option<unsafe extern "C" fn()>,
+    irecv_consumed: Option<unsafe extern "C" fn()>,
+    make_v_device: Option<unsafe extern "C" fn()>,
+}
+
+#[cfg(feature = "v9")]
+#[unsafe(no_mangle)]
+pub static ncclNetPlugin_v9: Exported<NetV9> = Exported(NetV9 {
+    name: c"OxTest".as_ptr(),
+    init,
+    devices,
+    get_properties: get_properties_v9,
+    listen,
+    connect,
+    accept,
+    reg_mr,
+    reg_mr_dma_buf: None,
+    dereg_mr,
+    isend: isend_v9,
+    irecv: irecv_v9,
+    iflush: None,
+    test,
+    close_send,
+    close_recv,
+    close_listen,
+    get_device_mr: None,
+    irecv_consumed: None,
+    make_v_device: None,
+});
 
 #[unsafe(no_mangle)]
-pub static ncclNetPlugin_v8: Exported = Exported(NetV8 {
+pub static ncclNetPlugin_v8: Exported<NetV8> = Exported(NetV8 {
     name: c"OxTest".as_ptr(),
     init,
     devices,
@@ -164,6 +249,8 @@ struct Comm {
     mrs: usize,
     /// `regMr` calls on this connection.
     regs: u64,
+    /// Requests posted through the v8 and the v9 `isend`/`irecv`.
+    posts: [u64; 2],
     messages: u64,
     bytes: u64,
 }
@@ -262,6 +349,7 @@ fn new_comm(stream: TcpStream, send: bool) -> Option<*mut c_void> {
             failed: false,
             mrs: 0,
             regs: 0,
+            posts: [0; 2],
             messages: 0,
             bytes: 0,
         }))
@@ -402,16 +490,16 @@ fn post(
     comm: *mut c_void,
     send: bool,
     ptr: *mut u8,
-    size: c_int,
+    size: usize,
     mhandle: *mut c_void,
     request: *mut *mut c_void,
+    v9: bool,
 ) -> c_int {
     // SAFETY: `request` is writable.
     unsafe { *request = std::ptr::null_mut() };
-    if size < 0 {
+    if size > u32::MAX as usize {
         return INVALID_ARGUMENT;
     }
-    let size = size as usize;
     if !covered(comm, mhandle, ptr as usize, size) {
         log(
             LOG_WARN,
@@ -452,6 +540,7 @@ fn post(
     }));
     c.queue.push_back(r);
     c.live.push(r);
+    c.posts[v9 as usize] += 1;
     // SAFETY: as above.
     unsafe { *request = r.cast() };
     SUCCESS
@@ -465,7 +554,18 @@ unsafe extern "C" fn isend(
     mhandle: *mut c_void,
     request: *mut *mut c_void,
 ) -> c_int {
-    post(send_comm, true, data.cast(), size, mhandle, request)
+    if size < 0 {
+        return INVALID_ARGUMENT;
+    }
+    post(
+        send_comm,
+        true,
+        data.cast(),
+        size as usize,
+        mhandle,
+        request,
+        false,
+    )
 }
 
 unsafe extern "C" fn irecv(
@@ -483,7 +583,79 @@ unsafe extern "C" fn irecv(
     }
     // SAFETY: the arrays hold `n` entries (plugin contract).
     let (d, s, m) = unsafe { (*data, *sizes, *mhandles) };
-    post(recv_comm, false, d.cast(), s, m, request)
+    if s < 0 {
+        return INVALID_ARGUMENT;
+    }
+    post(recv_comm, false, d.cast(), s as usize, m, request, false)
+}
+
+/// v9's `isend`: as v8's with a `size_t` size.
+#[cfg(feature = "v9")]
+unsafe extern "C" fn isend_v9(
+    send_comm: *mut c_void,
+    data: *mut c_void,
+    size: usize,
+    _tag: c_int,
+    mhandle: *mut c_void,
+    request: *mut *mut c_void,
+) -> c_int {
+    post(send_comm, true, data.cast(), size, mhandle, request, true)
+}
+
+/// v9's `irecv`: as v8's with `size_t` sizes.
+#[cfg(feature = "v9")]
+unsafe extern "C" fn irecv_v9(
+    recv_comm: *mut c_void,
+    n: c_int,
+    data: *mut *mut c_void,
+    sizes: *mut usize,
+    _tags: *mut c_int,
+    mhandles: *mut *mut c_void,
+    request: *mut *mut c_void,
+) -> c_int {
+    if n != 1 {
+        return INVALID_ARGUMENT;
+    }
+    // SAFETY: the arrays hold `n` entries (plugin contract).
+    let (d, s, m) = unsafe { (*data, *sizes, *mhandles) };
+    post(recv_comm, false, d.cast(), s, m, request, true)
+}
+
+/// v9's `getProperties`: v8's fields plus `forceFlush`, the virtual-device list and the
+/// transfer limits.
+#[cfg(feature = "v9")]
+unsafe extern "C" fn get_properties_v9(dev: c_int, props: *mut NetPropertiesV9) -> c_int {
+    let mut p8 = std::mem::MaybeUninit::<NetProperties>::uninit();
+    // SAFETY: `p8` is writable; get_properties fills all of it on success.
+    let rc = unsafe { get_properties(dev, p8.as_mut_ptr()) };
+    if rc != SUCCESS {
+        return rc;
+    }
+    // SAFETY: initialized by the successful call above.
+    let p = unsafe { p8.assume_init() };
+    // SAFETY: the caller passes a valid, writable v9 properties struct.
+    unsafe {
+        props.write(NetPropertiesV9 {
+            name: p.name,
+            pci_path: p.pci_path,
+            guid: p.guid,
+            ptr_support: p.ptr_support,
+            reg_is_global: p.reg_is_global,
+            force_flush: 0,
+            speed: p.speed,
+            port: p.port,
+            latency: p.latency,
+            max_comms: p.max_comms,
+            max_recvs: p.max_recvs,
+            net_device_type: p.net_device_type,
+            net_device_version: p.net_device_version,
+            v_ndevs: 1,
+            v_devs: [0; 4],
+            max_p2p_bytes: u32::MAX as usize,
+            max_coll_bytes: u32::MAX as usize,
+        })
+    };
+    SUCCESS
 }
 
 /// Moves `r` forward as far as the socket allows; `Ok(true)` once finished.
@@ -588,8 +760,8 @@ fn close_comm(comm: *mut c_void) -> c_int {
         LOG_INFO,
         line!(),
         &format!(
-            "NET/OxTest : {side} comm closed: {} messages, {} bytes, {} registrations",
-            c.messages, c.bytes, c.regs
+            "NET/OxTest : {side} comm closed: {} messages, {} bytes, {} registrations, v8 posts {}, v9 posts {}",
+            c.messages, c.bytes, c.regs, c.posts[0], c.posts[1]
         ),
     );
     for r in c.live {
