@@ -350,8 +350,8 @@ const SETUP_POLL: Duration = Duration::from_millis(1);
 /// on the rank concerned; every other rank then gets `Remote` naming that rank and its error
 /// (these checks are all-gathered before any rank goes on, so all ranks fail at the same point;
 /// the network is opened before that only on ranks with a neighbour on another host or
-/// `NCCL_SHM_DISABLE=1`, and afterwards, failing that rank alone, on a rank that needs it only
-/// because a neighbour set `NCCL_SHM_DISABLE=1`).
+/// `NCCL_SHM_DISABLE=1` (and, on CUDA, `NCCL_P2P_DISABLE=1`), and afterwards, failing that rank
+/// alone, on a rank that needs it only because of a neighbour's settings).
 /// Bootstrap failures, a peer that does not connect within the bootstrap timeout (`Timeout`).
 ///
 /// # Safety
@@ -370,10 +370,14 @@ pub unsafe fn connect_net(setup: &RingSetup<'_>, conn_base: &mut [u64]) -> Resul
     let near = s.bootstrap.addrs().get(rank).map(|a| a.ip());
     let local = PeerInfo::local(s.device.is_cuda(), &s.hosts[rank]).and_then(|me| wanted_net().map(|_| me));
     // The network is opened here only where NET is possible from this rank's side (a ring
-    // neighbour on another host, or NCCL_SHM_DISABLE=1 here), so SHM-only ranks never load it.
+    // neighbour on another host, or NCCL_SHM_DISABLE=1 here without P2P on this side), so
+    // SHM-only and P2P-only ranks never load it.
     let (next, prev) = ((rank + 1) % nranks, (rank + nranks - 1) % nranks);
     let mut opened = match &local {
-        Ok(me) if me.shm_disable || [next, prev].iter().any(|&p| s.hosts[p] != s.hosts[rank]) => {
+        Ok(me)
+            if (me.shm_disable && (!me.cuda || me.p2p_disable))
+                || [next, prev].iter().any(|&p| s.hosts[p] != s.hosts[rank]) =>
+        {
             Some(net_from_env(near))
         }
         _ => None,
