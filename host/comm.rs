@@ -191,11 +191,12 @@ impl Comm {
     /// Creates one communicator per device, rank `i` on `devices[i]`, all in this process (NCCL's
     /// `ncclCommInitAll`). Devices must all be CUDA or all CPU-target, each used once.
     ///
-    /// Test hook, CPU target only: `OXCCL_TEST_NODES=N` (a divisor of the rank count) splits the
-    /// ranks into `N` equal nodes of consecutive ranks, as if on `N` hosts, and sets up the double
-    /// binary tree across them (a chain inside each node; channel `c` on tree `c % 2`), so AllReduce
-    /// may run (or, with `NCCL_ALGO=tree`, must run) as a tree. Rings are unchanged. CUDA devices
-    /// ignore it.
+    /// Test hook: `OXCCL_TEST_NODES=N` (a divisor of the rank count) splits the ranks into `N`
+    /// equal nodes of consecutive ranks, as if on `N` hosts, and sets up the double binary tree
+    /// across them (a chain inside each node; channel `c` on tree `c % 2`), so AllReduce may run
+    /// (or, with `NCCL_ALGO=tree`, must run) as a tree. Rings are unchanged. On CUDA devices the
+    /// tree connections live in device memory and tree neighbours reach each other over peer
+    /// access, like ring neighbours (`System` error when it is not supported).
     ///
     /// Errors: `InvalidArgument` for an empty or mixed list or a bad environment value
     /// (`NCCL_BUFFSIZE`, `NCCL_NTHREADS`, `NCCL_MAX_NCHANNELS`, `OXCCL_TEST_NODES`, ...), `InvalidUsage` for a
@@ -294,10 +295,15 @@ impl Comm {
                     }
                 }
             }
+            // Trees across the test nodes, in device memory; freed with the ring connections.
+            let (trees, tree_mem) = match test_nodes(nranks)? {
+                Some(nnodes) => setup_cuda_trees(&ctxs, nnodes, nch, &params, &block)?,
+                None => (Vec::new(), Vec::new()),
+            };
             let dev_comms: Vec<u64> = block.iter().map(|b| b.ptr).collect();
             let group = Arc::new(CudaGroup {
                 _comm_mem: block,
-                _conn_mem: conn,
+                _conn_mem: conn.into_iter().chain(tree_mem).collect(),
                 abort,
                 mp: None,
             });
@@ -321,7 +327,7 @@ impl Comm {
                     }),
                     inflight: Arc::new(AtomicUsize::new(0)),
                     last: Mutex::new(None),
-                    trees: None,
+                    trees: trees.get(r).copied(),
                     finalized: false.into(),
                 });
             }
@@ -2564,7 +2570,7 @@ struct CommTrees {
     bytes: u64,
 }
 
-/// The node count of a CPU-target [`Comm::init_all`] communicator from the test hook
+/// The node count of a [`Comm::init_all`] communicator (CPU target or CUDA) from the test hook
 /// `OXCCL_TEST_NODES=N` (oxccl spelling only): its ranks are split into `N` equal nodes of
 /// consecutive ranks — node `n` holds ranks `n·k .. (n+1)·k` with `k = nranks / N` — as if they ran
 /// on `N` hosts. Rings are unchanged; with `N ≥ 2` the double binary tree's connections are set up
@@ -2643,6 +2649,20 @@ impl TreeLayout {
     fn tail(&self, base: u64, c: usize, peer: usize) -> u64 {
         self.head(base, c, peer) + 128
     }
+    /// The counters region (from `counters_at` to the end) with every head and tail at `step`,
+    /// the rest zero: what a device copy writes to start the FIFOs at `step`.
+    fn counters(&self, step: u64) -> Vec<u8> {
+        let mut out = vec![0u8; (self.bytes() - self.counters_at) as usize];
+        for c in 0..self.fifo.len() {
+            for peer in 0..TREE_PEERS {
+                for at in [self.head(0, c, peer), self.tail(0, c, peer)] {
+                    let i = (at - self.counters_at) as usize;
+                    out[i..i + 8].copy_from_slice(&step.to_ne_bytes());
+                }
+            }
+        }
+        out
+    }
 }
 
 /// Rank `r`'s [`DevTree`] of every channel: its parent and children, and a connection to and from
@@ -2705,6 +2725,91 @@ fn build_dev_trees(
     Ok(out)
 }
 
+/// The trees of an `init_all` communicator of `nranks` ranks split into `nnodes` nodes of
+/// consecutive ranks ([`test_nodes`]): every channel's tree (`[channel][rank]`), each rank's tree
+/// connection memory layout, and the shape the tuning model sees.
+fn test_node_trees(
+    nranks: usize,
+    nnodes: usize,
+    nch: u32,
+    params: &Params,
+) -> Result<(Vec<Vec<crate::graph::Tree>>, Vec<TreeLayout>, TreeShape)> {
+    let k = nranks / nnodes;
+    let chains: Vec<Vec<usize>> = (0..nnodes).map(|n| (n * k..(n + 1) * k).collect()).collect();
+    let trees = channel_trees(&chains, nch)?;
+    let layouts: Vec<TreeLayout> = (0..nranks)
+        .map(|r| TreeLayout::new(params.buffsize, &trees, r))
+        .collect();
+    let shape = TreeShape {
+        nnodes,
+        depth: trees[0][0].depth.max(0) as u32,
+    };
+    Ok((trees, layouts, shape))
+}
+
+/// Sets up the trees of a CUDA `init_all` communicator split into `nnodes` nodes
+/// ([`test_nodes`]), rank `r` on `ctxs[r]`: peer access between tree neighbours on different
+/// devices (NCCL's P2P transport, same-process path, as for ring neighbours), every rank's tree
+/// connection memory in its device's memory (counters at `initial_step`), its [`DevTree`] array in
+/// device memory, and that array's address in the `trees` field of the [`DevComm`] at the start
+/// of `block[r]`. Returns each rank's [`CommTrees`] and the allocations, which must outlive every
+/// kernel of every rank. Errors: `System` naming both ranks when two tree neighbours' devices
+/// cannot access each other; `Cuda` for driver failures.
+fn setup_cuda_trees(
+    ctxs: &[Arc<cuda::Context>],
+    nnodes: usize,
+    nch: u32,
+    params: &Params,
+    block: &[cuda::DevAlloc],
+) -> Result<(Vec<CommTrees>, Vec<cuda::DevAlloc>)> {
+    let nranks = ctxs.len();
+    let (trees, layouts, shape) = test_node_trees(nranks, nnodes, nch, params)?;
+    // Channels alternate between the two trees, so the first two hold every tree edge.
+    for t in trees.iter().take(2) {
+        for (r, tr) in t.iter().enumerate() {
+            for peer in std::iter::once(tr.up).chain(tr.down) {
+                let Ok(peer) = usize::try_from(peer) else { continue };
+                if ctxs[peer].ordinal == ctxs[r].ordinal {
+                    continue;
+                }
+                if !ctxs[r].can_access_peer(&ctxs[peer])? {
+                    return Err(Error::System(format!(
+                        "no transport can connect tree neighbours rank {r} (CUDA device {}) and rank {peer} \
+                         (CUDA device {}): peer access is not supported between them",
+                        ctxs[r].ordinal, ctxs[peer].ordinal
+                    )));
+                }
+                ctxs[r].enable_peer_access(&ctxs[peer])?;
+            }
+        }
+    }
+    let mut mem: Vec<cuda::DevAlloc> = layouts
+        .iter()
+        .zip(ctxs)
+        .map(|(l, ctx)| cuda::DevAlloc::zeroed(ctx, l.bytes() as usize))
+        .collect::<Result<_>>()?;
+    let bases: Vec<u64> = mem.iter().map(|m| m.ptr).collect();
+    let mut out = Vec::with_capacity(nranks);
+    for r in 0..nranks {
+        let l = &layouts[r];
+        if params.initial_step != 0 {
+            mem[r].write(l.counters_at as usize, &l.counters(params.initial_step))?;
+        }
+        let dev = build_dev_trees(r, &trees, &layouts, &bases, params.initial_step)?;
+        let bytes: &[u8] = bytemuck::cast_slice(&dev);
+        let arr = cuda::DevAlloc::zeroed(&ctxs[r], bytes.len())?;
+        arr.write(0, bytes)?;
+        block[r].write(std::mem::offset_of!(DevComm, trees), &arr.ptr.to_ne_bytes())?;
+        out.push(CommTrees {
+            shape,
+            bytes: l.bytes() + bytes.len() as u64,
+        });
+        mem.push(arr);
+    }
+    tracing::debug!(target: "oxccl::init", nranks, nnodes, nch, depth = shape.depth, "CUDA trees ready");
+    Ok((out, mem))
+}
+
 /// Sets up the trees of a CPU-target `init_all` communicator of `nranks` ranks split into `nnodes`
 /// nodes ([`test_nodes`]): every rank's tree connection memory (counters at `initial_step`) and
 /// [`DevTree`] array, whose address goes into the `trees` field of its [`DevComm`] in `comm_mem`.
@@ -2716,21 +2821,12 @@ fn setup_cpu_trees(
     params: &Params,
     comm_mem: &[HostMem],
 ) -> Result<(Vec<CommTrees>, Vec<HostMem>)> {
-    let k = nranks / nnodes;
-    let chains: Vec<Vec<usize>> = (0..nnodes).map(|n| (n * k..(n + 1) * k).collect()).collect();
-    let trees = channel_trees(&chains, nch)?;
-    let layouts: Vec<TreeLayout> = (0..nranks)
-        .map(|r| TreeLayout::new(params.buffsize, &trees, r))
-        .collect();
+    let (trees, layouts, shape) = test_node_trees(nranks, nnodes, nch, params)?;
     let mut mem: Vec<HostMem> = layouts
         .iter()
         .map(|l| HostMem::zeroed(l.bytes() as usize))
         .collect::<Result<_>>()?;
     let bases: Vec<u64> = mem.iter().map(|m| m.addr()).collect();
-    let shape = TreeShape {
-        nnodes,
-        depth: trees[0][0].depth.max(0) as u32,
-    };
     let mut out = Vec::with_capacity(nranks);
     for r in 0..nranks {
         for c in 0..nch as usize {
@@ -3081,6 +3177,27 @@ mod tree_tests {
             assert_eq!(fifos.len(), n, "rank {r}");
             assert!(fifos.windows(2).all(|w| w[1] - w[0] >= buffsize));
             assert_eq!(n as u64 * buffsize, layouts[r].counters_at);
+        }
+    }
+
+    #[test]
+    fn counters_region_starts_every_head_and_tail_at_the_step() {
+        // One rank, 3 channels: the region holds 3 channels × 4 peer slots of COUNTERS_BYTES (256),
+        // head at +0 and tail at +128 of each; a CUDA init copies it to `counters_at`. Exactly those
+        // 24 u64 words hold the step, every other byte is zero.
+        let trees = channel_trees(&[vec![0], vec![1]], 3).unwrap();
+        let l = TreeLayout::new(1 << 20, &trees, 1);
+        let v = l.counters(0x0102_0304_0506_0708);
+        assert_eq!(v.len() as u64, 3 * 4 * COUNTERS_BYTES);
+        assert_eq!(l.bytes() - l.counters_at, v.len() as u64);
+        for (w, b) in v.chunks(8).enumerate() {
+            let at = w as u64 * 8;
+            let want = if at % COUNTERS_BYTES == 0 || at % COUNTERS_BYTES == 128 {
+                0x0102_0304_0506_0708
+            } else {
+                0
+            };
+            assert_eq!(u64::from_ne_bytes(b.try_into().unwrap()), want, "byte {at}");
         }
     }
 }

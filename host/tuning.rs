@@ -131,7 +131,7 @@ impl Selection {
                 .join(", "),
             if func == Func::AllReduce && trees.is_none() && self.algos.0[Algo::Tree as usize] {
                 " (tree needs a communicator spanning several nodes with tree connections, which \
-                 oxccl sets up so far only for CPU-target Comm::init_all split by OXCCL_TEST_NODES)"
+                 oxccl sets up so far only for Comm::init_all split by OXCCL_TEST_NODES)"
             } else {
                 ""
             }
