@@ -178,6 +178,9 @@ pub struct Model {
     pub bus_cap: [f64; Proto::COUNT],
     /// Bytes per channel below which a call uses fewer channels.
     pub min_channel_bytes: [u64; Proto::COUNT],
+    /// Fraction of the protocol's bandwidth a ReduceScatter reaches (its one reduce-and-store
+    /// pass per step has no second ring phase to overlap with).
+    pub reduce_scatter_scale: [f64; Proto::COUNT],
 }
 
 impl Model {
@@ -197,6 +200,10 @@ impl Model {
                 channel_bw: [4.0, 9.0, 12.0],
                 bus_cap: [150.0, 300.0, 345.0],
                 min_channel_bytes: [16 << 10, 64 << 10, 128 << 10],
+                // 2×H200, 64 channels: ReduceScatter on LL128 reached 188 / 226 GB/s busbw at
+                // 32 / 64 MiB where AllReduce of the same bus bytes reached 262 / 283; Simple
+                // 191 / 240 (2026-11-29), so LL128 counts at 0.77 of its AllReduce figure.
+                reduce_scatter_scale: [1.0, 0.77, 1.0],
             },
             Fabric::Host => Model {
                 base_lat_us: [20.0, 25.0, 30.0],
@@ -205,6 +212,7 @@ impl Model {
                 channel_bw: [0.5, 1.0, 2.0],
                 bus_cap: [1.0, 2.0, 4.0],
                 min_channel_bytes: [16 << 10, 64 << 10, 128 << 10],
+                reduce_scatter_scale: [1.0; Proto::COUNT],
             },
         }
     }
@@ -227,7 +235,10 @@ impl Model {
             Func::AllGather | Func::ReduceScatter => (n - 1.0, (n - 1.0) / n),
             Func::Broadcast | Func::Reduce => (n - 1.0, 1.0),
         };
-        let bw = (self.channel_bw[p] * nch as f64).min(self.bus_cap[p]);
+        let mut bw = (self.channel_bw[p] * nch as f64).min(self.bus_cap[p]);
+        if func == Func::ReduceScatter {
+            bw *= self.reduce_scatter_scale[p];
+        }
         // GB/s = 1e3 bytes per µs.
         self.base_lat_us[p]
             + self.fill_us[p]
@@ -376,6 +387,13 @@ mod tests {
         assert_eq!((p, nch), (Proto::Ll128, 64));
         let (_, p, _) = all.choose_sized(&m, Func::AllReduce, 32 << 20, 2, 1, 64).unwrap();
         assert_eq!(p, Proto::Ll128);
+        // ReduceScatter of 64 MiB (32 MiB of bus bytes on 2 ranks): LL128 at 0.77 × 300 GB/s
+        // takes 11.4 + 33554432 / 231e3 = 156.7 µs, Simple 37.9 + 33554432 / 345e3 = 135.2 µs;
+        // at 16 MiB LL128 (47.7 µs) still beats Simple (62.2 µs). (AllReduce is unscaled: at 64 MiB
+        // its 64 MiB of bus bytes take 237.0 µs on LL128 and 235.8 on Simple.)
+        let rs = |bytes| all.choose_sized(&m, Func::ReduceScatter, bytes, 2, 1, 64).unwrap().1;
+        assert_eq!(rs(64 << 20), Proto::Simple);
+        assert_eq!(rs(16 << 20), Proto::Ll128);
         // LL uses one channel per 16 KiB: 128 KiB → 8 channels.
         assert_eq!(m.nchannels(Proto::Ll, 128 << 10, 1, 64), 8);
         assert_eq!(m.nchannels(Proto::Simple, 128 << 10, 1, 64), 1);
