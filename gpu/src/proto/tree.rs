@@ -627,11 +627,75 @@ mod tests {
     #[test]
     fn reduce_copy_fan_folds_every_source_into_every_destination() {
         // Every (sources, destinations) count from (1, 1) to (4, 4) over u32, 16-byte aligned
-        // (pack path, 37 elements: 9 packs and 1 element) and shifted by one element (element
-        // path), with and without a post-division by 4. Source s holds 10 i + s at element i, so
-        // the first `ns` sources sum to 10 ns i + ns (ns - 1) / 2 at buffer index i (truncated after
-        // a division);
-        // destinations past `nd` and every guard element keep their 0xdeadbeef.
+        // (pack path) and shifted by one element (element path only), with and without a
+        // post-division by 4, on blocks of 1, 3 and 32 threads (each thread's share run in turn,
+        // as the threads of a GPU block split it): 37 elements (9 packs and 1 element) and 1003
+        // (250 packs: one UNROLL round of 32 threads, then the remainder loop, then 3 elements).
+        // Source s holds 10 i + s at buffer index i, so the first `ns` sources sum to
+        // 10 ns i + ns (ns - 1) / 2 (truncated after a division); destinations past `nd` and
+        // every guard element keep their 0xdeadbeef.
+        for n in [37usize, 1003] {
+            let buf = |fill: &dyn Fn(usize) -> u32| {
+                let mut v = vec![Pack::default(); n.div_ceil(4) + 1];
+                let p = v.as_mut_ptr() as *mut u32;
+                for i in 0..4 * v.len() {
+                    // SAFETY: inside the vector.
+                    unsafe { p.add(i).write(fill(i)) };
+                }
+                v
+            };
+            for nthreads in [1u32, 3, 32] {
+                for ns in 1..=4usize {
+                    for nd in 1..=4usize {
+                        for shift in [0usize, 1] {
+                            for div in [0u32, 4] {
+                                let srcs: Vec<Vec<Pack>> =
+                                    (0..4).map(|s| buf(&|i| (10 * i + s) as u32)).collect();
+                                let mut dsts: Vec<Vec<Pack>> =
+                                    (0..4).map(|_| buf(&|_| 0xdead_beef)).collect();
+                                let sp: Vec<*const u8> = srcs
+                                    .iter()
+                                    .map(|v| (v.as_ptr() as *const u32).wrapping_add(shift) as *const u8)
+                                    .collect();
+                                let dp: Vec<*mut u8> = dsts
+                                    .iter_mut()
+                                    .map(|v| (v.as_mut_ptr() as *mut u32).wrapping_add(shift) as *mut u8)
+                                    .collect();
+                                let (sa, da) = ([sp[0], sp[1], sp[2], sp[3]], [dp[0], dp[1], dp[2], dp[3]]);
+                                for tid in 0..nthreads {
+                                    // SAFETY: every pointer covers `n` elements after the shift.
+                                    unsafe {
+                                        reduce_copy_fan::<u32, FuncSum>(
+                                            tid, nthreads, sa, ns, da, nd, n as u64, div,
+                                        )
+                                    };
+                                }
+                                for (j, d) in dsts.iter().enumerate() {
+                                    let p = d.as_ptr() as *const u32;
+                                    for k in 0..4 * d.len() {
+                                        // SAFETY: inside the vector.
+                                        let got = unsafe { p.add(k).read() };
+                                        let sum = 10 * ns * k + ns * (ns - 1) / 2;
+                                        let want = if j >= nd || k < shift || k >= shift + n {
+                                            0xdead_beef
+                                        } else if div == 0 {
+                                            sum as u32
+                                        } else {
+                                            (sum / 4) as u32
+                                        };
+                                        assert_eq!(
+                                            got, want,
+                                            "n {n}, {nthreads} threads, {ns} sources, {nd} destinations, shift \
+                                             {shift}, div {div}, destination {j}, element {k}"
+                                        );
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
         let n = 37usize;
         let buf = |fill: &dyn Fn(usize) -> u32| {
             let mut v = vec![Pack::default(); n.div_ceil(4) + 1];
@@ -642,46 +706,6 @@ mod tests {
             }
             v
         };
-        for ns in 1..=4usize {
-            for nd in 1..=4usize {
-                for shift in [0usize, 1] {
-                    for div in [0u32, 4] {
-                        let srcs: Vec<Vec<Pack>> = (0..4).map(|s| buf(&|i| (10 * i + s) as u32)).collect();
-                        let mut dsts: Vec<Vec<Pack>> = (0..4).map(|_| buf(&|_| 0xdead_beef)).collect();
-                        let sp: Vec<*const u8> = srcs
-                            .iter()
-                            .map(|v| (v.as_ptr() as *const u32).wrapping_add(shift) as *const u8)
-                            .collect();
-                        let dp: Vec<*mut u8> = dsts
-                            .iter_mut()
-                            .map(|v| (v.as_mut_ptr() as *mut u32).wrapping_add(shift) as *mut u8)
-                            .collect();
-                        let (sa, da) = ([sp[0], sp[1], sp[2], sp[3]], [dp[0], dp[1], dp[2], dp[3]]);
-                        // SAFETY: every pointer covers `n` elements after the shift.
-                        unsafe { reduce_copy_fan::<u32, FuncSum>(0, 1, sa, ns, da, nd, n as u64, div) };
-                        for (j, d) in dsts.iter().enumerate() {
-                            let p = d.as_ptr() as *const u32;
-                            for k in 0..4 * d.len() {
-                                // SAFETY: inside the vector.
-                                let got = unsafe { p.add(k).read() };
-                                let sum = 10 * ns * k + ns * (ns - 1) / 2;
-                                let want = if j >= nd || k < shift || k >= shift + n {
-                                    0xdead_beef
-                                } else if div == 0 {
-                                    sum as u32
-                                } else {
-                                    (sum / 4) as u32
-                                };
-                                assert_eq!(
-                                    got, want,
-                                    "{ns} sources, {nd} destinations, shift {shift}, div {div}, destination {j}, element {k}"
-                                );
-                            }
-                        }
-                    }
-                }
-            }
-        }
         // No source or no destination: nothing is written.
         let src = buf(&|i| i as u32);
         let mut dst = buf(&|_| 7);
