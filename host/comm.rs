@@ -1009,6 +1009,30 @@ impl Comm {
         self.last.lock().ok().and_then(|g| *g)
     }
 
+    /// The plan a call of `func` over `count` elements of `dtype` (the count argument of that
+    /// call: per rank for AllGather/ReduceScatter) would get now, without running it: algorithm,
+    /// protocol, channels, chunk and slice as [`Comm::last_choice`] reports after the call. `None`
+    /// when no protocol would run (`count == 0`, or one rank, where every collective is a copy).
+    /// Errors: as the call's own checks of `count` and of `NCCL_PROTO`/`NCCL_ALGO`.
+    pub fn choice_for(&self, func: Func, count: usize, dtype: DataType) -> Result<Option<Choice>> {
+        let (_, recv_bytes) = self.buffer_bytes(func, count, dtype)?;
+        if count == 0 || self.nranks == 1 {
+            return Ok(None);
+        }
+        let esize = dtype.size() as u64;
+        self.plan(func, self.call_bytes(func, count, recv_bytes, esize), esize).map(Some)
+    }
+
+    /// The size the tuning model sees for a call (nccl-tests' size: the larger of the per-rank
+    /// send and receive buffers, times the rank count for AllGather/ReduceScatter), bytes.
+    fn call_bytes(&self, func: Func, count: usize, recv_bytes: u64, esize: u64) -> u64 {
+        let per_rank = recv_bytes.max(count as u64 * esize);
+        match func {
+            Func::AllGather | Func::ReduceScatter => per_rank * self.nranks as u64,
+            _ => per_rank,
+        }
+    }
+
     /// Reduces (`op`) `count` elements of `dtype` across all ranks; every rank gets the result in
     /// `recv` (NCCL's `ncclAllReduce`). `send` and `recv` hold at least `count × dtype.size()` bytes
     /// on this rank's device and may be the same range (in place) but must not partly overlap.
@@ -1301,13 +1325,7 @@ impl Comm {
             };
         }
         let esize = dtype.size() as u64;
-        let total = match func {
-            Func::AllGather | Func::ReduceScatter => {
-                recv_bytes.max(count as u64 * esize) * self.nranks as u64
-            }
-            _ => recv_bytes.max(count as u64 * esize),
-        };
-        let choice = self.plan(func, total, esize)?;
+        let choice = self.plan(func, self.call_bytes(func, count, recv_bytes, esize), esize)?;
         let work = WorkColl {
             sendbuff: send,
             recvbuff: recv,

@@ -97,3 +97,68 @@ fn proto_and_algo_forcing_c13() {
         "{e}"
     );
 }
+
+/// `Comm::choice_for` predicts exactly the plan the call then records in `last_choice` (what
+/// `oxccl perf` prints as `# oxccl choice`, also for `--procs` runs whose last call is the
+/// combining AllReduce), for AllReduce and AllGather (whose model size is nranks × count) at
+/// sizes on either side of the protocol switches; `None` for count 0.
+#[test]
+fn choice_for_matches_the_recorded_plan() {
+    let _env = Env::clean(&["PROTO", "ALGO"]);
+    let comms = Comm::init_all(&Device::cpus(2)).unwrap();
+    let max = 1 << 18;
+    let bufs: Vec<_> = comms
+        .iter()
+        .map(|c| {
+            (
+                c.device().alloc(max * 4).unwrap(),
+                c.device().alloc(2 * max * 4).unwrap(),
+            )
+        })
+        .collect();
+    let streams: Vec<_> = comms.iter().map(|c| c.device().new_stream().unwrap()).collect();
+    for count in [1, 3000, 40_000, max] {
+        for func in [oxccl::Func::AllReduce, oxccl::Func::AllGather] {
+            let predicted: Vec<_> = comms
+                .iter()
+                .map(|c| c.choice_for(func, count, DataType::F32).unwrap())
+                .collect();
+            std::thread::scope(|s| {
+                for (r, c) in comms.iter().enumerate() {
+                    let (send, recv) = (&bufs[r].0, &bufs[r].1);
+                    let stream = &streams[r];
+                    s.spawn(move || {
+                        match func {
+                            oxccl::Func::AllReduce => {
+                                c.all_reduce(send, recv, count, DataType::F32, RedOp::Sum, stream)
+                            }
+                            _ => c.all_gather(send, recv, count, DataType::F32, stream),
+                        }
+                        .unwrap();
+                        stream.synchronize().unwrap();
+                    });
+                }
+            });
+            for (r, c) in comms.iter().enumerate() {
+                assert!(predicted[r].is_some(), "{func} count {count}");
+                assert_eq!(predicted[r], c.last_choice(), "{func} count {count} rank {r}");
+            }
+        }
+    }
+    // Different sizes do get different plans (the check above is not comparing constants).
+    let small = comms[0]
+        .choice_for(oxccl::Func::AllReduce, 1, DataType::F32)
+        .unwrap()
+        .unwrap();
+    let large = comms[0]
+        .choice_for(oxccl::Func::AllReduce, max, DataType::F32)
+        .unwrap()
+        .unwrap();
+    assert_ne!(small, large);
+    assert_eq!(
+        comms[0]
+            .choice_for(oxccl::Func::AllReduce, 0, DataType::F32)
+            .unwrap(),
+        None
+    );
+}

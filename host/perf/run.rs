@@ -387,8 +387,13 @@ pub fn sweep(
             out_of_place: oop,
             in_place: ip,
             nccl,
+            // Asked of the communicator rather than read from its last call: with --procs the
+            // last call is the small AllReduce that combines the ranks' timings.
             choice: match main {
-                Backend::Oxccl(comms) => comms.first().and_then(Comm::last_choice),
+                Backend::Oxccl(comms) => match comms.first() {
+                    Some(c) => c.choice_for(cfg.func, count, cfg.dtype)?,
+                    None => None,
+                },
                 Backend::Nccl(_) => None,
             },
         };
