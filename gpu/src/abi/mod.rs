@@ -152,8 +152,8 @@ pub struct DevComm {
     /// Buffer size in bytes of each protocol's connection buffer, indexed by [`Proto`].
     pub buff_sizes: [u64; Proto::COUNT],
     /// Address of `nchannels` [`DevTree`]s, or 0 when the communicator has no tree connections
-    /// (one node, or a transport that sets none up). Read by the CPU target's tree algorithm only;
-    /// the GPU kernels do not read it yet.
+    /// (one node, or a transport that sets none up). Read by the tree AllReduce (GPU and CPU
+    /// target) when the call's algorithm is the tree.
     pub trees: u64,
 }
 
