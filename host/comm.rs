@@ -246,7 +246,17 @@ impl Comm {
             }
             // NCCL_TOPO_DUMP_FILE, and this thread near the GPUs' CPUs until init returns.
             let _near = crate::topo::detect::on_cuda_init(0, &ctxs)?;
-            // P2P transport, same-process path: every rank writes into its ring neighbours.
+            // P2P transport, same-process path: every rank writes into its ring neighbours. It is
+            // the only transport init_all sets up between GPUs, so a request to avoid P2P cannot
+            // be honoured here: refuse it rather than ignore it.
+            if nranks > 1
+                && let Some((key, v)) = crate::params::env_var("P2P_DISABLE").filter(|(_, v)| v.trim() == "1")
+            {
+                return Err(Error::InvalidUsage(format!(
+                    "{key}={v}: Comm::init_all connects GPUs only by P2P (SHM and NET need one process per \
+                     GPU: use Comm::init_rank, e.g. `oxccl perf --procs N`), so it cannot run without P2P"
+                )));
+            }
             for r in 0..nranks {
                 for peer in [(r + 1) % nranks, (r + nranks - 1) % nranks] {
                     if ctxs[peer].ordinal == ctxs[r].ordinal {

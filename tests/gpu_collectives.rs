@@ -76,3 +76,24 @@ gpu_tests! {
     ReduceScatter: reduce_scatter_1_gpu, reduce_scatter_2_gpus, reduce_scatter_all_gpus;
     AllReduce: all_reduce_1_gpu, all_reduce_2_gpus, all_reduce_all_gpus;
 }
+
+/// `NCCL_P2P_DISABLE=1` cannot be honoured by `init_all` (P2P is the only transport it sets up
+/// between GPUs): a 2-GPU `init_all` refuses it with `InvalidUsage` naming the variable and the
+/// way out (`init_rank`), instead of silently using P2P. One GPU is unaffected (no neighbour).
+#[test]
+fn init_all_refuses_p2p_disable() {
+    let Some(devices) = common::gpus_or_skip("init_all_refuses_p2p_disable", 2) else {
+        return;
+    };
+    let _lock = common::env_lock();
+    let env = common::env::Env::clean(&["P2P_DISABLE", "PROTO", "ALGO"]);
+    env.set(&[("NCCL_P2P_DISABLE", "1")]);
+    let e = oxccl::Comm::init_all(&devices[..2])
+        .err()
+        .expect("init_all must refuse NCCL_P2P_DISABLE=1");
+    let m = e.to_string();
+    assert!(matches!(e, oxccl::Error::InvalidUsage(_)), "{m}");
+    assert!(m.contains("NCCL_P2P_DISABLE=1") && m.contains("init_rank"), "{m}");
+    let one = oxccl::Comm::init_all(&devices[..1]).expect("one GPU needs no P2P");
+    assert_eq!(one.len(), 1);
+}
