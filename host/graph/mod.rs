@@ -4,6 +4,7 @@
 //!
 //! | module | what | mirrors in NCCL |
 //! |---|---|---|
+//! | [`connect`] | every rank's ring graph merged into the communicator's rings, and each rank's view of them | `AllGather3` in `src/init.cc`, `ncclTopoPreset`/`connectRings`/`ncclTopoPostset` in `src/graph/connect.cc`, `setupChannel` |
 //! | [`search`] | the channel search for rings and trees, on one node or through its NETs | `src/graph/search.cc` (`ncclTopoCompute`, `ncclTopoDupChannels`) |
 //! | [`rings`] | intra-node ring graphs: per channel, a cycle over all GPUs | `ncclTopoCompute` for `NCCL_TOPO_PATTERN_RING` |
 //! | [`trees`] | tree graphs (a chain per node and channel) and the double binary tree across nodes | `ncclTopoCompute` for `NCCL_TOPO_PATTERN_BALANCED_TREE`, `src/graph/trees.cc`, `connectTrees` in `src/graph/connect.cc` |
@@ -23,10 +24,12 @@
 //! println!("rank 8: up {} in tree 0, {} in tree 1", tree0[8].up, tree1[8].up);
 //! # Ok::<(), oxccl::Error>(())
 //! ```
+pub mod connect;
 pub mod rings;
 pub mod search;
 pub mod trees;
 
+pub use connect::{ChannelRings, GraphInfo, RankGraphInfo, global_rings};
 pub use rings::{RingGraph, search_rings};
 pub use search::{Graph, GraphRequest, Pattern, search_graph, speed_array_inter, speed_array_intra};
 pub use trees::{
