@@ -10,6 +10,7 @@
 use crate::cpu::{CpuStream, HostMem};
 use crate::cuda;
 use crate::error::{Error, Result};
+use crate::graph::{ChannelRings, RankGraphInfo};
 use crate::mem::{DevSlice, Device, Stream};
 use crate::params::Params;
 use crate::tuning::{Selection, TreeShape};
@@ -66,6 +67,8 @@ pub struct Comm {
     /// The double binary tree's connections, when the communicator spans several nodes and they
     /// were set up (CPU-target `init_all` with `OXCCL_TEST_NODES`); `None` otherwise.
     trees: Option<CommTrees>,
+    /// Every channel's ring (NCCL's `channel->ring`), shared by the ranks of one `init_all`.
+    rings: Arc<ChannelRings>,
     /// Set by [`Comm::finalize`]: later collectives are refused.
     finalized: std::sync::atomic::AtomicBool,
 }
@@ -257,8 +260,16 @@ impl Comm {
                      GPU: use Comm::init_rank, e.g. `oxccl perf --procs N`), so it cannot run without P2P"
                 )));
             }
+            // Every channel's ring from the machine's topology (rank order without one).
+            let bus_ids: Vec<String> = ctxs.iter().map(|c| c.bus_id()).collect::<Result<_>>()?;
+            let all: Vec<usize> = (0..nranks).collect();
+            let rings = Arc::new(comm_rings(
+                &vec![node_ring_graph(&all, Some(&bus_ids), 0); nranks],
+                nranks,
+                nch,
+            )?);
             for r in 0..nranks {
-                for peer in [(r + 1) % nranks, (r + nranks - 1) % nranks] {
+                for peer in ring_peers(&rings, r) {
                     if ctxs[peer].ordinal == ctxs[r].ordinal {
                         continue;
                     }
@@ -294,6 +305,7 @@ impl Comm {
                     block[r].ptr,
                     abort[r].dev_ptr,
                     &params,
+                    &rings,
                 );
                 block[r].write(0, &bytes)?;
                 if params.initial_step != 0 {
@@ -338,6 +350,7 @@ impl Comm {
                     inflight: Arc::new(AtomicUsize::new(0)),
                     last: Mutex::new(None),
                     trees: trees.get(r).copied(),
+                    rings: rings.clone(),
                     finalized: false.into(),
                 });
             }
@@ -352,6 +365,10 @@ impl Comm {
                 .collect::<Result<_>>()?;
             let abort: Vec<HostMem> = (0..nranks).map(|_| HostMem::zeroed(64)).collect::<Result<_>>()?;
             let conn_base: Vec<u64> = conn.iter().map(|a| a.addr()).collect();
+            // Every channel's ring: rank order, or the rings of NCCL_TOPO_FILE's GPUs (test hook,
+            // see node_ring_graph).
+            let all: Vec<usize> = (0..nranks).collect();
+            let rings = Arc::new(comm_rings(&vec![node_ring_graph(&all, None, 0); nranks], nranks, nch)?);
             for r in 0..nranks {
                 let bytes = build_comm_block(
                     r,
@@ -362,6 +379,7 @@ impl Comm {
                     comm_mem[r].addr(),
                     abort[r].addr(),
                     &params,
+                    &rings,
                 );
                 // SAFETY: the block was allocated with exactly this size; nothing else uses it yet.
                 unsafe {
@@ -403,6 +421,7 @@ impl Comm {
                     inflight: Arc::new(AtomicUsize::new(0)),
                     last: Mutex::new(None),
                     trees: trees.get(r).copied(),
+                    rings: rings.clone(),
                     finalized: false.into(),
                 })
                 .collect())
@@ -518,6 +537,42 @@ impl Comm {
             .map(|(r, b)| PeerInfo::decode(r, b))
             .collect::<Result<_>>()?;
         check_peers(rank, &peers)?;
+        // The rings (NCCL's AllGather3 + connectRings): each rank's node graph travels in a second
+        // all-gather. Several rings, or NET anywhere on them, keep rank order (the NET setup and
+        // this function connect one prev and one next per rank, as in rank order).
+        let rings = {
+            let hosts: Vec<&str> = {
+                let mut h: Vec<&str> = Vec::new();
+                for p in &peers {
+                    if !h.contains(&p.host.as_str()) {
+                        h.push(p.host.as_str());
+                    }
+                }
+                h
+            };
+            let node = hosts.iter().position(|h| *h == peers[rank].host).unwrap_or(0);
+            let node_ranks: Vec<usize> = (0..nranks).filter(|&r| peers[r].host == peers[rank].host).collect();
+            let bus: Vec<String> = node_ranks.iter().map(|&r| peers[r].bus_id.clone()).collect();
+            let mine = node_ring_graph(&node_ranks, is_cuda.then_some(bus.as_slice()), node);
+            let all = bootstrap.allgather(mine.as_ref().map_or(String::new(), |i| i.encode()).as_bytes())?;
+            let infos: Vec<Option<RankGraphInfo>> = all
+                .iter()
+                .map(|b| (!b.is_empty()).then(|| RankGraphInfo::decode(&String::from_utf8_lossy(b))).transpose())
+                .collect::<Result<_>>()?;
+            let rings = comm_rings(&infos, nranks, nch)?;
+            let net = |next: &dyn Fn(usize) -> usize| {
+                (0..nranks).any(|a| ring_transport(&peers, a, next(a)) == crate::transport::TransportKind::Net)
+            };
+            if rings.is_rank_order()
+                || (rings.single_ring() && !net(&|a| rings.next(0, a)) && !net(&|a| (a + 1) % nranks))
+            {
+                rings
+            } else {
+                tracing::debug!(target: "oxccl::init", rank, "init_rank keeps rank order: the searched rings differ per channel or cross NET");
+                ChannelRings::rank_order(nranks, nch as usize)
+            }
+        };
+        let rings = Arc::new(rings);
         let leader = peers
             .iter()
             .position(|p| p.host == peers[rank].host)
@@ -543,7 +598,7 @@ impl Comm {
                 }
             })?
         };
-        let (next, prev) = ((rank + 1) % nranks, (rank + nranks - 1) % nranks);
+        let (next, prev) = (rings.next(0, rank), rings.prev(0, rank));
         use crate::transport::TransportKind;
         // The transports of the send (next) and receive (prev) neighbours.
         let kinds = [
@@ -625,7 +680,7 @@ impl Comm {
         // CUDA SHM: each rank whose neighbour uses SHM creates its segment, and every rank learns
         // whether all of them exist before any maps one (so all fail alike, naming the rank).
         if (0..nranks)
-            .any(|a| peers[a].cuda && ring_transport(&peers, a, (a + 1) % nranks) == TransportKind::Shm)
+            .any(|a| peers[a].cuda && ring_transport(&peers, a, rings.next(0, a)) == TransportKind::Shm)
         {
             let made = match &ctx {
                 Some(ctx) if kinds.contains(&TransportKind::Shm) => {
@@ -671,7 +726,7 @@ impl Comm {
         // NET without GPUDirect) does not: as NCCL's tuning, it is off on such communicators
         // unless NCCL_PROTO names it. Decided from every ring pair, so all ranks agree.
         let host_path = (0..nranks)
-            .any(|a| peers[a].cuda && ring_transport(&peers, a, (a + 1) % nranks) != TransportKind::P2p);
+            .any(|a| peers[a].cuda && ring_transport(&peers, a, rings.next(0, a)) != TransportKind::P2p);
         if host_path && !ll128_forced() {
             let mut protos = selection.protos.0;
             protos[Proto::Ll128 as usize] = false;
@@ -715,6 +770,7 @@ impl Comm {
                     comm_mem.addr(),
                     abort_dev,
                     &params,
+                    &rings,
                 );
                 // SAFETY: the block was allocated with exactly this size; nothing else uses it yet.
                 unsafe {
@@ -733,7 +789,7 @@ impl Comm {
             (OwnConn::Dev(mem), Some(ctx)) => {
                 let block = cuda::DevAlloc::zeroed(&ctx, block_bytes)?;
                 let bytes = build_comm_block_split(
-                    rank, nranks, nch, &layout, &conn_base, own_split, block.ptr, abort_dev, &params,
+                    rank, nranks, nch, &layout, &conn_base, own_split, block.ptr, abort_dev, &params, &rings,
                 );
                 block.write(0, &bytes)?;
                 let dev_comm = block.ptr;
@@ -770,6 +826,7 @@ impl Comm {
             inflight: Arc::new(AtomicUsize::new(0)),
             last: Mutex::new(None),
             trees: None,
+            rings,
             finalized: std::sync::atomic::AtomicBool::new(false),
         })
     }
@@ -829,6 +886,13 @@ impl Comm {
     /// Channels set up (the most any call uses).
     pub fn nchannels(&self) -> u32 {
         self.nchannels
+    }
+    /// Channel `channel`'s ring as this rank's kernels walk it, starting at this rank: NCCL's
+    /// `channel->ring.userRanks` (`userRanks[k]` is `k` hops downstream; `[1]` is `ring.next`).
+    /// Rank order (`rank, rank + 1, …`) unless the rings follow a topology (see
+    /// [`Comm::init_all`]). `None` for `channel` outside `0..nchannels()`.
+    pub fn ring(&self, channel: usize) -> Option<Vec<usize>> {
+        (channel < self.rings.nchannels()).then(|| self.rings.user_ranks(channel, self.rank))
     }
     /// The parameters this communicator was created with.
     pub fn params(&self) -> &Params {
@@ -2477,7 +2541,8 @@ fn id_tag(id: &crate::bootstrap::UniqueId) -> u64 {
 }
 
 /// Builds rank `r`'s communicator block: [`DevComm`], its channels (ring + connections), and the
-/// user-rank arrays of each channel's ring. `conn_base[p]` is the connection memory of rank `p`
+/// user-rank arrays of each channel's ring (`rings`: channel `c`'s prev, next, index and user ranks,
+/// NCCL's `setupChannel`). `conn_base[p]` is the connection memory of rank `p`
 /// as this rank's kernels address it; `conn_base[r]` is this rank's own.
 #[allow(clippy::too_many_arguments)]
 fn build_comm_block(
@@ -2489,6 +2554,7 @@ fn build_comm_block(
     block_addr: u64,
     abort_addr: u64,
     params: &Params,
+    rings: &ChannelRings,
 ) -> Vec<u8> {
     let own = conn_base[r];
     build_comm_block_split(
@@ -2501,6 +2567,7 @@ fn build_comm_block(
         block_addr,
         abort_addr,
         params,
+        rings,
     )
 }
 
@@ -2520,6 +2587,7 @@ fn build_comm_block_split(
     block_addr: u64,
     abort_addr: u64,
     params: &Params,
+    rings: &ChannelRings,
 ) -> Vec<u8> {
     let [own_send, own_recv] = own;
     let nchu = nch as usize;
@@ -2540,8 +2608,9 @@ fn build_comm_block_split(
     };
     let mut out = Vec::with_capacity(comm_block_bytes(nchu, nranks));
     out.extend_from_slice(bytemuck::bytes_of(&dc));
-    let (next, prev) = ((r + 1) % nranks, (r + nranks - 1) % nranks);
     for c in 0..nch as u64 {
+        // This channel's ring neighbours (rank order unless the topology's rings are used).
+        let (next, prev) = (rings.next(c as usize, r), rings.prev(c as usize, r));
         let mut send = ConnInfo::zeroed();
         send.buffs[Proto::Simple as usize] = layout.buff(conn_base[next], c);
         if layout.ll_buffsize > 0 {
@@ -2564,7 +2633,7 @@ fn build_comm_block_split(
             ring: DevRing {
                 prev: prev as u32,
                 next: next as u32,
-                index: r as u32,
+                index: rings.index(c as usize, r) as u32,
                 _pad: 0,
                 user_ranks: block_addr + (ranks_off + c as usize * nranks * 4) as u64,
             },
@@ -2574,9 +2643,9 @@ fn build_comm_block_split(
         };
         out.extend_from_slice(bytemuck::bytes_of(&ch));
     }
-    for _ in 0..nch {
-        for k in 0..nranks {
-            out.extend_from_slice(&(((r + k) % nranks) as u32).to_ne_bytes());
+    for c in 0..nch as usize {
+        for u in rings.user_ranks(c, r) {
+            out.extend_from_slice(&(u as u32).to_ne_bytes());
         }
     }
     out
@@ -2630,6 +2699,116 @@ fn channel_trees(node_chains: &[Vec<usize>], nch: u32) -> Result<Vec<Vec<crate::
     Ok((0..nch)
         .map(|c| if c % 2 == 0 { t0.clone() } else { t1.clone() })
         .collect())
+}
+
+/// The ring graph of one node of a communicator (NCCL's `ncclTopoCompute` for rings, then the
+/// rank's part of `AllGather3`): `node_ranks` are the communicator ranks of the node, `node` its
+/// index. On CUDA (`bus_ids` = each node rank's PCI bus id) the system is the machine's, as
+/// [`p2p_path_type`] builds it (`NCCL_TOPO_FILE` completed by detection), trimmed to the node's
+/// GPUs. On the CPU target (`bus_ids` = `None`) this is a test hook: with `NCCL_TOPO_FILE` set to
+/// a topology of exactly as many GPUs as the node has ranks, node rank `i` takes the file's GPU
+/// of rank `i`, so CPU ranks follow that machine's rings; without it, `None`.
+///
+/// `None` (with a debug log) whenever no searched ring applies: no topology, a rank's GPU missing
+/// from it, two ranks on one GPU, or a failed search; the caller then keeps rank order.
+fn node_ring_graph(node_ranks: &[usize], bus_ids: Option<&[String]>, node: usize) -> Option<RankGraphInfo> {
+    let skip = |why: String| {
+        tracing::debug!(target: "oxccl::init", node, "rings in rank order: {why}");
+        None
+    };
+    let sys = match bus_ids {
+        None => match crate::topo::System::from_env() {
+            Ok(Some(s)) => s,
+            Ok(None) => return skip("CPU target without NCCL_TOPO_FILE".into()),
+            Err(e) => return skip(format!("topology file: {e}")),
+        },
+        Some(_) => {
+            let mut xml = match crate::topo::Xml::from_env() {
+                Ok(x) => x.unwrap_or_else(crate::topo::Xml::new_system),
+                Err(e) => return skip(format!("topology file: {e}")),
+            };
+            let nvml = crate::topo::detect::NvmlProbe::shared().map(|n| n as &dyn crate::topo::detect::NvmlSource);
+            crate::topo::detect::detect_into(&mut xml, &crate::topo::detect::DetectOptions::from_env(), nvml, None);
+            match crate::topo::System::from_xml(xml) {
+                Ok(s) => s,
+                Err(e) => return skip(format!("topology: {e}")),
+            }
+        }
+    };
+    // The system GPU rank of each node rank.
+    let gpu_rank = |i: usize| -> Option<i32> {
+        let id = match bus_ids {
+            None => sys.gpu_by_rank(i as i32)?,
+            Some(b) => sys.node_by_bus_id(crate::topo::NodeType::Gpu, &b[i])?,
+        };
+        sys.node(id).gpu().map(|g| g.rank)
+    };
+    let mut sys_ranks = Vec::with_capacity(node_ranks.len());
+    for i in 0..node_ranks.len() {
+        match gpu_rank(i) {
+            Some(g) if !sys_ranks.contains(&g) => sys_ranks.push(g),
+            Some(g) => return skip(format!("two ranks on the GPU of topology rank {g}")),
+            None => return skip(format!("node rank {i}'s GPU is not in the topology")),
+        }
+    }
+    let mut sys = sys;
+    if bus_ids.is_none() && sys.count(crate::topo::NodeType::Gpu) != node_ranks.len() {
+        return skip(format!(
+            "NCCL_TOPO_FILE has {} GPUs for {} CPU ranks",
+            sys.count(crate::topo::NodeType::Gpu),
+            node_ranks.len()
+        ));
+    }
+    if let Err(e) = sys.trim(&sys_ranks) {
+        return skip(format!("trimming the topology: {e}"));
+    }
+    let graph = match crate::graph::search_graph(&sys, &crate::graph::GraphRequest::ring(false)) {
+        Ok(g) => g,
+        Err(e) => return skip(format!("ring search: {e}")),
+    };
+    let to_comm = |g: usize| sys_ranks.iter().position(|&s| s as usize == g).map(|i| node_ranks[i]);
+    let intra: Option<Vec<Vec<usize>>> = graph
+        .intra
+        .iter()
+        .map(|ch| ch.iter().map(|&g| to_comm(g)).collect())
+        .collect();
+    let Some(intra) = intra else {
+        return skip("the searched rings hold a GPU outside the node".into());
+    };
+    Some(RankGraphInfo {
+        node,
+        ring: crate::graph::GraphInfo::of(&graph),
+        intra,
+    })
+}
+
+/// The distinct ring neighbours (next and prev over every channel) of rank `r`, in first-seen
+/// order; for rank order, `[r + 1, r - 1]` (mod nranks).
+fn ring_peers(rings: &ChannelRings, r: usize) -> Vec<usize> {
+    let mut out = Vec::new();
+    for c in 0..rings.nchannels() {
+        for p in [rings.next(c, r), rings.prev(c, r)] {
+            if !out.contains(&p) {
+                out.push(p);
+            }
+        }
+    }
+    out
+}
+
+/// The rings of an `nranks`-rank communicator's `nch` channels from every rank's graph
+/// information (`None` for a rank without one): NCCL's merge after `AllGather3` and
+/// `connectRings` ([`ChannelRings::from_infos`]); rank order (0 → 1 → … → 0) when a rank has none.
+fn comm_rings(infos: &[Option<RankGraphInfo>], nranks: usize, nch: u32) -> Result<ChannelRings> {
+    let all: Option<Vec<RankGraphInfo>> = infos.iter().cloned().collect();
+    match all {
+        Some(all) if all.len() == nranks => {
+            let rings = ChannelRings::from_infos(&all, nch as usize)?;
+            tracing::debug!(target: "oxccl::init", nranks, nch, ring0 = ?rings.ring(0), rank_order = rings.is_rank_order(), "rings from the topology");
+            Ok(rings)
+        }
+        _ => Ok(ChannelRings::rank_order(nranks, nch as usize)),
+    }
 }
 
 /// Layout of one rank's tree connection memory: a Simple receive FIFO of `NCCL_BUFFSIZE` bytes per
@@ -3078,7 +3257,8 @@ mod init_rank_tests {
         let layout = ConnLayout::new(&params, 2, true);
         let bases = [0x1000_0000_0000u64, 0, 0x3000_0000_0000];
         let own = [0x7000_0000_0000u64, 0x9000_0000_0000];
-        let bytes = build_comm_block_split(1, 3, 2, &layout, &bases, own, 0x5000, 0x6000, &params);
+        let rings = ChannelRings::rank_order(3, 2);
+        let bytes = build_comm_block_split(1, 3, 2, &layout, &bases, own, 0x5000, 0x6000, &params, &rings);
         let chans: &[DevChannel] =
             bytemuck::cast_slice(&bytes[size_of::<DevComm>()..][..2 * size_of::<DevChannel>()]);
         for (c, ch) in chans.iter().enumerate() {
@@ -3095,7 +3275,7 @@ mod init_rank_tests {
         // Unsplit: the same as the split with conn_base[r] on both sides.
         let whole = [bases[0], own[1], bases[2]];
         assert_eq!(
-            build_comm_block(1, 3, 2, &layout, &whole, 0x5000, 0x6000, &params),
+            build_comm_block(1, 3, 2, &layout, &whole, 0x5000, 0x6000, &params, &rings),
             build_comm_block_split(
                 1,
                 3,
@@ -3105,9 +3285,39 @@ mod init_rank_tests {
                 [own[1], own[1]],
                 0x5000,
                 0x6000,
-                &params
+                &params,
+                &rings
             )
         );
+    }
+
+    #[test]
+    fn comm_block_follows_each_channels_ring() {
+        // 3 ranks, 2 channels: channel 0 in rank order, channel 1 on ring 0 -> 2 -> 1 -> 0. Rank 1
+        // sends to 2 and receives from 0 on channel 0, sends to 0 and receives from 2 on
+        // channel 1; its user ranks are 1 2 0 and 1 0 2, its index (distance from rank 0) 1 and 2.
+        let params = Params::default();
+        let layout = ConnLayout::new(&params, 2, true);
+        let bases = [0x1000_0000_0000u64, 0x2000_0000_0000, 0x3000_0000_0000];
+        let rings = ChannelRings::new(vec![vec![0, 1, 2], vec![0, 2, 1]], 3).unwrap();
+        let block = 0x5000u64;
+        let bytes = build_comm_block(1, 3, 2, &layout, &bases, block, 0x6000, &params, &rings);
+        let chans: &[DevChannel] =
+            bytemuck::cast_slice(&bytes[size_of::<DevComm>()..][..2 * size_of::<DevChannel>()]);
+        let ranks_off = size_of::<DevComm>() + 2 * size_of::<DevChannel>();
+        let user: &[u32] = bytemuck::cast_slice(&bytes[ranks_off..ranks_off + 2 * 3 * 4]);
+        assert_eq!(user, &[1, 2, 0, 1, 0, 2]);
+        for (c, (next, prev, index)) in [(2usize, 0usize, 1u32), (0, 2, 2)].into_iter().enumerate() {
+            let ch = &chans[c];
+            let cu = c as u64;
+            assert_eq!((ch.ring.next as usize, ch.ring.prev as usize, ch.ring.index), (next, prev, index));
+            assert_eq!(ch.ring.user_ranks, block + (ranks_off + c * 3 * 4) as u64);
+            assert_eq!(ch.send.buffs[Proto::Simple as usize], layout.buff(bases[next], cu));
+            assert_eq!(ch.send.tail, layout.tail(bases[next], cu));
+            assert_eq!(ch.send.head, layout.head(bases[1], cu));
+            assert_eq!(ch.recv.head, layout.head(bases[prev], cu));
+            assert_eq!(ch.recv.buffs[Proto::Ll as usize], layout.ll(bases[1], cu));
+        }
     }
 
     #[test]
