@@ -3,7 +3,9 @@
 //! `enqueue.cc`).
 //!
 //! `Comm::init_all(devices)` creates one communicator per device in one process (NCCL's
-//! `ncclCommInitAll`). Rings follow rank order. Each rank owns, per channel, a receive buffer of
+//! `ncclCommInitAll`). Each channel's ring follows the topology's searched ring order (NCCL's
+//! graph search, `AllGather3` merge and `setupChannel`: [`crate::graph::connect`]), or rank order
+//! where no topology applies. Each rank owns, per channel, a receive buffer of
 //! `NCCL_BUFFSIZE` bytes and two step counters (its send connection's head, its receive
 //! connection's tail); its ring neighbours write into them directly (P2P write over peer access on
 //! CUDA, plain host memory on the CPU target).
@@ -193,6 +195,14 @@ fn check_devices(devices: &[Device]) -> Result<()> {
 impl Comm {
     /// Creates one communicator per device, rank `i` on `devices[i]`, all in this process (NCCL's
     /// `ncclCommInitAll`). Devices must all be CUDA or all CPU-target, each used once.
+    ///
+    /// Rings: on CUDA, each channel's ring is the ring graph searched on this machine's topology
+    /// (`NCCL_TOPO_FILE` completed by detection) over the ranks' GPUs, channel `c` on searched
+    /// channel `c % count` ([`Comm::ring`] shows it); rank order (0 → 1 → … → 0) when a GPU is
+    /// missing from the topology, two ranks share a GPU, or the search fails (debug log). Test
+    /// hook: on the CPU target, `NCCL_TOPO_FILE` naming a topology with exactly as many GPUs as
+    /// ranks gives CPU rank `r` the file's GPU of rank `r`, so CPU ranks run that machine's rings;
+    /// otherwise CPU rings are in rank order.
     ///
     /// Test hook: `OXCCL_TEST_NODES=N` (a divisor of the rank count) splits the ranks into `N`
     /// equal nodes of consecutive ranks, as if on `N` hosts, and sets up the double binary tree
