@@ -771,7 +771,7 @@ impl Comm {
         let (dev_comm, res) = match (own, ctx) {
             (OwnConn::Shm(seg), None) => {
                 let comm_mem = HostMem::zeroed(block_bytes)?;
-                let bytes = build_comm_block(
+                let mut bytes = build_comm_block(
                     rank,
                     nranks,
                     nch,
@@ -782,6 +782,9 @@ impl Comm {
                     &params,
                     &rings,
                 );
+                if kinds[0] == crate::transport::TransportKind::Net {
+                    net_step_sizes(&mut bytes, nch, &layout, conn_base[next]);
+                }
                 // SAFETY: the block was allocated with exactly this size; nothing else uses it yet.
                 unsafe {
                     std::ptr::copy_nonoverlapping(bytes.as_ptr(), comm_mem.addr() as *mut u8, bytes.len())
@@ -798,9 +801,12 @@ impl Comm {
             }
             (OwnConn::Dev(mem), Some(ctx)) => {
                 let block = cuda::DevAlloc::zeroed(&ctx, block_bytes)?;
-                let bytes = build_comm_block_split(
+                let mut bytes = build_comm_block_split(
                     rank, nranks, nch, &layout, &conn_base, own_split, block.ptr, abort_dev, &params, &rings,
                 );
+                if kinds[0] == crate::transport::TransportKind::Net {
+                    net_step_sizes(&mut bytes, nch, &layout, conn_base[next]);
+                }
                 block.write(0, &bytes)?;
                 let dev_comm = block.ptr;
                 let last_event = cuda::Event::new(&ctx)?;
@@ -2579,6 +2585,21 @@ fn build_comm_block(
         params,
         rings,
     )
+}
+
+/// Points each channel's send connection in `block` (a [`build_comm_block`] result) at the step
+/// sizes of its NET staging FIFO at `staging` (the kernel's address of the next rank's block),
+/// [`crate::transport::STEP_SIZES_OFFSET`] bytes past the tail, so the proxy sends only the bytes
+/// each Simple step filled (NCCL's `connFifo[].size` for proxy connections).
+fn net_step_sizes(block: &mut [u8], nch: u32, layout: &ConnLayout, staging: u64) {
+    for c in 0..nch as usize {
+        let at = size_of::<DevComm>()
+            + c * size_of::<DevChannel>()
+            + std::mem::offset_of!(DevChannel, send)
+            + std::mem::offset_of!(ConnInfo, sizes);
+        let sizes = layout.tail(staging, c as u64) + crate::transport::STEP_SIZES_OFFSET;
+        block[at..at + 8].copy_from_slice(&sizes.to_ne_bytes());
+    }
 }
 
 /// [`build_comm_block`] where this rank's own connection memory is split by transport: the head

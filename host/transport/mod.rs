@@ -230,6 +230,11 @@ pub struct FifoAddrs {
     pub tail: u64,
 }
 
+/// Where a NET send connection's [`FIFO_STEPS`] `u64` step sizes live: this many bytes past its
+/// staging tail, in the tail's 128-byte counter line (`ConnInfo::sizes`, NCCL's
+/// `connFifo[].size`); the kernel writes them, the proxy reads them.
+pub const STEP_SIZES_OFFSET: u64 = 64;
+
 /// What [`connect_net`] needs from `Comm::init_rank`.
 pub struct RingSetup<'a> {
     /// The communicator's bootstrap (all-gather, handle exchange, timeout).
@@ -509,7 +514,9 @@ pub unsafe fn connect_net(setup: &RingSetup<'_>, conn_base: &mut [u64]) -> Resul
             unsafe { net.reg_mr_send(&mut comm, conn_base[next] as *const u8, s.block_bytes)? };
             let f_stage = (s.fifo)(conn_base[next], c as u64);
             let f_own = (s.fifo)(conn_base[rank], c as u64);
-            sends.push((spec(s, next, c, f_stage, f_own.head, f_stage.tail), comm));
+            let mut sp = spec(s, next, c, f_stage, f_own.head, f_stage.tail);
+            sp.sizes = f_stage.tail + STEP_SIZES_OFFSET;
+            sends.push((sp, comm));
         }
     }
     // Accept prev's connection on each channel's listener.
@@ -566,6 +573,7 @@ fn spec(s: &RingSetup<'_>, peer: usize, channel: u32, fifo: FifoAddrs, head: u64
         ll128_lines: s.ll128_buffsize / FIFO_STEPS / 128,
         head,
         tail,
+        sizes: 0,
         step: s.initial_step,
     }
 }

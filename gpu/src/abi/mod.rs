@@ -106,7 +106,12 @@ pub struct ConnInfo {
     pub tail: u64,
     /// Next step of this connection (persisted across launches).
     pub step: u64,
-    pub _pad: [u64; 2],
+    /// Address of [`FIFO_STEPS`] `u64` step sizes of a send connection driven by a proxy (NCCL's
+    /// `connFifo[step % NCCL_STEPS].size`): before publishing the tail of a Simple slice, the
+    /// kernel stores in entry `s % FIFO_STEPS` the bytes of step `s` it filled (0 for a step it
+    /// skipped or left empty), so the proxy sends only those. 0: not written (P2P, SHM).
+    pub sizes: u64,
+    pub _pad: u64,
 }
 
 /// A ring as seen from one rank of one channel (NCCL's `ncclRing`).
@@ -246,6 +251,7 @@ const _: () = {
     assert!(offset_of!(ConnInfo, head) == 24);
     assert!(offset_of!(ConnInfo, tail) == 32);
     assert!(offset_of!(ConnInfo, step) == 40);
+    assert!(offset_of!(ConnInfo, sizes) == 48);
     assert!(size_of::<DevRing>() == 24);
     assert!(size_of::<DevChannel>() == 160);
     assert!(offset_of!(DevChannel, send) == 32);

@@ -20,6 +20,8 @@ struct Conn {
     buff: *mut u8,
     head: *mut u64,
     tail: *mut u64,
+    /// Step sizes for a proxy (`ConnInfo::sizes`); null when none are wanted.
+    sizes: *mut u64,
     step: u64,
 }
 
@@ -34,6 +36,7 @@ impl Conn {
             buff: c.buffs[crate::abi::Proto::Simple as usize] as *mut u8,
             head: c.head as *mut u64,
             tail: c.tail as *mut u64,
+            sizes: c.sizes as *mut u64,
             step: c.step,
         }
     }
@@ -199,6 +202,32 @@ impl<T: Elem, Op: RedFn<T>> Simple<T, Op> {
         }
     }
 
+    /// Thread 0 stores the bytes of each send step from `from` to the end of the current slice
+    /// (`bytes` spread over its slots; 0 for the steps the slice's alignment skipped) where the
+    /// proxy reads them (NCCL's `connFifo[].size`), before [`Self::post`] publishes the tail.
+    #[inline(always)]
+    fn publish_sizes(&self, from: u64, bytes: u64) {
+        if self.tid != 0 || self.send.sizes.is_null() {
+            return;
+        }
+        let first = self.send.step;
+        let mut st = from;
+        while st < first + self.steps_per_slice {
+            let v = if st < first {
+                0
+            } else {
+                core::cmp::min(
+                    self.slot_bytes,
+                    bytes.saturating_sub((st - first) * self.slot_bytes),
+                )
+            };
+            // SAFETY: `sizes` holds FIFO_STEPS entries (ConnInfo contract); `wait` saw the proxy
+            // free these slots, so it no longer reads their entries.
+            unsafe { arch::store_volatile_u64(self.send.sizes.add((st % FIFO_STEPS) as usize), v) };
+            st += 1;
+        }
+    }
+
     #[inline(always)]
     fn slot(&self, c: &Conn) -> *mut u8 {
         // SAFETY: the slot lies inside the connection buffer.
@@ -222,6 +251,7 @@ impl<T: Elem, Op: RedFn<T>> Simple<T, Op> {
         let mut done = 0u64;
         while done < n {
             let len = core::cmp::min(self.slice_elems, n - done);
+            let from = self.send.step;
             // A slice starts on a multiple of its step count so its slots are contiguous. Both ends
             // of a connection see the same slices, so they align their steps identically.
             if RECV {
@@ -272,6 +302,9 @@ impl<T: Elem, Op: RedFn<T>> Simple<T, Op> {
                         reduce_copy::<T, Op, false, false>(self.tid, self.nthreads, s0, s1, d0, d1, len, div)
                     }
                 }
+            }
+            if SEND {
+                self.publish_sizes(from, len * core::mem::size_of::<T>() as u64);
             }
             self.post::<RECV, SEND>();
             done += len;
