@@ -139,7 +139,9 @@ fn init_rank_follows_pcie_ring() {
     set_topo("pcie-8gpu-interleaved-topo.xml", 2);
     let id = get_unique_id().unwrap();
     let n = 8;
-    let results: Vec<(Vec<Option<Vec<usize>>>, Vec<f32>)> = std::thread::scope(|s| {
+    // Per rank: its user ranks on both channels and its AllReduce result.
+    type RankResult = (Vec<Option<Vec<usize>>>, Vec<f32>);
+    let results: Vec<RankResult> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..n)
             .map(|r| {
                 s.spawn(move || {
