@@ -10,10 +10,12 @@
 //!   over the data sockets, continuing where the previous message stopped; both ends deal the
 //!   same way, so each data socket carries its chunks in the same order on both. A request
 //!   completes when its size, inline bytes and every chunk are through.
-//! - **Threads:** NCCL moves the chunks with `NCCL_SOCKET_NTHREADS` helper threads per connection.
-//!   oxccl spawns none: the proxy thread drives every data socket non-blockingly in each `test`,
-//!   so the sockets still run in parallel in the kernel (each has its own buffers and TCP window);
-//!   the thread count only multiplies the number of sockets, as in NCCL.
+//! - **Threads:** as NCCL moves the chunks with helper threads, each data socket has a helper
+//!   thread that moves its chunks in order with blocking I/O, so the copies of every connection
+//!   run in parallel, off the proxy thread (one thread per socket: `NCCL_SOCKET_NTHREADS` ×
+//!   `NCCL_NSOCKS_PERTHREAD` threads per connection). The proxy thread only drives the control
+//!   socket and sees a chunked request done once its helpers counted its chunks down. Closing a
+//!   connection shuts its sockets down and joins the helpers.
 //! - **Interface:** `NCCL_SOCKET_IFNAME` (NCCL's syntax, see [`crate::bootstrap::IfFilter`]) picks
 //!   the interface to listen on; without it the network listens on the address the bootstrap uses.
 //! - **Handle:** magic, a random per-listener nonce and the listen address. A connection that does
@@ -30,7 +32,7 @@ use std::collections::VecDeque;
 use std::io::{ErrorKind, IoSlice, Read, Write};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV6, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -261,8 +263,9 @@ struct Req {
     size: usize,
     /// Bytes moved inline on the control socket (messages of at most [`MIN_CHUNK_BYTES`]).
     inline_done: usize,
-    /// Chunks of this message still queued on data sockets.
-    chunks_left: usize,
+    /// Chunks of this message still moving on data sockets (counted down by their helper
+    /// threads); `None` for a message carried inline.
+    chunks_left: Option<Arc<AtomicUsize>>,
     done: bool,
 }
 
@@ -281,21 +284,63 @@ impl Req {
     }
 }
 
-/// A part of a message queued on one data socket.
+/// A part of a message handed to one data socket's helper thread.
 struct Chunk {
-    /// Id of its request (see [`Conn::base`]).
-    req: u64,
+    /// Its request's count of chunks still moving.
+    left: Arc<AtomicUsize>,
+    send: bool,
     ptr: usize,
     len: usize,
-    done: usize,
 }
 
-/// One data socket of a connection and the chunks queued on it, moved in order.
+/// One data socket of a connection and the helper thread that moves its chunks, in order, with
+/// blocking I/O (NCCL's `persistentSocketThread`: the copies of every connection run in
+/// parallel, off the proxy thread).
 struct DataSock {
+    /// The socket (the helper owns a clone): kept to shut it down, which ends a blocked helper.
     stream: TcpStream,
-    fifo: VecDeque<Chunk>,
+    jobs: Option<crossbeam_channel::Sender<Chunk>>,
+    helper: Option<std::thread::JoinHandle<()>>,
     /// Bytes this socket has carried (statistics and tests).
-    bytes: u64,
+    bytes: Arc<AtomicU64>,
+}
+
+/// The helper thread of one data socket: moves each chunk in turn; after a failure (recorded in
+/// `failed`, which fails the connection) it touches no more memory.
+fn helper(
+    mut s: TcpStream,
+    jobs: crossbeam_channel::Receiver<Chunk>,
+    bytes: Arc<AtomicU64>,
+    failed: Arc<Mutex<Option<String>>>,
+    peer: SocketAddr,
+) {
+    let mut broken = false;
+    for c in jobs.iter() {
+        if broken {
+            continue;
+        }
+        let r = if c.send {
+            // SAFETY: the chunk lies inside a send's buffer, which `isend`'s contract keeps valid
+            // and unchanged until the request is done; it is not done before this chunk counts
+            // down, and a closing connection joins this thread first.
+            s.write_all(unsafe { std::slice::from_raw_parts(c.ptr as *const u8, c.len) })
+        } else {
+            // SAFETY: the chunk lies inside the first `size <= cap` bytes of a receive's buffer,
+            // which `irecv`'s contract keeps valid and ours until the request is done (as above).
+            s.read_exact(unsafe { std::slice::from_raw_parts_mut(c.ptr as *mut u8, c.len) })
+        };
+        match r {
+            Ok(()) => {
+                bytes.fetch_add(c.len as u64, Ordering::Relaxed);
+                c.left.fetch_sub(1, Ordering::AcqRel);
+            }
+            Err(e) => {
+                broken = true;
+                let mut f = failed.lock().unwrap_or_else(|p| p.into_inner());
+                f.get_or_insert_with(|| lost(&peer, &e));
+            }
+        }
+    }
 }
 
 /// One established connection: its control socket (sizes, and small messages inline), its data
@@ -316,6 +361,25 @@ struct Conn {
     ctrl_pos: usize,
     /// Set when the connection failed; every later request fails with it.
     failed: Option<String>,
+    /// A data socket's failure, reported by its helper thread.
+    data_failed: Arc<Mutex<Option<String>>>,
+}
+
+impl Drop for Conn {
+    /// Shuts the sockets down (ending blocked helpers) and joins the helpers, so none touches a
+    /// request's memory once the connection is closed.
+    fn drop(&mut self) {
+        let _ = self.ctrl.shutdown(std::net::Shutdown::Both);
+        for d in &mut self.data {
+            let _ = d.stream.shutdown(std::net::Shutdown::Both);
+            d.jobs = None;
+        }
+        for d in &mut self.data {
+            if let Some(h) = d.helper.take() {
+                let _ = h.join();
+            }
+        }
+    }
 }
 
 type Shared = Arc<Mutex<Conn>>;
@@ -351,17 +415,40 @@ pub fn chunk_bytes(size: usize, nsocks: usize) -> usize {
 }
 
 impl Conn {
-    fn new(ctrl: TcpStream, data: Vec<TcpStream>, peer: SocketAddr) -> Conn {
-        Conn {
-            ctrl,
-            data: data
-                .into_iter()
-                .map(|stream| DataSock {
+    /// The connection over `ctrl` and `data`, with a helper thread per data socket.
+    ///
+    /// Errors: `System` when a data socket cannot be made blocking or cloned, or a helper thread
+    /// cannot be started.
+    fn new(ctrl: TcpStream, data: Vec<TcpStream>, peer: SocketAddr) -> Result<Conn> {
+        let data_failed = Arc::new(Mutex::new(None));
+        let sys = |e: std::io::Error| Error::System(format!("socket network: connection with {peer}: {e}"));
+        let mut socks = Vec::with_capacity(data.len());
+        // Dropping `socks` on an error shuts down and joins the helpers started so far.
+        let conn_socks = |socks: &mut Vec<DataSock>| -> Result<()> {
+            for (i, stream) in data.into_iter().enumerate() {
+                stream.set_nonblocking(false).map_err(sys)?;
+                let own = stream.try_clone().map_err(sys)?;
+                let (tx, rx) = crossbeam_channel::unbounded();
+                let bytes = Arc::new(AtomicU64::new(0));
+                let (b, f) = (bytes.clone(), data_failed.clone());
+                let h = std::thread::Builder::new()
+                    .name(format!("oxccl-sock{i}"))
+                    .stack_size(64 << 10)
+                    .spawn(move || helper(own, rx, b, f, peer))
+                    .map_err(sys)?;
+                socks.push(DataSock {
                     stream,
-                    fifo: VecDeque::new(),
-                    bytes: 0,
-                })
-                .collect(),
+                    jobs: Some(tx),
+                    helper: Some(h),
+                    bytes,
+                });
+            }
+            Ok(())
+        };
+        let made = conn_socks(&mut socks);
+        let conn = Conn {
+            ctrl,
+            data: socks,
             next_sock: 0,
             inline_bytes: 0,
             peer,
@@ -369,7 +456,9 @@ impl Conn {
             base: 0,
             ctrl_pos: 0,
             failed: None,
-        }
+            data_failed,
+        };
+        made.map(|()| conn)
     }
 
     /// Moves every request forward as far as the sockets allow without blocking.
@@ -400,7 +489,6 @@ impl Conn {
         // Control socket: sizes (and small messages) in posting order. Once a size is known, the
         // message's chunks go to the data sockets round robin; both ends compute the same split.
         while self.ctrl_pos < self.reqs.len() {
-            let id = self.base + self.ctrl_pos as u64;
             let r = &mut self.reqs[self.ctrl_pos];
             let finished = if r.send {
                 ctrl_send(&mut self.ctrl, r)
@@ -415,44 +503,40 @@ impl Conn {
             if r.size > MIN_CHUNK_BYTES {
                 let n = self.data.len();
                 let task = chunk_bytes(r.size, n);
+                let left = Arc::new(AtomicUsize::new(r.size.div_ceil(task)));
                 let mut off = 0;
                 while off < r.size {
                     let len = task.min(r.size - off);
-                    self.data[self.next_sock].fifo.push_back(Chunk {
-                        req: id,
+                    let c = Chunk {
+                        left: left.clone(),
+                        send: r.send,
                         ptr: r.ptr + off,
                         len,
-                        done: 0,
-                    });
+                    };
+                    let sent = self.data[self.next_sock].jobs.as_ref().map(|j| j.send(c));
+                    if !matches!(sent, Some(Ok(()))) {
+                        return Err(format!(
+                            "socket network: connection with {peer}: a data socket's helper thread is gone"
+                        ));
+                    }
                     self.next_sock = (self.next_sock + 1) % n;
-                    r.chunks_left += 1;
                     off += len;
                 }
-            }
-            if r.chunks_left == 0 {
-                r.finish();
+                r.chunks_left = Some(left);
             }
             self.ctrl_pos += 1;
         }
-        // Data sockets: each moves the chunks queued on it, in order.
-        for d in &mut self.data {
-            while let Some(c) = d.fifo.front_mut() {
-                let r = &mut self.reqs[(c.req - self.base) as usize];
-                let moved = if r.send {
-                    chunk_send(&mut d.stream, c)
-                } else {
-                    chunk_recv(&mut d.stream, c)
-                }
-                .map_err(io_err)?;
-                if !moved {
-                    break;
-                }
-                d.bytes += c.len as u64;
-                d.fifo.pop_front();
-                r.chunks_left -= 1;
-                if r.chunks_left == 0 {
-                    r.finish();
-                }
+        // Data sockets: their helpers move the chunks; a request is done once its chunks are.
+        if let Some(f) = self.data_failed.lock().unwrap_or_else(|p| p.into_inner()).clone() {
+            return Err(f);
+        }
+        for r in self.reqs.iter_mut().take(self.ctrl_pos) {
+            if !r.done
+                && r.chunks_left
+                    .as_ref()
+                    .is_none_or(|c| c.load(Ordering::Acquire) == 0)
+            {
+                r.finish();
             }
         }
         // Retire finished requests from the front (their slots stay with their requests).
@@ -533,40 +617,6 @@ fn ctrl_recv(s: &mut TcpStream, r: &mut Req) -> std::io::Result<bool> {
     }
 }
 
-/// Writes as much of chunk `c` as the socket takes; `Ok(true)` once all of it is written.
-fn chunk_send(s: &mut TcpStream, c: &mut Chunk) -> std::io::Result<bool> {
-    while c.done < c.len {
-        // SAFETY: the chunk lies inside a send's buffer, which `isend`'s contract keeps valid
-        // and unchanged until the request is done (it is not done while the chunk is queued).
-        let data = unsafe { std::slice::from_raw_parts(c.ptr as *const u8, c.len) };
-        match s.write(&data[c.done..]) {
-            Ok(0) => return Err(ErrorKind::WriteZero.into()),
-            Ok(n) => c.done += n,
-            Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(false),
-            Err(e) if e.kind() == ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(true)
-}
-
-/// Reads as much of chunk `c` as has arrived; `Ok(true)` once all of it is in.
-fn chunk_recv(s: &mut TcpStream, c: &mut Chunk) -> std::io::Result<bool> {
-    while c.done < c.len {
-        // SAFETY: the chunk lies inside the first `size <= cap` bytes of a receive's buffer,
-        // which `irecv`'s contract keeps valid and ours until the request is done.
-        let buf = unsafe { std::slice::from_raw_parts_mut(c.ptr as *mut u8, c.len) };
-        match s.read(&mut buf[c.done..]) {
-            Ok(0) => return Err(ErrorKind::UnexpectedEof.into()),
-            Ok(n) => c.done += n,
-            Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(false),
-            Err(e) if e.kind() == ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(true)
-}
-
 fn downcast<'a, T: 'static>(o: &'a mut Opaque, what: &str) -> Result<&'a mut T> {
     o.0.downcast_mut::<T>().ok_or_else(|| {
         Error::InvalidUsage(format!(
@@ -612,7 +662,7 @@ impl NetSocket {
             hdr_done: 0,
             size: if send { cap } else { 0 },
             inline_done: 0,
-            chunks_left: 0,
+            chunks_left: None,
             done: false,
         });
         drop(c);
@@ -767,7 +817,7 @@ impl Net for NetSocket {
             .ok_or_else(|| Error::Internal("socket network: no control socket".into()))?;
         Ok(Some(SendComm(Opaque(Box::new(Arc::new(Mutex::new(Conn::new(
             ctrl, socks, addr,
-        ))))))))
+        )?)))))))
     }
 
     fn accept(&self, listen: &mut ListenComm) -> Result<Option<RecvComm>> {
@@ -799,7 +849,7 @@ impl Net for NetSocket {
             tracing::trace!(target: "oxccl::net", peer = %p.peer, nsocks = data.len(), "socket network: accepted");
             return Ok(Some(RecvComm(Opaque(Box::new(Arc::new(Mutex::new(Conn::new(
                 ctrl, data, p.peer,
-            ))))))));
+            )?)))))));
         }
     }
 
@@ -863,7 +913,7 @@ fn log_traffic(what: &str, c: &Conn) {
     tracing::debug!(target: "oxccl::net",
         "socket network: {what} connection with {} closed: {} bytes inline on the control socket, \
          data sockets {:?} bytes", c.peer, c.inline_bytes,
-        c.data.iter().map(|d| d.bytes).collect::<Vec<_>>());
+        c.data.iter().map(|d| d.bytes.load(Ordering::Relaxed)).collect::<Vec<_>>());
 }
 
 #[cfg(test)]
@@ -1032,7 +1082,10 @@ mod tests {
     fn traffic(o: &mut Opaque) -> (u64, Vec<u64>) {
         let c = downcast::<Shared>(o, "conn").unwrap();
         let c = lock(c);
-        (c.inline_bytes, c.data.iter().map(|d| d.bytes).collect())
+        (
+            c.inline_bytes,
+            c.data.iter().map(|d| d.bytes.load(Ordering::Relaxed)).collect(),
+        )
     }
 
     fn streams(nthreads: u32, nsocks_per_thread: u32) -> NetSocket {
