@@ -1212,4 +1212,37 @@ mod tests {
         exchange(&one, &mut s, &mut r, &[300_001, 5]);
         assert_eq!(traffic(&mut r.0), (5, vec![300_001]));
     }
+
+    #[test]
+    fn closing_mid_message_stops_the_helpers() {
+        // 32 MiB that no one receives: far more than the loopback socket buffers hold, so the
+        // sender's helper thread is blocked writing when the receiving end closes.
+        let n = 32 << 20;
+        for (nt, ns) in [(1, 1), (2, 2)] {
+            let net = streams(nt, ns);
+            let (mut s, r) = pair(&net);
+            let data = vec![5u8; n];
+            // SAFETY: `data` outlives the connection, closed below (closing joins the helper
+            // threads, so none touches it afterwards).
+            let mut sr = unsafe { net.isend(&mut s, data.as_ptr(), n, 0) }
+                .unwrap()
+                .unwrap();
+            // The size goes out and the chunks go to the helpers.
+            assert_eq!(net.test(&mut sr).unwrap(), None);
+            net.close_recv(r).unwrap();
+            // The sender learns of it (reset or broken pipe), and closing it returns.
+            let t = Instant::now();
+            let e = loop {
+                match net.test(&mut sr) {
+                    Ok(None) => assert!(t.elapsed() < Duration::from_secs(10), "no failure"),
+                    Ok(Some(got)) => panic!("{got} bytes went to a closed receiver"),
+                    Err(e) => break e,
+                }
+            };
+            assert!(matches!(e, Error::Remote(_)), "{nt}x{ns}: {e}");
+            drop(sr);
+            net.close_send(s).unwrap();
+            assert!(t.elapsed() < Duration::from_secs(10));
+        }
+    }
 }
