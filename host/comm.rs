@@ -247,9 +247,16 @@ impl Comm {
             // Ranks sharing a GPU (OXCCL_ALLOW_SHARED_DEVICE=1) spin in kernels that must all be
             // resident at once: at most SMs / ranks-per-GPU channels (one block each) per rank, or
             // blocks waiting for an SM would wait forever for peers that cannot finish.
-            let per_gpu = devices.iter().map(|d| devices.iter().filter(|e| *e == d).count()).max().unwrap_or(1);
+            let per_gpu = devices
+                .iter()
+                .map(|d| devices.iter().filter(|e| *e == d).count())
+                .max()
+                .unwrap_or(1);
             if per_gpu > 1 {
-                let sms = ctxs.iter().map(|c| c.multiprocessor_count()).collect::<Result<Vec<_>>>()?;
+                let sms = ctxs
+                    .iter()
+                    .map(|c| c.multiprocessor_count())
+                    .collect::<Result<Vec<_>>>()?;
                 let cap = (sms.into_iter().min().unwrap_or(1) / per_gpu as u32).max(1);
                 if nch > cap {
                     tracing::info!(target: "oxccl::init", "{per_gpu} ranks share a GPU: {nch} channels capped to {cap} (SMs per rank)");
@@ -378,7 +385,11 @@ impl Comm {
             // Every channel's ring: rank order, or the rings of NCCL_TOPO_FILE's GPUs (test hook,
             // see node_ring_graph).
             let all: Vec<usize> = (0..nranks).collect();
-            let rings = Arc::new(comm_rings(&vec![node_ring_graph(&all, None, 0); nranks], nranks, nch)?);
+            let rings = Arc::new(comm_rings(
+                &vec![node_ring_graph(&all, None, 0); nranks],
+                nranks,
+                nch,
+            )?);
             for r in 0..nranks {
                 let bytes = build_comm_block(
                     r,
@@ -561,17 +572,24 @@ impl Comm {
                 h
             };
             let node = hosts.iter().position(|h| *h == peers[rank].host).unwrap_or(0);
-            let node_ranks: Vec<usize> = (0..nranks).filter(|&r| peers[r].host == peers[rank].host).collect();
+            let node_ranks: Vec<usize> = (0..nranks)
+                .filter(|&r| peers[r].host == peers[rank].host)
+                .collect();
             let bus: Vec<String> = node_ranks.iter().map(|&r| peers[r].bus_id.clone()).collect();
             let mine = node_ring_graph(&node_ranks, is_cuda.then_some(bus.as_slice()), node);
             let all = bootstrap.allgather(mine.as_ref().map_or(String::new(), |i| i.encode()).as_bytes())?;
             let infos: Vec<Option<RankGraphInfo>> = all
                 .iter()
-                .map(|b| (!b.is_empty()).then(|| RankGraphInfo::decode(&String::from_utf8_lossy(b))).transpose())
+                .map(|b| {
+                    (!b.is_empty())
+                        .then(|| RankGraphInfo::decode(&String::from_utf8_lossy(b)))
+                        .transpose()
+                })
                 .collect::<Result<_>>()?;
             let rings = comm_rings(&infos, nranks, nch)?;
             let net = |next: &dyn Fn(usize) -> usize| {
-                (0..nranks).any(|a| ring_transport(&peers, a, next(a)) == crate::transport::TransportKind::Net)
+                (0..nranks)
+                    .any(|a| ring_transport(&peers, a, next(a)) == crate::transport::TransportKind::Net)
             };
             if rings.is_rank_order()
                 || (rings.single_ring() && !net(&|a| rings.next(0, a)) && !net(&|a| (a + 1) % nranks))
@@ -1110,7 +1128,8 @@ impl Comm {
             return Ok(None);
         }
         let esize = dtype.size() as u64;
-        self.plan(func, self.call_bytes(func, count, recv_bytes, esize), esize).map(Some)
+        self.plan(func, self.call_bytes(func, count, recv_bytes, esize), esize)
+            .map(Some)
     }
 
     /// The size the tuning model sees for a call (nccl-tests' size: the larger of the per-rank
@@ -2758,8 +2777,14 @@ fn node_ring_graph(node_ranks: &[usize], bus_ids: Option<&[String]>, node: usize
                 Ok(x) => x.unwrap_or_else(crate::topo::Xml::new_system),
                 Err(e) => return skip(format!("topology file: {e}")),
             };
-            let nvml = crate::topo::detect::NvmlProbe::shared().map(|n| n as &dyn crate::topo::detect::NvmlSource);
-            crate::topo::detect::detect_into(&mut xml, &crate::topo::detect::DetectOptions::from_env(), nvml, None);
+            let nvml =
+                crate::topo::detect::NvmlProbe::shared().map(|n| n as &dyn crate::topo::detect::NvmlSource);
+            crate::topo::detect::detect_into(
+                &mut xml,
+                &crate::topo::detect::DetectOptions::from_env(),
+                nvml,
+                None,
+            );
             match crate::topo::System::from_xml(xml) {
                 Ok(s) => s,
                 Err(e) => return skip(format!("topology: {e}")),
@@ -2797,7 +2822,12 @@ fn node_ring_graph(node_ranks: &[usize], bus_ids: Option<&[String]>, node: usize
         Ok(g) => g,
         Err(e) => return skip(format!("ring search: {e}")),
     };
-    let to_comm = |g: usize| sys_ranks.iter().position(|&s| s as usize == g).map(|i| node_ranks[i]);
+    let to_comm = |g: usize| {
+        sys_ranks
+            .iter()
+            .position(|&s| s as usize == g)
+            .map(|i| node_ranks[i])
+    };
     let intra: Option<Vec<Vec<usize>>> = graph
         .intra
         .iter()
@@ -3341,9 +3371,15 @@ mod init_rank_tests {
         for (c, (next, prev, index)) in [(2usize, 0usize, 1u32), (0, 2, 2)].into_iter().enumerate() {
             let ch = &chans[c];
             let cu = c as u64;
-            assert_eq!((ch.ring.next as usize, ch.ring.prev as usize, ch.ring.index), (next, prev, index));
+            assert_eq!(
+                (ch.ring.next as usize, ch.ring.prev as usize, ch.ring.index),
+                (next, prev, index)
+            );
             assert_eq!(ch.ring.user_ranks, block + (ranks_off + c * 3 * 4) as u64);
-            assert_eq!(ch.send.buffs[Proto::Simple as usize], layout.buff(bases[next], cu));
+            assert_eq!(
+                ch.send.buffs[Proto::Simple as usize],
+                layout.buff(bases[next], cu)
+            );
             assert_eq!(ch.send.tail, layout.tail(bases[next], cu));
             assert_eq!(ch.send.head, layout.head(bases[1], cu));
             assert_eq!(ch.recv.head, layout.head(bases[prev], cu));

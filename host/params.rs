@@ -197,7 +197,8 @@ pub fn socket_streams(get: impl Fn(&str) -> Option<(String, String)>) -> Result<
         s.nsocks_per_thread = parse_int(key, v, 1, MAX_SOCKETS as i64)? as u32;
     }
     if s.nsocks() > MAX_SOCKETS as usize {
-        let name = |x: &Option<(String, String)>, d: &str| x.as_ref().map_or(d.to_string(), |(k, _)| k.clone());
+        let name =
+            |x: &Option<(String, String)>, d: &str| x.as_ref().map_or(d.to_string(), |(k, _)| k.clone());
         return Err(Error::invalid(format!(
             "{}={} × {}={} = {} data sockets per connection is too many (accepted: a product of at most {MAX_SOCKETS})",
             name(&nt, "NCCL_SOCKET_NTHREADS"),
@@ -370,7 +371,8 @@ mod tests {
     #[test]
     fn socket_streams_ranges() {
         let get = |vars: &[(&str, &str)]| {
-            let vars: Vec<(String, String)> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+            let vars: Vec<(String, String)> =
+                vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
             socket_streams(move |name| {
                 vars.iter()
                     .find(|(k, _)| k.ends_with(name) && k.len() - name.len() <= 6)

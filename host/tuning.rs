@@ -391,7 +391,11 @@ mod tests {
         // takes 11.4 + 33554432 / 231e3 = 156.7 µs, Simple 37.9 + 33554432 / 345e3 = 135.2 µs;
         // at 16 MiB LL128 (47.7 µs) still beats Simple (62.2 µs). (AllReduce is unscaled: at 64 MiB
         // its 64 MiB of bus bytes take 237.0 µs on LL128 and 235.8 on Simple.)
-        let rs = |bytes| all.choose_sized(&m, Func::ReduceScatter, bytes, 2, 1, 64).unwrap().1;
+        let rs = |bytes| {
+            all.choose_sized(&m, Func::ReduceScatter, bytes, 2, 1, 64)
+                .unwrap()
+                .1
+        };
         assert_eq!(rs(64 << 20), Proto::Simple);
         assert_eq!(rs(16 << 20), Proto::Ll128);
         // LL uses one channel per 16 KiB: 128 KiB → 8 channels.

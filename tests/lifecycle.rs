@@ -197,7 +197,10 @@ fn gpu_cycles_child() {
     assert_eq!(count_dir("task"), threads, "threads after 200 cycles");
     assert_eq!(count_dir("fd"), fds, "open fds after 200 cycles");
     for (d, (b, a)) in free.iter().zip(&after).enumerate() {
-        assert!(b.abs_diff(*a) <= 2 << 20, "GPU {d}: free memory {b} -> {a} after 200 cycles");
+        assert!(
+            b.abs_diff(*a) <= 2 << 20,
+            "GPU {d}: free memory {b} -> {a} after 200 cycles"
+        );
     }
     println!("GPU-LIFECYCLE-OK");
 }
@@ -216,7 +219,12 @@ fn gpu_cycles_return_to_baseline() {
         Duration::from_secs(400),
     );
     assert!(ok && out.contains("GPU-LIFECYCLE-OK"), "{out}");
-    println!("{}", out.lines().find_map(|l| l.find("GPU-LIFECYCLE threads").map(|i| &l[i..])).unwrap_or(""));
+    println!(
+        "{}",
+        out.lines()
+            .find_map(|l| l.find("GPU-LIFECYCLE threads").map(|i| &l[i..]))
+            .unwrap_or("")
+    );
 }
 
 #[test]

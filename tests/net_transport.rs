@@ -526,7 +526,10 @@ fn parallel_socket_streams_across_hosts() {
     // range; rank 0 gets a remote error naming rank 1 and that message.
     let out = init_outcomes(&[
         vec![("OXCCL_HOSTID", "h0".into())],
-        vec![("OXCCL_HOSTID", "h1".into()), ("NCCL_NSOCKS_PERTHREAD", "65".into())],
+        vec![
+            ("OXCCL_HOSTID", "h1".into()),
+            ("NCCL_NSOCKS_PERTHREAD", "65".into()),
+        ],
     ]);
     let bad = "invalid argument: NCCL_NSOCKS_PERTHREAD=65 is out of range (accepted: 1..=64)";
     assert_eq!(
