@@ -281,7 +281,7 @@ impl Comm {
             let bus_ids: Vec<String> = ctxs.iter().map(|c| c.bus_id()).collect::<Result<_>>()?;
             let all: Vec<usize> = (0..nranks).collect();
             let rings = Arc::new(comm_rings(
-                &vec![node_ring_graph(&all, Some(&bus_ids), 0); nranks],
+                &vec![node_ring_graph(&all, Some(&bus_ids), 0)?; nranks],
                 nranks,
                 nch,
             )?);
@@ -386,7 +386,7 @@ impl Comm {
             // see node_ring_graph).
             let all: Vec<usize> = (0..nranks).collect();
             let rings = Arc::new(comm_rings(
-                &vec![node_ring_graph(&all, None, 0); nranks],
+                &vec![node_ring_graph(&all, None, 0)?; nranks],
                 nranks,
                 nch,
             )?);
@@ -576,8 +576,24 @@ impl Comm {
                 .filter(|&r| peers[r].host == peers[rank].host)
                 .collect();
             let bus: Vec<String> = node_ranks.iter().map(|&r| peers[r].bus_id.clone()).collect();
+            // A rank whose topology file fails sends its error instead, so every rank fails
+            // naming it (rather than waiting in this all-gather for the bootstrap timeout).
             let mine = node_ring_graph(&node_ranks, is_cuda.then_some(bus.as_slice()), node);
-            let all = bootstrap.allgather(mine.as_ref().map_or(String::new(), |i| i.encode()).as_bytes())?;
+            let record = match &mine {
+                Ok(m) => m.as_ref().map_or(String::new(), |i| i.encode()),
+                Err(e) => format!("{TOPO_ERR_PREFIX}{e}"),
+            };
+            let all = bootstrap.allgather(record.as_bytes())?;
+            mine?;
+            if let Some((r, e)) = all.iter().enumerate().find_map(|(r, b)| {
+                String::from_utf8_lossy(b)
+                    .strip_prefix(TOPO_ERR_PREFIX)
+                    .map(|e| (r, e.to_string()))
+            }) {
+                return Err(Error::Remote(format!(
+                    "rank {rank}: rank {r} cannot build its ring graph from its topology: {e}"
+                )));
+            }
             let infos: Vec<Option<RankGraphInfo>> = all
                 .iter()
                 .map(|b| {
@@ -2751,6 +2767,9 @@ fn channel_trees(node_chains: &[Vec<usize>], nch: u32) -> Result<Vec<Vec<crate::
         .collect())
 }
 
+/// Prefix of a rank's ring graph record in `init_rank`'s all-gather when its topology failed.
+const TOPO_ERR_PREFIX: &str = "ERR ";
+
 /// The ring graph of one node of a communicator (NCCL's `ncclTopoCompute` for rings, then the
 /// rank's part of `AllGather3`): `node_ranks` are the communicator ranks of the node, `node` its
 /// index. On CUDA (`bus_ids` = each node rank's PCI bus id) the system is the machine's, as
@@ -2761,22 +2780,28 @@ fn channel_trees(node_chains: &[Vec<usize>], nch: u32) -> Result<Vec<Vec<crate::
 ///
 /// `None` (with a debug log) whenever no searched ring applies: no topology, a rank's GPU missing
 /// from it, two ranks on one GPU, or a failed search; the caller then keeps rank order.
-fn node_ring_graph(node_ranks: &[usize], bus_ids: Option<&[String]>, node: usize) -> Option<RankGraphInfo> {
+///
+/// Errors: the file named by `NCCL_TOPO_FILE` cannot be read (`System`, naming it) or is not a
+/// valid topology (`InvalidArgument` naming the file, the line where known, and why).
+fn node_ring_graph(
+    node_ranks: &[usize],
+    bus_ids: Option<&[String]>,
+    node: usize,
+) -> Result<Option<RankGraphInfo>> {
     let skip = |why: String| {
         tracing::debug!(target: "oxccl::init", node, "rings in rank order: {why}");
-        None
+        Ok(None)
     };
     let sys = match bus_ids {
         None => match crate::topo::System::from_env() {
             Ok(Some(s)) => s,
             Ok(None) => return skip("CPU target without NCCL_TOPO_FILE".into()),
-            Err(e) => return skip(format!("topology file: {e}")),
+            // A file the user named but that cannot be read, parsed or built fails init (as on
+            // CUDA, where p2p_path_type reads the same file), naming the file and why.
+            Err(e) => return Err(e),
         },
         Some(_) => {
-            let mut xml = match crate::topo::Xml::from_env() {
-                Ok(x) => x.unwrap_or_else(crate::topo::Xml::new_system),
-                Err(e) => return skip(format!("topology file: {e}")),
-            };
+            let mut xml = crate::topo::Xml::from_env()?.unwrap_or_else(crate::topo::Xml::new_system);
             let nvml =
                 crate::topo::detect::NvmlProbe::shared().map(|n| n as &dyn crate::topo::detect::NvmlSource);
             crate::topo::detect::detect_into(
@@ -2836,11 +2861,11 @@ fn node_ring_graph(node_ranks: &[usize], bus_ids: Option<&[String]>, node: usize
     let Some(intra) = intra else {
         return skip("the searched rings hold a GPU outside the node".into());
     };
-    Some(RankGraphInfo {
+    Ok(Some(RankGraphInfo {
         node,
         ring: crate::graph::GraphInfo::of(&graph),
         intra,
-    })
+    }))
 }
 
 /// The distinct ring neighbours (next and prev over every channel) of rank `r`, in first-seen

@@ -1,0 +1,187 @@
+//! A bad `NCCL_TOPO_FILE` fails communicator creation on the CPU target, naming the file, the
+//! line and why (before, `node_ring_graph` logged it at debug level and silently kept rank
+//! order); with `init_rank`, a bad file on one rank only fails every rank in bounded time, the
+//! others with a remote error naming that rank ("error on every rank", as C-cases ask).
+//!
+//! Each case runs in a child process of this binary (`topo_child_entry`) with its own
+//! environment, since the variable is process-wide.
+use oxccl::bootstrap::{UniqueId, get_unique_id};
+use oxccl::{Comm, Device};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
+        .collect()
+}
+
+/// Child body (a no-op in a normal run). `OXCCL_TEST_TOPO_ROLE` = `all`: `Comm::init_all` over
+/// `OXCCL_TEST_TOPO_NRANKS` CPU ranks; `rank`: `Comm::init_rank` as rank `OXCCL_TEST_TOPO_RANK`.
+/// Prints `INIT-OK` or `INIT-ERR <code>: <error>`.
+#[test]
+fn topo_child_entry() {
+    let Ok(role) = std::env::var("OXCCL_TEST_TOPO_ROLE") else {
+        return;
+    };
+    let var = |k: &str| std::env::var(k).unwrap();
+    let n: usize = var("OXCCL_TEST_TOPO_NRANKS").parse().unwrap();
+    let res = if role == "all" {
+        Comm::init_all(&(0..n).map(Device::Cpu).collect::<Vec<_>>()).map(|c| c.len())
+    } else {
+        let rank: usize = var("OXCCL_TEST_TOPO_RANK").parse().unwrap();
+        let id = UniqueId::from_bytes(&unhex(&var("OXCCL_TEST_TOPO_ID"))).unwrap();
+        Comm::init_rank(n, &id, rank, Device::Cpu(rank)).map(|_| 1)
+    };
+    match res {
+        Ok(_) => println!("INIT-OK"),
+        Err(e) => println!("INIT-ERR {:?}: {e}", e.code()),
+    }
+}
+
+/// Starts this binary as a child with `env`; returns it (stdout piped).
+fn spawn(env: &[(&str, String)]) -> std::process::Child {
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.args(["--exact", "topo_child_entry", "--nocapture", "--test-threads=1"]);
+    for (k, _) in std::env::vars() {
+        if k.starts_with("NCCL_") || k.starts_with("OXCCL_") {
+            cmd.env_remove(k);
+        }
+    }
+    cmd.env("OXCCL_BOOTSTRAP_TIMEOUT", "30");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap()
+}
+
+/// The child's `INIT-` line (it must exit by `deadline`).
+fn outcome(child: std::process::Child, deadline: Instant) -> String {
+    let pid = child.id();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    let out = rx
+        .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+        .unwrap_or_else(|_| panic!("child {pid} did not exit in time (hang)"))
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    text.lines()
+        .find_map(|l| l.find("INIT-").map(|i| l[i..].to_string()))
+        .unwrap_or_else(|| panic!("child {pid}: no INIT- line in\n{text}"))
+}
+
+fn write_tmp(name: &str, text: &str) -> String {
+    let p = std::env::temp_dir().join(format!("oxccl-topo-errors-{}-{name}", std::process::id()));
+    std::fs::write(&p, text).unwrap();
+    p.display().to_string()
+}
+
+#[test]
+fn bad_topo_file_fails_init_all_naming_file_line_and_reason() {
+    let garbage = write_tmp("garbage.xml", "hello world\n");
+    // The second <pci> (line 3) has no busid.
+    let nobus = write_tmp(
+        "nobus.xml",
+        "<system version=\"1\">\n  <cpu numaid=\"0\" affinity=\"ff\" arch=\"x86_64\" vendor=\"GenuineIntel\" familyid=\"6\" modelid=\"106\">\n    <pci class=\"0x030200\"><gpu dev=\"0\" sm=\"80\" rank=\"0\" gdr=\"1\"/></pci>\n  </cpu>\n</system>\n",
+    );
+    let missing = format!("{garbage}.does-not-exist");
+    // Expected messages: Xml::parse / Xml::from_file's wording (host/topo/xml.rs), as the
+    // `oxccl topo` subcommand prints them for the same files.
+    let cases = [
+        (
+            garbage.clone(),
+            format!(
+                "INIT-ERR InvalidArgument: invalid argument: {garbage}:1: malformed topology XML: unknown token at 1:1"
+            ),
+        ),
+        (
+            nobus.clone(),
+            format!(
+                "INIT-ERR InvalidArgument: invalid argument: {nobus}:3: <pci>: attribute \"busid\" is missing"
+            ),
+        ),
+        (
+            missing.clone(),
+            format!(
+                "INIT-ERR SystemError: system error: cannot read topology file {missing}: No such file or directory (os error 2)"
+            ),
+        ),
+    ];
+    for (file, want) in cases {
+        let child = spawn(&[
+            ("OXCCL_TEST_TOPO_ROLE", "all".into()),
+            ("OXCCL_TEST_TOPO_NRANKS", "3".into()),
+            ("NCCL_TOPO_FILE", file.clone()),
+        ]);
+        assert_eq!(
+            outcome(child, Instant::now() + Duration::from_secs(60)),
+            want,
+            "{file}"
+        );
+    }
+    // Control: a valid fixture initializes.
+    let good = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/topo/nvlink-mesh-4gpu-topo.xml"
+    );
+    let child = spawn(&[
+        ("OXCCL_TEST_TOPO_ROLE", "all".into()),
+        ("OXCCL_TEST_TOPO_NRANKS", "4".into()),
+        ("NCCL_TOPO_FILE", good.into()),
+    ]);
+    assert_eq!(
+        outcome(child, Instant::now() + Duration::from_secs(60)),
+        "INIT-OK"
+    );
+    let _ = std::fs::remove_file(garbage);
+    let _ = std::fs::remove_file(nobus);
+}
+
+#[test]
+fn bad_topo_file_on_one_rank_fails_every_rank() {
+    let garbage = write_tmp("garbage1.xml", "hello world\n");
+    let id = get_unique_id().unwrap();
+    let n = 3;
+    let children: Vec<_> = (0..n)
+        .map(|r| {
+            let mut env = vec![
+                ("OXCCL_TEST_TOPO_ROLE", "rank".to_string()),
+                ("OXCCL_TEST_TOPO_NRANKS", n.to_string()),
+                ("OXCCL_TEST_TOPO_RANK", r.to_string()),
+                ("OXCCL_TEST_TOPO_ID", hex(&id.to_bytes())),
+                ("OXCCL_HOSTID", "one-host".to_string()),
+            ];
+            if r == 1 {
+                env.push(("NCCL_TOPO_FILE", garbage.clone()));
+            }
+            spawn(&env)
+        })
+        .collect();
+    // Bounded: well under the 30 s bootstrap timeout the others would otherwise wait out.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let got: Vec<String> = children.into_iter().map(|c| outcome(c, deadline)).collect();
+    let bad = format!("invalid argument: {garbage}:1: malformed topology XML: unknown token at 1:1");
+    assert_eq!(
+        got,
+        [
+            format!(
+                "INIT-ERR RemoteError: remote error: rank 0: rank 1 cannot build its ring graph from its topology: {bad}"
+            ),
+            format!("INIT-ERR InvalidArgument: {bad}"),
+            format!(
+                "INIT-ERR RemoteError: remote error: rank 2: rank 1 cannot build its ring graph from its topology: {bad}"
+            ),
+        ]
+    );
+    let _ = std::fs::remove_file(garbage);
+}
