@@ -185,3 +185,38 @@ fn bad_topo_file_on_one_rank_fails_every_rank() {
     );
     let _ = std::fs::remove_file(garbage);
 }
+
+#[test]
+fn repeated_gpu_bus_id_is_refused_naming_the_line() {
+    // The 4-GPU NVLink mesh fixture with its third GPU's <pci> (line 17) given the second GPU's
+    // bus id. Before, it built a second GPU node with the same bus id (the first took every
+    // <nvlink> to it: `oxccl topo` showed 1 ring channel over PHB instead of the mesh's NVLink
+    // rings) and init used it silently.
+    let mesh = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/topo/nvlink-mesh-4gpu-topo.xml"
+    ))
+    .unwrap();
+    let edit = |line: usize, from: &str, to: &str| -> String {
+        mesh.lines()
+            .enumerate()
+            .map(|(i, l)| {
+                if i + 1 == line {
+                    l.replace(from, to)
+                } else {
+                    l.to_string()
+                }
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    let dup_bus = edit(17, "0000:47:00.0", "0000:0f:00.0");
+    let err = oxccl::topo::System::from_xml_str(&dup_bus, "dupbus.xml").unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "invalid argument: dupbus.xml:17: <pci>: GPU busid=\"0000:0f:00.0\" is listed twice (each GPU once)"
+    );
+    // Control: the fixture itself builds with its 4 GPUs.
+    let sys = oxccl::topo::System::from_xml_str(&mesh, "mesh.xml").unwrap();
+    assert_eq!(sys.count(oxccl::topo::NodeType::Gpu), 4);
+}

@@ -913,6 +913,14 @@ impl Builder {
             else {
                 return Err(self.bad(g, format!("sm={sm}, rank={rank} or dev={dev} is out of range")));
             };
+            // Each GPU once: a repeated bus id made two GPU nodes of one id, and the first took
+            // every <nvlink> to it. (A repeated rank is left to the graph search, which names it.)
+            if self.get(NodeType::Gpu, sys_bits + bus).is_some() {
+                return Err(self.bad(
+                    x,
+                    format!("GPU busid={bus_str:?} is listed twice (each GPU once)"),
+                ));
+            }
             let gpu = Gpu { dev, rank, sm, gdr };
             created = Some(self.create(NodeKind::Gpu(gpu), sys_bits + bus, system_id, None));
         }
