@@ -507,20 +507,42 @@ impl Comm {
                 "rank {rank} is out of range for nranks {nranks} (accepted: 0..{nranks})"
             )));
         }
-        let mut params = Params::from_env()?;
         let is_cuda = device.is_cuda();
-        if is_cuda && params.nthreads > cuda::MAX_JIT_THREADS {
-            tracing::warn!(target: "oxccl::init", "NCCL_NTHREADS={} rounded down to {} (the most threads per block the kernels are built for)", params.nthreads, cuda::MAX_JIT_THREADS);
-            params.nthreads = cuda::MAX_JIT_THREADS;
-        }
-        let mut selection = Selection::from_env()?;
-        let ctx = match device {
-            Device::Cuda(o) => Some(cuda::Context::get(o)?),
-            Device::Cpu(_) => None,
-        };
-        // NCCL_TOPO_DUMP_FILE, and this thread (so the helper threads it starts) near the GPU.
-        let _near = crate::topo::detect::on_cuda_init(rank, ctx.as_slice())?;
+        // The rank's own settings and device. A failure here still joins the bootstrap and
+        // sends its error in the first all-gather, so every rank fails at once naming this rank
+        // (a rank leaving before the bootstrap left the others waiting out its timeout, with an
+        // error about the bootstrap ring rather than the cause).
+        let local = (|| -> Result<_> {
+            let mut params = Params::from_env()?;
+            if is_cuda && params.nthreads > cuda::MAX_JIT_THREADS {
+                tracing::warn!(target: "oxccl::init", "NCCL_NTHREADS={} rounded down to {} (the most threads per block the kernels are built for)", params.nthreads, cuda::MAX_JIT_THREADS);
+                params.nthreads = cuda::MAX_JIT_THREADS;
+            }
+            let selection = Selection::from_env()?;
+            let ctx = match device {
+                Device::Cuda(o) => Some(cuda::Context::get(o)?),
+                Device::Cpu(_) => None,
+            };
+            // NCCL_TOPO_DUMP_FILE, and this thread (so the helper threads it starts) near the GPU.
+            let near = crate::topo::detect::on_cuda_init(rank, ctx.as_slice())?;
+            Ok((params, selection, ctx, near))
+        })();
         let bootstrap = crate::bootstrap::Bootstrap::init(id, rank, nranks)?;
+        let status = match &local {
+            Ok(_) => String::new(),
+            Err(e) => format!("{INIT_ERR_PREFIX}{e}"),
+        };
+        let all = bootstrap.allgather(status.as_bytes())?;
+        let (params, mut selection, ctx, _near) = local?;
+        if let Some((r, e)) = all.iter().enumerate().find_map(|(r, b)| {
+            String::from_utf8_lossy(b)
+                .strip_prefix(INIT_ERR_PREFIX)
+                .map(|e| (r, e.to_string()))
+        }) {
+            return Err(Error::Remote(format!(
+                "rank {rank}: rank {r} cannot initialize (its settings or device): {e}"
+            )));
+        }
         let default_nch = if is_cuda {
             CUDA_DEFAULT_NCHANNELS
         } else {
@@ -581,13 +603,13 @@ impl Comm {
             let mine = node_ring_graph(&node_ranks, is_cuda.then_some(bus.as_slice()), node);
             let record = match &mine {
                 Ok(m) => m.as_ref().map_or(String::new(), |i| i.encode()),
-                Err(e) => format!("{TOPO_ERR_PREFIX}{e}"),
+                Err(e) => format!("{INIT_ERR_PREFIX}{e}"),
             };
             let all = bootstrap.allgather(record.as_bytes())?;
             mine?;
             if let Some((r, e)) = all.iter().enumerate().find_map(|(r, b)| {
                 String::from_utf8_lossy(b)
-                    .strip_prefix(TOPO_ERR_PREFIX)
+                    .strip_prefix(INIT_ERR_PREFIX)
                     .map(|e| (r, e.to_string()))
             }) {
                 return Err(Error::Remote(format!(
@@ -2767,8 +2789,8 @@ fn channel_trees(node_chains: &[Vec<usize>], nch: u32) -> Result<Vec<Vec<crate::
         .collect())
 }
 
-/// Prefix of a rank's ring graph record in `init_rank`'s all-gather when its topology failed.
-const TOPO_ERR_PREFIX: &str = "ERR ";
+/// Prefix of a rank's record in an `init_rank` all-gather when that rank failed (its error follows).
+const INIT_ERR_PREFIX: &str = "ERR ";
 
 /// The ring graph of one node of a communicator (NCCL's `ncclTopoCompute` for rings, then the
 /// rank's part of `AllGather3`): `node_ranks` are the communicator ranks of the node, `node` its

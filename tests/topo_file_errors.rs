@@ -147,11 +147,10 @@ fn bad_topo_file_fails_init_all_naming_file_line_and_reason() {
     let _ = std::fs::remove_file(nobus);
 }
 
-#[test]
-fn bad_topo_file_on_one_rank_fails_every_rank() {
-    let garbage = write_tmp("garbage1.xml", "hello world\n");
+/// Starts `n` `init_rank` children on one host, `extra` added to rank 1's environment; their
+/// `INIT-` lines, within 20 s (under the children's 30 s bootstrap timeout).
+fn init_rank_with_rank1(n: usize, extra: (&'static str, String)) -> Vec<String> {
     let id = get_unique_id().unwrap();
-    let n = 3;
     let children: Vec<_> = (0..n)
         .map(|r| {
             let mut env = vec![
@@ -162,14 +161,19 @@ fn bad_topo_file_on_one_rank_fails_every_rank() {
                 ("OXCCL_HOSTID", "one-host".to_string()),
             ];
             if r == 1 {
-                env.push(("NCCL_TOPO_FILE", garbage.clone()));
+                env.push(extra.clone());
             }
             spawn(&env)
         })
         .collect();
-    // Bounded: well under the 30 s bootstrap timeout the others would otherwise wait out.
     let deadline = Instant::now() + Duration::from_secs(20);
-    let got: Vec<String> = children.into_iter().map(|c| outcome(c, deadline)).collect();
+    children.into_iter().map(|c| outcome(c, deadline)).collect()
+}
+
+#[test]
+fn bad_topo_file_on_one_rank_fails_every_rank() {
+    let garbage = write_tmp("garbage1.xml", "hello world\n");
+    let got = init_rank_with_rank1(3, ("NCCL_TOPO_FILE", garbage.clone()));
     let bad = format!("invalid argument: {garbage}:1: malformed topology XML: unknown token at 1:1");
     assert_eq!(
         got,
@@ -219,4 +223,31 @@ fn repeated_gpu_bus_id_is_refused_naming_the_line() {
     // Control: the fixture itself builds with its 4 GPUs.
     let sys = oxccl::topo::System::from_xml_str(&mesh, "mesh.xml").unwrap();
     assert_eq!(sys.count(oxccl::topo::NodeType::Gpu), 4);
+}
+
+#[test]
+fn bad_setting_on_one_rank_fails_every_rank_at_once() {
+    // NCCL_MAX_NCHANNELS=0 on rank 1 only. Before, rank 1 failed before joining the bootstrap:
+    // rank 0 got "bootstrap: waiting for the root ... connection closed by the peer" and rank 2
+    // waited out the 30 s bootstrap timeout ("ring predecessor rank 1 did not connect").
+    let start = Instant::now();
+    let got = init_rank_with_rank1(3, ("NCCL_MAX_NCHANNELS", "0".into()));
+    let bad = "invalid argument: NCCL_MAX_NCHANNELS=0 is out of range (accepted: 1..=64)";
+    assert_eq!(
+        got,
+        [
+            format!(
+                "INIT-ERR RemoteError: remote error: rank 0: rank 1 cannot initialize (its settings or device): {bad}"
+            ),
+            format!("INIT-ERR InvalidArgument: {bad}"),
+            format!(
+                "INIT-ERR RemoteError: remote error: rank 2: rank 1 cannot initialize (its settings or device): {bad}"
+            ),
+        ]
+    );
+    assert!(
+        start.elapsed() < Duration::from_secs(10),
+        "took {:?}",
+        start.elapsed()
+    );
 }
