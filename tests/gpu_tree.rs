@@ -29,46 +29,6 @@ const COUNTS: &[usize] = &[0, 1, 2, 3, 7, 1023, 1025, (1 << 16) + 3, (1 << 20) +
 /// Variables these tests set (all cleared while a test runs, restored after).
 const VARS: &[&str] = &["ALGO", "PROTO", "TEST_NODES", "MIN_NCHANNELS", "MAX_NCHANNELS"];
 
-/// AllReduce (sum) on every rank of `comms` of `count` f32 where rank `r`'s element `i` is
-/// `i + 1000 r`; checks every output element against the sum over ranks (`n i + 1000 n(n-1)/2`,
-/// exact in f32 below 2^24) and returns each rank's plan.
-fn all_reduce_f32(comms: &[Comm], count: usize, in_place: bool) -> Vec<oxccl::Choice> {
-    let n = comms.len();
-    let mut sends = Vec::new();
-    let mut recvs = Vec::new();
-    let mut streams = Vec::new();
-    for (r, c) in comms.iter().enumerate() {
-        let v: Vec<u8> = (0..count)
-            .flat_map(|i| ((i + 1000 * r) as f32).to_ne_bytes())
-            .collect();
-        let s = c.device().alloc(count * 4).unwrap();
-        s.write(0, &v).unwrap();
-        sends.push(s);
-        let out = c.device().alloc(count * 4).unwrap();
-        // Poisoned: NaN bits everywhere, so an element the tree never writes fails.
-        out.write(0, &[0xff; 4].repeat(count)).unwrap();
-        recvs.push(out);
-        streams.push(c.device().new_stream().unwrap());
-    }
-    for (r, c) in comms.iter().enumerate() {
-        let recv = if in_place { &sends[r] } else { &recvs[r] };
-        c.all_reduce(&sends[r], recv, count, DataType::F32, RedOp::Sum, &streams[r])
-            .unwrap_or_else(|e| panic!("rank {r}: all_reduce of {count}: {e}"));
-    }
-    for s in &streams {
-        s.synchronize().unwrap();
-    }
-    for r in 0..n {
-        let out = if in_place { &sends[r] } else { &recvs[r] }.to_vec().unwrap();
-        for (i, b) in out.chunks(4).enumerate() {
-            let want = (n * i + 1000 * n * (n - 1) / 2) as f32;
-            let got = f32::from_ne_bytes(b.try_into().unwrap());
-            assert_eq!(got.to_bits(), want.to_bits(), "rank {r}, element {i} of {count}");
-        }
-    }
-    comms.iter().map(|c| c.last_choice().unwrap()).collect()
-}
-
 /// The tree matrix on 2 GPUs as 2 nodes, with `nch` channels (`None`: the CUDA default).
 fn tree_matrix(test: &str, nch: Option<u32>) {
     let Some(devices) = common::gpus_or_skip(test, 2) else {
@@ -88,7 +48,7 @@ fn tree_matrix(test: &str, nch: Option<u32>) {
     let comms = Comm::init_all(&devices).unwrap();
     for count in [1, 1025, 65539, (1 << 20) + 3] {
         for in_place in [false, true] {
-            for (r, c) in all_reduce_f32(&comms, count, in_place).iter().enumerate() {
+            for (r, c) in common::all_reduce_f32(&comms, count, in_place).iter().enumerate() {
                 assert_eq!(
                     (c.func, c.algo, c.proto),
                     (Func::AllReduce, Algo::Tree, Proto::Simple),

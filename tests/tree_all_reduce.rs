@@ -32,43 +32,6 @@ const COUNTS: &[usize] = &[0, 1, 2, 3, 7, 1023, 1025, 65539];
 /// Variables these tests set (all cleared while a test runs, restored after).
 const VARS: &[&str] = &["ALGO", "PROTO", "TEST_NODES", "MIN_NCHANNELS", "MAX_NCHANNELS"];
 
-/// AllReduce (sum) on every rank of `comms` of `count` f32 where rank `r`'s element `i` is
-/// `i + 1000 r`; checks every output element against the sum over ranks (`n i + 1000 n(n-1)/2`,
-/// exact in f32 for these sizes) and returns each rank's plan.
-fn all_reduce_f32(comms: &[Comm], count: usize, in_place: bool) -> Vec<oxccl::Choice> {
-    let n = comms.len();
-    let mut sends = Vec::new();
-    let mut recvs = Vec::new();
-    let mut streams = Vec::new();
-    for (r, c) in comms.iter().enumerate() {
-        let v: Vec<u8> = (0..count)
-            .flat_map(|i| ((i + 1000 * r) as f32).to_ne_bytes())
-            .collect();
-        let s = c.device().alloc(count * 4).unwrap();
-        s.write(0, &v).unwrap();
-        sends.push(s);
-        recvs.push(c.device().alloc(count * 4).unwrap());
-        streams.push(c.device().new_stream().unwrap());
-    }
-    for (r, c) in comms.iter().enumerate() {
-        let recv = if in_place { &sends[r] } else { &recvs[r] };
-        c.all_reduce(&sends[r], recv, count, DataType::F32, RedOp::Sum, &streams[r])
-            .unwrap_or_else(|e| panic!("rank {r}: all_reduce of {count}: {e}"));
-    }
-    for s in &streams {
-        s.synchronize().unwrap();
-    }
-    for r in 0..n {
-        let out = if in_place { &sends[r] } else { &recvs[r] }.to_vec().unwrap();
-        for (i, b) in out.chunks(4).enumerate() {
-            let want = (n * i + 1000 * n * (n - 1) / 2) as f32;
-            let got = f32::from_ne_bytes(b.try_into().unwrap());
-            assert_eq!(got, want, "rank {r}, element {i} of {count}");
-        }
-    }
-    comms.iter().map(|c| c.last_choice().unwrap()).collect()
-}
-
 /// The tree matrix on `nnodes` nodes of `per_node` ranks with `nch` channels for every call.
 fn tree_matrix(test: &str, nnodes: usize, per_node: usize, nch: u32) {
     let env = Env::clean(VARS);
@@ -84,7 +47,7 @@ fn tree_matrix(test: &str, nnodes: usize, per_node: usize, nch: u32) {
     let comms = Comm::init_all(&devices).unwrap();
     for count in [1, 1025, 65539] {
         for in_place in [false, true] {
-            for (r, c) in all_reduce_f32(&comms, count, in_place).iter().enumerate() {
+            for (r, c) in common::all_reduce_f32(&comms, count, in_place).iter().enumerate() {
                 assert_eq!(
                     (c.func, c.algo, c.proto, c.nchannels),
                     (Func::AllReduce, Algo::Tree, Proto::Simple, nch),
@@ -211,7 +174,7 @@ fn model_picks_tree_for_mid_sizes_and_both_interleave() {
     // their own FIFO steps across calls.
     for round in 0..2 {
         for (count, algo) in [(2, Algo::Ring), (16384, Algo::Tree), (1 << 20, Algo::Ring)] {
-            for (r, c) in all_reduce_f32(&comms, count, round == 1).iter().enumerate() {
+            for (r, c) in common::all_reduce_f32(&comms, count, round == 1).iter().enumerate() {
                 assert_eq!(c.algo, algo, "round {round}, rank {r}, {count} floats: {c:?}");
             }
         }
