@@ -508,6 +508,7 @@ impl Comm {
             )));
         }
         let is_cuda = device.is_cuda();
+        let phases = InitPhases::start(rank);
         // The rank's own settings and device. A failure here still joins the bootstrap and
         // sends its error in the first all-gather, so every rank fails at once naming this rank
         // (a rank leaving before the bootstrap left the others waiting out its timeout, with an
@@ -527,7 +528,9 @@ impl Comm {
             let near = crate::topo::detect::on_cuda_init(rank, ctx.as_slice())?;
             Ok((params, selection, ctx, near))
         })();
+        phases.mark("settings, device context and topology hook");
         let bootstrap = crate::bootstrap::Bootstrap::init(id, rank, nranks)?;
+        phases.mark("bootstrap ring");
         let status = match &local {
             Ok(_) => String::new(),
             Err(e) => format!("{INIT_ERR_PREFIX}{e}"),
@@ -580,6 +583,7 @@ impl Comm {
             .map(|(r, b)| PeerInfo::decode(r, b))
             .collect::<Result<_>>()?;
         check_peers(rank, &peers)?;
+        phases.mark("connection memory and peer all-gather");
         // The rings (NCCL's AllGather3 + connectRings): each rank's node graph travels in a second
         // all-gather. Several rings, or NET anywhere on them, keep rank order (the NET setup and
         // this function connect one prev and one next per rank, as in rank order).
@@ -639,6 +643,7 @@ impl Comm {
             }
         };
         let rings = Arc::new(rings);
+        phases.mark("ring search and all-gather");
         let leader = peers
             .iter()
             .position(|p| p.host == peers[rank].host)
@@ -801,6 +806,7 @@ impl Comm {
                 tracing::info!(target: "oxccl::init", rank, "LL128 off: ring connections through host memory (SHM/NET); NCCL_PROTO=LL128 forces it");
             }
         }
+        phases.mark("connections (P2P/SHM/NET)");
         // Every rank has mapped what it needs: the names can go (the mappings stay).
         bootstrap.barrier()?;
         let unlinked = match &own {
@@ -885,7 +891,8 @@ impl Comm {
             }
             _ => return Err(Error::Internal("connection memory of the wrong kind".into())),
         };
-        tracing::debug!(target: "oxccl::init", rank, nranks, nch, cuda = is_cuda, "init_rank communicator ready");
+        phases.mark("barrier and device block");
+        tracing::debug!(target: "oxccl::init", rank, nranks, nch, cuda = is_cuda, total_ms = phases.total_ms(), "init_rank communicator ready");
         Ok(Comm {
             rank,
             nranks,
@@ -2239,6 +2246,36 @@ impl PeerLink {
             PeerLink::P2pIpc(m) => m.ptr(),
             PeerLink::Net { .. } => 0,
         }
+    }
+}
+
+/// Times the phases of one `init_rank` for debug logs (`OXCCL_LOG=oxccl::init=debug`): each
+/// [`InitPhases::mark`] logs the milliseconds since the previous mark.
+struct InitPhases {
+    rank: usize,
+    start: Instant,
+    last: std::cell::Cell<Instant>,
+}
+
+impl InitPhases {
+    fn start(rank: usize) -> InitPhases {
+        let now = Instant::now();
+        InitPhases {
+            rank,
+            start: now,
+            last: std::cell::Cell::new(now),
+        }
+    }
+
+    fn mark(&self, phase: &str) {
+        let now = Instant::now();
+        let ms = (now - self.last.get()).as_secs_f64() * 1e3;
+        self.last.set(now);
+        tracing::debug!(target: "oxccl::init", rank = self.rank, ms = format!("{ms:.2}"), "init_rank phase: {phase}");
+    }
+
+    fn total_ms(&self) -> String {
+        format!("{:.2}", self.start.elapsed().as_secs_f64() * 1e3)
     }
 }
 

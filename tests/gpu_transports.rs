@@ -18,8 +18,16 @@ const NRANKS: usize = 2;
 const ENV_RANK: &str = "OXCCL_TEST_GPU_TR_RANK";
 const ENV_ID: &str = "OXCCL_TEST_GPU_TR_ID";
 const ENV_CPU: &str = "OXCCL_TEST_GPU_TR_CPU";
-/// How long one group of child ranks may take (JIT, 64-channel setup, the whole matrix).
-const GROUP_LIMIT: Duration = Duration::from_secs(300);
+/// How long one group of child ranks may take (JIT, 64-channel setup, the whole matrix), unless
+/// `OXCCL_TEST_GROUP_LIMIT_S` says otherwise (a short limit shows where a slow run is: the
+/// children's output, printed when they are killed, ends at the call they were in).
+fn group_limit() -> Duration {
+    let s = std::env::var("OXCCL_TEST_GROUP_LIMIT_S")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(300);
+    Duration::from_secs(s)
+}
 /// Bytes every output buffer is filled with before a call (0xA5A5A5A5 as f32 is about -2.9e-16,
 /// never one of the expected values, which are all non-negative integers).
 const POISON: u8 = 0xA5;
@@ -373,7 +381,7 @@ fn wait(mut c: std::process::Child, deadline: Instant) -> (bool, String) {
 /// have chosen LL128 (off through host memory).
 fn run_pair(test: &str, env: &[(&str, &str)], via: &str) {
     let id = get_unique_id().unwrap();
-    let deadline = Instant::now() + GROUP_LIMIT;
+    let deadline = Instant::now() + group_limit();
     let children: Vec<_> = (0..NRANKS)
         .map(|r| child(&id, r, env).spawn().expect("spawn child rank"))
         .collect();
@@ -457,7 +465,7 @@ fn run_pair_with_tiny_dev_shm(test: &str, cpu: bool, env: &[(&str, &str)]) -> Op
     }
     let (_, out) = wait(
         wrapped.spawn().expect("spawn unshare"),
-        Instant::now() + GROUP_LIMIT,
+        Instant::now() + group_limit(),
     );
     Some(out)
 }

@@ -173,7 +173,12 @@ fn child_from_env_entry() {
 
 #[test]
 fn from_env_as_a_launcher_would() {
-    let world = 3;
+    // One rank per GPU where GPUs are visible (from_env puts LOCAL_RANK on GPU LOCAL_RANK, and
+    // two ranks on one GPU are refused), else 3 CPU-target ranks.
+    let world = match oxccl::Device::cuda_count() {
+        0 => 3,
+        n => n.min(3),
+    };
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()

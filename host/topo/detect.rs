@@ -205,8 +205,17 @@ impl NvmlSource for Vec<NvmlGpu> {
 }
 
 /// NVML loaded at run time (`libnvidia-ml.so.1` through `nvml-wrapper`).
+///
+/// Answers are remembered for the life of the probe: a GPU's NVLinks, C2C links and compute
+/// capability do not change while a process runs, and querying them (one NVML call per link and
+/// field, 18 links per H200) cost tens of milliseconds at every communicator init, which
+/// detects the topology up to three times (affinity, `NCCL_P2P_LEVEL` paths, ring search).
 pub struct NvmlProbe {
     nvml: nvml_wrapper::Nvml,
+    /// [`NvmlSource::devices`], once asked.
+    devices: OnceLock<Vec<(u32, String)>>,
+    /// [`NvmlSource::probe`] answers by bus id (as a number).
+    probes: std::sync::Mutex<std::collections::HashMap<i64, Option<NvmlGpu>>>,
 }
 
 impl fmt::Debug for NvmlProbe {
@@ -220,7 +229,11 @@ impl NvmlProbe {
     /// library is missing or the driver does not answer.
     pub fn load() -> Option<NvmlProbe> {
         match nvml_wrapper::Nvml::init() {
-            Ok(nvml) => Some(NvmlProbe { nvml }),
+            Ok(nvml) => Some(NvmlProbe {
+                nvml,
+                devices: OnceLock::new(),
+                probes: std::sync::Mutex::new(std::collections::HashMap::new()),
+            }),
             Err(e) => {
                 tracing::debug!(target: T, "NVML not available ({e}): topology detection continues without NVLink information");
                 None
@@ -257,6 +270,22 @@ impl NvmlProbe {
 
 impl NvmlSource for NvmlProbe {
     fn devices(&self) -> Vec<(u32, String)> {
+        self.devices.get_or_init(|| self.query_devices()).clone()
+    }
+
+    fn probe(&self, bus_id: &str) -> Option<NvmlGpu> {
+        let Some(key) = bus_id_to_int(bus_id) else {
+            return self.query_probe(bus_id);
+        };
+        // A poisoned lock only means another thread panicked mid-insert of a complete value.
+        let mut probes = self.probes.lock().unwrap_or_else(|e| e.into_inner());
+        probes.entry(key).or_insert_with(|| self.query_probe(bus_id)).clone()
+    }
+}
+
+impl NvmlProbe {
+    /// Every GPU NVML knows (uncached [`NvmlSource::devices`]).
+    fn query_devices(&self) -> Vec<(u32, String)> {
         let n = match self.nvml.device_count() {
             Ok(n) => n,
             Err(e) => {
@@ -272,7 +301,8 @@ impl NvmlSource for NvmlProbe {
             .collect()
     }
 
-    fn probe(&self, bus_id: &str) -> Option<NvmlGpu> {
+    /// What NVML says about the GPU at `bus_id` (uncached [`NvmlSource::probe`]).
+    fn query_probe(&self, bus_id: &str) -> Option<NvmlGpu> {
         use nvml_wrapper::enum_wrappers::nv_link::Capability;
         use nvml_wrapper::sys_exports::field_id::{
             NVML_FI_DEV_C2C_LINK_COUNT, NVML_FI_DEV_C2C_LINK_GET_MAX_BW, NVML_FI_DEV_C2C_LINK_GET_STATUS,
