@@ -23,24 +23,34 @@ pub fn block_dim() -> u32 {
     unsafe { core::arch::nvptx::_block_dim_x() as u32 }
 }
 
-/// `bar.sync 0`: CTA-wide barrier; orders memory at CTA scope.
+/// `barrier.sync 0`: CTA-wide barrier; orders memory at CTA scope.
+///
+/// Why not `bar.sync` (= `barrier.sync.aligned`): rustc does not mark inline assembly
+/// `convergent` (clang does, for CUDA), so LLVM may tail-duplicate a barrier into both arms of a
+/// branch on the thread index — e.g. thread 0's "publish the step sizes, then post" path and the
+/// other threads' "post" path each got their own copy. An *aligned* barrier reached through
+/// different instructions by the threads of one warp is undefined behaviour, and on H200 it hung
+/// every Simple kernel (ptxas's reconvergence point waited for thread 0, which waited at its copy
+/// of the barrier). The non-aligned form counts each arriving thread at whichever copy it
+/// reaches, so any such duplication stays correct.
 ///
 /// # Safety
 /// Every thread of the block must reach it.
 #[inline(always)]
 pub unsafe fn sync_threads() {
     // SAFETY: caller guarantees all threads arrive.
-    unsafe { asm!("bar.sync 0;", options(nostack)) }
+    unsafe { asm!("barrier.sync 0;", options(nostack)) }
 }
 
-/// `bar.sync id, n`: named barrier among `n` threads (a multiple of 32).
+/// `barrier.sync id, n`: named barrier among `n` threads (a multiple of 32); non-aligned for the
+/// reason given at [`sync_threads`].
 ///
 /// # Safety
 /// Exactly `n` threads must reach barrier `id`.
 #[inline(always)]
 pub unsafe fn named_barrier(id: u32, n: u32) {
     // SAFETY: caller guarantees the participant count.
-    unsafe { asm!("bar.sync {id}, {n};", id = in(reg32) id, n = in(reg32) n, options(nostack)) }
+    unsafe { asm!("barrier.sync {id}, {n};", id = in(reg32) id, n = in(reg32) n, options(nostack)) }
 }
 
 /// `fence.acq_rel.sys`: orders this thread's (and, cumulatively, what it has observed) earlier

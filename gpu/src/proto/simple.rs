@@ -5,8 +5,8 @@
 //! multiple of `k`. To send the slice at step `s`, the block waits until the receiver has freed its
 //! slots (`head + FIFO_STEPS ≥ s + k`), writes them, then publishes `tail = s + k`. To receive it,
 //! it waits for `tail ≥ s + k`, reads the slots, then frees them with `head = s + k`. One thread polls and posts;
-//! the whole block copies, 16-byte vectors at a time. Ordering: data stores, `bar.sync`,
-//! `fence.acq_rel.sys`, flag store on the writer; flag load, `fence.acq_rel.sys`, `bar.sync`, data
+//! the whole block copies, 16-byte vectors at a time. Ordering: data stores, `barrier.sync`,
+//! `fence.acq_rel.sys`, flag store on the writer; flag load, `fence.acq_rel.sys`, `barrier.sync`, data
 //! loads on the reader.
 use super::Primitives;
 use crate::abi::{ConnInfo, DevChannel, FIFO_STEPS, PACK_BYTES, SPINS_BEFORE_CHECK_ABORT};

@@ -10,7 +10,7 @@
 //!
 //! The block structure and memory ordering are the ring Simple protocol's: thread 0 polls every
 //! peer's counter (`ld.volatile`), then `fence.acq_rel.sys`, tells the block through shared memory
-//! and `bar.sync`; the whole block copies with 16-byte vectors; after a `bar.sync`, thread 0 fences
+//! and `barrier.sync`; the whole block copies with 16-byte vectors; after a `barrier.sync`, thread 0 fences
 //! again and stores the counters (`st.volatile`). The same code runs on the CPU target, where a
 //! block is one thread.
 //!
