@@ -336,3 +336,91 @@ fn parser_finds_entries_calls_and_definitions() {
     let bad = parse(".version 7.0\n.visible .entry k()\n{\n\tcall.uni missing, ();\n\tret;\n}\n");
     assert!(bad.calls.contains("missing") && !bad.defined.contains("missing"));
 }
+
+/// The opcode of each PTX instruction line of `ptx` (comments removed): its first word after an
+/// optional `@p` guard, e.g. `bar.sync` or `barrier.sync.aligned`.
+fn opcodes(ptx: &str) -> Vec<String> {
+    strip_comments(ptx)
+        .lines()
+        .filter_map(|l| {
+            let mut w = l.split_whitespace();
+            let first = w.next()?;
+            let op = if first.starts_with('@') { w.next()? } else { first };
+            Some(op.trim_end_matches(';').to_string())
+        })
+        .collect()
+}
+
+/// Is `op` a CTA barrier that requires every thread of a warp to execute the *same* instruction
+/// (`bar.sync`/`bar.arrive`/`bar.red` are `barrier.*.aligned`)?
+fn is_aligned_barrier(op: &str) -> bool {
+    let parts: Vec<&str> = op.split('.').collect();
+    match parts.first() {
+        Some(&"bar") => parts
+            .get(1)
+            .is_some_and(|p| matches!(*p, "sync" | "arrive" | "red") || (*p == "cta" && parts.len() > 2)),
+        Some(&"barrier") => parts.contains(&"aligned"),
+        _ => false,
+    }
+}
+
+/// No kernel uses an aligned CTA barrier. rustc does not mark inline assembly `convergent`, so
+/// LLVM may duplicate a barrier into both arms of a branch on the thread index; with an aligned
+/// barrier that is undefined behaviour, and on H200 it deadlocked every Simple kernel (thread 0
+/// at its copy of `bar.sync`, the rest of its warp at a reconvergence point before theirs). The
+/// non-aligned `barrier.sync` stays correct under any such duplication.
+#[test]
+fn kernels_use_only_non_aligned_barriers() {
+    let modules = oxccl::kernels::all();
+    assert!(
+        !modules.is_empty(),
+        "no PTX modules embedded (built with OXCCL_SKIP_PTX?)"
+    );
+    let mut bad = Vec::new();
+    let mut barriers = 0usize;
+    for (name, ptx) in &modules {
+        let ops = opcodes(ptx);
+        barriers += ops.iter().filter(|o| o.starts_with("barrier.sync")).count();
+        let aligned: Vec<&String> = ops.iter().filter(|o| is_aligned_barrier(o)).collect();
+        if !aligned.is_empty() {
+            bad.push(format!("{name}: {} x {}", aligned.len(), aligned[0]));
+        }
+    }
+    assert!(
+        bad.is_empty(),
+        "{} kernels use aligned barriers (first: {:?})",
+        bad.len(),
+        &bad[..bad.len().min(5)]
+    );
+    assert!(
+        barriers > 0,
+        "no barrier.sync found in any kernel: the opcode scan is broken"
+    );
+}
+
+#[test]
+fn aligned_barrier_detection() {
+    for op in [
+        "bar.sync",
+        "bar.arrive",
+        "bar.red.popc.u32",
+        "bar.cta.sync",
+        "barrier.sync.aligned",
+        "barrier.cta.arrive.aligned",
+    ] {
+        assert!(is_aligned_barrier(op), "{op}");
+    }
+    for op in [
+        "barrier.sync",
+        "barrier.cta.sync",
+        "bar.warp.sync",
+        "fence.acq_rel.sys",
+        "ld.volatile.global.u64",
+    ] {
+        assert!(!is_aligned_barrier(op), "{op}");
+    }
+    assert_eq!(
+        opcodes("\t@%p1 bar.sync 0;\n// bar.sync 1;\n\tbarrier.sync 0;\n"),
+        vec!["bar.sync".to_string(), "barrier.sync".to_string()]
+    );
+}
