@@ -290,6 +290,26 @@ impl Comm {
                     if ctxs[peer].ordinal == ctxs[r].ordinal {
                         continue;
                     }
+                    // NCCL_P2P_LEVEL: as for P2P_DISABLE, P2P is init_all's only transport, so
+                    // a level that forbids it between two ring neighbours is refused by name.
+                    if let Some(lvl) = params.p2p_level {
+                        let path = gpu_path_type(&bus_ids[r], &bus_ids[peer])?;
+                        if crate::params::p2p_allowed(Some(lvl), path) == Some(false) {
+                            let key = crate::params::env_var("P2P_LEVEL")
+                                .map_or_else(|| "NCCL_P2P_LEVEL".to_string(), |(k, _)| k);
+                            return Err(Error::InvalidUsage(format!(
+                                "{key}={lvl} allows P2P up to {lvl} paths, but rank {r} (CUDA device {}, {}) and \
+                                 rank {peer} (CUDA device {}, {}) are {} apart and Comm::init_all connects GPUs \
+                                 only by P2P (SHM and NET need one process per GPU: use Comm::init_rank, e.g. \
+                                 `oxccl perf --procs N`)",
+                                ctxs[r].ordinal,
+                                bus_ids[r],
+                                ctxs[peer].ordinal,
+                                bus_ids[peer],
+                                path.map_or("?", |p| p.as_str()),
+                            )));
+                        }
+                    }
                     if !ctxs[r].can_access_peer(&ctxs[peer])? {
                         return Err(Error::System(format!(
                             "no transport can connect rank {r} (CUDA device {}) and rank {peer} (CUDA device {}): \
@@ -2288,8 +2308,13 @@ impl InitPhases {
 /// lacks either GPU (no NVML and no file entry for it). Errors: an unreadable or malformed
 /// topology file, bad path variables.
 fn p2p_path_type(a: &PeerInfo, b: &PeerInfo) -> Result<Option<crate::topo::PathType>> {
+    gpu_path_type(&a.bus_id, &b.bus_id)
+}
+
+/// [`p2p_path_type`] between the GPUs at PCI bus ids `a` and `b` of this host.
+fn gpu_path_type(a: &str, b: &str) -> Result<Option<crate::topo::PathType>> {
     use crate::topo::detect;
-    if a.bus_id == b.bus_id {
+    if a == b {
         return Ok(Some(crate::topo::PathType::Loc));
     }
     let mut xml = crate::topo::Xml::from_env()?.unwrap_or_else(crate::topo::Xml::new_system);
@@ -2300,8 +2325,8 @@ fn p2p_path_type(a: &PeerInfo, b: &PeerInfo) -> Result<Option<crate::topo::PathT
         ..Default::default()
     };
     let sys = crate::topo::System::from_xml_with(xml, raw)?;
-    let path = topo_gpu_path(&sys, &a.bus_id, &b.bus_id);
-    tracing::debug!(target: "oxccl::init", from = %a.bus_id, to = %b.bus_id, path = ?path.map(|p| p.as_str()), "GPU path type for NCCL_P2P_LEVEL");
+    let path = topo_gpu_path(&sys, a, b);
+    tracing::debug!(target: "oxccl::init", from = %a, to = %b, path = ?path.map(|p| p.as_str()), "GPU path type for NCCL_P2P_LEVEL");
     Ok(path)
 }
 

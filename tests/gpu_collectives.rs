@@ -97,3 +97,31 @@ fn init_all_refuses_p2p_disable() {
     let one = oxccl::Comm::init_all(&devices[..1]).expect("one GPU needs no P2P");
     assert_eq!(one.len(), 1);
 }
+
+/// `NCCL_P2P_LEVEL` on `init_all`: `LOC` (P2P only within one GPU) cannot be honoured between two
+/// GPUs, so a 2-GPU `init_all` refuses it with `InvalidUsage` naming the variable, both devices
+/// and the way out; `SYS` (any path) allows P2P and the communicators run an exact AllReduce.
+#[test]
+fn init_all_honours_p2p_level() {
+    let Some(devices) = common::gpus_or_skip("init_all_honours_p2p_level", 2) else {
+        return;
+    };
+    let _lock = common::env_lock();
+    let env = common::env::Env::clean(&["P2P_LEVEL", "P2P_DISABLE", "PROTO", "ALGO"]);
+    env.set(&[("NCCL_P2P_LEVEL", "LOC")]);
+    let e = oxccl::Comm::init_all(&devices[..2])
+        .err()
+        .expect("init_all must refuse NCCL_P2P_LEVEL=LOC between two GPUs");
+    let m = e.to_string();
+    assert!(matches!(e, oxccl::Error::InvalidUsage(_)), "{m}");
+    assert!(
+        m.contains("NCCL_P2P_LEVEL=LOC") && m.contains("CUDA device 0") && m.contains("init_rank"),
+        "{m}"
+    );
+    env.set(&[("NCCL_P2P_LEVEL", "SYS")]);
+    let comms = oxccl::Comm::init_all(&devices[..2]).expect("NCCL_P2P_LEVEL=SYS allows P2P");
+    let _gpu = common::gpu_lock();
+    for in_place in [false, true] {
+        common::all_reduce_f32(&comms, 1000, in_place);
+    }
+}
