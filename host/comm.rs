@@ -750,6 +750,10 @@ impl Comm {
                     initial_step: params.initial_step,
                     abort_flag: page.addr() + (rank * ABORT_LINE_BYTES) as u64,
                     abort_who: page.addr() + (rank * ABORT_LINE_BYTES) as u64 + 4,
+                    host_abort_lines: (0..nranks)
+                        .filter(|&r| r != rank && peers[r].host == peers[rank].host)
+                        .map(|r| page.addr() + (r * ABORT_LINE_BYTES) as u64)
+                        .collect(),
                 },
                 &mut conn_host,
             )?

@@ -57,6 +57,10 @@ pub const ABORTED_BY_PEER: u32 = 2;
 const HDR_BYTES: usize = 32;
 /// How long unregistering waits for staged steps and close messages to leave.
 const FLUSH_WAIT: Duration = Duration::from_secs(5);
+/// How often an idle communicator's send connections are checked for a vanished receiver
+/// ([`Net::check_send`]).
+const CHECK_SEND_EVERY: Duration = Duration::from_millis(100);
+
 /// Longest sleep of an idle proxy (it wakes at once for (un)registrations).
 const IDLE_SLEEP: Duration = Duration::from_micros(200);
 
@@ -155,6 +159,12 @@ pub struct ProxyComm {
     /// Address of a `u32` where a raised flag names its cause as rank + 1 (`init_rank`'s shared
     /// abort line); 0 when there is none.
     pub abort_who: u64,
+    /// The abort lines of the other ranks of this host (`init_rank`'s shared abort page: a `u32`
+    /// flag at the address, a `u32` naming the raiser as rank + 1 four bytes on). A failed
+    /// connection raises them too, naming this rank: a host neighbour reached only by SHM would
+    /// otherwise wait forever for a rank whose kernel has left (e.g. ring 0 -SHM-> 1 -NET-> 2 on
+    /// two hosts: when 2 dies, 1's proxy notices, and 0 must stop waiting for 1's credits).
+    pub host_abort_lines: Vec<u64>,
     /// The network the connections belong to.
     pub net: Arc<dyn Net>,
     /// Send connections with their staging FIFOs.
@@ -210,7 +220,7 @@ fn registry() -> &'static Registry {
 /// device per process, NCCL's `ncclProxyCreate`).
 ///
 /// # Safety
-/// Every address in `comm` (FIFOs, counters, the abort flag) stays valid until the returned
+/// Every address in `comm` (FIFOs, counters, the abort flag, the host abort lines) stays valid until the returned
 /// handle is dropped; no one but the proxy writes the receive FIFOs and tails, and the staging
 /// FIFOs are written only by the kernel under the FIFO protocol.
 ///
@@ -758,6 +768,7 @@ struct CommOps {
     rank: usize,
     abort_flag: u64,
     abort_who: u64,
+    host_abort_lines: Vec<u64>,
     net: Arc<dyn Net>,
     sends: Vec<SendOp>,
     recvs: Vec<RecvOp>,
@@ -766,6 +777,8 @@ struct CommOps {
     failed: bool,
     /// Unregistering: (deadline, ack, close messages queued).
     closing: Option<(Instant, Sender<()>, bool)>,
+    /// When idle send connections were last asked whether their receiver is still there.
+    last_check: Instant,
 }
 
 impl CommOps {
@@ -801,12 +814,14 @@ impl CommOps {
             rank: c.rank,
             abort_flag: c.abort_flag,
             abort_who: c.abort_who,
+            host_abort_lines: c.host_abort_lines,
             net: c.net,
             sends,
             recvs,
             error,
             failed: false,
             closing: None,
+            last_check: Instant::now(),
         }
     }
 
@@ -855,6 +870,24 @@ impl CommOps {
             let _ =
                 self.abort_flag()
                     .compare_exchange(0, ABORTED_BY_PEER, Ordering::AcqRel, Ordering::Acquire);
+            for &line in &self.host_abort_lines {
+                // SAFETY: the shared abort page outlives the registration (`register`'s contract
+                // covers the whole page); its lines are only accessed atomically.
+                unsafe {
+                    let _ = AtomicU32::from_ptr((line + 4) as *mut u32).compare_exchange(
+                        0,
+                        self.rank as u32 + 1,
+                        Ordering::AcqRel,
+                        Ordering::Acquire,
+                    );
+                    let _ = AtomicU32::from_ptr(line as *mut u32).compare_exchange(
+                        0,
+                        ABORTED_BY_PEER,
+                        Ordering::AcqRel,
+                        Ordering::Acquire,
+                    );
+                }
+            }
         }
         self.close_all();
     }
@@ -898,7 +931,9 @@ impl CommOps {
                 }
             }
         }
-        if failure.is_none() && self.closing.is_none() {
+        // Receives go on while unregistering, to read the senders' close messages (an orderly
+        // close of a receive end is only made after the sender's, see `finish_if_closed`).
+        if failure.is_none() {
             for r in &mut self.recvs {
                 match r.progress(net.as_ref()) {
                     Ok(d) => did |= d,
@@ -912,6 +947,32 @@ impl CommOps {
                         ));
                         break;
                     }
+                }
+            }
+        }
+        // A rank that only sends to a peer learns of its death at its next send, which may
+        // never come (its kernel waits on another neighbour): idle send connections are asked
+        // every CHECK_SEND_EVERY whether their receiver is still there.
+        if failure.is_none()
+            && !did
+            && self.closing.is_none()
+            && self.last_check.elapsed() >= CHECK_SEND_EVERY
+        {
+            self.last_check = Instant::now();
+            for s in &mut self.sends {
+                if !s.out.is_empty() {
+                    continue;
+                }
+                let Some(comm) = s.comm.as_mut() else { continue };
+                if let Err(e) = net.check_send(comm) {
+                    failure = Some((
+                        format!(
+                            "rank {}: NET send to rank {} (channel {}): {e}",
+                            self.rank, s.spec.peer, s.spec.channel
+                        ),
+                        s.spec.peer,
+                    ));
+                    break;
                 }
             }
         }
@@ -929,7 +990,11 @@ impl CommOps {
             return false;
         };
         let drained = self.sends.iter().all(|s| s.out.is_empty());
-        let done = self.failed || (drained && *queued) || Instant::now() > *deadline;
+        // A receive end closes only once its sender said it closes too: a sender sees the end
+        // of its connection as its peer's death (`Net::check_send`), so closing first would
+        // fail a peer that is merely slower to destroy.
+        let senders_closed = self.recvs.iter().all(|r| r.closed || r.comm.is_none());
+        let done = self.failed || (drained && *queued && senders_closed) || Instant::now() > *deadline;
         if !done && drained && !*queued {
             *queued = true;
             for s in &mut self.sends {
@@ -1108,6 +1173,7 @@ mod tests {
             rank: 0,
             abort_flag: base + ctr + 320,
             abort_who: 0,
+            host_abort_lines: Vec::new(),
             net: net.clone(),
             sends,
             recvs,

@@ -605,33 +605,15 @@ fn transport_setup_error_on_one_rank_fails_every_rank_naming_it() {
     );
 }
 
-#[test]
-fn killed_rank_gives_the_others_an_error_c29() {
-    // Four ranks on four hosts, all NET; rank 1 is killed while every rank loops AllReduce. Its
-    // ring neighbours see their connection with it end (rank 2 receives from it, rank 0 sends to
-    // it); a proxy whose connection fails raises its abort flag and closes its other
-    // connections, so the failure travels around the ring both ways: no rank relies on shared
-    // memory. Each must report an error and exit within 30 s of the kill.
-    //
-    // Which neighbour a rank names is the peer of the first connection that failed at that
-    // rank, and that is timing: rank 2 may see rank 3 close (0 -> 3 -> 2, once rank 0 noticed)
-    // before it reads the end of rank 1's stream, notably on a loaded machine. What holds
-    // always: each survivor names one of its two ring neighbours, exactly as its proxy logged
-    // the failed connection, and a rank named by a survivor failed before it, so following the
-    // names from any survivor ends at rank 1 (without a cycle).
+/// Starts one "loop" child rank per entry of `envs` (rank r with `envs[r]`) on one unique id and
+/// waits (at most 120 s) until every one has finished an AllReduce.
+fn looping_ranks(envs: &[Vec<(&str, String)>]) -> Vec<Rank> {
     let id = get_unique_id().expect("unique id");
-    let n = 4;
-    let mut ranks: Vec<Rank> = (0..n)
-        .map(|r| {
-            Rank::spawn(
-                "loop",
-                r,
-                n,
-                Some(&id),
-                &[("OXCCL_HOSTID", format!("k{r}")), ("NCCL_PROTO", "Simple".into())],
-                None,
-            )
-        })
+    let n = envs.len();
+    let mut ranks: Vec<Rank> = envs
+        .iter()
+        .enumerate()
+        .map(|(r, env)| Rank::spawn("loop", r, n, Some(&id), env, None))
         .collect();
     let t = Instant::now();
     while !(0..n).all(|r| ranks[r].has("LOOPING")) {
@@ -646,6 +628,78 @@ fn killed_rank_gives_the_others_an_error_c29() {
         std::thread::sleep(Duration::from_millis(20));
     }
     std::thread::sleep(Duration::from_millis(200));
+    ranks
+}
+
+/// A rank dies on a ring that mixes SHM and NET: hosts h0 = {0, 1} and h1 = {2, 3}, so the ring
+/// is 0 -SHM-> 1 -NET-> 2 -SHM-> 3 -NET-> 0, and rank 2 is killed while every rank loops
+/// AllReduce without ever calling abort or get_async_error. Only rank 1's proxy sees the death
+/// (its NET send to rank 2 fails); rank 0 (waiting on rank 1 through SHM) and rank 3 (waiting on
+/// rank 2 through SHM) have no NET connection with the dead rank. A failed NET connection raises
+/// the abort flags of every rank of its host, so rank 0 stops too, its proxy closes its NET
+/// receive from rank 3, and rank 3's proxy then raises host h1. Every survivor must report a
+/// remote error and exit within 30 s of the kill (before: ranks 0 and 3 waited forever).
+#[test]
+fn killed_rank_on_a_mixed_shm_net_ring_stops_every_survivor() {
+    let n = 4;
+    let mut ranks = looping_ranks(
+        &(0..n)
+            .map(|r| {
+                vec![
+                    ("OXCCL_HOSTID", format!("mixed-h{}", r / 2)),
+                    ("NCCL_PROTO", "Simple".into()),
+                ]
+            })
+            .collect::<Vec<_>>(),
+    );
+    for r in 0..n {
+        let via = if r % 2 == 0 { "SHM" } else { "NET" };
+        let line = format!("Channel 00 : {r} -> {} via {via}", (r + 1) % n);
+        assert!(ranks[r].has(&line), "rank {r}: no {line:?}:\n{}", ranks[r].text());
+    }
+    ranks[2].child.kill().unwrap();
+    let _ = ranks[2].child.wait();
+    let killed = Instant::now();
+    for r in [0, 1, 3] {
+        let (ok, out) = ranks[r].wait(killed + Duration::from_secs(30));
+        assert!(ok, "rank {r}: {out}");
+        let line = out
+            .lines()
+            .find_map(|l| l.find("GOT-ERROR").map(|i| &l[i..]))
+            .unwrap_or_default();
+        assert!(
+            line.starts_with("GOT-ERROR RemoteError after ") && line.contains("aborted"),
+            "rank {r}: {line}\n{out}"
+        );
+        assert!(out.contains(&format!("CHILD-EXITED rank {r}")), "rank {r}: {out}");
+        eprintln!("mixed ring: rank {r}: {line}");
+    }
+    eprintln!(
+        "mixed ring: survivors exited {:.1} s after the kill",
+        killed.elapsed().as_secs_f64()
+    );
+}
+
+#[test]
+fn killed_rank_gives_the_others_an_error_c29() {
+    // Four ranks on four hosts, all NET; rank 1 is killed while every rank loops AllReduce. Its
+    // ring neighbours see their connection with it end (rank 2 receives from it, rank 0 sends to
+    // it); a proxy whose connection fails raises its abort flag and closes its other
+    // connections, so the failure travels around the ring both ways: no rank relies on shared
+    // memory. Each must report an error and exit within 30 s of the kill.
+    //
+    // Which neighbour a rank names is the peer of the first connection that failed at that
+    // rank, and that is timing: rank 2 may see rank 3 close (0 -> 3 -> 2, once rank 0 noticed)
+    // before it reads the end of rank 1's stream, notably on a loaded machine. What holds
+    // always: each survivor names one of its two ring neighbours, exactly as its proxy logged
+    // the failed connection, and a rank named by a survivor failed before it, so following the
+    // names from any survivor ends at rank 1 (without a cycle).
+    let n = 4;
+    let mut ranks = looping_ranks(
+        &(0..n)
+            .map(|r| vec![("OXCCL_HOSTID", format!("k{r}")), ("NCCL_PROTO", "Simple".into())])
+            .collect::<Vec<_>>(),
+    );
     ranks[1].child.kill().unwrap();
     let _ = ranks[1].child.wait();
     let killed = Instant::now();

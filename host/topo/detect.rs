@@ -279,7 +279,10 @@ impl NvmlSource for NvmlProbe {
         };
         // A poisoned lock only means another thread panicked mid-insert of a complete value.
         let mut probes = self.probes.lock().unwrap_or_else(|e| e.into_inner());
-        probes.entry(key).or_insert_with(|| self.query_probe(bus_id)).clone()
+        probes
+            .entry(key)
+            .or_insert_with(|| self.query_probe(bus_id))
+            .clone()
     }
 }
 

@@ -267,6 +267,9 @@ pub struct RingSetup<'a> {
     pub abort_flag: u64,
     /// Address of the `u32` naming who raised it (rank + 1); 0 when there is none.
     pub abort_who: u64,
+    /// The abort lines (flag at +0, who at +4) of the other ranks of this host, which a failed
+    /// NET connection raises too (see [`crate::proxy::ProxyComm::host_abort_lines`]).
+    pub host_abort_lines: Vec<u64>,
 }
 
 /// A staging block of NET connections: plain host memory on the CPU target; on CUDA pinned host
@@ -550,6 +553,7 @@ pub unsafe fn connect_net(setup: &RingSetup<'_>, conn_base: &mut [u64]) -> Resul
         rank,
         abort_flag: s.abort_flag,
         abort_who: s.abort_who,
+        host_abort_lines: s.host_abort_lines.clone(),
         net,
         sends,
         recvs,

@@ -135,6 +135,16 @@ pub trait Net: Send + Sync {
     /// Progresses `req` (NCCL's `test`): `Ok(Some(bytes))` once done (bytes sent or received),
     /// `Ok(None)` while pending. A done request must not be tested again.
     fn test(&self, req: &mut Request) -> Result<Option<usize>>;
+    /// Whether the receiving end of `comm` is still there, for a connection with nothing to
+    /// send (not in NCCL's API: oxccl's proxy asks it of idle send connections, so that a rank
+    /// that only sends to a peer that died or closed learns of it without posting data). `Err`
+    /// ([`crate::Error::Remote`]) when the network knows the peer is gone; the default, for
+    /// networks that cannot tell (plugins), is `Ok(())` — a lost peer then shows at the next
+    /// `isend`.
+    fn check_send(&self, comm: &mut SendComm) -> Result<()> {
+        let _ = comm;
+        Ok(())
+    }
     /// Closes a sending end (NCCL's `closeSend`).
     fn close_send(&self, comm: SendComm) -> Result<()>;
     /// Closes a receiving end (NCCL's `closeRecv`).

@@ -886,6 +886,27 @@ impl Net for NetSocket {
             .then(|| r.slot.size.load(Ordering::Relaxed)))
     }
 
+    /// The control socket of a send connection carries nothing back from the receiver, so a
+    /// readable end of stream (or an error) on it means the receiving end is gone.
+    fn check_send(&self, comm: &mut SendComm) -> Result<()> {
+        let conn = downcast::<Shared>(&mut comm.0, "the send connection")?.clone();
+        let c = lock(&conn);
+        if let Some(f) = &c.failed {
+            return Err(Error::Remote(f.clone()));
+        }
+        let mut b = [0u8; 1];
+        match c.ctrl.peek(&mut b) {
+            Ok(0) => Err(Error::Remote(format!(
+                "socket network: connection with {}: closed by the receiving end",
+                c.peer
+            ))),
+            Err(e) if e.kind() != ErrorKind::WouldBlock && e.kind() != ErrorKind::Interrupted => {
+                Err(Error::Remote(lost(&c.peer, &e)))
+            }
+            _ => Ok(()),
+        }
+    }
+
     fn close_send(&self, mut comm: SendComm) -> Result<()> {
         if let Ok(c) = downcast::<Shared>(&mut comm.0, "the send connection") {
             log_traffic("send", &lock(c));
