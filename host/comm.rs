@@ -595,14 +595,16 @@ impl Comm {
             own.desc(&own_name)?,
             own_name.clone(),
             page_name,
+            params.p2p_level,
         )?;
-        let peers: Vec<PeerInfo> = bootstrap
+        let mut peers: Vec<PeerInfo> = bootstrap
             .allgather(me.encode().as_bytes())?
             .iter()
             .enumerate()
             .map(|(r, b)| PeerInfo::decode(r, b))
             .collect::<Result<_>>()?;
         check_peers(rank, &peers)?;
+        exchange_p2p_denied(rank, &mut peers, &bootstrap, p2p_path_type)?;
         phases.mark("connection memory and peer all-gather");
         // The rings (NCCL's AllGather3 + connectRings): each rank's node graph travels in a second
         // all-gather. Several rings, or NET anywhere on them, keep rank order (the NET setup and
@@ -1787,6 +1789,12 @@ struct PeerInfo {
     p2p_disable: bool,
     /// `NCCL_SHM_DISABLE=1` in the rank's environment.
     shm_disable: bool,
+    /// `NCCL_P2P_LEVEL` in the rank's environment (`None`: unset).
+    p2p_level: Option<crate::topo::PathType>,
+    /// Ranks of this rank's host with which `NCCL_P2P_LEVEL` (either side's) forbids P2P, so
+    /// their pair uses SHM (or NET) as NCCL's `p2pCanConnect` refusal does; filled after the
+    /// peer all-gather by [`exchange_p2p_denied`], not part of [`PeerInfo::encode`].
+    p2p_denied: Vec<usize>,
     /// Name of the `/dev/shm` segment of its SHM connection memory (CUDA ranks create it only
     /// when a ring neighbour uses SHM; CPU-target ranks always, as [`ConnDesc::Shm`]).
     shm_name: String,
@@ -1836,6 +1844,7 @@ impl PeerInfo {
         conn: ConnDesc,
         shm_name: String,
         abort_page: String,
+        p2p_level: Option<crate::topo::PathType>,
     ) -> Result<PeerInfo> {
         let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
         let host = crate::params::env_var("HOSTID").map_or(host.trim().to_string(), |(_, v)| v);
@@ -1858,6 +1867,8 @@ impl PeerInfo {
             p2p_disable: crate::params::env_var("P2P_DISABLE").is_some_and(|(_, v)| v.trim() == "1"),
             // Read leniently here: a bad value fails every rank alike in `connect_net`.
             shm_disable: crate::params::env_var("SHM_DISABLE").is_some_and(|(_, v)| v.trim() == "1"),
+            p2p_level,
+            p2p_denied: Vec::new(),
             shm_name,
             nch,
             conn_bytes,
@@ -1894,6 +1905,7 @@ impl PeerInfo {
             self.abort_page.clone(),
             u8::from(self.shm_disable).to_string(),
             self.shm_name.clone(),
+            self.p2p_level.map_or("-", |l| l.as_str()).to_string(),
         ]
         .join("\n")
     }
@@ -1903,8 +1915,8 @@ impl PeerInfo {
         let bad = |what: &str| Error::Remote(format!("rank {rank} sent malformed peer information ({what})"));
         let text = std::str::from_utf8(b).map_err(|_| bad("not UTF-8"))?;
         let f: Vec<&str> = text.split('\n').collect();
-        if f.len() != 14 {
-            return Err(bad(&format!("{} fields, expected 14", f.len())));
+        if f.len() != 15 {
+            return Err(bad(&format!("{} fields, expected 15", f.len())));
         }
         let num = |i: usize, what: &str| f[i].parse::<u64>().map_err(|_| bad(what));
         let conn = match f[10].split(' ').collect::<Vec<_>>()[..] {
@@ -1940,6 +1952,11 @@ impl PeerInfo {
             abort_page: f[11].to_string(),
             shm_disable: num(12, "SHM flag")? != 0,
             shm_name: f[13].to_string(),
+            p2p_level: match f[14] {
+                "-" => None,
+                v => Some(crate::params::parse_p2p_level("NCCL_P2P_LEVEL", v).map_err(|_| bad("P2P level"))?),
+            },
+            p2p_denied: Vec::new(),
         })
     }
 
@@ -2001,10 +2018,12 @@ fn ring_transport(peers: &[PeerInfo], a: usize, b: usize) -> crate::transport::T
     if a == b {
         return crate::transport::TransportKind::P2p;
     }
+    // NCCL_P2P_LEVEL forbidding P2P for the pair counts as P2P disabled for it.
+    let denied = peers[a].p2p_denied.contains(&b) || peers[b].p2p_denied.contains(&a);
     let info = |p: &PeerInfo| crate::transport::PeerInfo {
         cuda: p.cuda,
         host: p.host.clone(),
-        p2p_disable: p.p2p_disable,
+        p2p_disable: p.p2p_disable || denied,
         shm_disable: p.shm_disable,
     };
     crate::transport::select_transport(&info(&peers[a]), &info(&peers[b]))
@@ -2022,6 +2041,85 @@ fn ll128_forced_by(proto: Option<&str>) -> bool {
         let v = v.trim();
         !v.starts_with('^') && v.split(',').any(|p| p.trim().eq_ignore_ascii_case("LL128"))
     })
+}
+
+/// `NCCL_P2P_LEVEL` between the CUDA ranks of each host (NCCL's `p2pCanConnect` refusing P2P
+/// after `ncclTopoCheckP2p`): when any rank set a level, each CUDA rank finds the ranks of its
+/// host whose GPU path (`path_of`, e.g. [`p2p_path_type`]) exceeds its own level or theirs, and
+/// the lists are all-gathered into every [`PeerInfo::p2p_denied`], so that every rank's
+/// [`ring_transport`] agrees (a rank cannot compute another host's paths). Such a pair then uses
+/// SHM, or NET with SHM disabled, as in NCCL. Nothing is exchanged when no rank set a level
+/// (every rank sees that alike in the gathered peer information). A path of unknown type allows
+/// P2P, with a warning (see [`check_p2p_level`]).
+///
+/// Errors: a rank whose topology cannot be built sends its error instead, so every rank fails
+/// naming it (`Remote`); bootstrap errors.
+fn exchange_p2p_denied(
+    rank: usize,
+    peers: &mut [PeerInfo],
+    bootstrap: &crate::bootstrap::Bootstrap,
+    path_of: impl Fn(&PeerInfo, &PeerInfo) -> Result<Option<crate::topo::PathType>>,
+) -> Result<()> {
+    if !peers.iter().any(|p| p.cuda && p.p2p_level.is_some()) {
+        return Ok(());
+    }
+    let mine = p2p_denied_by_level(rank, peers, path_of);
+    let record = match &mine {
+        Ok(d) => d.iter().map(|r| r.to_string()).collect::<Vec<_>>().join(","),
+        Err(e) => format!("{INIT_ERR_PREFIX}{e}"),
+    };
+    let all = bootstrap.allgather(record.as_bytes())?;
+    mine?;
+    for (a, b) in all.iter().enumerate() {
+        let text = String::from_utf8_lossy(b);
+        if let Some(e) = text.strip_prefix(INIT_ERR_PREFIX) {
+            return Err(Error::Remote(format!(
+                "rank {rank}: rank {a} cannot apply NCCL_P2P_LEVEL (its topology): {e}"
+            )));
+        }
+        peers[a].p2p_denied = text
+            .split(',')
+            .filter(|s| !s.is_empty())
+            .map(|s| {
+                s.parse::<usize>()
+                    .ok()
+                    .filter(|&r| r < peers.len())
+                    .ok_or_else(|| {
+                        Error::Remote(format!("rank {a} sent a malformed P2P-level list: {text:?}"))
+                    })
+            })
+            .collect::<Result<_>>()?;
+    }
+    Ok(())
+}
+
+/// The ranks of rank `rank`'s host with which `NCCL_P2P_LEVEL` (its own or theirs) forbids P2P:
+/// their GPU path (`path_of`) is farther than the level (see [`exchange_p2p_denied`]). Errors:
+/// those of `path_of`.
+fn p2p_denied_by_level(
+    rank: usize,
+    peers: &[PeerInfo],
+    path_of: impl Fn(&PeerInfo, &PeerInfo) -> Result<Option<crate::topo::PathType>>,
+) -> Result<Vec<usize>> {
+    let me = &peers[rank];
+    let mut denied = Vec::new();
+    for (b, pb) in peers.iter().enumerate() {
+        if b == rank || !me.cuda || !pb.cuda || pb.host != me.host {
+            continue;
+        }
+        if me.p2p_level.is_none() && pb.p2p_level.is_none() {
+            continue;
+        }
+        let path = path_of(me, pb)?;
+        for lvl in [me.p2p_level, pb.p2p_level].into_iter().flatten() {
+            if crate::params::p2p_allowed(Some(lvl), path) == Some(false) {
+                tracing::info!(target: "oxccl::init", rank, peer = b, "NCCL_P2P_LEVEL={lvl} forbids P2P between rank {rank} ({}) and rank {b} ({}), {} apart: SHM or NET instead", me.describe_device(), pb.describe_device(), path.map_or("?", |p| p.as_str()));
+                denied.push(b);
+                break;
+            }
+        }
+    }
+    Ok(denied)
 }
 
 /// Rounds `bytes` up to whole pages (what `cuMemHostRegister` registers).
@@ -2175,8 +2273,8 @@ impl PeerLink {
     /// Connects rank `me` to ring neighbour `peer` over `kind`, the transport [`ring_transport`]
     /// chose for the pair (P2P or SHM; NET connections are made by `transport::connect_net`).
     /// Between CUDA devices P2P also follows `p2p_level` (`NCCL_P2P_LEVEL`, see
-    /// [`check_p2p_level`]); every rank must set the same level, as each side of a pair decides
-    /// on its own. CUDA SHM maps the peer's segment ([`PeerInfo::shm_name`]), which must exist.
+    /// [`check_p2p_level`]): a guard, since [`exchange_p2p_denied`] already made pairs that
+    /// either side's level forbids use SHM or NET. CUDA SHM maps the peer's segment ([`PeerInfo::shm_name`]), which must exist.
     #[allow(clippy::too_many_arguments)]
     fn connect(
         me: usize,
@@ -2365,9 +2463,8 @@ fn check_p2p_level(
             Ok(())
         }
         Some(false) => Err(Error::System(format!(
-            "no transport can connect rank {me} ({}) and rank {peer} ({}): NCCL_P2P_LEVEL={lvl} allows P2P up to \
-             {lvl} paths but their path is {}, and oxccl does not fall back to SHM or NET then (NCCL_P2P_DISABLE=1 \
-             selects them)",
+            "rank {me} ({}) cannot use P2P with rank {peer} ({}): NCCL_P2P_LEVEL={lvl} allows P2P up to {lvl} \
+             paths but their path is {}",
             mi.describe_device(),
             pi.describe_device(),
             path.map_or("at least NVL (two distinct GPUs)", |p| p.as_str()),
@@ -2395,6 +2492,8 @@ mod p2p_level_tests {
             start_time: 1,
             p2p_disable: false,
             shm_disable: false,
+            p2p_level: None,
+            p2p_denied: Vec::new(),
             shm_name: String::new(),
             nch: 1,
             conn_bytes: 64,
@@ -2464,9 +2563,8 @@ mod p2p_level_tests {
         let e = check_p2p_level(0, &a, 1, &b, Some(PathType::Nvl), pix).unwrap_err();
         assert_eq!(
             e.to_string(),
-            "system error: no transport can connect rank 0 (cuda device 0 (bus id 0000:11:00.0)) and rank 1 (cuda \
-             device 1 (bus id 0000:13:00.0)): NCCL_P2P_LEVEL=NVL allows P2P up to NVL paths but their path is PIX, \
-             and oxccl does not fall back to SHM or NET then (NCCL_P2P_DISABLE=1 selects them)"
+            "system error: rank 0 (cuda device 0 (bus id 0000:11:00.0)) cannot use P2P with rank 1 (cuda device 1 \
+             (bus id 0000:13:00.0)): NCCL_P2P_LEVEL=NVL allows P2P up to NVL paths but their path is PIX"
         );
         // Unknown path: LOC still refuses two distinct GPUs; other levels are not applied.
         let e = check_p2p_level(1, &b, 0, &a, Some(PathType::Loc), unknown).unwrap_err();
@@ -3316,6 +3414,8 @@ mod init_rank_tests {
             start_time: 77,
             p2p_disable: false,
             shm_disable: false,
+            p2p_level: None,
+            p2p_denied: Vec::new(),
             shm_name: format!("oxccl-1-{pid}-r0"),
             nch: 4,
             conn_bytes: 1 << 20,
@@ -3328,22 +3428,71 @@ mod init_rank_tests {
     }
 
     #[test]
+    fn p2p_level_denies_far_pairs_which_then_use_shm() {
+        use crate::topo::PathType;
+        use crate::transport::TransportKind::{Net, P2p, Shm};
+        // Host h: ranks 0, 1, 2; host k: rank 3. Paths on h (fake, by bus id pair): 0-1 NVL,
+        // 0-2 and 1-2 SYS. Rank 2 sets NCCL_P2P_LEVEL=PHB, rank 0 NVL, rank 1 nothing.
+        let mut p: Vec<PeerInfo> = (0..4)
+            .map(|r| {
+                cuda_peer(
+                    &format!("0000:{r:02x}:00.0"),
+                    if r == 3 { "k" } else { "h" },
+                    r as u32,
+                )
+            })
+            .collect();
+        p[0].p2p_level = Some(PathType::Nvl);
+        p[2].p2p_level = Some(PathType::Phb);
+        let path = |a: &PeerInfo, b: &PeerInfo| -> Result<Option<PathType>> {
+            let far = a.bus_id.ends_with("02:00.0") || b.bus_id.ends_with("02:00.0");
+            Ok(Some(if far { PathType::Sys } else { PathType::Nvl }))
+        };
+        // Rank 0 (NVL): 1 is NVL (allowed), 2 is SYS (denied by both levels); 3 is another host.
+        assert_eq!(p2p_denied_by_level(0, &p, path).unwrap(), vec![2]);
+        // Rank 1 (no level): only rank 2's PHB applies to 1-2 (SYS > PHB): denied; 0-1 NVL ok.
+        assert_eq!(p2p_denied_by_level(1, &p, path).unwrap(), vec![2]);
+        assert_eq!(p2p_denied_by_level(2, &p, path).unwrap(), vec![0, 1]);
+        assert_eq!(p2p_denied_by_level(3, &p, path).unwrap(), Vec::<usize>::new());
+        // What the all-gather hands every rank; denied pairs fall back to SHM, or NET with SHM
+        // off, seen alike from both ends.
+        for r in 0..4 {
+            p[r].p2p_denied = p2p_denied_by_level(r, &p, path).unwrap();
+        }
+        for (a, b, k) in [(0, 1, P2p), (1, 2, Shm), (2, 0, Shm), (2, 3, Net)] {
+            assert_eq!(
+                (ring_transport(&p, a, b), ring_transport(&p, b, a)),
+                (k, k),
+                "{a}-{b}"
+            );
+        }
+        p[1].shm_disable = true;
+        assert_eq!(ring_transport(&p, 1, 2), Net);
+        // A path error is the caller's error.
+        let broken =
+            |_: &PeerInfo, _: &PeerInfo| -> Result<Option<PathType>> { Err(Error::invalid("bad topology")) };
+        assert!(p2p_denied_by_level(0, &p, broken).is_err());
+    }
+
+    #[test]
     fn peer_info_round_trips() {
         let mut p = cuda_peer("0000:18:00.0", "node a", 4242);
         p.abort_page = "oxccl-1-2-abort".into();
         p.shm_disable = true;
+        p.p2p_level = Some(crate::topo::PathType::Pxb);
         assert_eq!(PeerInfo::decode(0, p.encode().as_bytes()).unwrap(), p);
         let q = PeerInfo {
             cuda: false,
             bus_id: String::new(),
             conn: ConnDesc::Shm("oxccl-1-2-r1".into()),
+            p2p_level: None,
             ..p
         };
         assert_eq!(PeerInfo::decode(1, q.encode().as_bytes()).unwrap(), q);
         let e = PeerInfo::decode(3, b"cuda\n0").unwrap_err();
         assert_eq!(
             e.to_string(),
-            "remote error: rank 3 sent malformed peer information (2 fields, expected 14)"
+            "remote error: rank 3 sent malformed peer information (2 fields, expected 15)"
         );
     }
 
