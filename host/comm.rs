@@ -1836,6 +1836,7 @@ fn proc_start(pid: u32) -> Option<(u64, bool)> {
 }
 
 impl PeerInfo {
+    #[allow(clippy::too_many_arguments)]
     fn local(
         device: Device,
         ctx: Option<&cuda::Context>,
