@@ -3,23 +3,15 @@
 //! (`cuIpcOpenMemHandle`) and run AllReduce with exact float results, then an abort on rank 0
 //! must reach rank 1's spinning kernel through the shared abort page. Prints SKIPPED without 2
 //! GPUs.
+mod common;
+
+use common::child::{hex, test_entry, unhex, wait_all};
 use oxccl::bootstrap::{UniqueId, get_unique_id};
 use oxccl::{Comm, DataType, Device, Error, RedOp};
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 const NRANKS: usize = 2;
-
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
-fn unhex(s: &str) -> Vec<u8> {
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
-        .collect()
-}
 
 /// Rank `rank`'s input: element i is (rank + 1) × (i mod 1000), an integer below 2^24, so sums
 /// over ranks are exact in f32.
@@ -120,11 +112,9 @@ fn all_reduce_two_processes_one_gpu_each() {
         return;
     }
     let id = get_unique_id().unwrap();
-    let exe = std::env::current_exe().unwrap();
-    let mut children: Vec<_> = (0..NRANKS)
+    let children: Vec<_> = (0..NRANKS)
         .map(|r| {
-            Command::new(&exe)
-                .args(["--exact", "gpu_child_rank", "--nocapture", "--test-threads=1"])
+            test_entry("gpu_child_rank")
                 .env("OXCCL_TEST_GPU_MP_RANK", r.to_string())
                 .env("OXCCL_TEST_GPU_MP_ID", hex(&id.to_bytes()))
                 .env("NCCL_NVLS_ENABLE", "0")
@@ -133,27 +123,12 @@ fn all_reduce_two_processes_one_gpu_each() {
                 .expect("spawn child rank")
         })
         .collect();
-    let deadline = Instant::now() + Duration::from_secs(180);
-    for r in 0..NRANKS {
-        loop {
-            if let Some(status) = children[r].try_wait().unwrap() {
-                let mut out = String::new();
-                std::io::Read::read_to_string(children[r].stdout.as_mut().unwrap(), &mut out).unwrap();
-                print!("{out}");
-                assert!(
-                    status.success() && out.contains("GPU-MP-RANK-OK"),
-                    "child rank {r}: {status}\n{out}"
-                );
-                break;
-            }
-            if Instant::now() > deadline {
-                for c in &mut children {
-                    let _ = c.kill();
-                    let _ = c.wait();
-                }
-                panic!("child rank {r} did not finish in 180 s");
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+    let outs = wait_all(children, Instant::now() + Duration::from_secs(180));
+    for (r, (ok, out)) in outs.iter().enumerate() {
+        print!("{out}");
+        assert!(
+            *ok && out.contains("GPU-MP-RANK-OK"),
+            "child rank {r} (limit 180 s):\n{out}"
+        );
     }
 }

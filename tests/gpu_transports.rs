@@ -9,9 +9,12 @@
 //!
 //! A too-small `/dev/shm` (a private tmpfs of 1 MiB in a mount namespace shared by both ranks) is
 //! an error naming the bytes needed and the path, on the CPU target (every run) and for CUDA SHM.
+mod common;
+
+use common::child::{clean_child, hex, log_to_stdout, unhex, wait_all, wait_with_deadline};
 use oxccl::bootstrap::{UniqueId, get_unique_id};
 use oxccl::{Comm, DataType, Device, Proto, RedOp, Stream};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 const NRANKS: usize = 2;
@@ -31,17 +34,6 @@ fn group_limit() -> Duration {
 /// Bytes every output buffer is filled with before a call (0xA5A5A5A5 as f32 is about -2.9e-16,
 /// never one of the expected values, which are all non-negative integers).
 const POISON: u8 = 0xA5;
-
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
-fn unhex(s: &str) -> Vec<u8> {
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
-        .collect()
-}
 
 fn to_bytes(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_ne_bytes()).collect()
@@ -280,11 +272,7 @@ fn gpu_transport_child() {
     let (Ok(rank), Ok(id)) = (std::env::var(ENV_RANK), std::env::var(ENV_ID)) else {
         return;
     };
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter("oxccl::transport=info,oxccl::init=info")
-        .with_writer(std::io::stdout)
-        .with_ansi(false)
-        .try_init();
+    log_to_stdout("oxccl::transport=info,oxccl::init=info");
     let rank: usize = rank.parse().unwrap();
     let id = UniqueId::from_bytes(&unhex(&id)).unwrap();
     let device = if std::env::var(ENV_CPU).is_ok_and(|v| v == "1") {
@@ -325,55 +313,20 @@ fn skip_without_gpus(test: &str) -> bool {
     false
 }
 
-/// Arguments that run only [`gpu_transport_child`] in this test binary.
-const CHILD_ARGS: [&str; 4] = [
-    "--exact",
-    "gpu_transport_child",
-    "--nocapture",
-    "--test-threads=1",
-];
-
-/// Sets up `cmd`'s environment for a child of the group on `id`: `env` on top of this process's
-/// environment minus its NCCL_/OXCCL_ settings (so only the test's apply); output piped.
-fn child_env(cmd: &mut Command, id: &UniqueId, env: &[(&str, &str)]) {
-    for (k, _) in std::env::vars() {
-        if k.starts_with("NCCL_") || k.starts_with("OXCCL_") {
-            cmd.env_remove(k);
-        }
-    }
-    cmd.env(ENV_ID, hex(&id.to_bytes()))
-        .env("NCCL_NVLS_ENABLE", "0")
-        .envs(env.iter().copied())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-}
-
-/// The child command for rank `rank` of a group on `id` with `env` ([`child_env`]).
-fn child(id: &UniqueId, rank: usize, env: &[(&str, &str)]) -> Command {
-    let mut cmd = Command::new(std::env::current_exe().unwrap());
-    cmd.args(CHILD_ARGS);
-    child_env(&mut cmd, id, env);
-    cmd.env(ENV_RANK, rank.to_string());
+/// The command of a child of the group on `id`, run by `wrap` when not empty
+/// ([`clean_child`]): [`gpu_transport_child`] with `env` on top of this process's environment
+/// minus its NCCL_/OXCCL_ settings (so only the test's apply); output piped.
+fn child_of_group(wrap: &[&str], id: &UniqueId, env: &[(&str, &str)]) -> Command {
+    let mut cmd = clean_child(wrap, "gpu_transport_child", [(ENV_ID, hex(&id.to_bytes()))]);
+    cmd.env("NCCL_NVLS_ENABLE", "0").envs(env.iter().copied());
     cmd
 }
 
-/// Waits for `child` until `deadline` (killed after it); returns (success, stdout + stderr).
-fn wait(mut c: std::process::Child, deadline: Instant) -> (bool, String) {
-    let ok = loop {
-        if let Some(status) = c.try_wait().unwrap() {
-            break status.success();
-        }
-        if Instant::now() > deadline {
-            let _ = c.kill();
-            let _ = c.wait();
-            break false;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let mut out = String::new();
-    let _ = std::io::Read::read_to_string(c.stdout.as_mut().unwrap(), &mut out);
-    let _ = std::io::Read::read_to_string(c.stderr.as_mut().unwrap(), &mut out);
-    (ok, out)
+/// The child command for rank `rank` of a group on `id` with `env` ([`child_of_group`]).
+fn child(id: &UniqueId, rank: usize, env: &[(&str, &str)]) -> Command {
+    let mut cmd = child_of_group(&[], id, env);
+    cmd.env(ENV_RANK, rank.to_string());
+    cmd
 }
 
 /// Runs the matrix on 2 GPU ranks in 2 processes with `env`; each rank must pass and log its
@@ -385,7 +338,7 @@ fn run_pair(test: &str, env: &[(&str, &str)], via: &str) {
     let children: Vec<_> = (0..NRANKS)
         .map(|r| child(&id, r, env).spawn().expect("spawn child rank"))
         .collect();
-    let outs: Vec<(bool, String)> = children.into_iter().map(|c| wait(c, deadline)).collect();
+    let outs = wait_all(children, deadline);
     for (r, (ok, out)) in outs.iter().enumerate() {
         print!("{out}");
         assert!(
@@ -454,16 +407,20 @@ fn run_pair_with_tiny_dev_shm(test: &str, cpu: bool, env: &[(&str, &str)]) -> Op
     let id = get_unique_id().unwrap();
     // One namespace for both ranks (they are on one host): the shell starts both and waits.
     let script = format!("{mount} && {{ {ENV_RANK}=0 \"$0\" \"$@\" & {ENV_RANK}=1 \"$0\" \"$@\"; wait; }}");
-    let mut wrapped = Command::new("unshare");
-    wrapped
-        .args(["--mount", "--propagation", "private", "sh", "-c", &script])
-        .arg(std::env::current_exe().unwrap())
-        .args(CHILD_ARGS);
-    child_env(&mut wrapped, &id, env);
+    let unshare = [
+        "unshare",
+        "--mount",
+        "--propagation",
+        "private",
+        "sh",
+        "-c",
+        &script,
+    ];
+    let mut wrapped = child_of_group(&unshare, &id, env);
     if cpu {
         wrapped.env(ENV_CPU, "1");
     }
-    let (_, out) = wait(
+    let (_, out) = wait_with_deadline(
         wrapped.spawn().expect("spawn unshare"),
         Instant::now() + group_limit(),
     );

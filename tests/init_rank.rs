@@ -1,6 +1,9 @@
 //! `Comm::init_rank` on the CPU target: ranks as threads and as processes meet through the
 //! bootstrap of one unique id and run collectives over shared memory (`/dev/shm`) with exact
 //! results; two ranks on one device get `InvalidUsage` naming both (case C26).
+mod common;
+
+use common::child::{hex, test_entry, unhex, wait_all};
 use oxccl::bootstrap::{UniqueId, get_unique_id};
 use oxccl::{Comm, DataType, Device, Error, RedOp};
 use std::time::{Duration, Instant};
@@ -57,17 +60,6 @@ fn ranks_as_threads() {
     }
 }
 
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
-fn unhex(s: &str) -> Vec<u8> {
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
-        .collect()
-}
-
 /// The body of a child process of `ranks_as_processes` (a no-op in a normal test run).
 #[test]
 fn child_rank_entry() {
@@ -85,25 +77,14 @@ fn child_rank_entry() {
 }
 
 /// Waits (at most 120 s) for every child rank; each must exit successfully and print `marker`.
+/// Every child is waited for (or killed) before any assertion, so none outlives the test.
 fn wait_children(children: Vec<std::process::Child>, marker: &str) {
-    let deadline = Instant::now() + Duration::from_secs(120);
-    for (r, mut c) in children.into_iter().enumerate() {
-        loop {
-            if let Some(status) = c.try_wait().unwrap() {
-                let mut out = String::new();
-                std::io::Read::read_to_string(c.stdout.as_mut().unwrap(), &mut out).unwrap();
-                assert!(
-                    status.success() && out.contains(marker),
-                    "child rank {r}: {status}\n{out}"
-                );
-                break;
-            }
-            if Instant::now() > deadline {
-                let _ = c.kill();
-                panic!("child rank {r} did not finish in 120 s");
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+    let outs = wait_all(children, Instant::now() + Duration::from_secs(120));
+    for (r, (ok, out)) in outs.iter().enumerate() {
+        assert!(
+            *ok && out.contains(marker),
+            "child rank {r} (limit 120 s):\n{out}"
+        );
     }
 }
 
@@ -111,11 +92,9 @@ fn wait_children(children: Vec<std::process::Child>, marker: &str) {
 fn ranks_as_processes() {
     let nranks = 3;
     let id = get_unique_id().expect("unique id");
-    let exe = std::env::current_exe().unwrap();
     let children: Vec<_> = (0..nranks)
         .map(|r| {
-            std::process::Command::new(&exe)
-                .args(["--exact", "child_rank_entry", "--nocapture", "--test-threads=1"])
+            test_entry("child_rank_entry")
                 .env("OXCCL_TEST_CHILD_RANK", r.to_string())
                 .env("OXCCL_TEST_CHILD_NRANKS", nranks.to_string())
                 .env("OXCCL_TEST_CHILD_ID", hex(&id.to_bytes()))
@@ -184,16 +163,9 @@ fn from_env_as_a_launcher_would() {
         .local_addr()
         .unwrap()
         .port();
-    let exe = std::env::current_exe().unwrap();
     let children: Vec<_> = (0..world)
         .map(|r| {
-            std::process::Command::new(&exe)
-                .args([
-                    "--exact",
-                    "child_from_env_entry",
-                    "--nocapture",
-                    "--test-threads=1",
-                ])
+            test_entry("child_from_env_entry")
                 .env("OXCCL_TEST_FROM_ENV", "1")
                 .env("RANK", r.to_string())
                 .env("LOCAL_RANK", r.to_string())

@@ -4,21 +4,13 @@
 //! communicators of other threads) and after a peer process died; the handle layer's C27 checks;
 //! the accessors, version and error strings; and init errors with their exact messages (the
 //! CUDA-only transport rules are unit tests in host/comm.rs).
+mod common;
+
+use common::child::{hex, test_entry, unhex, wait_with_deadline};
 use oxccl::bootstrap::{UniqueId, get_unique_id};
 use oxccl::{Comm, CommHandle, DataType, Device, Error, RedOp, ResultCode};
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
-
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
-fn unhex(s: &str) -> Vec<u8> {
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
-        .collect()
-}
 
 /// Entries of a `/proc/self` directory (threads: `task`, open descriptors: `fd`).
 fn count_dir(d: &str) -> usize {
@@ -103,28 +95,13 @@ fn cycles_child() {
 
 /// Runs the test binary's `entry` test as a child process with `envs`; returns (success, stdout).
 fn run_child(entry: &str, envs: &[(&str, String)], limit: Duration) -> (bool, String) {
-    let mut cmd = Command::new(std::env::current_exe().unwrap());
-    cmd.args(["--exact", entry, "--nocapture", "--test-threads=1"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit());
+    let mut cmd = test_entry(entry);
+    cmd.stdout(Stdio::piped()).stderr(Stdio::inherit());
     for (k, v) in envs {
         cmd.env(k, v);
     }
-    let mut child = cmd.spawn().expect("spawn child");
-    let deadline = Instant::now() + limit;
-    loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            let mut out = String::new();
-            std::io::Read::read_to_string(child.stdout.as_mut().unwrap(), &mut out).unwrap();
-            return (status.success(), out);
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("child {entry} did not finish in {limit:?}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    // A child still running at the deadline is killed: not successful, its output says so.
+    wait_with_deadline(cmd.spawn().expect("spawn child"), Instant::now() + limit)
 }
 
 #[test]

@@ -18,24 +18,15 @@
 //!
 //! Every test launches this binary again as child ranks (`plugin_child_entry`), each with its own
 //! environment, and reads their logs.
+mod common;
+
+use common::child::{LineChild, clean_child, env_var, hex, log_to_stdout, unhex};
 use oxccl::bootstrap::{UniqueId, get_unique_id};
 use oxccl::{Comm, DataType, Device, RedOp};
-use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
-
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
-fn unhex(s: &str) -> Vec<u8> {
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
-        .collect()
-}
 
 /// The directory holding `libnccl-net-oxtest.so`, built once per test process.
 fn plugin_dir() -> &'static Path {
@@ -83,15 +74,10 @@ fn plugin_child_entry() {
     let Ok(_) = std::env::var("OXCCL_TEST_PLUGIN_CHILD") else {
         return;
     };
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter("oxccl::transport=info,oxccl::net=info,oxccl::proxy=error")
-        .with_writer(std::io::stdout)
-        .with_ansi(false)
-        .try_init();
-    let var = |k: &str| std::env::var(k).unwrap_or_else(|_| panic!("{k} is not set"));
-    let rank: usize = var("OXCCL_TEST_PLUGIN_RANK").parse().unwrap();
-    let n: usize = var("OXCCL_TEST_PLUGIN_NRANKS").parse().unwrap();
-    let id = UniqueId::from_bytes(&unhex(&var("OXCCL_TEST_PLUGIN_ID"))).unwrap();
+    log_to_stdout("oxccl::transport=info,oxccl::net=info,oxccl::proxy=error");
+    let rank: usize = env_var("OXCCL_TEST_PLUGIN_RANK").parse().unwrap();
+    let n: usize = env_var("OXCCL_TEST_PLUGIN_NRANKS").parse().unwrap();
+    let id = UniqueId::from_bytes(&unhex(&env_var("OXCCL_TEST_PLUGIN_ID"))).unwrap();
     let comm = Comm::init_rank(n, &id, rank, Device::Cpu(rank)).expect("init_rank");
     let dev = comm.device();
     let stream = dev.new_stream().unwrap();
@@ -119,103 +105,31 @@ fn plugin_child_entry() {
     println!("PLUGIN-CHILD-OK rank {rank}");
 }
 
-/// A child rank: its process and the lines it printed so far (read by threads).
-struct Rank {
-    child: Child,
-    lines: std::sync::mpsc::Receiver<String>,
-    out: Vec<String>,
-}
-
-impl Rank {
-    /// Starts this test binary as rank `rank` of `nranks` with `env` (and no inherited `NCCL_` /
-    /// `OXCCL_` variables).
-    fn spawn(rank: usize, nranks: usize, id: &UniqueId, env: &[(&str, String)]) -> Rank {
-        let mut cmd = Command::new(std::env::current_exe().unwrap());
-        cmd.args(["--exact", "plugin_child_entry", "--nocapture", "--test-threads=1"]);
-        for (k, _) in std::env::vars() {
-            if k.starts_with("NCCL_") || k.starts_with("OXCCL_") {
-                cmd.env_remove(k);
-            }
-        }
-        cmd.env("OXCCL_TEST_PLUGIN_CHILD", "1")
-            .env("OXCCL_TEST_PLUGIN_RANK", rank.to_string())
-            .env("OXCCL_TEST_PLUGIN_NRANKS", nranks.to_string())
-            .env("OXCCL_TEST_PLUGIN_ID", hex(&id.to_bytes()))
-            .env("OXCCL_BOOTSTRAP_TIMEOUT", "30")
-            .env("OXCCL_HOSTID", format!("plugin-host-{rank}"))
-            .env("NCCL_BUFFSIZE", "65536")
-            .env("NCCL_LL_BUFFSIZE", "16384")
-            .env("NCCL_LL128_BUFFSIZE", "65536");
-        for (k, v) in env {
-            cmd.env(k, v);
-        }
-        let mut child = cmd
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn child rank");
-        let (tx, lines) = std::sync::mpsc::channel();
-        let (out, err) = (child.stdout.take().unwrap(), child.stderr.take().unwrap());
-        let tx2 = tx.clone();
-        std::thread::spawn(move || {
-            for l in BufReader::new(out).lines().map_while(Result::ok) {
-                let _ = tx.send(l);
-            }
-        });
-        std::thread::spawn(move || {
-            let mut s = String::new();
-            let _ = BufReader::new(err).read_to_string(&mut s);
-            let _ = tx2.send(format!("STDERR: {s}"));
-        });
-        Rank {
-            child,
-            lines,
-            out: Vec::new(),
-        }
+/// Starts this test binary as rank `rank` of `nranks` with `env` (and no inherited `NCCL_` /
+/// `OXCCL_` variables); its output is read line by line.
+fn spawn_rank(rank: usize, nranks: usize, id: &UniqueId, env: &[(&str, String)]) -> LineChild {
+    let mut cmd = clean_child(&[], "plugin_child_entry", [("OXCCL_TEST_PLUGIN_CHILD", "1")]);
+    cmd.env("OXCCL_TEST_PLUGIN_RANK", rank.to_string())
+        .env("OXCCL_TEST_PLUGIN_NRANKS", nranks.to_string())
+        .env("OXCCL_TEST_PLUGIN_ID", hex(&id.to_bytes()))
+        .env("OXCCL_BOOTSTRAP_TIMEOUT", "30")
+        .env("OXCCL_HOSTID", format!("plugin-host-{rank}"))
+        .env("NCCL_BUFFSIZE", "65536")
+        .env("NCCL_LL_BUFFSIZE", "16384")
+        .env("NCCL_LL128_BUFFSIZE", "65536");
+    for (k, v) in env {
+        cmd.env(k, v);
     }
-
-    /// Waits until the process exits (by `deadline`, else kills it); its success and output.
-    fn wait(&mut self, deadline: Instant) -> (bool, String) {
-        let status = loop {
-            if let Some(s) = self.child.try_wait().unwrap() {
-                break Some(s);
-            }
-            if Instant::now() > deadline {
-                let _ = self.child.kill();
-                let _ = self.child.wait();
-                break None;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        };
-        // Let the reader threads finish.
-        std::thread::sleep(Duration::from_millis(50));
-        while let Ok(l) = self.lines.try_recv() {
-            self.out.push(l);
-        }
-        let text = self.out.join("\n");
-        match status {
-            Some(s) => (s.success(), format!("{s}\n{text}")),
-            None => (false, format!("did not exit in time (killed)\n{text}")),
-        }
-    }
-}
-
-impl Drop for Rank {
-    fn drop(&mut self) {
-        if matches!(self.child.try_wait(), Ok(None)) {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-    }
+    LineChild::start(&mut cmd)
 }
 
 /// Runs two ranks with `envs[r]`; both must pass; their outputs.
 fn run_pair(envs: [Vec<(&str, String)>; 2]) -> Vec<String> {
     let id = get_unique_id().expect("unique id");
-    let mut ranks: Vec<Rank> = envs
+    let mut ranks: Vec<LineChild> = envs
         .iter()
         .enumerate()
-        .map(|(r, e)| Rank::spawn(r, 2, &id, e))
+        .map(|(r, e)| spawn_rank(r, 2, &id, e))
         .collect();
     let deadline = Instant::now() + Duration::from_secs(120);
     let mut outs = Vec::new();

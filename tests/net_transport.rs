@@ -6,22 +6,13 @@
 //!
 //! Every test here launches this binary again as child ranks (`net_child_entry`), each with its
 //! own environment, and reads their output.
+mod common;
+
+use common::child::{LineChild, clean_child, env_var, hex, log_to_stdout, unhex};
 use oxccl::bootstrap::{UniqueId, get_unique_id};
 use oxccl::{Comm, DataType, Device, Error, RedOp};
-use std::io::{BufRead, BufReader, Read};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
-
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
-fn unhex(s: &str) -> Vec<u8> {
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
-        .collect()
-}
 
 /// Element counts: one element, an odd count, and one spanning many FIFO steps with the small
 /// buffers the tests use (NCCL_BUFFSIZE 64 KiB: 8 KiB slots).
@@ -163,17 +154,12 @@ fn net_child_entry() {
     let Ok(role) = std::env::var("OXCCL_TEST_NET_ROLE") else {
         return;
     };
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter("oxccl::transport=info,oxccl::net=debug,oxccl::proxy=error")
-        .with_writer(std::io::stdout)
-        .with_ansi(false)
-        .try_init();
-    let var = |k: &str| std::env::var(k).unwrap_or_else(|_| panic!("{k} is not set"));
-    let rank: usize = var("OXCCL_TEST_NET_RANK").parse().unwrap();
-    let nranks: usize = var("OXCCL_TEST_NET_NRANKS").parse().unwrap();
+    log_to_stdout("oxccl::transport=info,oxccl::net=debug,oxccl::proxy=error");
+    let rank: usize = env_var("OXCCL_TEST_NET_RANK").parse().unwrap();
+    let nranks: usize = env_var("OXCCL_TEST_NET_NRANKS").parse().unwrap();
     let id = match std::env::var("OXCCL_TEST_NET_ID") {
         Ok(h) => UniqueId::from_bytes(&unhex(&h)).unwrap(),
-        Err(_) => UniqueId::from_comm_id(&var("NCCL_COMM_ID")).unwrap(),
+        Err(_) => UniqueId::from_comm_id(&env_var("NCCL_COMM_ID")).unwrap(),
     };
     let init = Comm::init_rank(nranks, &id, rank, Device::Cpu(rank));
     if role == "init" {
@@ -221,131 +207,44 @@ fn net_child_entry() {
     }
 }
 
-/// A child rank: its process and the lines it printed so far (read by a thread).
-struct Rank {
-    child: Child,
-    lines: std::sync::mpsc::Receiver<String>,
-    out: Vec<String>,
-}
-
-impl Rank {
-    /// Starts this test binary as rank `rank` of `nranks`, with `env` (and no inherited `NCCL_` /
-    /// `OXCCL_` variables), optionally inside network namespace `netns`.
-    fn spawn(
-        role: &str,
-        rank: usize,
-        nranks: usize,
-        id: Option<&UniqueId>,
-        env: &[(&str, String)],
-        netns: Option<&str>,
-    ) -> Rank {
-        match netns {
-            Some(ns) => Rank::spawn_wrapped(role, rank, nranks, id, env, &["ip", "netns", "exec", ns]),
-            None => Rank::spawn_wrapped(role, rank, nranks, id, env, &[]),
-        }
-    }
-
-    /// As [`Rank::spawn`], run through the command `wrap` (empty: directly), which must end by
-    /// executing the program and arguments it is given.
-    fn spawn_wrapped(
-        role: &str,
-        rank: usize,
-        nranks: usize,
-        id: Option<&UniqueId>,
-        env: &[(&str, String)],
-        wrap: &[&str],
-    ) -> Rank {
-        let exe = std::env::current_exe().unwrap();
-        let mut cmd = match wrap.split_first() {
-            Some((prog, args)) => {
-                let mut c = Command::new(prog);
-                c.args(args).arg(&exe);
-                c
-            }
-            None => Command::new(&exe),
-        };
-        cmd.args(["--exact", "net_child_entry", "--nocapture", "--test-threads=1"]);
-        for (k, _) in std::env::vars() {
-            if k.starts_with("NCCL_") || k.starts_with("OXCCL_") {
-                cmd.env_remove(k);
-            }
-        }
-        cmd.env("OXCCL_TEST_NET_ROLE", role)
-            .env("OXCCL_TEST_NET_RANK", rank.to_string())
-            .env("OXCCL_TEST_NET_NRANKS", nranks.to_string())
-            .env("OXCCL_BOOTSTRAP_TIMEOUT", "30");
-        if let Some(id) = id {
-            cmd.env("OXCCL_TEST_NET_ID", hex(&id.to_bytes()));
-        }
-        for (k, v) in env {
-            cmd.env(k, v);
-        }
-        let mut child = cmd
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn child rank");
-        let (tx, lines) = std::sync::mpsc::channel();
-        let (out, err) = (child.stdout.take().unwrap(), child.stderr.take().unwrap());
-        let tx2 = tx.clone();
-        std::thread::spawn(move || {
-            for l in BufReader::new(out).lines().map_while(Result::ok) {
-                let _ = tx.send(l);
-            }
-        });
-        std::thread::spawn(move || {
-            let mut s = String::new();
-            let _ = BufReader::new(err).read_to_string(&mut s);
-            let _ = tx2.send(format!("STDERR: {s}"));
-        });
-        Rank {
-            child,
-            lines,
-            out: Vec::new(),
-        }
-    }
-
-    fn drain(&mut self) {
-        while let Ok(l) = self.lines.try_recv() {
-            self.out.push(l);
-        }
-    }
-
-    fn has(&mut self, marker: &str) -> bool {
-        self.drain();
-        self.out.iter().any(|l| l.contains(marker))
-    }
-
-    fn text(&mut self) -> String {
-        self.drain();
-        self.out.join("\n")
-    }
-
-    /// Waits until the process exits (by `deadline`, else kills it); its success and output.
-    fn wait(&mut self, deadline: Instant) -> (bool, String) {
-        loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                // Let the reader threads finish.
-                std::thread::sleep(Duration::from_millis(50));
-                return (status.success(), format!("{status}\n{}", self.text()));
-            }
-            if Instant::now() > deadline {
-                let _ = self.child.kill();
-                let _ = self.child.wait();
-                return (false, format!("did not exit in time (killed)\n{}", self.text()));
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+/// Starts this test binary as rank `rank` of `nranks` in role `role`, with `env` (and no inherited
+/// `NCCL_` / `OXCCL_` variables), optionally inside network namespace `netns`; its output is read
+/// line by line.
+fn spawn_rank(
+    role: &str,
+    rank: usize,
+    nranks: usize,
+    id: Option<&UniqueId>,
+    env: &[(&str, String)],
+    netns: Option<&str>,
+) -> LineChild {
+    match netns {
+        Some(ns) => spawn_rank_wrapped(role, rank, nranks, id, env, &["ip", "netns", "exec", ns]),
+        None => spawn_rank_wrapped(role, rank, nranks, id, env, &[]),
     }
 }
 
-impl Drop for Rank {
-    fn drop(&mut self) {
-        if matches!(self.child.try_wait(), Ok(None)) {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
+/// As [`spawn_rank`], run through the command `wrap` (empty: directly), which must end by
+/// executing the program and arguments it is given.
+fn spawn_rank_wrapped(
+    role: &str,
+    rank: usize,
+    nranks: usize,
+    id: Option<&UniqueId>,
+    env: &[(&str, String)],
+    wrap: &[&str],
+) -> LineChild {
+    let mut cmd = clean_child(wrap, "net_child_entry", [("OXCCL_TEST_NET_ROLE", role)]);
+    cmd.env("OXCCL_TEST_NET_RANK", rank.to_string())
+        .env("OXCCL_TEST_NET_NRANKS", nranks.to_string())
+        .env("OXCCL_BOOTSTRAP_TIMEOUT", "30");
+    if let Some(id) = id {
+        cmd.env("OXCCL_TEST_NET_ID", hex(&id.to_bytes()));
     }
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    LineChild::start(&mut cmd)
 }
 
 /// Runs one group of child ranks (`envs[r]` for rank `r`) through [`run_collectives`]; every rank
@@ -357,8 +256,8 @@ fn run_group(
     id: Option<&UniqueId>,
 ) -> Vec<String> {
     let n = envs.len();
-    let mut ranks: Vec<Rank> = (0..n)
-        .map(|r| Rank::spawn("coll", r, n, id, &envs[r], netns[r]))
+    let mut ranks: Vec<LineChild> = (0..n)
+        .map(|r| spawn_rank("coll", r, n, id, &envs[r], netns[r]))
         .collect();
     let deadline = Instant::now() + Duration::from_secs(240);
     let mut outs = Vec::new();
@@ -549,8 +448,8 @@ fn parallel_socket_streams_across_hosts() {
 fn init_outcomes(envs: &[Vec<(&str, String)>]) -> Vec<String> {
     let id = get_unique_id().expect("unique id");
     let n = envs.len();
-    let mut ranks: Vec<Rank> = (0..n)
-        .map(|r| Rank::spawn("init", r, n, Some(&id), &envs[r], None))
+    let mut ranks: Vec<LineChild> = (0..n)
+        .map(|r| spawn_rank("init", r, n, Some(&id), &envs[r], None))
         .collect();
     let deadline = Instant::now() + Duration::from_secs(60);
     ranks
@@ -607,13 +506,13 @@ fn transport_setup_error_on_one_rank_fails_every_rank_naming_it() {
 
 /// Starts one "loop" child rank per entry of `envs` (rank r with `envs[r]`) on one unique id and
 /// waits (at most 120 s) until every one has finished an AllReduce.
-fn looping_ranks(envs: &[Vec<(&str, String)>]) -> Vec<Rank> {
+fn looping_ranks(envs: &[Vec<(&str, String)>]) -> Vec<LineChild> {
     let id = get_unique_id().expect("unique id");
     let n = envs.len();
-    let mut ranks: Vec<Rank> = envs
+    let mut ranks: Vec<LineChild> = envs
         .iter()
         .enumerate()
-        .map(|(r, env)| Rank::spawn("loop", r, n, Some(&id), env, None))
+        .map(|(r, env)| spawn_rank("loop", r, n, Some(&id), env, None))
         .collect();
     let t = Instant::now();
     while !(0..n).all(|r| ranks[r].has("LOOPING")) {
@@ -786,13 +685,13 @@ fn hosts_with_their_own_dev_shm() {
     // Two ranks on two hosts, each with its own /dev/shm: every collective of run_collectives
     // exact, over NET both ways.
     let id = get_unique_id().expect("unique id");
-    let mut ranks: Vec<Rank> = (0..2)
+    let mut ranks: Vec<LineChild> = (0..2)
         .map(|r| {
             let env = [
                 ("OXCCL_HOSTID", format!("shm-host-{r}")),
                 ("NCCL_BUFFSIZE", "65536".to_string()),
             ];
-            Rank::spawn_wrapped("coll", r, 2, Some(&id), &env, &wrap)
+            spawn_rank_wrapped("coll", r, 2, Some(&id), &env, &wrap)
         })
         .collect();
     let deadline = Instant::now() + Duration::from_secs(240);

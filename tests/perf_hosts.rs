@@ -2,6 +2,9 @@
 //! joined by veths on a bridge), N/H ranks each, the sweep exact over SHM within a host and the
 //! socket network between hosts; the namespaces are gone afterwards, also when the ranks fail;
 //! setup failures (no `ip`, not root) are errors naming the command that failed.
+mod common;
+
+use common::child::remove_nccl_env;
 use oxccl::perf::procs::host_of;
 use std::process::{Command, Output};
 
@@ -24,17 +27,17 @@ fn namespaces_allowed(test: &str) -> bool {
     }
 }
 
-/// Runs `oxccl` with `args`, without inherited NCCL_/OXCCL_ variables, plus `env`.
-fn oxccl(args: &[&str], env: &[(&str, &str)]) -> Output {
+/// The command `oxccl` with `args`, without inherited NCCL_/OXCCL_ variables, plus `env`.
+fn oxccl_command(args: &[&str], env: &[(&str, &str)]) -> Command {
     let mut cmd = Command::new(OXCCL);
     cmd.args(args);
-    for (k, _) in std::env::vars() {
-        if k.starts_with("NCCL_") || k.starts_with("OXCCL_") {
-            cmd.env_remove(k);
-        }
-    }
-    cmd.envs(env.iter().copied());
-    cmd.output().expect("run oxccl")
+    remove_nccl_env(&mut cmd).envs(env.iter().copied());
+    cmd
+}
+
+/// Runs `oxccl` with `args`, without inherited NCCL_/OXCCL_ variables, plus `env`.
+fn oxccl(args: &[&str], env: &[(&str, &str)]) -> Output {
+    oxccl_command(args, env).output().expect("run oxccl")
 }
 
 /// Namespaces a run of process `pid` would have left (`oxh<pid>s`, `oxh<pid>h<k>`).
@@ -56,17 +59,11 @@ fn leftover_namespaces(pid: u32) -> Vec<String> {
 
 /// Runs `oxccl` with `args` as a child whose pid we know, returning its pid and output.
 fn oxccl_pid(args: &[&str], env: &[(&str, &str)]) -> (u32, Output) {
-    let mut cmd = Command::new(OXCCL);
-    cmd.args(args);
-    for (k, _) in std::env::vars() {
-        if k.starts_with("NCCL_") || k.starts_with("OXCCL_") {
-            cmd.env_remove(k);
-        }
-    }
-    cmd.envs(env.iter().copied())
+    let child = oxccl_command(args, env)
         .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped());
-    let child = cmd.spawn().expect("spawn oxccl");
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn oxccl");
     let pid = child.id();
     (pid, child.wait_with_output().expect("wait oxccl"))
 }

@@ -1,10 +1,11 @@
 //! Helpers shared by the integration tests: the correctness matrix of every collective
 //! ([`run_collective`]: nccl-tests-style data and exact checking from `oxccl::perf::check`, guard
 //! bytes around every buffer, in-place and out-of-place, each protocol forced through
-//! `NCCL_PROTO`), GPU skip reporting, and a stall watchdog so a hung collective fails the test
-//! instead of blocking CI.
+//! `NCCL_PROTO`), GPU skip reporting, a stall watchdog so a hung collective fails the test
+//! instead of blocking CI, and child ranks as processes of the test binary ([`child`]).
 #![allow(dead_code)]
 
+pub mod child;
 pub mod env;
 pub mod topo;
 
