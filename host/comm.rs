@@ -655,12 +655,23 @@ impl Comm {
                 (0..nranks)
                     .any(|a| ring_transport(&peers, a, next(a)) == crate::transport::TransportKind::Net)
             };
+            // Rings that differ per channel connect a rank to several neighbours; that is done
+            // when every ring pair of every channel uses one transport other than NET (the NET
+            // setup and the split of a rank's own connection memory by transport assume one
+            // kind per direction): e.g. the NVLink rings of an 8-GPU machine, all P2P.
+            let mut ring_kinds = (0..nch as usize)
+                .flat_map(|c| (0..nranks).map(move |a| (c, a)))
+                .map(|(c, a)| ring_transport(&peers, a, rings.next(c, a)));
+            let first = ring_kinds.next();
+            let one_kind = first
+                .is_some_and(|k| k != crate::transport::TransportKind::Net && ring_kinds.all(|x| x == k));
             if rings.is_rank_order()
                 || (rings.single_ring() && !net(&|a| rings.next(0, a)) && !net(&|a| (a + 1) % nranks))
+                || one_kind
             {
                 rings
             } else {
-                tracing::debug!(target: "oxccl::init", rank, "init_rank keeps rank order: the searched rings differ per channel or cross NET");
+                tracing::debug!(target: "oxccl::init", rank, "init_rank keeps rank order: the searched rings differ per channel and mix transports or cross NET");
                 ChannelRings::rank_order(nranks, nch as usize)
             }
         };
@@ -795,7 +806,17 @@ impl Comm {
                 )));
             }
         }
-        for (peer, kind) in [next, prev].into_iter().zip(kinds) {
+        // Every ring neighbour of every channel (one next and one prev unless the rings differ
+        // per channel, in which case all use one transport, see above).
+        let mut neighbours: Vec<(usize, TransportKind)> = Vec::new();
+        for c in 0..nch as usize {
+            for peer in [rings.next(c, rank), rings.prev(c, rank)] {
+                if !neighbours.iter().any(|&(p, _)| p == peer) {
+                    neighbours.push((peer, ring_transport(&peers, rank, peer)));
+                }
+            }
+        }
+        for (peer, kind) in neighbours {
             if conn_base[peer] == 0 {
                 let link =
                     PeerLink::connect(rank, &peers, peer, kind, ctx.as_ref(), &layout, params.p2p_level)?;

@@ -178,6 +178,39 @@ fn init_rank_follows_pcie_ring() {
     }
 }
 
+/// `Comm::init_rank` (ranks as threads, one host) on the NVLink-mesh fixture, whose searched rings
+/// differ per channel: every ring pair is SHM on the CPU target (one transport for all), so each
+/// rank connects to all its neighbours of all channels and keeps the searched rings (before:
+/// rank order on every channel); AllReduce stays exact, bitwise equal on every rank, out of place
+/// and in place, over counts that fill one and several Simple slices per channel.
+#[test]
+fn init_rank_per_channel_mesh_rings() {
+    let _g = TOPO_LOCK.lock().unwrap_or_else(|p| p.into_inner());
+    set_topo("nvlink-mesh-4gpu-topo.xml", 8);
+    let id = get_unique_id().unwrap();
+    let n = 4;
+    let mut comms: Vec<Comm> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..n)
+            .map(|r| s.spawn(move || Comm::init_rank(n, &id, r, Device::Cpu(r)).unwrap()))
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    comms.sort_by_key(|c| c.rank());
+    let want: Vec<Vec<usize>> = (0..8).map(|c| MESH_RINGS[c % 6].to_vec()).collect();
+    check_comm_rings(&comms, &want);
+    for count in [7, 4099, 300_007] {
+        for in_place in [false, true] {
+            common::all_reduce_f32(&comms, count, in_place);
+        }
+    }
+    // destroy is collective (a bootstrap barrier): every rank at once.
+    std::thread::scope(|s| {
+        for c in comms {
+            s.spawn(move || c.destroy().unwrap());
+        }
+    });
+}
+
 /// A random ring order (a permutation of `0..n`) from a seed.
 fn permutation(n: usize, seed: u64) -> Vec<usize> {
     let mut v: Vec<usize> = (0..n).collect();
