@@ -174,7 +174,10 @@ fn model_picks_tree_for_mid_sizes_and_both_interleave() {
     // their own FIFO steps across calls.
     for round in 0..2 {
         for (count, algo) in [(2, Algo::Ring), (16384, Algo::Tree), (1 << 20, Algo::Ring)] {
-            for (r, c) in common::all_reduce_f32(&comms, count, round == 1).iter().enumerate() {
+            for (r, c) in common::all_reduce_f32(&comms, count, round == 1)
+                .iter()
+                .enumerate()
+            {
                 assert_eq!(c.algo, algo, "round {round}, rank {r}, {count} floats: {c:?}");
             }
         }
