@@ -3449,13 +3449,9 @@ mod init_rank_tests {
         }
     }
 
-    #[test]
-    fn p2p_level_denies_far_pairs_which_then_use_shm() {
-        use crate::topo::PathType;
-        use crate::transport::TransportKind::{Net, P2p, Shm};
-        // Host h: ranks 0, 1, 2; host k: rank 3. Paths on h (fake, by bus id pair): 0-1 NVL,
-        // 0-2 and 1-2 SYS. Rank 2 sets NCCL_P2P_LEVEL=PHB, rank 0 NVL, rank 1 nothing.
-        let mut p: Vec<PeerInfo> = (0..4)
+    /// CUDA ranks 0-2 on host h (bus ids 0000:0r:00.0), rank 3 on host k.
+    fn four_peers() -> Vec<PeerInfo> {
+        (0..4)
             .map(|r| {
                 cuda_peer(
                     &format!("0000:{r:02x}:00.0"),
@@ -3463,7 +3459,16 @@ mod init_rank_tests {
                     r as u32,
                 )
             })
-            .collect();
+            .collect()
+    }
+
+    #[test]
+    fn p2p_level_denies_far_pairs_which_then_use_shm() {
+        use crate::topo::PathType;
+        use crate::transport::TransportKind::{Net, P2p, Shm};
+        // Host h: ranks 0, 1, 2; host k: rank 3. Paths on h (fake, by bus id pair): 0-1 NVL,
+        // 0-2 and 1-2 SYS. Rank 2 sets NCCL_P2P_LEVEL=PHB, rank 0 NVL, rank 1 nothing.
+        let mut p = four_peers();
         p[0].p2p_level = Some(PathType::Nvl);
         p[2].p2p_level = Some(PathType::Phb);
         let path = |a: &PeerInfo, b: &PeerInfo| -> Result<Option<PathType>> {
@@ -3556,15 +3561,7 @@ mod init_rank_tests {
         // Ranks 0-2 on host h, rank 3 on host k; rank 1 has NCCL_P2P_DISABLE=1, rank 2
         // NCCL_SHM_DISABLE=1. Pairs: 0-1 SHM (P2P off on 1), 1-2 NET (P2P off on 1, SHM off on 2),
         // 2-3 and 3-0 NET (other host); 0-0 (a 1-rank ring) its own memory, reported as P2P.
-        let mut p: Vec<PeerInfo> = (0..4)
-            .map(|r| {
-                cuda_peer(
-                    &format!("0000:{r:02x}:00.0"),
-                    if r == 3 { "k" } else { "h" },
-                    r as u32,
-                )
-            })
-            .collect();
+        let mut p = four_peers();
         assert_eq!(ring_transport(&p, 0, 1), P2p);
         p[1].p2p_disable = true;
         p[2].shm_disable = true;

@@ -57,6 +57,18 @@ pub const ABORTED_BY_PEER: u32 = 2;
 const HDR_BYTES: usize = 32;
 /// How long unregistering waits for staged steps and close messages to leave.
 const FLUSH_WAIT: Duration = Duration::from_secs(5);
+/// The failure of rank `rank`'s send connection `s` with error `e`: the message `fail` records
+/// (naming the connection) and the peer it blames.
+fn send_failure(rank: usize, s: &SendOp, e: impl std::fmt::Display) -> (String, usize) {
+    (
+        format!(
+            "rank {rank}: NET send to rank {} (channel {}): {e}",
+            s.spec.peer, s.spec.channel
+        ),
+        s.spec.peer,
+    )
+}
+
 /// How often an idle communicator's send connections are checked for a vanished receiver
 /// ([`Net::check_send`]).
 const CHECK_SEND_EVERY: Duration = Duration::from_millis(100);
@@ -920,13 +932,7 @@ impl CommOps {
             match s.progress(net.as_ref()) {
                 Ok(d) => did |= d,
                 Err(e) => {
-                    failure = Some((
-                        format!(
-                            "rank {}: NET send to rank {} (channel {}): {e}",
-                            self.rank, s.spec.peer, s.spec.channel
-                        ),
-                        s.spec.peer,
-                    ));
+                    failure = Some(send_failure(self.rank, s, e));
                     break;
                 }
             }
@@ -965,13 +971,7 @@ impl CommOps {
                 }
                 let Some(comm) = s.comm.as_mut() else { continue };
                 if let Err(e) = net.check_send(comm) {
-                    failure = Some((
-                        format!(
-                            "rank {}: NET send to rank {} (channel {}): {e}",
-                            self.rank, s.spec.peer, s.spec.channel
-                        ),
-                        s.spec.peer,
-                    ));
+                    failure = Some(send_failure(self.rank, s, e));
                     break;
                 }
             }
