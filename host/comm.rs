@@ -867,11 +867,28 @@ impl Comm {
         let abort = SharedAbort::new(page, rank, nranks, ctx.as_ref())?;
         let abort_dev = abort.dev_flag;
         let uses_dev = kinds.contains(&TransportKind::P2p);
+        // The host's ranks in other processes: their death raises this host's flags.
+        let me = &peers[rank];
+        let host_ranks = (0..nranks).filter(|&r| r != rank && peers[r].host == me.host);
+        let watch = crate::liveness::Watch {
+            rank,
+            own_flag: abort.own_flag(),
+            own_line: abort.line(rank),
+            host_lines: host_ranks.clone().map(|r| abort.line(r)).collect(),
+            peers: host_ranks
+                .filter(|&r| peers[r].pid != me.pid && peers[r].start_time != 0)
+                .map(|r| (r, peers[r].pid, peers[r].start_time))
+                .collect(),
+        };
+        // SAFETY: the flags and lines are in `abort`'s page (or its private flag), which
+        // `InitRankRes` keeps until after the watch (field order).
+        let watched = unsafe { crate::liveness::watch(watch) };
         let mp = InitRankRes {
             rank,
             peers,
             links: Mutex::new(links),
             _host_conns: host_conns,
+            _watched: watched,
             abort,
             synced: std::sync::atomic::AtomicBool::new(false),
             bootstrap,
@@ -1846,15 +1863,7 @@ fn fnv64(b: &[u8]) -> u64 {
     })
 }
 
-/// Start time of process `pid` (`/proc/<pid>/stat` field 22) and whether it is a zombie; `None`
-/// when there is no such process.
-fn proc_start(pid: u32) -> Option<(u64, bool)> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // Fields after the command name (which may hold spaces) start with the state (field 3).
-    let rest = &stat[stat.rfind(')')? + 1..];
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    Some((fields.get(19)?.parse().ok()?, fields.first() == Some(&"Z")))
-}
+use crate::liveness::proc_start;
 
 impl PeerInfo {
     #[allow(clippy::too_many_arguments)]
@@ -2723,6 +2732,9 @@ struct InitRankRes {
     /// CUDA: this rank's connection memory for SHM and NET neighbours, freed after the teardown
     /// barrier (declared after `links`: the proxy stops writing into it first).
     _host_conns: HostConns,
+    /// The watch over the host's other rank processes (`crate::liveness`); declared before
+    /// `abort`, whose page it writes, so it stops first.
+    _watched: Option<crate::liveness::Watched>,
     abort: SharedAbort,
     /// Set once the ranks have synchronized for teardown ([`InitRankRes::sync_teardown`]).
     synced: std::sync::atomic::AtomicBool,
@@ -2732,26 +2744,33 @@ struct InitRankRes {
 impl InitRankRes {
     /// The collective part of teardown, done once: closes this rank's mappings of its
     /// neighbours' memory, then waits at a bootstrap barrier (bounded by the bootstrap timeout)
-    /// so that no rank frees memory a peer may still write into or has mapped. Skipped after an
-    /// abort: the aborting rank raised every rank's flag, so no kernel keeps writing, and a peer
-    /// may never arrive. The caller's own operations must be finished.
+    /// so that no rank frees memory a peer may still write into or has mapped, then closes its
+    /// NET connections. Those stay open across the barrier: a peer that destroys later than this
+    /// rank (by more than the proxy's flush wait) would otherwise see its connections end and
+    /// take this rank for dead. The barrier is skipped after an abort: the aborting rank raised
+    /// every rank's flag, so no kernel keeps writing, and a peer may never arrive. The caller's
+    /// own operations must be finished.
     fn sync_teardown(&self) -> Result<()> {
         if self.synced.swap(true, Ordering::AcqRel) {
             return Ok(());
         }
-        drop(std::mem::take(
-            &mut *self.links.lock().unwrap_or_else(|p| p.into_inner()),
-        ));
+        let (net, mapped): (Vec<PeerLink>, Vec<PeerLink>) =
+            std::mem::take(&mut *self.links.lock().unwrap_or_else(|p| p.into_inner()))
+                .into_iter()
+                .partition(|l| matches!(l, PeerLink::Net { .. }));
+        drop(mapped);
         // SAFETY: the flag lives in memory owned by `self.abort`.
         let aborted =
             unsafe { AtomicU32::from_ptr(self.abort.own_flag() as *mut u32) }.load(Ordering::Acquire) != 0;
         if aborted || self.abort.raised_by_peer().is_some() {
             return Ok(());
         }
-        self.bootstrap.barrier().map_err(|e| {
+        let synced = self.bootstrap.barrier().map_err(|e| {
             tracing::warn!(target: "oxccl::init", rank = self.rank, "teardown barrier: {e}");
             e
-        })
+        });
+        drop(net);
+        synced
     }
 
     /// `Remote` naming the first peer process of this host that has exited.
@@ -2761,8 +2780,7 @@ impl InitRankRes {
             if p.host != me.host || p.pid == me.pid || p.start_time == 0 {
                 continue;
             }
-            let alive = matches!(proc_start(p.pid), Some((t, false)) if t == p.start_time);
-            if !alive {
+            if !crate::liveness::process_alive(p.pid, p.start_time) {
                 return Err(Error::Remote(format!(
                     "rank {}: peer rank {r} (process {} on host {:?}) has exited; abort this communicator",
                     self.rank, p.pid, p.host

@@ -37,6 +37,7 @@ pub mod cuda;
 pub mod error;
 pub mod graph;
 pub mod handle;
+pub(crate) mod liveness;
 pub mod mem;
 pub mod nccl;
 pub mod params;

@@ -579,6 +579,49 @@ fn killed_rank_on_a_mixed_shm_net_ring_stops_every_survivor() {
     );
 }
 
+/// A rank's process dies on a one-host ring (SHM only, no NET and so no proxy to notice): the
+/// survivors loop AllReduce and never poll get_async_error, so only oxccl's peer-liveness watch
+/// (`liveness.rs`: the host's rank processes checked every 100 ms) can stop their kernels. Every
+/// survivor must get a remote error naming the dead rank and exit within 30 s (before: it spun
+/// forever in its stream synchronize).
+#[test]
+fn killed_rank_on_one_host_stops_shm_survivors() {
+    let n = 3;
+    let mut ranks = looping_ranks(
+        &(0..n)
+            .map(|_| {
+                vec![
+                    ("OXCCL_HOSTID", "one-shm-host".to_string()),
+                    ("NCCL_PROTO", "Simple".into()),
+                ]
+            })
+            .collect::<Vec<_>>(),
+    );
+    ranks[1].child.kill().unwrap();
+    let _ = ranks[1].child.wait();
+    let killed = Instant::now();
+    for r in [0, 2] {
+        let (ok, out) = ranks[r].wait(killed + Duration::from_secs(30));
+        assert!(ok, "rank {r}: {out}");
+        let line = out
+            .lines()
+            .find_map(|l| l.find("GOT-ERROR").map(|i| &l[i..]))
+            .unwrap_or_default();
+        assert!(
+            line.starts_with("GOT-ERROR RemoteError after ")
+                && line.ends_with(&format!(
+                    ": remote error: rank {r}: rank 1 of this communicator aborted; abort or destroy this rank too"
+                )),
+            "rank {r}: {line}\n{out}"
+        );
+        assert!(out.contains(&format!("CHILD-EXITED rank {r}")), "rank {r}: {out}");
+    }
+    eprintln!(
+        "one host: survivors exited {:.1} s after the kill",
+        killed.elapsed().as_secs_f64()
+    );
+}
+
 #[test]
 fn killed_rank_gives_the_others_an_error_c29() {
     // Four ranks on four hosts, all NET; rank 1 is killed while every rank loops AllReduce. Its
