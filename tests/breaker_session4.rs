@@ -480,16 +480,7 @@ fn idle_communicators_and_destroy_after_init_stay_healthy() {
     }
 }
 
-/// 4 GPUs in an NVLink mesh (`nvlink-mesh-4gpu-topo.xml`, its searched rings as in
-/// tests/ring_order.rs's MESH_RINGS, from `oxccl topo`): 6 channels, not all in rank order.
-const MESH_RINGS: [[usize; 4]; 6] = [
-    [0, 1, 2, 3],
-    [0, 1, 2, 3],
-    [0, 1, 3, 2],
-    [0, 3, 2, 1],
-    [0, 3, 2, 1],
-    [0, 2, 3, 1],
-];
+use common::topo::MESH_RINGS;
 
 /// `ring` rotated to start at `rank` (NCCL's `userRanks` of `rank`).
 fn rotate(ring: &[usize], rank: usize) -> Vec<usize> {

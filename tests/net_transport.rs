@@ -556,25 +556,42 @@ fn killed_rank_on_a_mixed_shm_net_ring_stops_every_survivor() {
         let line = format!("Channel 00 : {r} -> {} via {via}", (r + 1) % n);
         assert!(ranks[r].has(&line), "rank {r}: no {line:?}:\n{}", ranks[r].text());
     }
-    ranks[2].child.kill().unwrap();
-    let _ = ranks[2].child.wait();
+    kill_and_check_survivors(&mut ranks, 2, "mixed ring", |_, line| {
+        line.starts_with("GOT-ERROR RemoteError after ") && line.contains("aborted")
+    });
+}
+
+/// Kills rank `victim` of `ranks` (all looping AllReduce), then waits (30 s from the kill) for
+/// every other rank to exit successfully after printing a `GOT-ERROR` line that `ok_line(rank,
+/// line)` accepts and `CHILD-EXITED rank R`.
+fn kill_and_check_survivors(
+    ranks: &mut [LineChild],
+    victim: usize,
+    what: &str,
+    ok_line: impl Fn(usize, &str) -> bool,
+) {
+    ranks[victim].child.kill().unwrap();
+    let _ = ranks[victim].child.wait();
     let killed = Instant::now();
-    for r in [0, 1, 3] {
-        let (ok, out) = ranks[r].wait(killed + Duration::from_secs(30));
-        assert!(ok, "rank {r}: {out}");
+    for (r, rank) in ranks.iter_mut().enumerate() {
+        if r == victim {
+            continue;
+        }
+        let (ok, out) = rank.wait(killed + Duration::from_secs(30));
+        assert!(ok, "{what}: rank {r}: {out}");
         let line = out
             .lines()
             .find_map(|l| l.find("GOT-ERROR").map(|i| &l[i..]))
             .unwrap_or_default();
+        assert!(ok_line(r, line), "{what}: rank {r}: {line}\n{out}");
         assert!(
-            line.starts_with("GOT-ERROR RemoteError after ") && line.contains("aborted"),
-            "rank {r}: {line}\n{out}"
+            out.contains(&format!("CHILD-EXITED rank {r}")),
+            "{what}: rank {r}: {out}"
         );
-        assert!(out.contains(&format!("CHILD-EXITED rank {r}")), "rank {r}: {out}");
-        eprintln!("mixed ring: rank {r}: {line}");
+        eprintln!("{what}: rank {r}: {line}");
     }
     eprintln!(
-        "mixed ring: survivors exited {:.1} s after the kill",
+        "{what}: survivors exited {:.1} s after the kill",
         killed.elapsed().as_secs_f64()
     );
 }
@@ -597,29 +614,12 @@ fn killed_rank_on_one_host_stops_shm_survivors() {
             })
             .collect::<Vec<_>>(),
     );
-    ranks[1].child.kill().unwrap();
-    let _ = ranks[1].child.wait();
-    let killed = Instant::now();
-    for r in [0, 2] {
-        let (ok, out) = ranks[r].wait(killed + Duration::from_secs(30));
-        assert!(ok, "rank {r}: {out}");
-        let line = out
-            .lines()
-            .find_map(|l| l.find("GOT-ERROR").map(|i| &l[i..]))
-            .unwrap_or_default();
-        assert!(
-            line.starts_with("GOT-ERROR RemoteError after ")
-                && line.ends_with(&format!(
-                    ": remote error: rank {r}: rank 1 of this communicator aborted; abort or destroy this rank too"
-                )),
-            "rank {r}: {line}\n{out}"
-        );
-        assert!(out.contains(&format!("CHILD-EXITED rank {r}")), "rank {r}: {out}");
-    }
-    eprintln!(
-        "one host: survivors exited {:.1} s after the kill",
-        killed.elapsed().as_secs_f64()
-    );
+    kill_and_check_survivors(&mut ranks, 1, "one host", |r, line| {
+        line.starts_with("GOT-ERROR RemoteError after ")
+            && line.ends_with(&format!(
+                ": remote error: rank {r}: rank 1 of this communicator aborted; abort or destroy this rank too"
+            ))
+    });
 }
 
 #[test]

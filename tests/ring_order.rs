@@ -44,16 +44,7 @@ fn rotate(ring: &[usize], rank: usize) -> Vec<usize> {
 /// cross 7 times. Every one of the 4 channels (NCCL_MAX_NCHANNELS=4) repeats it.
 const PCIE_RING: [usize; 8] = [0, 2, 4, 6, 7, 5, 1, 3];
 
-/// 4 GPUs in an NVLink mesh of unequal link counts (`nvlink-mesh-4gpu-topo.xml`): 6 channels
-/// (`oxccl topo`), not all in rank order.
-const MESH_RINGS: [[usize; 4]; 6] = [
-    [0, 1, 2, 3],
-    [0, 1, 2, 3],
-    [0, 1, 3, 2],
-    [0, 3, 2, 1],
-    [0, 3, 2, 1],
-    [0, 2, 3, 1],
-];
+use common::topo::MESH_RINGS;
 
 fn check_comm_rings(comms: &[Comm], rings: &[Vec<usize>]) {
     for comm in comms {

@@ -8,6 +8,18 @@ pub fn fixture(name: &str) -> PathBuf {
         .join("tests/topo")
         .join(name)
 }
+/// The searched rings of `nvlink-mesh-4gpu-topo.xml` (4 GPUs in an NVLink mesh of unequal link
+/// counts), from `oxccl topo` (the graph search of tests/graph.rs): 6 channels, not all in rank
+/// order; communicators with more channels repeat them (channel c uses ring c % 6).
+pub const MESH_RINGS: [[usize; 4]; 6] = [
+    [0, 1, 2, 3],
+    [0, 1, 2, 3],
+    [0, 1, 3, 2],
+    [0, 3, 2, 1],
+    [0, 3, 2, 1],
+    [0, 2, 3, 1],
+];
+
 pub fn close(a: f64, b: f64) -> bool {
     (a - b).abs() < 1e-9 * b.abs().max(1.0)
 }
