@@ -169,6 +169,26 @@ fn guard_damage(got: &[u8], data_len: usize, salt: u8) -> Option<String> {
 /// "implemented only as" InvalidArgument is reported `SKIPPED` for that collective.
 pub const PROTOS: &[&str] = &["LL", "LL128", "Simple"];
 
+/// Every `DataType`, or those named in the comma list `OXCCL_TEST_DTYPES` (NCCL's names, e.g.
+/// `float,half`) to run part of a matrix (a GPU run with little device time left). Panics on a
+/// name that is no dtype, so a typo cannot silently run nothing.
+pub fn dtypes() -> Vec<DataType> {
+    match std::env::var("OXCCL_TEST_DTYPES") {
+        Ok(v) => v
+            .split(',')
+            .map(|w| {
+                DataType::from_name(w.trim()).unwrap_or_else(|| {
+                    panic!(
+                        "OXCCL_TEST_DTYPES: {w:?} is no dtype (accepted: {:?})",
+                        DataType::ALL
+                    )
+                })
+            })
+            .collect(),
+        Err(_) => DataType::ALL.to_vec(),
+    }
+}
+
 /// [`PROTOS`], or the comma list in `OXCCL_TEST_PROTOS` (e.g. `LL128`) to rerun one protocol.
 pub fn protos() -> Vec<&'static str> {
     match std::env::var("OXCCL_TEST_PROTOS") {
@@ -513,7 +533,7 @@ pub fn run_collective(test: &str, devices: &[Device], m: &Matrix) {
         t_gen += tg.elapsed();
         v
     };
-    for &dtype in DataType::ALL {
+    for dtype in dtypes() {
         let td = Instant::now();
         for &op in ops {
             let extra = m
