@@ -551,21 +551,13 @@ impl Comm {
         phases.mark("settings, device context and topology hook");
         let bootstrap = crate::bootstrap::Bootstrap::init(id, rank, nranks)?;
         phases.mark("bootstrap ring");
-        let status = match &local {
-            Ok(_) => String::new(),
-            Err(e) => format!("{INIT_ERR_PREFIX}{e}"),
-        };
-        let all = bootstrap.allgather(status.as_bytes())?;
-        let (params, mut selection, ctx, _near) = local?;
-        if let Some((r, e)) = all.iter().enumerate().find_map(|(r, b)| {
-            String::from_utf8_lossy(b)
-                .strip_prefix(INIT_ERR_PREFIX)
-                .map(|e| (r, e.to_string()))
-        }) {
-            return Err(Error::Remote(format!(
-                "rank {rank}: rank {r} cannot initialize (its settings or device): {e}"
-            )));
-        }
+        let ((params, mut selection, ctx, _near), _) = allgather_checked(
+            &bootstrap,
+            rank,
+            local,
+            |_| String::new(),
+            "cannot initialize (its settings or device)",
+        )?;
         let default_nch = if is_cuda {
             CUDA_DEFAULT_NCHANNELS
         } else {
@@ -626,22 +618,13 @@ impl Comm {
             let bus: Vec<String> = node_ranks.iter().map(|&r| peers[r].bus_id.clone()).collect();
             // A rank whose topology file fails sends its error instead, so every rank fails
             // naming it (rather than waiting in this all-gather for the bootstrap timeout).
-            let mine = node_ring_graph(&node_ranks, is_cuda.then_some(bus.as_slice()), node);
-            let record = match &mine {
-                Ok(m) => m.as_ref().map_or(String::new(), |i| i.encode()),
-                Err(e) => format!("{INIT_ERR_PREFIX}{e}"),
-            };
-            let all = bootstrap.allgather(record.as_bytes())?;
-            mine?;
-            if let Some((r, e)) = all.iter().enumerate().find_map(|(r, b)| {
-                String::from_utf8_lossy(b)
-                    .strip_prefix(INIT_ERR_PREFIX)
-                    .map(|e| (r, e.to_string()))
-            }) {
-                return Err(Error::Remote(format!(
-                    "rank {rank}: rank {r} cannot build its ring graph from its topology: {e}"
-                )));
-            }
+            let (_, all) = allgather_checked(
+                &bootstrap,
+                rank,
+                node_ring_graph(&node_ranks, is_cuda.then_some(bus.as_slice()), node),
+                |m| m.as_ref().map_or(String::new(), |i| i.encode()),
+                "cannot build its ring graph from its topology",
+            )?;
             let infos: Vec<Option<RankGraphInfo>> = all
                 .iter()
                 .map(|b| {
@@ -2094,20 +2077,15 @@ fn exchange_p2p_denied(
     if !peers.iter().any(|p| p.cuda && p.p2p_level.is_some()) {
         return Ok(());
     }
-    let mine = p2p_denied_by_level(rank, peers, path_of);
-    let record = match &mine {
-        Ok(d) => d.iter().map(|r| r.to_string()).collect::<Vec<_>>().join(","),
-        Err(e) => format!("{INIT_ERR_PREFIX}{e}"),
-    };
-    let all = bootstrap.allgather(record.as_bytes())?;
-    mine?;
+    let (_, all) = allgather_checked(
+        bootstrap,
+        rank,
+        p2p_denied_by_level(rank, peers, path_of),
+        |d| d.iter().map(|r| r.to_string()).collect::<Vec<_>>().join(","),
+        "cannot apply NCCL_P2P_LEVEL (its topology)",
+    )?;
     for (a, b) in all.iter().enumerate() {
         let text = String::from_utf8_lossy(b);
-        if let Some(e) = text.strip_prefix(INIT_ERR_PREFIX) {
-            return Err(Error::Remote(format!(
-                "rank {rank}: rank {a} cannot apply NCCL_P2P_LEVEL (its topology): {e}"
-            )));
-        }
         peers[a].p2p_denied = text
             .split(',')
             .filter(|s| !s.is_empty())
@@ -2995,6 +2973,36 @@ fn channel_trees(node_chains: &[Vec<usize>], nch: u32) -> Result<Vec<Vec<crate::
 
 /// Prefix of a rank's record in an `init_rank` all-gather when that rank failed (its error follows).
 const INIT_ERR_PREFIX: &str = "ERR ";
+
+/// An `init_rank` all-gather after a step that may fail on some ranks: each rank sends
+/// `record(&value)` of its result `mine`, or its error, so every rank learns of a failure at the
+/// same step and fails at once, naming the rank (rather than one rank leaving and the others
+/// waiting out the bootstrap timeout). Returns this rank's value and every rank's record.
+///
+/// Errors: this rank's own error as it is; else `Remote` "rank {rank}: rank {r} {what}: {error}"
+/// for the first rank `r` that failed; bootstrap errors.
+fn allgather_checked<T>(
+    bootstrap: &crate::bootstrap::Bootstrap,
+    rank: usize,
+    mine: Result<T>,
+    record: impl FnOnce(&T) -> String,
+    what: &str,
+) -> Result<(T, Vec<Vec<u8>>)> {
+    let sent = match &mine {
+        Ok(v) => record(v),
+        Err(e) => format!("{INIT_ERR_PREFIX}{e}"),
+    };
+    let all = bootstrap.allgather(sent.as_bytes())?;
+    let value = mine?;
+    if let Some((r, e)) = all.iter().enumerate().find_map(|(r, b)| {
+        String::from_utf8_lossy(b)
+            .strip_prefix(INIT_ERR_PREFIX)
+            .map(|e| (r, e.to_string()))
+    }) {
+        return Err(Error::Remote(format!("rank {rank}: rank {r} {what}: {e}")));
+    }
+    Ok((value, all))
+}
 
 /// The ring graph of one node of a communicator (NCCL's `ncclTopoCompute` for rings, then the
 /// rank's part of `AllGather3`): `node_ranks` are the communicator ranks of the node, `node` its
