@@ -57,6 +57,34 @@ impl Drop for HostMem {
 
 type Job = Box<dyn FnOnce() -> Result<()> + Send>;
 
+/// Operations queued on CPU streams and not yet finished, per CPU-target device index: what
+/// freeing a buffer waits for (see [`wait_device_idle`]).
+static IN_FLIGHT: Mutex<Vec<usize>> = Mutex::new(Vec::new());
+static IN_FLIGHT_DONE: std::sync::Condvar = std::sync::Condvar::new();
+
+fn in_flight_add(device: usize, delta: isize) {
+    let Ok(mut v) = IN_FLIGHT.lock() else { return };
+    if v.len() <= device {
+        v.resize(device + 1, 0);
+    }
+    v[device] = v[device].saturating_add_signed(delta);
+    if v[device] == 0 {
+        IN_FLIGHT_DONE.notify_all();
+    }
+}
+
+/// Waits until no operation queued on any CPU stream of `device` is left, for at most `limit`;
+/// `true` when the device went idle. Freeing CPU-target memory calls it first, as `cuMemFree`
+/// synchronizes with the GPU's work: a buffer dropped right after a collective was queued on it
+/// stays mapped until the collective is done.
+pub fn wait_device_idle(device: usize, limit: std::time::Duration) -> bool {
+    let Ok(v) = IN_FLIGHT.lock() else { return false };
+    match IN_FLIGHT_DONE.wait_timeout_while(v, limit, |v| v.get(device).is_some_and(|&n| n > 0)) {
+        Ok((_, r)) => !r.timed_out(),
+        Err(_) => false,
+    }
+}
+
 /// A CPU stream: operations run in order on one worker thread. Errors are sticky until the next
 /// [`CpuStream::synchronize`], which returns the first one.
 pub struct CpuStream {
@@ -81,6 +109,7 @@ impl CpuStream {
                 for job in rx {
                     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job))
                         .unwrap_or_else(|_| Err(Error::Internal("a CPU-target operation panicked".into())));
+                    in_flight_add(device, -1);
                     if let Err(e) = r
                         && let Ok(mut slot) = err.lock()
                     {
@@ -100,11 +129,15 @@ impl CpuStream {
 
     /// Queues `job` after everything queued before.
     pub fn enqueue(&self, job: impl FnOnce() -> Result<()> + Send + 'static) -> Result<()> {
-        self.tx
+        let tx = self
+            .tx
             .as_ref()
-            .ok_or_else(|| Error::InvalidUsage("CPU stream is shut down".into()))?
-            .send(Box::new(job))
-            .map_err(|_| Error::Internal("CPU stream worker is gone".into()))
+            .ok_or_else(|| Error::InvalidUsage("CPU stream is shut down".into()))?;
+        in_flight_add(self.device, 1);
+        tx.send(Box::new(job)).map_err(|_| {
+            in_flight_add(self.device, -1);
+            Error::Internal("CPU stream worker is gone".into())
+        })
     }
 
     /// Waits until every queued operation has run; returns the first error since the last call.

@@ -4,6 +4,7 @@ use crate::cpu::{CpuStream, HostMem};
 use crate::cuda;
 use crate::error::{Error, Result};
 use std::marker::PhantomData;
+use std::mem::ManuallyDrop;
 use std::sync::Arc;
 
 /// Where a communicator's rank runs.
@@ -36,7 +37,7 @@ impl Device {
     pub fn alloc(&self, bytes: usize) -> Result<DeviceBuffer> {
         let alloc = match *self {
             Device::Cuda(o) => Alloc::Cuda(cuda::DevAlloc::zeroed(&cuda::Context::get(o)?, bytes)?),
-            Device::Cpu(_) => Alloc::Host(HostMem::zeroed(bytes)?),
+            Device::Cpu(_) => Alloc::Host(ManuallyDrop::new(HostMem::zeroed(bytes)?)),
         };
         Ok(DeviceBuffer {
             device: *self,
@@ -55,8 +56,13 @@ impl Device {
 
 enum Alloc {
     Cuda(cuda::DevAlloc),
-    Host(HostMem),
+    /// Freed by [`DeviceBuffer`]'s drop once the device's queued work is done.
+    Host(ManuallyDrop<HostMem>),
 }
+
+/// How long freeing a CPU-target buffer waits for the device's queued operations before leaking
+/// the memory instead (an operation whose peers never came may never finish).
+const HOST_FREE_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// Memory on one device. Collectives take [`DevSlice`]s of it; its length bounds every access.
 pub struct DeviceBuffer {
@@ -166,6 +172,33 @@ impl DeviceBuffer {
     }
 }
 
+impl Drop for DeviceBuffer {
+    /// CUDA memory is freed by `cuMemFree`, which waits for the GPU's work. CPU-target memory
+    /// waits the same way for every operation queued on the device's streams (a collective queued
+    /// on a buffer that is dropped before `synchronize` still reads live memory); if they are not
+    /// done within [`HOST_FREE_WAIT`] the memory is leaked with a warning rather than freed under
+    /// a running operation.
+    fn drop(&mut self) {
+        let Alloc::Host(h) = &mut self.alloc else {
+            return;
+        };
+        let device = match self.device {
+            Device::Cpu(i) => i,
+            Device::Cuda(_) => return,
+        };
+        if crate::cpu::wait_device_idle(device, HOST_FREE_WAIT) {
+            // SAFETY: dropped once, here; `self.alloc` is not used after drop.
+            unsafe { ManuallyDrop::drop(h) }
+        } else {
+            tracing::warn!(
+                target: "oxccl::alloc",
+                "CPU device {device} still has queued operations after {HOST_FREE_WAIT:?}; leaking a buffer of {} bytes instead of freeing it under them",
+                self.bytes
+            );
+        }
+    }
+}
+
 /// A borrowed byte range of a [`DeviceBuffer`].
 #[derive(Clone, Copy, Debug)]
 pub struct DevSlice<'a> {
@@ -220,5 +253,47 @@ impl Stream {
             Stream::Cuda(s) => s.synchronize(),
             Stream::Cpu(s) => s.synchronize(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    /// Dropping a CPU-target buffer while an operation queued on it has not run yet waits for that
+    /// operation (as `cuMemFree` waits for the GPU), so the operation reads live memory.
+    #[test]
+    fn cpu_buffer_drop_waits_for_queued_work() {
+        let dev = Device::Cpu(7);
+        let Stream::Cpu(stream) = dev.new_stream().unwrap() else {
+            panic!("a CPU device gave a CUDA stream")
+        };
+        let buf = dev.alloc(64 << 20).unwrap();
+        buf.write(0, &0xC0FFEEu32.to_ne_bytes()).unwrap();
+        let addr = buf.addr();
+        let seen = Arc::new(AtomicU32::new(0));
+        let s = seen.clone();
+        stream
+            .enqueue(move || {
+                std::thread::sleep(std::time::Duration::from_millis(300));
+                // SAFETY: what the test checks: the buffer is still allocated here.
+                s.store(unsafe { (addr as *const u32).read_volatile() }, Ordering::SeqCst);
+                Ok(())
+            })
+            .unwrap();
+        let t = std::time::Instant::now();
+        drop(buf);
+        assert!(
+            t.elapsed() >= std::time::Duration::from_millis(250),
+            "drop returned in {:?}",
+            t.elapsed()
+        );
+        assert_eq!(seen.load(Ordering::SeqCst), 0xC0FFEE);
+        // Idle device: freeing does not wait.
+        let t = std::time::Instant::now();
+        drop(dev.alloc(4096).unwrap());
+        assert!(t.elapsed() < std::time::Duration::from_millis(250));
+        stream.synchronize().unwrap();
     }
 }

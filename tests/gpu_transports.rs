@@ -329,14 +329,21 @@ fn child(id: &UniqueId, rank: usize, env: &[(&str, &str)]) -> Command {
     cmd
 }
 
-/// Runs the matrix on 2 GPU ranks in 2 processes with `env`; each rank must pass and log its
-/// channel 0 connection `via` its ring neighbour (e.g. "SHM"). Without `NCCL_PROTO`, no call may
-/// have chosen LL128 (off through host memory).
-fn run_pair(test: &str, env: &[(&str, &str)], via: &str) {
+/// Runs the matrix on 2 ranks in 2 processes with `env` (GPU ranks, or CPU-target ranks when
+/// `cpu`); each rank must pass and log its channel 0 connection `via` its ring neighbour (e.g.
+/// "SHM"). Without `NCCL_PROTO`, no GPU call may have chosen LL128 (off through host memory; on
+/// the CPU target every buffer is host memory and LL128 stays on).
+fn run_pair(test: &str, env: &[(&str, &str)], via: &str, cpu: bool) {
     let id = get_unique_id().unwrap();
     let deadline = Instant::now() + group_limit();
     let children: Vec<_> = (0..NRANKS)
-        .map(|r| child(&id, r, env).spawn().expect("spawn child rank"))
+        .map(|r| {
+            let mut c = child(&id, r, env);
+            if cpu {
+                c.env(ENV_CPU, "1");
+            }
+            c.spawn().expect("spawn child rank")
+        })
         .collect();
     let outs = wait_all(children, deadline);
     for (r, (ok, out)) in outs.iter().enumerate() {
@@ -355,6 +362,7 @@ fn run_pair(test: &str, env: &[(&str, &str)], via: &str) {
             .collect();
         assert!(!protos.is_empty(), "{test}: rank {r}: no CHOICE lines");
         match forced {
+            None if cpu => {}
             None => assert!(
                 !protos.contains(&format!("{:?}", Proto::Ll128).as_str()),
                 "{test}: rank {r}: LL128 chosen through host memory: {protos:?}"
@@ -375,7 +383,7 @@ fn shm_only_collectives_two_processes() {
     for proto in [None, Some("LL"), Some("Simple")] {
         let mut env = vec![("NCCL_P2P_DISABLE", "1")];
         env.extend(proto.map(|p| ("NCCL_PROTO", p)));
-        run_pair("shm_only_collectives_two_processes", &env, "SHM");
+        run_pair("shm_only_collectives_two_processes", &env, "SHM", false);
     }
 }
 
@@ -387,7 +395,23 @@ fn net_only_collectives_two_processes() {
     for proto in [None, Some("LL"), Some("Simple")] {
         let mut env = vec![("NCCL_P2P_DISABLE", "1"), ("NCCL_SHM_DISABLE", "1")];
         env.extend(proto.map(|p| ("NCCL_PROTO", p)));
-        run_pair("net_only_collectives_two_processes", &env, "NET/Socket/0");
+        run_pair("net_only_collectives_two_processes", &env, "NET/Socket/0", false);
+    }
+}
+
+/// The same matrix between CPU-target ranks in 2 processes, through SHM and through NET, under
+/// every protocol. Every run: it holds the host side of both transports to exact results, and
+/// the matrix drops each AllGather input right after queueing the call (before `synchronize`),
+/// which must not free memory the queued collective still reads (it did: a SIGSEGV at 16 MiB).
+#[test]
+fn cpu_shm_and_net_collectives_two_processes() {
+    let test = "cpu_shm_and_net_collectives_two_processes";
+    for (transport, via) in [("NCCL_P2P_DISABLE", "SHM"), ("NCCL_SHM_DISABLE", "NET/Socket/0")] {
+        for proto in [None, Some("LL"), Some("LL128"), Some("Simple")] {
+            let mut env = vec![("NCCL_P2P_DISABLE", "1"), (transport, "1")];
+            env.extend(proto.map(|p| ("NCCL_PROTO", p)));
+            run_pair(test, &env, via, true);
+        }
     }
 }
 
