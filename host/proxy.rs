@@ -9,8 +9,10 @@
 //! - a Simple step `s` is complete once the staging tail passes `s`; the whole slot is sent;
 //! - an LL or LL128 step has no tail: its lines are forwarded as soon as a line carries the
 //!   step's flag (both flag words for LL, the last word for LL128), prefix by prefix, and the step
-//!   is complete once the kernel has moved on (the tail passes it, or line 0 of step `s + 1`
-//!   carries its flag).
+//!   is complete once as many lines have gone as the kernel announced in the step's tagged
+//!   step-sizes entry (`oxccl_gpu::abi::lines_step_size`, NCCL's LL `connFifo[].size`). The
+//!   order in which lines become visible proves nothing: a GPU's stores to host memory may land
+//!   out of order, so the next step's line 0 can show before this step's last line.
 //!
 //! A Simple step sends only the bytes the kernel filled: before its tail, the kernel stores them
 //! in the connection's step sizes ([`FifoSpec::sizes`], NCCL's `connFifo[].size`); an empty step
@@ -39,6 +41,7 @@ use crate::mem::Device;
 use crate::transport::net::{Net, RecvComm, Request, SendComm};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TryRecvError, bounded, unbounded};
 use oxccl_gpu::abi::FIFO_STEPS;
+use oxccl_gpu::abi::lines_of_step_size;
 use oxccl_gpu::proto::ll::ll_flag;
 
 /// The flag of LL128 lines of step `step` (`proto/ll128.rs`'s `ll128_flag`).
@@ -473,9 +476,19 @@ impl SendOp {
             let cur = self.cur;
             if let Some(p) = self.cur_lines.or_else(|| step_lines_proto(&s, cur)) {
                 self.cur_lines = Some(p);
-                // Read before scanning: lines written before the kernel moved on are then seen.
-                let finished = tail > cur || step_lines_proto(&s, cur + 1).is_some();
-                let lines = p.buffer(&s).1;
+                // How many lines the step has: the kernel's tagged entry in the step sizes. The
+                // order in which its lines (and the next step's) become visible says nothing:
+                // a GPU's stores to host memory may land in any order. Without step sizes (a
+                // host-written FIFO, in order), the kernel moving on ends the step; read before
+                // scanning, so lines written before it moved on are then seen.
+                let (announced, moved_on) = if s.sizes == 0 {
+                    (None, tail > cur || step_lines_proto(&s, cur + 1).is_some())
+                } else {
+                    // SAFETY: the sizes array holds FIFO_STEPS entries ([`register`]).
+                    let v = unsafe { load(s.sizes + 8 * (cur % FIFO_STEPS)) };
+                    (lines_of_step_size(v, cur), false)
+                };
+                let lines = announced.map_or(p.buffer(&s).1, |k| k.min(p.buffer(&s).1));
                 let mut n = self.lines_done;
                 // SAFETY: `n` stays below the slot's lines.
                 while n < lines && unsafe { line_ready(&s, p, cur, n) } {
@@ -498,11 +511,10 @@ impl SendOp {
                     self.lines_done = n;
                     found = true;
                 }
-                if !finished {
+                if !(moved_on || announced.is_some_and(|k| self.lines_done >= k)) {
                     break;
                 }
-                // Every line of `cur` was written before the kernel moved on, so the scan above
-                // saw them all: the slot can go back once the queued lines have left.
+                // Every line of `cur` has been queued: the slot can go back once they have left.
                 self.out.push_back(Out::credit(cur + 1));
                 self.cur += 1;
                 self.lines_done = 0;
@@ -1235,6 +1247,130 @@ mod tests {
         // close message's header.
         assert_eq!(net.sends.load(Ordering::Relaxed), 40 + 30 + 1);
         assert_eq!(net.bytes.load(Ordering::Relaxed), 989_440 + 41 * HDR_BYTES as u64);
+        drop(send_mem);
+        drop(recv_mem);
+    }
+
+    /// An LL step is sent whole even when the host sees the next step's line 0 before this
+    /// step's last line (a GPU's stores to host memory land in any order; on 2×H200 the
+    /// NET-only matrix hung at 4 MiB under LL when the proxy took "line 0 of step s + 1 is
+    /// there" for "step s is done" and gave the slot back without its last line). Each step
+    /// here is written out of order: its announced line count, all lines but the last, the next
+    /// step's line 0, a pause, then the last line. Every line must arrive with its data.
+    #[test]
+    fn ll_step_waits_for_its_announced_lines() {
+        let step_lines = 16u64;
+        let nsteps = 24u64;
+        let nlines = move |s: u64| 3 + s % 13;
+        let net = Arc::new(Counting {
+            inner: NetSocket::new("lo", IpAddr::V4(Ipv4Addr::LOCALHOST), 0),
+            sends: AtomicU64::new(0),
+            bytes: AtomicU64::new(0),
+        });
+        let (h, mut l) = net.listen(0).unwrap();
+        let sc = net.connect(0, &h).unwrap().expect("connected");
+        let t = Instant::now();
+        let rc = loop {
+            if let Some(r) = net.accept(&mut l).unwrap() {
+                break r;
+            }
+            assert!(t.elapsed() < Duration::from_secs(10), "accept");
+        };
+        // Each end: the LL lines, then counters as in the Simple test (head, tail, sizes, abort).
+        let ll_bytes = FIFO_STEPS * step_lines * 16;
+        let words = (ll_bytes / 8 + 48) as usize;
+        let mut send_mem = vec![0u64; words];
+        let mut recv_mem = vec![0u64; words];
+        let (sb, rb) = (send_mem.as_mut_ptr() as u64, recv_mem.as_mut_ptr() as u64);
+        let ctr = ll_bytes;
+        let spec = |base: u64| FifoSpec {
+            peer: 1,
+            channel: 0,
+            simple: 0,
+            slot_bytes: 0,
+            ll: base,
+            step_lines,
+            ll128: 0,
+            ll128_lines: 0,
+            head: base + ctr,
+            tail: base + ctr + 128,
+            sizes: base + ctr + 192,
+            step: 0,
+        };
+        let (ss, rs) = (spec(sb), spec(rb));
+        let comm = |base: u64, sends, recvs| ProxyComm {
+            rank: 0,
+            abort_flag: base + ctr + 320,
+            abort_who: 0,
+            host_abort_lines: Vec::new(),
+            net: net.clone(),
+            sends,
+            recvs,
+        };
+        // SAFETY: both blocks outlive the handles, dropped below before the vectors; only the
+        // proxies and the two "kernels" here touch them, under the FIFO protocol.
+        let (hs, hr) = unsafe {
+            (
+                register(Device::Cpu(9003), comm(sb, vec![(ss, sc)], vec![])).unwrap(),
+                register(Device::Cpu(9004), comm(rb, vec![], vec![(rs, rc)])).unwrap(),
+            )
+        };
+        let data = |s: u64, i: u64| (s << 16 | i) as u32;
+        // The receiving kernel: every line of each step, with its data, then the credit.
+        let receiver = std::thread::spawn(move || {
+            for s in 0..nsteps {
+                for i in 0..nlines(s) {
+                    let t = Instant::now();
+                    // SAFETY: the receive block is valid until the handles are dropped, after join.
+                    while !unsafe { line_ready(&rs, Lines::Ll, s, i) } {
+                        if t.elapsed() > Duration::from_secs(10) {
+                            return Err(format!("step {s}: line {i} of {} never came", nlines(s)));
+                        }
+                        std::thread::yield_now();
+                    }
+                    // SAFETY: as above.
+                    let lo = unsafe { load(Lines::Ll.line_addr(&rs, s, i)) };
+                    if lo as u32 != data(s, i) {
+                        return Err(format!("step {s}: line {i} holds {:#x}", lo as u32));
+                    }
+                }
+                // SAFETY: as above.
+                unsafe { store(rs.head, s + 1) };
+            }
+            Ok(())
+        });
+        let write = |s: u64, i: u64| {
+            let f = (ll_flag(s) as u64) << 32;
+            let at = Lines::Ll.line_addr(&ss, s, i);
+            // SAFETY: inside the send block's LL buffer; the slot's credit was checked.
+            unsafe {
+                store(at, f | data(s, i) as u64);
+                store(at + 8, f);
+            }
+        };
+        let credit = |s: u64| {
+            // SAFETY: the send block is valid until the handles are dropped.
+            wait_for("a credit", || unsafe { load(ss.head) } + FIFO_STEPS > s)
+        };
+        for s in 0..nsteps {
+            credit(s);
+            let n = nlines(s);
+            let announce = oxccl_gpu::abi::lines_step_size(s, n);
+            // SAFETY: the sizes entry of a slot whose credit was checked.
+            unsafe { store(ss.sizes + 8 * (s % FIFO_STEPS), announce) };
+            for i in (1..n - 1).rev().chain([0]) {
+                write(s, i);
+            }
+            credit(s + 1);
+            write(s + 1, 0);
+            std::thread::sleep(Duration::from_millis(5));
+            write(s, n - 1);
+        }
+        receiver.join().unwrap().unwrap();
+        assert!(hs.error().is_none(), "{:?}", hs.error());
+        assert!(hr.error().is_none(), "{:?}", hr.error());
+        drop(hs);
+        drop(hr);
         drop(send_mem);
         drop(recv_mem);
     }

@@ -109,9 +109,38 @@ pub struct ConnInfo {
     /// Address of [`FIFO_STEPS`] `u64` step sizes of a send connection driven by a proxy (NCCL's
     /// `connFifo[step % NCCL_STEPS].size`): before publishing the tail of a Simple slice, the
     /// kernel stores in entry `s % FIFO_STEPS` the bytes of step `s` it filled (0 for a step it
-    /// skipped or left empty), so the proxy sends only those. 0: not written (P2P, SHM).
+    /// skipped or left empty), so the proxy sends only those. A step of the LL or LL128 protocol
+    /// stores its line count instead, tagged with the step ([`lines_step_size`]). 0: not written
+    /// (P2P, SHM).
     pub sizes: u64,
     pub _pad: u64,
+}
+
+/// The step-sizes entry (`ConnInfo::sizes`) of step `step` of a flag-line protocol (LL, LL128)
+/// that writes `lines` lines: the step's tag `step mod (2^31 − 1) + 1` in the high 32 bits, the
+/// line count in the low 32. The tag lets a proxy tell this step's entry from the slot's previous
+/// one: over PCIe, the host may see a step's lines (and the next step's) before this store, so
+/// the entry, not the order of the lines, says when a step is whole. A Simple entry (bytes, below
+/// 2^32) never carries a tag.
+#[inline(always)]
+pub const fn lines_step_size(step: u64, lines: u64) -> u64 {
+    lines_step_tag(step) << 32 | (lines & 0xffff_ffff)
+}
+
+/// The line count of step `step` in a step-sizes entry `v`, if `v` is that step's
+/// ([`lines_step_size`]).
+#[inline(always)]
+pub const fn lines_of_step_size(v: u64, step: u64) -> Option<u64> {
+    if v >> 32 == lines_step_tag(step) {
+        Some(v & 0xffff_ffff)
+    } else {
+        None
+    }
+}
+
+#[inline(always)]
+const fn lines_step_tag(step: u64) -> u64 {
+    step % ((1 << 31) - 1) + 1
 }
 
 /// A ring as seen from one rank of one channel (NCCL's `ncclRing`).

@@ -37,6 +37,8 @@ struct Conn {
     info: *mut ConnInfo,
     buff: *mut LlFifoLine,
     head: *mut u64,
+    /// Step sizes a proxy reads (`ConnInfo::sizes`); null when none are wanted.
+    sizes: *mut u64,
     step: u64,
 }
 
@@ -50,6 +52,7 @@ impl Conn {
             info,
             buff: c.buffs[Proto::Ll as usize] as *mut LlFifoLine,
             head: c.head as *mut u64,
+            sizes: c.sizes as *mut u64,
             step: c.step,
         }
     }
@@ -292,6 +295,9 @@ impl<T: Elem, Op: RedFn<T>> Ll<T, Op> {
             } else {
                 nlines
             };
+            if SEND && self.tid == 0 {
+                super::announce_step_lines(self.send.sizes, self.send.step, total);
+            }
             let (fs, fr) = (ll_flag(self.send.step), ll_flag(self.recv.step));
             // SAFETY: slots lie inside the connection buffers.
             let (slot_s, slot_r) = unsafe {

@@ -51,6 +51,8 @@ struct Conn {
     info: *mut ConnInfo,
     buff: *mut u64,
     head: *mut u64,
+    /// Step sizes a proxy reads (`ConnInfo::sizes`); null when none are wanted.
+    sizes: *mut u64,
     step: u64,
 }
 
@@ -64,6 +66,7 @@ impl Conn {
             info,
             buff: c.buffs[Proto::Ll128 as usize] as *mut u64,
             head: c.head as *mut u64,
+            sizes: c.sizes as *mut u64,
             step: c.step,
         }
     }
@@ -362,6 +365,9 @@ impl<T: Elem, Op: RedFn<T>> Ll128<T, Op> {
             }
             let nbytes = len * esize;
             let nlines = nbytes.div_ceil(LL128_DATA_BYTES);
+            if SEND && self.tid == 0 {
+                super::announce_step_lines(self.send.sizes, self.send.step, nlines);
+            }
             let (fs, fr) = (ll128_flag(self.send.step), ll128_flag(self.recv.step));
             // SAFETY: slots lie inside the connection buffers.
             let (slot_s, slot_r) = unsafe {

@@ -35,6 +35,20 @@ pub trait Primitives {
     fn aborted(&self) -> bool;
 }
 
+/// Stores how many lines step `step` of a flag-line protocol writes in the connection's step
+/// sizes (null: no proxy reads them), tagged with the step ([`crate::abi::lines_step_size`]);
+/// called by thread 0 after the slot's credit, before or while the lines are written.
+#[inline(always)]
+pub(crate) fn announce_step_lines(sizes: *mut u64, step: u64, lines: u64) {
+    if sizes.is_null() {
+        return;
+    }
+    let v = crate::abi::lines_step_size(step, lines);
+    // SAFETY: a non-null `sizes` holds FIFO_STEPS entries (ConnInfo contract); the credit the
+    // caller waited for means the proxy is done with this slot's previous entry.
+    unsafe { crate::arch::store_volatile_u64(sizes.add((step % crate::abi::FIFO_STEPS) as usize), v) };
+}
+
 /// Elements per step when `n` elements travel in steps of at most `max_step`: the fewest steps,
 /// all of equal size except the last (shorter by less than one element per step).
 #[inline(always)]
