@@ -59,7 +59,16 @@ fn redop(o: RedOp) -> sys::ncclRedOp_t {
     }
 }
 
-/// One NCCL communicator per local GPU, from `ncclCommInitAll`.
+/// A fresh `ncclGetUniqueId`: the 128 bytes every rank of one `ncclCommInitRank` needs (this
+/// process serves NCCL's bootstrap root for them).
+pub fn unique_id() -> Result<[u8; crate::bootstrap::UNIQUE_ID_BYTES]> {
+    version()?;
+    let id = result::get_uniqueid().map_err(|e| nccl_err("ncclGetUniqueId", e))?;
+    Ok(id.internal.map(|c| c as u8))
+}
+
+/// The NCCL communicators of this process's GPUs: one per GPU from `ncclCommInitAll`, or this
+/// process's one rank from `ncclCommInitRank` ([`NcclComms::init_rank`]).
 pub struct NcclComms {
     comms: Vec<sys::ncclComm_t>,
 }
@@ -76,8 +85,35 @@ impl NcclComms {
         Ok(NcclComms { comms })
     }
 
-    /// Number of ranks.
-    pub fn nranks(&self) -> usize {
+    /// `ncclCommInitRank`: rank `rank` of `nranks` on CUDA device `ordinal` (made current on
+    /// this thread first), joined through `id`, the 128 bytes of rank 0's [`unique_id`]. The
+    /// communicator is local slot 0 of the returned set.
+    ///
+    /// Errors: `InvalidArgument` for an id that is not 128 bytes; `System` when NCCL is missing or
+    /// the init fails; CUDA errors of making the device current.
+    pub fn init_rank(nranks: usize, id: &[u8], rank: usize, ordinal: usize) -> Result<NcclComms> {
+        version()?;
+        if id.len() != crate::bootstrap::UNIQUE_ID_BYTES {
+            return Err(Error::invalid(format!(
+                "an NCCL unique id is {} bytes, not {}",
+                crate::bootstrap::UNIQUE_ID_BYTES,
+                id.len()
+            )));
+        }
+        cuda::Context::get(ordinal)?.bind()?;
+        let mut uid = sys::ncclUniqueId { internal: [0; 128] };
+        for (d, s) in uid.internal.iter_mut().zip(id) {
+            *d = *s as _;
+        }
+        let mut comm = std::ptr::null_mut();
+        // SAFETY: `comm` is a valid out-pointer; the id holds the 128 bytes of a ncclGetUniqueId.
+        unsafe { result::comm_init_rank(&mut comm, nranks as i32, uid, rank as i32) }
+            .map_err(|e| nccl_err("ncclCommInitRank", e))?;
+        Ok(NcclComms { comms: vec![comm] })
+    }
+
+    /// Number of local communicators (GPUs of this process).
+    pub fn local_ranks(&self) -> usize {
         self.comms.len()
     }
 
@@ -138,7 +174,8 @@ impl NcclComms {
 impl Drop for NcclComms {
     fn drop(&mut self) {
         for c in self.comms.drain(..) {
-            // SAFETY: each communicator came from ncclCommInitAll and is destroyed once.
+            // SAFETY: each communicator came from ncclCommInitAll or ncclCommInitRank and is
+            // destroyed once.
             if let Err(e) = unsafe { result::comm_destroy(c) } {
                 tracing::warn!(target: "oxccl::perf", "ncclCommDestroy failed: {:?}", e.0);
             }

@@ -132,3 +132,78 @@ fn all_reduce_two_processes_one_gpu_each() {
         );
     }
 }
+
+/// `oxccl perf --procs 2 --compare nccl`: each process joins oxccl's communicator and NCCL's
+/// (`ncclCommInitRank`, through a fresh id of rank 0's shared over the control bootstrap), and
+/// rank 0 prints both libraries' columns with 0 wrong in place and out of place. Without GPUs:
+/// the same command on the CPU target is refused naming `--compare nccl`, and the GPU half prints
+/// SKIPPED.
+#[test]
+fn perf_procs_compares_with_nccl() {
+    let bin = env!("CARGO_BIN_EXE_oxccl");
+    let args = [
+        "perf",
+        "all-reduce",
+        "--procs",
+        "2",
+        "-b",
+        "1M",
+        "-e",
+        "4M",
+        "-f",
+        "4",
+        "-n",
+        "2",
+        "-w",
+        "1",
+    ];
+    let out = std::process::Command::new(bin)
+        .args(args)
+        .args(["--compare", "nccl", "--backend", "cpu"])
+        .output()
+        .expect("run oxccl");
+    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(
+        String::from_utf8_lossy(&out.stderr).trim(),
+        "oxccl: --compare nccl needs GPUs (NCCL does not run on the CPU target)"
+    );
+    let ngpu = Device::cuda_count();
+    if ngpu < NRANKS {
+        let _ = std::io::Write::write_fmt(
+            &mut std::io::stderr(),
+            format_args!(
+                "SKIPPED: perf_procs_compares_with_nccl GPU half: needs {NRANKS} GPUs, {ngpu} visible\n"
+            ),
+        );
+        return;
+    }
+    let out = std::process::Command::new(bin)
+        .args(args)
+        .args(["--compare", "nccl"])
+        .env("NCCL_NVLS_ENABLE", "0")
+        .output()
+        .expect("run oxccl");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: Vec<Vec<&str>> = stdout
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    // size count type redop root, oxccl out of place and in place (time algbw busbw #wrong),
+    // NCCL out of place and in place (time busbw), the ratio: 5 + 8 + 4 + 1 columns.
+    assert_eq!(rows.len(), 2, "{stdout}");
+    for r in &rows {
+        assert_eq!(r.len(), 18, "{stdout}");
+        assert_eq!((r[8], r[12]), ("0", "0"), "#wrong in {r:?}");
+        for col in [13, 14, 15, 16, 17] {
+            let v: f64 = r[col].parse().unwrap_or_else(|_| panic!("column {col} of {r:?}"));
+            assert!(v > 0.0, "column {col} of {r:?}");
+        }
+    }
+    assert!(stdout.contains("# NCCL "), "{stdout}");
+}

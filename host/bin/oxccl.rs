@@ -244,9 +244,6 @@ fn main() -> ExitCode {
 /// each, bootstrapped through a fresh unique id; rank 0's output is this command's. Returns the
 /// first failing rank's exit status (the other ranks are then stopped, as they could only wait).
 fn perf_spawn(a: &PerfArgs, n: usize) -> Result<ExitCode, Box<dyn std::error::Error>> {
-    if a.compare.is_some() || a.backend == BackendArg::Nccl {
-        return Err("--procs runs oxccl only: drop --compare and --backend nccl".into());
-    }
     if a.ranks.is_some() {
         return Err("--procs N sets the number of ranks: drop --ranks".into());
     }
@@ -257,8 +254,15 @@ fn perf_spawn(a: &PerfArgs, n: usize) -> Result<ExitCode, Box<dyn std::error::Er
         }
         BackendArg::Cuda => true,
         BackendArg::Auto => ngpu > 0,
-        BackendArg::Cpu | BackendArg::Nccl => false,
+        BackendArg::Nccl if ngpu == 0 => {
+            return Err("--backend nccl needs GPUs: no CUDA GPU is visible (no driver or no device)".into());
+        }
+        BackendArg::Nccl => true,
+        BackendArg::Cpu => false,
     };
+    if a.compare.is_some() && !gpu {
+        return Err("--compare nccl needs GPUs (NCCL does not run on the CPU target)".into());
+    }
     let limit = if gpu { ngpu } else { 64 };
     if n == 0 || n > limit {
         return Err(format!(
@@ -361,7 +365,7 @@ fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         return perf_spawn(&a, n);
     }
     let (devices, nccl_main) = match &proc_rank {
-        Some(p) => (vec![p.device], false),
+        Some(p) => (vec![p.device], a.backend == BackendArg::Nccl),
         None => devices_for(&a)?,
     };
     let (ranks, nranks): (Vec<usize>, usize) = match &proc_rank {
@@ -380,8 +384,19 @@ fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         .iter()
         .filter_map(|d| if let Device::Cuda(o) = d { Some(*o) } else { None })
         .collect();
+    // A process of `--procs` joins the other processes through a control bootstrap on the id its
+    // parent gave it, then each communicator (oxccl's, NCCL's) through a fresh id of rank 0's.
+    let ctl = match &proc_rank {
+        Some(p) => Some(oxccl::bootstrap::Bootstrap::init(&p.id, p.rank, p.nranks)?),
+        None => None,
+    };
     let nccl_comms = |what: &str| -> Result<Backend, Box<dyn std::error::Error>> {
-        NcclComms::init_all(&ordinals)
+        let comms = match (&proc_rank, &ctl, ordinals.first()) {
+            (Some(p), Some(ctl), Some(&o)) => oxccl::perf::procs::share_id(ctl, nccl::unique_id)
+                .and_then(|id| NcclComms::init_rank(p.nranks, &id, p.rank, o)),
+            _ => NcclComms::init_all(&ordinals),
+        };
+        comms
             .map(Backend::Nccl)
             .map_err(|e| format!("{what}: {e}").into())
     };
@@ -406,8 +421,10 @@ fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     let t0 = std::time::Instant::now();
     let main = if nccl_main {
         nccl_comms("--backend nccl")?
-    } else if let Some(p) = &proc_rank {
-        Backend::Oxccl(vec![Comm::init_rank(p.nranks, &p.id, p.rank, p.device)?])
+    } else if let (Some(p), Some(ctl)) = (&proc_rank, &ctl) {
+        let id = oxccl::perf::procs::share_id(ctl, || Ok(oxccl::bootstrap::get_unique_id()?.to_bytes()))?;
+        let id = oxccl::bootstrap::UniqueId::from_bytes(&id)?;
+        Backend::Oxccl(vec![Comm::init_rank(p.nranks, &id, p.rank, p.device)?])
     } else {
         Backend::Oxccl(Comm::init_all(&devices)?)
     };

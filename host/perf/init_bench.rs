@@ -11,8 +11,8 @@
 //! then destroys the communicator. Making the id is not timed (as nccl-tests does not time
 //! `ncclGetUniqueId`); the CUDA context is created before any timing. With `--compare nccl` the
 //! oxccl and NCCL iterations alternate, so drift on the machine affects both alike.
-pub use super::procs::{ChildRank, ENV_GPU, ENV_ID, ENV_NRANKS, ENV_RANK, from_hex, to_hex};
-use crate::bootstrap::{Bootstrap, UNIQUE_ID_BYTES, UniqueId, get_unique_id};
+pub use super::procs::{ChildRank, ENV_GPU, ENV_ID, ENV_NRANKS, ENV_RANK, from_hex, share_id, to_hex};
+use crate::bootstrap::{Bootstrap, UniqueId, get_unique_id};
 use crate::error::{Error, Result};
 use crate::{Comm, Device};
 use std::time::Instant;
@@ -138,61 +138,6 @@ enum Lib {
     Nccl,
 }
 
-/// The 128 id bytes `make` returns on rank 0, on every rank: an allgather of the control
-/// bootstrap to which only rank 0 contributes (every rank calls it in lockstep).
-fn share_id(ctl: &Bootstrap, make: impl FnOnce() -> Result<[u8; UNIQUE_ID_BYTES]>) -> Result<Vec<u8>> {
-    let mine = if ctl.rank() == 0 {
-        make()?.to_vec()
-    } else {
-        Vec::new()
-    };
-    let mut all = ctl.allgather(&mine)?;
-    let id = std::mem::take(&mut all[0]);
-    if id.len() != UNIQUE_ID_BYTES {
-        return Err(Error::Remote(format!(
-            "rank 0 sent a {}-byte unique id (expected {UNIQUE_ID_BYTES})",
-            id.len()
-        )));
-    }
-    Ok(id)
-}
-
-/// NCCL's side: `ncclGetUniqueId` bytes, and one init / destroy.
-mod nccl_side {
-    use crate::error::{Error, Result};
-    use cudarc::nccl::{result, sys};
-
-    fn err(call: &str, e: result::NcclError) -> Error {
-        Error::System(format!("NCCL {call} failed with ncclResult_t {:?}", e.0))
-    }
-
-    pub fn unique_id() -> Result<[u8; crate::bootstrap::UNIQUE_ID_BYTES]> {
-        let id = result::get_uniqueid().map_err(|e| err("ncclGetUniqueId", e))?;
-        Ok(id.internal.map(|c| c as u8))
-    }
-
-    /// `ncclCommInitRank` on the calling thread's current CUDA device.
-    pub fn init_rank(nranks: usize, id: &[u8], rank: usize) -> Result<sys::ncclComm_t> {
-        let mut uid = sys::ncclUniqueId { internal: [0; 128] };
-        for (d, s) in uid.internal.iter_mut().zip(id) {
-            *d = *s as _;
-        }
-        let mut comm = std::ptr::null_mut();
-        // SAFETY: `comm` is a valid out-pointer; the id is the 128 bytes rank 0's
-        // ncclGetUniqueId made.
-        unsafe { result::comm_init_rank(&mut comm, nranks as i32, uid, rank as i32) }
-            .map_err(|e| err("ncclCommInitRank", e))?;
-        Ok(comm)
-    }
-
-    pub fn destroy(comm: sys::ncclComm_t) -> Result<()> {
-        // SAFETY: `comm` came from ncclCommInitRank and is destroyed once.
-        unsafe { result::comm_destroy(comm) }
-            .map(|_| ())
-            .map_err(|e| err("ncclCommDestroy", e))
-    }
-}
-
 /// One timed iteration: a fresh id from rank 0, a control barrier, the init, a control barrier
 /// (the time, in ms, ends here), then the destroy and a last barrier.
 fn time_one(ctl: &Bootstrap, me: &ChildRank, lib: Lib) -> Result<f64> {
@@ -210,13 +155,16 @@ fn time_one(ctl: &Bootstrap, me: &ChildRank, lib: Lib) -> Result<f64> {
             Ok(ms)
         }
         Lib::Nccl => {
-            let id = share_id(ctl, nccl_side::unique_id)?;
+            let Device::Cuda(ordinal) = me.device else {
+                return Err(Error::invalid("NCCL needs a CUDA device"));
+            };
+            let id = share_id(ctl, crate::nccl::unique_id)?;
             ctl.barrier()?;
             let t = Instant::now();
-            let comm = nccl_side::init_rank(me.nranks, &id, me.rank)?;
+            let comm = crate::nccl::NcclComms::init_rank(me.nranks, &id, me.rank, ordinal)?;
             ctl.barrier()?;
             let ms = t.elapsed().as_secs_f64() * 1e3;
-            nccl_side::destroy(comm)?;
+            drop(comm);
             ctl.barrier()?;
             Ok(ms)
         }

@@ -7,7 +7,7 @@
 //! namespaces joined by veth pairs to a bridge, so ranks of different hosts talk over the socket
 //! network (NET) with addresses of their own, and ranks of one host over SHM.
 use crate::Device;
-use crate::bootstrap::{UniqueId, get_unique_id};
+use crate::bootstrap::{Bootstrap, UNIQUE_ID_BYTES, UniqueId, get_unique_id};
 use crate::error::{Error, Result};
 
 /// Environment variable telling a child process its rank.
@@ -37,6 +37,29 @@ pub fn from_hex(what: &str, s: &str) -> Result<Vec<u8>> {
                 .map_err(|_| Error::invalid(format!("{what} is not hex")))
         })
         .collect()
+}
+
+/// The unique-id bytes `make` returns on rank 0, on every rank of the control bootstrap `ctl`:
+/// an allgather to which only rank 0 contributes (every rank calls it in lockstep). How a child
+/// joins a communicator of its own (oxccl's or NCCL's) after the control bootstrap.
+///
+/// Errors: `make`'s on rank 0; the bootstrap's; `Remote` when rank 0 sent no id of
+/// [`UNIQUE_ID_BYTES`].
+pub fn share_id(ctl: &Bootstrap, make: impl FnOnce() -> Result<[u8; UNIQUE_ID_BYTES]>) -> Result<Vec<u8>> {
+    let mine = if ctl.rank() == 0 {
+        make()?.to_vec()
+    } else {
+        Vec::new()
+    };
+    let mut all = ctl.allgather(&mine)?;
+    let id = all.first_mut().map(std::mem::take).unwrap_or_default();
+    if id.len() != UNIQUE_ID_BYTES {
+        return Err(Error::Remote(format!(
+            "rank 0 sent a {}-byte unique id (expected {UNIQUE_ID_BYTES})",
+            id.len()
+        )));
+    }
+    Ok(id)
 }
 
 /// Starts `n` processes of this binary with its own arguments, rank r with the

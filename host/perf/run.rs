@@ -85,7 +85,7 @@ impl Backend {
             Backend::Nccl(n) => {
                 NcclComms::group_start()?;
                 let mut res = Ok(());
-                for r in 0..n.nranks() {
+                for r in 0..n.local_ranks() {
                     let (send, recv) = call_addrs(func, &bufs[r], ranks[r], count, dtype, in_place);
                     let Stream::Cuda(s) = &streams[r] else {
                         res = Err(Error::invalid("NCCL needs CUDA streams"));
@@ -227,23 +227,42 @@ impl Bench {
         self.ranks.len() < self.nranks
     }
 
-    /// Combines `v` over every process's ranks with `op` (an AllReduce of one u64 over the oxccl
-    /// communicator, as nccl-tests combines results over MPI); `v` itself when this process holds
-    /// every rank.
+    /// Combines `v` over every process's ranks with `op` (an AllReduce of one u64 over the
+    /// backend's own communicator, as nccl-tests combines results over MPI); `v` itself when this
+    /// process holds every rank.
     fn across_ranks(&self, b: &Backend, v: u64, op: RedOp) -> Result<u64> {
         if !self.spread() {
             return Ok(v);
         }
-        let Backend::Oxccl(comms) = b else {
-            return Err(Error::InvalidUsage(
-                "ranks spread over processes need the oxccl backend".into(),
-            ));
-        };
         let mut out = v;
-        for (i, c) in comms.iter().enumerate() {
-            let buf = self.devices[i].alloc(8)?;
+        for (i, d) in self.devices.iter().enumerate() {
+            let buf = d.alloc(8)?;
             buf.write(0, &v.to_ne_bytes())?;
-            c.all_reduce(&buf, &buf, 1, DataType::U64, op, &self.streams[i])?;
+            match (b, &self.streams[i]) {
+                (Backend::Oxccl(comms), s) => {
+                    let c = comms
+                        .get(i)
+                        .ok_or_else(|| Error::Internal("no communicator for a local rank".into()))?;
+                    c.all_reduce(&buf, &buf, 1, DataType::U64, op, s)?;
+                }
+                (Backend::Nccl(n), Stream::Cuda(s)) => {
+                    // SAFETY: `buf` is 8 bytes on this rank's GPU and lives past the synchronize.
+                    unsafe {
+                        n.collective(
+                            i,
+                            Func::AllReduce,
+                            buf.addr(),
+                            buf.addr(),
+                            1,
+                            DataType::U64,
+                            op,
+                            ROOT,
+                            s,
+                        )?
+                    };
+                }
+                (Backend::Nccl(_), Stream::Cpu(_)) => return Err(Error::invalid("NCCL needs CUDA streams")),
+            }
             self.streams[i].synchronize()?;
             let mut got = [0u8; 8];
             buf.read(0, &mut got)?;
