@@ -73,6 +73,8 @@ pub struct Comm {
     rings: Arc<ChannelRings>,
     /// Set by [`Comm::finalize`]: later collectives are refused.
     finalized: std::sync::atomic::AtomicBool,
+    /// What the rings run over, for the tuning model (the same on every rank).
+    fabric: crate::tuning::Fabric,
 }
 
 enum Res {
@@ -389,6 +391,7 @@ impl Comm {
                     trees: trees.get(r).copied(),
                     rings: rings.clone(),
                     finalized: false.into(),
+                    fabric: crate::tuning::Fabric::NvLink,
                 });
             }
             tracing::debug!(target: "oxccl::init", nranks, nch, "CUDA communicators ready");
@@ -464,6 +467,7 @@ impl Comm {
                     trees: trees.get(r).copied(),
                     rings: rings.clone(),
                     finalized: false.into(),
+                    fabric: crate::tuning::Fabric::Host,
                 })
                 .collect())
         }
@@ -828,6 +832,16 @@ impl Comm {
         // unless NCCL_PROTO names it. Decided from every ring pair, so all ranks agree.
         let host_path = (0..nranks)
             .any(|a| peers[a].cuda && ring_transport(&peers, a, rings.next(0, a)) != TransportKind::P2p);
+        // The tuning model's fabric, from every ring pair of every channel (so all ranks agree).
+        let fabric = if is_cuda {
+            crate::tuning::Fabric::of_gpu_rings(
+                (0..rings.nchannels())
+                    .flat_map(|c| (0..nranks).map(move |a| (c, a)))
+                    .map(|(c, a)| ring_transport(&peers, a, rings.next(c, a))),
+            )
+        } else {
+            crate::tuning::Fabric::Host
+        };
         if host_path && !ll128_forced() {
             let mut protos = selection.protos.0;
             protos[Proto::Ll128 as usize] = false;
@@ -954,6 +968,7 @@ impl Comm {
             trees: None,
             rings,
             finalized: std::sync::atomic::AtomicBool::new(false),
+            fabric,
         })
     }
 
@@ -1584,12 +1599,7 @@ impl Comm {
     /// tuning step: the cost model of [`crate::tuning::Model`] among what `NCCL_ALGO` /
     /// `NCCL_PROTO` allow and this communicator implements — the tree only when it has trees).
     fn plan(&self, func: Func, bytes: u64, esize: u64) -> Result<Choice> {
-        let fabric = if self.device.is_cuda() {
-            crate::tuning::Fabric::NvLink
-        } else {
-            crate::tuning::Fabric::Host
-        };
-        let model = crate::tuning::Model::for_fabric(fabric);
+        let model = crate::tuning::Model::for_fabric(self.fabric);
         let min = self.params.min_nchannels.unwrap_or(1);
         let trees = self.trees.map(|t| t.shape);
         let (algo, proto, nch) =

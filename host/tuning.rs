@@ -157,6 +157,25 @@ pub enum Fabric {
     NvLink,
     /// CPU-target ranks: host threads writing into host memory.
     Host,
+    /// GPUs whose rings go through host shared memory (SHM, no NET): every step crosses PCIe
+    /// twice.
+    Shm,
+    /// GPUs whose rings cross the network (NET, driven by the proxy thread).
+    Net,
+}
+
+impl Fabric {
+    /// The fabric of a communicator of GPU ranks whose ring pairs use `kinds`: its slowest
+    /// transport (NET over SHM over P2P/NVLink). Every rank derives it from the same ring view,
+    /// so all agree on each call's plan.
+    pub fn of_gpu_rings(kinds: impl IntoIterator<Item = crate::transport::TransportKind>) -> Fabric {
+        use crate::transport::TransportKind::{Net, P2p, Shm};
+        kinds.into_iter().fold(Fabric::NvLink, |f, k| match (f, k) {
+            (Fabric::Net, _) | (_, Net) => Fabric::Net,
+            (Fabric::Shm, _) | (_, Shm) => Fabric::Shm,
+            (f, P2p) => f,
+        })
+    }
 }
 
 /// The latency + bandwidth cost model of one fabric (NCCL's `ncclTopoTuneModel`: a base latency
@@ -181,6 +200,8 @@ pub struct Model {
     /// Fraction of the protocol's bandwidth a ReduceScatter reaches (its one reduce-and-store
     /// pass per step has no second ring phase to overlap with).
     pub reduce_scatter_scale: [f64; Proto::COUNT],
+    /// Most channels a call uses on this fabric (unless `NCCL_MIN_NCHANNELS` asks for more).
+    pub max_channels: u32,
 }
 
 impl Model {
@@ -204,6 +225,7 @@ impl Model {
                 // 32 / 64 MiB where AllReduce of the same bus bytes reached 262 / 283; Simple
                 // 191 / 240 (2026-11-29), so LL128 counts at 0.77 of its AllReduce figure.
                 reduce_scatter_scale: [1.0, 0.77, 1.0],
+                max_channels: 64,
             },
             Fabric::Host => Model {
                 base_lat_us: [20.0, 25.0, 30.0],
@@ -213,15 +235,50 @@ impl Model {
                 bus_cap: [1.0, 2.0, 4.0],
                 min_channel_bytes: [16 << 10, 64 << 10, 128 << 10],
                 reduce_scatter_scale: [1.0; Proto::COUNT],
+                max_channels: 64,
+            },
+            // 2 processes × 1 H200, NCCL_P2P_DISABLE=1, `perf all-reduce --procs 2` with
+            // NCCL_PROTO and NCCL_MAX_NCHANNELS fixed (2026-11-30): LL takes 20 µs up to 64 KiB and
+            // saturates near 15–17 GB/s (32 channels), Simple starts at 25 µs and reaches 28 GB/s
+            // at 16 MiB, 31–32 at 64–256 MiB. LL wins to ≈ 512 KiB, Simple above. LL128 is off
+            // through host memory (only NCCL_PROTO=LL128 brings it back): LL's figures.
+            Fabric::Shm => Model {
+                base_lat_us: [19.0, 19.0, 24.0],
+                hop_lat_us: [0.5, 0.5, 1.0],
+                fill_us: [0.0, 0.0, 10.0],
+                channel_bw: [4.0, 4.0, 12.0],
+                bus_cap: [16.0, 16.0, 32.0],
+                min_channel_bytes: [16 << 10, 16 << 10, 128 << 10],
+                reduce_scatter_scale: [1.0; Proto::COUNT],
+                max_channels: 64,
+            },
+            // 2 processes × 1 H200, NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 over loopback sockets
+            // (2026-11-30): Simple on 1 channel takes 53–64 µs up to 16 KiB and gives 3.4 GB/s at
+            // 1 MiB, 4.7 at 4 MiB; 4 channels 13 GB/s at 16 MiB; 16 channels 21 GB/s at 256 MiB;
+            // more channels are slower (64: 12 ms for 16 MiB, the proxy's rounds over 128
+            // connections). LL never beats Simple through the proxy (0.6 GB/s, 58 µs at 16 KiB):
+            // it counts as slow so only NCCL_PROTO=LL picks it.
+            Fabric::Net => Model {
+                base_lat_us: [55.0, 55.0, 50.0],
+                hop_lat_us: [1.0, 1.0, 1.0],
+                fill_us: [0.0; Proto::COUNT],
+                channel_bw: [0.6, 0.6, 4.5],
+                bus_cap: [0.9, 0.9, 21.0],
+                min_channel_bytes: [1 << 20, 1 << 20, 4 << 20],
+                reduce_scatter_scale: [1.0; Proto::COUNT],
+                max_channels: 16,
             },
         }
     }
 
-    /// Channels a call of `bytes` uses on `proto`: one per `min_channel_bytes`, within
-    /// `min..=max` (`NCCL_MIN_NCHANNELS` / the communicator's channel count).
+    /// Channels a call of `bytes` uses on `proto`: one per `min_channel_bytes`, at most
+    /// `max_channels`, within `min..=max` (`NCCL_MIN_NCHANNELS` / the communicator's channel
+    /// count; `min` wins over `max_channels`).
     pub fn nchannels(&self, proto: Proto, bytes: u64, min: u32, max: u32) -> u32 {
         let want = bytes.div_ceil(self.min_channel_bytes[proto as usize].max(1));
-        (want.min(u32::MAX as u64) as u32).clamp(min.min(max), max)
+        let lo = min.min(max);
+        let hi = max.min(self.max_channels).max(lo);
+        (want.min(u32::MAX as u64) as u32).clamp(lo, hi)
     }
 
     /// Predicted time in µs of a ring `func` of `bytes` (nccl-tests' size: the larger of the
@@ -413,6 +470,50 @@ mod tests {
         // Predictions: 8 B AllReduce on 2 ranks = base + 2 hops on LL.
         let t = m.predict_us(Func::AllReduce, Proto::Ll, 2, 1, 8);
         assert!((t - (9.5 + 2.0 * 0.6 + 8.0 / 4e3)).abs() < 1e-9, "{t}");
+    }
+
+    /// The SHM and NET models pick what measured fastest on 2×H200 (2026-11-30, see
+    /// `Model::for_fabric`), with LL128 off as `init_rank` leaves it through host memory.
+    #[test]
+    fn shm_and_net_models_follow_the_measured_best() {
+        let no_ll128 = sel(None, Some("^LL128")).unwrap();
+        let pick = |f: Fabric, bytes: u64| {
+            let m = Model::for_fabric(f);
+            let (_, p, nch) = no_ll128
+                .choose_sized(&m, Func::AllReduce, bytes, 2, 1, 64)
+                .unwrap();
+            (p, nch)
+        };
+        // SHM: LL to 256 KiB (20 µs at 16 KiB; 30 µs on 16+ channels at 256 KiB, Simple 48),
+        // Simple from 1 MiB (75 µs on 8 channels; LL 77 on 32), on one channel per 128 KiB.
+        assert_eq!(pick(Fabric::Shm, 16 << 10), (Proto::Ll, 1));
+        assert_eq!(pick(Fabric::Shm, 256 << 10), (Proto::Ll, 16));
+        assert_eq!(pick(Fabric::Shm, 1 << 20), (Proto::Simple, 8));
+        assert_eq!(pick(Fabric::Shm, 4 << 20), (Proto::Simple, 32));
+        assert_eq!(pick(Fabric::Shm, 256 << 20), (Proto::Simple, 64));
+        // NET: Simple at every size, one channel per 4 MiB, at most 16 (the 64-channel setup took
+        // 4.2 ms for 1 MiB on LL and 12 ms for 16 MiB on Simple; 1 and 4 channels 0.3 and 1.3).
+        assert_eq!(pick(Fabric::Net, 8), (Proto::Simple, 1));
+        assert_eq!(pick(Fabric::Net, 1 << 20), (Proto::Simple, 1));
+        assert_eq!(pick(Fabric::Net, 16 << 20), (Proto::Simple, 4));
+        assert_eq!(pick(Fabric::Net, 1 << 30), (Proto::Simple, 16));
+        // NCCL_MIN_NCHANNELS above the fabric's cap still wins.
+        let net = Model::for_fabric(Fabric::Net);
+        assert_eq!(net.nchannels(Proto::Simple, 8, 32, 64), 32);
+        // Forcing LL over NET is honoured.
+        let ll = sel(None, Some("LL")).unwrap();
+        let (_, p, nch) = ll.choose_sized(&net, Func::AllReduce, 1 << 20, 2, 1, 64).unwrap();
+        assert_eq!((p, nch), (Proto::Ll, 1));
+    }
+
+    #[test]
+    fn a_communicators_fabric_is_its_slowest_ring_transport() {
+        use crate::transport::TransportKind::{Net, P2p, Shm};
+        assert_eq!(Fabric::of_gpu_rings([P2p, P2p]), Fabric::NvLink);
+        assert_eq!(Fabric::of_gpu_rings([]), Fabric::NvLink);
+        assert_eq!(Fabric::of_gpu_rings([P2p, Shm, P2p]), Fabric::Shm);
+        assert_eq!(Fabric::of_gpu_rings([Shm, Net, P2p]), Fabric::Net);
+        assert_eq!(Fabric::of_gpu_rings([Net, Shm]), Fabric::Net);
     }
 
     #[test]
