@@ -1128,6 +1128,78 @@ mod tests {
         ((i as u64 * 131 + step * 7) % 251) as u8
     }
 
+    /// Two proxies (CPU devices `devs`) joined by one loopback socket connection: a sender
+    /// whose staging FIFO and a receiver whose FIFO lie in blocks of their own — `fifo_bytes`,
+    /// then the counters: head at +0, tail at +128, the 8 step sizes at +192, the abort flag at
+    /// +320 — laid out by `spec(base, counters)`. Fields drop in order: the proxies before the
+    /// memory they use.
+    struct Pair {
+        net: Arc<Counting>,
+        ss: FifoSpec,
+        rs: FifoSpec,
+        hs: ProxyHandle,
+        hr: ProxyHandle,
+        _mem: [Vec<u64>; 2],
+    }
+
+    impl Pair {
+        fn new(fifo_bytes: u64, devs: (usize, usize), spec: impl Fn(u64, u64) -> FifoSpec) -> Pair {
+            let net = Arc::new(Counting {
+                inner: NetSocket::new("lo", IpAddr::V4(Ipv4Addr::LOCALHOST), 0),
+                sends: AtomicU64::new(0),
+                bytes: AtomicU64::new(0),
+            });
+            let (h, mut l) = net.listen(0).unwrap();
+            let sc = net.connect(0, &h).unwrap().expect("connected");
+            let t = Instant::now();
+            let rc = loop {
+                if let Some(r) = net.accept(&mut l).unwrap() {
+                    break r;
+                }
+                assert!(t.elapsed() < Duration::from_secs(10), "accept");
+            };
+            let words = (fifo_bytes / 8 + 48) as usize;
+            let mut mem = [vec![0u64; words], vec![0u64; words]];
+            let (sb, rb) = (mem[0].as_mut_ptr() as u64, mem[1].as_mut_ptr() as u64);
+            let (ss, rs) = (spec(sb, fifo_bytes), spec(rb, fifo_bytes));
+            let comm = |base: u64, sends, recvs| ProxyComm {
+                rank: 0,
+                abort_flag: base + fifo_bytes + 320,
+                abort_who: 0,
+                host_abort_lines: Vec::new(),
+                net: net.clone(),
+                sends,
+                recvs,
+            };
+            // SAFETY: both blocks live in the returned `Pair`, which drops the handles first;
+            // only the proxies and the test's two "kernels" touch them, under the FIFO protocol.
+            let (hs, hr) = unsafe {
+                (
+                    register(Device::Cpu(devs.0), comm(sb, vec![(ss, sc)], vec![])).unwrap(),
+                    register(Device::Cpu(devs.1), comm(rb, vec![], vec![(rs, rc)])).unwrap(),
+                )
+            };
+            Pair {
+                net,
+                ss,
+                rs,
+                hs,
+                hr,
+                _mem: mem,
+            }
+        }
+
+        /// Checks that neither proxy failed, unregisters both (flushing the close messages) and
+        /// returns the network's counters.
+        fn finish(self) -> Arc<Counting> {
+            assert!(self.hs.error().is_none(), "{:?}", self.hs.error());
+            assert!(self.hr.error().is_none(), "{:?}", self.hr.error());
+            let net = self.net.clone();
+            drop(self);
+            net
+        }
+    }
+
     /// Issue 6 regression: a Simple step sends only the bytes the kernel filled (its
     /// `ConnInfo::sizes` entry), not its whole slot. Sending whole slots made a 16 MiB GPU
     /// AllReduce over 64 channels move 256 MiB per rank (32 KiB slices in 512 KiB slots), ≈ 150 ms
@@ -1145,28 +1217,8 @@ mod tests {
             2 => slot / 2 + 16 * s,
             _ => slot,
         };
-        let net = Arc::new(Counting {
-            inner: NetSocket::new("lo", IpAddr::V4(Ipv4Addr::LOCALHOST), 0),
-            sends: AtomicU64::new(0),
-            bytes: AtomicU64::new(0),
-        });
-        let (h, mut l) = net.listen(0).unwrap();
-        let sc = net.connect(0, &h).unwrap().expect("connected");
-        let t = Instant::now();
-        let rc = loop {
-            if let Some(r) = net.accept(&mut l).unwrap() {
-                break r;
-            }
-            assert!(t.elapsed() < Duration::from_secs(10), "accept");
-        };
-        // Each end: a Simple FIFO, then a counter area (head at word 0, tail at word 16, the 8
-        // step sizes at words 24..32), then the abort flag (word 40).
-        let words = (FIFO_STEPS * slot / 8 + 48) as usize;
-        let mut send_mem = vec![0u64; words];
-        let mut recv_mem = vec![0u64; words];
-        let (sb, rb) = (send_mem.as_mut_ptr() as u64, recv_mem.as_mut_ptr() as u64);
-        let ctr = FIFO_STEPS * slot;
-        let spec = |base: u64| FifoSpec {
+        // Each end: a Simple FIFO of 8 slots, then the counters.
+        let pair = Pair::new(FIFO_STEPS * slot, (9001, 9002), |base, ctr| FifoSpec {
             peer: 1,
             channel: 0,
             simple: base,
@@ -1179,25 +1231,8 @@ mod tests {
             tail: base + ctr + 128,
             sizes: base + ctr + 192,
             step: 0,
-        };
-        let (ss, rs) = (spec(sb), spec(rb));
-        let comm = |base: u64, sends, recvs| ProxyComm {
-            rank: 0,
-            abort_flag: base + ctr + 320,
-            abort_who: 0,
-            host_abort_lines: Vec::new(),
-            net: net.clone(),
-            sends,
-            recvs,
-        };
-        // SAFETY: both blocks outlive the handles, dropped below before the vectors; only the
-        // proxies and the two "kernels" here touch them, under the FIFO protocol.
-        let (hs, hr) = unsafe {
-            (
-                register(Device::Cpu(9001), comm(sb, vec![(ss, sc)], vec![])).unwrap(),
-                register(Device::Cpu(9002), comm(rb, vec![], vec![(rs, rc)])).unwrap(),
-            )
-        };
+        });
+        let (ss, rs) = (pair.ss, pair.rs);
         // The receiving kernel: wait for each step's tail, check its bytes, free the slot.
         let receiver = std::thread::spawn(move || {
             for s in 0..nsteps {
@@ -1235,10 +1270,7 @@ mod tests {
             }
         }
         receiver.join().unwrap().unwrap();
-        assert!(hs.error().is_none(), "{:?}", hs.error());
-        assert!(hr.error().is_none(), "{:?}", hr.error());
-        drop(hs);
-        drop(hr);
+        let net = pair.finish();
         // Filled: 10 empty steps; 16·(2+6+…+38) = 3200; 10·32768 + 16·(2+6+…+38) = 330880;
         // 10·65536 = 655360. Total 989440 bytes in 30 non-empty steps (whole slots: 2621440).
         let filled: u64 = (0..nsteps).map(len).sum();
@@ -1247,8 +1279,6 @@ mod tests {
         // close message's header.
         assert_eq!(net.sends.load(Ordering::Relaxed), 40 + 30 + 1);
         assert_eq!(net.bytes.load(Ordering::Relaxed), 989_440 + 41 * HDR_BYTES as u64);
-        drop(send_mem);
-        drop(recv_mem);
     }
 
     /// An LL step is sent whole even when the host sees the next step's line 0 before this
@@ -1262,28 +1292,8 @@ mod tests {
         let step_lines = 16u64;
         let nsteps = 24u64;
         let nlines = move |s: u64| 3 + s % 13;
-        let net = Arc::new(Counting {
-            inner: NetSocket::new("lo", IpAddr::V4(Ipv4Addr::LOCALHOST), 0),
-            sends: AtomicU64::new(0),
-            bytes: AtomicU64::new(0),
-        });
-        let (h, mut l) = net.listen(0).unwrap();
-        let sc = net.connect(0, &h).unwrap().expect("connected");
-        let t = Instant::now();
-        let rc = loop {
-            if let Some(r) = net.accept(&mut l).unwrap() {
-                break r;
-            }
-            assert!(t.elapsed() < Duration::from_secs(10), "accept");
-        };
-        // Each end: the LL lines, then counters as in the Simple test (head, tail, sizes, abort).
-        let ll_bytes = FIFO_STEPS * step_lines * 16;
-        let words = (ll_bytes / 8 + 48) as usize;
-        let mut send_mem = vec![0u64; words];
-        let mut recv_mem = vec![0u64; words];
-        let (sb, rb) = (send_mem.as_mut_ptr() as u64, recv_mem.as_mut_ptr() as u64);
-        let ctr = ll_bytes;
-        let spec = |base: u64| FifoSpec {
+        // Each end: the LL lines of 8 slots, then the counters.
+        let pair = Pair::new(FIFO_STEPS * step_lines * 16, (9003, 9004), |base, ctr| FifoSpec {
             peer: 1,
             channel: 0,
             simple: 0,
@@ -1296,25 +1306,8 @@ mod tests {
             tail: base + ctr + 128,
             sizes: base + ctr + 192,
             step: 0,
-        };
-        let (ss, rs) = (spec(sb), spec(rb));
-        let comm = |base: u64, sends, recvs| ProxyComm {
-            rank: 0,
-            abort_flag: base + ctr + 320,
-            abort_who: 0,
-            host_abort_lines: Vec::new(),
-            net: net.clone(),
-            sends,
-            recvs,
-        };
-        // SAFETY: both blocks outlive the handles, dropped below before the vectors; only the
-        // proxies and the two "kernels" here touch them, under the FIFO protocol.
-        let (hs, hr) = unsafe {
-            (
-                register(Device::Cpu(9003), comm(sb, vec![(ss, sc)], vec![])).unwrap(),
-                register(Device::Cpu(9004), comm(rb, vec![], vec![(rs, rc)])).unwrap(),
-            )
-        };
+        });
+        let (ss, rs) = (pair.ss, pair.rs);
         let data = |s: u64, i: u64| (s << 16 | i) as u32;
         // The receiving kernel: every line of each step, with its data, then the credit.
         let receiver = std::thread::spawn(move || {
@@ -1367,11 +1360,6 @@ mod tests {
             write(s, n - 1);
         }
         receiver.join().unwrap().unwrap();
-        assert!(hs.error().is_none(), "{:?}", hs.error());
-        assert!(hr.error().is_none(), "{:?}", hr.error());
-        drop(hs);
-        drop(hr);
-        drop(send_mem);
-        drop(recv_mem);
+        pair.finish();
     }
 }
