@@ -1142,6 +1142,24 @@ mod tests {
         _mem: [Vec<u64>; 2],
     }
 
+    /// A spec of peer 1, channel 0 with no FIFO yet and [`Pair`]'s counters at `base + ctr`.
+    fn counters_only(base: u64, ctr: u64) -> FifoSpec {
+        FifoSpec {
+            peer: 1,
+            channel: 0,
+            simple: 0,
+            slot_bytes: 0,
+            ll: 0,
+            step_lines: 0,
+            ll128: 0,
+            ll128_lines: 0,
+            head: base + ctr,
+            tail: base + ctr + 128,
+            sizes: base + ctr + 192,
+            step: 0,
+        }
+    }
+
     impl Pair {
         fn new(fifo_bytes: u64, devs: (usize, usize), spec: impl Fn(u64, u64) -> FifoSpec) -> Pair {
             let net = Arc::new(Counting {
@@ -1219,18 +1237,9 @@ mod tests {
         };
         // Each end: a Simple FIFO of 8 slots, then the counters.
         let pair = Pair::new(FIFO_STEPS * slot, (9001, 9002), |base, ctr| FifoSpec {
-            peer: 1,
-            channel: 0,
             simple: base,
             slot_bytes: slot,
-            ll: 0,
-            step_lines: 0,
-            ll128: 0,
-            ll128_lines: 0,
-            head: base + ctr,
-            tail: base + ctr + 128,
-            sizes: base + ctr + 192,
-            step: 0,
+            ..counters_only(base, ctr)
         });
         let (ss, rs) = (pair.ss, pair.rs);
         // The receiving kernel: wait for each step's tail, check its bytes, free the slot.
@@ -1294,18 +1303,9 @@ mod tests {
         let nlines = move |s: u64| 3 + s % 13;
         // Each end: the LL lines of 8 slots, then the counters.
         let pair = Pair::new(FIFO_STEPS * step_lines * 16, (9003, 9004), |base, ctr| FifoSpec {
-            peer: 1,
-            channel: 0,
-            simple: 0,
-            slot_bytes: 0,
             ll: base,
             step_lines,
-            ll128: 0,
-            ll128_lines: 0,
-            head: base + ctr,
-            tail: base + ctr + 128,
-            sizes: base + ctr + 192,
-            step: 0,
+            ..counters_only(base, ctr)
         });
         let (ss, rs) = (pair.ss, pair.rs);
         let data = |s: u64, i: u64| (s << 16 | i) as u32;
