@@ -75,6 +75,8 @@ pub struct Comm {
     finalized: std::sync::atomic::AtomicBool,
     /// What the rings run over, for the tuning model (the same on every rank).
     fabric: crate::tuning::Fabric,
+    /// Bytes of this rank's connection memory (laid out for at least `nchannels` channels).
+    conn_bytes: u64,
 }
 
 enum Res {
@@ -392,6 +394,7 @@ impl Comm {
                     rings: rings.clone(),
                     finalized: false.into(),
                     fabric: crate::tuning::Fabric::NvLink,
+                    conn_bytes: layout.bytes(),
                 });
             }
             tracing::debug!(target: "oxccl::init", nranks, nch, "CUDA communicators ready");
@@ -468,6 +471,7 @@ impl Comm {
                     rings: rings.clone(),
                     finalized: false.into(),
                     fabric: crate::tuning::Fabric::Host,
+                    conn_bytes: layout.bytes(),
                 })
                 .collect())
         }
@@ -662,7 +666,21 @@ impl Comm {
                 ChannelRings::rank_order(nranks, nch as usize)
             }
         };
-        let rings = Arc::new(rings);
+        // The tuning model's fabric, from every ring pair of every channel (so all ranks agree).
+        let fabric = if is_cuda {
+            crate::tuning::Fabric::of_gpu_rings(
+                (0..rings.nchannels())
+                    .flat_map(|c| (0..nranks).map(move |a| (c, a)))
+                    .map(|(c, a)| ring_transport(&peers, a, rings.next(c, a))),
+            )
+        } else {
+            crate::tuning::Fabric::Host
+        };
+        // Channels no call would use are not connected (over NET each costs two proxied socket
+        // connections with their threads). The connection memory keeps its layout of
+        // `layout.nch` channels; only the first `nch` are set up and used.
+        let nch = crate::tuning::Model::for_fabric(fabric).connected_channels(nch, params.min_nchannels);
+        let rings = Arc::new(rings.first_channels(nch as usize));
         phases.mark("ring search and all-gather");
         let leader = peers
             .iter()
@@ -832,16 +850,6 @@ impl Comm {
         // unless NCCL_PROTO names it. Decided from every ring pair, so all ranks agree.
         let host_path = (0..nranks)
             .any(|a| peers[a].cuda && ring_transport(&peers, a, rings.next(0, a)) != TransportKind::P2p);
-        // The tuning model's fabric, from every ring pair of every channel (so all ranks agree).
-        let fabric = if is_cuda {
-            crate::tuning::Fabric::of_gpu_rings(
-                (0..rings.nchannels())
-                    .flat_map(|c| (0..nranks).map(move |a| (c, a)))
-                    .map(|(c, a)| ring_transport(&peers, a, rings.next(c, a))),
-            )
-        } else {
-            crate::tuning::Fabric::Host
-        };
         if host_path && !ll128_forced() {
             let mut protos = selection.protos.0;
             protos[Proto::Ll128 as usize] = false;
@@ -969,6 +977,7 @@ impl Comm {
             rings,
             finalized: std::sync::atomic::AtomicBool::new(false),
             fabric,
+            conn_bytes: layout.bytes(),
         })
     }
 
@@ -1041,8 +1050,7 @@ impl Comm {
     }
     /// Device memory used by this rank's connections and communicator state, in bytes.
     pub fn device_memory_bytes(&self) -> u64 {
-        let layout = ConnLayout::new(&self.params, self.nchannels, true);
-        layout.bytes()
+        self.conn_bytes
             + comm_block_bytes(self.nchannels as usize, self.nranks) as u64
             + self.trees.map_or(0, |t| t.bytes)
     }

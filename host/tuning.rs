@@ -281,6 +281,12 @@ impl Model {
         (want.min(u32::MAX as u64) as u32).clamp(lo, hi)
     }
 
+    /// Channels worth connecting on a communicator of `nch` channels: the most any call uses
+    /// ([`Model::nchannels`]: `max_channels`, or `NCCL_MIN_NCHANNELS` when that is larger).
+    pub fn connected_channels(&self, nch: u32, min_nchannels: Option<u32>) -> u32 {
+        nch.min(self.max_channels.max(min_nchannels.unwrap_or(1)))
+    }
+
     /// Predicted time in µs of a ring `func` of `bytes` (nccl-tests' size: the larger of the
     /// per-rank send and receive buffers) over `nranks` ranks and `nch` channels on `proto`.
     pub fn predict_us(&self, func: Func, proto: Proto, nranks: usize, nch: u32, bytes: u64) -> f64 {
@@ -500,6 +506,12 @@ mod tests {
         // NCCL_MIN_NCHANNELS above the fabric's cap still wins.
         let net = Model::for_fabric(Fabric::Net);
         assert_eq!(net.nchannels(Proto::Simple, 8, 32, 64), 32);
+        // A NET communicator connects only the 16 channels a call can use, unless
+        // NCCL_MIN_NCHANNELS asks for more; on NVLink all 64.
+        assert_eq!(net.connected_channels(64, None), 16);
+        assert_eq!(net.connected_channels(8, None), 8);
+        assert_eq!(net.connected_channels(64, Some(32)), 32);
+        assert_eq!(Model::for_fabric(Fabric::NvLink).connected_channels(64, None), 64);
         // Forcing LL over NET is honoured.
         let ll = sel(None, Some("LL")).unwrap();
         let (_, p, nch) = ll.choose_sized(&net, Func::AllReduce, 1 << 20, 2, 1, 64).unwrap();

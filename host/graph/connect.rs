@@ -344,6 +344,13 @@ impl ChannelRings {
         self.rings.len()
     }
 
+    /// The first `nchannels` channels (all of them when there are fewer).
+    pub fn first_channels(mut self, nchannels: usize) -> ChannelRings {
+        self.rings.truncate(nchannels);
+        self.pos.truncate(nchannels);
+        self
+    }
+
     /// Number of ranks.
     pub fn nranks(&self) -> usize {
         self.nranks
