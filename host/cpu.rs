@@ -57,32 +57,75 @@ impl Drop for HostMem {
 
 type Job = Box<dyn FnOnce() -> Result<()> + Send>;
 
-/// Operations queued on CPU streams and not yet finished, per CPU-target device index: what
-/// freeing a buffer waits for (see [`wait_device_idle`]).
-static IN_FLIGHT: Mutex<Vec<usize>> = Mutex::new(Vec::new());
-static IN_FLIGHT_DONE: std::sync::Condvar = std::sync::Condvar::new();
+/// How far one CPU stream has got: operations queued and operations finished, in order.
+#[derive(Default)]
+struct Progress {
+    /// (queued, finished) operation counts since the stream started.
+    counts: Mutex<(u64, u64)>,
+    finished: std::sync::Condvar,
+}
 
-fn in_flight_add(device: usize, delta: isize) {
-    let Ok(mut v) = IN_FLIGHT.lock() else { return };
-    if v.len() <= device {
-        v.resize(device + 1, 0);
+impl Progress {
+    fn queued(&self) -> u64 {
+        self.counts.lock().map_or(0, |c| c.0)
     }
-    v[device] = v[device].saturating_add_signed(delta);
-    if v[device] == 0 {
-        IN_FLIGHT_DONE.notify_all();
+    fn add_queued(&self, delta: i64) {
+        if let Ok(mut c) = self.counts.lock() {
+            c.0 = c.0.saturating_add_signed(delta);
+        }
+    }
+    fn add_finished(&self) {
+        if let Ok(mut c) = self.counts.lock() {
+            c.1 += 1;
+            self.finished.notify_all();
+        }
+    }
+    /// Waits until `target` operations have finished, until `deadline`; whether they did.
+    fn wait_finished(&self, target: u64, deadline: std::time::Instant) -> bool {
+        let Ok(mut c) = self.counts.lock() else {
+            return false;
+        };
+        while c.1 < target {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            c = match self.finished.wait_timeout(c, left) {
+                Ok((c, _)) => c,
+                Err(_) => return false,
+            };
+        }
+        true
     }
 }
 
-/// Waits until no operation queued on any CPU stream of `device` is left, for at most `limit`;
-/// `true` when the device went idle. Freeing CPU-target memory calls it first, as `cuMemFree`
-/// synchronizes with the GPU's work: a buffer dropped right after a collective was queued on it
-/// stays mapped until the collective is done.
-pub fn wait_device_idle(device: usize, limit: std::time::Duration) -> bool {
-    let Ok(v) = IN_FLIGHT.lock() else { return false };
-    match IN_FLIGHT_DONE.wait_timeout_while(v, limit, |v| v.get(device).is_some_and(|&n| n > 0)) {
-        Ok((_, r)) => !r.timed_out(),
-        Err(_) => false,
-    }
+/// The live CPU streams of each CPU-target device label: what freeing a buffer waits for (see
+/// [`wait_queued_work`]).
+static STREAMS: Mutex<Vec<(usize, std::sync::Weak<Progress>)>> = Mutex::new(Vec::new());
+
+/// Waits until every operation queued so far on the CPU streams of `device` has finished, for at
+/// most `limit`; `true` when they did. Work queued later (or on other devices) is not waited
+/// for. Freeing CPU-target memory calls it first, as `cuMemFree` waits for the GPU's work: a
+/// buffer dropped right after a collective was queued on it stays mapped until that collective
+/// is done.
+pub fn wait_queued_work(device: usize, limit: std::time::Duration) -> bool {
+    let deadline = std::time::Instant::now() + limit;
+    let targets: Vec<(Arc<Progress>, u64)> = match STREAMS.lock() {
+        Ok(mut streams) => {
+            streams.retain(|(_, w)| w.strong_count() > 0);
+            streams
+                .iter()
+                .filter(|(d, _)| *d == device)
+                .filter_map(|(_, w)| w.upgrade())
+                .map(|p| {
+                    let q = p.queued();
+                    (p, q)
+                })
+                .collect()
+        }
+        Err(_) => return false,
+    };
+    targets.iter().all(|(p, q)| p.wait_finished(*q, deadline))
 }
 
 /// A CPU stream: operations run in order on one worker thread. Errors are sticky until the next
@@ -92,6 +135,7 @@ pub struct CpuStream {
     worker: Option<JoinHandle<()>>,
     exited: Receiver<()>,
     error: Arc<Mutex<Option<Error>>>,
+    progress: Arc<Progress>,
     pub(crate) device: usize,
 }
 
@@ -101,6 +145,8 @@ impl CpuStream {
         let (tx, rx): (Sender<Job>, Receiver<Job>) = unbounded();
         let error = Arc::new(Mutex::new(None));
         let err = error.clone();
+        let progress = Arc::new(Progress::default());
+        let done = progress.clone();
         let (exit_tx, exited) = bounded(1);
         let worker = std::thread::Builder::new()
             .name(format!("oxccl-cpu-stream-{device}"))
@@ -109,7 +155,7 @@ impl CpuStream {
                 for job in rx {
                     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job))
                         .unwrap_or_else(|_| Err(Error::Internal("a CPU-target operation panicked".into())));
-                    in_flight_add(device, -1);
+                    done.add_finished();
                     if let Err(e) = r
                         && let Ok(mut slot) = err.lock()
                     {
@@ -118,11 +164,16 @@ impl CpuStream {
                 }
             })
             .map_err(|e| Error::System(format!("spawning a CPU stream thread: {e}")))?;
+        if let Ok(mut streams) = STREAMS.lock() {
+            streams.retain(|(_, w)| w.strong_count() > 0);
+            streams.push((device, Arc::downgrade(&progress)));
+        }
         Ok(CpuStream {
             tx: Some(tx),
             worker: Some(worker),
             exited,
             error,
+            progress,
             device,
         })
     }
@@ -133,9 +184,9 @@ impl CpuStream {
             .tx
             .as_ref()
             .ok_or_else(|| Error::InvalidUsage("CPU stream is shut down".into()))?;
-        in_flight_add(self.device, 1);
+        self.progress.add_queued(1);
         tx.send(Box::new(job)).map_err(|_| {
-            in_flight_add(self.device, -1);
+            self.progress.add_queued(-1);
             Error::Internal("CPU stream worker is gone".into())
         })
     }

@@ -174,10 +174,11 @@ impl DeviceBuffer {
 
 impl Drop for DeviceBuffer {
     /// CUDA memory is freed by `cuMemFree`, which waits for the GPU's work. CPU-target memory
-    /// waits the same way for every operation queued on the device's streams (a collective queued
-    /// on a buffer that is dropped before `synchronize` still reads live memory); if they are not
-    /// done within [`HOST_FREE_WAIT`] the memory is leaked with a warning rather than freed under
-    /// a running operation.
+    /// waits the same way for every operation queued on the device's streams before the drop (a
+    /// collective queued on a buffer that is dropped before `synchronize` still reads live
+    /// memory; work queued later is not waited for); if those are not done within
+    /// [`HOST_FREE_WAIT`] the memory is leaked with a warning rather than freed under a running
+    /// operation.
     fn drop(&mut self) {
         let Alloc::Host(h) = &mut self.alloc else {
             return;
@@ -186,7 +187,7 @@ impl Drop for DeviceBuffer {
             Device::Cpu(i) => i,
             Device::Cuda(_) => return,
         };
-        if crate::cpu::wait_device_idle(device, HOST_FREE_WAIT) {
+        if crate::cpu::wait_queued_work(device, HOST_FREE_WAIT) {
             // SAFETY: dropped once, here; `self.alloc` is not used after drop.
             unsafe { ManuallyDrop::drop(h) }
         } else {
