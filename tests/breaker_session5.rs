@@ -1176,7 +1176,6 @@ fn b5_perf_procs_nccl_flags_without_gpus_fail_fast() {
 /// Without GPUs and without `--procs`, `--backend nccl` fails with exit code 2 too; its message
 /// should name the flag that needs GPUs, as the `--procs` path's does.
 #[test]
-#[ignore = "BUG: `oxccl perf --backend nccl` without GPUs (no --procs) says \"no CUDA GPU is visible (no driver or no device); use --backend cpu\", not naming --backend nccl as the --procs path does"]
 fn b5_perf_backend_nccl_without_gpus_names_the_flag() {
     if Device::cuda_count() > 0 {
         eprintln!("SKIPPED: b5_perf_backend_nccl_without_gpus_names_the_flag: GPUs are visible");
@@ -1353,7 +1352,6 @@ fn b5_perf_procs_rank_killed_mid_sweep_stops_the_others() {
 /// exiting with its code 2 instead of the killed rank's signal. Made deterministic here by
 /// pausing the parent for 2 s around the kill (on one host: SHM ranks notice a dead peer too).
 #[test]
-#[ignore = "BUG: oxccl perf --procs names the first rank (in rank order) found exited, so a survivor that exited on its own after a peer was SIGKILLed is blamed (\"rank 0 of 3 failed (exit status: 2)\") instead of the killed rank"]
 fn b5_perf_procs_blames_the_killed_rank_not_a_survivor() {
     let k = kill_mid_sweep(2, None, true);
     assert!(k.left.is_empty(), "processes left {:?}", k.left);

@@ -330,8 +330,11 @@ fn devices_for(a: &PerfArgs) -> Result<(Vec<Device>, bool), String> {
         Ok((0..want).map(|r| Device::Cuda(r * n / want)).collect())
     };
     match a.backend {
-        BackendArg::Cuda | BackendArg::Nccl if ngpu == 0 => {
+        BackendArg::Cuda if ngpu == 0 => {
             Err("no CUDA GPU is visible (no driver or no device); use --backend cpu".into())
+        }
+        BackendArg::Nccl if ngpu == 0 => {
+            Err("--backend nccl needs GPUs: no CUDA GPU is visible (no driver or no device)".into())
         }
         BackendArg::Cuda => Ok((gpu_list(ngpu)?, false)),
         BackendArg::Nccl => Ok((gpu_list(ngpu)?, true)),

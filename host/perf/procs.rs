@@ -130,7 +130,12 @@ pub fn spawn_ranks(
             }
         }
     }
-    let mut failed = None;
+    // Failed ranks in the order they were seen. A rank's death makes its peers fail within
+    // milliseconds, so after the first failure the others get FAILURE_GRACE to exit on their own
+    // before they are stopped, and a rank ended by a signal (killed from outside, or crashed) is
+    // named before ranks that exited with an error of their own.
+    let mut failed: Vec<(usize, std::process::ExitStatus)> = Vec::new();
+    let mut first_failure: Option<std::time::Instant> = None;
     while children.iter().any(Option::is_some) {
         for (r, slot) in children.iter_mut().enumerate() {
             let Some(c) = slot else { continue };
@@ -139,21 +144,53 @@ pub fn spawn_ranks(
                 .map_err(|e| Error::System(format!("waiting for rank {r}: {e}")))?;
             if let Some(status) = done {
                 *slot = None;
-                if !status.success() && failed.is_none() {
-                    failed = Some((r, status));
+                if !status.success() {
+                    failed.push((r, status));
+                    first_failure.get_or_insert_with(std::time::Instant::now);
                 }
             }
         }
-        if failed.is_some() {
+        if first_failure.is_some_and(|t| t.elapsed() >= FAILURE_GRACE) {
             for c in children.iter_mut().flatten() {
                 let _ = c.kill();
                 let _ = c.wait();
             }
             break;
         }
-        std::thread::sleep(std::time::Duration::from_millis(20));
+        std::thread::sleep(std::time::Duration::from_millis(10));
     }
-    Ok(failed)
+    Ok(blame(&failed))
+}
+
+/// How long [`spawn_ranks`] lets the other ranks exit on their own after the first failure.
+const FAILURE_GRACE: std::time::Duration = std::time::Duration::from_millis(300);
+
+/// The failure to report among `failed` (in the order seen): the first rank ended by a signal,
+/// else the first seen.
+fn blame(failed: &[(usize, std::process::ExitStatus)]) -> Option<(usize, std::process::ExitStatus)> {
+    use std::os::unix::process::ExitStatusExt;
+    failed
+        .iter()
+        .find(|(_, s)| s.signal().is_some())
+        .or(failed.first())
+        .copied()
+}
+
+#[cfg(test)]
+mod blame_tests {
+    use super::blame;
+    use std::os::unix::process::ExitStatusExt;
+    use std::process::ExitStatus;
+
+    #[test]
+    fn a_rank_ended_by_a_signal_is_named_before_ranks_that_exited_with_errors() {
+        // Wait statuses: exit code 2 is 2 << 8; SIGKILL is signal 9 in the low bits.
+        let code2 = ExitStatus::from_raw(2 << 8);
+        let killed = ExitStatus::from_raw(9);
+        assert_eq!(blame(&[]), None);
+        assert_eq!(blame(&[(0, code2), (2, killed), (1, code2)]), Some((2, killed)));
+        assert_eq!(blame(&[(1, code2), (0, code2)]), Some((1, code2)));
+    }
 }
 
 /// Most simulated hosts of [`Hosts`] (one /24 subnet, one bridge).
