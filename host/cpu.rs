@@ -63,6 +63,8 @@ struct Progress {
     /// (queued, finished) operation counts since the stream started.
     counts: Mutex<(u64, u64)>,
     finished: std::sync::Condvar,
+    /// The worker thread: an operation freeing memory does not wait for itself.
+    worker: std::sync::OnceLock<std::thread::ThreadId>,
 }
 
 impl Progress {
@@ -105,7 +107,8 @@ static STREAMS: Mutex<Vec<(usize, std::sync::Weak<Progress>)>> = Mutex::new(Vec:
 
 /// Waits until every operation queued so far on the CPU streams of `device` has finished, for at
 /// most `limit`; `true` when they did. Work queued later (or on other devices) is not waited
-/// for. Freeing CPU-target memory calls it first, as `cuMemFree` waits for the GPU's work: a
+/// for, nor is the calling stream's own queue when an operation frees memory (everything queued
+/// before it there has run). Freeing CPU-target memory calls it first, as `cuMemFree` waits for the GPU's work: a
 /// buffer dropped right after a collective was queued on it stays mapped until that collective
 /// is done.
 pub fn wait_queued_work(device: usize, limit: std::time::Duration) -> bool {
@@ -117,6 +120,7 @@ pub fn wait_queued_work(device: usize, limit: std::time::Duration) -> bool {
                 .iter()
                 .filter(|(d, _)| *d == device)
                 .filter_map(|(_, w)| w.upgrade())
+                .filter(|p| p.worker.get() != Some(&std::thread::current().id()))
                 .map(|p| {
                     let q = p.queued();
                     (p, q)
@@ -152,6 +156,7 @@ impl CpuStream {
             .name(format!("oxccl-cpu-stream-{device}"))
             .spawn(move || {
                 let _exit = ExitSignal(exit_tx);
+                let _ = done.worker.set(std::thread::current().id());
                 for job in rx {
                     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job))
                         .unwrap_or_else(|_| Err(Error::Internal("a CPU-target operation panicked".into())));

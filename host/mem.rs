@@ -296,5 +296,20 @@ mod tests {
         drop(dev.alloc(4096).unwrap());
         assert!(t.elapsed() < std::time::Duration::from_millis(250));
         stream.synchronize().unwrap();
+        // An operation that frees memory of its own device does not wait for itself.
+        let buf = dev.alloc(4096).unwrap();
+        let t = std::time::Instant::now();
+        stream
+            .enqueue(move || {
+                drop(buf);
+                Ok(())
+            })
+            .unwrap();
+        stream.synchronize().unwrap();
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(5),
+            "took {:?}",
+            t.elapsed()
+        );
     }
 }
