@@ -5,8 +5,8 @@
 //! step, which the parent reads. Every child is killed at a deadline.
 mod common;
 
-use common::child::{LineChild, clean_child, env_var, hex, log_to_stdout, unhex};
-use oxccl::bootstrap::{UniqueId, get_unique_id};
+use common::child::{LineChild, child_rank, clean_child, hex, log_to_stdout};
+use oxccl::bootstrap::get_unique_id;
 use oxccl::{Comm, DataType, Device, RedOp};
 use std::time::{Duration, Instant};
 
@@ -128,9 +128,7 @@ fn b4_child_entry() {
         return;
     };
     log_to_stdout("oxccl::transport=info,oxccl::proxy=debug,oxccl::init=warn");
-    let rank: usize = env_var("OXCCL_B4_RANK").parse().unwrap();
-    let nranks: usize = env_var("OXCCL_B4_NRANKS").parse().unwrap();
-    let id = UniqueId::from_bytes(&unhex(&env_var("OXCCL_B4_ID"))).unwrap();
+    let (rank, nranks, id) = child_rank("OXCCL_B4");
     let t = Instant::now();
     let comm = match Comm::init_rank(nranks, &id, rank, Device::Cpu(rank)) {
         Ok(c) => {

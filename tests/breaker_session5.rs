@@ -12,8 +12,8 @@
 //! operation queued on the device label, so tests sharing a label would delay each other.
 mod common;
 
-use common::child::{LineChild, clean_child, env_var, hex, log_to_stdout, unhex};
-use oxccl::bootstrap::{UniqueId, get_unique_id};
+use common::child::{LineChild, child_rank, clean_child, hex, log_to_stdout};
+use oxccl::bootstrap::get_unique_id;
 use oxccl::transport::TransportKind;
 use oxccl::tuning::{Fabric, Model, Selection};
 use oxccl::{Comm, DataType, Device, DeviceBuffer, Func, Proto, RedOp, Stream};
@@ -682,9 +682,7 @@ fn b5_net_child_entry() {
         return;
     };
     log_to_stdout("oxccl::transport=info,oxccl::proxy=warn,oxccl::init=warn");
-    let rank: usize = env_var("OXCCL_B5_RANK").parse().unwrap();
-    let nranks: usize = env_var("OXCCL_B5_NRANKS").parse().unwrap();
-    let id = UniqueId::from_bytes(&unhex(&env_var("OXCCL_B5_ID"))).unwrap();
+    let (rank, nranks, id) = child_rank("OXCCL_B5");
     let comm = match Comm::init_rank(nranks, &id, rank, Device::Cpu(rank)) {
         Ok(c) => c,
         Err(e) => {

@@ -127,6 +127,19 @@ pub fn env_var(k: &str) -> String {
     std::env::var(k).unwrap_or_else(|_| panic!("{k} is not set"))
 }
 
+/// The (rank, rank count, unique id) a child process was started with: `<prefix>_RANK`,
+/// `<prefix>_NRANKS` and `<prefix>_ID` (hex of the id's bytes); panics naming what is missing.
+#[allow(dead_code)]
+pub fn child_rank(prefix: &str) -> (usize, usize, oxccl::bootstrap::UniqueId) {
+    let num = |k: String| {
+        env_var(&k)
+            .parse::<usize>()
+            .unwrap_or_else(|e| panic!("{k}: {e}"))
+    };
+    let id = oxccl::bootstrap::UniqueId::from_bytes(&unhex(&env_var(&format!("{prefix}_ID")))).unwrap();
+    (num(format!("{prefix}_RANK")), num(format!("{prefix}_NRANKS")), id)
+}
+
 /// In a child: log events passing `filter` (an `EnvFilter` directive) to stdout, without colour,
 /// where the parent reads them.
 pub fn log_to_stdout(filter: &str) {
