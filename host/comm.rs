@@ -175,7 +175,7 @@ fn comm_block_bytes(nch: usize, nranks: usize) -> usize {
 fn check_devices(devices: &[Device]) -> Result<()> {
     if devices.is_empty() {
         return Err(Error::invalid(
-            "devices is empty: a communicator needs at least one rank",
+            "devices is empty: a communicator needs at least one rank (Device::all_cuda() is empty when no GPU is visible; Device::cpus(n) gives CPU-target ranks)",
         ));
     }
     let cuda = devices[0].is_cuda();

@@ -177,7 +177,7 @@ impl Drop for DeviceBuffer {
     /// waits the same way for every operation queued on the device's streams before the drop (a
     /// collective queued on a buffer that is dropped before `synchronize` still reads live
     /// memory; work queued later is not waited for); if those are not done within
-    /// [`HOST_FREE_WAIT`] the memory is leaked with a warning rather than freed under a running
+    /// `HOST_FREE_WAIT` (30 s) the memory is leaked with a warning rather than freed under a running
     /// operation.
     fn drop(&mut self) {
         let Alloc::Host(h) = &mut self.alloc else {

@@ -25,7 +25,7 @@
 //! the step: the tail for Simple, the lines themselves (flag words last) for LL and LL128.
 //!
 //! **Polling.** The thread spins, then yields, between rounds that moved nothing; it sleeps
-//! (at most [`IDLE_SLEEP`]) only after 2048 such rounds and only while no connection has work in
+//! (at most `IDLE_SLEEP`, 200 µs) only after 2048 such rounds and only while no connection has work in
 //! flight (a message leaving, a payload arriving, a step waiting for a slot).
 //!
 //! **Threads and failures.** One proxy thread per device per process, fed by a crossbeam channel

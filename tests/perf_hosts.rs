@@ -170,7 +170,8 @@ fn failing_ranks_still_remove_the_namespaces() {
     if !namespaces_allowed("failing_ranks_still_remove_the_namespaces") {
         return;
     }
-    // An unknown protocol fails every rank's communicator; the parent reports the failed rank
+    // An unknown protocol in the environment fails every rank's communicator (the `--proto`
+    // flag is refused by the parent before anything starts); the parent reports the failed rank
     // and deletes the namespaces all the same.
     let (pid, out) = oxccl_pid(
         &[
@@ -186,10 +187,8 @@ fn failing_ranks_still_remove_the_namespaces() {
             "8",
             "--backend",
             "cpu",
-            "--proto",
-            "Bogus",
         ],
-        &[],
+        &[("NCCL_PROTO", "Bogus")],
     );
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{stderr}");

@@ -152,7 +152,7 @@ pub unsafe fn run_typed<T: Elem, Op: RedFn<T>>(
     }
 }
 
-/// The body of the GPU's AllReduce entry points: the tree ([`run_tree`]) when the work element
+/// The body of the GPU's AllReduce entry points: the tree (`run_tree`) when the work element
 /// asks for it, else the ring ([`run_typed`]), for element type `T` and operator `Op` (`avg`:
 /// divide the final value by `nranks`).
 ///

@@ -44,7 +44,7 @@ struct InitBenchArgs {
     /// Also time NCCL's ncclCommInitRank (GPUs only), alternating with oxccl's inits.
     #[arg(long, value_enum)]
     compare: Option<CompareArg>,
-    /// Where to run: auto (GPUs when visible), cuda or cpu.
+    /// Where to run: auto (GPUs when visible), cuda or cpu (for NCCL, add --compare nccl).
     #[arg(long, value_enum, default_value_t = BackendArg::Auto)]
     backend: BackendArg,
 }
@@ -97,7 +97,8 @@ impl Collective {
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum BackendArg {
-    /// Every visible GPU; the CPU target with 4 ranks when there is none.
+    /// Every visible GPU; the CPU target when there is none (`perf`: 4 ranks unless --ranks or
+    /// --procs say otherwise).
     Auto,
     /// oxccl on every visible GPU (error without one).
     Cuda,
@@ -208,21 +209,28 @@ fn bad_value<T: std::fmt::Display>(what: &str, s: &str, all: &[T]) -> String {
 }
 
 fn main() -> ExitCode {
+    // Like other command-line tools, end quietly when the reader of stdout goes away
+    // (`oxccl perf ... | head`): Rust ignores SIGPIPE, which turned that into a panic in
+    // `println!` (and, under --procs, a rank stuck at teardown for two minutes).
+    // SAFETY: called first in main, before any thread exists; SIG_DFL is a valid disposition.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     let filter = match std::env::var("NCCL_DEBUG")
         .unwrap_or_default()
         .to_ascii_uppercase()
         .as_str()
     {
         "TRACE" => "oxccl=trace",
-        "INFO" => "oxccl=debug",
+        "INFO" => "oxccl=info",
         "WARN" => "oxccl=warn",
         _ => "oxccl=warn",
     };
     let env = tracing_subscriber::EnvFilter::try_from_env("OXCCL_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(filter));
+    use std::io::IsTerminal;
     tracing_subscriber::fmt()
         .with_env_filter(env)
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none())
         .init();
     let cli = Cli::parse();
     let r = match cli.cmd {
@@ -355,6 +363,12 @@ fn devices_for(a: &PerfArgs) -> Result<(Vec<Device>, bool), String> {
 }
 
 fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
+    // Checked under the flags' names first (they reach the communicators as OXCCL_PROTO/ALGO).
+    oxccl::tuning::Selection::from_lookup(|k| match k {
+        "PROTO" => a.proto.clone().map(|v| ("--proto".to_string(), v)),
+        "ALGO" => a.algo.clone().map(|v| ("--algo".to_string(), v)),
+        _ => None,
+    })?;
     for (var, value) in [("OXCCL_PROTO", &a.proto), ("OXCCL_ALGO", &a.algo)] {
         if let Some(v) = value {
             // SAFETY: called before this process starts any thread (communicators, NCCL, streams
@@ -381,6 +395,16 @@ fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     }
     if a.min_bytes > a.max_bytes {
         return Err(format!("-b {} is larger than -e {}", a.min_bytes, a.max_bytes).into());
+    }
+    if a.step.is_none() && a.factor < 2 && a.min_bytes < a.max_bytes {
+        return Err(format!(
+            "-f {} is out of range (accepted: 2 or more; or a fixed step with -i BYTES)",
+            a.factor
+        )
+        .into());
+    }
+    if a.step == Some(0) && a.min_bytes < a.max_bytes {
+        return Err("-i 0 is out of range (accepted: 1 byte or more)".into());
     }
     let sizes = table::sizes(a.min_bytes, a.max_bytes, a.factor, a.step);
     let ordinals: Vec<usize> = devices

@@ -430,7 +430,7 @@ impl Bootstrap {
             })?;
             bs.addrs.push(addr);
         }
-        tracing::debug!(target: "oxccl::bootstrap", rank, nranks, listen = %my_addr, iface = %iface.name,
+        tracing::info!(target: "oxccl::bootstrap", rank, nranks, listen = %my_addr, iface = %iface.name,
             "bootstrap ready in {:.1} ms", t0.elapsed().as_secs_f64() * 1e3);
         Ok(bs)
     }

@@ -1,6 +1,6 @@
 //! A thin safe layer over the CUDA driver API, loaded at run time through `cudarc::driver::sys`.
 //!
-//! Only this module calls the driver. Every call goes through [`check`], which turns a `CUresult`
+//! Only this module calls the driver. Every call goes through `check`, which turns a `CUresult`
 //! into [`Error::Cuda`] naming the call. Buffers that peers map are plain `cuMemAlloc` memory, never
 //! the stream-ordered pool (peer writes into pool memory faulted on the GPU machine; see
 //! DESIGN.md §5). cudarc panics when `libcuda.so.1` is missing, so [`driver`] asks first and

@@ -114,7 +114,7 @@ impl NetSocket {
             named.as_ref().map(|(k, v)| (k.as_str(), v.as_str())),
             fallback,
         )?;
-        tracing::debug!(target: "oxccl::net", iface = %i.name, addr = %i.addr, "socket network interface");
+        tracing::info!(target: "oxccl::net", iface = %i.name, addr = %i.addr, "socket network interface");
         Ok(NetSocket::new(&i.name, i.addr, i.scope_id))
     }
 

@@ -15,7 +15,7 @@
 //! block is one thread.
 //!
 //! GPU constraints kept here: no array is ever indexed by a value only known at run time (the
-//! peers are visited by [`each_peer`] with constant indices, and the reduction is monomorphised on
+//! peers are visited by `each_peer` with constant indices, and the reduction is monomorphised on
 //! its source and destination counts), so nothing lands in local memory (`__local_depot`).
 use super::Primitives;
 use super::simple::parse_unroll;
