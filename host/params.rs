@@ -141,7 +141,11 @@ impl Params {
             p.initial_step = parse_int(&key, &v, 0, i64::MAX / 2)? as u64;
         }
         if let Some((key, v)) = get("MIN_NCHANNELS") {
-            p.min_nchannels = Some(parse_int(&key, &v, 1, MAX_CHANNELS as i64)? as u32);
+            let min = parse_int(&key, &v, 1, MAX_CHANNELS as i64)? as u32;
+            if let Some(max) = p.max_nchannels.filter(|&max| max < min) {
+                tracing::warn!(target: "oxccl::init", "{key}={min} is above the maximum of {max} channels (NCCL_MAX_NCHANNELS or OXCCL_MAX_NCHANNELS): calls use {max}");
+            }
+            p.min_nchannels = Some(min);
         }
         if let Some((key, v)) = get("P2P_LEVEL") {
             p.p2p_level = Some(parse_p2p_level(&key, &v)?);
