@@ -271,6 +271,9 @@ fn perf_spawn(a: &PerfArgs, n: usize) -> Result<ExitCode, Box<dyn std::error::Er
     if a.compare.is_some() && !gpu {
         return Err("--compare nccl needs GPUs (NCCL does not run on the CPU target)".into());
     }
+    if !gpu && a.backend == BackendArg::Auto {
+        println!("# no CUDA GPU visible: running on oxccl's CPU target");
+    }
     let limit = if gpu { ngpu } else { 64 };
     if n == 0 || n > limit {
         return Err(format!(
@@ -723,7 +726,7 @@ fn print_graphs(system: &oxccl::topo::System, nodes: usize) -> Result<(), Box<dy
 
 fn info() -> Result<ExitCode, Box<dyn std::error::Error>> {
     println!(
-        "oxccl {} (NCCL-compatible version code {})",
+        "oxccl {} (ncclGetVersion-style code {}: major × 10000 + minor × 100 + patch)",
         env!("CARGO_PKG_VERSION"),
         oxccl::version()
     );
@@ -734,7 +737,7 @@ fn info() -> Result<ExitCode, Box<dyn std::error::Error>> {
         ptx_target()
     );
     match oxccl::cuda::driver() {
-        Err(e) => println!("CUDA: {e}"),
+        Err(e) => println!("CUDA: {e}; the CPU target runs every collective (--backend cpu)"),
         Ok(()) => {
             println!("CUDA driver {}", oxccl::cuda::driver_version()?);
             for d in Device::all_cuda() {
