@@ -1613,7 +1613,7 @@ impl Comm {
         let (algo, proto, nch) =
             self.selection
                 .choose_sized_with(&model, func, bytes, self.nranks, min, self.nchannels, trees)?;
-        if algo == Algo::Tree {
+        if algo == Algo::Tree && proto == Proto::Simple {
             // One FIFO slot per chunk and slice (NCCL's tree on Simple: chunkSteps = sliceSteps =
             // 1), halved down to 128 KiB while there are fewer than 8 chunks per channel and tree
             // level, so the levels pipeline.
@@ -1634,7 +1634,7 @@ impl Comm {
         }
         if proto != Proto::Simple {
             // One chunk is one step of lines: 8 data bytes per 16-byte LL line, 120 per 128-byte
-            // LL128 line (NCCL's LL / LL128 chunk).
+            // LL128 line (NCCL's LL / LL128 chunk, for the ring and the tree alike).
             let step_data = if proto == Proto::Ll {
                 self.params.ll_buffsize / FIFO_STEPS / 16 * 8
             } else {
@@ -3149,18 +3149,26 @@ fn comm_rings(infos: &[Option<RankGraphInfo>], nranks: usize, nch: u32) -> Resul
     }
 }
 
-/// Layout of one rank's tree connection memory: a Simple receive FIFO of `NCCL_BUFFSIZE` bytes per
-/// tree peer the rank has on each channel (peer slots as [`TREE_PEERS`]; absent peers get none, so
-/// a leaf holds one FIFO per channel), then per channel and peer slot a counters block: the head of
-/// the send connection to that peer at +0, the tail of the receive connection from it at +128.
+/// Layout of one rank's tree connection memory: per tree peer the rank has on each channel (peer
+/// slots as [`TREE_PEERS`]; absent peers get none, so a leaf holds one set per channel) a receive
+/// FIFO for each protocol — Simple (`NCCL_BUFFSIZE`), LL (`NCCL_LL_BUFFSIZE`) and LL128
+/// (`NCCL_LL128_BUFFSIZE`) bytes, in that order, as ring connections have — then per channel and
+/// peer slot a counters block: the head of the send connection to that peer at +0, the tail of the
+/// receive connection from it at +128.
 struct TreeLayout {
-    /// Offset of the FIFO of (channel, peer slot), `None` for an absent peer.
+    /// Offset of the FIFOs of (channel, peer slot), `None` for an absent peer.
     fifo: Vec<[Option<u64>; TREE_PEERS]>,
+    /// Offset of each protocol's FIFO inside a peer's FIFOs, indexed by [`Proto`].
+    proto_at: [u64; Proto::COUNT],
     counters_at: u64,
 }
 
 impl TreeLayout {
-    fn new(buffsize: u64, trees: &[Vec<crate::graph::Tree>], rank: usize) -> TreeLayout {
+    fn new(params: &Params, trees: &[Vec<crate::graph::Tree>], rank: usize) -> TreeLayout {
+        let mut proto_at = [0u64; Proto::COUNT];
+        proto_at[Proto::Ll as usize] = params.buffsize;
+        proto_at[Proto::Ll128 as usize] = params.buffsize + params.ll_buffsize;
+        let buffsize = params.buffsize + params.ll_buffsize + params.ll128_buffsize;
         let mut off = 0u64;
         let fifo = trees
             .iter()
@@ -3179,14 +3187,17 @@ impl TreeLayout {
             .collect();
         TreeLayout {
             fifo,
+            proto_at,
             counters_at: off.next_multiple_of(128),
         }
     }
     fn bytes(&self) -> u64 {
         self.counters_at + (self.fifo.len() * TREE_PEERS) as u64 * COUNTERS_BYTES
     }
-    fn buff(&self, base: u64, c: usize, peer: usize) -> u64 {
-        self.fifo[c][peer].map_or(0, |o| base + o)
+    /// The receive FIFOs of (channel `c`, peer slot `peer`), indexed by [`Proto`]; zeros for an
+    /// absent peer.
+    fn buffs(&self, base: u64, c: usize, peer: usize) -> [u64; Proto::COUNT] {
+        self.fifo[c][peer].map_or([0; Proto::COUNT], |o| self.proto_at.map(|p| base + o + p))
     }
     fn head(&self, base: u64, c: usize, peer: usize) -> u64 {
         base + self.counters_at + (c * TREE_PEERS + peer) as u64 * COUNTERS_BYTES
@@ -3224,9 +3235,9 @@ fn build_dev_trees(
     bases: &[u64],
     initial_step: u64,
 ) -> Result<Vec<DevTree>> {
-    let conn = |buff: u64, head: u64, tail: u64| {
+    let conn = |buffs: [u64; Proto::COUNT], head: u64, tail: u64| {
         let mut ci = ConnInfo::zeroed();
-        ci.buffs[Proto::Simple as usize] = buff;
+        ci.buffs = buffs;
         ci.head = head;
         ci.tail = tail;
         ci.step = initial_step;
@@ -3250,8 +3261,8 @@ fn build_dev_trees(
                 ))
             })?;
             let (lp, bp) = (&layouts[p], bases[p]);
-            d.send_up = conn(lp.buff(bp, c, 1 + j), lm.head(bm, c, 0), lp.tail(bp, c, 1 + j));
-            d.recv_up = conn(lm.buff(bm, c, 0), lp.head(bp, c, 1 + j), lm.tail(bm, c, 0));
+            d.send_up = conn(lp.buffs(bp, c, 1 + j), lm.head(bm, c, 0), lp.tail(bp, c, 1 + j));
+            d.recv_up = conn(lm.buffs(bm, c, 0), lp.head(bp, c, 1 + j), lm.tail(bm, c, 0));
         }
         for (i, &k) in tr.down.iter().enumerate() {
             let Ok(k) = usize::try_from(k) else { continue };
@@ -3262,8 +3273,8 @@ fn build_dev_trees(
                 )));
             }
             let (lk, bk) = (&layouts[k], bases[k]);
-            d.send_down[i] = conn(lk.buff(bk, c, 0), lm.head(bm, c, 1 + i), lk.tail(bk, c, 0));
-            d.recv_down[i] = conn(lm.buff(bm, c, 1 + i), lk.head(bk, c, 0), lm.tail(bm, c, 1 + i));
+            d.send_down[i] = conn(lk.buffs(bk, c, 0), lm.head(bm, c, 1 + i), lk.tail(bk, c, 0));
+            d.recv_down[i] = conn(lm.buffs(bm, c, 1 + i), lk.head(bk, c, 0), lm.tail(bm, c, 1 + i));
         }
         out.push(d);
     }
@@ -3283,7 +3294,7 @@ fn test_node_trees(
     let chains: Vec<Vec<usize>> = (0..nnodes).map(|n| (n * k..(n + 1) * k).collect()).collect();
     let trees = channel_trees(&chains, nch)?;
     let layouts: Vec<TreeLayout> = (0..nranks)
-        .map(|r| TreeLayout::new(params.buffsize, &trees, r))
+        .map(|r| TreeLayout::new(params, &trees, r))
         .collect();
     let shape = TreeShape {
         nnodes,
@@ -3755,9 +3766,16 @@ mod tree_tests {
         // Channel 2 runs tree 0 again.
         assert_eq!(trees[2], trees[0]);
 
-        let buffsize = 1 << 20;
-        let layouts: Vec<TreeLayout> = (0..4).map(|r| TreeLayout::new(buffsize, &trees, r)).collect();
-        // A FIFO per present peer: rank 3 is a leaf in both trees (one per channel); rank 0 has
+        // Per present peer one Simple (1 MiB), LL (64 KiB) and LL128 (128 KiB) FIFO.
+        let params = Params {
+            buffsize: 1 << 20,
+            ll_buffsize: 64 << 10,
+            ll128_buffsize: 128 << 10,
+            ..Params::default()
+        };
+        let buffsize = (1 << 20) + (64 << 10) + (128 << 10);
+        let layouts: Vec<TreeLayout> = (0..4).map(|r| TreeLayout::new(&params, &trees, r)).collect();
+        // A FIFO set per present peer: rank 3 is a leaf in both trees (one per channel); rank 0 has
         // two children in tree 0 (channels 0, 2) and a parent and a child in tree 1 (channel 1).
         assert_eq!(layouts[3].counters_at, 3 * buffsize);
         assert_eq!(layouts[0].counters_at, (2 + 2 + 2) * buffsize);
@@ -3766,14 +3784,14 @@ mod tree_tests {
         let dev: Vec<Vec<DevTree>> = (0..4)
             .map(|r| build_dev_trees(r, &trees, &layouts, &bases, 7).unwrap())
             .collect();
-        let simple = Proto::Simple as usize;
+        let (simple, ll, ll128) = (Proto::Simple as usize, Proto::Ll as usize, Proto::Ll128 as usize);
         for c in 0..3 {
             for (r, dr) in dev.iter().enumerate() {
                 let d = &dr[c];
                 assert_eq!((d.up, d.down), ud(c, r));
                 for (i, &k) in d.down.iter().enumerate() {
                     let Ok(k) = usize::try_from(k) else {
-                        assert_eq!(d.send_down[i].buffs[simple], 0);
+                        assert_eq!(d.send_down[i].buffs, [0; Proto::COUNT]);
                         continue;
                     };
                     // Parent r → child k: the same FIFO, tail and head seen from both ends.
@@ -3781,6 +3799,11 @@ mod tree_tests {
                     assert_eq!((s.buffs, s.head, s.tail, s.step), (rv.buffs, rv.head, rv.tail, 7));
                     // The FIFO and tail live in the child's memory, the head in the parent's.
                     assert_eq!(s.buffs[simple] >> 32, k as u64 + 1);
+                    // The LL and LL128 FIFOs follow the Simple one.
+                    assert_eq!(
+                        (s.buffs[ll] - s.buffs[simple], s.buffs[ll128] - s.buffs[simple]),
+                        (1 << 20, (1 << 20) + (64 << 10))
+                    );
                     assert_eq!((s.tail >> 32, s.head >> 32), (k as u64 + 1, r as u64 + 1));
                     // Child k → parent r.
                     let (s, rv) = (&dev[k][c].send_up, &d.recv_down[i]);
@@ -3789,7 +3812,7 @@ mod tree_tests {
                     assert_eq!((s.tail >> 32, s.head >> 32), (r as u64 + 1, k as u64 + 1));
                 }
                 if d.up < 0 {
-                    assert_eq!(d.send_up.buffs[simple], 0);
+                    assert_eq!(d.send_up.buffs, [0; Proto::COUNT]);
                 }
             }
         }
@@ -3816,7 +3839,7 @@ mod tree_tests {
         // head at +0 and tail at +128 of each; a CUDA init copies it to `counters_at`. Exactly those
         // 24 u64 words hold the step, every other byte is zero.
         let trees = channel_trees(&[vec![0], vec![1]], 3).unwrap();
-        let l = TreeLayout::new(1 << 20, &trees, 1);
+        let l = TreeLayout::new(&Params::default(), &trees, 1);
         let v = l.counters(0x0102_0304_0506_0708);
         assert_eq!(v.len() as u64, 3 * 4 * COUNTERS_BYTES);
         assert_eq!(l.bytes() - l.counters_at, v.len() as u64);

@@ -97,7 +97,7 @@ impl Selection {
 
     /// The (algorithm, protocol) for `func` on a communicator whose trees are `trees` (`None`: no
     /// tree connections): the first allowed pair of [`implemented_with`]. The ring on the Simple,
-    /// LL and LL128 protocols is implemented for every collective, the tree on Simple for
+    /// LL and LL128 protocols is implemented for every collective, the tree on the same three for
     /// AllReduce when the communicator has trees. A selection that allows none of the implemented
     /// pairs is an `InvalidArgument` naming `func`, what the environment allows and what is
     /// implemented (and, for a tree AllReduce without trees, why there are none).
@@ -383,8 +383,8 @@ pub fn implemented(func: Func) -> &'static [(Algo, Proto)] {
 }
 
 /// (algorithm, protocol) pairs implemented for `func` on a communicator with (`trees`) or without
-/// tree connections: [`implemented`], plus the tree on Simple for AllReduce when it has trees
-/// (NCCL's tree also runs LL and LL128, and Reduce/Broadcast; oxccl not yet).
+/// tree connections: [`implemented`], plus the tree on Simple, LL and LL128 for AllReduce when it
+/// has trees (as NCCL, whose tree algorithm runs AllReduce only).
 pub fn implemented_with(func: Func, trees: bool) -> &'static [(Algo, Proto)] {
     const RING: &[(Algo, Proto)] = &[
         (Algo::Ring, Proto::Simple),
@@ -396,6 +396,8 @@ pub fn implemented_with(func: Func, trees: bool) -> &'static [(Algo, Proto)] {
         (Algo::Ring, Proto::Ll),
         (Algo::Ring, Proto::Ll128),
         (Algo::Tree, Proto::Simple),
+        (Algo::Tree, Proto::Ll),
+        (Algo::Tree, Proto::Ll128),
     ];
     if trees && func == Func::AllReduce {
         RING_TREE
@@ -558,11 +560,14 @@ mod tests {
             (t - (30.0 + 24.0 + 2.0 * 65536.0 / (0.92 * 2e3))).abs() < 1e-9,
             "{t}"
         );
-        // 8 B: ring LL 20 + 14 × 2 = 48 µs beats the tree's 54; 64 KiB: the tree's 125.2 µs beats
-        // ring Simple's 86 + 65536 × 1.75 / 2000 = 143.3 (LL 162.7, LL128 181.7); 4 MiB: ring Simple
-        // on 2 channels (86 + 1835 = 1921 µs) beats the tree (54 + 2279 = 2333).
+        // 8 B: the tree on LL, 20 + 2 × 3 hops of 2 µs = 32.03 µs, beats ring LL's 20 + 14 × 2 = 48
+        // (and the tree on Simple's 54); 64 KiB: the tree on Simple's 125.2 µs beats ring Simple's
+        // 86 + 65536 × 1.75 / 2000 = 143.3 and the tree on LL (2 channels capped at 1 GB/s: 32 +
+        // 2 × 65536 / 920 = 174.5); 4 MiB: ring Simple on 2 channels (86 + 1835 = 1921 µs) beats
+        // the tree on Simple (54 + 2279 = 2333).
         let choose = |s: &Selection, f, bytes, t| s.choose_sized_with(&m, f, bytes, 8, 1, 2, t).unwrap();
-        assert_eq!(choose(&all, Func::AllReduce, 8, tree), (Algo::Ring, Proto::Ll, 1));
+        assert_eq!(choose(&all, Func::AllReduce, 8, tree), (Algo::Tree, Proto::Ll, 1));
+        assert_eq!(choose(&all, Func::AllReduce, 8, None), (Algo::Ring, Proto::Ll, 1));
         assert_eq!(
             choose(&all, Func::AllReduce, 64 << 10, tree),
             (Algo::Tree, Proto::Simple, 1)
@@ -584,14 +589,19 @@ mod tests {
             forced.choose_with(Func::AllReduce, tree).unwrap(),
             (Algo::Tree, Proto::Simple)
         );
-        // The tree on LL is not implemented: the error lists what is, without the node hint.
-        let e = sel(Some("tree"), Some("LL"))
-            .unwrap()
-            .choose_sized_with(&m, Func::AllReduce, 8, 8, 1, 2, tree)
+        // The tree runs LL and LL128 too: forcing one of them gets it.
+        for proto in [Proto::Ll, Proto::Ll128] {
+            let s = sel(Some("tree"), Some(proto.name())).unwrap();
+            assert_eq!(choose(&s, Func::AllReduce, 8, tree).0, Algo::Tree, "{proto}");
+            assert_eq!(choose(&s, Func::AllReduce, 8, tree).1, proto);
+        }
+        // A tree Broadcast is not implemented: the error lists what is, without the node hint.
+        let e = forced
+            .choose_sized_with(&m, Func::Broadcast, 8, 8, 1, 2, tree)
             .unwrap_err()
             .to_string();
         assert!(
-            e.contains("allreduce is implemented only as ring/Simple, ring/LL, ring/LL128, tree/Simple")
+            e.contains("broadcast is implemented only as ring/Simple, ring/LL, ring/LL128")
                 && !e.contains("several nodes"),
             "{e}"
         );

@@ -6,21 +6,22 @@
 //! The matrix (`common::run_collective`) runs every DataType × every RedOp × the GPU ring matrix's
 //! counts {0, 1, 2, 3, 7, 1023, 1025, 65539, 2^20+3} × out-of-place/in-place: exact expected
 //! values from `oxccl::perf::check`, poisoned outputs, guard bytes, unchanged send buffers, and
-//! results bitwise identical on both ranks. NCCL_ALGO=tree leaves only the tree on Simple, so a
-//! refusal fails the matrix ("no protocol ran"); each configuration also checks explicitly that
-//! `Comm::last_choice()` is the tree on Simple. It runs with the default channel count and with 3
-//! channels (two channels on tree 0, small calls leave channels empty).
+//! results bitwise identical on both ranks, on each protocol (LL, LL128, Simple: one
+//! communicator per `NCCL_PROTO`). NCCL_ALGO=tree leaves only the tree, so a refusal fails the
+//! matrix ("no protocol ran"); each configuration also checks explicitly that
+//! `Comm::last_choice()` is the tree on the forced protocol. It runs with the default channel
+//! count and with 3 channels (two channels on tree 0, small calls leave channels empty).
 //!
 //! Also: an abort releases a tree AllReduce whose peer never calls (the tree's spin loops poll the
-//! abort flag), NCCL_ALGO=tree with NCCL_PROTO=LL is refused naming what is implemented, and the
-//! tree costs one NCCL_BUFFSIZE FIFO per tree peer and channel in device memory.
+//! abort flag), a Broadcast under NCCL_ALGO=tree is refused naming what is implemented, and the
+//! tree costs one FIFO per protocol, tree peer and channel in device memory.
 //!
 //! Without 2 GPUs each test prints `SKIPPED: <test>: <reason>` to stderr and returns. The
 //! environment is process-global, so every test holds `common::env::Env` (one at a time).
 mod common;
 
 use common::env::Env;
-use oxccl::{Algo, Comm, DataType, Error, Func, Proto, RedOp};
+use oxccl::{Algo, Comm, DataType, Error, Func, RedOp};
 use std::time::{Duration, Instant};
 
 /// The GPU ring matrix's counts (tests/gpu_collectives.rs), for every dtype × op.
@@ -29,7 +30,8 @@ const COUNTS: &[usize] = &[0, 1, 2, 3, 7, 1023, 1025, (1 << 16) + 3, (1 << 20) +
 /// Variables these tests set (all cleared while a test runs, restored after).
 const VARS: &[&str] = &["ALGO", "PROTO", "TEST_NODES", "MIN_NCHANNELS", "MAX_NCHANNELS"];
 
-/// The tree matrix on 2 GPUs as 2 nodes, with `nch` channels (`None`: the CUDA default).
+/// The tree matrix on 2 GPUs as 2 nodes, with `nch` channels (`None`: the CUDA default), one
+/// protocol at a time (`common::protos()`: LL, LL128 and Simple, or OXCCL_TEST_PROTOS).
 fn tree_matrix(test: &str, nch: Option<u32>) {
     let Some(devices) = common::gpus_or_skip(test, 2) else {
         return;
@@ -37,41 +39,47 @@ fn tree_matrix(test: &str, nch: Option<u32>) {
     let _gpu = common::gpu_lock();
     let env = Env::clean(VARS);
     let ch = nch.map(|n| n.to_string());
-    let mut vars = vec![("NCCL_ALGO", "tree"), ("OXCCL_TEST_NODES", "2")];
-    if let Some(ch) = &ch {
-        vars.extend([
-            ("NCCL_MIN_NCHANNELS", ch.as_str()),
-            ("NCCL_MAX_NCHANNELS", ch.as_str()),
-        ]);
-    }
-    env.set(&vars);
-    let comms = Comm::init_all(&devices).unwrap();
-    for count in [1, 1025, 65539, (1 << 20) + 3] {
-        for in_place in [false, true] {
-            for (r, c) in common::all_reduce_f32(&comms, count, in_place).iter().enumerate() {
-                assert_eq!(
-                    (c.func, c.algo, c.proto),
-                    (Func::AllReduce, Algo::Tree, Proto::Simple),
-                    "{test}: rank {r}, count {count}"
-                );
-                if let Some(n) = nch {
-                    assert_eq!(c.nchannels, n, "{test}: rank {r}, count {count}");
+    for proto in common::protos() {
+        let mut vars = vec![
+            ("NCCL_ALGO", "tree"),
+            ("NCCL_PROTO", proto),
+            ("OXCCL_TEST_NODES", "2"),
+        ];
+        if let Some(ch) = &ch {
+            vars.extend([
+                ("NCCL_MIN_NCHANNELS", ch.as_str()),
+                ("NCCL_MAX_NCHANNELS", ch.as_str()),
+            ]);
+        }
+        env.set(&vars);
+        let comms = Comm::init_all(&devices).unwrap();
+        for count in [1, 1025, 65539, (1 << 20) + 3] {
+            for in_place in [false, true] {
+                for (r, c) in common::all_reduce_f32(&comms, count, in_place).iter().enumerate() {
+                    assert_eq!(
+                        (c.func, c.algo, c.proto.name()),
+                        (Func::AllReduce, Algo::Tree, proto),
+                        "{test}: rank {r}, count {count}"
+                    );
+                    if let Some(n) = nch {
+                        assert_eq!(c.nchannels, n, "{test}: rank {r}, count {count}");
+                    }
                 }
             }
         }
+        drop(comms);
+        common::run_collective(
+            &format!("{test} {proto}"),
+            &devices,
+            &common::Matrix {
+                func: Func::AllReduce,
+                counts: COUNTS,
+                extra_counts: &[],
+                extra_pairs: &[],
+                protos: None,
+            },
+        );
     }
-    drop(comms);
-    common::run_collective(
-        test,
-        &devices,
-        &common::Matrix {
-            func: Func::AllReduce,
-            counts: COUNTS,
-            extra_counts: &[],
-            extra_pairs: &[],
-            protos: None,
-        },
-    );
 }
 
 #[test]
@@ -85,8 +93,8 @@ fn tree_all_reduce_2_gpus_3_channels() {
 }
 
 #[test]
-fn tree_on_ll_is_refused_and_memory_is_one_fifo_per_tree_peer() {
-    let test = "tree_on_ll_is_refused_and_memory_is_one_fifo_per_tree_peer";
+fn tree_broadcast_is_refused_and_memory_is_one_fifo_set_per_tree_peer() {
+    let test = "tree_broadcast_is_refused_and_memory_is_one_fifo_set_per_tree_peer";
     let Some(devices) = common::gpus_or_skip(test, 2) else {
         return;
     };
@@ -102,29 +110,30 @@ fn tree_on_ll_is_refused_and_memory_is_one_fifo_per_tree_peer() {
         ("NCCL_MAX_NCHANNELS", "4"),
         ("OXCCL_TEST_NODES", "2"),
         ("NCCL_ALGO", "tree"),
-        ("NCCL_PROTO", "LL"),
     ]);
     let comms = Comm::init_all(&devices).unwrap();
     // 2 nodes of 1 rank, 4 channels: on each channel one rank is the root and the other its only
-    // child, so each rank has one tree peer per channel: 4 Simple FIFOs of NCCL_BUFFSIZE (4 MiB),
-    // the counter blocks of 4 peer slots × 4 channels × 256 bytes, and 4 DevTrees of 544 bytes.
+    // child, so each rank has one tree peer per channel: 4 sets of FIFOs — Simple of
+    // NCCL_BUFFSIZE (4 MiB), LL of NCCL_LL_BUFFSIZE (512 KiB), LL128 of NCCL_LL128_BUFFSIZE
+    // (1 MiB), the defaults — the counter blocks of 4 peer slots × 4 channels × 256 bytes, and 4
+    // DevTrees of 544 bytes.
     for (r, c) in comms.iter().enumerate() {
         assert_eq!(
             c.device_memory_bytes() - ring_only[r],
-            4 * (4 << 20) + 4 * 4 * 256 + 4 * 544,
+            4 * ((4 << 20) + (512 << 10) + (1 << 20)) + 4 * 4 * 256 + 4 * 544,
             "rank {r}"
         );
     }
-    // The tree runs on Simple only: with NCCL_PROTO=LL nothing implemented is left.
+    // The tree serves AllReduce only: a Broadcast under NCCL_ALGO=tree is refused.
     let s = comms[0].device().new_stream().unwrap();
     let b = comms[0].device().alloc(64).unwrap();
     let e = comms[0]
-        .all_reduce(&b, &b, 16, DataType::F32, RedOp::Sum, &s)
+        .broadcast(Some(b.as_slice()), &b, 16, DataType::F32, 0, &s)
         .unwrap_err();
     assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
     let m = e.to_string();
     assert!(
-        m.contains("allreduce is implemented only as ring/Simple, ring/LL, ring/LL128, tree/Simple"),
+        m.contains("broadcast is implemented only as ring/Simple, ring/LL, ring/LL128"),
         "{m}"
     );
 }

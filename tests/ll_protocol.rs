@@ -1,13 +1,14 @@
 //! Case C11: (A) Broadcast of arange(count), in place, every root, on each implemented protocol;
 //! (B) the LL flag wrap — connections start just below the flag period (2^31 − 1 steps), below
 //! 2^32 and below the second period through the `OXCCL_TEST_INITIAL_STEP` hook, then 1000
-//! AllReduces must be exact and must not hang; LL128 (64-bit flags) runs the same starts. On the
+//! AllReduces must be exact and must not hang; LL128 (64-bit flags) runs the same starts, and both
+//! run them on the tree too (each rank its own test node, `NCCL_ALGO=tree`). On the
 //! CPU target always, and on 2 GPUs when visible (else it prints why it skipped). Environment
 //! variables are process-global: one serial test per device kind.
 mod common;
 
 use common::env::Env;
-use oxccl::{Comm, DataType, Device, DeviceBuffer, Proto, RedOp, Stream};
+use oxccl::{Algo, Comm, DataType, Device, DeviceBuffer, Proto, RedOp, Stream};
 
 struct Ranks {
     comms: Vec<Comm>,
@@ -77,13 +78,17 @@ fn broadcast_arange(env: &Env, devices: &[Device], proto: &str) {
     }
 }
 
-/// C11 (B): 1000 small AllReduces from `start` on, each checked.
-fn all_reduces_across(env: &Env, devices: &[Device], proto: Proto, start: u64) {
+/// C11 (B): 1000 small AllReduces from `start` on, each checked; with `tree_nodes`, on the tree
+/// over that many test nodes (`OXCCL_TEST_NODES`, `NCCL_ALGO=tree`), whose connections start at
+/// the same step.
+fn all_reduces_across(env: &Env, devices: &[Device], proto: Proto, start: u64, tree_nodes: Option<usize>) {
     let n = devices.len();
-    env.set(&[
-        ("OXCCL_TEST_INITIAL_STEP", &start.to_string()),
-        ("NCCL_PROTO", proto.name()),
-    ]);
+    let (start_s, nodes) = (start.to_string(), tree_nodes.map(|t| t.to_string()));
+    let mut vars = vec![("OXCCL_TEST_INITIAL_STEP", start_s.as_str()), ("NCCL_PROTO", proto.name())];
+    if let Some(nodes) = &nodes {
+        vars.extend([("NCCL_ALGO", "tree"), ("OXCCL_TEST_NODES", nodes.as_str())]);
+    }
+    env.set(&vars);
     let r = ranks(devices, 4 * 4);
     for it in 0..1000u32 {
         for (k, b) in r.bufs.iter().enumerate() {
@@ -114,21 +119,33 @@ fn all_reduces_across(env: &Env, devices: &[Device], proto: Proto, start: u64) {
                 "start {start}, nranks {n}, iteration {it}, rank {k}"
             );
         }
-        assert_eq!(r.comms[0].last_choice().unwrap().proto, proto);
+        let c = r.comms[0].last_choice().unwrap();
+        assert_eq!((c.proto, c.algo == Algo::Tree), (proto, tree_nodes.is_some()));
     }
 }
 
 /// Both parts of C11 on `devices`.
 fn c11(devices: &[Device], ranks_b: &[usize]) {
-    let env = Env::clean(&["PROTO", "TEST_INITIAL_STEP"]);
+    let env = Env::clean(&["PROTO", "TEST_INITIAL_STEP", "ALGO", "TEST_NODES"]);
     for proto in ["LL", "LL128", "Simple"] {
         broadcast_arange(&env, devices, proto);
     }
     for start in [(1u64 << 31) - 64, (1u64 << 32) - 64, 2 * ((1u64 << 31) - 1) - 64] {
         for &n in ranks_b {
             for proto in [Proto::Ll, Proto::Ll128] {
-                all_reduces_across(&env, &devices[..n], proto, start);
+                all_reduces_across(&env, &devices[..n], proto, start, None);
             }
+        }
+    }
+}
+
+/// C11 (B) on the tree: every rank its own test node (with 4 ranks, the double binary tree has a
+/// rank with two children, so the reduce phase combines two receive peers per line).
+fn c11_tree(devices: &[Device]) {
+    let env = Env::clean(&["PROTO", "TEST_INITIAL_STEP", "ALGO", "TEST_NODES"]);
+    for start in [(1u64 << 31) - 64, (1u64 << 32) - 64, 2 * ((1u64 << 31) - 1) - 64] {
+        for proto in [Proto::Ll, Proto::Ll128] {
+            all_reduces_across(&env, devices, proto, start, Some(devices.len()));
         }
     }
 }
@@ -145,4 +162,18 @@ fn c11_broadcast_arange_and_ll_flag_wrap_gpu() {
     };
     let _gpu = common::gpu_lock();
     c11(&devices, &[2]);
+}
+
+#[test]
+fn c11_ll_flag_wrap_on_the_tree() {
+    c11_tree(&Device::cpus(4));
+}
+
+#[test]
+fn c11_ll_flag_wrap_on_the_tree_gpu() {
+    let Some(devices) = common::gpus_or_skip("c11_ll_flag_wrap_on_the_tree_gpu", 2) else {
+        return;
+    };
+    let _gpu = common::gpu_lock();
+    c11_tree(&devices[..2]);
 }

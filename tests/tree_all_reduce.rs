@@ -7,9 +7,10 @@
 //! 7, 1023, 1025, 65539} × out-of-place/in-place on 2, 3 and 4 nodes of 1 and 2 ranks: exact
 //! expected values from `oxccl::perf::check` (order-independent inputs: the tree's association
 //! differs from the ring's and must give the same bits), guard bytes, unchanged send buffers, and
-//! results bitwise identical on every rank. NCCL_ALGO=tree leaves only the tree (AllReduce's
-//! only tree protocol is Simple), so a refusal would fail the matrix ("no protocol ran"); each
-//! configuration also checks `Comm::last_choice().algo == Tree` explicitly. Channel counts vary
+//! results bitwise identical on every rank, on each protocol (LL, LL128 and Simple: one
+//! communicator per `NCCL_PROTO`). NCCL_ALGO=tree leaves only the tree, so a refusal would fail
+//! the matrix ("no protocol ran"); each configuration also checks `Comm::last_choice()` — the tree
+//! on the forced protocol — explicitly. Channel counts vary
 //! (`NCCL_MIN_NCHANNELS` = `NCCL_MAX_NCHANNELS`) so that small calls use both trees, and three
 //! channels put two channels on tree 0.
 //!
@@ -36,38 +37,43 @@ const VARS: &[&str] = &["ALGO", "PROTO", "TEST_NODES", "MIN_NCHANNELS", "MAX_NCH
 fn tree_matrix(test: &str, nnodes: usize, per_node: usize, nch: u32) {
     let env = Env::clean(VARS);
     let (nodes, ch) = (nnodes.to_string(), nch.to_string());
-    env.set(&[
-        ("NCCL_ALGO", "tree"),
-        ("OXCCL_TEST_NODES", &nodes),
-        ("NCCL_MIN_NCHANNELS", &ch),
-        ("NCCL_MAX_NCHANNELS", &ch),
-    ]);
     let devices = Device::cpus(nnodes * per_node);
-    // The plan of every call is the tree on Simple over `nch` channels.
-    let comms = Comm::init_all(&devices).unwrap();
-    for count in [1, 1025, 65539] {
-        for in_place in [false, true] {
-            for (r, c) in common::all_reduce_f32(&comms, count, in_place).iter().enumerate() {
-                assert_eq!(
-                    (c.func, c.algo, c.proto, c.nchannels),
-                    (Func::AllReduce, Algo::Tree, Proto::Simple, nch),
-                    "{test}: rank {r}, count {count}"
-                );
+    // One protocol at a time (`common::protos()`: every one, or OXCCL_TEST_PROTOS): the plan of
+    // every call is the tree on that protocol over `nch` channels, then the matrix runs on
+    // communicators created under the same environment.
+    for proto in common::protos() {
+        env.set(&[
+            ("NCCL_ALGO", "tree"),
+            ("NCCL_PROTO", proto),
+            ("OXCCL_TEST_NODES", &nodes),
+            ("NCCL_MIN_NCHANNELS", &ch),
+            ("NCCL_MAX_NCHANNELS", &ch),
+        ]);
+        let comms = Comm::init_all(&devices).unwrap();
+        for count in [1, 1025, 65539] {
+            for in_place in [false, true] {
+                for (r, c) in common::all_reduce_f32(&comms, count, in_place).iter().enumerate() {
+                    assert_eq!(
+                        (c.func, c.algo, c.proto.name(), c.nchannels),
+                        (Func::AllReduce, Algo::Tree, proto, nch),
+                        "{test}: rank {r}, count {count}"
+                    );
+                }
             }
         }
+        drop(comms);
+        common::run_collective(
+            &format!("{test} {proto}"),
+            &devices,
+            &common::Matrix {
+                func: Func::AllReduce,
+                counts: COUNTS,
+                extra_counts: &[],
+                extra_pairs: &[],
+                protos: None,
+            },
+        );
     }
-    drop(comms);
-    common::run_collective(
-        test,
-        &devices,
-        &common::Matrix {
-            func: Func::AllReduce,
-            counts: COUNTS,
-            extra_counts: &[],
-            extra_pairs: &[],
-            protos: None,
-        },
-    );
 }
 
 #[test]
@@ -168,17 +174,25 @@ fn model_picks_tree_for_mid_sizes_and_both_interleave() {
     env.set(&[("OXCCL_TEST_NODES", "4")]);
     let comms = Comm::init_all(&Device::cpus(8)).unwrap();
     // The host model (tuning::Model::for_fabric(Host)) on 8 ranks in 4 nodes (tree depth 3): 8
-    // bytes go to the ring on LL (48 µs vs the tree's 54), 64 KiB to the tree (125 µs vs 143 for
-    // the ring on Simple), 4 MiB to the ring on Simple (its bandwidth term is lower) — see the
-    // unit test in host/tuning.rs. Alternating them checks that tree and ring connections keep
-    // their own FIFO steps across calls.
+    // bytes go to the tree on LL (32 µs vs 48 for the ring on LL), 64 KiB to the tree on Simple
+    // (125 µs vs 143 for the ring on Simple), 4 MiB to the ring on Simple (its bandwidth term is
+    // lower) — see the unit test in host/tuning.rs. Alternating them checks that tree and ring
+    // connections keep their own FIFO steps, per protocol, across calls.
     for round in 0..2 {
-        for (count, algo) in [(2, Algo::Ring), (16384, Algo::Tree), (1 << 20, Algo::Ring)] {
+        for (count, algo, proto) in [
+            (2, Algo::Tree, Proto::Ll),
+            (16384, Algo::Tree, Proto::Simple),
+            (1 << 20, Algo::Ring, Proto::Simple),
+        ] {
             for (r, c) in common::all_reduce_f32(&comms, count, round == 1)
                 .iter()
                 .enumerate()
             {
-                assert_eq!(c.algo, algo, "round {round}, rank {r}, {count} floats: {c:?}");
+                assert_eq!(
+                    (c.algo, c.proto),
+                    (algo, proto),
+                    "round {round}, rank {r}, {count} floats: {c:?}"
+                );
             }
         }
     }
@@ -187,37 +201,45 @@ fn model_picks_tree_for_mid_sizes_and_both_interleave() {
 #[test]
 fn abort_releases_a_tree_all_reduce_waiting_for_a_missing_rank() {
     let env = Env::clean(VARS);
-    env.set(&[("NCCL_ALGO", "tree"), ("OXCCL_TEST_NODES", "2")]);
-    // 4 ranks in 2 nodes; rank 3 never calls, so its parent (rank 2) and everything above wait in
-    // the tree's spin loops until the abort flag is seen.
-    let comms = Comm::init_all(&Device::cpus(4)).unwrap();
-    let count = 1 << 16;
-    let streams: Vec<_> = comms.iter().map(|c| c.device().new_stream().unwrap()).collect();
-    let bufs: Vec<_> = comms
-        .iter()
-        .map(|c| c.device().alloc(count * 4).unwrap())
-        .collect();
-    for r in 0..3 {
-        comms[r]
-            .all_reduce(&bufs[r], &bufs[r], count, DataType::F32, RedOp::Sum, &streams[r])
-            .unwrap();
-    }
-    std::thread::sleep(std::time::Duration::from_millis(50));
-    for (r, c) in comms.iter().enumerate() {
-        let t = std::time::Instant::now();
-        c.abort().unwrap_or_else(|e| panic!("rank {r}: abort: {e}"));
-        assert!(
-            t.elapsed() < std::time::Duration::from_secs(5),
-            "rank {r}: abort took {:?}",
-            t.elapsed()
-        );
-    }
-    for (r, c) in comms.iter().enumerate() {
-        streams[r].synchronize().unwrap();
-        let e = c
-            .all_reduce(&bufs[r], &bufs[r], 4, DataType::F32, RedOp::Sum, &streams[r])
-            .unwrap_err();
-        assert!(e.to_string().contains("aborted"), "rank {r}: {e}");
+    // On each protocol: 4 ranks in 2 nodes; rank 3 never calls, so its parent (rank 2) and
+    // everything above wait in the tree's spin loops until the abort flag is seen.
+    for proto in [Proto::Ll, Proto::Ll128, Proto::Simple] {
+        env.set(&[
+            ("NCCL_ALGO", "tree"),
+            ("NCCL_PROTO", proto.name()),
+            ("OXCCL_TEST_NODES", "2"),
+        ]);
+        let comms = Comm::init_all(&Device::cpus(4)).unwrap();
+        let count = 1 << 16;
+        let streams: Vec<_> = comms.iter().map(|c| c.device().new_stream().unwrap()).collect();
+        let bufs: Vec<_> = comms
+            .iter()
+            .map(|c| c.device().alloc(count * 4).unwrap())
+            .collect();
+        for r in 0..3 {
+            comms[r]
+                .all_reduce(&bufs[r], &bufs[r], count, DataType::F32, RedOp::Sum, &streams[r])
+                .unwrap();
+            let c = comms[r].last_choice().unwrap();
+            assert_eq!((c.algo, c.proto), (Algo::Tree, proto), "rank {r}");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        for (r, c) in comms.iter().enumerate() {
+            let t = std::time::Instant::now();
+            c.abort().unwrap_or_else(|e| panic!("{proto}: rank {r}: abort: {e}"));
+            assert!(
+                t.elapsed() < std::time::Duration::from_secs(5),
+                "{proto}: rank {r}: abort took {:?}",
+                t.elapsed()
+            );
+        }
+        for (r, c) in comms.iter().enumerate() {
+            streams[r].synchronize().unwrap();
+            let e = c
+                .all_reduce(&bufs[r], &bufs[r], 4, DataType::F32, RedOp::Sum, &streams[r])
+                .unwrap_err();
+            assert!(e.to_string().contains("aborted"), "{proto}: rank {r}: {e}");
+        }
     }
 }
 
@@ -228,13 +250,14 @@ fn tree_memory_is_one_fifo_per_tree_peer() {
     env.set(&[("OXCCL_TEST_NODES", "2")]);
     let comms = Comm::init_all(&Device::cpus(2)).unwrap();
     // 2 nodes of 1 rank, 2 channels (the CPU default): on each channel's tree one rank is the
-    // root and the other its only child, so each rank has one tree peer per channel: 2 Simple
-    // FIFOs of NCCL_BUFFSIZE (4 MiB), the counter blocks of 4 peer slots × 2 channels × 256
-    // bytes, and 2 DevTrees of 544 bytes.
+    // root and the other its only child, so each rank has one tree peer per channel: 2 sets of
+    // FIFOs — Simple of NCCL_BUFFSIZE (4 MiB), LL of NCCL_LL_BUFFSIZE (512 KiB) and LL128 of
+    // NCCL_LL128_BUFFSIZE (1 MiB), the defaults — the counter blocks of 4 peer slots × 2 channels
+    // × 256 bytes, and 2 DevTrees of 544 bytes.
     for c in &comms {
         assert_eq!(
             c.device_memory_bytes() - ring_only,
-            2 * (4 << 20) + 2 * 4 * 256 + 2 * 544,
+            2 * ((4 << 20) + (512 << 10) + (1 << 20)) + 2 * 4 * 256 + 2 * 544,
             "rank {}",
             c.rank()
         );

@@ -200,11 +200,12 @@ fn run_ring<T, P: Primitives>(p: &mut P, ring: &RingCtx, comm: &DevComm, w: &Wor
 }
 
 /// Runs block `bid` of a tree operation (NCCL's `RunWorkColl` for `NCCL_ALGO_TREE`): AllReduce on
-/// the Simple protocol over the channel's [`crate::abi::DevTree`], reduce phase then broadcast
-/// phase. Anything else (another collective or protocol, a communicator without trees) traps.
+/// the Simple, LL or LL128 protocol over the channel's [`crate::abi::DevTree`], reduce phase then
+/// broadcast phase. Anything else (another collective, a communicator without trees) traps.
 ///
 /// # Safety
-/// As [`run_typed`]; `comm.trees` is 0 or the address of `comm.nchannels` set-up trees.
+/// As [`run_typed`]; `comm.trees` is 0 or the address of `comm.nchannels` set-up trees whose
+/// connections have buffers of `comm.buff_sizes` for every protocol.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn run_tree<T: Elem, Op: RedFn<T>>(
@@ -219,10 +220,10 @@ unsafe fn run_tree<T: Elem, Op: RedFn<T>>(
 ) {
     use crate::abi::DevTree;
     use crate::coll::tree::{TreeCtx, all_reduce_down, all_reduce_up};
+    use crate::proto::ll::{TreeLlDown, TreeLlUp};
+    use crate::proto::ll128::{TreeLl128Down, TreeLl128Up};
     use crate::proto::tree::{TreeDown, TreeUp};
-    let (Some(Func::AllReduce), Some(Proto::Simple)) =
-        (only.or(Func::from_u8(w.func)), Proto::from_u8(w.proto))
-    else {
+    let (Some(Func::AllReduce), Some(proto)) = (only.or(Func::from_u8(w.func)), Proto::from_u8(w.proto)) else {
         crate::arch::trap()
     };
     if comm.trees == 0 || bid >= comm.nchannels {
@@ -230,7 +231,8 @@ unsafe fn run_tree<T: Elem, Op: RedFn<T>>(
     }
     let esize = core::mem::size_of::<T>() as u64;
     let (input, output) = (w.sendbuff as *const T, w.recvbuff as *mut T);
-    let buff = comm.buff_sizes[Proto::Simple as usize];
+    let buff = comm.buff_sizes[proto as usize];
+    let (abort, count, chunk) = (comm.abort_flag, w.count, w.chunk_elems);
     // SAFETY: caller contract: channel `bid` has a set-up tree.
     unsafe {
         let tree = (comm.trees as *mut DevTree).add(bid as usize);
@@ -240,20 +242,37 @@ unsafe fn run_tree<T: Elem, Op: RedFn<T>>(
             channel: bid as u64,
             nchannels: w.nchannels as u64,
         };
-        let (abort, slice) = (comm.abort_flag, w.slice_elems);
-        let mut p = TreeUp::<T, Op>::new(
-            tid, nthreads, tree, buff, input, output, abort, smem, postdiv, slice,
-        );
-        all_reduce_up(&mut p, &t, w.count, w.chunk_elems, esize);
-        let aborted = p.aborted();
-        p.finish();
-        if aborted {
-            return;
+        // Each phase loads its connections, runs, and stores their steps back; the broadcast
+        // phase starts only when the reduce phase was not aborted.
+        macro_rules! phases {
+            ($up:expr, $down:expr) => {{
+                let mut p = $up;
+                all_reduce_up(&mut p, &t, count, chunk, esize);
+                let aborted = p.aborted();
+                p.finish();
+                if !aborted {
+                    let mut p = $down;
+                    all_reduce_down(&mut p, &t, count, chunk, esize);
+                    p.finish();
+                }
+            }};
         }
-        let mut p = TreeDown::<T, Op>::new(
-            tid, nthreads, tree, buff, input, output, abort, smem, postdiv, slice,
-        );
-        all_reduce_down(&mut p, &t, w.count, w.chunk_elems, esize);
-        p.finish();
+        match proto {
+            Proto::Simple => {
+                let slice = w.slice_elems;
+                phases!(
+                    TreeUp::<T, Op>::new(tid, nthreads, tree, buff, input, output, abort, smem, postdiv, slice),
+                    TreeDown::<T, Op>::new(tid, nthreads, tree, buff, input, output, abort, smem, postdiv, slice)
+                )
+            }
+            Proto::Ll => phases!(
+                TreeLlUp::<T, Op>::tree(tid, nthreads, tree, true, buff, input, output, abort, smem, postdiv),
+                TreeLlDown::<T, Op>::tree(tid, nthreads, tree, false, buff, input, output, abort, smem, postdiv)
+            ),
+            Proto::Ll128 => phases!(
+                TreeLl128Up::<T, Op>::tree(tid, nthreads, tree, true, buff, input, output, abort, smem, postdiv),
+                TreeLl128Down::<T, Op>::tree(tid, nthreads, tree, false, buff, input, output, abort, smem, postdiv)
+            ),
+        }
     }
 }

@@ -198,8 +198,8 @@ pub const MAX_TREE_ARITY: usize = 3;
 /// One channel's tree as seen from one rank (NCCL's `ncclTree` together with the tree peers'
 /// connections of `ncclChannelPeer`): parent and children in user ranks, and a send and a receive
 /// connection to each of them. `up == -1` at the root; `down` is filled from index 0, -1 for
-/// none. The connections of an absent peer are zero. Each receive connection has its own Simple
-/// FIFO of `buff_sizes[Simple]` bytes; tree connections carry the Simple protocol only.
+/// none. The connections of an absent peer are zero. Each receive connection has its own FIFO per
+/// protocol, of `buff_sizes[proto]` bytes, as a ring connection has.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]
 pub struct DevTree {

@@ -11,8 +11,10 @@
 //! returns the slot (`head = s + 1`). Flags wrap: in the 8 steps before the flag value wraps
 //! ([`ll_clean`]) every line of the slot is written and read, so no line keeps a flag old enough
 //! to be mistaken for a new one (NCCL's `NCCL_LL_CLEAN_MASK` cleanup).
-use super::{Primitives, balanced_step};
-use crate::abi::{ConnInfo, DevChannel, FIFO_STEPS, LlFifoLine, Proto, SPINS_BEFORE_CHECK_ABORT};
+use super::{Primitives, balanced_step, each_peer};
+use crate::abi::{
+    ConnInfo, DevChannel, DevTree, FIFO_STEPS, LlFifoLine, MAX_TREE_ARITY, Proto, SPINS_BEFORE_CHECK_ABORT,
+};
 use crate::arch::{self, Pack};
 use crate::reduce::{Elem, RedFn, div_pack};
 use core::marker::PhantomData;
@@ -33,6 +35,7 @@ pub const fn ll_clean(step: u64) -> bool {
     step % LL_FLAG_PERIOD >= LL_FLAG_PERIOD - FIFO_STEPS
 }
 
+#[derive(Clone, Copy)]
 struct Conn {
     info: *mut ConnInfo,
     buff: *mut LlFifoLine,
@@ -43,6 +46,14 @@ struct Conn {
 }
 
 impl Conn {
+    const NONE: Conn = Conn {
+        info: core::ptr::null_mut(),
+        buff: core::ptr::null_mut(),
+        head: core::ptr::null_mut(),
+        sizes: core::ptr::null_mut(),
+        step: 0,
+    };
+
     /// # Safety
     /// `info` points at a connection set up for the LL protocol.
     unsafe fn load(info: *mut ConnInfo) -> Self {
@@ -58,14 +69,22 @@ impl Conn {
     }
 }
 
-/// LL-protocol primitives for one channel of a ring.
-pub struct Ll<T, Op> {
+/// LL-protocol primitives over a fan of up to `NR` receive and `NS` send connections (NCCL's
+/// `Primitives<T, RedOp, FanAsymmetric<NR, NS>, …, ProtoLL>`): a receiving verb combines the
+/// lines of every receive peer (and the input, for the reducing verbs), a sending verb writes
+/// the same lines to every send peer. [`Ll`] is the ring's fan of one and one; the tree's phases
+/// are [`TreeLlUp`] and [`TreeLlDown`].
+pub struct LlFan<T, Op, const NR: usize, const NS: usize> {
     tid: u32,
     nthreads: u32,
     input: *const T,
     output: *mut T,
-    send: Conn,
-    recv: Conn,
+    recv: [Conn; NR],
+    /// Receive peers present (the first `nrecv` of `recv`), at most `NR`.
+    nrecv: usize,
+    send: [Conn; NS],
+    /// Send peers present, at most `NS`.
+    nsend: usize,
     /// Lines per step (slot).
     step_lines: u64,
     abort_flag: *const u32,
@@ -137,7 +156,14 @@ pub(crate) unsafe fn store_partial(p: *mut u8, v: u64, nbytes: u64, esize: u64) 
     }
 }
 
-impl<T: Elem, Op: RedFn<T>> Ll<T, Op> {
+/// LL-protocol primitives for one channel of a ring: one receive peer (prev), one send peer (next).
+pub type Ll<T, Op> = LlFan<T, Op, 1, 1>;
+/// The reduce phase of a channel's tree on LL: children → parent.
+pub type TreeLlUp<T, Op> = LlFan<T, Op, MAX_TREE_ARITY, 1>;
+/// The broadcast phase of a channel's tree on LL: parent → children.
+pub type TreeLlDown<T, Op> = LlFan<T, Op, 1, MAX_TREE_ARITY>;
+
+impl<T: Elem, Op: RedFn<T>> LlFan<T, Op, 1, 1> {
     /// Loads the channel's ring connections.
     ///
     /// # Safety
@@ -154,24 +180,103 @@ impl<T: Elem, Op: RedFn<T>> Ll<T, Op> {
         smem: *mut u32,
         postdiv: u32,
     ) -> Self {
-        // SAFETY: caller guarantees `channel` and `smem`; every thread reaches the barrier.
-        let (send, recv) = unsafe {
+        let null = core::ptr::null_mut();
+        // SAFETY: caller guarantees `channel`, `smem` and the connections' LL buffers.
+        unsafe {
+            Self::with_conns(
+                tid,
+                nthreads,
+                ([&raw mut (*channel).recv, null, null], 1),
+                ([&raw mut (*channel).send, null, null], 1),
+                buff_size,
+                input,
+                output,
+                abort_flag,
+                smem,
+                postdiv,
+            )
+        }
+    }
+}
+
+impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> LlFan<T, Op, NR, NS> {
+    /// Loads one phase of a channel's tree (`up`: the reduce phase; see [`super::tree_conns`]).
+    ///
+    /// # Safety
+    /// `tree` is a set-up [`DevTree`] whose present connections have LL buffers of `buff_size`
+    /// bytes; the rest as [`Ll::new`].
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    pub unsafe fn tree(
+        tid: u32,
+        nthreads: u32,
+        tree: *mut DevTree,
+        up: bool,
+        buff_size: u64,
+        input: *const T,
+        output: *mut T,
+        abort_flag: u64,
+        smem: *mut u32,
+        postdiv: u32,
+    ) -> Self {
+        // SAFETY: forwarded caller contract.
+        unsafe {
+            let (rp, nr, sp, ns) = super::tree_conns(tree, up);
+            Self::with_conns(
+                tid, nthreads, (rp, nr), (sp, ns), buff_size, input, output, abort_flag, smem, postdiv,
+            )
+        }
+    }
+
+    /// Loads the first `recv.1` (at most `NR`) receive and `send.1` (at most `NS`) send
+    /// connections of the lists.
+    ///
+    /// # Safety
+    /// Those connections are set up for LL with buffers of `buff_size` bytes; the rest as
+    /// [`Ll::new`]. All threads of the block call it.
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    unsafe fn with_conns(
+        tid: u32,
+        nthreads: u32,
+        recv_list: ([*mut ConnInfo; MAX_TREE_ARITY], usize),
+        send_list: ([*mut ConnInfo; MAX_TREE_ARITY], usize),
+        buff_size: u64,
+        input: *const T,
+        output: *mut T,
+        abort_flag: u64,
+        smem: *mut u32,
+        postdiv: u32,
+    ) -> Self {
+        let (nrecv, nsend) = (recv_list.1.min(NR), send_list.1.min(NS));
+        let (mut recv, mut send) = ([Conn::NONE; NR], [Conn::NONE; NS]);
+        // SAFETY: caller guarantees the listed connections and `smem`; every thread reaches the
+        // barrier.
+        unsafe {
             if tid == 0 {
                 smem.add(1).write_volatile(0); // the block's abort word of `generic_op`
             }
             arch::sync_threads();
-            (
-                Conn::load(&raw mut (*channel).send),
-                Conn::load(&raw mut (*channel).recv),
-            )
-        };
-        Ll {
+            each_peer::<NR>(|i| {
+                if i < nrecv {
+                    recv[i] = Conn::load(recv_list.0[i]);
+                }
+            });
+            each_peer::<NS>(|i| {
+                if i < nsend {
+                    send[i] = Conn::load(send_list.0[i]);
+                }
+            });
+        }
+        LlFan {
             tid,
             nthreads,
             input,
             output,
-            send,
             recv,
+            nrecv,
+            send,
+            nsend,
             step_lines: buff_size / FIFO_STEPS / core::mem::size_of::<LlFifoLine>() as u64,
             abort_flag: abort_flag as *const u32,
             smem,
@@ -195,8 +300,16 @@ impl<T: Elem, Op: RedFn<T>> Ll<T, Op> {
         unsafe {
             arch::sync_threads();
             if self.tid == 0 {
-                (*self.send.info).step = self.send.step;
-                (*self.recv.info).step = self.recv.step;
+                each_peer::<NR>(|i| {
+                    if i < self.nrecv {
+                        (*self.recv[i].info).step = self.recv[i].step;
+                    }
+                });
+                each_peer::<NS>(|i| {
+                    if i < self.nsend {
+                        (*self.send[i].info).step = self.send[i].step;
+                    }
+                });
             }
         }
     }
@@ -234,25 +347,30 @@ impl<T: Elem, Op: RedFn<T>> Ll<T, Op> {
         unsafe { arch::store_volatile_v4(line as *mut Pack, Pack([v as u32, flag, (v >> 32) as u32, flag])) }
     }
 
-    /// Thread 0 waits for a free send slot; then the block learns whether to abort.
+    /// Thread 0 waits for a free slot on every send peer; then the block learns whether to abort.
     #[inline(always)]
     fn wait_send_credit(&mut self) -> bool {
         if self.tid == 0 {
-            let (head, want) = (self.send.head, self.send.step + 1);
             let mut ok = true;
-            let mut spins = 0u32;
-            // SAFETY: `head` is this connection's counter.
-            while unsafe { arch::load_volatile_u64(head) } + FIFO_STEPS < want {
-                spins += 1;
-                if spins == SPINS_BEFORE_CHECK_ABORT {
-                    spins = 0;
-                    if self.check_abort() {
-                        ok = false;
-                        break;
-                    }
+            each_peer::<NS>(|i| {
+                if i >= self.nsend || !ok {
+                    return;
                 }
-                arch::spin_pause();
-            }
+                let (head, want) = (self.send[i].head, self.send[i].step + 1);
+                let mut spins = 0u32;
+                // SAFETY: `head` is this connection's counter.
+                while unsafe { arch::load_volatile_u64(head) } + FIFO_STEPS < want {
+                    spins += 1;
+                    if spins == SPINS_BEFORE_CHECK_ABORT {
+                        spins = 0;
+                        if self.check_abort() {
+                            ok = false;
+                            break;
+                        }
+                    }
+                    arch::spin_pause();
+                }
+            });
             // SAFETY: smem is the kernel's shared memory.
             unsafe { self.smem.write_volatile(u32::from(!ok)) };
         }
@@ -263,7 +381,9 @@ impl<T: Elem, Op: RedFn<T>> Ll<T, Op> {
         !self.aborted
     }
 
-    /// The one engine behind every verb (NCCL's `LLGenericOp`).
+    /// The one engine behind every verb (NCCL's `LLGenericOp`): per step, every thread takes
+    /// its lines; for each, the input (`SRC`) combined with the line of every receive peer
+    /// (`RECV`), written to every send peer (`SEND`) and the output (`DST`).
     #[inline(always)]
     fn generic_op<const RECV: bool, const SEND: bool, const SRC: bool, const DST: bool>(
         &mut self,
@@ -280,6 +400,7 @@ impl<T: Elem, Op: RedFn<T>> Ll<T, Op> {
         // a verb never ends with a sliver of a step (sender and receiver compute the same split).
         let per_step = balanced_step(n, self.step_elems());
         let div = if post { self.postdiv } else { 0 };
+        let (nrecv, nsend) = (if RECV { self.nrecv } else { 0 }, if SEND { self.nsend } else { 0 });
         let mut done = 0u64;
         while done < n {
             let len = core::cmp::min(per_step, n - done);
@@ -288,28 +409,42 @@ impl<T: Elem, Op: RedFn<T>> Ll<T, Op> {
             }
             let nbytes = len * esize;
             let nlines = nbytes.div_ceil(8);
-            let clean_send = SEND && ll_clean(self.send.step);
-            let clean_recv = RECV && ll_clean(self.recv.step);
-            let total = if clean_send || clean_recv {
-                self.step_lines
-            } else {
-                nlines
-            };
-            if SEND && self.tid == 0 {
-                super::announce_step_lines(self.send.sizes, self.send.step, total);
-            }
-            let (fs, fr) = (ll_flag(self.send.step), ll_flag(self.recv.step));
-            // SAFETY: slots lie inside the connection buffers.
-            let (slot_s, slot_r) = unsafe {
-                (
-                    self.send
-                        .buff
-                        .add(((self.send.step % FIFO_STEPS) * self.step_lines) as usize),
-                    self.recv
-                        .buff
-                        .add(((self.recv.step % FIFO_STEPS) * self.step_lines) as usize),
-                )
-            };
+            // Per peer: this step's flag, slot, and whether it cleans the whole slot; a step
+            // covers every line of the slot when any of its peers cleans.
+            let mut fr = [0u32; NR];
+            let mut slot_r = [core::ptr::null_mut::<LlFifoLine>(); NR];
+            let mut clean_r = [false; NR];
+            let mut fs = [0u32; NS];
+            let mut slot_s = [core::ptr::null_mut::<LlFifoLine>(); NS];
+            let mut clean_s = [false; NS];
+            let mut total = nlines;
+            each_peer::<NR>(|i| {
+                if i < nrecv {
+                    let c = &self.recv[i];
+                    fr[i] = ll_flag(c.step);
+                    slot_r[i] = c.buff.wrapping_add(((c.step % FIFO_STEPS) * self.step_lines) as usize);
+                    clean_r[i] = ll_clean(c.step);
+                    if clean_r[i] {
+                        total = self.step_lines;
+                    }
+                }
+            });
+            each_peer::<NS>(|i| {
+                if i < nsend {
+                    let c = &self.send[i];
+                    fs[i] = ll_flag(c.step);
+                    slot_s[i] = c.buff.wrapping_add(((c.step % FIFO_STEPS) * self.step_lines) as usize);
+                    clean_s[i] = ll_clean(c.step);
+                    if clean_s[i] {
+                        total = self.step_lines;
+                    }
+                    if self.tid == 0 {
+                        // What this peer receives: the data lines, or the whole slot if it cleans.
+                        let lines = if clean_s[i] { self.step_lines } else { nlines };
+                        super::announce_step_lines(c.sizes, c.step, lines);
+                    }
+                }
+            });
             let in_base = self.input.wrapping_add((src + done) as usize) as *const u8;
             let out_base = self.output.wrapping_add((dst + done) as usize) as *mut u8;
             let mut line = self.tid as u64;
@@ -324,43 +459,55 @@ impl<T: Elem, Op: RedFn<T>> Ll<T, Op> {
                     } else {
                         0
                     };
-                    if RECV {
-                        // SAFETY: the line is inside the receive slot.
-                        let Some(r) = self.read_line(unsafe { slot_r.add(k) }, fr) else {
-                            aborted = true;
-                            break;
-                        };
-                        v = if SRC { combine::<T, Op>(r, v) } else { r };
+                    let mut have = SRC;
+                    each_peer::<NR>(|i| {
+                        if i < nrecv && !aborted {
+                            // The line lies inside peer i's receive slot.
+                            match self.read_line(slot_r[i].wrapping_add(k), fr[i]) {
+                                Some(r) => {
+                                    v = if have { combine::<T, Op>(r, v) } else { r };
+                                    have = true;
+                                }
+                                None => aborted = true,
+                            }
+                        }
+                    });
+                    if aborted {
+                        break;
                     }
                     if div != 0 {
                         v = unpack(div_pack::<T>(pack(v), div));
                     }
-                    if SEND {
-                        // SAFETY: the line is inside the peer's slot.
-                        Self::write_line(unsafe { slot_s.add(k) }, v, fs);
-                    }
+                    each_peer::<NS>(|i| {
+                        if i < nsend {
+                            // The line lies inside peer i's slot.
+                            Self::write_line(slot_s[i].wrapping_add(k), v, fs[i]);
+                        }
+                    });
                     if DST {
                         // SAFETY: as for the load.
                         unsafe { store_partial(out_base.add(k * 8), v, valid, esize) };
                     }
                 } else {
-                    // Flag-wrap cleanup: every line of the slot carries the current flag.
-                    if clean_recv {
-                        // SAFETY: inside the receive slot.
-                        if self.read_line(unsafe { slot_r.add(k) }, fr).is_none() {
-                            aborted = true;
-                            break;
+                    // Flag-wrap cleanup: every line of a cleaning peer's slot carries its flag.
+                    each_peer::<NR>(|i| {
+                        if i < nrecv && clean_r[i] && !aborted {
+                            aborted = self.read_line(slot_r[i].wrapping_add(k), fr[i]).is_none();
                         }
+                    });
+                    if aborted {
+                        break;
                     }
-                    if clean_send {
-                        // SAFETY: inside the peer's slot.
-                        Self::write_line(unsafe { slot_s.add(k) }, 0, fs);
-                    }
+                    each_peer::<NS>(|i| {
+                        if i < nsend && clean_s[i] {
+                            Self::write_line(slot_s[i].wrapping_add(k), 0, fs[i]);
+                        }
+                    });
                 }
                 line += self.nthreads as u64;
             }
-            // Free the received slot once every thread has read its lines; share any abort.
-            // SAFETY: every thread reaches the barriers; only thread 0 posts the credit.
+            // Free the received slots once every thread has read its lines; share any abort.
+            // SAFETY: every thread reaches the barriers; only thread 0 posts the credits.
             unsafe {
                 if aborted {
                     self.smem.add(1).write_volatile(1);
@@ -370,16 +517,24 @@ impl<T: Elem, Op: RedFn<T>> Ll<T, Op> {
                     self.aborted = true;
                     return;
                 }
-                if RECV && self.tid == 0 {
-                    arch::store_volatile_u64(self.recv.head, self.recv.step + 1);
+                if self.tid == 0 {
+                    each_peer::<NR>(|i| {
+                        if i < nrecv {
+                            arch::store_volatile_u64(self.recv[i].head, self.recv[i].step + 1);
+                        }
+                    });
                 }
             }
-            if SEND {
-                self.send.step += 1;
-            }
-            if RECV {
-                self.recv.step += 1;
-            }
+            each_peer::<NS>(|i| {
+                if i < nsend {
+                    self.send[i].step += 1;
+                }
+            });
+            each_peer::<NR>(|i| {
+                if i < nrecv {
+                    self.recv[i].step += 1;
+                }
+            });
             done += len;
         }
     }
@@ -403,7 +558,7 @@ fn combine<T: Elem, Op: RedFn<T>>(a: u64, b: u64) -> u64 {
     unpack(Op::apply_pack(pack(a), pack(b)))
 }
 
-impl<T: Elem, Op: RedFn<T>> Primitives for Ll<T, Op> {
+impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Primitives for LlFan<T, Op, NR, NS> {
     fn send(&mut self, src: u64, n: u64) {
         self.generic_op::<false, true, true, false>(src, 0, n, false)
     }
@@ -427,6 +582,18 @@ impl<T: Elem, Op: RedFn<T>> Primitives for Ll<T, Op> {
     }
     fn aborted(&self) -> bool {
         self.aborted
+    }
+}
+
+impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> super::tree::SendFromOutput
+    for LlFan<T, Op, NR, NS>
+{
+    /// output[src..src+n] → every send peer: [`Primitives::send`] with the output as its source.
+    fn send_from_output(&mut self, src: u64, n: u64) {
+        let input = self.input;
+        self.input = self.output as *const T;
+        self.send(src, n);
+        self.input = input;
     }
 }
 

@@ -15,8 +15,8 @@
 //! equals the current one. Credits work as in LL: the sender waits for `head + FIFO_STEPS ≥ s + 1`,
 //! the receiver sets `head = s + 1` once the whole block has read the slot.
 use super::ll::{load_partial, store_partial};
-use super::{Primitives, balanced_step};
-use crate::abi::{ConnInfo, DevChannel, FIFO_STEPS, Proto, SPINS_BEFORE_CHECK_ABORT};
+use super::{Primitives, balanced_step, each_peer};
+use crate::abi::{ConnInfo, DevChannel, DevTree, FIFO_STEPS, MAX_TREE_ARITY, Proto, SPINS_BEFORE_CHECK_ABORT};
 use crate::arch::{self, Pack};
 use crate::reduce::{Elem, RedFn, div_pack};
 use core::marker::PhantomData;
@@ -47,6 +47,7 @@ pub const fn ll128_flag(step: u64) -> u64 {
     step.wrapping_add(1)
 }
 
+#[derive(Clone, Copy)]
 struct Conn {
     info: *mut ConnInfo,
     buff: *mut u64,
@@ -57,6 +58,14 @@ struct Conn {
 }
 
 impl Conn {
+    const NONE: Conn = Conn {
+        info: core::ptr::null_mut(),
+        buff: core::ptr::null_mut(),
+        head: core::ptr::null_mut(),
+        sizes: core::ptr::null_mut(),
+        step: 0,
+    };
+
     /// # Safety
     /// `info` points at a connection set up for the LL128 protocol.
     unsafe fn load(info: *mut ConnInfo) -> Self {
@@ -106,14 +115,22 @@ impl Lanes {
     }
 }
 
-/// LL128-protocol primitives for one channel of a ring.
-pub struct Ll128<T, Op> {
+/// LL128-protocol primitives over a fan of up to `NR` receive and `NS` send connections (NCCL's
+/// `Primitives<…, FanAsymmetric<NR, NS>, …, ProtoLL128>`): a receiving verb combines the lines of
+/// every receive peer (and the input, for the reducing verbs), a sending verb writes the same
+/// lines to every send peer. [`Ll128`] is the ring's fan of one and one; the tree's phases are
+/// [`TreeLl128Up`] and [`TreeLl128Down`].
+pub struct Ll128Fan<T, Op, const NR: usize, const NS: usize> {
     tid: u32,
     lanes: Lanes,
     input: *const T,
     output: *mut T,
-    send: Conn,
-    recv: Conn,
+    recv: [Conn; NR],
+    /// Receive peers present (the first `nrecv` of `recv`), at most `NR`.
+    nrecv: usize,
+    send: [Conn; NS],
+    /// Send peers present, at most `NS`.
+    nsend: usize,
     /// Lines per step (slot).
     step_lines: u64,
     abort_flag: *const u32,
@@ -123,7 +140,15 @@ pub struct Ll128<T, Op> {
     _op: PhantomData<Op>,
 }
 
-impl<T: Elem, Op: RedFn<T>> Ll128<T, Op> {
+/// LL128-protocol primitives for one channel of a ring: one receive peer (prev), one send peer
+/// (next).
+pub type Ll128<T, Op> = Ll128Fan<T, Op, 1, 1>;
+/// The reduce phase of a channel's tree on LL128: children → parent.
+pub type TreeLl128Up<T, Op> = Ll128Fan<T, Op, MAX_TREE_ARITY, 1>;
+/// The broadcast phase of a channel's tree on LL128: parent → children.
+pub type TreeLl128Down<T, Op> = Ll128Fan<T, Op, 1, MAX_TREE_ARITY>;
+
+impl<T: Elem, Op: RedFn<T>> Ll128Fan<T, Op, 1, 1> {
     /// Loads the channel's ring connections.
     ///
     /// # Safety
@@ -141,24 +166,103 @@ impl<T: Elem, Op: RedFn<T>> Ll128<T, Op> {
         smem: *mut u32,
         postdiv: u32,
     ) -> Self {
-        // SAFETY: caller guarantees `channel` and `smem`; every thread reaches the barrier.
-        let (send, recv) = unsafe {
+        let null = core::ptr::null_mut();
+        // SAFETY: caller guarantees `channel`, `smem` and the connections' LL128 buffers.
+        unsafe {
+            Self::with_conns(
+                tid,
+                nthreads,
+                ([&raw mut (*channel).recv, null, null], 1),
+                ([&raw mut (*channel).send, null, null], 1),
+                buff_size,
+                input,
+                output,
+                abort_flag,
+                smem,
+                postdiv,
+            )
+        }
+    }
+}
+
+impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR, NS> {
+    /// Loads one phase of a channel's tree (`up`: the reduce phase; see [`super::tree_conns`]).
+    ///
+    /// # Safety
+    /// `tree` is a set-up [`DevTree`] whose present connections have LL128 buffers of
+    /// `buff_size` bytes; the rest as [`Ll128::new`].
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    pub unsafe fn tree(
+        tid: u32,
+        nthreads: u32,
+        tree: *mut DevTree,
+        up: bool,
+        buff_size: u64,
+        input: *const T,
+        output: *mut T,
+        abort_flag: u64,
+        smem: *mut u32,
+        postdiv: u32,
+    ) -> Self {
+        // SAFETY: forwarded caller contract.
+        unsafe {
+            let (rp, nr, sp, ns) = super::tree_conns(tree, up);
+            Self::with_conns(
+                tid, nthreads, (rp, nr), (sp, ns), buff_size, input, output, abort_flag, smem, postdiv,
+            )
+        }
+    }
+
+    /// Loads the first `recv_list.1` (at most `NR`) receive and `send_list.1` (at most `NS`) send
+    /// connections of the lists.
+    ///
+    /// # Safety
+    /// Those connections are set up for LL128 with buffers of `buff_size` bytes; the rest as
+    /// [`Ll128::new`]. All threads of the block call it.
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    unsafe fn with_conns(
+        tid: u32,
+        nthreads: u32,
+        recv_list: ([*mut ConnInfo; MAX_TREE_ARITY], usize),
+        send_list: ([*mut ConnInfo; MAX_TREE_ARITY], usize),
+        buff_size: u64,
+        input: *const T,
+        output: *mut T,
+        abort_flag: u64,
+        smem: *mut u32,
+        postdiv: u32,
+    ) -> Self {
+        let (nrecv, nsend) = (recv_list.1.min(NR), send_list.1.min(NS));
+        let (mut recv, mut send) = ([Conn::NONE; NR], [Conn::NONE; NS]);
+        // SAFETY: caller guarantees the listed connections and `smem`; every thread reaches the
+        // barrier.
+        unsafe {
             if tid == 0 {
                 smem.add(1).write_volatile(0); // the block's abort word of `generic_op`
             }
             arch::sync_threads();
-            (
-                Conn::load(&raw mut (*channel).send),
-                Conn::load(&raw mut (*channel).recv),
-            )
-        };
-        Ll128 {
+            each_peer::<NR>(|i| {
+                if i < nrecv {
+                    recv[i] = Conn::load(recv_list.0[i]);
+                }
+            });
+            each_peer::<NS>(|i| {
+                if i < nsend {
+                    send[i] = Conn::load(send_list.0[i]);
+                }
+            });
+        }
+        Ll128Fan {
             tid,
             lanes: Lanes::new(tid, nthreads),
             input,
             output,
-            send,
             recv,
+            nrecv,
+            send,
+            nsend,
             step_lines: buff_size / FIFO_STEPS / LL128_LINE_BYTES,
             abort_flag: abort_flag as *const u32,
             smem,
@@ -182,8 +286,16 @@ impl<T: Elem, Op: RedFn<T>> Ll128<T, Op> {
         unsafe {
             arch::sync_threads();
             if self.tid == 0 {
-                (*self.send.info).step = self.send.step;
-                (*self.recv.info).step = self.recv.step;
+                each_peer::<NR>(|i| {
+                    if i < self.nrecv {
+                        (*self.recv[i].info).step = self.recv[i].step;
+                    }
+                });
+                each_peer::<NS>(|i| {
+                    if i < self.nsend {
+                        (*self.send[i].info).step = self.send[i].step;
+                    }
+                });
             }
         }
     }
@@ -309,25 +421,30 @@ impl<T: Elem, Op: RedFn<T>> Ll128<T, Op> {
         }
     }
 
-    /// Thread 0 waits for a free send slot; then the block learns whether to abort.
+    /// Thread 0 waits for a free slot on every send peer; then the block learns whether to abort.
     #[inline(always)]
     fn wait_send_credit(&mut self) -> bool {
         if self.tid == 0 {
-            let (head, want) = (self.send.head, self.send.step + 1);
             let mut ok = true;
-            let mut spins = 0u32;
-            // SAFETY: `head` is this connection's counter.
-            while unsafe { arch::load_volatile_u64(head) } + FIFO_STEPS < want {
-                spins += 1;
-                if spins == SPINS_BEFORE_CHECK_ABORT {
-                    spins = 0;
-                    if self.check_abort() {
-                        ok = false;
-                        break;
-                    }
+            each_peer::<NS>(|i| {
+                if i >= self.nsend || !ok {
+                    return;
                 }
-                arch::spin_pause();
-            }
+                let (head, want) = (self.send[i].head, self.send[i].step + 1);
+                let mut spins = 0u32;
+                // SAFETY: `head` is this connection's counter.
+                while unsafe { arch::load_volatile_u64(head) } + FIFO_STEPS < want {
+                    spins += 1;
+                    if spins == SPINS_BEFORE_CHECK_ABORT {
+                        spins = 0;
+                        if self.check_abort() {
+                            ok = false;
+                            break;
+                        }
+                    }
+                    arch::spin_pause();
+                }
+            });
             // SAFETY: smem is the kernel's shared memory.
             unsafe { self.smem.write_volatile(u32::from(!ok)) };
         }
@@ -338,7 +455,9 @@ impl<T: Elem, Op: RedFn<T>> Ll128<T, Op> {
         !self.aborted
     }
 
-    /// The one engine behind every verb (NCCL's `GenericOp` of `prims_ll128.h`).
+    /// The one engine behind every verb (NCCL's `GenericOp` of `prims_ll128.h`): per step, each
+    /// line group takes its lines; for each, the lines of every receive peer (`RECV`) combined
+    /// with the input (`SRC`), written to every send peer (`SEND`) and the output (`DST`).
     #[inline(always)]
     fn generic_op<const RECV: bool, const SEND: bool, const SRC: bool, const DST: bool>(
         &mut self,
@@ -355,6 +474,7 @@ impl<T: Elem, Op: RedFn<T>> Ll128<T, Op> {
         // a verb never ends with a sliver of a step (sender and receiver compute the same split).
         let per_step = balanced_step(n, self.step_elems());
         let div = if post { self.postdiv } else { 0 };
+        let (nrecv, nsend) = (if RECV { self.nrecv } else { 0 }, if SEND { self.nsend } else { 0 });
         let lanes = self.lanes;
         let line_words = (LL128_LINE_BYTES / 8) as usize;
         let mut done = 0u64;
@@ -365,21 +485,29 @@ impl<T: Elem, Op: RedFn<T>> Ll128<T, Op> {
             }
             let nbytes = len * esize;
             let nlines = nbytes.div_ceil(LL128_DATA_BYTES);
-            if SEND && self.tid == 0 {
-                super::announce_step_lines(self.send.sizes, self.send.step, nlines);
-            }
-            let (fs, fr) = (ll128_flag(self.send.step), ll128_flag(self.recv.step));
-            // SAFETY: slots lie inside the connection buffers.
-            let (slot_s, slot_r) = unsafe {
-                (
-                    self.send
-                        .buff
-                        .add(((self.send.step % FIFO_STEPS) * self.step_lines) as usize * line_words),
-                    self.recv
-                        .buff
-                        .add(((self.recv.step % FIFO_STEPS) * self.step_lines) as usize * line_words),
-                )
-            };
+            // Per peer: this step's flag and slot.
+            let mut fr = [0u64; NR];
+            let mut slot_r = [core::ptr::null_mut::<u64>(); NR];
+            let mut fs = [0u64; NS];
+            let mut slot_s = [core::ptr::null_mut::<u64>(); NS];
+            let step_words = self.step_lines as usize * line_words;
+            each_peer::<NR>(|i| {
+                if i < nrecv {
+                    let c = &self.recv[i];
+                    fr[i] = ll128_flag(c.step);
+                    slot_r[i] = c.buff.wrapping_add((c.step % FIFO_STEPS) as usize * step_words);
+                }
+            });
+            each_peer::<NS>(|i| {
+                if i < nsend {
+                    let c = &self.send[i];
+                    fs[i] = ll128_flag(c.step);
+                    slot_s[i] = c.buff.wrapping_add((c.step % FIFO_STEPS) as usize * step_words);
+                    if self.tid == 0 {
+                        super::announce_step_lines(c.sizes, c.step, nlines);
+                    }
+                }
+            });
             let in_base = self.input.wrapping_add((src + done) as usize) as *const u8;
             let out_base = self.output.wrapping_add((dst + done) as usize) as *mut u8;
             let mut aborted = false;
@@ -388,12 +516,10 @@ impl<T: Elem, Op: RedFn<T>> Ll128<T, Op> {
             while lanes.warp_group + j * lanes.stride < nlines {
                 let mut line = [0u64; UNROLL];
                 let mut active = [false; UNROLL];
-                let mut at = [core::ptr::null::<u64>(); UNROLL];
                 let mut src_w = [[0u64; 2 * PARTS]; UNROLL];
                 for u in 0..UNROLL {
                     line[u] = lanes.group + (j + u as u64) * lanes.stride;
                     active[u] = line[u] < nlines;
-                    at[u] = slot_r.wrapping_add(line[u] as usize * line_words);
                     if SRC && active[u] {
                         for i in 0..PARTS {
                             let (off, lo_b, hi_b) = part_bytes(line[u], lanes.part0 + i as u64, nbytes);
@@ -407,28 +533,46 @@ impl<T: Elem, Op: RedFn<T>> Ll128<T, Op> {
                     }
                 }
                 j += UNROLL as u64;
+                // The receive peers' lines folded into `w` (active lines lie inside each receive
+                // slot; inactive ones are not read).
                 let mut w = [[0u64; 2 * PARTS]; UNROLL];
-                // Active lines lie inside the receive slot (inactive ones are not read).
-                if RECV && !self.read_batch(&at, fr, &active, &mut w) {
-                    aborted = true;
+                each_peer::<NR>(|i| {
+                    if i >= nrecv || aborted {
+                        return;
+                    }
+                    let mut at = [core::ptr::null::<u64>(); UNROLL];
+                    for u in 0..UNROLL {
+                        at[u] = slot_r[i].wrapping_add(line[u] as usize * line_words);
+                    }
+                    if i == 0 {
+                        aborted = !self.read_batch(&at, fr[i], &active, &mut w);
+                    } else {
+                        let mut w2 = [[0u64; 2 * PARTS]; UNROLL];
+                        aborted = !self.read_batch(&at, fr[i], &active, &mut w2);
+                        for u in 0..UNROLL {
+                            for q in 0..PARTS {
+                                let v = Op::apply_pack(words_pack(&w[u], q), words_pack(&w2[u], q));
+                                pack_words(&mut w[u], q, v);
+                            }
+                        }
+                    }
+                });
+                if aborted {
                     break;
                 }
                 for u in 0..UNROLL {
                     if active[u] {
                         for i in 0..PARTS {
                             let (off, lo_b, hi_b) = part_bytes(line[u], lanes.part0 + i as u64, nbytes);
-                            let (r0, r1) = (w[u][2 * i], w[u][2 * i + 1]);
-                            let mut v = Pack([r0 as u32, (r0 >> 32) as u32, r1 as u32, (r1 >> 32) as u32]);
+                            let mut v = words_pack(&w[u], i);
                             if SRC {
-                                let (a, b) = (src_w[u][2 * i], src_w[u][2 * i + 1]);
-                                let s = Pack([a as u32, (a >> 32) as u32, b as u32, (b >> 32) as u32]);
-                                v = if RECV { Op::apply_pack(v, s) } else { s };
+                                let s = words_pack(&src_w[u], i);
+                                v = if nrecv > 0 { Op::apply_pack(v, s) } else { s };
                             }
                             if div != 0 {
                                 v = div_pack::<T>(v, div);
                             }
-                            w[u][2 * i] = v.0[0] as u64 | (v.0[1] as u64) << 32;
-                            w[u][2 * i + 1] = v.0[2] as u64 | (v.0[3] as u64) << 32;
+                            pack_words(&mut w[u], i, v);
                             if DST {
                                 // SAFETY: `lo_b + hi_b` bytes at `off` lie inside the caller's output.
                                 unsafe {
@@ -442,15 +586,17 @@ impl<T: Elem, Op: RedFn<T>> Ll128<T, Op> {
                                 }
                             }
                         }
-                        if SEND {
-                            // SAFETY: the line is inside the peer's slot.
-                            self.write_parts(unsafe { slot_s.add(line[u] as usize * line_words) }, w[u], fs);
-                        }
+                        each_peer::<NS>(|i| {
+                            if i < nsend {
+                                // The line lies inside peer i's slot.
+                                self.write_parts(slot_s[i].wrapping_add(line[u] as usize * line_words), w[u], fs[i]);
+                            }
+                        });
                     }
                 }
             }
-            // Free the received slot once every thread has read its lines; share any abort.
-            // SAFETY: every thread reaches the barriers; only thread 0 posts the credit.
+            // Free the received slots once every thread has read its lines; share any abort.
+            // SAFETY: every thread reaches the barriers; only thread 0 posts the credits.
             unsafe {
                 if aborted {
                     self.smem.add(1).write_volatile(1);
@@ -460,19 +606,41 @@ impl<T: Elem, Op: RedFn<T>> Ll128<T, Op> {
                     self.aborted = true;
                     return;
                 }
-                if RECV && self.tid == 0 {
-                    arch::store_volatile_u64(self.recv.head, self.recv.step + 1);
+                if self.tid == 0 {
+                    each_peer::<NR>(|i| {
+                        if i < nrecv {
+                            arch::store_volatile_u64(self.recv[i].head, self.recv[i].step + 1);
+                        }
+                    });
                 }
             }
-            if SEND {
-                self.send.step += 1;
-            }
-            if RECV {
-                self.recv.step += 1;
-            }
+            each_peer::<NS>(|i| {
+                if i < nsend {
+                    self.send[i].step += 1;
+                }
+            });
+            each_peer::<NR>(|i| {
+                if i < nrecv {
+                    self.recv[i].step += 1;
+                }
+            });
             done += len;
         }
     }
+}
+
+/// Part `q` (two words) of a line's words as a pack.
+#[inline(always)]
+fn words_pack(w: &[u64; 2 * PARTS], q: usize) -> Pack {
+    let (a, b) = (w[2 * q], w[2 * q + 1]);
+    Pack([a as u32, (a >> 32) as u32, b as u32, (b >> 32) as u32])
+}
+
+/// Stores a pack as part `q` (two words) of a line's words.
+#[inline(always)]
+fn pack_words(w: &mut [u64; 2 * PARTS], q: usize, v: Pack) {
+    w[2 * q] = v.0[0] as u64 | (v.0[1] as u64) << 32;
+    w[2 * q + 1] = v.0[2] as u64 | (v.0[3] as u64) << 32;
 }
 
 /// Where part `part` of line `line` lies in a step's data: its byte offset, and how many of its
@@ -486,7 +654,7 @@ fn part_bytes(line: u64, part: u64, nbytes: u64) -> (u64, u64, u64) {
     (off, core::cmp::min(8, valid), valid.saturating_sub(8))
 }
 
-impl<T: Elem, Op: RedFn<T>> Primitives for Ll128<T, Op> {
+impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Primitives for Ll128Fan<T, Op, NR, NS> {
     fn send(&mut self, src: u64, n: u64) {
         self.generic_op::<false, true, true, false>(src, 0, n, false)
     }
@@ -510,6 +678,18 @@ impl<T: Elem, Op: RedFn<T>> Primitives for Ll128<T, Op> {
     }
     fn aborted(&self) -> bool {
         self.aborted
+    }
+}
+
+impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> super::tree::SendFromOutput
+    for Ll128Fan<T, Op, NR, NS>
+{
+    /// output[src..src+n] → every send peer: [`Primitives::send`] with the output as its source.
+    fn send_from_output(&mut self, src: u64, n: u64) {
+        let input = self.input;
+        self.input = self.output as *const T;
+        self.send(src, n);
+        self.input = input;
     }
 }
 

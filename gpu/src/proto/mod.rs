@@ -35,6 +35,73 @@ pub trait Primitives {
     fn aborted(&self) -> bool;
 }
 
+/// Calls `f(0)`, …, `f(N - 1)` for `N ≤ 3` (a connection fan's peers): written out, so that once
+/// inlined every peer index is a constant and per-peer arrays stay in GPU registers (a loop the
+/// compiler might not unroll would index them at run time, through local memory).
+#[inline(always)]
+pub(crate) fn each_peer<const N: usize>(mut f: impl FnMut(usize)) {
+    const { assert!(N <= crate::abi::MAX_TREE_ARITY) };
+    if N > 0 {
+        f(0);
+    }
+    if N > 1 {
+        f(1);
+    }
+    if N > 2 {
+        f(2);
+    }
+}
+
+/// The connections of one phase of a channel's tree (NCCL's Primitives constructor over
+/// `tree->down` and `&tree->up`): `up` = the reduce phase, receiving from the children and sending
+/// to the parent; else the broadcast phase, the reverse. Returns the receive connections and how
+/// many are present, then the send connections and their count (present peers first; the
+/// children of `down` are its leading non-negative entries).
+///
+/// # Safety
+/// `tree` points at a set-up [`crate::abi::DevTree`].
+#[allow(clippy::type_complexity)]
+#[inline(always)]
+pub(crate) unsafe fn tree_conns(
+    tree: *mut crate::abi::DevTree,
+    up: bool,
+) -> (
+    [*mut crate::abi::ConnInfo; crate::abi::MAX_TREE_ARITY],
+    usize,
+    [*mut crate::abi::ConnInfo; crate::abi::MAX_TREE_ARITY],
+    usize,
+) {
+    let null = core::ptr::null_mut();
+    let (mut downs, mut ndown) = ([null; crate::abi::MAX_TREE_ARITY], 0);
+    let (mut ups, mut nup) = ([null; crate::abi::MAX_TREE_ARITY], 0);
+    // SAFETY: caller guarantees `tree`; only field addresses are taken and plain fields read.
+    unsafe {
+        each_peer::<{ crate::abi::MAX_TREE_ARITY }>(|i| {
+            if ndown == i && (*tree).down[i] >= 0 {
+                downs[i] = if up {
+                    &raw mut (*tree).recv_down[i]
+                } else {
+                    &raw mut (*tree).send_down[i]
+                };
+                ndown = i + 1;
+            }
+        });
+        if (*tree).up >= 0 {
+            ups[0] = if up {
+                &raw mut (*tree).send_up
+            } else {
+                &raw mut (*tree).recv_up
+            };
+            nup = 1;
+        }
+    }
+    if up {
+        (downs, ndown, ups, nup)
+    } else {
+        (ups, nup, downs, ndown)
+    }
+}
+
 /// Stores how many lines step `step` of a flag-line protocol writes in the connection's step
 /// sizes (null: no proxy reads them), tagged with the step ([`crate::abi::lines_step_size`]);
 /// called by thread 0 after the slot's credit, before or while the lines are written.

@@ -17,7 +17,7 @@
 //! GPU constraints kept here: no array is ever indexed by a value only known at run time (the
 //! peers are visited by `each_peer` with constant indices, and the reduction is monomorphised on
 //! its source and destination counts), so nothing lands in local memory (`__local_depot`).
-use super::Primitives;
+use super::{Primitives, each_peer, tree_conns};
 use super::simple::parse_unroll;
 use crate::abi::{
     ConnInfo, DevTree, FIFO_STEPS, MAX_TREE_ARITY, PACK_BYTES, Proto, SPINS_BEFORE_CHECK_ABORT,
@@ -33,18 +33,8 @@ const UNROLL: usize = match option_env!("OXCCL_BUILD_UNROLL") {
     None => 4,
 };
 
-// [`each_peer`] and the pointer lists below spell out three peers.
+// The pointer lists below spell out three peers.
 const _: () = assert!(MAX_TREE_ARITY == 3);
-
-/// Calls `f(0)`, `f(1)`, `f(2)`: once inlined, every peer index is a constant, so the peer arrays
-/// stay in registers on the GPU (a loop the compiler might not unroll would index them at run
-/// time, through local memory).
-#[inline(always)]
-fn each_peer(mut f: impl FnMut(usize)) {
-    f(0);
-    f(1);
-    f(2);
-}
 
 /// Device-side state of one tree connection for the duration of a kernel.
 #[derive(Clone, Copy)]
@@ -145,37 +135,19 @@ impl<T: Elem, Op: RedFn<T>, const UP: bool> TreeSimple<T, Op, UP> {
         postdiv: u32,
         slice_elems: u64,
     ) -> Self {
-        let mut downs = [Conn::NONE; MAX_TREE_ARITY];
-        let mut ndown = 0;
-        let mut up = [Conn::NONE; MAX_TREE_ARITY];
-        let mut nup = 0;
-        // SAFETY: caller guarantees `tree`; the fields are plain data. `down` is filled from
-        // index 0, so the children are its leading non-negative entries.
-        unsafe {
-            let t = tree;
-            each_peer(|i| {
-                if ndown == i && (*t).down[i] >= 0 {
-                    downs[i] = if UP {
-                        Conn::load(&raw mut (*t).recv_down[i])
-                    } else {
-                        Conn::load(&raw mut (*t).send_down[i])
-                    };
-                    ndown = i + 1;
+        // SAFETY: caller guarantees `tree`; present connections are set up for Simple.
+        let (recv, nrecv, send, nsend) = unsafe {
+            let (rp, nrecv, sp, nsend) = tree_conns(tree, UP);
+            let (mut recv, mut send) = ([Conn::NONE; MAX_TREE_ARITY], [Conn::NONE; MAX_TREE_ARITY]);
+            each_peer::<MAX_TREE_ARITY>(|i| {
+                if i < nrecv {
+                    recv[i] = Conn::load(rp[i]);
+                }
+                if i < nsend {
+                    send[i] = Conn::load(sp[i]);
                 }
             });
-            if (*t).up >= 0 {
-                up[0] = if UP {
-                    Conn::load(&raw mut (*t).send_up)
-                } else {
-                    Conn::load(&raw mut (*t).recv_up)
-                };
-                nup = 1;
-            }
-        }
-        let (recv, nrecv, send, nsend) = if UP {
-            (downs, ndown, up, nup)
-        } else {
-            (up, nup, downs, ndown)
+            (recv, nrecv, send, nsend)
         };
         let slot_bytes = buff_size / FIFO_STEPS / PACK_BYTES * PACK_BYTES;
         let slot_elems = slot_bytes / core::mem::size_of::<T>() as u64;
@@ -214,7 +186,7 @@ impl<T: Elem, Op: RedFn<T>, const UP: bool> TreeSimple<T, Op, UP> {
         unsafe {
             arch::sync_threads();
             if self.tid == 0 {
-                each_peer(|i| {
+                each_peer::<MAX_TREE_ARITY>(|i| {
                     if i < self.nrecv {
                         (*self.recv[i].info).step = self.recv[i].step;
                     }
@@ -250,14 +222,14 @@ impl<T: Elem, Op: RedFn<T>, const UP: bool> TreeSimple<T, Op, UP> {
     fn wait<const RECV: bool, const SEND: bool>(&mut self) -> bool {
         if self.tid == 0 {
             let mut ok = true;
-            each_peer(|i| {
+            each_peer::<MAX_TREE_ARITY>(|i| {
                 if RECV && i < self.nrecv && ok {
                     let (tail, want) = (self.recv[i].tail, self.recv[i].step + 1);
                     // SAFETY: `tail` is this connection's counter (constructor contract).
                     ok = self.spin(|| unsafe { arch::load_volatile_u64(tail) } >= want);
                 }
             });
-            each_peer(|i| {
+            each_peer::<MAX_TREE_ARITY>(|i| {
                 if SEND && i < self.nsend && ok {
                     let (head, want) = (self.send[i].head, self.send[i].step + 1);
                     // SAFETY: as above, for the send connection's head.
@@ -286,19 +258,19 @@ impl<T: Elem, Op: RedFn<T>, const UP: bool> TreeSimple<T, Op, UP> {
             arch::sync_threads();
             if self.tid == 0 {
                 arch::fence_acq_rel_sys();
-                each_peer(|i| {
+                each_peer::<MAX_TREE_ARITY>(|i| {
                     if SEND && i < self.nsend {
                         arch::store_volatile_u64(self.send[i].tail, self.send[i].step + 1);
                     }
                 });
-                each_peer(|i| {
+                each_peer::<MAX_TREE_ARITY>(|i| {
                     if RECV && i < self.nrecv {
                         arch::store_volatile_u64(self.recv[i].head, self.recv[i].step + 1);
                     }
                 });
             }
         }
-        each_peer(|i| {
+        each_peer::<MAX_TREE_ARITY>(|i| {
             if SEND && i < self.nsend {
                 self.send[i].step += 1;
             }
