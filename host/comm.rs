@@ -1687,8 +1687,9 @@ impl Comm {
         match (&self.res, stream) {
             (Res::Cuda(res), Stream::Cuda(s)) => {
                 let w = &args.work;
-                let (Some(func), Some(dtype), Some(op)) = (
+                let (Some(func), Some(algo), Some(dtype), Some(op)) = (
                     Func::from_u8(w.func),
+                    Algo::from_u8(w.algo),
                     DataType::from_u8(w.dtype),
                     RedOp::from_u8(w.redop),
                 ) else {
@@ -1696,7 +1697,7 @@ impl Comm {
                 };
                 let module = res
                     .ctx
-                    .kernel(oxccl_gpu::abi::kernel_name(func, dtype, op).as_str())?;
+                    .kernel(oxccl_gpu::abi::kernel_name_for(func, algo, dtype, op).as_str())?;
                 s.launch(&module, w.nchannels as u32, self.params.nthreads, &args)?;
                 res.last_event.record(s)?;
                 res.launched.store(true, Ordering::Release);
@@ -3293,9 +3294,7 @@ fn test_node_trees(
     let k = nranks / nnodes;
     let chains: Vec<Vec<usize>> = (0..nnodes).map(|n| (n * k..(n + 1) * k).collect()).collect();
     let trees = channel_trees(&chains, nch)?;
-    let layouts: Vec<TreeLayout> = (0..nranks)
-        .map(|r| TreeLayout::new(params, &trees, r))
-        .collect();
+    let layouts: Vec<TreeLayout> = (0..nranks).map(|r| TreeLayout::new(params, &trees, r)).collect();
     let shape = TreeShape {
         nnodes,
         depth: trees[0][0].depth.max(0) as u32,

@@ -2,8 +2,8 @@
 //! self-contained (every function it calls or names is defined in it), none holding another
 //! kernel, each smaller than the linked PTX it was split from. Pure text checks: no GPU needed.
 use oxccl::kernels::PTX_BYTES;
-use oxccl::{DataType, Func, RedOp};
-use oxccl_gpu::abi::kernel_name;
+use oxccl::{Algo, DataType, Func, RedOp};
+use oxccl_gpu::abi::{kernel_name, kernel_name_for};
 use std::collections::{BTreeMap, BTreeSet};
 
 fn is_ident(c: char) -> bool {
@@ -194,14 +194,19 @@ fn every_all_reduce_kernel_has_a_module() {
     let mut missing = Vec::new();
     for &dt in DataType::ALL {
         for &op in RedOp::ALL {
-            let k = kernel_name(Func::AllReduce, dt, op);
-            if !names.contains(k.as_str()) {
-                missing.push(k.as_str().to_string());
+            // The ring's entry point and the tree's (`oxccl_allreduce_tree_<dtype>_<op>`).
+            for k in [
+                kernel_name(Func::AllReduce, dt, op),
+                kernel_name_for(Func::AllReduce, Algo::Tree, dt, op),
+            ] {
+                if !names.contains(k.as_str()) {
+                    missing.push(k.as_str().to_string());
+                }
+                assert_eq!(
+                    oxccl::kernels::module(k.as_str()).is_some(),
+                    names.contains(k.as_str())
+                );
             }
-            assert_eq!(
-                oxccl::kernels::module(k.as_str()).is_some(),
-                names.contains(k.as_str())
-            );
         }
     }
     assert!(

@@ -84,7 +84,10 @@ fn broadcast_arange(env: &Env, devices: &[Device], proto: &str) {
 fn all_reduces_across(env: &Env, devices: &[Device], proto: Proto, start: u64, tree_nodes: Option<usize>) {
     let n = devices.len();
     let (start_s, nodes) = (start.to_string(), tree_nodes.map(|t| t.to_string()));
-    let mut vars = vec![("OXCCL_TEST_INITIAL_STEP", start_s.as_str()), ("NCCL_PROTO", proto.name())];
+    let mut vars = vec![
+        ("OXCCL_TEST_INITIAL_STEP", start_s.as_str()),
+        ("NCCL_PROTO", proto.name()),
+    ];
     if let Some(nodes) = &nodes {
         vars.extend([("NCCL_ALGO", "tree"), ("OXCCL_TEST_NODES", nodes.as_str())]);
     }

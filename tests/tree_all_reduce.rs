@@ -226,7 +226,8 @@ fn abort_releases_a_tree_all_reduce_waiting_for_a_missing_rank() {
         std::thread::sleep(std::time::Duration::from_millis(50));
         for (r, c) in comms.iter().enumerate() {
             let t = std::time::Instant::now();
-            c.abort().unwrap_or_else(|e| panic!("{proto}: rank {r}: abort: {e}"));
+            c.abort()
+                .unwrap_or_else(|e| panic!("{proto}: rank {r}: abort: {e}"));
             assert!(
                 t.elapsed() < std::time::Duration::from_secs(5),
                 "{proto}: rank {r}: abort took {:?}",

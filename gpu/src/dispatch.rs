@@ -75,8 +75,8 @@ pub unsafe fn run_typed<T: Elem, Op: RedFn<T>>(
     // SAFETY: caller contract.
     let comm = unsafe { &*(args.comm as *const DevComm) };
     let postdiv = if avg { comm.nranks } else { 0 };
-    // The CPU target's entry point dispatches trees here; the GPU's AllReduce entry points do it
-    // in `run_all_reduce`, so the other entry points' code stays ring-only.
+    // The CPU target's entry point dispatches trees here; on the GPU the tree has its own entry
+    // points (`run_tree_kernel`), so the ring entry points' code stays ring-only.
     #[cfg(not(target_arch = "nvptx64"))]
     if w.algo == Algo::Tree as u8 {
         // SAFETY: forwarded caller contract.
@@ -152,14 +152,13 @@ pub unsafe fn run_typed<T: Elem, Op: RedFn<T>>(
     }
 }
 
-/// The body of the GPU's AllReduce entry points: the tree (`run_tree`) when the work element
-/// asks for it, else the ring ([`run_typed`]), for element type `T` and operator `Op` (`avg`:
-/// divide the final value by `nranks`).
+/// The body of the tree AllReduce entry points ([`run_tree`]), for element type `T` and operator
+/// `Op` (`avg`: divide the final value by `nranks`).
 ///
 /// # Safety
-/// As [`run_typed`], and `args.work.func` is AllReduce.
+/// As [`run_typed`], `args.work` is a tree AllReduce and the communicator has trees.
 #[inline(always)]
-pub unsafe fn run_all_reduce<T: Elem, Op: RedFn<T>>(
+pub unsafe fn run_tree_kernel<T: Elem, Op: RedFn<T>>(
     args: &KernelArgs,
     bid: u32,
     tid: u32,
@@ -167,16 +166,20 @@ pub unsafe fn run_all_reduce<T: Elem, Op: RedFn<T>>(
     smem: *mut u32,
     avg: bool,
 ) {
-    let w = &args.work;
     // SAFETY: forwarded caller contract.
     unsafe {
-        if w.algo == Algo::Tree as u8 {
-            let comm = &*(args.comm as *const DevComm);
-            let postdiv = if avg { comm.nranks } else { 0 };
-            run_tree::<T, Op>(comm, w, bid, tid, nthreads, smem, postdiv, Some(Func::AllReduce));
-        } else {
-            run_typed::<T, Op>(args, bid, tid, nthreads, smem, avg, Some(Func::AllReduce));
-        }
+        let comm = &*(args.comm as *const DevComm);
+        let postdiv = if avg { comm.nranks } else { 0 };
+        run_tree::<T, Op>(
+            comm,
+            &args.work,
+            bid,
+            tid,
+            nthreads,
+            smem,
+            postdiv,
+            Some(Func::AllReduce),
+        );
     }
 }
 
@@ -223,7 +226,8 @@ unsafe fn run_tree<T: Elem, Op: RedFn<T>>(
     use crate::proto::ll::{TreeLlDown, TreeLlUp};
     use crate::proto::ll128::{TreeLl128Down, TreeLl128Up};
     use crate::proto::tree::{TreeDown, TreeUp};
-    let (Some(Func::AllReduce), Some(proto)) = (only.or(Func::from_u8(w.func)), Proto::from_u8(w.proto)) else {
+    let (Some(Func::AllReduce), Some(proto)) = (only.or(Func::from_u8(w.func)), Proto::from_u8(w.proto))
+    else {
         crate::arch::trap()
     };
     if comm.trees == 0 || bid >= comm.nchannels {
@@ -261,17 +265,29 @@ unsafe fn run_tree<T: Elem, Op: RedFn<T>>(
             Proto::Simple => {
                 let slice = w.slice_elems;
                 phases!(
-                    TreeUp::<T, Op>::new(tid, nthreads, tree, buff, input, output, abort, smem, postdiv, slice),
-                    TreeDown::<T, Op>::new(tid, nthreads, tree, buff, input, output, abort, smem, postdiv, slice)
+                    TreeUp::<T, Op>::new(
+                        tid, nthreads, tree, buff, input, output, abort, smem, postdiv, slice
+                    ),
+                    TreeDown::<T, Op>::new(
+                        tid, nthreads, tree, buff, input, output, abort, smem, postdiv, slice
+                    )
                 )
             }
             Proto::Ll => phases!(
-                TreeLlUp::<T, Op>::tree(tid, nthreads, tree, true, buff, input, output, abort, smem, postdiv),
-                TreeLlDown::<T, Op>::tree(tid, nthreads, tree, false, buff, input, output, abort, smem, postdiv)
+                TreeLlUp::<T, Op>::tree(
+                    tid, nthreads, tree, true, buff, input, output, abort, smem, postdiv
+                ),
+                TreeLlDown::<T, Op>::tree(
+                    tid, nthreads, tree, false, buff, input, output, abort, smem, postdiv
+                )
             ),
             Proto::Ll128 => phases!(
-                TreeLl128Up::<T, Op>::tree(tid, nthreads, tree, true, buff, input, output, abort, smem, postdiv),
-                TreeLl128Down::<T, Op>::tree(tid, nthreads, tree, false, buff, input, output, abort, smem, postdiv)
+                TreeLl128Up::<T, Op>::tree(
+                    tid, nthreads, tree, true, buff, input, output, abort, smem, postdiv
+                ),
+                TreeLl128Down::<T, Op>::tree(
+                    tid, nthreads, tree, false, buff, input, output, abort, smem, postdiv
+                )
             ),
         }
     }

@@ -2,9 +2,10 @@
 //! reduction operator), named `oxccl_<func>_<dtype>_<op>` after the ABI enums' names
 //! ([`crate::abi::kernel_name`]; Broadcast and AllGather only move bytes, so they have one entry
 //! per element size); the algorithm and protocol are dispatched inside
-//! ([`crate::dispatch::run_typed`]; AllReduce's entries go through
-//! [`crate::dispatch::run_all_reduce`], which adds the tree). build.rs splits the linked PTX into one module per entry
-//! point so that the driver JIT-compiles only the kernels a program uses, when it first uses them.
+//! ([`crate::dispatch::run_typed`], the ring); the tree AllReduce has its own entries,
+//! `oxccl_allreduce_tree_<dtype>_<op>` ([`crate::dispatch::run_tree_kernel`]). build.rs splits the
+//! linked PTX into one module per entry point so that the driver JIT-compiles only the kernels a
+//! program uses, when it first uses them.
 use crate::abi::{Func, KernelArgs};
 use crate::arch;
 use crate::reduce::{FuncMax, FuncMin, FuncProd, FuncSum};
@@ -17,19 +18,19 @@ macro_rules! entries {
 }
 
 macro_rules! entry {
-    // AllReduce runs as a ring or a tree (`run_all_reduce` picks from the work element).
-    ($name:ident, AllReduce, $t:ty, $op:ty, $post:expr) => {
-        /// AllReduce kernel (ring or tree): grid = `args.work.nchannels` blocks, block =
-        /// `NCCL_NTHREADS` threads.
+    // The tree AllReduce has its own entry points (`run_tree_kernel`).
+    ($name:ident, AllReduceTree, $t:ty, $op:ty, $post:expr) => {
+        /// Tree AllReduce kernel: grid = `args.work.nchannels` blocks, block = `NCCL_NTHREADS`
+        /// threads.
         ///
         /// # Safety
-        /// Launched by the host library with a valid [`KernelArgs`] (see `run_all_reduce`).
+        /// Launched by the host library with a valid [`KernelArgs`] (see `run_tree_kernel`).
         #[unsafe(no_mangle)]
         pub unsafe extern "ptx-kernel" fn $name(args: KernelArgs) {
             // SAFETY: called once in this kernel; the rest is the launch contract.
             unsafe {
                 let smem = arch::kernel_shared_mem();
-                crate::dispatch::run_all_reduce::<$t, $op>(
+                crate::dispatch::run_tree_kernel::<$t, $op>(
                     &args,
                     arch::block_idx(),
                     arch::thread_idx(),
@@ -223,6 +224,56 @@ entries! {
     oxccl_allgather_half_sum => AllGather, f16, FuncSum, false;
     oxccl_allgather_uint32_sum => AllGather, u32, FuncSum, false;
     oxccl_allgather_uint64_sum => AllGather, u64, FuncSum, false;
+    oxccl_allreduce_tree_int8_sum => AllReduceTree, i8, FuncSum, false;
+    oxccl_allreduce_tree_int8_prod => AllReduceTree, i8, FuncProd, false;
+    oxccl_allreduce_tree_int8_max => AllReduceTree, i8, FuncMax, false;
+    oxccl_allreduce_tree_int8_min => AllReduceTree, i8, FuncMin, false;
+    oxccl_allreduce_tree_int8_avg => AllReduceTree, i8, FuncSum, true;
+    oxccl_allreduce_tree_uint8_sum => AllReduceTree, u8, FuncSum, false;
+    oxccl_allreduce_tree_uint8_prod => AllReduceTree, u8, FuncProd, false;
+    oxccl_allreduce_tree_uint8_max => AllReduceTree, u8, FuncMax, false;
+    oxccl_allreduce_tree_uint8_min => AllReduceTree, u8, FuncMin, false;
+    oxccl_allreduce_tree_uint8_avg => AllReduceTree, u8, FuncSum, true;
+    oxccl_allreduce_tree_int32_sum => AllReduceTree, i32, FuncSum, false;
+    oxccl_allreduce_tree_int32_prod => AllReduceTree, i32, FuncProd, false;
+    oxccl_allreduce_tree_int32_max => AllReduceTree, i32, FuncMax, false;
+    oxccl_allreduce_tree_int32_min => AllReduceTree, i32, FuncMin, false;
+    oxccl_allreduce_tree_int32_avg => AllReduceTree, i32, FuncSum, true;
+    oxccl_allreduce_tree_uint32_sum => AllReduceTree, u32, FuncSum, false;
+    oxccl_allreduce_tree_uint32_prod => AllReduceTree, u32, FuncProd, false;
+    oxccl_allreduce_tree_uint32_max => AllReduceTree, u32, FuncMax, false;
+    oxccl_allreduce_tree_uint32_min => AllReduceTree, u32, FuncMin, false;
+    oxccl_allreduce_tree_uint32_avg => AllReduceTree, u32, FuncSum, true;
+    oxccl_allreduce_tree_int64_sum => AllReduceTree, i64, FuncSum, false;
+    oxccl_allreduce_tree_int64_prod => AllReduceTree, i64, FuncProd, false;
+    oxccl_allreduce_tree_int64_max => AllReduceTree, i64, FuncMax, false;
+    oxccl_allreduce_tree_int64_min => AllReduceTree, i64, FuncMin, false;
+    oxccl_allreduce_tree_int64_avg => AllReduceTree, i64, FuncSum, true;
+    oxccl_allreduce_tree_uint64_sum => AllReduceTree, u64, FuncSum, false;
+    oxccl_allreduce_tree_uint64_prod => AllReduceTree, u64, FuncProd, false;
+    oxccl_allreduce_tree_uint64_max => AllReduceTree, u64, FuncMax, false;
+    oxccl_allreduce_tree_uint64_min => AllReduceTree, u64, FuncMin, false;
+    oxccl_allreduce_tree_uint64_avg => AllReduceTree, u64, FuncSum, true;
+    oxccl_allreduce_tree_half_sum => AllReduceTree, f16, FuncSum, false;
+    oxccl_allreduce_tree_half_prod => AllReduceTree, f16, FuncProd, false;
+    oxccl_allreduce_tree_half_max => AllReduceTree, f16, FuncMax, false;
+    oxccl_allreduce_tree_half_min => AllReduceTree, f16, FuncMin, false;
+    oxccl_allreduce_tree_half_avg => AllReduceTree, f16, FuncSum, true;
+    oxccl_allreduce_tree_float_sum => AllReduceTree, f32, FuncSum, false;
+    oxccl_allreduce_tree_float_prod => AllReduceTree, f32, FuncProd, false;
+    oxccl_allreduce_tree_float_max => AllReduceTree, f32, FuncMax, false;
+    oxccl_allreduce_tree_float_min => AllReduceTree, f32, FuncMin, false;
+    oxccl_allreduce_tree_float_avg => AllReduceTree, f32, FuncSum, true;
+    oxccl_allreduce_tree_double_sum => AllReduceTree, f64, FuncSum, false;
+    oxccl_allreduce_tree_double_prod => AllReduceTree, f64, FuncProd, false;
+    oxccl_allreduce_tree_double_max => AllReduceTree, f64, FuncMax, false;
+    oxccl_allreduce_tree_double_min => AllReduceTree, f64, FuncMin, false;
+    oxccl_allreduce_tree_double_avg => AllReduceTree, f64, FuncSum, true;
+    oxccl_allreduce_tree_bfloat16_sum => AllReduceTree, bf16, FuncSum, false;
+    oxccl_allreduce_tree_bfloat16_prod => AllReduceTree, bf16, FuncProd, false;
+    oxccl_allreduce_tree_bfloat16_max => AllReduceTree, bf16, FuncMax, false;
+    oxccl_allreduce_tree_bfloat16_min => AllReduceTree, bf16, FuncMin, false;
+    oxccl_allreduce_tree_bfloat16_avg => AllReduceTree, bf16, FuncSum, true;
 }
 
 #[panic_handler]

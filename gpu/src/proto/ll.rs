@@ -223,7 +223,16 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> LlFan<T, Op, NR, N
         unsafe {
             let (rp, nr, sp, ns) = super::tree_conns(tree, up);
             Self::with_conns(
-                tid, nthreads, (rp, nr), (sp, ns), buff_size, input, output, abort_flag, smem, postdiv,
+                tid,
+                nthreads,
+                (rp, nr),
+                (sp, ns),
+                buff_size,
+                input,
+                output,
+                abort_flag,
+                smem,
+                postdiv,
             )
         }
     }
@@ -381,6 +390,50 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> LlFan<T, Op, NR, N
         !self.aborted
     }
 
+    /// `v` (the input's word, `SRC`) combined with line `k` of every present receive peer's slot
+    /// (`slots`, `flags`; the first `nrecv`), peer 0 first; `None` on abort. Written out per peer
+    /// (present peers are the leading ones) so no flag lives in GPU local memory.
+    #[inline(always)]
+    fn fold_recv<const SRC: bool>(
+        &self,
+        slots: &[*mut LlFifoLine; NR],
+        flags: &[u32; NR],
+        nrecv: usize,
+        k: usize,
+        mut v: u64,
+    ) -> Option<u64> {
+        if NR > 0 && nrecv > 0 {
+            let r = self.read_line(slots[0].wrapping_add(k), flags[0])?;
+            v = if SRC { combine::<T, Op>(r, v) } else { r };
+        }
+        if NR > 1 && nrecv > 1 {
+            v = combine::<T, Op>(self.read_line(slots[1].wrapping_add(k), flags[1])?, v);
+        }
+        if NR > 2 && nrecv > 2 {
+            v = combine::<T, Op>(self.read_line(slots[2].wrapping_add(k), flags[2])?, v);
+        }
+        Some(v)
+    }
+
+    /// Reads (and drops) line `k` of every present receive peer whose step cleans its slot; false
+    /// on abort.
+    #[inline(always)]
+    fn drain_clean(
+        &self,
+        slots: &[*mut LlFifoLine; NR],
+        flags: &[u32; NR],
+        clean: &[bool; NR],
+        nrecv: usize,
+        k: usize,
+    ) -> bool {
+        let mut ok = true;
+        each_peer::<NR>(|i| {
+            ok = ok
+                && (i >= nrecv || !clean[i] || self.read_line(slots[i].wrapping_add(k), flags[i]).is_some());
+        });
+        ok
+    }
+
     /// The one engine behind every verb (NCCL's `LLGenericOp`): per step, every thread takes
     /// its lines; for each, the input (`SRC`) combined with the line of every receive peer
     /// (`RECV`), written to every send peer (`SEND`) and the output (`DST`).
@@ -400,7 +453,22 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> LlFan<T, Op, NR, N
         // a verb never ends with a sliver of a step (sender and receiver compute the same split).
         let per_step = balanced_step(n, self.step_elems());
         let div = if post { self.postdiv } else { 0 };
-        let (nrecv, nsend) = (if RECV { self.nrecv } else { 0 }, if SEND { self.nsend } else { 0 });
+        // A ring (one and one) always has both peers: constants, so the ring's code is as before.
+        let ring = NR == 1 && NS == 1;
+        let nrecv = if !RECV {
+            0
+        } else if ring {
+            1
+        } else {
+            self.nrecv
+        };
+        let nsend = if !SEND {
+            0
+        } else if ring {
+            1
+        } else {
+            self.nsend
+        };
         let mut done = 0u64;
         while done < n {
             let len = core::cmp::min(per_step, n - done);
@@ -422,7 +490,9 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> LlFan<T, Op, NR, N
                 if i < nrecv {
                     let c = &self.recv[i];
                     fr[i] = ll_flag(c.step);
-                    slot_r[i] = c.buff.wrapping_add(((c.step % FIFO_STEPS) * self.step_lines) as usize);
+                    slot_r[i] = c
+                        .buff
+                        .wrapping_add(((c.step % FIFO_STEPS) * self.step_lines) as usize);
                     clean_r[i] = ll_clean(c.step);
                     if clean_r[i] {
                         total = self.step_lines;
@@ -433,7 +503,9 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> LlFan<T, Op, NR, N
                 if i < nsend {
                     let c = &self.send[i];
                     fs[i] = ll_flag(c.step);
-                    slot_s[i] = c.buff.wrapping_add(((c.step % FIFO_STEPS) * self.step_lines) as usize);
+                    slot_s[i] = c
+                        .buff
+                        .wrapping_add(((c.step % FIFO_STEPS) * self.step_lines) as usize);
                     clean_s[i] = ll_clean(c.step);
                     if clean_s[i] {
                         total = self.step_lines;
@@ -459,22 +531,11 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> LlFan<T, Op, NR, N
                     } else {
                         0
                     };
-                    let mut have = SRC;
-                    each_peer::<NR>(|i| {
-                        if i < nrecv && !aborted {
-                            // The line lies inside peer i's receive slot.
-                            match self.read_line(slot_r[i].wrapping_add(k), fr[i]) {
-                                Some(r) => {
-                                    v = if have { combine::<T, Op>(r, v) } else { r };
-                                    have = true;
-                                }
-                                None => aborted = true,
-                            }
-                        }
-                    });
-                    if aborted {
+                    let Some(folded) = self.fold_recv::<SRC>(&slot_r, &fr, nrecv, k, v) else {
+                        aborted = true;
                         break;
-                    }
+                    };
+                    v = folded;
                     if div != 0 {
                         v = unpack(div_pack::<T>(pack(v), div));
                     }
@@ -490,12 +551,8 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> LlFan<T, Op, NR, N
                     }
                 } else {
                     // Flag-wrap cleanup: every line of a cleaning peer's slot carries its flag.
-                    each_peer::<NR>(|i| {
-                        if i < nrecv && clean_r[i] && !aborted {
-                            aborted = self.read_line(slot_r[i].wrapping_add(k), fr[i]).is_none();
-                        }
-                    });
-                    if aborted {
+                    if !self.drain_clean(&slot_r, &fr, &clean_r, nrecv, k) {
+                        aborted = true;
                         break;
                     }
                     each_peer::<NS>(|i| {

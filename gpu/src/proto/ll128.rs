@@ -16,7 +16,9 @@
 //! the receiver sets `head = s + 1` once the whole block has read the slot.
 use super::ll::{load_partial, store_partial};
 use super::{Primitives, balanced_step, each_peer};
-use crate::abi::{ConnInfo, DevChannel, DevTree, FIFO_STEPS, MAX_TREE_ARITY, Proto, SPINS_BEFORE_CHECK_ABORT};
+use crate::abi::{
+    ConnInfo, DevChannel, DevTree, FIFO_STEPS, MAX_TREE_ARITY, Proto, SPINS_BEFORE_CHECK_ABORT,
+};
 use crate::arch::{self, Pack};
 use crate::reduce::{Elem, RedFn, div_pack};
 use core::marker::PhantomData;
@@ -209,7 +211,16 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
         unsafe {
             let (rp, nr, sp, ns) = super::tree_conns(tree, up);
             Self::with_conns(
-                tid, nthreads, (rp, nr), (sp, ns), buff_size, input, output, abort_flag, smem, postdiv,
+                tid,
+                nthreads,
+                (rp, nr),
+                (sp, ns),
+                buff_size,
+                input,
+                output,
+                abort_flag,
+                smem,
+                postdiv,
             )
         }
     }
@@ -455,6 +466,54 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
         !self.aborted
     }
 
+    /// This thread's parts of lines `line` (where `active`) of every present receive peer's slot
+    /// (`slots`, `flags`; the first `nrecv`), combined into `w`, peer 0 first; false on abort.
+    /// Written out per peer (present peers are the leading ones) so nothing lands in GPU local
+    /// memory. Every lane of the warp calls it together.
+    #[inline(always)]
+    fn fold_recv(
+        &self,
+        slots: &[*mut u64; NR],
+        flags: &[u64; NR],
+        nrecv: usize,
+        line: &[u64; UNROLL],
+        active: &[bool; UNROLL],
+        w: &mut [[u64; 2 * PARTS]; UNROLL],
+    ) -> bool {
+        let line_words = (LL128_LINE_BYTES / 8) as usize;
+        // Active lines lie inside the receive slot (inactive ones are not read).
+        let at = |slot: *mut u64| {
+            let mut a = [core::ptr::null::<u64>(); UNROLL];
+            for u in 0..UNROLL {
+                a[u] = slot.wrapping_add(line[u] as usize * line_words);
+            }
+            a
+        };
+        if NR > 0 && nrecv > 0 && !self.read_batch(&at(slots[0]), flags[0], active, w) {
+            return false;
+        }
+        let mut more = |i: usize| {
+            let mut w2 = [[0u64; 2 * PARTS]; UNROLL];
+            if !self.read_batch(&at(slots[i]), flags[i], active, &mut w2) {
+                return false;
+            }
+            for u in 0..UNROLL {
+                for q in 0..PARTS {
+                    let v = Op::apply_pack(words_pack(&w[u], q), words_pack(&w2[u], q));
+                    pack_words(&mut w[u], q, v);
+                }
+            }
+            true
+        };
+        if NR > 1 && nrecv > 1 && !more(1) {
+            return false;
+        }
+        if NR > 2 && nrecv > 2 && !more(2) {
+            return false;
+        }
+        true
+    }
+
     /// The one engine behind every verb (NCCL's `GenericOp` of `prims_ll128.h`): per step, each
     /// line group takes its lines; for each, the lines of every receive peer (`RECV`) combined
     /// with the input (`SRC`), written to every send peer (`SEND`) and the output (`DST`).
@@ -474,7 +533,22 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
         // a verb never ends with a sliver of a step (sender and receiver compute the same split).
         let per_step = balanced_step(n, self.step_elems());
         let div = if post { self.postdiv } else { 0 };
-        let (nrecv, nsend) = (if RECV { self.nrecv } else { 0 }, if SEND { self.nsend } else { 0 });
+        // A ring (one and one) always has both peers: constants, so the ring's code is as before.
+        let ring = NR == 1 && NS == 1;
+        let nrecv = if !RECV {
+            0
+        } else if ring {
+            1
+        } else {
+            self.nrecv
+        };
+        let nsend = if !SEND {
+            0
+        } else if ring {
+            1
+        } else {
+            self.nsend
+        };
         let lanes = self.lanes;
         let line_words = (LL128_LINE_BYTES / 8) as usize;
         let mut done = 0u64;
@@ -533,30 +607,11 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
                     }
                 }
                 j += UNROLL as u64;
-                // The receive peers' lines folded into `w` (active lines lie inside each receive
-                // slot; inactive ones are not read).
+                // The receive peers' lines folded into `w`.
                 let mut w = [[0u64; 2 * PARTS]; UNROLL];
-                each_peer::<NR>(|i| {
-                    if i >= nrecv || aborted {
-                        return;
-                    }
-                    let mut at = [core::ptr::null::<u64>(); UNROLL];
-                    for u in 0..UNROLL {
-                        at[u] = slot_r[i].wrapping_add(line[u] as usize * line_words);
-                    }
-                    if i == 0 {
-                        aborted = !self.read_batch(&at, fr[i], &active, &mut w);
-                    } else {
-                        let mut w2 = [[0u64; 2 * PARTS]; UNROLL];
-                        aborted = !self.read_batch(&at, fr[i], &active, &mut w2);
-                        for u in 0..UNROLL {
-                            for q in 0..PARTS {
-                                let v = Op::apply_pack(words_pack(&w[u], q), words_pack(&w2[u], q));
-                                pack_words(&mut w[u], q, v);
-                            }
-                        }
-                    }
-                });
+                if !self.fold_recv(&slot_r, &fr, nrecv, &line, &active, &mut w) {
+                    aborted = true;
+                }
                 if aborted {
                     break;
                 }
@@ -589,7 +644,11 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
                         each_peer::<NS>(|i| {
                             if i < nsend {
                                 // The line lies inside peer i's slot.
-                                self.write_parts(slot_s[i].wrapping_add(line[u] as usize * line_words), w[u], fs[i]);
+                                self.write_parts(
+                                    slot_s[i].wrapping_add(line[u] as usize * line_words),
+                                    w[u],
+                                    fs[i],
+                                );
                             }
                         });
                     }

@@ -17,8 +17,8 @@
 //! GPU constraints kept here: no array is ever indexed by a value only known at run time (the
 //! peers are visited by `each_peer` with constant indices, and the reduction is monomorphised on
 //! its source and destination counts), so nothing lands in local memory (`__local_depot`).
-use super::{Primitives, each_peer, tree_conns};
 use super::simple::parse_unroll;
+use super::{Primitives, each_peer, tree_conns};
 use crate::abi::{
     ConnInfo, DevTree, FIFO_STEPS, MAX_TREE_ARITY, PACK_BYTES, Proto, SPINS_BEFORE_CHECK_ABORT,
 };
