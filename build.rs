@@ -27,6 +27,7 @@ fn main() {
     println!("cargo:rerun-if-env-changed=OXCCL_SKIP_PTX");
     println!("cargo:rerun-if-env-changed=OXCCL_BUILD_UNROLL");
     println!("cargo:rerun-if-env-changed=OXCCL_BUILD_LL128_UNROLL");
+    println!("cargo:rerun-if-env-changed=OXCCL_BUILD_SIMPLE_SYNC");
 
     let index = out.join("ptx_modules.rs");
     if env::var_os("OXCCL_SKIP_PTX").is_some() {

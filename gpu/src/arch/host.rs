@@ -128,6 +128,16 @@ pub unsafe fn load_volatile_v4(p: *const Pack) -> Pack {
     Pack([lo as u32, (lo >> 32) as u32, hi as u32, (hi >> 32) as u32])
 }
 
+/// A copy loop's 16-byte load ([`load_volatile_v4`] on the host).
+///
+/// # Safety
+/// `p` is valid and 16-byte aligned.
+#[inline(always)]
+pub unsafe fn load_volatile_v4_data(p: *const Pack) -> Pack {
+    // SAFETY: forwarded caller contract.
+    unsafe { load_volatile_v4(p) }
+}
+
 /// 16-byte store as two 8-byte release stores.
 ///
 /// # Safety

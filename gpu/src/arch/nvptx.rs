@@ -150,6 +150,24 @@ pub unsafe fn load_volatile_v4(p: *const Pack) -> Pack {
     Pack([a, b, c, d])
 }
 
+/// `ld.volatile.global.v4.u32` for copy loops: never served from a stale L1 line (NCCL's
+/// `ld_volatile_global` in `reduceCopy`); declared as only reading memory, so the compiler keeps
+/// it in order with stores but may schedule it freely among other loads.
+///
+/// # Safety
+/// `p` is a valid, 16-byte aligned global address.
+#[inline(always)]
+pub unsafe fn load_volatile_v4_data(p: *const Pack) -> Pack {
+    let (a, b, c, d): (u32, u32, u32, u32);
+    // SAFETY: caller guarantees `p`.
+    unsafe {
+        asm!("ld.volatile.global.v4.u32 {{{a},{b},{c},{d}}}, [{p}];",
+             a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d,
+             p = in(reg64) p, options(nostack, readonly))
+    }
+    Pack([a, b, c, d])
+}
+
 /// `st.volatile.global.v4.u32`: one 16-byte volatile store (LL line writes).
 ///
 /// # Safety

@@ -6,8 +6,10 @@
 //! slots (`head + FIFO_STEPS ≥ s + k`), writes them, then publishes `tail = s + k`. To receive it,
 //! it waits for `tail ≥ s + k`, reads the slots, then frees them with `head = s + k`. One thread polls and posts;
 //! the whole block copies, 16-byte vectors at a time. Ordering: data stores, `barrier.sync`,
-//! `fence.acq_rel.sys`, flag store on the writer; flag load, `fence.acq_rel.sys`, `barrier.sync`, data
-//! loads on the reader.
+//! `fence.acq_rel.sys`, flag store on the writer; flag load (`ld.volatile`), `barrier.sync`, data
+//! loads with `ld.volatile` (never a stale L1 line) on the reader, whose freeing of a slot needs no
+//! fence — NCCL's `prims_simple.h` ordering; the build knob [`VOLATILE_SYNC`] restores a
+//! `fence.acq_rel.sys` after the flag load (the CPU target always has it).
 use super::Primitives;
 use crate::abi::{ConnInfo, DevChannel, FIFO_STEPS, PACK_BYTES, SPINS_BEFORE_CHECK_ABORT};
 use crate::arch::{self, Pack};
@@ -167,7 +169,9 @@ impl<T: Elem, Op: RedFn<T>> Simple<T, Op> {
             }
             // SAFETY: fence has no operands; smem is valid kernel shared memory.
             unsafe {
-                arch::fence_acq_rel_sys();
+                if !VOLATILE_SYNC {
+                    arch::fence_acq_rel_sys();
+                }
                 self.smem.write_volatile(if ok { 0 } else { 1 });
             }
         }
@@ -185,7 +189,9 @@ impl<T: Elem, Op: RedFn<T>> Simple<T, Op> {
         unsafe {
             arch::sync_threads();
             if self.tid == 0 {
-                arch::fence_acq_rel_sys();
+                if SEND || !VOLATILE_SYNC {
+                    arch::fence_acq_rel_sys();
+                }
                 if SEND {
                     arch::store_volatile_u64(self.send.tail, self.send.step + self.steps_per_slice);
                 }
@@ -319,6 +325,64 @@ const UNROLL: usize = match option_env!("OXCCL_BUILD_UNROLL") {
     None => 4,
 };
 
+/// How the Simple protocol's receiving side synchronises on the GPU, a build-time knob
+/// (`OXCCL_BUILD_SIMPLE_SYNC=fence|volatile cargo build`; default `volatile`, measured 2–5 %
+/// faster at ≥ 64 MiB and 14 % at 8 B on 2×H200, docs/benchmarks.md session 6):
+/// - `fence`: thread 0 fences (`fence.acq_rel.sys`) after it sees the peer's counter, and before
+///   every post; data loads are plain `ld.global`.
+/// - `volatile`: NCCL's way (`prims_simple.h`: "volatile is faster than acquire"): no fence after
+///   the counter, the copy loads with `ld.volatile` so no stale L1 line is read, and a post that
+///   only frees received slots stores the head without a fence (the block's loads completed before
+///   the barrier). A post that publishes sent data still fences first.
+///
+/// The CPU target always fences (its atomics need the acquire).
+pub(crate) const VOLATILE_SYNC: bool = cfg!(target_arch = "nvptx64")
+    && match option_env!("OXCCL_BUILD_SIMPLE_SYNC") {
+        Some(s) => parse_sync(s.as_bytes()),
+        None => true,
+    };
+
+/// `volatile` → true, `fence` → false; anything else fails the build.
+const fn parse_sync(s: &[u8]) -> bool {
+    match s {
+        b"volatile" => true,
+        b"fence" => false,
+        _ => panic!("OXCCL_BUILD_SIMPLE_SYNC must be `fence` or `volatile`"),
+    }
+}
+
+/// A 16-byte source load of the Simple copy loops (see [`VOLATILE_SYNC`]).
+///
+/// # Safety
+/// `p` is a valid, 16-byte aligned global address.
+#[inline(always)]
+pub(crate) unsafe fn load_src(p: *const Pack) -> Pack {
+    // SAFETY: caller guarantees `p`.
+    unsafe {
+        if VOLATILE_SYNC {
+            arch::load_volatile_v4_data(p)
+        } else {
+            arch::load_v4(p)
+        }
+    }
+}
+
+/// An element source load of the Simple copy loops (see [`VOLATILE_SYNC`]).
+///
+/// # Safety
+/// `p` is valid and aligned for `T`.
+#[inline(always)]
+pub(crate) unsafe fn read_src<T>(p: *const T) -> T {
+    // SAFETY: caller guarantees `p`.
+    unsafe {
+        if VOLATILE_SYNC {
+            p.read_volatile()
+        } else {
+            p.read()
+        }
+    }
+}
+
 pub(crate) const fn parse_unroll(s: &[u8]) -> usize {
     let mut n = 0usize;
     let mut i = 0;
@@ -377,11 +441,11 @@ unsafe fn reduce_copy<T: Elem, Op: RedFn<T>, const TWO_SRC: bool, const TWO_DST:
             let mut v = [Pack::default(); UNROLL];
             let mut w = [Pack::default(); UNROLL];
             for u in 0..UNROLL {
-                v[u] = arch::load_v4(ps0.add((i + u as u64 * stride) as usize));
+                v[u] = load_src(ps0.add((i + u as u64 * stride) as usize));
             }
             if TWO_SRC {
                 for u in 0..UNROLL {
-                    w[u] = arch::load_v4(ps1.add((i + u as u64 * stride) as usize));
+                    w[u] = load_src(ps1.add((i + u as u64 * stride) as usize));
                 }
             }
             for u in 0..UNROLL {
@@ -395,9 +459,9 @@ unsafe fn reduce_copy<T: Elem, Op: RedFn<T>, const TWO_SRC: bool, const TWO_DST:
             i += UNROLL as u64 * stride;
         }
         while i < npacks {
-            let a = arch::load_v4(ps0.add(i as usize));
+            let a = load_src(ps0.add(i as usize));
             let b = if TWO_SRC {
-                arch::load_v4(ps1.add(i as usize))
+                load_src(ps1.add(i as usize))
             } else {
                 Pack::default()
             };
@@ -414,9 +478,9 @@ unsafe fn reduce_copy<T: Elem, Op: RedFn<T>, const TWO_SRC: bool, const TWO_DST:
         let mut e = npacks * PACK_BYTES / esize + tid as u64;
         while e < n {
             let k = e as usize;
-            let mut r = es0.add(k).read();
+            let mut r = read_src(es0.add(k));
             if TWO_SRC {
-                r = Op::apply(r, es1.add(k).read());
+                r = Op::apply(r, read_src(es1.add(k)));
             }
             if div != 0 {
                 r = T::div(r, div);

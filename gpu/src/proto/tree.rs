@@ -8,16 +8,17 @@
 //! `head = s + 1`. A verb waits for *every* peer of each side before it copies, then posts on
 //! every peer, so the receivers of one step are all fed from the same combined value.
 //!
-//! The block structure and memory ordering are the ring Simple protocol's: thread 0 polls every
-//! peer's counter (`ld.volatile`), then `fence.acq_rel.sys`, tells the block through shared memory
-//! and `barrier.sync`; the whole block copies with 16-byte vectors; after a `barrier.sync`, thread 0 fences
-//! again and stores the counters (`st.volatile`). The same code runs on the CPU target, where a
-//! block is one thread.
+//! The block structure and memory ordering are the ring Simple protocol's
+//! ([`super::simple::VOLATILE_SYNC`]): thread 0 polls every peer's counter (`ld.volatile`), tells
+//! the block through shared memory and `barrier.sync`; the whole block copies with 16-byte
+//! `ld.volatile` loads; after a `barrier.sync`, thread 0 fences (`fence.acq_rel.sys`) when it
+//! publishes sent data, and stores the counters (`st.volatile`). The same code runs on the CPU
+//! target, where a block is one thread (and fences after the poll too).
 //!
 //! GPU constraints kept here: no array is ever indexed by a value only known at run time (the
 //! peers are visited by `each_peer` with constant indices, and the reduction is monomorphised on
 //! its source and destination counts), so nothing lands in local memory (`__local_depot`).
-use super::simple::parse_unroll;
+use super::simple::{VOLATILE_SYNC, load_src, parse_unroll, read_src};
 use super::{Primitives, each_peer, tree_conns};
 use crate::abi::{
     ConnInfo, DevTree, FIFO_STEPS, MAX_TREE_ARITY, PACK_BYTES, Proto, SPINS_BEFORE_CHECK_ABORT,
@@ -238,7 +239,9 @@ impl<T: Elem, Op: RedFn<T>, const UP: bool> TreeSimple<T, Op, UP> {
             });
             // SAFETY: fence has no operands; smem is valid kernel shared memory.
             unsafe {
-                arch::fence_acq_rel_sys();
+                if !VOLATILE_SYNC {
+                    arch::fence_acq_rel_sys();
+                }
                 self.smem.write_volatile(if ok { 0 } else { 1 });
             }
         }
@@ -257,7 +260,9 @@ impl<T: Elem, Op: RedFn<T>, const UP: bool> TreeSimple<T, Op, UP> {
         unsafe {
             arch::sync_threads();
             if self.tid == 0 {
-                arch::fence_acq_rel_sys();
+                if SEND || !VOLATILE_SYNC {
+                    arch::fence_acq_rel_sys();
+                }
                 each_peer::<MAX_TREE_ARITY>(|i| {
                     if SEND && i < self.nsend {
                         arch::store_volatile_u64(self.send[i].tail, self.send[i].step + 1);
@@ -411,7 +416,7 @@ unsafe fn fold_packs<T: Elem, Op: RedFn<T>>(v: &mut [Pack; UNROLL], p: *const u8
     let mut w = [Pack::default(); UNROLL];
     for u in 0..UNROLL {
         // SAFETY: caller contract.
-        w[u] = unsafe { arch::load_v4(p.add((i + u as u64 * stride) as usize)) };
+        w[u] = unsafe { load_src(p.add((i + u as u64 * stride) as usize)) };
     }
     for u in 0..UNROLL {
         v[u] = Op::apply_pack(v[u], w[u]);
@@ -481,7 +486,7 @@ unsafe fn reduce_copy_n<T: Elem, Op: RedFn<T>, const NS: usize, const ND: usize>
         while i + (UNROLL as u64 - 1) * stride < npacks {
             let mut v = [Pack::default(); UNROLL];
             for u in 0..UNROLL {
-                v[u] = arch::load_v4((s[0] as *const Pack).add((i + u as u64 * stride) as usize));
+                v[u] = load_src((s[0] as *const Pack).add((i + u as u64 * stride) as usize));
             }
             if NS > 1 {
                 fold_packs::<T, Op>(&mut v, s[1], i, stride);
@@ -500,15 +505,15 @@ unsafe fn reduce_copy_n<T: Elem, Op: RedFn<T>, const NS: usize, const ND: usize>
         }
         while i < npacks {
             let k = i as usize;
-            let mut v = arch::load_v4((s[0] as *const Pack).add(k));
+            let mut v = load_src((s[0] as *const Pack).add(k));
             if NS > 1 {
-                v = Op::apply_pack(v, arch::load_v4((s[1] as *const Pack).add(k)));
+                v = Op::apply_pack(v, load_src((s[1] as *const Pack).add(k)));
             }
             if NS > 2 {
-                v = Op::apply_pack(v, arch::load_v4((s[2] as *const Pack).add(k)));
+                v = Op::apply_pack(v, load_src((s[2] as *const Pack).add(k)));
             }
             if NS > 3 {
-                v = Op::apply_pack(v, arch::load_v4((s[3] as *const Pack).add(k)));
+                v = Op::apply_pack(v, load_src((s[3] as *const Pack).add(k)));
             }
             if div != 0 {
                 v = div_pack::<T>(v, div);
@@ -519,15 +524,15 @@ unsafe fn reduce_copy_n<T: Elem, Op: RedFn<T>, const NS: usize, const ND: usize>
         let mut e = npacks * PACK_BYTES / esize + tid as u64;
         while e < n {
             let k = e as usize;
-            let mut r = (s[0] as *const T).add(k).read();
+            let mut r = read_src((s[0] as *const T).add(k));
             if NS > 1 {
-                r = Op::apply(r, (s[1] as *const T).add(k).read());
+                r = Op::apply(r, read_src((s[1] as *const T).add(k)));
             }
             if NS > 2 {
-                r = Op::apply(r, (s[2] as *const T).add(k).read());
+                r = Op::apply(r, read_src((s[2] as *const T).add(k)));
             }
             if NS > 3 {
-                r = Op::apply(r, (s[3] as *const T).add(k).read());
+                r = Op::apply(r, read_src((s[3] as *const T).add(k)));
             }
             if div != 0 {
                 r = T::div(r, div);
