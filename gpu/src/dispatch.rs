@@ -4,6 +4,7 @@
 use crate::abi::{Algo, DataType, DevChannel, DevComm, Func, KernelArgs, Proto, RedOp, WorkColl};
 use crate::coll::{self, RingCtx};
 use crate::proto::Primitives;
+use crate::proto::fan::Peers;
 use crate::proto::ll::Ll;
 use crate::proto::ll128::Ll128;
 use crate::proto::simple::Simple;
@@ -122,7 +123,7 @@ pub unsafe fn run_typed<T: Elem, Op: RedFn<T>>(
                 let mut p = Ll::<T, Op>::new(
                     tid,
                     nthreads,
-                    channel,
+                    Peers::Ring(channel),
                     comm.buff_sizes[Proto::Ll as usize],
                     input,
                     output,
@@ -137,7 +138,7 @@ pub unsafe fn run_typed<T: Elem, Op: RedFn<T>>(
                 let mut p = Ll128::<T, Op>::new(
                     tid,
                     nthreads,
-                    channel,
+                    Peers::Ring(channel),
                     comm.buff_sizes[Proto::Ll128 as usize],
                     input,
                     output,
@@ -261,6 +262,35 @@ unsafe fn run_tree<T: Elem, Op: RedFn<T>>(
                 }
             }};
         }
+        macro_rules! line_phases {
+            ($up:ident, $down:ident) => {{
+                let peers = |up| Peers::Tree(tree, up);
+                phases!(
+                    $up::<T, Op>::new(
+                        tid,
+                        nthreads,
+                        peers(true),
+                        buff,
+                        input,
+                        output,
+                        abort,
+                        smem,
+                        postdiv
+                    ),
+                    $down::<T, Op>::new(
+                        tid,
+                        nthreads,
+                        peers(false),
+                        buff,
+                        input,
+                        output,
+                        abort,
+                        smem,
+                        postdiv
+                    )
+                )
+            }};
+        }
         match proto {
             Proto::Simple => {
                 let slice = w.slice_elems;
@@ -273,22 +303,9 @@ unsafe fn run_tree<T: Elem, Op: RedFn<T>>(
                     )
                 )
             }
-            Proto::Ll => phases!(
-                TreeLlUp::<T, Op>::tree(
-                    tid, nthreads, tree, true, buff, input, output, abort, smem, postdiv
-                ),
-                TreeLlDown::<T, Op>::tree(
-                    tid, nthreads, tree, false, buff, input, output, abort, smem, postdiv
-                )
-            ),
-            Proto::Ll128 => phases!(
-                TreeLl128Up::<T, Op>::tree(
-                    tid, nthreads, tree, true, buff, input, output, abort, smem, postdiv
-                ),
-                TreeLl128Down::<T, Op>::tree(
-                    tid, nthreads, tree, false, buff, input, output, abort, smem, postdiv
-                )
-            ),
+            // The flag-line protocols take the same arguments: `$up` / `$down` are the types.
+            Proto::Ll => line_phases!(TreeLlUp, TreeLlDown),
+            Proto::Ll128 => line_phases!(TreeLl128Up, TreeLl128Down),
         }
     }
 }

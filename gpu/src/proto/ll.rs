@@ -11,10 +11,9 @@
 //! returns the slot (`head = s + 1`). Flags wrap: in the 8 steps before the flag value wraps
 //! ([`ll_clean`]) every line of the slot is written and read, so no line keeps a flag old enough
 //! to be mistaken for a new one (NCCL's `NCCL_LL_CLEAN_MASK` cleanup).
+use super::fan::{Fan, Peers, abort_raised};
 use super::{Primitives, balanced_step, each_peer};
-use crate::abi::{
-    ConnInfo, DevChannel, DevTree, FIFO_STEPS, LlFifoLine, MAX_TREE_ARITY, Proto, SPINS_BEFORE_CHECK_ABORT,
-};
+use crate::abi::{FIFO_STEPS, LlFifoLine, MAX_TREE_ARITY, Proto, SPINS_BEFORE_CHECK_ABORT};
 use crate::arch::{self, Pack};
 use crate::reduce::{Elem, RedFn, div_pack};
 use core::marker::PhantomData;
@@ -35,40 +34,6 @@ pub const fn ll_clean(step: u64) -> bool {
     step % LL_FLAG_PERIOD >= LL_FLAG_PERIOD - FIFO_STEPS
 }
 
-#[derive(Clone, Copy)]
-struct Conn {
-    info: *mut ConnInfo,
-    buff: *mut LlFifoLine,
-    head: *mut u64,
-    /// Step sizes a proxy reads (`ConnInfo::sizes`); null when none are wanted.
-    sizes: *mut u64,
-    step: u64,
-}
-
-impl Conn {
-    const NONE: Conn = Conn {
-        info: core::ptr::null_mut(),
-        buff: core::ptr::null_mut(),
-        head: core::ptr::null_mut(),
-        sizes: core::ptr::null_mut(),
-        step: 0,
-    };
-
-    /// # Safety
-    /// `info` points at a connection set up for the LL protocol.
-    unsafe fn load(info: *mut ConnInfo) -> Self {
-        // SAFETY: caller guarantees `info`.
-        let c = unsafe { info.read() };
-        Conn {
-            info,
-            buff: c.buffs[Proto::Ll as usize] as *mut LlFifoLine,
-            head: c.head as *mut u64,
-            sizes: c.sizes as *mut u64,
-            step: c.step,
-        }
-    }
-}
-
 /// LL-protocol primitives over a fan of up to `NR` receive and `NS` send connections (NCCL's
 /// `Primitives<T, RedOp, FanAsymmetric<NR, NS>, …, ProtoLL>`): a receiving verb combines the
 /// lines of every receive peer (and the input, for the reducing verbs), a sending verb writes
@@ -79,12 +44,7 @@ pub struct LlFan<T, Op, const NR: usize, const NS: usize> {
     nthreads: u32,
     input: *const T,
     output: *mut T,
-    recv: [Conn; NR],
-    /// Receive peers present (the first `nrecv` of `recv`), at most `NR`.
-    nrecv: usize,
-    send: [Conn; NS],
-    /// Send peers present, at most `NS`.
-    nsend: usize,
+    conns: Fan<LlFifoLine, NR, NS>,
     /// Lines per step (slot).
     step_lines: u64,
     abort_flag: *const u32,
@@ -163,16 +123,18 @@ pub type TreeLlUp<T, Op> = LlFan<T, Op, MAX_TREE_ARITY, 1>;
 /// The broadcast phase of a channel's tree on LL: parent → children.
 pub type TreeLlDown<T, Op> = LlFan<T, Op, 1, MAX_TREE_ARITY>;
 
-impl<T: Elem, Op: RedFn<T>> LlFan<T, Op, 1, 1> {
-    /// Loads the channel's ring connections.
+impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> LlFan<T, Op, NR, NS> {
+    /// Loads the connections of `peers` (a ring channel, or one phase of a channel's tree).
     ///
     /// # Safety
-    /// As `Simple::new`, for a communicator whose LL buffers are `buff_size` bytes.
+    /// As `Simple::new`, for connections whose LL buffers are `buff_size` bytes. All threads of
+    /// the block call it.
     #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
     pub unsafe fn new(
         tid: u32,
         nthreads: u32,
-        channel: *mut DevChannel,
+        peers: Peers,
         buff_size: u64,
         input: *const T,
         output: *mut T,
@@ -180,112 +142,13 @@ impl<T: Elem, Op: RedFn<T>> LlFan<T, Op, 1, 1> {
         smem: *mut u32,
         postdiv: u32,
     ) -> Self {
-        let null = core::ptr::null_mut();
-        // SAFETY: caller guarantees `channel`, `smem` and the connections' LL buffers.
-        unsafe {
-            Self::with_conns(
-                tid,
-                nthreads,
-                ([&raw mut (*channel).recv, null, null], 1),
-                ([&raw mut (*channel).send, null, null], 1),
-                buff_size,
-                input,
-                output,
-                abort_flag,
-                smem,
-                postdiv,
-            )
-        }
-    }
-}
-
-impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> LlFan<T, Op, NR, NS> {
-    /// Loads one phase of a channel's tree (`up`: the reduce phase; see [`super::tree_conns`]).
-    ///
-    /// # Safety
-    /// `tree` is a set-up [`DevTree`] whose present connections have LL buffers of `buff_size`
-    /// bytes; the rest as [`Ll::new`].
-    #[allow(clippy::too_many_arguments)]
-    #[inline(always)]
-    pub unsafe fn tree(
-        tid: u32,
-        nthreads: u32,
-        tree: *mut DevTree,
-        up: bool,
-        buff_size: u64,
-        input: *const T,
-        output: *mut T,
-        abort_flag: u64,
-        smem: *mut u32,
-        postdiv: u32,
-    ) -> Self {
-        // SAFETY: forwarded caller contract.
-        unsafe {
-            let (rp, nr, sp, ns) = super::tree_conns(tree, up);
-            Self::with_conns(
-                tid,
-                nthreads,
-                (rp, nr),
-                (sp, ns),
-                buff_size,
-                input,
-                output,
-                abort_flag,
-                smem,
-                postdiv,
-            )
-        }
-    }
-
-    /// Loads the first `recv.1` (at most `NR`) receive and `send.1` (at most `NS`) send
-    /// connections of the lists.
-    ///
-    /// # Safety
-    /// Those connections are set up for LL with buffers of `buff_size` bytes; the rest as
-    /// [`Ll::new`]. All threads of the block call it.
-    #[allow(clippy::too_many_arguments)]
-    #[inline(always)]
-    unsafe fn with_conns(
-        tid: u32,
-        nthreads: u32,
-        recv_list: ([*mut ConnInfo; MAX_TREE_ARITY], usize),
-        send_list: ([*mut ConnInfo; MAX_TREE_ARITY], usize),
-        buff_size: u64,
-        input: *const T,
-        output: *mut T,
-        abort_flag: u64,
-        smem: *mut u32,
-        postdiv: u32,
-    ) -> Self {
-        let (nrecv, nsend) = (recv_list.1.min(NR), send_list.1.min(NS));
-        let (mut recv, mut send) = ([Conn::NONE; NR], [Conn::NONE; NS]);
-        // SAFETY: caller guarantees the listed connections and `smem`; every thread reaches the
-        // barrier.
-        unsafe {
-            if tid == 0 {
-                smem.add(1).write_volatile(0); // the block's abort word of `generic_op`
-            }
-            arch::sync_threads();
-            each_peer::<NR>(|i| {
-                if i < nrecv {
-                    recv[i] = Conn::load(recv_list.0[i]);
-                }
-            });
-            each_peer::<NS>(|i| {
-                if i < nsend {
-                    send[i] = Conn::load(send_list.0[i]);
-                }
-            });
-        }
         LlFan {
             tid,
             nthreads,
             input,
             output,
-            recv,
-            nrecv,
-            send,
-            nsend,
+            // SAFETY: forwarded caller contract.
+            conns: unsafe { Fan::load(tid, smem, peers, Proto::Ll) },
             step_lines: buff_size / FIFO_STEPS / core::mem::size_of::<LlFifoLine>() as u64,
             abort_flag: abort_flag as *const u32,
             smem,
@@ -305,28 +168,8 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> LlFan<T, Op, NR, N
     /// # Safety
     /// All threads of the block call it, once, after the last verb.
     pub unsafe fn finish(self) {
-        // SAFETY: every thread reaches the barrier; then only thread 0 writes.
-        unsafe {
-            arch::sync_threads();
-            if self.tid == 0 {
-                each_peer::<NR>(|i| {
-                    if i < self.nrecv {
-                        (*self.recv[i].info).step = self.recv[i].step;
-                    }
-                });
-                each_peer::<NS>(|i| {
-                    if i < self.nsend {
-                        (*self.send[i].info).step = self.send[i].step;
-                    }
-                });
-            }
-        }
-    }
-
-    #[inline(always)]
-    fn check_abort(&self) -> bool {
-        // SAFETY: `abort_flag` is 0 or valid (constructor contract).
-        !self.abort_flag.is_null() && unsafe { arch::load_volatile_u32(self.abort_flag) } != 0
+        // SAFETY: forwarded caller contract.
+        unsafe { self.conns.finish(self.tid) }
     }
 
     /// Spins until the line holds `flag` twice; `None` on abort.
@@ -342,7 +185,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> LlFan<T, Op, NR, N
             spins += 1;
             if spins == SPINS_BEFORE_CHECK_ABORT {
                 spins = 0;
-                if self.check_abort() {
+                if abort_raised(self.abort_flag) {
                     return None;
                 }
             }
@@ -359,34 +202,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> LlFan<T, Op, NR, N
     /// Thread 0 waits for a free slot on every send peer; then the block learns whether to abort.
     #[inline(always)]
     fn wait_send_credit(&mut self) -> bool {
-        if self.tid == 0 {
-            let mut ok = true;
-            each_peer::<NS>(|i| {
-                if i >= self.nsend || !ok {
-                    return;
-                }
-                let (head, want) = (self.send[i].head, self.send[i].step + 1);
-                let mut spins = 0u32;
-                // SAFETY: `head` is this connection's counter.
-                while unsafe { arch::load_volatile_u64(head) } + FIFO_STEPS < want {
-                    spins += 1;
-                    if spins == SPINS_BEFORE_CHECK_ABORT {
-                        spins = 0;
-                        if self.check_abort() {
-                            ok = false;
-                            break;
-                        }
-                    }
-                    arch::spin_pause();
-                }
-            });
-            // SAFETY: smem is the kernel's shared memory.
-            unsafe { self.smem.write_volatile(u32::from(!ok)) };
-        }
-        // SAFETY: all threads execute this with the same control flow.
-        unsafe { arch::sync_threads() };
-        // SAFETY: written by thread 0 before the barrier.
-        self.aborted = unsafe { self.smem.read_volatile() } != 0;
+        self.aborted = !self.conns.wait_send_credit(self.tid, self.smem, self.abort_flag);
         !self.aborted
     }
 
@@ -453,22 +269,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> LlFan<T, Op, NR, N
         // a verb never ends with a sliver of a step (sender and receiver compute the same split).
         let per_step = balanced_step(n, self.step_elems());
         let div = if post { self.postdiv } else { 0 };
-        // A ring (one and one) always has both peers: constants, so the ring's code is as before.
-        let ring = NR == 1 && NS == 1;
-        let nrecv = if !RECV {
-            0
-        } else if ring {
-            1
-        } else {
-            self.nrecv
-        };
-        let nsend = if !SEND {
-            0
-        } else if ring {
-            1
-        } else {
-            self.nsend
-        };
+        let (nrecv, nsend) = self.conns.counts::<RECV, SEND>();
         let mut done = 0u64;
         while done < n {
             let len = core::cmp::min(per_step, n - done);
@@ -488,7 +289,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> LlFan<T, Op, NR, N
             let mut total = nlines;
             each_peer::<NR>(|i| {
                 if i < nrecv {
-                    let c = &self.recv[i];
+                    let c = &self.conns.recv[i];
                     fr[i] = ll_flag(c.step);
                     slot_r[i] = c
                         .buff
@@ -501,7 +302,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> LlFan<T, Op, NR, N
             });
             each_peer::<NS>(|i| {
                 if i < nsend {
-                    let c = &self.send[i];
+                    let c = &self.conns.send[i];
                     fs[i] = ll_flag(c.step);
                     slot_s[i] = c
                         .buff
@@ -574,24 +375,8 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> LlFan<T, Op, NR, N
                     self.aborted = true;
                     return;
                 }
-                if self.tid == 0 {
-                    each_peer::<NR>(|i| {
-                        if i < nrecv {
-                            arch::store_volatile_u64(self.recv[i].head, self.recv[i].step + 1);
-                        }
-                    });
-                }
+                self.conns.end_step(self.tid, nrecv, nsend);
             }
-            each_peer::<NS>(|i| {
-                if i < nsend {
-                    self.send[i].step += 1;
-                }
-            });
-            each_peer::<NR>(|i| {
-                if i < nrecv {
-                    self.recv[i].step += 1;
-                }
-            });
             done += len;
         }
     }

@@ -14,11 +14,10 @@
 //! (2^64 steps), so unlike LL no cleanup pass exists, and a slot's previous flag (`s − 7`) never
 //! equals the current one. Credits work as in LL: the sender waits for `head + FIFO_STEPS ≥ s + 1`,
 //! the receiver sets `head = s + 1` once the whole block has read the slot.
+use super::fan::{Fan, Peers, abort_raised};
 use super::ll::{load_partial, store_partial};
 use super::{Primitives, balanced_step, each_peer};
-use crate::abi::{
-    ConnInfo, DevChannel, DevTree, FIFO_STEPS, MAX_TREE_ARITY, Proto, SPINS_BEFORE_CHECK_ABORT,
-};
+use crate::abi::{FIFO_STEPS, MAX_TREE_ARITY, Proto, SPINS_BEFORE_CHECK_ABORT};
 use crate::arch::{self, Pack};
 use crate::reduce::{Elem, RedFn, div_pack};
 use core::marker::PhantomData;
@@ -47,40 +46,6 @@ const UNROLL: usize = match option_env!("OXCCL_BUILD_LL128_UNROLL") {
 #[inline(always)]
 pub const fn ll128_flag(step: u64) -> u64 {
     step.wrapping_add(1)
-}
-
-#[derive(Clone, Copy)]
-struct Conn {
-    info: *mut ConnInfo,
-    buff: *mut u64,
-    head: *mut u64,
-    /// Step sizes a proxy reads (`ConnInfo::sizes`); null when none are wanted.
-    sizes: *mut u64,
-    step: u64,
-}
-
-impl Conn {
-    const NONE: Conn = Conn {
-        info: core::ptr::null_mut(),
-        buff: core::ptr::null_mut(),
-        head: core::ptr::null_mut(),
-        sizes: core::ptr::null_mut(),
-        step: 0,
-    };
-
-    /// # Safety
-    /// `info` points at a connection set up for the LL128 protocol.
-    unsafe fn load(info: *mut ConnInfo) -> Self {
-        // SAFETY: caller guarantees `info`.
-        let c = unsafe { info.read() };
-        Conn {
-            info,
-            buff: c.buffs[Proto::Ll128 as usize] as *mut u64,
-            head: c.head as *mut u64,
-            sizes: c.sizes as *mut u64,
-            step: c.step,
-        }
-    }
 }
 
 /// This thread's place in the line layout of a block.
@@ -127,12 +92,7 @@ pub struct Ll128Fan<T, Op, const NR: usize, const NS: usize> {
     lanes: Lanes,
     input: *const T,
     output: *mut T,
-    recv: [Conn; NR],
-    /// Receive peers present (the first `nrecv` of `recv`), at most `NR`.
-    nrecv: usize,
-    send: [Conn; NS],
-    /// Send peers present, at most `NS`.
-    nsend: usize,
+    conns: Fan<u64, NR, NS>,
     /// Lines per step (slot).
     step_lines: u64,
     abort_flag: *const u32,
@@ -150,17 +110,19 @@ pub type TreeLl128Up<T, Op> = Ll128Fan<T, Op, MAX_TREE_ARITY, 1>;
 /// The broadcast phase of a channel's tree on LL128: parent → children.
 pub type TreeLl128Down<T, Op> = Ll128Fan<T, Op, 1, MAX_TREE_ARITY>;
 
-impl<T: Elem, Op: RedFn<T>> Ll128Fan<T, Op, 1, 1> {
-    /// Loads the channel's ring connections.
+impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR, NS> {
+    /// Loads the connections of `peers` (a ring channel, or one phase of a channel's tree).
     ///
     /// # Safety
-    /// As `Simple::new`, for a communicator whose LL128 buffers are `buff_size` bytes (a multiple
-    /// of `FIFO_STEPS × 128`), with `nthreads` a multiple of 32 on the GPU.
+    /// As `Simple::new`, for connections whose LL128 buffers are `buff_size` bytes (a multiple
+    /// of `FIFO_STEPS × 128`), with `nthreads` a multiple of 32 on the GPU. All threads of the
+    /// block call it.
     #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
     pub unsafe fn new(
         tid: u32,
         nthreads: u32,
-        channel: *mut DevChannel,
+        peers: Peers,
         buff_size: u64,
         input: *const T,
         output: *mut T,
@@ -168,112 +130,13 @@ impl<T: Elem, Op: RedFn<T>> Ll128Fan<T, Op, 1, 1> {
         smem: *mut u32,
         postdiv: u32,
     ) -> Self {
-        let null = core::ptr::null_mut();
-        // SAFETY: caller guarantees `channel`, `smem` and the connections' LL128 buffers.
-        unsafe {
-            Self::with_conns(
-                tid,
-                nthreads,
-                ([&raw mut (*channel).recv, null, null], 1),
-                ([&raw mut (*channel).send, null, null], 1),
-                buff_size,
-                input,
-                output,
-                abort_flag,
-                smem,
-                postdiv,
-            )
-        }
-    }
-}
-
-impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR, NS> {
-    /// Loads one phase of a channel's tree (`up`: the reduce phase; see [`super::tree_conns`]).
-    ///
-    /// # Safety
-    /// `tree` is a set-up [`DevTree`] whose present connections have LL128 buffers of
-    /// `buff_size` bytes; the rest as [`Ll128::new`].
-    #[allow(clippy::too_many_arguments)]
-    #[inline(always)]
-    pub unsafe fn tree(
-        tid: u32,
-        nthreads: u32,
-        tree: *mut DevTree,
-        up: bool,
-        buff_size: u64,
-        input: *const T,
-        output: *mut T,
-        abort_flag: u64,
-        smem: *mut u32,
-        postdiv: u32,
-    ) -> Self {
-        // SAFETY: forwarded caller contract.
-        unsafe {
-            let (rp, nr, sp, ns) = super::tree_conns(tree, up);
-            Self::with_conns(
-                tid,
-                nthreads,
-                (rp, nr),
-                (sp, ns),
-                buff_size,
-                input,
-                output,
-                abort_flag,
-                smem,
-                postdiv,
-            )
-        }
-    }
-
-    /// Loads the first `recv_list.1` (at most `NR`) receive and `send_list.1` (at most `NS`) send
-    /// connections of the lists.
-    ///
-    /// # Safety
-    /// Those connections are set up for LL128 with buffers of `buff_size` bytes; the rest as
-    /// [`Ll128::new`]. All threads of the block call it.
-    #[allow(clippy::too_many_arguments)]
-    #[inline(always)]
-    unsafe fn with_conns(
-        tid: u32,
-        nthreads: u32,
-        recv_list: ([*mut ConnInfo; MAX_TREE_ARITY], usize),
-        send_list: ([*mut ConnInfo; MAX_TREE_ARITY], usize),
-        buff_size: u64,
-        input: *const T,
-        output: *mut T,
-        abort_flag: u64,
-        smem: *mut u32,
-        postdiv: u32,
-    ) -> Self {
-        let (nrecv, nsend) = (recv_list.1.min(NR), send_list.1.min(NS));
-        let (mut recv, mut send) = ([Conn::NONE; NR], [Conn::NONE; NS]);
-        // SAFETY: caller guarantees the listed connections and `smem`; every thread reaches the
-        // barrier.
-        unsafe {
-            if tid == 0 {
-                smem.add(1).write_volatile(0); // the block's abort word of `generic_op`
-            }
-            arch::sync_threads();
-            each_peer::<NR>(|i| {
-                if i < nrecv {
-                    recv[i] = Conn::load(recv_list.0[i]);
-                }
-            });
-            each_peer::<NS>(|i| {
-                if i < nsend {
-                    send[i] = Conn::load(send_list.0[i]);
-                }
-            });
-        }
         Ll128Fan {
             tid,
             lanes: Lanes::new(tid, nthreads),
             input,
             output,
-            recv,
-            nrecv,
-            send,
-            nsend,
+            // SAFETY: forwarded caller contract.
+            conns: unsafe { Fan::load(tid, smem, peers, Proto::Ll128) },
             step_lines: buff_size / FIFO_STEPS / LL128_LINE_BYTES,
             abort_flag: abort_flag as *const u32,
             smem,
@@ -293,28 +156,8 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
     /// # Safety
     /// All threads of the block call it, once, after the last verb.
     pub unsafe fn finish(self) {
-        // SAFETY: every thread reaches the barrier; then only thread 0 writes.
-        unsafe {
-            arch::sync_threads();
-            if self.tid == 0 {
-                each_peer::<NR>(|i| {
-                    if i < self.nrecv {
-                        (*self.recv[i].info).step = self.recv[i].step;
-                    }
-                });
-                each_peer::<NS>(|i| {
-                    if i < self.nsend {
-                        (*self.send[i].info).step = self.send[i].step;
-                    }
-                });
-            }
-        }
-    }
-
-    #[inline(always)]
-    fn check_abort(&self) -> bool {
-        // SAFETY: `abort_flag` is 0 or valid (constructor contract).
-        !self.abort_flag.is_null() && unsafe { arch::load_volatile_u32(self.abort_flag) } != 0
+        // SAFETY: forwarded caller contract.
+        unsafe { self.conns.finish(self.tid) }
     }
 
     /// Waits until this thread's parts of the [`UNROLL`] lines at `lines[u]` carry `flag` and
@@ -353,7 +196,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
             if spins == SPINS_BEFORE_CHECK_ABORT {
                 spins = 0;
                 // SAFETY: as above; every lane takes the same branch.
-                if unsafe { arch::vote_any(self.check_abort()) } {
+                if unsafe { arch::vote_any(abort_raised(self.abort_flag)) } {
                     return false;
                 }
             }
@@ -394,7 +237,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
                 spins += 1;
                 if spins == SPINS_BEFORE_CHECK_ABORT {
                     spins = 0;
-                    if self.check_abort() {
+                    if abort_raised(self.abort_flag) {
                         return None;
                     }
                 }
@@ -435,34 +278,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
     /// Thread 0 waits for a free slot on every send peer; then the block learns whether to abort.
     #[inline(always)]
     fn wait_send_credit(&mut self) -> bool {
-        if self.tid == 0 {
-            let mut ok = true;
-            each_peer::<NS>(|i| {
-                if i >= self.nsend || !ok {
-                    return;
-                }
-                let (head, want) = (self.send[i].head, self.send[i].step + 1);
-                let mut spins = 0u32;
-                // SAFETY: `head` is this connection's counter.
-                while unsafe { arch::load_volatile_u64(head) } + FIFO_STEPS < want {
-                    spins += 1;
-                    if spins == SPINS_BEFORE_CHECK_ABORT {
-                        spins = 0;
-                        if self.check_abort() {
-                            ok = false;
-                            break;
-                        }
-                    }
-                    arch::spin_pause();
-                }
-            });
-            // SAFETY: smem is the kernel's shared memory.
-            unsafe { self.smem.write_volatile(u32::from(!ok)) };
-        }
-        // SAFETY: all threads execute this with the same control flow.
-        unsafe { arch::sync_threads() };
-        // SAFETY: written by thread 0 before the barrier.
-        self.aborted = unsafe { self.smem.read_volatile() } != 0;
+        self.aborted = !self.conns.wait_send_credit(self.tid, self.smem, self.abort_flag);
         !self.aborted
     }
 
@@ -533,22 +349,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
         // a verb never ends with a sliver of a step (sender and receiver compute the same split).
         let per_step = balanced_step(n, self.step_elems());
         let div = if post { self.postdiv } else { 0 };
-        // A ring (one and one) always has both peers: constants, so the ring's code is as before.
-        let ring = NR == 1 && NS == 1;
-        let nrecv = if !RECV {
-            0
-        } else if ring {
-            1
-        } else {
-            self.nrecv
-        };
-        let nsend = if !SEND {
-            0
-        } else if ring {
-            1
-        } else {
-            self.nsend
-        };
+        let (nrecv, nsend) = self.conns.counts::<RECV, SEND>();
         let lanes = self.lanes;
         let line_words = (LL128_LINE_BYTES / 8) as usize;
         let mut done = 0u64;
@@ -567,14 +368,14 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
             let step_words = self.step_lines as usize * line_words;
             each_peer::<NR>(|i| {
                 if i < nrecv {
-                    let c = &self.recv[i];
+                    let c = &self.conns.recv[i];
                     fr[i] = ll128_flag(c.step);
                     slot_r[i] = c.buff.wrapping_add((c.step % FIFO_STEPS) as usize * step_words);
                 }
             });
             each_peer::<NS>(|i| {
                 if i < nsend {
-                    let c = &self.send[i];
+                    let c = &self.conns.send[i];
                     fs[i] = ll128_flag(c.step);
                     slot_s[i] = c.buff.wrapping_add((c.step % FIFO_STEPS) as usize * step_words);
                     if self.tid == 0 {
@@ -665,24 +466,8 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
                     self.aborted = true;
                     return;
                 }
-                if self.tid == 0 {
-                    each_peer::<NR>(|i| {
-                        if i < nrecv {
-                            arch::store_volatile_u64(self.recv[i].head, self.recv[i].step + 1);
-                        }
-                    });
-                }
+                self.conns.end_step(self.tid, nrecv, nsend);
             }
-            each_peer::<NS>(|i| {
-                if i < nsend {
-                    self.send[i].step += 1;
-                }
-            });
-            each_peer::<NR>(|i| {
-                if i < nrecv {
-                    self.recv[i].step += 1;
-                }
-            });
             done += len;
         }
     }

@@ -6,6 +6,7 @@
 //! (output). A verb moves `n` elements through as many FIFO steps as it needs; sender and receiver
 //! compute the same steps from the same `n`.
 
+pub mod fan;
 pub mod ll;
 pub mod ll128;
 pub mod simple;
