@@ -1640,6 +1640,10 @@ impl Comm {
             } else {
                 self.params.ll128_buffsize / FIFO_STEPS / 128 * 120
             };
+            // A whole number of 16-byte packs (an odd line count makes, e.g., 65 × 8 = 520
+            // bytes): the kernels round each loop's chunk to whole packs, which must stay within
+            // the chunk (`coll::loop_chunk`).
+            let step_data = (step_data / PACK_BYTES * PACK_BYTES).max(PACK_BYTES);
             let chunk = (step_data / esize).max(1);
             return Ok(Choice {
                 func,

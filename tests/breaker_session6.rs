@@ -434,34 +434,24 @@ fn b6_tree_ll_ll128_smallest_fifos() {
     }
 }
 
-/// FAULT: a FIFO of an odd number of lines per step (accepted: `NCCL_LL_BUFFSIZE` is any multiple
-/// of FIFO_STEPS × 16 = 128 bytes from 8192; `NCCL_LL128_BUFFSIZE` any multiple of 1024 from 8192)
-/// gives a chunk that is no whole number of 16-byte packs: LL 8320 bytes = 65 lines × 8 data bytes
-/// = 520 bytes = 130 floats per chunk; LL128 9216 bytes = 9 lines × 120 = 1080 bytes = 270 floats.
-/// The grid loops (`TreeCtx::chunk` in gpu/src/coll/tree.rs, `channel_chunks`, the ring AllReduce
-/// in gpu/src/coll/all_reduce.rs) round each channel's chunk UP to whole packs (`align_elems`: 132
-/// / 272 floats) but advance by `nchannels × chunk_elems` (130 / 270 per channel and rank), so
-/// consecutive chunks overlap and the overlapping elements are reduced twice. Out of place the
-/// second pass recomputes the same values (harmless, see the next test); in place it reads inputs
-/// that the first pass already overwrote with results.
+/// Was a fault (found by this file, fixed the same session): a FIFO of an odd number of lines per
+/// step (accepted: `NCCL_LL_BUFFSIZE` is any multiple of FIFO_STEPS × 16 = 128 bytes from 8192;
+/// `NCCL_LL128_BUFFSIZE` any multiple of 1024 from 8192) gave a chunk that is no whole number of
+/// 16-byte packs: LL 8320 bytes = 65 lines × 8 data bytes = 520 bytes = 130 floats per chunk;
+/// LL128 9216 bytes = 9 lines × 120 = 1080 bytes = 270 floats. The grid loops (`TreeCtx::chunk`,
+/// `channel_chunks`, the ring AllReduce) rounded each channel's chunk UP to whole packs (132 / 272
+/// floats) but advance by `nchannels × chunk_elems`, so consecutive chunks overlapped and the
+/// overlapping elements were reduced twice; in place the second pass read inputs that the first
+/// had already overwritten. Observed before the fix (2 ranks, 1 channel, in-place float Sum of
+/// 2000 elements, rank r's element i = (7i + 3r) mod 9 − 4): tree LL 26 wrong (element 131: got 0,
+/// want 2), ring LL 26 wrong, tree LL128 14 wrong, ring LL128 9 wrong.
 ///
-/// Reproduction: 2 ranks, 1 channel, in-place float Sum of 2000 elements, rank r's element i =
-/// (7i + 3r) mod 9 − 4. Observed (expected = the sum over both ranks):
-/// - tree LL (`OXCCL_TEST_NODES=2`, NCCL_LL_BUFFSIZE=8320): 26 wrong, first element 131: got 0,
-///   want 2 (the root's input there already holds the sum 2, plus the child's −2);
-/// - ring LL (NCCL_LL_BUFFSIZE=8320): 26 wrong, first element 260: got −2, want −1;
-/// - tree LL128 (NCCL_LL128_BUFFSIZE=9216): 14 wrong, first element 270: got −6, want −5;
-/// - ring LL128 (NCCL_LL128_BUFFSIZE=9216): 9 wrong, first element 540: got −10, want −5.
-///
-/// NCCL never exceeds the chunk: it takes the minimum with the chunk size after rounding to its
-/// minimum chunk. Either the loops must clamp the aligned chunk to `chunk_elems` (with
-/// `chunk_elems` itself a whole number of packs), or `plan()` / params must round the chunk down
-/// to whole packs.
+/// Fixed twice over: `plan()` makes LL/LL128 chunks whole packs (128 / 268 floats here), and the
+/// loops never let a rounded chunk exceed `chunk_elems` (`coll::loop_chunk`).
 #[test]
-#[ignore = "FAULT: chunks of an odd LL/LL128 line count overlap (in-place results reduced twice)"]
-fn b6_fault_odd_line_fifo_in_place_overlaps() {
+fn b6_odd_line_fifo_in_place_is_exact() {
     let env = Env::clean(VARS);
-    let wd = watchdog("b6_fault_odd_line_fifo_in_place_overlaps");
+    let wd = watchdog("b6_odd_line_fifo_in_place_is_exact");
     let mut faults = Vec::new();
     for (proto, var, size) in [
         ("LL", "NCCL_LL_BUFFSIZE", "8320"),

@@ -5,7 +5,7 @@
 //! The vector is cut per loop into `nchannels × nranks` chunks of at most `chunk_elems`; channel
 //! `b` handles chunks `b·nranks .. (b+1)·nranks`; chunk `k` of a channel is owned by user rank `k`.
 //! Each final value is computed once, at its owner, so every rank ends up with identical bits.
-use super::{RingCtx, align_elems};
+use super::{RingCtx, loop_chunk};
 use crate::proto::Primitives;
 
 /// Runs this channel's share of an AllReduce of `count` elements (`esize` bytes each).
@@ -15,10 +15,7 @@ pub fn ring<P: Primitives>(p: &mut P, r: &RingCtx, count: u64, chunk_elems: u64,
     let loop_size = r.nchannels * n * chunk_elems;
     let mut grid_off = 0u64;
     while grid_off < count {
-        let real_chunk = align_elems(
-            core::cmp::min(chunk_elems, (count - grid_off).div_ceil(r.nchannels * n)),
-            esize,
-        );
+        let real_chunk = loop_chunk(chunk_elems, count - grid_off, r.nchannels * n, esize);
         let base = grid_off + r.channel * n * real_chunk;
         // Offset and length of the chunk owned by user rank `owner` in this loop iteration.
         let chunk = |owner: u64| -> (u64, u64) {

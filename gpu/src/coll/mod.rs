@@ -35,6 +35,19 @@ pub const fn align_elems(n: u64, esize: u64) -> u64 {
     n.div_ceil(per) * per
 }
 
+/// The chunk of each of `parts` owners in a loop iteration with `remaining` elements left and
+/// chunks of at most `chunk_elems` (NCCL's `realChunkSize`): an even share rounded up to whole
+/// packs, but never more than `chunk_elems` — the loop advances by `parts × chunk_elems`, so a
+/// larger chunk would overlap the next iteration's (an in-place call would then reduce elements
+/// twice).
+#[inline(always)]
+pub fn loop_chunk(chunk_elems: u64, remaining: u64, parts: u64, esize: u64) -> u64 {
+    core::cmp::min(
+        align_elems(core::cmp::min(chunk_elems, remaining.div_ceil(parts)), esize),
+        chunk_elems,
+    )
+}
+
 /// Walks this channel's chunks of a `count`-element vector cut per loop into `nchannels` chunks of
 /// at most `chunk_elems` (NCCL's grid loop of the one-block-per-rank collectives): calls
 /// `step(offset, len)` once per loop, `len` possibly 0 on the last loop; stops when it returns
@@ -50,10 +63,7 @@ pub fn channel_chunks(
     let loop_size = r.nchannels * chunk_elems;
     let mut grid_off = 0u64;
     while grid_off < count {
-        let real_chunk = align_elems(
-            core::cmp::min(chunk_elems, (count - grid_off).div_ceil(r.nchannels)),
-            esize,
-        );
+        let real_chunk = loop_chunk(chunk_elems, count - grid_off, r.nchannels, esize);
         let off = grid_off + r.channel * real_chunk;
         let len = if off >= count {
             0
@@ -64,5 +74,37 @@ pub fn channel_chunks(
             return;
         }
         grid_off += loop_size;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::loop_chunk;
+
+    #[test]
+    fn a_rounded_chunk_never_exceeds_the_chunk() {
+        // 130 floats (an LL step of 65 lines): an even share of a large remainder is the chunk
+        // itself, not its round-up to 132 (which would overlap the next loop's chunk).
+        assert_eq!(loop_chunk(130, 1 << 20, 1, 4), 130);
+        assert_eq!(loop_chunk(270, 1 << 20, 4, 4), 270);
+        // Shares below the chunk round up to whole packs (4 floats) and stay within it.
+        assert_eq!(loop_chunk(130, 2000 - 1040, 8, 4), 120);
+        assert_eq!(loop_chunk(130, 257, 2, 4), 130);
+        assert_eq!(loop_chunk(128, 257, 2, 4), 128);
+        assert_eq!(loop_chunk(128, 10, 2, 4), 8);
+        // For every shape the loop's parts cover the remainder without overlap.
+        for chunk in [1u64, 7, 16, 130, 270, 4096] {
+            for esize in [1u64, 2, 4, 8] {
+                for parts in [1u64, 2, 3, 8] {
+                    for rem in [1u64, 5, 129, 1000, 1 << 16] {
+                        let c = loop_chunk(chunk, rem, parts, esize);
+                        assert!(
+                            c <= chunk && c * parts >= rem.min(chunk * parts),
+                            "{chunk} {esize} {parts} {rem}: {c}"
+                        );
+                    }
+                }
+            }
+        }
     }
 }

@@ -9,7 +9,7 @@
 //! tree (NCCL gives tree 0 and tree 1 their own channels too). Each final value is computed once,
 //! at the root, so every rank ends up with identical bits. Every rank walks the same chunks in the
 //! same order, so both ends of each tree connection see the same sequence of steps.
-use super::align_elems;
+use super::loop_chunk;
 use crate::proto::Primitives;
 use crate::proto::tree::SendFromOutput;
 
@@ -32,10 +32,7 @@ impl TreeCtx {
     /// local memory).
     #[inline(always)]
     fn chunk(&self, grid_off: u64, count: u64, chunk_elems: u64, esize: u64) -> (u64, u64) {
-        let real_chunk = align_elems(
-            core::cmp::min(chunk_elems, (count - grid_off).div_ceil(self.nchannels)),
-            esize,
-        );
+        let real_chunk = loop_chunk(chunk_elems, count - grid_off, self.nchannels, esize);
         let off = grid_off + self.channel * real_chunk;
         let len = if off >= count {
             0
