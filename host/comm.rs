@@ -2984,11 +2984,37 @@ fn test_nodes(nranks: usize) -> Result<Option<usize>> {
     Ok((n > 1).then_some(n))
 }
 
+/// The tree pattern of an `init_all` communicator split into test nodes, from the test hook
+/// `OXCCL_TEST_TREE_PATTERN` (oxccl spelling only): `balanced` (the default, NCCL's
+/// `NCCL_TOPO_PATTERN_BALANCED_TREE`), `split` or `tree` (`NCCL_TOPO_PATTERN_TREE`: both child
+/// nodes hang from the node's first rank, which then has three children with its chain's next
+/// rank). Errors: `InvalidArgument` naming the variable and the accepted values.
+fn test_tree_pattern() -> Result<crate::graph::Pattern> {
+    use crate::graph::Pattern;
+    match std::env::var("OXCCL_TEST_TREE_PATTERN").as_deref() {
+        Err(_) | Ok("balanced") => Ok(Pattern::BalancedTree),
+        Ok("split") => Ok(Pattern::SplitTree),
+        Ok("tree") => Ok(Pattern::Tree),
+        Ok(v) => Err(Error::invalid(format!(
+            "OXCCL_TEST_TREE_PATTERN={v:?}: accepted balanced, split or tree"
+        ))),
+    }
+}
+
 /// Every channel's tree, indexed `[channel][rank]`, for ranks split into `node_chains` (each
 /// node's chain in order): the double binary tree with the balanced-tree attachment (NCCL's
 /// default pattern, [`crate::graph::double_binary_tree`]); channel `c` runs tree `c % 2`.
 fn channel_trees(node_chains: &[Vec<usize>], nch: u32) -> Result<Vec<Vec<crate::graph::Tree>>> {
-    let [t0, t1] = crate::graph::double_binary_tree(node_chains, crate::graph::Pattern::BalancedTree)?;
+    channel_trees_with(node_chains, nch, crate::graph::Pattern::BalancedTree)
+}
+
+/// [`channel_trees`] with the attachment `pattern` of the nodes below a node's chain.
+fn channel_trees_with(
+    node_chains: &[Vec<usize>],
+    nch: u32,
+    pattern: crate::graph::Pattern,
+) -> Result<Vec<Vec<crate::graph::Tree>>> {
+    let [t0, t1] = crate::graph::double_binary_tree(node_chains, pattern)?;
     Ok((0..nch)
         .map(|c| if c % 2 == 0 { t0.clone() } else { t1.clone() })
         .collect())
@@ -3297,7 +3323,7 @@ fn test_node_trees(
 ) -> Result<(Vec<Vec<crate::graph::Tree>>, Vec<TreeLayout>, TreeShape)> {
     let k = nranks / nnodes;
     let chains: Vec<Vec<usize>> = (0..nnodes).map(|n| (n * k..(n + 1) * k).collect()).collect();
-    let trees = channel_trees(&chains, nch)?;
+    let trees = channel_trees_with(&chains, nch, test_tree_pattern()?)?;
     let layouts: Vec<TreeLayout> = (0..nranks).map(|r| TreeLayout::new(params, &trees, r)).collect();
     let shape = TreeShape {
         nnodes,

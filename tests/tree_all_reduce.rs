@@ -31,7 +31,14 @@ use oxccl::{Algo, Comm, DataType, Device, Error, Func, Proto, RedOp};
 const COUNTS: &[usize] = &[0, 1, 2, 3, 7, 1023, 1025, 65539];
 
 /// Variables these tests set (all cleared while a test runs, restored after).
-const VARS: &[&str] = &["ALGO", "PROTO", "TEST_NODES", "MIN_NCHANNELS", "MAX_NCHANNELS"];
+const VARS: &[&str] = &[
+    "ALGO",
+    "PROTO",
+    "TEST_NODES",
+    "MIN_NCHANNELS",
+    "MAX_NCHANNELS",
+    "TEST_TREE_PATTERN",
+];
 
 /// The tree matrix on `nnodes` nodes of `per_node` ranks with `nch` channels for every call.
 fn tree_matrix(test: &str, nnodes: usize, per_node: usize, nch: u32) {
@@ -263,4 +270,54 @@ fn tree_memory_is_one_fifo_per_tree_peer() {
             c.rank()
         );
     }
+}
+
+#[test]
+fn three_children_per_rank_on_every_protocol() {
+    // OXCCL_TEST_TREE_PATTERN=tree hangs both child nodes from a node's first rank, which then
+    // has three children with its chain's next rank: the tree's widest fan (3 receive peers in
+    // the reduce phase, 3 send peers in the broadcast phase). 4 nodes of 2 ranks: the trees the
+    // communicator builds are `double_binary_tree` of these chains with that pattern; a rank with
+    // three children exists in tree 0 or tree 1.
+    use oxccl::graph::{Pattern, double_binary_tree};
+    let chains: Vec<Vec<usize>> = (0..4).map(|n| vec![2 * n, 2 * n + 1]).collect();
+    let trees = double_binary_tree(&chains, Pattern::Tree).unwrap();
+    let widest = trees
+        .iter()
+        .flat_map(|t| t.iter().map(|r| r.down.iter().filter(|&&d| d >= 0).count()))
+        .max()
+        .unwrap();
+    assert_eq!(widest, 3, "{trees:?}");
+    let env = Env::clean(VARS);
+    let devices = Device::cpus(8);
+    for proto in common::protos() {
+        env.set(&[
+            ("NCCL_ALGO", "tree"),
+            ("NCCL_PROTO", proto),
+            ("OXCCL_TEST_NODES", "4"),
+            ("OXCCL_TEST_TREE_PATTERN", "tree"),
+            ("NCCL_MIN_NCHANNELS", "2"),
+            ("NCCL_MAX_NCHANNELS", "2"),
+        ]);
+        common::run_collective(
+            &format!("three_children_per_rank_on_every_protocol {proto}"),
+            &devices,
+            &common::Matrix {
+                func: Func::AllReduce,
+                counts: COUNTS,
+                extra_counts: &[],
+                extra_pairs: &[],
+                protos: None,
+            },
+        );
+    }
+    // A bad pattern fails init naming the variable.
+    env.set(&[("OXCCL_TEST_NODES", "2"), ("OXCCL_TEST_TREE_PATTERN", "ring")]);
+    let e = Comm::init_all(&Device::cpus(2))
+        .err()
+        .expect("a bad pattern must fail");
+    assert_eq!(
+        e.to_string(),
+        "invalid argument: OXCCL_TEST_TREE_PATTERN=\"ring\": accepted balanced, split or tree"
+    );
 }
