@@ -3002,14 +3002,10 @@ fn test_tree_pattern() -> Result<crate::graph::Pattern> {
 }
 
 /// Every channel's tree, indexed `[channel][rank]`, for ranks split into `node_chains` (each
-/// node's chain in order): the double binary tree with the balanced-tree attachment (NCCL's
-/// default pattern, [`crate::graph::double_binary_tree`]); channel `c` runs tree `c % 2`.
-fn channel_trees(node_chains: &[Vec<usize>], nch: u32) -> Result<Vec<Vec<crate::graph::Tree>>> {
-    channel_trees_with(node_chains, nch, crate::graph::Pattern::BalancedTree)
-}
-
-/// [`channel_trees`] with the attachment `pattern` of the nodes below a node's chain.
-fn channel_trees_with(
+/// node's chain in order): the double binary tree with the child nodes attached by `pattern`
+/// ([`crate::graph::double_binary_tree`]; NCCL's default is the balanced tree); channel `c` runs
+/// tree `c % 2`.
+fn channel_trees(
     node_chains: &[Vec<usize>],
     nch: u32,
     pattern: crate::graph::Pattern,
@@ -3323,7 +3319,7 @@ fn test_node_trees(
 ) -> Result<(Vec<Vec<crate::graph::Tree>>, Vec<TreeLayout>, TreeShape)> {
     let k = nranks / nnodes;
     let chains: Vec<Vec<usize>> = (0..nnodes).map(|n| (n * k..(n + 1) * k).collect()).collect();
-    let trees = channel_trees_with(&chains, nch, test_tree_pattern()?)?;
+    let trees = channel_trees(&chains, nch, test_tree_pattern()?)?;
     let layouts: Vec<TreeLayout> = (0..nranks).map(|r| TreeLayout::new(params, &trees, r)).collect();
     let shape = TreeShape {
         nnodes,
@@ -3786,7 +3782,7 @@ mod tree_tests {
         // head c[0] = rank 0; so rank 0 has children 1 (its chain) and 2, rank 2 child 3. Tree 1
         // (channel 1) is the mirror: node 1 roots it, node 0 hangs from rank 2.
         let chains = vec![vec![0, 1], vec![2, 3]];
-        let trees = channel_trees(&chains, 3).unwrap();
+        let trees = channel_trees(&chains, 3, crate::graph::Pattern::BalancedTree).unwrap();
         let ud = |c: usize, r: usize| (trees[c][r].up, trees[c][r].down);
         assert_eq!(ud(0, 0), (-1, [1, 2, -1]));
         assert_eq!(ud(0, 2), (0, [3, -1, -1]));
@@ -3867,7 +3863,7 @@ mod tree_tests {
         // One rank, 3 channels: the region holds 3 channels × 4 peer slots of COUNTERS_BYTES (256),
         // head at +0 and tail at +128 of each; a CUDA init copies it to `counters_at`. Exactly those
         // 24 u64 words hold the step, every other byte is zero.
-        let trees = channel_trees(&[vec![0], vec![1]], 3).unwrap();
+        let trees = channel_trees(&[vec![0], vec![1]], 3, crate::graph::Pattern::BalancedTree).unwrap();
         let l = TreeLayout::new(&Params::default(), &trees, 1);
         let v = l.counters(0x0102_0304_0506_0708);
         assert_eq!(v.len() as u64, 3 * 4 * COUNTERS_BYTES);

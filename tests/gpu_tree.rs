@@ -68,17 +68,7 @@ fn tree_matrix(test: &str, nch: Option<u32>) {
             }
         }
         drop(comms);
-        common::run_collective(
-            &format!("{test} {proto}"),
-            &devices,
-            &common::Matrix {
-                func: Func::AllReduce,
-                counts: COUNTS,
-                extra_counts: &[],
-                extra_pairs: &[],
-                protos: None,
-            },
-        );
+        common::all_reduce_matrix(&format!("{test} {proto}"), &devices, COUNTS);
     }
 }
 

@@ -69,17 +69,7 @@ fn tree_matrix(test: &str, nnodes: usize, per_node: usize, nch: u32) {
             }
         }
         drop(comms);
-        common::run_collective(
-            &format!("{test} {proto}"),
-            &devices,
-            &common::Matrix {
-                func: Func::AllReduce,
-                counts: COUNTS,
-                extra_counts: &[],
-                extra_pairs: &[],
-                protos: None,
-            },
-        );
+        common::all_reduce_matrix(&format!("{test} {proto}"), &devices, COUNTS);
     }
 }
 
@@ -299,16 +289,10 @@ fn three_children_per_rank_on_every_protocol() {
             ("NCCL_MIN_NCHANNELS", "2"),
             ("NCCL_MAX_NCHANNELS", "2"),
         ]);
-        common::run_collective(
+        common::all_reduce_matrix(
             &format!("three_children_per_rank_on_every_protocol {proto}"),
             &devices,
-            &common::Matrix {
-                func: Func::AllReduce,
-                counts: COUNTS,
-                extra_counts: &[],
-                extra_pairs: &[],
-                protos: None,
-            },
+            COUNTS,
         );
     }
     // A bad pattern fails init naming the variable.

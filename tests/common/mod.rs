@@ -449,6 +449,22 @@ fn plan_rank(
     }
 }
 
+/// The AllReduce matrix ([`run_collective`]) over `counts` for every dtype × op, on
+/// communicators created under the current environment (the matrix forces no protocol).
+pub fn all_reduce_matrix(test: &str, devices: &[Device], counts: &[usize]) {
+    run_collective(
+        test,
+        devices,
+        &Matrix {
+            func: Func::AllReduce,
+            counts,
+            extra_counts: &[],
+            extra_pairs: &[],
+            protos: None,
+        },
+    );
+}
+
 /// Runs `m.func`'s correctness matrix on communicators over `devices` and panics listing every
 /// failure: every dtype × op (Reduce, ReduceScatter, AllReduce; Broadcast and AllGather have none)
 /// × count × root (Broadcast, Reduce: every rank) × out-of-place/in-place × protocol.
