@@ -25,6 +25,8 @@ use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+mod rank_trees;
+
 /// Default channel count on CUDA devices (overridable with `NCCL_MAX_NCHANNELS`).
 pub const CUDA_DEFAULT_NCHANNELS: u32 = 64;
 /// Default channel count on the CPU target (each channel is a host thread per rank).
@@ -520,6 +522,7 @@ impl Comm {
             let prefix = format!("/dev/shm/oxccl-{:08x}-{}", id_tag(id), std::process::id());
             let _ = std::fs::remove_file(format!("{prefix}-r{rank}"));
             let _ = std::fs::remove_file(format!("{prefix}-r{rank}-abort"));
+            let _ = std::fs::remove_file(format!("{prefix}-r{rank}-tree"));
         }
         result
     }
@@ -741,6 +744,16 @@ impl Comm {
             .as_ref()
             .map_or(own.base(), |m| m.host_ptr() as u64);
         let mut links = Vec::new();
+        // Where a proxy raises a failed NET connection: this rank's line of the host's abort page
+        // (flag, then who raised it) and the host's other ranks' lines.
+        let proxy_abort = crate::transport::ProxyAbort {
+            flag: page.addr() + (rank * ABORT_LINE_BYTES) as u64,
+            who: page.addr() + (rank * ABORT_LINE_BYTES) as u64 + 4,
+            host_lines: (0..nranks)
+                .filter(|&r| r != rank && peers[r].host == peers[rank].host)
+                .map(|r| page.addr() + (r * ABORT_LINE_BYTES) as u64)
+                .collect(),
+        };
         // NET neighbours (other hosts, or NCCL_SHM_DISABLE=1): local staging FIFOs and the proxy.
         // SAFETY: our connection memory and abort line outlive `links`, which holds the NET
         // resources and is dropped first at teardown (and on every error return).
@@ -766,12 +779,9 @@ impl Comm {
                     ll_buffsize: layout.ll_buffsize,
                     ll128_buffsize: layout.ll128_buffsize,
                     initial_step: params.initial_step,
-                    abort_flag: page.addr() + (rank * ABORT_LINE_BYTES) as u64,
-                    abort_who: page.addr() + (rank * ABORT_LINE_BYTES) as u64 + 4,
-                    host_abort_lines: (0..nranks)
-                        .filter(|&r| r != rank && peers[r].host == peers[rank].host)
-                        .map(|r| page.addr() + (r * ABORT_LINE_BYTES) as u64)
-                        .collect(),
+                    abort_flag: proxy_abort.flag,
+                    abort_who: proxy_abort.who,
+                    host_abort_lines: proxy_abort.host_lines.clone(),
                 },
                 &mut conn_host,
             )?
@@ -823,12 +833,41 @@ impl Comm {
         }
         for (peer, kind) in neighbours {
             if conn_base[peer] == 0 {
-                let link =
-                    PeerLink::connect(rank, &peers, peer, kind, ctx.as_ref(), &layout, params.p2p_level)?;
+                let target = PeerMem {
+                    desc: &peers[peer].conn,
+                    shm_name: &peers[peer].shm_name,
+                    bytes: layout.bytes() as usize,
+                };
+                let link = PeerLink::connect(rank, &peers, peer, kind, ctx.as_ref(), target, params.p2p_level)?;
                 conn_base[peer] = link.base();
                 links.push(link);
             }
         }
+        // The trees, on communicators spanning hosts (every rank takes part, or none).
+        let trees = rank_trees::setup(&rank_trees::TreeSetup {
+            bootstrap: &bootstrap,
+            rank,
+            peers: &peers,
+            rings: &rings,
+            nch,
+            params: &params,
+            ctx: ctx.as_ref(),
+            device,
+            wanted: selection.algos.0[Algo::Tree as usize],
+            shm_name: peers[rank].tree_shm_name(),
+            abort: proxy_abort,
+        })?;
+        let (tree_mem, comm_trees, tree_array, tree_host_path) = match trees {
+            Some(mut t) => {
+                links.append(&mut t.links);
+                let ct = CommTrees {
+                    shape: t.shape,
+                    bytes: t.bytes,
+                };
+                (t.mem, Some(ct), t.array, t.host_path)
+            }
+            None => (Vec::new(), None, 0, false),
+        };
         // This rank's own connection memory as its kernels address it, per direction (send: the
         // head counters next writes; receive: the FIFOs prev writes).
         let mut own_split = [0u64; 2];
@@ -848,8 +887,8 @@ impl Comm {
         // LL128 trusts 128-byte lines to arrive whole, which NVLink gives and host memory (SHM,
         // NET without GPUDirect) does not: as NCCL's tuning, it is off on such communicators
         // unless NCCL_PROTO names it. Decided from every ring pair, so all ranks agree.
-        let host_path = (0..nranks)
-            .any(|a| peers[a].cuda && ring_transport(&peers, a, rings.next(0, a)) != TransportKind::P2p);
+        let host_path = tree_host_path
+            || (0..nranks).any(|a| peers[a].cuda && ring_transport(&peers, a, rings.next(0, a)) != TransportKind::P2p);
         if host_path && !ll128_forced() {
             let mut protos = selection.protos.0;
             protos[Proto::Ll128 as usize] = false;
@@ -865,7 +904,8 @@ impl Comm {
             OwnConn::Shm(s) => s.unlink(),
             OwnConn::Dev(_) => Ok(()),
         }
-        .and(host_conns.shm.as_ref().map_or(Ok(()), |m| m.seg.unlink()));
+        .and(host_conns.shm.as_ref().map_or(Ok(()), |m| m.seg.unlink()))
+        .and(rank_trees::unlink(&tree_mem));
         if let Err(e) = unlinked.and(if rank == leader { page.unlink() } else { Ok(()) }) {
             tracing::warn!(target: "oxccl::init", "{e}");
         }
@@ -893,6 +933,7 @@ impl Comm {
             peers,
             links: Mutex::new(links),
             _host_conns: host_conns,
+            _tree_mem: tree_mem,
             _watched: watched,
             abort,
             synced: std::sync::atomic::AtomicBool::new(false),
@@ -916,6 +957,7 @@ impl Comm {
                 if kinds[0] == crate::transport::TransportKind::Net {
                     net_step_sizes(&mut bytes, nch, &layout, conn_base[next]);
                 }
+                set_trees(&mut bytes, tree_array);
                 // SAFETY: the block was allocated with exactly this size; nothing else uses it yet.
                 unsafe {
                     std::ptr::copy_nonoverlapping(bytes.as_ptr(), comm_mem.addr() as *mut u8, bytes.len())
@@ -938,6 +980,7 @@ impl Comm {
                 if kinds[0] == crate::transport::TransportKind::Net {
                     net_step_sizes(&mut bytes, nch, &layout, conn_base[next]);
                 }
+                set_trees(&mut bytes, tree_array);
                 block.write(0, &bytes)?;
                 let dev_comm = block.ptr;
                 let last_event = cuda::Event::new(&ctx)?;
@@ -973,7 +1016,7 @@ impl Comm {
             res,
             inflight: Arc::new(AtomicUsize::new(0)),
             last: Mutex::new(None),
-            trees: None,
+            trees: comm_trees,
             rings,
             finalized: std::sync::atomic::AtomicBool::new(false),
             fabric,
@@ -1863,6 +1906,37 @@ enum ConnDesc {
     },
 }
 
+impl ConnDesc {
+    /// `shm NAME` or `ipc PTR HANDLE` (hex), one line.
+    fn encode(&self) -> String {
+        match self {
+            ConnDesc::Shm(name) => format!("shm {name}"),
+            ConnDesc::Ipc { ptr, handle } => format!(
+                "ipc {ptr:x} {}",
+                handle.iter().map(|b| format!("{b:02x}")).collect::<String>()
+            ),
+        }
+    }
+
+    /// Parses [`ConnDesc::encode`]; `None` when malformed.
+    fn decode(s: &str) -> Option<ConnDesc> {
+        match s.split(' ').collect::<Vec<_>>()[..] {
+            ["shm", name] => Some(ConnDesc::Shm(name.to_string())),
+            ["ipc", ptr, hex] if hex.len() == 2 * cuda::IPC_HANDLE_BYTES => {
+                let mut handle = [0u8; cuda::IPC_HANDLE_BYTES];
+                for (i, h) in handle.iter_mut().enumerate() {
+                    *h = u8::from_str_radix(hex.get(2 * i..2 * i + 2)?, 16).ok()?;
+                }
+                Some(ConnDesc::Ipc {
+                    ptr: u64::from_str_radix(ptr, 16).ok()?,
+                    handle,
+                })
+            }
+            _ => None,
+        }
+    }
+}
+
 fn fnv64(b: &[u8]) -> u64 {
     b.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &x| {
         (h ^ x as u64).wrapping_mul(0x100_0000_01b3)
@@ -1920,13 +1994,7 @@ impl PeerInfo {
 
     /// One line per field; byte strings in hex.
     fn encode(&self) -> String {
-        let conn = match &self.conn {
-            ConnDesc::Shm(name) => format!("shm {name}"),
-            ConnDesc::Ipc { ptr, handle } => format!(
-                "ipc {ptr:x} {}",
-                handle.iter().map(|b| format!("{b:02x}")).collect::<String>()
-            ),
-        };
+        let conn = self.conn.encode();
         [
             self.kind().to_string(),
             self.dev.to_string(),
@@ -1956,20 +2024,7 @@ impl PeerInfo {
             return Err(bad(&format!("{} fields, expected 15", f.len())));
         }
         let num = |i: usize, what: &str| f[i].parse::<u64>().map_err(|_| bad(what));
-        let conn = match f[10].split(' ').collect::<Vec<_>>()[..] {
-            ["shm", name] => ConnDesc::Shm(name.to_string()),
-            ["ipc", ptr, hex] if hex.len() == 2 * cuda::IPC_HANDLE_BYTES => {
-                let mut handle = [0u8; cuda::IPC_HANDLE_BYTES];
-                for (i, h) in handle.iter_mut().enumerate() {
-                    *h = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).map_err(|_| bad("IPC handle"))?;
-                }
-                ConnDesc::Ipc {
-                    ptr: u64::from_str_radix(ptr, 16).map_err(|_| bad("device pointer"))?,
-                    handle,
-                }
-            }
-            _ => return Err(bad("connection descriptor")),
-        };
+        let conn = ConnDesc::decode(f[10]).ok_or_else(|| bad("connection descriptor"))?;
         Ok(PeerInfo {
             cuda: match f[0] {
                 "cuda" => true,
@@ -1995,6 +2050,11 @@ impl PeerInfo {
             },
             p2p_denied: Vec::new(),
         })
+    }
+
+    /// Name of the `/dev/shm` segment of the rank's tree connection memory for SHM tree peers.
+    fn tree_shm_name(&self) -> String {
+        format!("{}-tree", self.shm_name)
     }
 
     /// The device as messages name it: `cpu device 1`, `cuda device 0 (bus id 0000:18:00.0)`.
@@ -2182,20 +2242,33 @@ impl RegisteredShm {
         layout: &ConnLayout,
         initial_step: u64,
     ) -> Result<RegisteredShm> {
-        let bytes = page_round(layout.bytes() as usize);
+        let counters: Vec<u64> = (0..layout.nch)
+            .flat_map(|c| [layout.head(0, c), layout.tail(0, c)])
+            .collect();
+        Self::create_with(ctx, name, layout.bytes() as usize, &counters, initial_step)
+    }
+
+    /// Creates `/dev/shm/<name>` of `bytes` (rounded up to whole pages), sets the `u64` counters
+    /// at the offsets `counters` to `initial_step` and registers it. Errors: as [`Self::create`].
+    fn create_with(
+        ctx: &cuda::Context,
+        name: &str,
+        bytes: usize,
+        counters: &[u64],
+        initial_step: u64,
+    ) -> Result<RegisteredShm> {
+        let bytes = page_round(bytes);
         let seg = crate::cpu::ShmSegment::create(name, bytes)?;
-        for c in 0..layout.nch {
-            for at in [layout.head(seg.addr(), c), layout.tail(seg.addr(), c)] {
-                // SAFETY: the counters lie inside our fresh segment; no peer maps it yet.
-                unsafe { (at as *mut u64).write(initial_step) };
-            }
+        for &off in counters {
+            // SAFETY: the counters lie inside our fresh segment; no peer maps it yet.
+            unsafe { ((seg.addr() + off) as *mut u64).write(initial_step) };
         }
         Self::register(ctx, seg, bytes)
     }
 
-    /// Maps and registers a peer's segment `name` of `layout` (rounded up to whole pages).
-    fn open(ctx: &cuda::Context, name: &str, layout: &ConnLayout) -> Result<RegisteredShm> {
-        let bytes = page_round(layout.bytes() as usize);
+    /// Maps and registers a peer's segment `name` of `bytes` (rounded up to whole pages).
+    fn open(ctx: &cuda::Context, name: &str, bytes: usize) -> Result<RegisteredShm> {
+        let bytes = page_round(bytes);
         Self::register(ctx, crate::cpu::ShmSegment::open(name, bytes)?, bytes)
     }
 
@@ -2283,8 +2356,18 @@ impl OwnConn {
     }
 }
 
-/// How this rank reaches one ring neighbour's connection memory: the transport chosen for that
-/// peer.
+/// A peer's connection memory as [`PeerLink::connect`] opens it: its descriptor (CPU target: the
+/// `/dev/shm` name; CUDA: the IPC handle of its device memory, for P2P), on CUDA the name of its
+/// `/dev/shm` segment (for SHM), and its size in bytes.
+#[derive(Clone, Copy)]
+struct PeerMem<'a> {
+    desc: &'a ConnDesc,
+    shm_name: &'a str,
+    bytes: usize,
+}
+
+/// How this rank reaches one ring or tree neighbour's connection memory: the transport chosen for
+/// that peer.
 enum PeerLink {
     /// CPU target, NET (both neighbours that use it): staging FIFOs and the proxy registration
     /// (`transport::connect_net`); dropping it flushes and closes the network connections.
@@ -2314,7 +2397,7 @@ impl PeerLink {
         peer: usize,
         kind: crate::transport::TransportKind,
         ctx: Option<&Arc<cuda::Context>>,
-        layout: &ConnLayout,
+        target: PeerMem<'_>,
         p2p_level: Option<crate::topo::PathType>,
     ) -> Result<PeerLink> {
         use crate::transport::TransportKind;
@@ -2326,7 +2409,7 @@ impl PeerLink {
                 )));
             }
             (TransportKind::Shm, Some(ctx)) => {
-                let m = RegisteredShm::open(ctx, &pi.shm_name, layout)?;
+                let m = RegisteredShm::open(ctx, target.shm_name, target.bytes)?;
                 tracing::debug!(target: "oxccl::init", rank = me, peer, "SHM (registered with CUDA)");
                 return Ok(PeerLink::ShmMapped(m));
             }
@@ -2352,11 +2435,14 @@ impl PeerLink {
             },
             e => e,
         };
-        match (&pi.conn, ctx) {
+        match (target.desc, ctx) {
             (ConnDesc::Shm(name), None) => Ok(PeerLink::Shm(crate::cpu::ShmSegment::open(
                 name,
-                layout.bytes() as usize,
+                target.bytes,
             )?)),
+            (ConnDesc::Ipc { ptr: 0, .. }, Some(_)) => Err(Error::Internal(format!(
+                "rank {peer} offers no device memory for rank {me}'s P2P connection"
+            ))),
             (ConnDesc::Ipc { ptr, handle }, Some(ctx)) => {
                 let no_peer_access = || {
                     Error::System(format!(
@@ -2733,6 +2819,9 @@ struct InitRankRes {
     /// CUDA: this rank's connection memory for SHM and NET neighbours, freed after the teardown
     /// barrier (declared after `links`: the proxy stops writing into it first).
     _host_conns: HostConns,
+    /// This rank's tree connection memory (P2P/SHM FIFOs its tree peers write, NET FIFOs and
+    /// staging its proxy uses, its `DevTree` array), freed after the teardown barrier.
+    _tree_mem: Vec<rank_trees::TreeMem>,
     /// The watch over the host's other rank processes (`crate::liveness`); declared before
     /// `abort`, whose page it writes, so it stops first.
     _watched: Option<crate::liveness::Watched>,
@@ -2862,6 +2951,13 @@ fn net_step_sizes(block: &mut [u8], nch: u32, layout: &ConnLayout, staging: u64)
         let sizes = layout.tail(staging, c as u64) + crate::transport::STEP_SIZES_OFFSET;
         block[at..at + 8].copy_from_slice(&sizes.to_ne_bytes());
     }
+}
+
+/// Sets the `trees` field of the [`DevComm`] at the start of `block` (a [`build_comm_block`]
+/// result) to `array`, the rank's [`DevTree`] array (0: none).
+fn set_trees(block: &mut [u8], array: u64) {
+    let at = std::mem::offset_of!(DevComm, trees);
+    block[at..at + 8].copy_from_slice(&array.to_ne_bytes());
 }
 
 /// [`build_comm_block`] where this rank's own connection memory is split by transport: the head
@@ -3192,6 +3288,17 @@ struct TreeLayout {
 
 impl TreeLayout {
     fn new(params: &Params, trees: &[Vec<crate::graph::Tree>], rank: usize) -> TreeLayout {
+        Self::for_peers(params, trees, rank, |_| true)
+    }
+
+    /// The layout with FIFOs only for the tree peers `keep` accepts (e.g. those of one
+    /// transport); the peer slots and the counters region are as in [`TreeLayout::new`].
+    fn for_peers(
+        params: &Params,
+        trees: &[Vec<crate::graph::Tree>],
+        rank: usize,
+        keep: impl Fn(usize) -> bool,
+    ) -> TreeLayout {
         let mut proto_at = [0u64; Proto::COUNT];
         proto_at[Proto::Ll as usize] = params.buffsize;
         proto_at[Proto::Ll128 as usize] = params.buffsize + params.ll_buffsize;
@@ -3204,7 +3311,7 @@ impl TreeLayout {
                 let mut f = [None; TREE_PEERS];
                 let present = std::iter::once(me.up).chain(me.down);
                 for (slot, peer) in f.iter_mut().zip(present) {
-                    if peer >= 0 {
+                    if usize::try_from(peer).is_ok_and(&keep) {
                         *slot = Some(off);
                         off += buffsize;
                     }
@@ -3232,6 +3339,12 @@ impl TreeLayout {
     fn tail(&self, base: u64, c: usize, peer: usize) -> u64 {
         self.head(base, c, peer) + 128
     }
+    /// Offsets of every head and tail counter.
+    fn counter_offsets(&self) -> Vec<u64> {
+        (0..self.fifo.len())
+            .flat_map(|c| (0..TREE_PEERS).flat_map(move |peer| [self.head(0, c, peer), self.tail(0, c, peer)]))
+            .collect()
+    }
     /// The counters region (from `counters_at` to the end) with every head and tail at `step`,
     /// the rest zero: what a device copy writes to start the FIFOs at `step`.
     fn counters(&self, step: u64) -> Vec<u8> {
@@ -3248,29 +3361,47 @@ impl TreeLayout {
     }
 }
 
+/// A tree connection's [`ConnInfo`] at `initial_step`: FIFOs `buffs`, head and tail counters.
+fn tree_conn(buffs: [u64; Proto::COUNT], head: u64, tail: u64, initial_step: u64) -> ConnInfo {
+    let mut ci = ConnInfo::zeroed();
+    ci.buffs = buffs;
+    ci.head = head;
+    ci.tail = tail;
+    ci.step = initial_step;
+    ci
+}
+
+/// The (send, receive) connections of one tree edge between two ranks that reach each other's
+/// tree memory (P2P, SHM, one process): this rank's memory (`lm` at `bm`) holds the receive FIFOs
+/// of its peer slot `mine`, the peer's (`lp` at `bp`) those of its slot `theirs` for this rank.
+/// The send connection writes the peer's FIFOs and tail and is freed through this rank's head;
+/// the receive connection reads this rank's FIFOs and frees the peer's head.
+fn shared_tree_edge(
+    c: usize,
+    (lm, bm, mine): (&TreeLayout, u64, usize),
+    (lp, bp, theirs): (&TreeLayout, u64, usize),
+    initial_step: u64,
+) -> (ConnInfo, ConnInfo) {
+    (
+        tree_conn(lp.buffs(bp, c, theirs), lm.head(bm, c, mine), lp.tail(bp, c, theirs), initial_step),
+        tree_conn(lm.buffs(bm, c, mine), lp.head(bp, c, theirs), lm.tail(bm, c, mine), initial_step),
+    )
+}
+
 /// Rank `r`'s [`DevTree`] of every channel: its parent and children, and a connection to and from
-/// each (NCCL's tree `ncclConnInfo`s), wired into the tree connection memory of every rank
-/// (`layouts[k]` at address `bases[k]`). For the edge between parent `p` and its child `r` (child
-/// slot `j` of `p`): `r` writes `p`'s FIFO of slot `1 + j` and `p`'s tail there, and its own head of
-/// slot 0 is freed by `p`; `p` writes `r`'s FIFO of slot 0 and `r`'s tail there, its own head of
-/// slot `1 + j` freed by `r`. Errors: `Internal` when the trees are not consistent (a child that
-/// does not name its parent).
+/// each (NCCL's tree `ncclConnInfo`s). `edge(c, peer, mine, theirs)` gives the (send, receive)
+/// connections of the edge to `peer` on channel `c`, where `mine` is the peer's slot in `r`'s
+/// tree memory and `theirs` is `r`'s slot in the peer's (slot 0: the parent, `1 + i`: child `i`):
+/// for the edge between parent `p` and its child `r` (child slot `j` of `p`), `r` writes `p`'s
+/// FIFO of slot `1 + j` and `p` writes `r`'s FIFO of slot 0 ([`shared_tree_edge`] when both reach
+/// each other's memory). Errors: `Internal` when the trees are not consistent (a child that does
+/// not name its parent).
 fn build_dev_trees(
     r: usize,
     trees: &[Vec<crate::graph::Tree>],
-    layouts: &[TreeLayout],
-    bases: &[u64],
-    initial_step: u64,
+    mut edge: impl FnMut(usize, usize, usize, usize) -> Result<(ConnInfo, ConnInfo)>,
 ) -> Result<Vec<DevTree>> {
-    let conn = |buffs: [u64; Proto::COUNT], head: u64, tail: u64| {
-        let mut ci = ConnInfo::zeroed();
-        ci.buffs = buffs;
-        ci.head = head;
-        ci.tail = tail;
-        ci.step = initial_step;
-        ci
-    };
-    let (me, lm, bm) = (r, &layouts[r], bases[r]);
+    let me = r;
     let mut out = Vec::with_capacity(trees.len());
     for (c, t) in trees.iter().enumerate() {
         let tr = &t[me];
@@ -3287,9 +3418,7 @@ fn build_dev_trees(
                     t[p].down
                 ))
             })?;
-            let (lp, bp) = (&layouts[p], bases[p]);
-            d.send_up = conn(lp.buffs(bp, c, 1 + j), lm.head(bm, c, 0), lp.tail(bp, c, 1 + j));
-            d.recv_up = conn(lm.buffs(bm, c, 0), lp.head(bp, c, 1 + j), lm.tail(bm, c, 0));
+            (d.send_up, d.recv_up) = edge(c, p, 0, 1 + j)?;
         }
         for (i, &k) in tr.down.iter().enumerate() {
             let Ok(k) = usize::try_from(k) else { continue };
@@ -3299,13 +3428,30 @@ fn build_dev_trees(
                     t[k].up
                 )));
             }
-            let (lk, bk) = (&layouts[k], bases[k]);
-            d.send_down[i] = conn(lk.buffs(bk, c, 0), lm.head(bm, c, 1 + i), lk.tail(bk, c, 0));
-            d.recv_down[i] = conn(lm.buffs(bm, c, 1 + i), lk.head(bk, c, 0), lm.tail(bm, c, 1 + i));
+            (d.send_down[i], d.recv_down[i]) = edge(c, k, 1 + i, 0)?;
         }
         out.push(d);
     }
     Ok(out)
+}
+
+/// [`build_dev_trees`] for ranks that all reach each other's tree memory (`layouts[k]` at
+/// `bases[k]`): an `init_all` communicator.
+fn build_shared_dev_trees(
+    r: usize,
+    trees: &[Vec<crate::graph::Tree>],
+    layouts: &[TreeLayout],
+    bases: &[u64],
+    initial_step: u64,
+) -> Result<Vec<DevTree>> {
+    build_dev_trees(r, trees, |c, p, mine, theirs| {
+        Ok(shared_tree_edge(
+            c,
+            (&layouts[r], bases[r], mine),
+            (&layouts[p], bases[p], theirs),
+            initial_step,
+        ))
+    })
 }
 
 /// The trees of an `init_all` communicator of `nranks` ranks split into `nnodes` nodes of
@@ -3376,7 +3522,7 @@ fn setup_cuda_trees(
         if params.initial_step != 0 {
             mem[r].write(l.counters_at as usize, &l.counters(params.initial_step))?;
         }
-        let dev = build_dev_trees(r, &trees, &layouts, &bases, params.initial_step)?;
+        let dev = build_shared_dev_trees(r, &trees, &layouts, &bases, params.initial_step)?;
         let bytes: &[u8] = bytemuck::cast_slice(&dev);
         let arr = cuda::DevAlloc::zeroed(&ctxs[r], bytes.len())?;
         arr.write(0, bytes)?;
@@ -3421,7 +3567,7 @@ fn setup_cpu_trees(
                 }
             }
         }
-        let dev = build_dev_trees(r, &trees, &layouts, &bases, params.initial_step)?;
+        let dev = build_shared_dev_trees(r, &trees, &layouts, &bases, params.initial_step)?;
         let bytes: &[u8] = bytemuck::cast_slice(&dev);
         let block = HostMem::zeroed(bytes.len())?;
         // SAFETY: `block` was allocated with exactly this size and the DevComm lies at the start
@@ -3807,7 +3953,7 @@ mod tree_tests {
         assert_eq!(layouts[0].bytes(), 6 * buffsize + 3 * 4 * COUNTERS_BYTES);
         let bases: Vec<u64> = (0..4).map(|r| (r as u64 + 1) << 32).collect();
         let dev: Vec<Vec<DevTree>> = (0..4)
-            .map(|r| build_dev_trees(r, &trees, &layouts, &bases, 7).unwrap())
+            .map(|r| build_shared_dev_trees(r, &trees, &layouts, &bases, 7).unwrap())
             .collect();
         let (simple, ll, ll128) = (Proto::Simple as usize, Proto::Ll as usize, Proto::Ll128 as usize);
         for c in 0..3 {

@@ -477,54 +477,129 @@ pub unsafe fn connect_net(setup: &RingSetup<'_>, conn_base: &mut [u64]) -> Resul
     let Some(net) = net else {
         return Ok(None);
     };
-    let timeout = s.bootstrap.timeout();
-    // Listen for each channel of the receive side and publish the handles to prev.
-    let mut listens = Vec::new();
-    if recv_net {
-        for c in 0..s.nch {
-            let (h, l) = net.listen(0)?;
-            s.bootstrap.send(prev, HANDLE_TAG + c, &h)?;
-            listens.push(l);
-        }
-    }
-    // Connect each channel of the send side to next's listener.
     let mut sends = Vec::new();
     if send_net {
         for c in 0..s.nch {
-            let got = s.bootstrap.recv(next, HANDLE_TAG + c)?;
-            let h: NetHandle = got.as_slice().try_into().map_err(|_| {
-                Error::Remote(format!(
-                    "rank {next} sent a {}-byte NET handle for channel {c} (expected {NET_HANDLE_BYTES})",
-                    got.len()
-                ))
-            })?;
-            let deadline = Instant::now() + timeout;
-            let mut comm = loop {
-                if let Some(comm) = net.connect(0, &h)? {
-                    break comm;
-                }
-                if Instant::now() > deadline {
-                    return Err(Error::Timeout(format!(
-                        "rank {rank}: NET/{}: connecting channel {c} to rank {next} took more than {:.1} s",
-                        net.name(),
-                        timeout.as_secs_f64()
-                    )));
-                }
-                std::thread::sleep(SETUP_POLL);
-            };
-            // Register the staging block the proxy sends from (NCCL's regMr of the send buffers).
-            // SAFETY: the block is in `blocks`, freed only after the proxy closed the connection.
-            unsafe { net.reg_mr_send(&mut comm, conn_base[next] as *const u8, s.block_bytes)? };
             let f_stage = (s.fifo)(conn_base[next], c as u64);
             let f_own = (s.fifo)(conn_base[rank], c as u64);
             let mut sp = spec(s, next, c, f_stage, f_own.head, f_stage.tail);
             sp.sizes = f_stage.tail + STEP_SIZES_OFFSET;
-            sends.push((sp, comm));
+            // The staging block the proxy sends from (NCCL's regMr of the send buffers).
+            sends.push(NetConnPlan {
+                tag: HANDLE_TAG + c,
+                spec: sp,
+                region: (conn_base[next], s.block_bytes),
+            });
         }
     }
-    // Accept prev's connection on each channel's listener.
     let mut recvs = Vec::new();
-    for (c, mut l) in listens.into_iter().enumerate() {
+    if recv_net {
+        for c in 0..s.nch {
+            let f_own = (s.fifo)(conn_base[rank], c as u64);
+            let f_sink = (s.fifo)(conn_base[prev], c as u64);
+            // This rank's block, which the proxy receives into.
+            recvs.push(NetConnPlan {
+                tag: HANDLE_TAG + c,
+                spec: spec(s, prev, c, f_own, f_sink.head, f_own.tail),
+                region: (conn_base[rank], s.block_bytes),
+            });
+        }
+    }
+    let abort = ProxyAbort {
+        flag: s.abort_flag,
+        who: s.abort_who,
+        host_lines: s.host_abort_lines.clone(),
+    };
+    // SAFETY: the staging blocks are in `blocks`, kept by the returned resources; this rank's
+    // block outlives them (caller's contract).
+    let handle = unsafe { connect_planned(s.bootstrap, rank, s.device, net, sends, recvs, abort)? };
+    Ok(Some(NetResources { handle, blocks }))
+}
+
+/// One direction of a NET connection to make ([`connect_planned`]): the peer and channel in
+/// `spec`, the bootstrap tag on which the receiver sends its listen handle to the sender, and
+/// the memory region the network reads (send) or writes (receive), registered with it.
+pub struct NetConnPlan {
+    /// Bootstrap tag of the handle; unique per pair of ranks and connection.
+    pub tag: u32,
+    /// The connection as the proxy sees it.
+    pub spec: FifoSpec,
+    /// (address, bytes) of the region holding the connection's FIFOs (host addresses).
+    pub region: (u64, usize),
+}
+
+/// Where the proxy raises a failure ([`ProxyComm`]'s `abort_flag`, `abort_who` and
+/// `host_abort_lines`).
+#[derive(Clone, Debug)]
+pub struct ProxyAbort {
+    /// Address of this rank's `u32` abort flag.
+    pub flag: u64,
+    /// Address of the `u32` naming who raised it (rank + 1); 0 when there is none.
+    pub who: u64,
+    /// The abort lines of the other ranks of this host.
+    pub host_lines: Vec<u64>,
+}
+
+/// Makes the NET connections `sends` and `recvs` of this rank and hands them to the proxy thread
+/// of `device` (NCCL's `ncclTransportP2pSetup` for `netTransport`, connect and accept): listens
+/// for every receive connection and sends the handle to its peer (tag [`NetConnPlan::tag`]), then
+/// connects every send connection to the handle its peer sent, then accepts every receive
+/// connection, registering each one's region with the network. The peers must make the matching
+/// plans at the same point of their init (a send here is a receive there, same tag).
+///
+/// Errors: bootstrap and network failures; a malformed handle (`Remote`); a peer that does not
+/// connect or listen within the bootstrap timeout (`Timeout`, naming the peer and channel).
+///
+/// # Safety
+/// Every plan's region and the FIFO and counter addresses of its spec, and `abort`'s addresses,
+/// stay valid until the returned handle is dropped.
+pub unsafe fn connect_planned(
+    bootstrap: &Bootstrap,
+    rank: usize,
+    device: Device,
+    net: Arc<dyn Net>,
+    sends: Vec<NetConnPlan>,
+    recvs: Vec<NetConnPlan>,
+    abort: ProxyAbort,
+) -> Result<ProxyHandle> {
+    let timeout = bootstrap.timeout();
+    let mut listens = Vec::with_capacity(recvs.len());
+    for p in &recvs {
+        let (h, l) = net.listen(0)?;
+        bootstrap.send(p.spec.peer, p.tag, &h)?;
+        listens.push(l);
+    }
+    let mut send_comms = Vec::with_capacity(sends.len());
+    for p in sends {
+        let (peer, c) = (p.spec.peer, p.spec.channel);
+        let got = bootstrap.recv(peer, p.tag)?;
+        let h: NetHandle = got.as_slice().try_into().map_err(|_| {
+            Error::Remote(format!(
+                "rank {peer} sent a {}-byte NET handle for channel {c} (expected {NET_HANDLE_BYTES})",
+                got.len()
+            ))
+        })?;
+        let deadline = Instant::now() + timeout;
+        let mut comm = loop {
+            if let Some(comm) = net.connect(0, &h)? {
+                break comm;
+            }
+            if Instant::now() > deadline {
+                return Err(Error::Timeout(format!(
+                    "rank {rank}: NET/{}: connecting channel {c} to rank {peer} took more than {:.1} s",
+                    net.name(),
+                    timeout.as_secs_f64()
+                )));
+            }
+            std::thread::sleep(SETUP_POLL);
+        };
+        // SAFETY: the region stays valid until the proxy closed the connection (contract).
+        unsafe { net.reg_mr_send(&mut comm, p.region.0 as *const u8, p.region.1)? };
+        send_comms.push((p.spec, comm));
+    }
+    let mut recv_comms = Vec::with_capacity(recvs.len());
+    for (p, mut l) in recvs.into_iter().zip(listens) {
+        let (peer, c) = (p.spec.peer, p.spec.channel);
         let deadline = Instant::now() + timeout;
         let mut comm = loop {
             if let Some(comm) = net.accept(&mut l)? {
@@ -532,7 +607,7 @@ pub unsafe fn connect_net(setup: &RingSetup<'_>, conn_base: &mut [u64]) -> Resul
             }
             if Instant::now() > deadline {
                 return Err(Error::Timeout(format!(
-                    "rank {rank}: NET/{}: rank {prev} did not connect channel {c} within {:.1} s",
+                    "rank {rank}: NET/{}: rank {peer} did not connect channel {c} within {:.1} s",
                     net.name(),
                     timeout.as_secs_f64()
                 )));
@@ -540,45 +615,80 @@ pub unsafe fn connect_net(setup: &RingSetup<'_>, conn_base: &mut [u64]) -> Resul
             std::thread::sleep(SETUP_POLL);
         };
         net.close_listen(l)?;
-        // Register this rank's block, which the proxy receives into.
-        // SAFETY: the block outlives the resources (caller's contract), so the connection.
-        unsafe { net.reg_mr_recv(&mut comm, conn_base[rank] as *mut u8, s.block_bytes)? };
-        let f_own = (s.fifo)(conn_base[rank], c as u64);
-        let f_sink = (s.fifo)(conn_base[prev], c as u64);
-        recvs.push((spec(s, prev, c as u32, f_own, f_sink.head, f_own.tail), comm));
+        // SAFETY: as above, for the region the proxy receives into.
+        unsafe { net.reg_mr_recv(&mut comm, p.region.0 as *mut u8, p.region.1)? };
+        recv_comms.push((p.spec, comm));
     }
-    tracing::debug!(target: "oxccl::transport", rank, net = net.name(), sends = sends.len(), recvs = recvs.len(),
-        "NET connections ready");
+    tracing::debug!(target: "oxccl::transport", rank, net = net.name(), sends = send_comms.len(),
+        recvs = recv_comms.len(), "NET connections ready");
     let comm = ProxyComm {
         rank,
-        abort_flag: s.abort_flag,
-        abort_who: s.abort_who,
-        host_abort_lines: s.host_abort_lines.clone(),
+        abort_flag: abort.flag,
+        abort_who: abort.who,
+        host_abort_lines: abort.host_lines,
         net,
-        sends,
-        recvs,
+        sends: send_comms,
+        recvs: recv_comms,
     };
-    // SAFETY: the FIFOs and counters are in this rank's block (caller's contract) and in
-    // `blocks`, which the returned resources drop only after the registration.
-    let handle = unsafe { crate::proxy::register(s.device, comm)? };
-    Ok(Some(NetResources { handle, blocks }))
+    // SAFETY: the FIFOs, counters and abort addresses stay valid until the handle is dropped
+    // (caller's contract).
+    unsafe { crate::proxy::register(device, comm) }
 }
 
-/// The proxy's view of one connection: data and tail from `fifo`, the other counter `head`.
+impl NetResources {
+    /// Resources of NET connections whose staging memory the caller keeps (the trees').
+    pub fn from_handle(handle: ProxyHandle) -> NetResources {
+        NetResources {
+            handle,
+            blocks: Vec::new(),
+        }
+    }
+}
+
+/// The proxy's view of one ring connection: data and tail from `fifo`, the other counter `head`.
 fn spec(s: &RingSetup<'_>, peer: usize, channel: u32, fifo: FifoAddrs, head: u64, tail: u64) -> FifoSpec {
+    let sizes = FifoSizes {
+        buffsize: s.buffsize,
+        ll_buffsize: s.ll_buffsize,
+        ll128_buffsize: s.ll128_buffsize,
+    };
+    fifo_spec(peer, channel, fifo, head, tail, sizes, s.initial_step)
+}
+
+/// Bytes of one connection's FIFO of each protocol (`NCCL_BUFFSIZE`, `NCCL_LL_BUFFSIZE`,
+/// `NCCL_LL128_BUFFSIZE`; 0 for LL or LL128: none).
+#[derive(Clone, Copy, Debug)]
+pub struct FifoSizes {
+    pub buffsize: u64,
+    pub ll_buffsize: u64,
+    pub ll128_buffsize: u64,
+}
+
+/// The proxy's view of one connection to or from `peer` on `channel`: the FIFOs in `fifo`
+/// (`fifo.head` and `fifo.tail` unused), the counters `head` and `tail`, no step sizes (set
+/// [`FifoSpec::sizes`] on a send connection whose kernel writes them), starting at `step`.
+pub fn fifo_spec(
+    peer: usize,
+    channel: u32,
+    fifo: FifoAddrs,
+    head: u64,
+    tail: u64,
+    sizes: FifoSizes,
+    step: u64,
+) -> FifoSpec {
     FifoSpec {
         peer,
         channel,
         simple: fifo.simple,
-        slot_bytes: s.buffsize / FIFO_STEPS / PACK_BYTES * PACK_BYTES,
-        ll: if s.ll_buffsize > 0 { fifo.ll } else { 0 },
-        step_lines: s.ll_buffsize / FIFO_STEPS / 16,
-        ll128: if s.ll128_buffsize > 0 { fifo.ll128 } else { 0 },
-        ll128_lines: s.ll128_buffsize / FIFO_STEPS / 128,
+        slot_bytes: sizes.buffsize / FIFO_STEPS / PACK_BYTES * PACK_BYTES,
+        ll: if sizes.ll_buffsize > 0 { fifo.ll } else { 0 },
+        step_lines: sizes.ll_buffsize / FIFO_STEPS / 16,
+        ll128: if sizes.ll128_buffsize > 0 { fifo.ll128 } else { 0 },
+        ll128_lines: sizes.ll128_buffsize / FIFO_STEPS / 128,
         head,
         tail,
         sizes: 0,
-        step: s.initial_step,
+        step,
     }
 }
 

@@ -44,6 +44,9 @@ struct Conn {
     buff: *mut u8,
     head: *mut u64,
     tail: *mut u64,
+    /// Step sizes for a proxy (`ConnInfo::sizes`, NET send connections); null when none are
+    /// wanted.
+    sizes: *mut u64,
     step: u64,
 }
 
@@ -53,6 +56,7 @@ impl Conn {
         buff: core::ptr::null_mut(),
         head: core::ptr::null_mut(),
         tail: core::ptr::null_mut(),
+        sizes: core::ptr::null_mut(),
         step: 0,
     };
 
@@ -67,6 +71,7 @@ impl Conn {
             buff: c.buffs[Proto::Simple as usize] as *mut u8,
             head: c.head as *mut u64,
             tail: c.tail as *mut u64,
+            sizes: c.sizes as *mut u64,
             step: c.step,
         }
     }
@@ -252,14 +257,25 @@ impl<T: Elem, Op: RedFn<T>, const UP: bool> TreeSimple<T, Op, UP> {
         !self.aborted
     }
 
-    /// After the block's copy: publish the sent step to every send peer, free the received step
-    /// of every receive peer.
+    /// After the block's copy: publish the sent step (`bytes` filled) to every send peer, free the
+    /// received step of every receive peer. A send peer behind a proxy (NET) first gets the
+    /// step's byte count in its step sizes (NCCL's `connFifo[].size`), so the proxy sends only
+    /// those bytes.
     #[inline(always)]
-    fn post<const RECV: bool, const SEND: bool>(&mut self) {
-        // SAFETY: all threads reach this barrier; only thread 0 stores the counters.
+    fn post<const RECV: bool, const SEND: bool>(&mut self, bytes: u64) {
+        // SAFETY: all threads reach this barrier; only thread 0 stores the counters and step
+        // sizes (a non-null `sizes` holds FIFO_STEPS entries, the ConnInfo contract).
         unsafe {
             arch::sync_threads();
             if self.tid == 0 {
+                each_peer::<MAX_TREE_ARITY>(|i| {
+                    let c = &self.send[i];
+                    if SEND && i < self.nsend && !c.sizes.is_null() {
+                        // `wait` saw the proxy free this slot, so it no longer reads its entry;
+                        // the fence below orders the entry before the tail.
+                        arch::store_volatile_u64(c.sizes.add((c.step % FIFO_STEPS) as usize), bytes);
+                    }
+                });
                 if SEND || !VOLATILE_SYNC {
                     arch::fence_acq_rel_sys();
                 }
@@ -352,7 +368,7 @@ impl<T: Elem, Op: RedFn<T>, const UP: bool> TreeSimple<T, Op, UP> {
             // geometry contracts); a destination equals a source only in place (output over
             // input, exactly).
             unsafe { reduce_copy_fan::<T, Op>(self.tid, self.nthreads, srcs, nsrc, dsts, ndst, len, div) };
-            self.post::<RECV, SEND>();
+            self.post::<RECV, SEND>(len * core::mem::size_of::<T>() as u64);
             done += len;
         }
     }

@@ -1,0 +1,452 @@
+//! The trees of [`Comm::init_rank`] communicators that span several hosts (NCCL's
+//! `connectTrees`, then `ncclTransportP2pSetup` for the tree peers): the double binary tree
+//! across the hosts with a chain inside each, connected over whatever transport each tree edge
+//! needs — P2P or SHM inside a host, NET between hosts.
+//!
+//! Every rank owns, per transport its tree edges use, a block of tree connection memory laid out
+//! as [`TreeLayout`] with FIFOs only for the peers of that transport:
+//!
+//! | transport | block | the peer's kernel |
+//! |---|---|---|
+//! | P2P | device memory, opened by the peer through CUDA IPC | writes the FIFOs and counters directly |
+//! | SHM | a `/dev/shm` segment (on CUDA registered with the driver) | the same, through its mapping |
+//! | NET | host memory (on CUDA pinned and device-mapped) that this rank's proxy fills | — |
+//!
+//! A NET edge also gets a staging block of the same layout: this rank's kernel writes its sends
+//! there (FIFOs, tail and step sizes of the peer's slot) and frees its receives there (head); the
+//! proxy thread sends the staged steps to the peer's proxy, which writes them into the peer's NET
+//! block, exactly as for the ring's NET connections ([`crate::transport::connect_net`]).
+use super::*;
+use crate::transport::{FifoAddrs, FifoSizes, NetConnPlan, ProxyAbort, STEP_SIZES_OFFSET, TransportKind};
+
+/// Bootstrap tags of the NET handles of tree edges: data going up (child → parent) on channel `c`
+/// is `TREE_TAG + c`, going down `TREE_TAG + 0x100 + c`.
+const TREE_TAG: u32 = 0x5452_0000;
+
+/// One block of memory a rank owns for its trees.
+pub(super) enum TreeMem {
+    /// CUDA device memory: the FIFOs of P2P tree peers (which open it through CUDA IPC), or the
+    /// [`DevTree`] array.
+    Dev(cuda::DevAlloc),
+    /// CPU target: a `/dev/shm` segment that SHM tree peers map.
+    Shm(crate::cpu::ShmSegment),
+    /// CUDA: a `/dev/shm` segment registered with the driver, which SHM tree peers map.
+    ShmMapped(RegisteredShm),
+    /// CPU target: private memory (NET FIFOs and staging, the [`DevTree`] array).
+    Host(HostMem),
+    /// CUDA: pinned, device-mapped host memory (NET FIFOs and staging).
+    Mapped(cuda::HostMapped),
+}
+
+impl TreeMem {
+    /// The address kernels use.
+    fn kernel(&self) -> u64 {
+        match self {
+            TreeMem::Dev(m) => m.ptr,
+            TreeMem::Shm(s) => s.addr(),
+            TreeMem::ShmMapped(m) => m.dev_base(),
+            TreeMem::Host(m) => m.addr(),
+            TreeMem::Mapped(m) => m.dev_ptr(),
+        }
+    }
+
+    /// The address this process's threads (the proxy) use; device memory has none.
+    fn host(&self) -> Option<u64> {
+        match self {
+            TreeMem::Dev(_) => None,
+            TreeMem::Shm(s) => Some(s.addr()),
+            TreeMem::ShmMapped(m) => Some(m.seg.addr()),
+            TreeMem::Host(m) => Some(m.addr()),
+            TreeMem::Mapped(m) => Some(m.host_ptr() as u64),
+        }
+    }
+
+    /// Zeroed host memory for NET FIFOs or staging: device-mapped on CUDA. The counters at
+    /// `counters` (offsets) start at `step`.
+    fn host_block(ctx: Option<&Arc<cuda::Context>>, bytes: usize, counters: &[u64], step: u64) -> Result<TreeMem> {
+        let m = match ctx {
+            None => TreeMem::Host(HostMem::zeroed(bytes)?),
+            Some(ctx) => TreeMem::Mapped(cuda::HostMapped::zeroed(ctx, bytes)?),
+        };
+        let base = m.host().unwrap_or(0);
+        for &off in counters {
+            // SAFETY: the counters lie inside the fresh block, which no one else uses yet.
+            unsafe { ((base + off) as *mut u64).write(step) };
+        }
+        Ok(m)
+    }
+}
+
+/// What [`setup`] needs from `Comm::init_rank`.
+pub(super) struct TreeSetup<'a> {
+    pub bootstrap: &'a crate::bootstrap::Bootstrap,
+    pub rank: usize,
+    pub peers: &'a [PeerInfo],
+    /// The communicator's rings: each host's chain follows channel 0's ring.
+    pub rings: &'a ChannelRings,
+    pub nch: u32,
+    pub params: &'a Params,
+    pub ctx: Option<&'a Arc<cuda::Context>>,
+    pub device: Device,
+    /// This rank wants trees (`NCCL_ALGO` does not exclude them); trees are set up only when
+    /// every rank does.
+    pub wanted: bool,
+    /// Name of this rank's `/dev/shm` segment for SHM tree peers.
+    pub shm_name: String,
+    /// Where the proxy raises a failed NET tree connection.
+    pub abort: ProxyAbort,
+}
+
+/// A rank's set-up trees.
+pub(super) struct RankTrees {
+    pub shape: TreeShape,
+    /// This rank's [`DevTree`] array (one per channel) as kernels address it: the `trees` field
+    /// of its [`DevComm`].
+    pub array: u64,
+    /// Bytes of tree memory this rank allocated (FIFOs, counters, staging, the array).
+    pub bytes: u64,
+    /// Its mappings of tree peers' memory and its NET tree connections (the proxy
+    /// registration): `init_rank` keeps them with the ring's, closed at teardown before the
+    /// barrier (mappings) and after it (NET).
+    pub links: Vec<PeerLink>,
+    /// The memory it owns, to be freed only after the teardown barrier.
+    pub mem: Vec<TreeMem>,
+    /// Some tree edge goes through host memory (SHM or NET): LL128 is then off unless forced, as
+    /// for such rings.
+    pub host_path: bool,
+}
+
+/// Unlinks the name of this rank's SHM tree segment in `mem` once every peer has mapped it.
+pub(super) fn unlink(mem: &[TreeMem]) -> Result<()> {
+    for m in mem {
+        match m {
+            TreeMem::Shm(s) => s.unlink()?,
+            TreeMem::ShmMapped(m) => m.seg.unlink()?,
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// Each host's ranks in the order channel 0's ring visits them from the host's lowest rank, the
+/// hosts in the order of their lowest ranks: the chains of the double binary tree (NCCL's tree
+/// graph keeps each node's GPUs in its intra-node order).
+pub(super) fn host_chains(peers: &[PeerInfo], rings: &ChannelRings) -> Vec<Vec<usize>> {
+    let nranks = peers.len();
+    let mut chains: Vec<Vec<usize>> = Vec::new();
+    let mut seen: Vec<&str> = Vec::new();
+    for first in 0..nranks {
+        let host = peers[first].host.as_str();
+        if seen.contains(&host) {
+            continue;
+        }
+        seen.push(host);
+        let mut chain = Vec::new();
+        let mut r = first;
+        for _ in 0..nranks {
+            if peers[r].host == host {
+                chain.push(r);
+            }
+            r = rings.next(0, r);
+        }
+        chains.push(chain);
+    }
+    chains
+}
+
+/// A rank's part of the tree setup before the all-gather: its trees and the memory it offers.
+struct Offer {
+    trees: Vec<Vec<crate::graph::Tree>>,
+    mem: Vec<(TransportKind, TreeMem)>,
+    /// NET only: the staging block.
+    staging: Option<TreeMem>,
+    net: Option<Arc<dyn crate::transport::net::Net>>,
+    desc: ConnDesc,
+}
+
+/// Sets up the trees of an `init_rank` communicator whose ranks are on two or more hosts; `None`
+/// (on every rank alike) for one host or when a rank does not want them. Every rank calls it at
+/// the same point of init (it all-gathers through the bootstrap).
+///
+/// Errors: a tree pattern hook that is not valid, memory that cannot be allocated, a network
+/// that cannot be opened: on the rank concerned its own error, on every other rank `Remote`
+/// naming it; then the errors of opening peers' memory (as for ring neighbours) and of the NET
+/// connections ([`crate::transport::connect_planned`]).
+pub(super) fn setup(s: &TreeSetup<'_>) -> Result<Option<RankTrees>> {
+    let (me, nranks) = (s.rank, s.peers.len());
+    let chains = host_chains(s.peers, s.rings);
+    if chains.len() < 2 {
+        return Ok(None);
+    }
+    let kind = |a: usize, b: usize| ring_transport(s.peers, a, b);
+    let step = s.params.initial_step;
+    let layout_of = |trees: &[Vec<crate::graph::Tree>], r: usize, k: TransportKind| {
+        TreeLayout::for_peers(s.params, trees, r, |p| kind(r, p) == k)
+    };
+    let offer = (|| -> Result<Option<Offer>> {
+        if !s.wanted {
+            return Ok(None);
+        }
+        let trees = channel_trees(&chains, s.nch, test_tree_pattern()?)?;
+        let mut kinds: Vec<TransportKind> = Vec::new();
+        for t in &trees {
+            for p in tree_peers(&t[me]) {
+                if !kinds.contains(&kind(me, p)) {
+                    kinds.push(kind(me, p));
+                }
+            }
+        }
+        let mut mem = Vec::new();
+        let mut staging = None;
+        let mut net = None;
+        let mut desc = match s.ctx {
+            None => ConnDesc::Shm(String::new()),
+            Some(_) => ConnDesc::Ipc {
+                ptr: 0,
+                handle: [0; cuda::IPC_HANDLE_BYTES],
+            },
+        };
+        for k in kinds {
+            let l = layout_of(&trees, me, k);
+            let (bytes, counters) = (l.bytes() as usize, l.counter_offsets());
+            let block = match (k, s.ctx) {
+                (TransportKind::P2p, Some(ctx)) => {
+                    let m = cuda::DevAlloc::zeroed(ctx, bytes)?;
+                    if step != 0 {
+                        m.write(l.counters_at as usize, &l.counters(step))?;
+                    }
+                    desc = ConnDesc::Ipc {
+                        ptr: m.ptr,
+                        handle: m.ipc_handle()?,
+                    };
+                    TreeMem::Dev(m)
+                }
+                (TransportKind::P2p, None) => {
+                    return Err(Error::Internal(format!("rank {me}: P2P chosen between CPU-target ranks")));
+                }
+                (TransportKind::Shm, None) => {
+                    let seg = crate::cpu::ShmSegment::create(&s.shm_name, bytes)?;
+                    for &off in &counters {
+                        // SAFETY: the counters lie inside our fresh segment; no peer maps it yet.
+                        unsafe { ((seg.addr() + off) as *mut u64).write(step) };
+                    }
+                    desc = ConnDesc::Shm(s.shm_name.clone());
+                    TreeMem::Shm(seg)
+                }
+                (TransportKind::Shm, Some(ctx)) => {
+                    TreeMem::ShmMapped(RegisteredShm::create_with(ctx, &s.shm_name, bytes, &counters, step)?)
+                }
+                (TransportKind::Net, ctx) => {
+                    staging = Some(TreeMem::host_block(ctx, bytes, &counters, step)?);
+                    let near = s.bootstrap.addrs().get(me).map(|a| a.ip());
+                    net = Some(crate::transport::net_from_env(near)?);
+                    TreeMem::host_block(ctx, bytes, &counters, step)?
+                }
+            };
+            mem.push((k, block));
+        }
+        Ok(Some(Offer {
+            trees,
+            mem,
+            staging,
+            net,
+            desc,
+        }))
+    })();
+    let record = |o: &Option<Offer>| match o {
+        None => "0".to_string(),
+        Some(o) => format!("1\n{}", o.desc.encode()),
+    };
+    let (offer, all) = allgather_checked(s.bootstrap, me, offer, record, "cannot set up its tree connections")?;
+    let mut descs = Vec::with_capacity(nranks);
+    for (r, b) in all.iter().enumerate() {
+        let text = String::from_utf8_lossy(b);
+        match text.split_once('\n') {
+            None if text == "0" => descs.push(None),
+            Some(("1", d)) => descs.push(Some(ConnDesc::decode(d).ok_or_else(|| {
+                Error::Remote(format!("rank {r} sent a malformed tree connection descriptor"))
+            })?)),
+            _ => return Err(Error::Remote(format!("rank {r} sent malformed tree information"))),
+        }
+    }
+    let (Some(offer), Some(descs)) = (offer, descs.into_iter().collect::<Option<Vec<ConnDesc>>>()) else {
+        tracing::debug!(target: "oxccl::init", rank = me, "no trees: NCCL_ALGO excludes them on some rank");
+        return Ok(None);
+    };
+    let Offer {
+        trees,
+        mem,
+        staging,
+        net,
+        ..
+    } = offer;
+    let own = |k: TransportKind| mem.iter().find(|(x, _)| *x == k).map(|(_, m)| m);
+    // Open every P2P/SHM tree peer's block (once per peer).
+    let mut links = Vec::new();
+    let mut peer_base = vec![0u64; nranks];
+    for t in trees.iter() {
+        for p in tree_peers(&t[me]) {
+            let k = kind(me, p);
+            if k == TransportKind::Net || peer_base[p] != 0 {
+                continue;
+            }
+            let shm_name = s.peers[p].tree_shm_name();
+            let target = PeerMem {
+                desc: &descs[p],
+                shm_name: &shm_name,
+                bytes: layout_of(&trees, p, k).bytes() as usize,
+            };
+            let link = PeerLink::connect(me, s.peers, p, k, s.ctx, target, s.params.p2p_level)?;
+            peer_base[p] = link.base();
+            links.push(link);
+        }
+    }
+    // The NET edges: a connection per channel and direction, to the proxy.
+    let net_layout = layout_of(&trees, me, TransportKind::Net);
+    let mut sends = Vec::new();
+    let mut recvs = Vec::new();
+    if let (Some(own_net), Some(staging), Some(net)) = (own(TransportKind::Net), &staging, net) {
+        let (ho, hs) = (own_net.host().unwrap_or(0), staging.host().unwrap_or(0));
+        let fifo = |base: u64, c: usize, slot: usize| {
+            let b = net_layout.buffs(base, c, slot);
+            FifoAddrs {
+                simple: b[Proto::Simple as usize],
+                ll: b[Proto::Ll as usize],
+                ll128: b[Proto::Ll128 as usize],
+                head: 0,
+                tail: 0,
+            }
+        };
+        let sizes = FifoSizes {
+            buffsize: s.params.buffsize,
+            ll_buffsize: s.params.ll_buffsize,
+            ll128_buffsize: s.params.ll128_buffsize,
+        };
+        for (c, t) in trees.iter().enumerate() {
+            for (p, mine) in tree_slots(&t[me]) {
+                if kind(me, p) != TransportKind::Net {
+                    continue;
+                }
+                // Up: data from a child to its parent (this rank's slot 0 is its parent).
+                let (send_tag, recv_tag) = if mine == 0 {
+                    (TREE_TAG + c as u32, TREE_TAG + 0x100 + c as u32)
+                } else {
+                    (TREE_TAG + 0x100 + c as u32, TREE_TAG + c as u32)
+                };
+                let stage_tail = net_layout.tail(hs, c, mine);
+                let mut sp = crate::transport::fifo_spec(
+                    p,
+                    c as u32,
+                    fifo(hs, c, mine),
+                    net_layout.head(ho, c, mine),
+                    stage_tail,
+                    sizes,
+                    step,
+                );
+                sp.sizes = stage_tail + STEP_SIZES_OFFSET;
+                sends.push(NetConnPlan {
+                    tag: send_tag,
+                    spec: sp,
+                    region: (hs, net_layout.bytes() as usize),
+                });
+                let rp = crate::transport::fifo_spec(
+                    p,
+                    c as u32,
+                    fifo(ho, c, mine),
+                    net_layout.head(hs, c, mine),
+                    net_layout.tail(ho, c, mine),
+                    sizes,
+                    step,
+                );
+                recvs.push(NetConnPlan {
+                    tag: recv_tag,
+                    spec: rp,
+                    region: (ho, net_layout.bytes() as usize),
+                });
+            }
+        }
+        // SAFETY: the NET block and the staging block are in `mem` / `staging`, which the caller
+        // keeps until after the returned links (which hold the proxy registration) are dropped;
+        // the abort addresses are the communicator's shared abort page (caller's contract).
+        let handle = unsafe {
+            crate::transport::connect_planned(s.bootstrap, me, s.device, net, sends, recvs, s.abort.clone())?
+        };
+        links.push(PeerLink::Net {
+            _held: crate::transport::NetResources::from_handle(handle),
+        });
+    }
+    let dev = build_dev_trees(me, &trees, |c, p, mine, theirs| {
+        let k = kind(me, p);
+        let (lm, bm) = (layout_of(&trees, me, k), own(k).map_or(0, TreeMem::kernel));
+        Ok(match k {
+            TransportKind::Net => {
+                let bs = staging.as_ref().map_or(0, TreeMem::kernel);
+                let (mut send, recv) = shared_tree_edge(c, (&lm, bm, mine), (&lm, bs, mine), step);
+                send.sizes = lm.tail(bs, c, mine) + STEP_SIZES_OFFSET;
+                (send, recv)
+            }
+            _ => shared_tree_edge(c, (&lm, bm, mine), (&layout_of(&trees, p, k), peer_base[p], theirs), step),
+        })
+    })?;
+    for (c, t) in trees.iter().enumerate() {
+        let tr = &t[me];
+        tracing::info!(target: "oxccl::init", "Trees [{c}] {}/{}/{}->{me}->{}", tr.down[0], tr.down[1], tr.down[2], tr.up);
+    }
+    let bytes: &[u8] = bytemuck::cast_slice(&dev);
+    let array = match s.ctx {
+        Some(ctx) => {
+            let a = cuda::DevAlloc::zeroed(ctx, bytes.len())?;
+            a.write(0, bytes)?;
+            TreeMem::Dev(a)
+        }
+        None => {
+            let a = HostMem::zeroed(bytes.len())?;
+            // SAFETY: `a` was allocated with exactly this size; nothing else uses it yet.
+            unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), a.addr() as *mut u8, bytes.len()) };
+            TreeMem::Host(a)
+        }
+    };
+    let mut own_bytes = bytes.len() as u64;
+    for (k, _) in &mem {
+        own_bytes += layout_of(&trees, me, *k).bytes();
+    }
+    if staging.is_some() {
+        own_bytes += net_layout.bytes();
+    }
+    let host_path = (0..nranks).any(|r| {
+        trees
+            .iter()
+            .any(|t| tree_peers(&t[r]).any(|p| kind(r, p) != TransportKind::P2p))
+    });
+    let shape = TreeShape {
+        nnodes: chains.len(),
+        depth: trees[0][0].depth.max(0) as u32,
+    };
+    let array_addr = array.kernel();
+    let mut owned: Vec<TreeMem> = mem.into_iter().map(|(_, m)| m).collect();
+    owned.extend(staging);
+    owned.push(array);
+    tracing::debug!(target: "oxccl::init", rank = me, nnodes = shape.nnodes, depth = shape.depth, bytes = own_bytes, "trees ready");
+    Ok(Some(RankTrees {
+        shape,
+        array: array_addr,
+        bytes: own_bytes,
+        links,
+        mem: owned,
+        host_path,
+    }))
+}
+
+/// The parent and children of `t` (without the absent ones).
+fn tree_peers(t: &crate::graph::Tree) -> impl Iterator<Item = usize> + '_ {
+    tree_slots(t).map(|(p, _)| p)
+}
+
+/// Each tree peer of `t` with its slot in this rank's tree memory (0: the parent, `1 + i`: child
+/// `i`).
+fn tree_slots(t: &crate::graph::Tree) -> impl Iterator<Item = (usize, usize)> + '_ {
+    std::iter::once(t.up)
+        .chain(t.down)
+        .enumerate()
+        .filter_map(|(slot, p)| usize::try_from(p).ok().map(|p| (p, slot)))
+}

@@ -1,0 +1,234 @@
+//! Trees on `Comm::init_rank` communicators that span hosts: ranks as processes on "hosts"
+//! (`OXCCL_HOSTID`) run tree AllReduce (`NCCL_ALGO=tree`) with its edges over SHM or P2P inside a
+//! host and NET (the socket network and the proxy thread) between hosts, on each protocol, with
+//! exact results in and out of place, guards untouched and every rank's result bitwise equal.
+//!
+//! The CPU-target tests run in CI. `tree_across_hosts_on_one_gpu` runs the CUDA kernels the same
+//! way, every rank on GPU 0 (prints SKIPPED without a GPU).
+//!
+//! Every test launches this binary again as child ranks (`tree_child_entry`).
+mod common;
+
+use common::child::{LineChild, clean_child, env_var, hex, log_to_stdout, unhex};
+use oxccl::bootstrap::{UniqueId, get_unique_id};
+use oxccl::perf::check;
+use oxccl::{Comm, DataType, Device, Func, RedOp};
+use std::time::{Duration, Instant};
+
+/// Guard bytes before and after each output.
+const GUARD: usize = 64;
+
+/// Element counts: one element, an odd count, and spans of many FIFO steps with the small buffers
+/// the tests use.
+const COUNTS: [usize; 4] = [1, 1001, 40_000, 150_001];
+
+/// A child rank: `init_rank` on the device `OXCCL_TEST_TREE_DEVICE` names (`cpu`, the default, or
+/// `cuda`: GPU 0), then tree AllReduce over `OXCCL_TEST_TREE_DTYPES` (default: every dtype) ×
+/// every op × [`COUNTS`] × out-of-place / in-place; prints `WRONG ...` per failure, a `DIGEST`
+/// of every result (for the parent to compare across ranks) and `TREE-CHILD-OK rank R`.
+#[test]
+fn tree_child_entry() {
+    if std::env::var("OXCCL_TEST_TREE_RANK").is_err() {
+        return;
+    }
+    log_to_stdout("oxccl::init=info,oxccl::transport=info,oxccl::proxy=error");
+    let rank: usize = env_var("OXCCL_TEST_TREE_RANK").parse().unwrap();
+    let nranks: usize = env_var("OXCCL_TEST_TREE_NRANKS").parse().unwrap();
+    let id = UniqueId::from_bytes(&unhex(&env_var("OXCCL_TEST_TREE_ID"))).unwrap();
+    let device = match std::env::var("OXCCL_TEST_TREE_DEVICE").as_deref() {
+        Ok("cuda") => Device::Cuda(0),
+        _ => Device::Cpu(rank),
+    };
+    let comm = Comm::init_rank(nranks, &id, rank, device).expect("init_rank");
+    let dtypes: Vec<DataType> = match std::env::var("OXCCL_TEST_TREE_DTYPES") {
+        Ok(v) => v
+            .split(',')
+            .map(|d| {
+                *DataType::ALL
+                    .iter()
+                    .find(|x| x.name() == d)
+                    .unwrap_or_else(|| panic!("dtype {d}"))
+            })
+            .collect(),
+        Err(_) => DataType::ALL.to_vec(),
+    };
+    let stream = device.new_stream().unwrap();
+    let mut digest = 0xcbf2_9ce4_8422_2325u64;
+    let mut wrong = 0usize;
+    let mut calls = 0usize;
+    for &dtype in &dtypes {
+        for &op in RedOp::ALL {
+            let size = dtype.size();
+            let max = *COUNTS.iter().max().unwrap();
+            let send = device.alloc(max * size + 2 * GUARD).unwrap();
+            let recv = device.alloc(max * size + 2 * GUARD).unwrap();
+            for count in COUNTS {
+                let bytes = count * size;
+                let seed = (calls as u64) << 8;
+                let input = check::fill_input(Func::AllReduce, dtype, op, rank, nranks, seed, count).unwrap();
+                let want = check::expected(Func::AllReduce, dtype, op, nranks, seed, count).unwrap();
+                for in_place in [false, true] {
+                    let guard = vec![0xa5u8; GUARD];
+                    let poison = check::poison(dtype, count);
+                    let mut s = guard.clone();
+                    s.extend_from_slice(&input);
+                    s.extend_from_slice(&guard);
+                    send.write(0, &s).unwrap();
+                    let out = if in_place { &send } else { &recv };
+                    if !in_place {
+                        let mut r = guard.clone();
+                        r.extend_from_slice(&poison);
+                        r.extend_from_slice(&guard);
+                        recv.write(0, &r).unwrap();
+                    }
+                    let sv = send.slice(GUARD, bytes).unwrap();
+                    let rv = out.slice(GUARD, bytes).unwrap();
+                    comm.all_reduce(sv, rv, count, dtype, op, &stream).expect("all_reduce");
+                    stream.synchronize().expect("synchronize");
+                    calls += 1;
+                    let choice = comm.last_choice().expect("choice");
+                    let all = out.to_vec().unwrap();
+                    let got = &all[GUARD..GUARD + bytes];
+                    let n = check::count_wrong(dtype, op, got, &want, nranks);
+                    let guards_ok = all[..GUARD] == guard[..] && all[GUARD + bytes..GUARD + bytes + GUARD] == guard[..];
+                    if n > 0 || !guards_ok || format!("{:?}", choice.algo) != "Tree" {
+                        wrong += 1;
+                        println!(
+                            "WRONG rank {rank} {dtype:?} {op:?} count {count} in_place {in_place}: {n} wrong, \
+                             guards ok {guards_ok}, plan {choice:?}"
+                        );
+                    }
+                    digest = got.iter().fold(digest, |h, &b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
+                }
+            }
+        }
+    }
+    println!("DIGEST {digest:016x} calls {calls}");
+    comm.destroy().expect("destroy");
+    assert_eq!(wrong, 0, "rank {rank}: {wrong} wrong calls");
+    println!("TREE-CHILD-OK rank {rank}");
+}
+
+/// Runs `envs.len()` child ranks (`envs[r]` for rank `r`, plus `common`) on one unique id; every
+/// rank must pass, print each of `expect[r]`'s lines, and report the same digest. Returns the
+/// outputs.
+fn run_ranks(common: &[(&str, String)], envs: &[Vec<(&str, String)>], expect: &[Vec<String>]) -> Vec<String> {
+    let n = envs.len();
+    let id = get_unique_id().expect("unique id");
+    let mut ranks: Vec<LineChild> = (0..n)
+        .map(|r| {
+            let mut cmd = clean_child(&[], "tree_child_entry", common.iter().map(|(k, v)| (*k, v.as_str())));
+            cmd.env("OXCCL_TEST_TREE_RANK", r.to_string())
+                .env("OXCCL_TEST_TREE_NRANKS", n.to_string())
+                .env("OXCCL_TEST_TREE_ID", hex(&id.to_bytes()))
+                .env("OXCCL_BOOTSTRAP_TIMEOUT", "60");
+            for (k, v) in &envs[r] {
+                cmd.env(k, v);
+            }
+            LineChild::start(&mut cmd)
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(600);
+    let mut outs = Vec::new();
+    for (r, rank) in ranks.iter_mut().enumerate() {
+        let (ok, out) = rank.wait(deadline);
+        assert!(ok && out.contains(&format!("TREE-CHILD-OK rank {r}")), "rank {r} ({:?}): {out}", envs[r]);
+        for line in &expect[r] {
+            assert!(out.contains(line.as_str()), "rank {r}: no {line:?} in\n{out}");
+        }
+        outs.push(out);
+    }
+    if std::env::var("OXCCL_TEST_TREE_SHOW").is_ok() {
+        eprintln!("{}", outs.join("\n----\n"));
+    }
+    let digest = |o: &String| o.lines().find(|l| l.starts_with("DIGEST")).map(str::to_string);
+    let d0 = digest(&outs[0]).expect("rank 0 digest");
+    for (r, o) in outs.iter().enumerate() {
+        assert_eq!(digest(o).as_deref(), Some(d0.as_str()), "rank {r}'s results differ from rank 0's");
+    }
+    outs
+}
+
+/// Small FIFOs (many steps per call) and the protocol `proto`, tree forced.
+fn small_fifos(proto: &str) -> Vec<(&'static str, String)> {
+    vec![
+        ("NCCL_ALGO", "tree".to_string()),
+        ("NCCL_PROTO", proto.to_string()),
+        ("NCCL_BUFFSIZE", "65536".to_string()),
+        ("NCCL_LL_BUFFSIZE", "16384".to_string()),
+        ("NCCL_LL128_BUFFSIZE", "65536".to_string()),
+        ("NCCL_MAX_NCHANNELS", "2".to_string()),
+    ]
+}
+
+fn host(h: &str) -> Vec<(&'static str, String)> {
+    vec![("OXCCL_HOSTID", h.to_string())]
+}
+
+#[test]
+fn tree_across_two_hosts_every_protocol() {
+    // Hosts A (ranks 0, 1) and B (ranks 2, 3): chains 0-1 and 2-3 over SHM, 0 and 2 joined over
+    // NET. Double binary tree of 2 nodes: tree 0 has node A at the root (0 → 2 down), tree 1
+    // node B (2 → 0); channels 0 and 1 run one each.
+    for proto in ["LL", "LL128", "Simple"] {
+        let mut common = small_fifos(proto);
+        common.push(("OXCCL_TEST_TREE_DTYPES", "int32,float,half,int8".to_string()));
+        let envs: Vec<_> = (0..4).map(|r| host(if r < 2 { "host-a" } else { "host-b" })).collect();
+        let expect = vec![
+            vec!["Trees [0] 1/2/-1->0->-1".to_string(), "Trees [1] 1/-1/-1->0->2".to_string()],
+            vec!["Trees [0] -1/-1/-1->1->0".to_string(), "Trees [1] -1/-1/-1->1->0".to_string()],
+            vec!["Trees [0] 3/-1/-1->2->0".to_string(), "Trees [1] 3/0/-1->2->-1".to_string()],
+            vec!["Trees [0] -1/-1/-1->3->2".to_string(), "Trees [1] -1/-1/-1->3->2".to_string()],
+        ];
+        run_ranks(&common, &envs, &expect);
+        eprintln!("tree_across_two_hosts: {proto} ok");
+    }
+}
+
+#[test]
+fn tree_with_three_children_and_net_inside_a_host() {
+    // Four hosts of two ranks; host B with NCCL_SHM_DISABLE=1 (its chain uses NET too). The tree
+    // pattern hook hangs both child nodes from the first rank of their parent node, which then
+    // has three children: its chain's next rank and two ranks over NET (NCCL's
+    // NCCL_TOPO_PATTERN_TREE; 4 nodes make a node with two child nodes).
+    for proto in ["LL", "LL128", "Simple"] {
+        let mut common = small_fifos(proto);
+        common.push(("OXCCL_TEST_TREE_PATTERN", "tree".to_string()));
+        common.push(("OXCCL_TEST_TREE_DTYPES", "float,int64".to_string()));
+        let envs: Vec<_> = (0..8)
+            .map(|r| {
+                let mut e = host(["host-a", "host-b", "host-c", "host-d"][r / 2]);
+                if r / 2 == 1 {
+                    e.push(("NCCL_SHM_DISABLE", "1".to_string()));
+                }
+                e
+            })
+            .collect();
+        let outs = run_ranks(&common, &envs, &vec![Vec::new(); 8]);
+        let three: Vec<&str> = outs
+            .iter()
+            .flat_map(|o| o.lines())
+            .filter(|l| l.contains("Trees [") && !l.contains("/-1->"))
+            .collect();
+        assert!(!three.is_empty(), "no rank with three children:\n{}", outs.join("\n"));
+        eprintln!("tree_with_three_children: {proto} ok ({three:?})");
+    }
+}
+
+#[test]
+fn tree_across_hosts_on_one_gpu() {
+    let Some(_) = common::gpus_or_skip("tree_across_hosts_on_one_gpu", 1) else {
+        return;
+    };
+    // Four ranks on GPU 0 in two "hosts": chains over P2P/IPC on the one device, NET between the
+    // hosts through pinned, device-mapped host memory.
+    for proto in ["LL", "LL128", "Simple"] {
+        let mut common = small_fifos(proto);
+        common.push(("OXCCL_TEST_TREE_DEVICE", "cuda".to_string()));
+        common.push(("OXCCL_ALLOW_SHARED_DEVICE", "1".to_string()));
+        common.push(("OXCCL_TEST_TREE_DTYPES", "float,half,bfloat16,int32,int8,double".to_string()));
+        let envs: Vec<_> = (0..4).map(|r| host(if r < 2 { "host-a" } else { "host-b" })).collect();
+        run_ranks(&common, &envs, &vec![Vec::new(); 4]);
+        eprintln!("tree_across_hosts_on_one_gpu: {proto} ok");
+    }
+}
