@@ -69,7 +69,8 @@ pub struct Comm {
     inflight: Arc<AtomicUsize>,
     last: Mutex<Option<Choice>>,
     /// The double binary tree's connections, when the communicator spans several nodes and they
-    /// were set up (CPU-target `init_all` with `OXCCL_TEST_NODES`); `None` otherwise.
+    /// were set up (`init_rank` ranks on two or more hosts unless `NCCL_ALGO` excludes the tree
+    /// on some rank; `init_all` with `OXCCL_TEST_NODES`); `None` otherwise.
     trees: Option<CommTrees>,
     /// Every channel's ring (NCCL's `channel->ring`), shared by the ranks of one `init_all`.
     rings: Arc<ChannelRings>,

@@ -130,8 +130,9 @@ impl Selection {
                 .collect::<Vec<_>>()
                 .join(", "),
             if func == Func::AllReduce && trees.is_none() && self.algos.0[Algo::Tree as usize] {
-                " (tree needs a communicator spanning several nodes with tree connections, which \
-                 oxccl sets up so far only for Comm::init_all split by OXCCL_TEST_NODES)"
+                " (tree needs a communicator spanning several nodes with tree connections: \
+                 Comm::init_rank ranks on two or more hosts, none of which excludes the tree in \
+                 NCCL_ALGO, or Comm::init_all split by OXCCL_TEST_NODES)"
             } else {
                 ""
             }

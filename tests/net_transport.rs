@@ -628,14 +628,15 @@ fn killed_rank_gives_the_others_an_error_c29() {
     // ring neighbours see their connection with it end (rank 2 receives from it, rank 0 sends to
     // it); a proxy whose connection fails raises its abort flag and closes its other
     // connections, so the failure travels around the ring both ways: no rank relies on shared
-    // memory. Each must report an error and exit within 30 s of the kill.
+    // memory. Each must report an error and exit within 30 s of the kill. The trees' NET
+    // connections (four hosts) carry the failure too.
     //
-    // Which neighbour a rank names is the peer of the first connection that failed at that
-    // rank, and that is timing: rank 2 may see rank 3 close (0 -> 3 -> 2, once rank 0 noticed)
-    // before it reads the end of rank 1's stream, notably on a loaded machine. What holds
-    // always: each survivor names one of its two ring neighbours, exactly as its proxy logged
-    // the failed connection, and a rank named by a survivor failed before it, so following the
-    // names from any survivor ends at rank 1 (without a cycle).
+    // Which peer a rank names is the peer of the first connection that failed at that rank, and
+    // that is timing: rank 2 may see rank 3 close (0 -> 3 -> 2, once rank 0 noticed) before it
+    // reads the end of rank 1's stream, notably on a loaded machine. What holds always: each
+    // survivor names one of its NET peers (ring neighbours or tree peers), exactly as its proxy
+    // logged the failed connection, and a rank named by a survivor failed before it, so
+    // following the names from any survivor ends at rank 1 (without a cycle).
     let n = 4;
     let mut ranks = looping_ranks(
         &(0..n)
@@ -655,32 +656,30 @@ fn killed_rank_gives_the_others_an_error_c29() {
             .find_map(|l| l.find("GOT-ERROR").map(|i| &l[i..]))
             .unwrap_or_default();
         eprintln!("killed_rank: rank {r}: {line}");
-        let (prev, next) = ((r + n - 1) % n, (r + 1) % n);
         // The message get_async_error builds from the rank the proxy recorded (comm.rs).
         let msg = |p: usize| {
             format!(
                 ": remote error: rank {r}: rank {p} of this communicator aborted; abort or destroy this rank too"
             )
         };
-        let p = [prev, next]
-            .into_iter()
+        // A NET peer: a ring neighbour, or a tree peer (four hosts: the double binary tree
+        // connects ranks beyond the ring's neighbours, also over NET).
+        let p = (0..n)
+            .filter(|&p| p != r)
             .find(|&p| line.starts_with("GOT-ERROR RemoteError after ") && line.ends_with(&msg(p)))
-            .unwrap_or_else(|| {
-                panic!("rank {r}: not a remote error naming rank {prev} or {next}: {line}\n{out}")
-            });
-        // The proxy's one error line names the same peer, on the connection with it: the
-        // receive from prev or the send to next (proxy.rs, CommOps::progress).
+            .unwrap_or_else(|| panic!("rank {r}: not a remote error naming a peer: {line}\n{out}"));
+        // The proxy's one error line names the same peer, on a connection with it: a receive
+        // from it or a send to it (proxy.rs, CommOps::progress).
         let failed: Vec<&str> = out
             .lines()
             .filter(|l| l.contains("; aborting the communicator"))
             .collect();
-        let conn = if p == prev {
-            format!("rank {r}: NET receive from rank {p} (channel ")
-        } else {
-            format!("rank {r}: NET send to rank {p} (channel ")
-        };
+        let conns = [
+            format!("rank {r}: NET receive from rank {p} (channel "),
+            format!("rank {r}: NET send to rank {p} (channel "),
+        ];
         assert!(
-            failed.len() == 1 && failed[0].contains(&conn),
+            failed.len() == 1 && conns.iter().any(|c| failed[0].contains(c.as_str())),
             "rank {r} named rank {p}; its proxy logged {failed:?}\n{out}"
         );
         named[r] = Some(p);

@@ -40,6 +40,16 @@ fn tree_child_entry() {
         _ => Device::Cpu(rank),
     };
     let comm = Comm::init_rank(nranks, &id, rank, device).expect("init_rank");
+    println!("MEM {}", comm.device_memory_bytes());
+    if std::env::var("OXCCL_TEST_TREE_ROLE").as_deref() == Ok("choice") {
+        match comm.choice_for(Func::AllReduce, 1 << 20, DataType::F32) {
+            Ok(c) => println!("CHOICE {:?}", c.map(|c| c.algo)),
+            Err(e) => println!("CHOICE-ERR {e}"),
+        }
+        comm.destroy().expect("destroy");
+        println!("TREE-CHILD-OK rank {rank}");
+        return;
+    }
     let dtypes: Vec<DataType> = match std::env::var("OXCCL_TEST_TREE_DTYPES") {
         Ok(v) => v
             .split(',')
@@ -141,6 +151,9 @@ fn run_ranks(common: &[(&str, String)], envs: &[Vec<(&str, String)>], expect: &[
     if std::env::var("OXCCL_TEST_TREE_SHOW").is_ok() {
         eprintln!("{}", outs.join("\n----\n"));
     }
+    if envs.iter().any(|e| e.iter().any(|(k, v)| *k == "OXCCL_TEST_TREE_ROLE" && v == "choice")) {
+        return outs;
+    }
     let digest = |o: &String| o.lines().find(|l| l.starts_with("DIGEST")).map(str::to_string);
     let d0 = digest(&outs[0]).expect("rank 0 digest");
     for (r, o) in outs.iter().enumerate() {
@@ -216,6 +229,49 @@ fn tree_with_three_children_and_net_inside_a_host() {
 }
 
 #[test]
+fn a_rank_excluding_the_tree_leaves_every_rank_without_trees() {
+    // Two hosts; rank 0 sets NCCL_ALGO=ring, the others NCCL_ALGO=tree: the ranks agree on no
+    // trees (no hang, no partial setup), so the others' tree-only AllReduce is refused naming why,
+    // and their connection memory is that of the rings alone.
+    let envs: Vec<Vec<(&str, String)>> = (0..4)
+        .map(|r| {
+            let mut e = host(if r < 2 { "host-a" } else { "host-b" });
+            e.push(("OXCCL_TEST_TREE_ROLE", "choice".to_string()));
+            e.push(("NCCL_ALGO", if r == 0 { "ring" } else { "tree" }.to_string()));
+            e
+        })
+        .collect();
+    let mut expect = vec![vec!["CHOICE Some(Ring)".to_string()]];
+    for _ in 1..4 {
+        expect.push(vec![
+            "CHOICE-ERR invalid argument: no algorithm/protocol available for allreduce".to_string(),
+            "none of which excludes the tree in NCCL_ALGO".to_string(),
+        ]);
+    }
+    let outs = run_ranks(&[], &envs, &expect);
+    assert!(outs.iter().all(|o| !o.contains("Trees [")), "trees set up: {outs:?}");
+    // With every rank wanting trees, the same ranks hold more connection memory (tree FIFOs).
+    let mem = |o: &String| -> u64 {
+        o.lines()
+            .find_map(|l| l.strip_prefix("MEM "))
+            .and_then(|v| v.parse().ok())
+            .expect("MEM line")
+    };
+    let envs_all: Vec<Vec<(&str, String)>> = (0..4)
+        .map(|r| {
+            let mut e = host(if r < 2 { "host-a" } else { "host-b" });
+            e.push(("OXCCL_TEST_TREE_ROLE", "choice".to_string()));
+            e.push(("NCCL_ALGO", "tree".to_string()));
+            e
+        })
+        .collect();
+    let with = run_ranks(&[], &envs_all, &vec![vec!["CHOICE Some(Tree)".to_string()]; 4]);
+    for r in 0..4 {
+        assert!(mem(&with[r]) > mem(&outs[r]), "rank {r}: {} vs {}", mem(&with[r]), mem(&outs[r]));
+    }
+}
+
+#[test]
 fn tree_across_hosts_on_one_gpu() {
     let Some(_) = common::gpus_or_skip("tree_across_hosts_on_one_gpu", 1) else {
         return;
@@ -230,5 +286,17 @@ fn tree_across_hosts_on_one_gpu() {
         let envs: Vec<_> = (0..4).map(|r| host(if r < 2 { "host-a" } else { "host-b" })).collect();
         run_ranks(&common, &envs, &vec![Vec::new(); 4]);
         eprintln!("tree_across_hosts_on_one_gpu: {proto} ok");
+    }
+    // NCCL_P2P_DISABLE=1: the chains use SHM (registered /dev/shm segments) on CUDA.
+    for proto in ["LL", "Simple"] {
+        let mut common = small_fifos(proto);
+        common.push(("OXCCL_TEST_TREE_DEVICE", "cuda".to_string()));
+        common.push(("OXCCL_ALLOW_SHARED_DEVICE", "1".to_string()));
+        common.push(("NCCL_P2P_DISABLE", "1".to_string()));
+        common.push(("OXCCL_TEST_TREE_DTYPES", "float,int8".to_string()));
+        let envs: Vec<_> = (0..4).map(|r| host(if r < 2 { "host-a" } else { "host-b" })).collect();
+        let expect = vec![vec!["Channel 00 : 0 -> 1 via SHM".to_string()], vec![], vec![], vec![]];
+        run_ranks(&common, &envs, &expect);
+        eprintln!("tree_across_hosts_on_one_gpu: SHM chains, {proto} ok");
     }
 }
