@@ -611,8 +611,8 @@ impl Comm {
         exchange_p2p_denied(rank, &mut peers, &bootstrap, p2p_path_type)?;
         phases.mark("connection memory and peer all-gather");
         // The rings (NCCL's AllGather3 + connectRings): each rank's node graph travels in a second
-        // all-gather. Several rings, or NET anywhere on them, keep rank order (the NET setup and
-        // this function connect one prev and one next per rank, as in rank order).
+        // all-gather. A rank connects to the next and previous rank of every channel's ring, each
+        // over its own transport (rings that differ per channel may mix P2P, SHM and NET).
         let rings = {
             let hosts: Vec<&str> = {
                 let mut h: Vec<&str> = Vec::new();
@@ -645,30 +645,7 @@ impl Comm {
                         .transpose()
                 })
                 .collect::<Result<_>>()?;
-            let rings = comm_rings(&infos, nranks, nch)?;
-            let net = |next: &dyn Fn(usize) -> usize| {
-                (0..nranks)
-                    .any(|a| ring_transport(&peers, a, next(a)) == crate::transport::TransportKind::Net)
-            };
-            // Rings that differ per channel connect a rank to several neighbours; that is done
-            // when every ring pair of every channel uses one transport other than NET (the NET
-            // setup and the split of a rank's own connection memory by transport assume one
-            // kind per direction): e.g. the NVLink rings of an 8-GPU machine, all P2P.
-            let mut ring_kinds = (0..nch as usize)
-                .flat_map(|c| (0..nranks).map(move |a| (c, a)))
-                .map(|(c, a)| ring_transport(&peers, a, rings.next(c, a)));
-            let first = ring_kinds.next();
-            let one_kind = first
-                .is_some_and(|k| k != crate::transport::TransportKind::Net && ring_kinds.all(|x| x == k));
-            if rings.is_rank_order()
-                || (rings.single_ring() && !net(&|a| rings.next(0, a)) && !net(&|a| (a + 1) % nranks))
-                || one_kind
-            {
-                rings
-            } else {
-                tracing::debug!(target: "oxccl::init", rank, "init_rank keeps rank order: the searched rings differ per channel and mix transports or cross NET");
-                ChannelRings::rank_order(nranks, nch as usize)
-            }
+            comm_rings(&infos, nranks, nch)?
         };
         // The tuning model's fabric, from every ring pair of every channel (so all ranks agree).
         let fabric = if is_cuda {
@@ -711,13 +688,18 @@ impl Comm {
                 }
             })?
         };
-        let (next, prev) = (rings.next(0, rank), rings.prev(0, rank));
         use crate::transport::TransportKind;
-        // The transports of the send (next) and receive (prev) neighbours.
-        let kinds = [
-            ring_transport(&peers, rank, next),
-            ring_transport(&peers, rank, prev),
-        ];
+        // Per channel, the transports of the send (next) and receive (prev) neighbours (the rings
+        // may differ per channel, and so the transports), and every transport in use here.
+        let chan_kinds: Vec<[TransportKind; 2]> = (0..nch as usize)
+            .map(|c| {
+                [
+                    ring_transport(&peers, rank, rings.next(c, rank)),
+                    ring_transport(&peers, rank, rings.prev(c, rank)),
+                ]
+            })
+            .collect();
+        let kinds: Vec<TransportKind> = chan_kinds.iter().flatten().copied().collect();
         // CUDA: the connection memory a SHM or NET neighbour (or its proxy) writes is host memory
         // that the kernels reach through its device mapping. The NET block is made here (the
         // proxy fills it), the SHM segment after connect_net.
@@ -764,6 +746,7 @@ impl Comm {
                     bootstrap: &bootstrap,
                     rank,
                     nranks,
+                    ring: &|c, q| (rings.next(c as usize, q), rings.prev(c as usize, q)),
                     device,
                     ctx: ctx.as_deref(),
                     hosts: &peers.iter().map(|p| p.host.clone()).collect::<Vec<_>>(),
@@ -787,14 +770,17 @@ impl Comm {
                 &mut conn_host,
             )?
         } {
-            for peer in [next, prev] {
+            for peer in ring_peers(&rings, rank) {
                 if let Some(b) = net.kernel_base(peer) {
                     conn_base[peer] = b;
                 }
             }
             links.push(PeerLink::Net { _held: net });
         }
-        for (peer, kind) in [next, prev].into_iter().zip(kinds) {
+        let ring_pairs = (0..nch as usize)
+            .flat_map(|c| [rings.next(c, rank), rings.prev(c, rank)])
+            .zip(kinds.iter().copied());
+        for (peer, kind) in ring_pairs {
             if peer != rank && (kind == TransportKind::Net) != (conn_base[peer] != 0) {
                 return Err(Error::Internal(format!(
                     "rank {rank}: init chose {kind} for ring neighbour {peer} but the NET setup disagrees"
@@ -804,7 +790,7 @@ impl Comm {
         // CUDA SHM: each rank whose neighbour uses SHM creates its segment, and every rank learns
         // whether all of them exist before any maps one (so all fail alike, naming the rank).
         if (0..nranks)
-            .any(|a| peers[a].cuda && ring_transport(&peers, a, rings.next(0, a)) == TransportKind::Shm)
+            .any(|a| peers[a].cuda && (0..nch as usize).any(|c| ring_transport(&peers, a, rings.next(c, a)) == TransportKind::Shm))
         {
             let made = match &ctx {
                 Some(ctx) if kinds.contains(&TransportKind::Shm) => {
@@ -871,25 +857,29 @@ impl Comm {
         };
         // This rank's own connection memory as its kernels address it, per direction (send: the
         // head counters next writes; receive: the FIFOs prev writes).
-        let mut own_split = [0u64; 2];
-        for (at, kind) in own_split.iter_mut().zip(kinds) {
-            *at = match (&own, kind) {
-                (OwnConn::Shm(s), _) => s.addr(),
-                (OwnConn::Dev(m), TransportKind::P2p) => m.ptr,
-                (OwnConn::Dev(_), TransportKind::Shm) => host_conns.shm.as_ref().map_or(0, |m| m.dev_base()),
-                (OwnConn::Dev(_), TransportKind::Net) => host_conns.net.as_ref().map_or(0, |m| m.dev_ptr()),
-            };
-            if *at == 0 {
-                return Err(Error::Internal(format!(
-                    "rank {rank}: no connection memory for its {kind} neighbour"
-                )));
+        let mut own_split = vec![[0u64; 2]; nch as usize];
+        for (split, ck) in own_split.iter_mut().zip(&chan_kinds) {
+            for (at, &kind) in split.iter_mut().zip(ck) {
+                *at = match (&own, kind) {
+                    (OwnConn::Shm(s), _) => s.addr(),
+                    (OwnConn::Dev(m), TransportKind::P2p) => m.ptr,
+                    (OwnConn::Dev(_), TransportKind::Shm) => host_conns.shm.as_ref().map_or(0, |m| m.dev_base()),
+                    (OwnConn::Dev(_), TransportKind::Net) => host_conns.net.as_ref().map_or(0, |m| m.dev_ptr()),
+                };
+                if *at == 0 {
+                    return Err(Error::Internal(format!(
+                        "rank {rank}: no connection memory for its {kind} neighbour"
+                    )));
+                }
             }
         }
         // LL128 trusts 128-byte lines to arrive whole, which NVLink gives and host memory (SHM,
         // NET without GPUDirect) does not: as NCCL's tuning, it is off on such communicators
         // unless NCCL_PROTO names it. Decided from every ring pair, so all ranks agree.
         let host_path = tree_host_path
-            || (0..nranks).any(|a| peers[a].cuda && ring_transport(&peers, a, rings.next(0, a)) != TransportKind::P2p);
+            || (0..nranks).any(|a| {
+                peers[a].cuda && (0..nch as usize).any(|c| ring_transport(&peers, a, rings.next(c, a)) != TransportKind::P2p)
+            });
         if host_path && !ll128_forced() {
             let mut protos = selection.protos.0;
             protos[Proto::Ll128 as usize] = false;
@@ -913,6 +903,10 @@ impl Comm {
         let abort = SharedAbort::new(page, rank, nranks, ctx.as_ref())?;
         let abort_dev = abort.dev_flag;
         let uses_dev = kinds.contains(&TransportKind::P2p);
+        // Per channel, the kernel's address of the NET staging block its send connection writes.
+        let net_staging: Vec<Option<u64>> = (0..nch as usize)
+            .map(|c| (chan_kinds[c][0] == TransportKind::Net).then(|| conn_base[rings.next(c, rank)]))
+            .collect();
         // The host's ranks in other processes: their death raises this host's flags.
         let me = &peers[rank];
         let host_ranks = (0..nranks).filter(|&r| r != rank && peers[r].host == me.host);
@@ -955,9 +949,7 @@ impl Comm {
                     &params,
                     &rings,
                 );
-                if kinds[0] == crate::transport::TransportKind::Net {
-                    net_step_sizes(&mut bytes, nch, &layout, conn_base[next]);
-                }
+                net_step_sizes(&mut bytes, &layout, &net_staging);
                 set_trees(&mut bytes, tree_array);
                 // SAFETY: the block was allocated with exactly this size; nothing else uses it yet.
                 unsafe {
@@ -976,11 +968,9 @@ impl Comm {
             (OwnConn::Dev(mem), Some(ctx)) => {
                 let block = cuda::DevAlloc::zeroed(&ctx, block_bytes)?;
                 let mut bytes = build_comm_block_split(
-                    rank, nranks, nch, &layout, &conn_base, own_split, block.ptr, abort_dev, &params, &rings,
+                    rank, nranks, nch, &layout, &conn_base, &own_split, block.ptr, abort_dev, &params, &rings,
                 );
-                if kinds[0] == crate::transport::TransportKind::Net {
-                    net_step_sizes(&mut bytes, nch, &layout, conn_base[next]);
-                }
+                net_step_sizes(&mut bytes, &layout, &net_staging);
                 set_trees(&mut bytes, tree_array);
                 block.write(0, &bytes)?;
                 let dev_comm = block.ptr;
@@ -2931,7 +2921,7 @@ fn build_comm_block(
         nch,
         layout,
         conn_base,
-        [own, own],
+        &vec![[own, own]; nch as usize],
         block_addr,
         abort_addr,
         params,
@@ -2939,12 +2929,14 @@ fn build_comm_block(
     )
 }
 
-/// Points each channel's send connection in `block` (a [`build_comm_block`] result) at the step
-/// sizes of its NET staging FIFO at `staging` (the kernel's address of the next rank's block),
-/// [`crate::transport::STEP_SIZES_OFFSET`] bytes past the tail, so the proxy sends only the bytes
-/// each Simple step filled (NCCL's `connFifo[].size` for proxy connections).
-fn net_step_sizes(block: &mut [u8], nch: u32, layout: &ConnLayout, staging: u64) {
-    for c in 0..nch as usize {
+/// Points the send connection of each channel `c` with `staging[c]` set (the kernel's address
+/// of the NET staging block of its next rank) in `block` (a [`build_comm_block`] result) at the
+/// step sizes of that staging FIFO, [`crate::transport::STEP_SIZES_OFFSET`] bytes past its tail,
+/// so the proxy sends only the bytes each Simple step filled (NCCL's `connFifo[].size` for proxy
+/// connections).
+fn net_step_sizes(block: &mut [u8], layout: &ConnLayout, staging: &[Option<u64>]) {
+    for (c, staging) in staging.iter().enumerate() {
+        let Some(staging) = *staging else { continue };
         let at = size_of::<DevComm>()
             + c * size_of::<DevChannel>()
             + std::mem::offset_of!(DevChannel, send)
@@ -2961,11 +2953,11 @@ fn set_trees(block: &mut [u8], array: u64) {
     block[at..at + 8].copy_from_slice(&array.to_ne_bytes());
 }
 
-/// [`build_comm_block`] where this rank's own connection memory is split by transport: the head
-/// counters of its send connection (written by the next rank) in block `own[0]`, the receive
-/// FIFOs and tail of its receive connection (written by the previous rank) in block `own[1]`
-/// (e.g. device memory for a P2P neighbour and host memory for a NET one). `conn_base[r]` is
-/// unused.
+/// [`build_comm_block`] where this rank's own connection memory is split by transport, per
+/// channel `c`: the head counters of its send connection (written by the next rank) in block
+/// `own[c][0]`, the receive FIFOs and tail of its receive connection (written by the previous
+/// rank) in block `own[c][1]` (e.g. device memory for a P2P neighbour and host memory for a NET
+/// one). `conn_base[r]` is unused.
 #[allow(clippy::too_many_arguments)]
 fn build_comm_block_split(
     r: usize,
@@ -2973,13 +2965,12 @@ fn build_comm_block_split(
     nch: u32,
     layout: &ConnLayout,
     conn_base: &[u64],
-    own: [u64; 2],
+    own: &[[u64; 2]],
     block_addr: u64,
     abort_addr: u64,
     params: &Params,
     rings: &ChannelRings,
 ) -> Vec<u8> {
-    let [own_send, own_recv] = own;
     let nchu = nch as usize;
     let channels_off = size_of::<DevComm>();
     let ranks_off = channels_off + nchu * size_of::<DevChannel>();
@@ -3001,6 +2992,7 @@ fn build_comm_block_split(
     for c in 0..nch as u64 {
         // This channel's ring neighbours (rank order unless the topology's rings are used).
         let (next, prev) = (rings.next(c as usize, r), rings.prev(c as usize, r));
+        let [own_send, own_recv] = own[c as usize];
         let mut send = ConnInfo::zeroed();
         send.buffs[Proto::Simple as usize] = layout.buff(conn_base[next], c);
         if layout.ll_buffsize > 0 {

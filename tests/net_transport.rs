@@ -175,6 +175,9 @@ fn net_child_entry() {
     let comm = init.expect("init_rank");
     match role.as_str() {
         "coll" => {
+            for c in 0..comm.nchannels() as usize {
+                println!("RING {c} {:?}", comm.ring(c).expect("ring"));
+            }
             let bad = run_collectives(&comm).expect("collectives");
             assert!(bad.is_empty(), "{}", bad.join("\n"));
             comm.destroy().expect("destroy");
@@ -332,6 +335,58 @@ fn collectives_across_hosts_every_protocol() {
             );
         }
         eprintln!("collectives_across_hosts: {proto} ok (AllReduce used {used:?})");
+    }
+}
+
+#[test]
+fn per_channel_rings_across_hosts_mix_transports() {
+    // Two hosts of four ranks, each given the NVLink-mesh fixture (its searched rings differ per
+    // channel: common::topo::MESH_RINGS): every channel's ring runs through host A in that
+    // channel's order, crosses to host B over NET, runs through B in the same order and comes
+    // back over NET, so a rank's NET peers differ per channel (e.g. rank 4 receives from rank 3
+    // on channel 0 and from rank 2 on channel 2). Before, such rings fell back to rank order.
+    use common::topo::MESH_RINGS;
+    let topo = common::topo::fixture("nvlink-mesh-4gpu-topo.xml");
+    for proto in ["Simple", "LL", "LL128"] {
+        let envs: Vec<Vec<(&str, String)>> = (0..8)
+            .map(|r| {
+                vec![
+                    ("OXCCL_HOSTID", if r < 4 { "host-a" } else { "host-b" }.to_string()),
+                    ("NCCL_TOPO_FILE", topo.display().to_string()),
+                    ("NCCL_MAX_NCHANNELS", "6".to_string()),
+                    ("NCCL_MIN_NCHANNELS", "6".to_string()),
+                    ("NCCL_BUFFSIZE", "65536".to_string()),
+                    ("NCCL_LL_BUFFSIZE", "16384".to_string()),
+                    ("NCCL_LL128_BUFFSIZE", "65536".to_string()),
+                    ("NCCL_PROTO", proto.to_string()),
+                    ("NCCL_ALGO", "ring".to_string()),
+                ]
+            })
+            .collect();
+        // Channel c's ring: MESH_RINGS[c] on host A, then the same order on host B (ranks + 4).
+        let ring = |c: usize| -> Vec<usize> { MESH_RINGS[c].iter().chain(MESH_RINGS[c].iter()).enumerate().map(|(i, &g)| if i < 4 { g } else { g + 4 }).collect() };
+        let expect: Vec<Vec<String>> = (0..8)
+            .map(|r| {
+                (0..6)
+                    .map(|c| {
+                        let g = ring(c);
+                        let i = g.iter().position(|&x| x == r).unwrap();
+                        let rotated: Vec<usize> = g[i..].iter().chain(&g[..i]).copied().collect();
+                        format!("RING {c} {rotated:?}")
+                    })
+                    .chain((0..6).filter_map(|c| {
+                        let g = ring(c);
+                        let i = g.iter().position(|&x| x == r).unwrap();
+                        let next = g[(i + 1) % 8];
+                        let via = if (next < 4) == (r < 4) { "SHM" } else { "NET/Socket/0" };
+                        Some(format!("Channel {c:02} : {r} -> {next} via {via}"))
+                    }))
+                    .collect()
+            })
+            .collect();
+        let id = get_unique_id().expect("unique id");
+        run_group(&envs, &expect, &[None; 8], Some(&id));
+        eprintln!("per_channel_rings_across_hosts: {proto} ok");
     }
 }
 

@@ -239,9 +239,12 @@ pub const STEP_SIZES_OFFSET: u64 = 64;
 pub struct RingSetup<'a> {
     /// The communicator's bootstrap (all-gather, handle exchange, timeout).
     pub bootstrap: &'a Bootstrap,
-    /// This rank and the number of ranks; ring neighbours are `rank ± 1`.
+    /// This rank and the number of ranks.
     pub rank: usize,
     pub nranks: usize,
+    /// The ring neighbours `(next, prev)` of rank `q` on channel `c`: `ring(c, q)` (every
+    /// channel's ring, as `Comm::init_rank` connects them; they may differ per channel).
+    pub ring: &'a dyn Fn(u32, usize) -> (usize, usize),
     /// This rank's device (its proxy thread is the device's).
     pub device: Device,
     /// The CUDA context of `device` (`None` on the CPU target): staging FIFOs are then pinned,
@@ -380,11 +383,24 @@ pub unsafe fn connect_net(setup: &RingSetup<'_>, conn_base: &mut [u64]) -> Resul
     // The network is opened here only where NET is possible from this rank's side (a ring
     // neighbour on another host, or NCCL_SHM_DISABLE=1 here without P2P on this side), so
     // SHM-only and P2P-only ranks never load it.
-    let (next, prev) = ((rank + 1) % nranks, (rank + nranks - 1) % nranks);
+    // The distinct ring neighbours of rank `q` over every channel.
+    let neighbours = |q: usize| -> Vec<usize> {
+        let mut out = Vec::new();
+        for c in 0..s.nch {
+            let (n, p) = (s.ring)(c, q);
+            for x in [n, p] {
+                if x != q && !out.contains(&x) {
+                    out.push(x);
+                }
+            }
+        }
+        out
+    };
+    let mine = neighbours(rank);
     let mut opened = match &local {
         Ok(me)
             if (me.shm_disable && (!me.cuda || me.p2p_disable))
-                || [next, prev].iter().any(|&p| s.hosts[p] != s.hosts[rank]) =>
+                || mine.iter().any(|&p| s.hosts[p] != s.hosts[rank]) =>
         {
             Some(net_from_env(near))
         }
@@ -419,7 +435,7 @@ pub unsafe fn connect_net(setup: &RingSetup<'_>, conn_base: &mut [u64]) -> Resul
     }
     // A rank that needs the network but could not open it fails every rank (the lowest such).
     for q in 0..nranks {
-        let needs_net = [(q + 1) % nranks, (q + nranks - 1) % nranks]
+        let needs_net = neighbours(q)
             .iter()
             .any(|&p| select_transport(&infos[q], &infos[p]) == TransportKind::Net);
         if let (true, Some(why)) = (needs_net, &net_errors[q]) {
@@ -433,10 +449,7 @@ pub unsafe fn connect_net(setup: &RingSetup<'_>, conn_base: &mut [u64]) -> Resul
     }
     let mut blocks = Vec::new();
     let mut kinds = vec![None; nranks];
-    for peer in [next, prev] {
-        if kinds[peer].is_some() {
-            continue;
-        }
+    for &peer in &mine {
         let kind = select_transport(&infos[rank], &infos[peer]);
         kinds[peer] = Some(kind);
         match kind {
@@ -455,9 +468,8 @@ pub unsafe fn connect_net(setup: &RingSetup<'_>, conn_base: &mut [u64]) -> Resul
             }
         }
     }
-    let send_net = kinds[next] == Some(TransportKind::Net);
-    let recv_net = kinds[prev] == Some(TransportKind::Net);
-    let net = match (send_net || recv_net, opened) {
+    let is_net = |p: usize| kinds[p] == Some(TransportKind::Net);
+    let net = match (mine.iter().any(|&p| is_net(p)), opened) {
         (false, _) => None,
         (true, Some(n)) => Some(n?),
         // Only a neighbour's NCCL_SHM_DISABLE=1 made this rank need the network: opened now, so
@@ -465,6 +477,7 @@ pub unsafe fn connect_net(setup: &RingSetup<'_>, conn_base: &mut [u64]) -> Resul
         (true, None) => Some(net_from_env(near)?),
     };
     for c in 0..s.nch {
+        let (next, prev) = (s.ring)(c, rank);
         for (dir, peer) in [("->", next), ("<-", prev)] {
             let via = match (kinds[peer], &net) {
                 (Some(TransportKind::Net), Some(n)) => format!("NET/{}/0", n.name()),
@@ -478,8 +491,10 @@ pub unsafe fn connect_net(setup: &RingSetup<'_>, conn_base: &mut [u64]) -> Resul
         return Ok(None);
     };
     let mut sends = Vec::new();
-    if send_net {
-        for c in 0..s.nch {
+    let mut recvs = Vec::new();
+    for c in 0..s.nch {
+        let (next, prev) = (s.ring)(c, rank);
+        if is_net(next) {
             let f_stage = (s.fifo)(conn_base[next], c as u64);
             let f_own = (s.fifo)(conn_base[rank], c as u64);
             let mut sp = spec(s, next, c, f_stage, f_own.head, f_stage.tail);
@@ -491,10 +506,7 @@ pub unsafe fn connect_net(setup: &RingSetup<'_>, conn_base: &mut [u64]) -> Resul
                 region: (conn_base[next], s.block_bytes),
             });
         }
-    }
-    let mut recvs = Vec::new();
-    if recv_net {
-        for c in 0..s.nch {
+        if is_net(prev) {
             let f_own = (s.fifo)(conn_base[rank], c as u64);
             let f_sink = (s.fifo)(conn_base[prev], c as u64);
             // This rank's block, which the proxy receives into.
