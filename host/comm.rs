@@ -3811,30 +3811,43 @@ mod init_rank_tests {
 
     #[test]
     fn split_own_memory_by_transport() {
-        // Rank 1 of 3, 2 channels: next (2) reached through P2P, prev (0) through NET. Its send
-        // head must be in its device block (own[0]) where rank 2 writes it, its receive FIFOs and
-        // tail in its host block (own[1]) where the proxy writes them; peers' blocks as given.
+        // Rank 1 of 3, 2 channels. Channel 0: next (2) reached through P2P, prev (0) through NET:
+        // its send head must be in its device block (own[0][0]) where rank 2 writes it, its
+        // receive FIFOs and tail in its host block (own[0][1]) where the proxy writes them.
+        // Channel 1 (rings may differ per channel, so may the transports): the other way round.
+        // Peers' blocks as given.
         let params = Params::default();
         let layout = ConnLayout::new(&params, 2, true);
         let bases = [0x1000_0000_0000u64, 0, 0x3000_0000_0000];
-        let own = [0x7000_0000_0000u64, 0x9000_0000_0000];
+        let own = [
+            [0x7000_0000_0000u64, 0x9000_0000_0000],
+            [0x9000_0000_0000u64, 0x7000_0000_0000],
+        ];
         let rings = ChannelRings::rank_order(3, 2);
-        let bytes = build_comm_block_split(1, 3, 2, &layout, &bases, own, 0x5000, 0x6000, &params, &rings);
+        let mut bytes = build_comm_block_split(1, 3, 2, &layout, &bases, &own, 0x5000, 0x6000, &params, &rings);
+        // NET step sizes on channel 1's send connection only (its next is across the network).
+        net_step_sizes(&mut bytes, &layout, &[None, Some(0xa000_0000_0000)]);
         let chans: &[DevChannel] =
             bytemuck::cast_slice(&bytes[size_of::<DevComm>()..][..2 * size_of::<DevChannel>()]);
         for (c, ch) in chans.iter().enumerate() {
+            let [send, recv] = own[c];
             let c = c as u64;
             assert_eq!(ch.send.buffs[Proto::Simple as usize], layout.buff(bases[2], c));
             assert_eq!(ch.send.tail, layout.tail(bases[2], c));
-            assert_eq!(ch.send.head, layout.head(own[0], c));
-            assert_eq!(ch.recv.buffs[Proto::Simple as usize], layout.buff(own[1], c));
-            assert_eq!(ch.recv.buffs[Proto::Ll as usize], layout.ll(own[1], c));
-            assert_eq!(ch.recv.buffs[Proto::Ll128 as usize], layout.ll128(own[1], c));
-            assert_eq!(ch.recv.tail, layout.tail(own[1], c));
+            assert_eq!(ch.send.head, layout.head(send, c));
+            assert_eq!(ch.recv.buffs[Proto::Simple as usize], layout.buff(recv, c));
+            assert_eq!(ch.recv.buffs[Proto::Ll as usize], layout.ll(recv, c));
+            assert_eq!(ch.recv.buffs[Proto::Ll128 as usize], layout.ll128(recv, c));
+            assert_eq!(ch.recv.tail, layout.tail(recv, c));
             assert_eq!(ch.recv.head, layout.head(bases[0], c));
         }
+        assert_eq!(chans[0].send.sizes, 0);
+        assert_eq!(
+            chans[1].send.sizes,
+            layout.tail(0xa000_0000_0000, 1) + crate::transport::STEP_SIZES_OFFSET
+        );
         // Unsplit: the same as the split with conn_base[r] on both sides.
-        let whole = [bases[0], own[1], bases[2]];
+        let whole = [bases[0], own[0][1], bases[2]];
         assert_eq!(
             build_comm_block(1, 3, 2, &layout, &whole, 0x5000, 0x6000, &params, &rings),
             build_comm_block_split(
@@ -3843,7 +3856,7 @@ mod init_rank_tests {
                 2,
                 &layout,
                 &whole,
-                [own[1], own[1]],
+                &[[whole[1], whole[1]]; 2],
                 0x5000,
                 0x6000,
                 &params,

@@ -379,12 +379,7 @@ pub(super) fn setup(s: &TreeSetup<'_>) -> Result<Option<RankTrees>> {
         let k = kind(me, p);
         let (lm, bm) = (layout_of(&trees, me, k), own(k).map_or(0, TreeMem::kernel));
         Ok(match k {
-            TransportKind::Net => {
-                let bs = staging.as_ref().map_or(0, TreeMem::kernel);
-                let (mut send, recv) = shared_tree_edge(c, (&lm, bm, mine), (&lm, bs, mine), step);
-                send.sizes = lm.tail(bs, c, mine) + STEP_SIZES_OFFSET;
-                (send, recv)
-            }
+            TransportKind::Net => net_tree_edge(c, &lm, bm, staging.as_ref().map_or(0, TreeMem::kernel), mine, step),
             _ => shared_tree_edge(c, (&lm, bm, mine), (&layout_of(&trees, p, k), peer_base[p], theirs), step),
         })
     })?;
@@ -437,6 +432,18 @@ pub(super) fn setup(s: &TreeSetup<'_>) -> Result<Option<RankTrees>> {
     }))
 }
 
+/// The (send, receive) connections of a NET tree edge on channel `c` to the peer in slot `mine`
+/// of this rank's NET block (`layout` at `own`, kernel addresses) with its staging block (same
+/// layout, at `staging`): the send connection writes the staging FIFOs, tail and step sizes of
+/// that slot and is freed through the NET block's head (the proxy's credit); the receive
+/// connection reads the NET block's FIFOs and tail (the proxy fills them) and frees its slots
+/// through the staging block's head (the proxy reads it).
+fn net_tree_edge(c: usize, layout: &TreeLayout, own: u64, staging: u64, mine: usize, step: u64) -> (ConnInfo, ConnInfo) {
+    let (mut send, recv) = shared_tree_edge(c, (layout, own, mine), (layout, staging, mine), step);
+    send.sizes = layout.tail(staging, c, mine) + STEP_SIZES_OFFSET;
+    (send, recv)
+}
+
 /// The parent and children of `t` (without the absent ones).
 fn tree_peers(t: &crate::graph::Tree) -> impl Iterator<Item = usize> + '_ {
     tree_slots(t).map(|(p, _)| p)
@@ -449,4 +456,68 @@ fn tree_slots(t: &crate::graph::Tree) -> impl Iterator<Item = (usize, usize)> + 
         .chain(t.down)
         .enumerate()
         .filter_map(|(slot, p)| usize::try_from(p).ok().map(|p| (p, slot)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn peer(host: &str) -> PeerInfo {
+        PeerInfo {
+            cuda: false,
+            dev: 0,
+            bus_id: String::new(),
+            host: host.into(),
+            host_hash: fnv64(host.as_bytes()),
+            pid: 1,
+            start_time: 0,
+            p2p_disable: false,
+            shm_disable: false,
+            p2p_level: None,
+            p2p_denied: Vec::new(),
+            shm_name: String::new(),
+            nch: 1,
+            conn_bytes: 0,
+            conn: ConnDesc::Shm(String::new()),
+            abort_page: String::new(),
+        }
+    }
+
+    #[test]
+    fn chains_follow_ring_zero_inside_each_host_in_order_of_lowest_rank() {
+        // Hosts b, a, b, a, b; ring 0 is 0 4 1 2 3 (-> 0). Host b (lowest rank 0) first: from 0
+        // the ring visits 4 then 2; host a (lowest rank 1): 1 then 3.
+        let peers: Vec<PeerInfo> = ["b", "a", "b", "a", "b"].iter().map(|h| peer(h)).collect();
+        let rings = ChannelRings::new(vec![vec![0, 4, 1, 2, 3]], 5).unwrap();
+        assert_eq!(host_chains(&peers, &rings), vec![vec![0, 4, 2], vec![1, 3]]);
+        // One host: one chain (no trees).
+        let one: Vec<PeerInfo> = (0..3).map(|_| peer("a")).collect();
+        assert_eq!(host_chains(&one, &ChannelRings::rank_order(3, 1)), vec![vec![0, 1, 2]]);
+    }
+
+    #[test]
+    fn net_edges_send_through_staging_and_receive_into_the_net_block() {
+        // Rank 2 of two nodes (0, 1 | 2, 3), tree 0: 2's parent is 0 over NET (slot 0), its
+        // child 3 in its chain (slot 1) is not NET, so the NET layout has FIFOs for slot 0 only.
+        let params = Params::default();
+        let trees = channel_trees(&[vec![0, 1], vec![2, 3]], 2, crate::graph::Pattern::BalancedTree).unwrap();
+        assert_eq!((trees[0][2].up, trees[0][2].down[0]), (0, 3));
+        let l = TreeLayout::for_peers(&params, &trees, 2, |p| p == 0);
+        assert!(l.fifo[0][0].is_some() && l.fifo[0][1].is_none());
+        let (own, staging) = (0x1000_0000u64, 0x9000_0000u64);
+        let (send, recv) = net_tree_edge(0, &l, own, staging, 0, 5);
+        assert_eq!(send.buffs, l.buffs(staging, 0, 0));
+        assert_eq!(send.tail, l.tail(staging, 0, 0));
+        assert_eq!(send.head, l.head(own, 0, 0));
+        assert_eq!(send.sizes, l.tail(staging, 0, 0) + STEP_SIZES_OFFSET);
+        assert_eq!(recv.buffs, l.buffs(own, 0, 0));
+        assert_eq!(recv.tail, l.tail(own, 0, 0));
+        assert_eq!(recv.head, l.head(staging, 0, 0));
+        assert_eq!(recv.sizes, 0);
+        assert_eq!((send.step, recv.step), (5, 5));
+        // The step sizes stay inside the tail's 128-byte counter line, clear of the head.
+        let sizes_end = send.sizes + 8 * FIFO_STEPS;
+        assert!(sizes_end <= l.tail(staging, 0, 0) + 128);
+        assert!(l.head(staging, 0, 0) + 8 <= l.tail(staging, 0, 0));
+    }
 }
