@@ -789,9 +789,11 @@ impl Comm {
         }
         // CUDA SHM: each rank whose neighbour uses SHM creates its segment, and every rank learns
         // whether all of them exist before any maps one (so all fail alike, naming the rank).
-        if (0..nranks)
-            .any(|a| peers[a].cuda && (0..nch as usize).any(|c| ring_transport(&peers, a, rings.next(c, a)) == TransportKind::Shm))
-        {
+        if (0..nranks).any(|a| {
+            peers[a].cuda
+                && (0..nch as usize)
+                    .any(|c| ring_transport(&peers, a, rings.next(c, a)) == TransportKind::Shm)
+        }) {
             let made = match &ctx {
                 Some(ctx) if kinds.contains(&TransportKind::Shm) => {
                     RegisteredShm::create(ctx, &own_name, &layout, params.initial_step).map(Some)
@@ -825,7 +827,8 @@ impl Comm {
                     shm_name: &peers[peer].shm_name,
                     bytes: layout.bytes() as usize,
                 };
-                let link = PeerLink::connect(rank, &peers, peer, kind, ctx.as_ref(), target, params.p2p_level)?;
+                let link =
+                    PeerLink::connect(rank, &peers, peer, kind, ctx.as_ref(), target, params.p2p_level)?;
                 conn_base[peer] = link.base();
                 links.push(link);
             }
@@ -863,8 +866,12 @@ impl Comm {
                 *at = match (&own, kind) {
                     (OwnConn::Shm(s), _) => s.addr(),
                     (OwnConn::Dev(m), TransportKind::P2p) => m.ptr,
-                    (OwnConn::Dev(_), TransportKind::Shm) => host_conns.shm.as_ref().map_or(0, |m| m.dev_base()),
-                    (OwnConn::Dev(_), TransportKind::Net) => host_conns.net.as_ref().map_or(0, |m| m.dev_ptr()),
+                    (OwnConn::Dev(_), TransportKind::Shm) => {
+                        host_conns.shm.as_ref().map_or(0, |m| m.dev_base())
+                    }
+                    (OwnConn::Dev(_), TransportKind::Net) => {
+                        host_conns.net.as_ref().map_or(0, |m| m.dev_ptr())
+                    }
                 };
                 if *at == 0 {
                     return Err(Error::Internal(format!(
@@ -878,7 +885,9 @@ impl Comm {
         // unless NCCL_PROTO names it. Decided from every ring pair, so all ranks agree.
         let host_path = tree_host_path
             || (0..nranks).any(|a| {
-                peers[a].cuda && (0..nch as usize).any(|c| ring_transport(&peers, a, rings.next(c, a)) != TransportKind::P2p)
+                peers[a].cuda
+                    && (0..nch as usize)
+                        .any(|c| ring_transport(&peers, a, rings.next(c, a)) != TransportKind::P2p)
             });
         if host_path && !ll128_forced() {
             let mut protos = selection.protos.0;
@@ -2427,10 +2436,9 @@ impl PeerLink {
             e => e,
         };
         match (target.desc, ctx) {
-            (ConnDesc::Shm(name), None) => Ok(PeerLink::Shm(crate::cpu::ShmSegment::open(
-                name,
-                target.bytes,
-            )?)),
+            (ConnDesc::Shm(name), None) => {
+                Ok(PeerLink::Shm(crate::cpu::ShmSegment::open(name, target.bytes)?))
+            }
             (ConnDesc::Ipc { ptr: 0, .. }, Some(_)) => Err(Error::Internal(format!(
                 "rank {peer} offers no device memory for rank {me}'s P2P connection"
             ))),
@@ -3335,7 +3343,9 @@ impl TreeLayout {
     /// Offsets of every head and tail counter.
     fn counter_offsets(&self) -> Vec<u64> {
         (0..self.fifo.len())
-            .flat_map(|c| (0..TREE_PEERS).flat_map(move |peer| [self.head(0, c, peer), self.tail(0, c, peer)]))
+            .flat_map(|c| {
+                (0..TREE_PEERS).flat_map(move |peer| [self.head(0, c, peer), self.tail(0, c, peer)])
+            })
             .collect()
     }
     /// The counters region (from `counters_at` to the end) with every head and tail at `step`,
@@ -3376,8 +3386,18 @@ fn shared_tree_edge(
     initial_step: u64,
 ) -> (ConnInfo, ConnInfo) {
     (
-        tree_conn(lp.buffs(bp, c, theirs), lm.head(bm, c, mine), lp.tail(bp, c, theirs), initial_step),
-        tree_conn(lm.buffs(bm, c, mine), lp.head(bp, c, theirs), lm.tail(bm, c, mine), initial_step),
+        tree_conn(
+            lp.buffs(bp, c, theirs),
+            lm.head(bm, c, mine),
+            lp.tail(bp, c, theirs),
+            initial_step,
+        ),
+        tree_conn(
+            lm.buffs(bm, c, mine),
+            lp.head(bp, c, theirs),
+            lm.tail(bm, c, mine),
+            initial_step,
+        ),
     )
 }
 
@@ -3824,7 +3844,8 @@ mod init_rank_tests {
             [0x9000_0000_0000u64, 0x7000_0000_0000],
         ];
         let rings = ChannelRings::rank_order(3, 2);
-        let mut bytes = build_comm_block_split(1, 3, 2, &layout, &bases, &own, 0x5000, 0x6000, &params, &rings);
+        let mut bytes =
+            build_comm_block_split(1, 3, 2, &layout, &bases, &own, 0x5000, 0x6000, &params, &rings);
         // NET step sizes on channel 1's send connection only (its next is across the network).
         net_step_sizes(&mut bytes, &layout, &[None, Some(0xa000_0000_0000)]);
         let chans: &[DevChannel] =

@@ -351,7 +351,10 @@ fn per_channel_rings_across_hosts_mix_transports() {
         let envs: Vec<Vec<(&str, String)>> = (0..8)
             .map(|r| {
                 vec![
-                    ("OXCCL_HOSTID", if r < 4 { "host-a" } else { "host-b" }.to_string()),
+                    (
+                        "OXCCL_HOSTID",
+                        if r < 4 { "host-a" } else { "host-b" }.to_string(),
+                    ),
                     ("NCCL_TOPO_FILE", topo.display().to_string()),
                     ("NCCL_MAX_NCHANNELS", "6".to_string()),
                     ("NCCL_MIN_NCHANNELS", "6".to_string()),
@@ -364,7 +367,14 @@ fn per_channel_rings_across_hosts_mix_transports() {
             })
             .collect();
         // Channel c's ring: MESH_RINGS[c] on host A, then the same order on host B (ranks + 4).
-        let ring = |c: usize| -> Vec<usize> { MESH_RINGS[c].iter().chain(MESH_RINGS[c].iter()).enumerate().map(|(i, &g)| if i < 4 { g } else { g + 4 }).collect() };
+        let ring = |c: usize| -> Vec<usize> {
+            MESH_RINGS[c]
+                .iter()
+                .chain(MESH_RINGS[c].iter())
+                .enumerate()
+                .map(|(i, &g)| if i < 4 { g } else { g + 4 })
+                .collect()
+        };
         let expect: Vec<Vec<String>> = (0..8)
             .map(|r| {
                 (0..6)
@@ -378,7 +388,11 @@ fn per_channel_rings_across_hosts_mix_transports() {
                         let g = ring(c);
                         let i = g.iter().position(|&x| x == r).unwrap();
                         let next = g[(i + 1) % 8];
-                        let via = if (next < 4) == (r < 4) { "SHM" } else { "NET/Socket/0" };
+                        let via = if (next < 4) == (r < 4) {
+                            "SHM"
+                        } else {
+                            "NET/Socket/0"
+                        };
                         Some(format!("Channel {c:02} : {r} -> {next} via {via}"))
                     }))
                     .collect()

@@ -93,14 +93,16 @@ fn tree_child_entry() {
                     }
                     let sv = send.slice(GUARD, bytes).unwrap();
                     let rv = out.slice(GUARD, bytes).unwrap();
-                    comm.all_reduce(sv, rv, count, dtype, op, &stream).expect("all_reduce");
+                    comm.all_reduce(sv, rv, count, dtype, op, &stream)
+                        .expect("all_reduce");
                     stream.synchronize().expect("synchronize");
                     calls += 1;
                     let choice = comm.last_choice().expect("choice");
                     let all = out.to_vec().unwrap();
                     let got = &all[GUARD..GUARD + bytes];
                     let n = check::count_wrong(dtype, op, got, &want, nranks);
-                    let guards_ok = all[..GUARD] == guard[..] && all[GUARD + bytes..GUARD + bytes + GUARD] == guard[..];
+                    let guards_ok =
+                        all[..GUARD] == guard[..] && all[GUARD + bytes..GUARD + bytes + GUARD] == guard[..];
                     if n > 0 || !guards_ok || format!("{:?}", choice.algo) != "Tree" {
                         wrong += 1;
                         println!(
@@ -108,7 +110,9 @@ fn tree_child_entry() {
                              guards ok {guards_ok}, plan {choice:?}"
                         );
                     }
-                    digest = got.iter().fold(digest, |h, &b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
+                    digest = got
+                        .iter()
+                        .fold(digest, |h, &b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
                 }
             }
         }
@@ -127,7 +131,11 @@ fn run_ranks(common: &[(&str, String)], envs: &[Vec<(&str, String)>], expect: &[
     let id = get_unique_id().expect("unique id");
     let mut ranks: Vec<LineChild> = (0..n)
         .map(|r| {
-            let mut cmd = clean_child(&[], "tree_child_entry", common.iter().map(|(k, v)| (*k, v.as_str())));
+            let mut cmd = clean_child(
+                &[],
+                "tree_child_entry",
+                common.iter().map(|(k, v)| (*k, v.as_str())),
+            );
             cmd.env("OXCCL_TEST_TREE_RANK", r.to_string())
                 .env("OXCCL_TEST_TREE_NRANKS", n.to_string())
                 .env("OXCCL_TEST_TREE_ID", hex(&id.to_bytes()))
@@ -142,7 +150,11 @@ fn run_ranks(common: &[(&str, String)], envs: &[Vec<(&str, String)>], expect: &[
     let mut outs = Vec::new();
     for (r, rank) in ranks.iter_mut().enumerate() {
         let (ok, out) = rank.wait(deadline);
-        assert!(ok && out.contains(&format!("TREE-CHILD-OK rank {r}")), "rank {r} ({:?}): {out}", envs[r]);
+        assert!(
+            ok && out.contains(&format!("TREE-CHILD-OK rank {r}")),
+            "rank {r} ({:?}): {out}",
+            envs[r]
+        );
         for line in &expect[r] {
             assert!(out.contains(line.as_str()), "rank {r}: no {line:?} in\n{out}");
         }
@@ -151,13 +163,20 @@ fn run_ranks(common: &[(&str, String)], envs: &[Vec<(&str, String)>], expect: &[
     if std::env::var("OXCCL_TEST_TREE_SHOW").is_ok() {
         eprintln!("{}", outs.join("\n----\n"));
     }
-    if envs.iter().any(|e| e.iter().any(|(k, v)| *k == "OXCCL_TEST_TREE_ROLE" && v == "choice")) {
+    if envs.iter().any(|e| {
+        e.iter()
+            .any(|(k, v)| *k == "OXCCL_TEST_TREE_ROLE" && v == "choice")
+    }) {
         return outs;
     }
     let digest = |o: &String| o.lines().find(|l| l.starts_with("DIGEST")).map(str::to_string);
     let d0 = digest(&outs[0]).expect("rank 0 digest");
     for (r, o) in outs.iter().enumerate() {
-        assert_eq!(digest(o).as_deref(), Some(d0.as_str()), "rank {r}'s results differ from rank 0's");
+        assert_eq!(
+            digest(o).as_deref(),
+            Some(d0.as_str()),
+            "rank {r}'s results differ from rank 0's"
+        );
     }
     outs
 }
@@ -186,12 +205,26 @@ fn tree_across_two_hosts_every_protocol() {
     for proto in ["LL", "LL128", "Simple"] {
         let mut common = small_fifos(proto);
         common.push(("OXCCL_TEST_TREE_DTYPES", "int32,float,half,int8".to_string()));
-        let envs: Vec<_> = (0..4).map(|r| host(if r < 2 { "host-a" } else { "host-b" })).collect();
+        let envs: Vec<_> = (0..4)
+            .map(|r| host(if r < 2 { "host-a" } else { "host-b" }))
+            .collect();
         let expect = vec![
-            vec!["Trees [0] 1/2/-1->0->-1".to_string(), "Trees [1] 1/-1/-1->0->2".to_string()],
-            vec!["Trees [0] -1/-1/-1->1->0".to_string(), "Trees [1] -1/-1/-1->1->0".to_string()],
-            vec!["Trees [0] 3/-1/-1->2->0".to_string(), "Trees [1] 3/0/-1->2->-1".to_string()],
-            vec!["Trees [0] -1/-1/-1->3->2".to_string(), "Trees [1] -1/-1/-1->3->2".to_string()],
+            vec![
+                "Trees [0] 1/2/-1->0->-1".to_string(),
+                "Trees [1] 1/-1/-1->0->2".to_string(),
+            ],
+            vec![
+                "Trees [0] -1/-1/-1->1->0".to_string(),
+                "Trees [1] -1/-1/-1->1->0".to_string(),
+            ],
+            vec![
+                "Trees [0] 3/-1/-1->2->0".to_string(),
+                "Trees [1] 3/0/-1->2->-1".to_string(),
+            ],
+            vec![
+                "Trees [0] -1/-1/-1->3->2".to_string(),
+                "Trees [1] -1/-1/-1->3->2".to_string(),
+            ],
         ];
         run_ranks(&common, &envs, &expect);
         eprintln!("tree_across_two_hosts: {proto} ok");
@@ -223,7 +256,11 @@ fn tree_with_three_children_and_net_inside_a_host() {
             .flat_map(|o| o.lines())
             .filter(|l| l.contains("Trees [") && !l.contains("/-1->"))
             .collect();
-        assert!(!three.is_empty(), "no rank with three children:\n{}", outs.join("\n"));
+        assert!(
+            !three.is_empty(),
+            "no rank with three children:\n{}",
+            outs.join("\n")
+        );
         eprintln!("tree_with_three_children: {proto} ok ({three:?})");
     }
 }
@@ -249,7 +286,10 @@ fn a_rank_excluding_the_tree_leaves_every_rank_without_trees() {
         ]);
     }
     let outs = run_ranks(&[], &envs, &expect);
-    assert!(outs.iter().all(|o| !o.contains("Trees [")), "trees set up: {outs:?}");
+    assert!(
+        outs.iter().all(|o| !o.contains("Trees [")),
+        "trees set up: {outs:?}"
+    );
     // With every rank wanting trees, the same ranks hold more connection memory (tree FIFOs).
     let mem = |o: &String| -> u64 {
         o.lines()
@@ -267,7 +307,12 @@ fn a_rank_excluding_the_tree_leaves_every_rank_without_trees() {
         .collect();
     let with = run_ranks(&[], &envs_all, &vec![vec!["CHOICE Some(Tree)".to_string()]; 4]);
     for r in 0..4 {
-        assert!(mem(&with[r]) > mem(&outs[r]), "rank {r}: {} vs {}", mem(&with[r]), mem(&outs[r]));
+        assert!(
+            mem(&with[r]) > mem(&outs[r]),
+            "rank {r}: {} vs {}",
+            mem(&with[r]),
+            mem(&outs[r])
+        );
     }
 }
 
@@ -282,8 +327,13 @@ fn tree_across_hosts_on_one_gpu() {
         let mut common = small_fifos(proto);
         common.push(("OXCCL_TEST_TREE_DEVICE", "cuda".to_string()));
         common.push(("OXCCL_ALLOW_SHARED_DEVICE", "1".to_string()));
-        common.push(("OXCCL_TEST_TREE_DTYPES", "float,half,bfloat16,int32,int8,double".to_string()));
-        let envs: Vec<_> = (0..4).map(|r| host(if r < 2 { "host-a" } else { "host-b" })).collect();
+        common.push((
+            "OXCCL_TEST_TREE_DTYPES",
+            "float,half,bfloat16,int32,int8,double".to_string(),
+        ));
+        let envs: Vec<_> = (0..4)
+            .map(|r| host(if r < 2 { "host-a" } else { "host-b" }))
+            .collect();
         run_ranks(&common, &envs, &vec![Vec::new(); 4]);
         eprintln!("tree_across_hosts_on_one_gpu: {proto} ok");
     }
@@ -294,8 +344,15 @@ fn tree_across_hosts_on_one_gpu() {
         common.push(("OXCCL_ALLOW_SHARED_DEVICE", "1".to_string()));
         common.push(("NCCL_P2P_DISABLE", "1".to_string()));
         common.push(("OXCCL_TEST_TREE_DTYPES", "float,int8".to_string()));
-        let envs: Vec<_> = (0..4).map(|r| host(if r < 2 { "host-a" } else { "host-b" })).collect();
-        let expect = vec![vec!["Channel 00 : 0 -> 1 via SHM".to_string()], vec![], vec![], vec![]];
+        let envs: Vec<_> = (0..4)
+            .map(|r| host(if r < 2 { "host-a" } else { "host-b" }))
+            .collect();
+        let expect = vec![
+            vec!["Channel 00 : 0 -> 1 via SHM".to_string()],
+            vec![],
+            vec![],
+            vec![],
+        ];
         run_ranks(&common, &envs, &expect);
         eprintln!("tree_across_hosts_on_one_gpu: SHM chains, {proto} ok");
     }

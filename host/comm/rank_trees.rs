@@ -63,7 +63,12 @@ impl TreeMem {
 
     /// Zeroed host memory for NET FIFOs or staging: device-mapped on CUDA. The counters at
     /// `counters` (offsets) start at `step`.
-    fn host_block(ctx: Option<&Arc<cuda::Context>>, bytes: usize, counters: &[u64], step: u64) -> Result<TreeMem> {
+    fn host_block(
+        ctx: Option<&Arc<cuda::Context>>,
+        bytes: usize,
+        counters: &[u64],
+        step: u64,
+    ) -> Result<TreeMem> {
         let m = match ctx {
             None => TreeMem::Host(HostMem::zeroed(bytes)?),
             Some(ctx) => TreeMem::Mapped(cuda::HostMapped::zeroed(ctx, bytes)?),
@@ -222,7 +227,9 @@ pub(super) fn setup(s: &TreeSetup<'_>) -> Result<Option<RankTrees>> {
                     TreeMem::Dev(m)
                 }
                 (TransportKind::P2p, None) => {
-                    return Err(Error::Internal(format!("rank {me}: P2P chosen between CPU-target ranks")));
+                    return Err(Error::Internal(format!(
+                        "rank {me}: P2P chosen between CPU-target ranks"
+                    )));
                 }
                 (TransportKind::Shm, None) => {
                     let seg = crate::cpu::ShmSegment::create(&s.shm_name, bytes)?;
@@ -233,9 +240,13 @@ pub(super) fn setup(s: &TreeSetup<'_>) -> Result<Option<RankTrees>> {
                     desc = ConnDesc::Shm(s.shm_name.clone());
                     TreeMem::Shm(seg)
                 }
-                (TransportKind::Shm, Some(ctx)) => {
-                    TreeMem::ShmMapped(RegisteredShm::create_with(ctx, &s.shm_name, bytes, &counters, step)?)
-                }
+                (TransportKind::Shm, Some(ctx)) => TreeMem::ShmMapped(RegisteredShm::create_with(
+                    ctx,
+                    &s.shm_name,
+                    bytes,
+                    &counters,
+                    step,
+                )?),
                 (TransportKind::Net, ctx) => {
                     staging = Some(TreeMem::host_block(ctx, bytes, &counters, step)?);
                     let near = s.bootstrap.addrs().get(me).map(|a| a.ip());
@@ -257,7 +268,13 @@ pub(super) fn setup(s: &TreeSetup<'_>) -> Result<Option<RankTrees>> {
         None => "0".to_string(),
         Some(o) => format!("1\n{}", o.desc.encode()),
     };
-    let (offer, all) = allgather_checked(s.bootstrap, me, offer, record, "cannot set up its tree connections")?;
+    let (offer, all) = allgather_checked(
+        s.bootstrap,
+        me,
+        offer,
+        record,
+        "cannot set up its tree connections",
+    )?;
     let mut descs = Vec::with_capacity(nranks);
     for (r, b) in all.iter().enumerate() {
         let text = String::from_utf8_lossy(b);
@@ -379,8 +396,20 @@ pub(super) fn setup(s: &TreeSetup<'_>) -> Result<Option<RankTrees>> {
         let k = kind(me, p);
         let (lm, bm) = (layout_of(&trees, me, k), own(k).map_or(0, TreeMem::kernel));
         Ok(match k {
-            TransportKind::Net => net_tree_edge(c, &lm, bm, staging.as_ref().map_or(0, TreeMem::kernel), mine, step),
-            _ => shared_tree_edge(c, (&lm, bm, mine), (&layout_of(&trees, p, k), peer_base[p], theirs), step),
+            TransportKind::Net => net_tree_edge(
+                c,
+                &lm,
+                bm,
+                staging.as_ref().map_or(0, TreeMem::kernel),
+                mine,
+                step,
+            ),
+            _ => shared_tree_edge(
+                c,
+                (&lm, bm, mine),
+                (&layout_of(&trees, p, k), peer_base[p], theirs),
+                step,
+            ),
         })
     })?;
     for (c, t) in trees.iter().enumerate() {
@@ -438,7 +467,14 @@ pub(super) fn setup(s: &TreeSetup<'_>) -> Result<Option<RankTrees>> {
 /// that slot and is freed through the NET block's head (the proxy's credit); the receive
 /// connection reads the NET block's FIFOs and tail (the proxy fills them) and frees its slots
 /// through the staging block's head (the proxy reads it).
-fn net_tree_edge(c: usize, layout: &TreeLayout, own: u64, staging: u64, mine: usize, step: u64) -> (ConnInfo, ConnInfo) {
+fn net_tree_edge(
+    c: usize,
+    layout: &TreeLayout,
+    own: u64,
+    staging: u64,
+    mine: usize,
+    step: u64,
+) -> (ConnInfo, ConnInfo) {
     let (mut send, recv) = shared_tree_edge(c, (layout, own, mine), (layout, staging, mine), step);
     send.sizes = layout.tail(staging, c, mine) + STEP_SIZES_OFFSET;
     (send, recv)
@@ -492,7 +528,10 @@ mod tests {
         assert_eq!(host_chains(&peers, &rings), vec![vec![0, 4, 2], vec![1, 3]]);
         // One host: one chain (no trees).
         let one: Vec<PeerInfo> = (0..3).map(|_| peer("a")).collect();
-        assert_eq!(host_chains(&one, &ChannelRings::rank_order(3, 1)), vec![vec![0, 1, 2]]);
+        assert_eq!(
+            host_chains(&one, &ChannelRings::rank_order(3, 1)),
+            vec![vec![0, 1, 2]]
+        );
     }
 
     #[test]
