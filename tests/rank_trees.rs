@@ -41,6 +41,26 @@ fn tree_child_entry() {
     };
     let comm = Comm::init_rank(nranks, &id, rank, device).expect("init_rank");
     println!("MEM {}", comm.device_memory_bytes());
+    if std::env::var("OXCCL_TEST_TREE_ROLE").as_deref() == Ok("c15") {
+        // Case C15: AllReduce int32 count 4, rank r contributes r + 1.
+        let stream = device.new_stream().unwrap();
+        let buf = device.alloc(16).unwrap();
+        buf.write(0, &((rank + 1) as i32).to_ne_bytes().repeat(4))
+            .unwrap();
+        comm.all_reduce(&buf, &buf, 4, DataType::I32, RedOp::Sum, &stream)
+            .expect("all_reduce");
+        stream.synchronize().expect("synchronize");
+        let got: Vec<i32> = buf
+            .to_vec()
+            .unwrap()
+            .chunks(4)
+            .map(|c| i32::from_ne_bytes(c.try_into().unwrap()))
+            .collect();
+        println!("C15 {got:?} algo {:?}", comm.last_choice().map(|c| c.algo));
+        comm.destroy().expect("destroy");
+        println!("TREE-CHILD-OK rank {rank}");
+        return;
+    }
     if std::env::var("OXCCL_TEST_TREE_ROLE").as_deref() == Ok("choice") {
         match comm.choice_for(Func::AllReduce, 1 << 20, DataType::F32) {
             Ok(c) => println!("CHOICE {:?}", c.map(|c| c.algo)),
@@ -163,10 +183,10 @@ fn run_ranks(common: &[(&str, String)], envs: &[Vec<(&str, String)>], expect: &[
     if std::env::var("OXCCL_TEST_TREE_SHOW").is_ok() {
         eprintln!("{}", outs.join("\n----\n"));
     }
-    if envs.iter().any(|e| {
-        e.iter()
-            .any(|(k, v)| *k == "OXCCL_TEST_TREE_ROLE" && v == "choice")
-    }) {
+    if envs
+        .iter()
+        .any(|e| e.iter().any(|(k, _)| *k == "OXCCL_TEST_TREE_ROLE"))
+    {
         return outs;
     }
     let digest = |o: &String| o.lines().find(|l| l.starts_with("DIGEST")).map(str::to_string);
@@ -313,6 +333,32 @@ fn a_rank_excluding_the_tree_leaves_every_rank_without_trees() {
             mem(&with[r]),
             mem(&outs[r])
         );
+    }
+}
+
+#[test]
+fn c15_unequal_ranks_per_host_tree_and_ring() {
+    // Case C15: hosts with unequal rank counts (rank 0 on host A, ranks 1 and 2 on host B; and 7
+    // + 8 ranks): init completes, the chains differ in length, and AllReduce int32 count 4 of
+    // rank + 1 gives 1 + 2 + ... + n on every rank, on the tree (forced) and the ring.
+    for (hosts, algo) in [(vec![1, 2], "tree"), (vec![1, 2], "ring"), (vec![7, 8], "tree")] {
+        let n: usize = hosts.iter().sum();
+        let envs: Vec<Vec<(&str, String)>> = (0..n)
+            .map(|r| {
+                let mut e = host(if r < hosts[0] { "host-a" } else { "host-b" });
+                e.push(("OXCCL_TEST_TREE_ROLE", "c15".to_string()));
+                e.push(("NCCL_ALGO", algo.to_string()));
+                e
+            })
+            .collect();
+        let sum = (n * (n + 1) / 2) as i32;
+        let want = format!(
+            "C15 {:?} algo Some({})",
+            [sum; 4],
+            if algo == "tree" { "Tree" } else { "Ring" }
+        );
+        run_ranks(&[], &envs, &vec![vec![want]; n]);
+        eprintln!("c15: {hosts:?} {algo} ok");
     }
 }
 
