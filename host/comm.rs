@@ -3664,7 +3664,7 @@ impl Drop for Comm {
 mod init_rank_tests {
     use super::*;
 
-    fn cuda_peer(bus: &str, host: &str, pid: u32) -> PeerInfo {
+    pub(super) fn cuda_peer(bus: &str, host: &str, pid: u32) -> PeerInfo {
         PeerInfo {
             cuda: true,
             dev: 0,

@@ -499,24 +499,7 @@ mod tests {
     use super::*;
 
     fn peer(host: &str) -> PeerInfo {
-        PeerInfo {
-            cuda: false,
-            dev: 0,
-            bus_id: String::new(),
-            host: host.into(),
-            host_hash: fnv64(host.as_bytes()),
-            pid: 1,
-            start_time: 0,
-            p2p_disable: false,
-            shm_disable: false,
-            p2p_level: None,
-            p2p_denied: Vec::new(),
-            shm_name: String::new(),
-            nch: 1,
-            conn_bytes: 0,
-            conn: ConnDesc::Shm(String::new()),
-            abort_page: String::new(),
-        }
+        super::super::init_rank_tests::cuda_peer("0000:01:00.0", host, 1)
     }
 
     #[test]

@@ -591,20 +591,17 @@ pub unsafe fn connect_planned(
                 got.len()
             ))
         })?;
-        let deadline = Instant::now() + timeout;
-        let mut comm = loop {
-            if let Some(comm) = net.connect(0, &h)? {
-                break comm;
-            }
-            if Instant::now() > deadline {
-                return Err(Error::Timeout(format!(
+        let mut comm = poll_setup(
+            timeout,
+            || net.connect(0, &h),
+            || {
+                format!(
                     "rank {rank}: NET/{}: connecting channel {c} to rank {peer} took more than {:.1} s",
                     net.name(),
                     timeout.as_secs_f64()
-                )));
-            }
-            std::thread::sleep(SETUP_POLL);
-        };
+                )
+            },
+        )?;
         // SAFETY: the region stays valid until the proxy closed the connection (contract).
         unsafe { net.reg_mr_send(&mut comm, p.region.0 as *const u8, p.region.1)? };
         send_comms.push((p.spec, comm));
@@ -612,20 +609,17 @@ pub unsafe fn connect_planned(
     let mut recv_comms = Vec::with_capacity(recvs.len());
     for (p, mut l) in recvs.into_iter().zip(listens) {
         let (peer, c) = (p.spec.peer, p.spec.channel);
-        let deadline = Instant::now() + timeout;
-        let mut comm = loop {
-            if let Some(comm) = net.accept(&mut l)? {
-                break comm;
-            }
-            if Instant::now() > deadline {
-                return Err(Error::Timeout(format!(
+        let mut comm = poll_setup(
+            timeout,
+            || net.accept(&mut l),
+            || {
+                format!(
                     "rank {rank}: NET/{}: rank {peer} did not connect channel {c} within {:.1} s",
                     net.name(),
                     timeout.as_secs_f64()
-                )));
-            }
-            std::thread::sleep(SETUP_POLL);
-        };
+                )
+            },
+        )?;
         net.close_listen(l)?;
         // SAFETY: as above, for the region the proxy receives into.
         unsafe { net.reg_mr_recv(&mut comm, p.region.0 as *mut u8, p.region.1)? };
@@ -645,6 +639,26 @@ pub unsafe fn connect_planned(
     // SAFETY: the FIFOs, counters and abort addresses stay valid until the handle is dropped
     // (caller's contract).
     unsafe { crate::proxy::register(device, comm) }
+}
+
+/// Calls `attempt` every [`SETUP_POLL`] until it gives a value, for at most `timeout`; then
+/// `Timeout` with the message `late()` (a connect or accept that never completes). Errors of
+/// `attempt` return at once.
+fn poll_setup<T>(
+    timeout: Duration,
+    mut attempt: impl FnMut() -> Result<Option<T>>,
+    late: impl FnOnce() -> String,
+) -> Result<T> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = attempt()? {
+            return Ok(v);
+        }
+        if Instant::now() > deadline {
+            return Err(Error::Timeout(late()));
+        }
+        std::thread::sleep(SETUP_POLL);
+    }
 }
 
 impl NetResources {
