@@ -563,13 +563,14 @@ impl Comm {
         phases.mark("settings, device context and topology hook");
         let bootstrap = crate::bootstrap::Bootstrap::init(id, rank, nranks)?;
         phases.mark("bootstrap ring");
-        let ((params, mut selection, ctx, _near), _) = allgather_checked(
+        let ((params, mut selection, ctx, _near), all) = allgather_checked(
             &bootstrap,
             rank,
             local,
-            |_| String::new(),
+            |(p, s, _, _)| plan_settings(p, s),
             "cannot initialize (its settings or device)",
         )?;
+        check_plan_settings(rank, &all)?;
         let default_nch = if is_cuda {
             CUDA_DEFAULT_NCHANNELS
         } else {
@@ -938,7 +939,7 @@ impl Comm {
             links: Mutex::new(links),
             _host_conns: host_conns,
             _tree_mem: tree_mem,
-            _watched: watched,
+            watched: Mutex::new(watched),
             abort,
             synced: std::sync::atomic::AtomicBool::new(false),
             bootstrap,
@@ -1191,7 +1192,7 @@ impl Comm {
 
     /// The error this communicator has met outside any call (NCCL's `ncclCommGetAsyncError`):
     /// `Ok(())` while healthy; `Remote` once another rank aborted (naming it when known) or, for
-    /// [`Comm::init_rank`], once a peer process of this host has exited; `InvalidUsage` after
+    /// [`Comm::init_rank`], once a peer process of this host has exited before teardown ([`Comm::finalize`]); `InvalidUsage` after
     /// this rank's own abort; `Cuda` when a kernel of this rank failed. Cheap enough to poll while
     /// waiting for a stream. After an error, [`abort`](Comm::abort) the communicator.
     pub fn get_async_error(&self) -> Result<()> {
@@ -1220,8 +1221,9 @@ impl Comm {
             res.last_event.is_complete()?;
         }
         match self.init_rank_res() {
-            Some(mp) => mp.check_peers_alive(),
-            None => Ok(()),
+            // After teardown (finalize) peers exit when they like.
+            Some(mp) if !mp.synced.load(Ordering::Acquire) => mp.check_peers_alive(),
+            _ => Ok(()),
         }
     }
 
@@ -2084,7 +2086,7 @@ fn check_peers(rank: usize, peers: &[PeerInfo]) -> Result<()> {
         if (pa.nch, pa.conn_bytes) != (me.nch, me.conn_bytes) {
             return Err(Error::InvalidUsage(format!(
                 "rank {a} set up {} channels with {} bytes of connection memory but rank {rank} {} channels with {} bytes: \
-                 NCCL_MAX_NCHANNELS, NCCL_BUFFSIZE and NCCL_LL_BUFFSIZE must be the same on every rank",
+                 NCCL_MAX_NCHANNELS, NCCL_BUFFSIZE, NCCL_LL_BUFFSIZE and NCCL_LL128_BUFFSIZE must be the same on every rank",
                 pa.nch, pa.conn_bytes, me.nch, me.conn_bytes
             )));
         }
@@ -2822,8 +2824,10 @@ struct InitRankRes {
     /// staging its proxy uses, its `DevTree` array), freed after the teardown barrier.
     _tree_mem: Vec<rank_trees::TreeMem>,
     /// The watch over the host's other rank processes (`crate::liveness`); declared before
-    /// `abort`, whose page it writes, so it stops first.
-    _watched: Option<crate::liveness::Watched>,
+    /// `abort`, whose page it writes, so it stops first. Stopped at teardown
+    /// ([`InitRankRes::sync_teardown`]): once this rank's operations are done, a peer process
+    /// that exits is the normal end of the job, not a failure.
+    watched: Mutex<Option<crate::liveness::Watched>>,
     abort: SharedAbort,
     /// Set once the ranks have synchronized for teardown ([`InitRankRes::sync_teardown`]).
     synced: std::sync::atomic::AtomicBool,
@@ -2843,6 +2847,9 @@ impl InitRankRes {
         if self.synced.swap(true, Ordering::AcqRel) {
             return Ok(());
         }
+        // This rank's operations are done: peers may now exit at any time (after their own
+        // teardown), which is no failure.
+        drop(self.watched.lock().unwrap_or_else(|p| p.into_inner()).take());
         let (net, mapped): (Vec<PeerLink>, Vec<PeerLink>) =
             std::mem::take(&mut *self.links.lock().unwrap_or_else(|p| p.into_inner()))
                 .into_iter()
@@ -3111,6 +3118,66 @@ fn channel_trees(
     Ok((0..nch)
         .map(|c| if c % 2 == 0 { t0.clone() } else { t1.clone() })
         .collect())
+}
+
+/// The settings that decide how each call runs and must therefore be the same on every rank
+/// (NCCL requires it; a rank planning another protocol, algorithm or channel count than its peers
+/// waits for them forever): one `NAME=value` line each, in a fixed order, from the parsed values
+/// (so `LL,Simple` and `Simple,LL` agree).
+fn plan_settings(p: &Params, s: &Selection) -> String {
+    let names = |v: &[bool], all: &[&str]| -> String {
+        let on: Vec<&str> = all.iter().zip(v).filter(|(_, b)| **b).map(|(n, _)| *n).collect();
+        format!("{{{}}}", on.join(","))
+    };
+    let opt = |v: Option<u32>| v.map_or("unset".to_string(), |v| v.to_string());
+    [
+        (
+            "NCCL_PROTO",
+            names(
+                &s.protos.0,
+                &[Proto::Ll.name(), Proto::Ll128.name(), Proto::Simple.name()],
+            ),
+        ),
+        (
+            "NCCL_ALGO",
+            names(&s.algos.0, &[Algo::Tree.name(), Algo::Ring.name()]),
+        ),
+        ("NCCL_MIN_NCHANNELS", opt(p.min_nchannels)),
+        ("NCCL_MAX_NCHANNELS", opt(p.max_nchannels)),
+        ("NCCL_NTHREADS", p.nthreads.to_string()),
+        ("NCCL_BUFFSIZE", p.buffsize.to_string()),
+        ("NCCL_LL_BUFFSIZE", p.ll_buffsize.to_string()),
+        ("NCCL_LL128_BUFFSIZE", p.ll128_buffsize.to_string()),
+        ("OXCCL_TEST_INITIAL_STEP", p.initial_step.to_string()),
+    ]
+    .iter()
+    .map(|(k, v)| format!("{k}={v}"))
+    .collect::<Vec<_>>()
+    .join("\n")
+}
+
+/// Compares every rank's [`plan_settings`] record (`all`, by rank) with this rank's: the first
+/// setting that differs fails init on every rank alike with `InvalidUsage` naming the variable,
+/// the lowest rank whose value differs from rank 0's, and both values.
+fn check_plan_settings(rank: usize, all: &[Vec<u8>]) -> Result<()> {
+    let lines =
+        |b: &[u8]| -> Vec<String> { String::from_utf8_lossy(b).lines().map(str::to_string).collect() };
+    let Some(first) = all.first().map(|b| lines(b)) else {
+        return Ok(());
+    };
+    for (r, b) in all.iter().enumerate().skip(1) {
+        let other = lines(b);
+        if let Some((a, o)) = first.iter().zip(&other).find(|(a, o)| a != o) {
+            let (name, v0) = a.split_once('=').unwrap_or((a.as_str(), ""));
+            let v = o.split_once('=').map_or(o.as_str(), |(_, v)| v);
+            return Err(Error::InvalidUsage(format!(
+                "rank {rank}: {name} differs across ranks: rank 0 has {v0}, rank {r} has {v} \
+                 (also spelled OXCCL_{}; every rank must set the same value)",
+                name.trim_start_matches("NCCL_").trim_start_matches("OXCCL_")
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Prefix of a rank's record in an `init_rank` all-gather when that rank failed (its error follows).

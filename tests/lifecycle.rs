@@ -502,9 +502,10 @@ fn init_errors_across_processes() {
     ]);
     for (r, line) in out.iter().enumerate() {
         assert!(
-            line.starts_with("INIT-ERR InvalidUsage: invalid usage: rank ")
+            line.starts_with(&format!("INIT-ERR InvalidUsage: invalid usage: rank {r}: "))
                 && line.contains(
-                    "NCCL_MAX_NCHANNELS, NCCL_BUFFSIZE and NCCL_LL_BUFFSIZE must be the same on every rank"
+                    "NCCL_BUFFSIZE differs across ranks: rank 0 has 1048576, rank 1 has 2097152 \
+                     (also spelled OXCCL_BUFFSIZE; every rank must set the same value)"
                 ),
             "rank {r}: {line}"
         );
@@ -512,6 +513,68 @@ fn init_errors_across_processes() {
     // Control: the same environment everywhere works.
     let out = init_processes(&[vec![], vec![], vec![]]);
     assert_eq!(out, ["INIT-OK", "INIT-OK", "INIT-OK"]);
+}
+
+#[test]
+fn settings_that_decide_each_call_must_agree_across_ranks() {
+    // A rank planning another protocol, algorithm or channel count than its peers would wait for
+    // them forever; FIFO sizes that differ with the same total would pass the size check and
+    // corrupt: each is refused at init, on every rank, naming the variable and both values. The
+    // same value spelled differently (list order, OXCCL_ spelling) agrees.
+    let cases: [(&str, Vec<Vec<(&str, String)>>, &str); 5] = [
+        (
+            "NCCL_PROTO",
+            vec![vec![("NCCL_PROTO", "LL".into())], vec![], vec![]],
+            "NCCL_PROTO differs across ranks: rank 0 has {LL}, rank 1 has {LL,LL128,Simple}",
+        ),
+        (
+            "NCCL_ALGO",
+            vec![vec![], vec![], vec![("NCCL_ALGO", "ring".into())]],
+            "NCCL_ALGO differs across ranks: rank 0 has {tree,ring}, rank 2 has {ring}",
+        ),
+        (
+            "NCCL_MIN_NCHANNELS",
+            vec![vec![], vec![("OXCCL_MIN_NCHANNELS", "2".into())], vec![]],
+            "NCCL_MIN_NCHANNELS differs across ranks: rank 0 has unset, rank 1 has 2",
+        ),
+        (
+            "NCCL_LL_BUFFSIZE with the same total",
+            vec![
+                vec![],
+                vec![
+                    ("NCCL_BUFFSIZE", format!("{}", 4194304 + 16384)),
+                    ("NCCL_LL_BUFFSIZE", format!("{}", 524288 - 16384)),
+                ],
+                vec![],
+            ],
+            "NCCL_BUFFSIZE differs across ranks: rank 0 has 4194304, rank 1 has 4210688",
+        ),
+        (
+            "OXCCL_TEST_INITIAL_STEP",
+            vec![
+                vec![("OXCCL_TEST_INITIAL_STEP", "4294967000".into())],
+                vec![],
+                vec![],
+            ],
+            "OXCCL_TEST_INITIAL_STEP differs across ranks: rank 0 has 4294967000, rank 1 has 0",
+        ),
+    ];
+    for (what, envs, want) in cases {
+        let out = init_processes(&envs);
+        for (r, line) in out.iter().enumerate() {
+            assert!(
+                line.starts_with(&format!(
+                    "INIT-ERR InvalidUsage: invalid usage: rank {r}: {want} "
+                )),
+                "{what}: rank {r}: {line}"
+            );
+        }
+    }
+    let same = vec![
+        vec![("NCCL_PROTO", "Simple,LL".to_string())],
+        vec![("OXCCL_PROTO", "ll,simple".to_string())],
+    ];
+    assert_eq!(init_processes(&same), ["INIT-OK", "INIT-OK"]);
 }
 
 #[test]
