@@ -1192,9 +1192,10 @@ impl Comm {
 
     /// The error this communicator has met outside any call (NCCL's `ncclCommGetAsyncError`):
     /// `Ok(())` while healthy; `Remote` once another rank aborted (naming it when known) or, for
-    /// [`Comm::init_rank`], once a peer process of this host has exited before teardown ([`Comm::finalize`]); `InvalidUsage` after
-    /// this rank's own abort; `Cuda` when a kernel of this rank failed. Cheap enough to poll while
-    /// waiting for a stream. After an error, [`abort`](Comm::abort) the communicator.
+    /// [`Comm::init_rank`], once a peer process of this host has exited before teardown
+    /// ([`Comm::finalize`]); `InvalidUsage` after this rank's own abort; `Cuda` when a kernel of
+    /// this rank failed. Cheap enough to poll while waiting for a stream. After an error,
+    /// [`abort`](Comm::abort) the communicator.
     pub fn get_async_error(&self) -> Result<()> {
         match self.flag_state() {
             0 => {}
