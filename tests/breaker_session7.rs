@@ -850,8 +850,8 @@ fn b7_c11_flag_wrap_tree_across_two_hosts() {
 #[test]
 fn b7_c11_flag_wrap_with_the_tuner_switching_protocols() {
     // NCCL_PROTO lists every protocol (which enables LL128 over host memory too): counts 2 ..
-    // 600 000 u32 make the tuner pick LL, LL128 and Simple (and 1 or 2 channels) in turn on the same tree connections
-    // while their steps cross the LL flag period and 2^32.
+    // 600 000 u32 make the tuner pick LL, LL128 and Simple (and 1 or 2 channels) in turn on the
+    // same tree connections while their steps cross the LL flag period and 2^32.
     let p = (1u64 << 31) - 1;
     for start in [p - 30, (1u64 << 32) - 30] {
         let common = kv(&[
@@ -1342,10 +1342,11 @@ fn b7_c29_kill_a_rank_while_tree_loops_across_hosts() {
 // ---------------------------------------------------------------------------------------------
 // 6. Settings that differ across ranks.
 
-// FAILS: NCCL_LL128_BUFFSIZE differing on one rank is refused (good: InvalidUsage on every rank,
-// no hang), but the message names "NCCL_MAX_NCHANNELS, NCCL_BUFFSIZE and NCCL_LL_BUFFSIZE" only,
-// never the variable that differs (host/comm.rs check_peers: conn_bytes includes the LL128 FIFOs
-// but the message's list omits NCCL_LL128_BUFFSIZE). The other three variables pass.
+// FAILED at 934c32e (passes since 6266d01, which fixed it): NCCL_LL128_BUFFSIZE differing on one rank is
+// refused (good: InvalidUsage on every rank, no hang), but the message names "NCCL_MAX_NCHANNELS,
+// NCCL_BUFFSIZE and NCCL_LL_BUFFSIZE" only, never the variable that differs (host/comm.rs check_peers:
+// conn_bytes includes the LL128 FIFOs but the message's list omits NCCL_LL128_BUFFSIZE). The other three
+// variables pass.
 #[test]
 fn b7_mismatched_buffer_sizes_fail_init_on_every_rank() {
     // Hosts A {0, 1}, B {2, 3}; rank 3 alone sets a different FIFO size (the tree edges to rank 3
@@ -1381,12 +1382,12 @@ fn b7_mismatched_buffer_sizes_fail_init_on_every_rank() {
     );
 }
 
-// FAILS: every case hangs on every rank (still running at the deadline, no error): NCCL_PROTO,
-// NCCL_ALGO and NCCL_MIN_NCHANNELS are read per rank (Comm::init_rank's `local` closure:
-// Selection::from_env, Params::from_env) and all-gathered only to report errors, never
-// compared, so `Comm::plan` picks a different protocol / algorithm / channel count on one rank
-// and the kernels wait for each other forever. Not specific to trees (a one-host ring with
-// NCCL_PROTO=LL on one rank and Simple on the others hangs the same way).
+// FAILED at 934c32e (passes since 6266d01, which fixed it): every case hangs on every rank (still running at
+// the deadline, no error): NCCL_PROTO, NCCL_ALGO and NCCL_MIN_NCHANNELS are read per rank (Comm::init_rank's
+// `local` closure: Selection::from_env, Params::from_env) and all-gathered only to report errors, never
+// compared, so `Comm::plan` picks a different protocol / algorithm / channel count on one rank and the
+// kernels wait for each other forever. Not specific to trees (a one-host ring with NCCL_PROTO=LL on one rank
+// and Simple on the others hangs the same way).
 #[test]
 fn b7_mismatched_call_settings_fail_or_agree_never_hang() {
     // Settings read per rank that decide each call's plan: one rank alone sets a different
@@ -1575,13 +1576,13 @@ fn b7_tree_on_per_channel_rings_across_hosts() {
 // ---------------------------------------------------------------------------------------------
 // 8. Teardown.
 
-// FAILS: after every rank's finalize returned Ok, rank 0's get_async_error reports "remote error:
-// rank 0: rank 1 of this communicator aborted" and the liveness watch logs "ERROR peer rank 1
-// (process …) has exited; aborting the communicator", because the watch (host/liveness.rs,
-// registered as InitRankRes::_watched) stays armed after the teardown barrier of finalize /
-// destroy (InitRankRes::sync_teardown) and a host peer exiting normally afterwards raises the
-// host's abort flags. The same spurious ERROR line shows up at random in clean runs, while a
-// rank's destroy is still closing its NET connections after the barrier.
+// FAILED at 934c32e (passes since 6266d01, which fixed it): after every rank's finalize returned Ok, rank
+// 0's get_async_error reports "remote error: rank 0: rank 1 of this communicator aborted" and the liveness
+// watch logs "ERROR peer rank 1 (process …) has exited; aborting the communicator", because the watch
+// (host/liveness.rs, registered as InitRankRes::_watched) stays armed after the teardown barrier of finalize
+// / destroy (InitRankRes::sync_teardown) and a host peer exiting normally afterwards raises the host's abort
+// flags. The same spurious ERROR line shows up at random in clean runs, while a rank's destroy is still
+// closing its NET connections after the barrier.
 #[test]
 fn b7_peer_exiting_after_finalize_is_no_error() {
     // Hosts A {0, 1, 2}, B {3}; tree AllReduce, then every rank finalizes (the collective
