@@ -646,7 +646,8 @@ impl Comm {
                         .transpose()
                 })
                 .collect::<Result<_>>()?;
-            comm_rings(&infos, nranks, nch)?
+            let hosts: Vec<&str> = peers.iter().map(|p| p.host.as_str()).collect();
+            comm_rings(&infos, nranks, nch)?.grouped_by_host(&hosts)?
         };
         // The tuning model's fabric, from every ring pair of every channel (so all ranks agree).
         let fabric = if is_cuda {

@@ -1148,8 +1148,9 @@ fn b7_c15_unequal_non_contiguous_hosts_and_shm_disable() {
             common.push(("OXCCL_B7_COUNTS", "1,1001,40000".to_string()));
             let outs = must_pass(&format!("c15 {what} {proto}"), "ar", &common, envs, SECS(60));
             if *what == "abab" {
-                // Every ring edge crosses hosts (NET); the tree chains 0-2 and 1-3 are SHM edges
-                // between ranks that are no ring neighbours.
+                // The ring visits each host's ranks together (0 2 1 3, as NCCL's rings visit a
+                // node's GPUs together): 0 -> 2 and 1 -> 3 over SHM, 2 -> 1 and 3 -> 0 over NET;
+                // the tree chains are 0-2 and 1-3.
                 let want = [
                     "Trees [0] 2/1/-1->0->-1",
                     "Trees [0] 3/-1/-1->1->0",
@@ -1158,7 +1159,8 @@ fn b7_c15_unequal_non_contiguous_hosts_and_shm_disable() {
                 ];
                 for (r, w) in want.iter().enumerate() {
                     assert!(outs[r].contains(w), "abab: rank {r}: no {w:?} in\n{}", outs[r]);
-                    let ring = format!("Channel 00 : {r} -> {} via NET", (r + 1) % 4);
+                    let (next, via) = [(2, "SHM"), (3, "SHM"), (1, "NET"), (0, "NET")][r];
+                    let ring = format!("Channel 00 : {r} -> {next} via {via}");
                     assert!(outs[r].contains(&ring), "abab: rank {r}: no {ring:?}");
                 }
             }

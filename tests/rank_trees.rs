@@ -286,25 +286,19 @@ fn tree_with_three_children_and_net_inside_a_host() {
 }
 
 #[test]
-fn a_rank_excluding_the_tree_leaves_every_rank_without_trees() {
-    // Two hosts; rank 0 sets NCCL_ALGO=ring, the others NCCL_ALGO=tree: the ranks agree on no
-    // trees (no hang, no partial setup), so the others' tree-only AllReduce is refused naming why,
-    // and their connection memory is that of the rings alone.
+fn ranks_excluding_the_tree_set_up_none() {
+    // Two hosts, NCCL_ALGO=ring on every rank: no trees are set up (no tree FIFOs, no NET tree
+    // connections), the ring runs. (NCCL_ALGO differing across ranks fails init naming it:
+    // tests/lifecycle.rs.)
     let envs: Vec<Vec<(&str, String)>> = (0..4)
         .map(|r| {
             let mut e = host(if r < 2 { "host-a" } else { "host-b" });
             e.push(("OXCCL_TEST_TREE_ROLE", "choice".to_string()));
-            e.push(("NCCL_ALGO", if r == 0 { "ring" } else { "tree" }.to_string()));
+            e.push(("NCCL_ALGO", "ring".to_string()));
             e
         })
         .collect();
-    let mut expect = vec![vec!["CHOICE Some(Ring)".to_string()]];
-    for _ in 1..4 {
-        expect.push(vec![
-            "CHOICE-ERR invalid argument: no algorithm/protocol available for allreduce".to_string(),
-            "none of which excludes the tree in NCCL_ALGO".to_string(),
-        ]);
-    }
+    let expect = vec![vec!["CHOICE Some(Ring)".to_string()]; 4];
     let outs = run_ranks(&[], &envs, &expect);
     assert!(
         outs.iter().all(|o| !o.contains("Trees [")),

@@ -339,6 +339,31 @@ impl ChannelRings {
         Ok(())
     }
 
+    /// These rings, unless they are rank order and the ranks of a host are not contiguous: then
+    /// one ring through each host's ranks in rank order, the hosts in the order of their lowest
+    /// rank, on every channel (NCCL's rings visit a node's GPUs together, so a ring crosses
+    /// between hosts once per host rather than at every rank of interleaved hosts). `hosts[r]` is
+    /// rank `r`'s host id. Rank order is what a communicator without topology information gets
+    /// ([`ChannelRings::rank_order`]); searched rings are already grouped by node. Errors: as
+    /// [`ChannelRings::new`] (`hosts` must name every rank).
+    pub fn grouped_by_host(self, hosts: &[&str]) -> Result<ChannelRings> {
+        let n = self.nranks();
+        if !self.is_rank_order() || hosts.len() != n {
+            return Ok(self);
+        }
+        let contiguous = (1..n).all(|r| hosts[r] == hosts[r - 1] || !hosts[..r - 1].contains(&hosts[r]));
+        if contiguous {
+            return Ok(self);
+        }
+        let mut order = Vec::with_capacity(n);
+        for r in 0..n {
+            if !order.contains(&r) {
+                order.extend((r..n).filter(|&q| hosts[q] == hosts[r]));
+            }
+        }
+        ChannelRings::new(vec![order; self.nchannels()], n)
+    }
+
     /// Number of channels.
     pub fn nchannels(&self) -> usize {
         self.rings.len()
@@ -411,6 +436,25 @@ mod tests {
             type_inter: te,
             cross_nic: cross,
         }
+    }
+
+    #[test]
+    fn rank_order_is_grouped_by_host_when_hosts_interleave() {
+        // Hosts a b a b c b: one ring 0 2 1 3 5 4 on every channel (host a, then b, then c).
+        let hosts = ["a", "b", "a", "b", "c", "b"];
+        let g = ChannelRings::rank_order(6, 2).grouped_by_host(&hosts).unwrap();
+        for c in 0..2 {
+            assert_eq!(g.ring(c), [0, 2, 1, 3, 5, 4]);
+        }
+        assert_eq!((g.next(0, 2), g.prev(0, 0)), (1, 4));
+        // Contiguous hosts, or rings not in rank order (searched, already grouped): unchanged.
+        let same = ChannelRings::rank_order(4, 1)
+            .grouped_by_host(&["a", "a", "b", "b"])
+            .unwrap();
+        assert!(same.is_rank_order());
+        let searched = ChannelRings::new(vec![vec![0, 2, 1, 3]], 4).unwrap();
+        let kept = searched.clone().grouped_by_host(&["a", "b", "b", "a"]).unwrap();
+        assert_eq!(kept.ring(0), searched.ring(0));
     }
 
     #[test]
