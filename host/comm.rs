@@ -882,21 +882,35 @@ impl Comm {
                 }
             }
         }
-        // LL128 trusts 128-byte lines to arrive whole, which NVLink gives and host memory (SHM,
-        // NET without GPUDirect) does not: as NCCL's tuning, it is off on such communicators
-        // unless NCCL_PROTO names it. Decided from every ring pair, so all ranks agree.
+        // LL128 trusts a 128-byte line to arrive whole, which NVLink gives and host memory (SHM,
+        // NET without GPUDirect) does not: a GPU's line can land in two halves, the flag's first
+        // (seen on H200: tree LL128 over NET, 64 bytes of a line wrong). So on GPUs whose ring or
+        // tree connections go through host memory LL128 is off, also when NCCL_PROTO names it
+        // (NCCL then runs it at the risk of silent corruption; oxccl does not). Decided from
+        // every pair, and NCCL_PROTO agrees on every rank, so all ranks agree.
         let host_path = tree_host_path
             || (0..nranks).any(|a| {
                 peers[a].cuda
                     && (0..nch as usize)
                         .any(|c| ring_transport(&peers, a, rings.next(c, a)) != TransportKind::P2p)
             });
-        if host_path && !ll128_forced() {
+        if host_path && selection.protos.0[Proto::Ll128 as usize] {
             let mut protos = selection.protos.0;
             protos[Proto::Ll128 as usize] = false;
-            if protos.iter().any(|&b| b) {
-                selection.protos.0 = protos;
-                tracing::info!(target: "oxccl::init", rank, "LL128 off: ring connections through host memory (SHM/NET); NCCL_PROTO=LL128 forces it");
+            let (var, value) =
+                crate::params::env_var("PROTO").unwrap_or(("NCCL_PROTO".into(), String::new()));
+            if !protos.iter().any(|&b| b) {
+                return Err(Error::invalid(format!(
+                    "{var}={value:?}: LL128 cannot run on this communicator: its GPU connections go \
+                     through host memory (SHM or NET), where 128-byte lines can arrive torn \
+                     (accepted here: LL, Simple)"
+                )));
+            }
+            selection.protos.0 = protos;
+            if ll128_forced() {
+                tracing::warn!(target: "oxccl::init", rank, "{var}={value:?} names LL128, which is off on this communicator: its GPU connections go through host memory (SHM/NET), where 128-byte lines can arrive torn");
+            } else {
+                tracing::info!(target: "oxccl::init", rank, "LL128 off: GPU connections through host memory (SHM/NET)");
             }
         }
         phases.mark("connections (P2P/SHM/NET)");
@@ -2131,7 +2145,8 @@ fn ring_transport(peers: &[PeerInfo], a: usize, b: usize) -> crate::transport::T
 }
 
 /// Whether `NCCL_PROTO` (or `OXCCL_PROTO`) names LL128 in a list of protocols to use (not in an
-/// exclusion list): NCCL then enables LL128 even where it is off by default.
+/// exclusion list): NCCL then enables LL128 even where it is off by default; oxccl still keeps it
+/// off through host memory on GPUs, and says so with a warning.
 fn ll128_forced() -> bool {
     ll128_forced_by(crate::params::env_var("PROTO").map(|(_, v)| v).as_deref())
 }

@@ -116,7 +116,7 @@ pub(super) struct RankTrees {
     pub links: Vec<PeerLink>,
     /// The memory it owns, to be freed only after the teardown barrier.
     pub mem: Vec<TreeMem>,
-    /// Some tree edge goes through host memory (SHM or NET): LL128 is then off unless forced, as
+    /// Some tree edge between GPUs goes through host memory (SHM or NET): LL128 is then off, as
     /// for such rings.
     pub host_path: bool,
 }
@@ -438,9 +438,10 @@ pub(super) fn setup(s: &TreeSetup<'_>) -> Result<Option<RankTrees>> {
         own_bytes += net_layout.bytes();
     }
     let host_path = (0..nranks).any(|r| {
-        trees
-            .iter()
-            .any(|t| tree_peers(&t[r]).any(|p| kind(r, p) != TransportKind::P2p))
+        s.peers[r].cuda
+            && trees
+                .iter()
+                .any(|t| tree_peers(&t[r]).any(|p| kind(r, p) != TransportKind::P2p))
     });
     let shape = TreeShape {
         nnodes: chains.len(),
