@@ -4,7 +4,9 @@
 //! exact results in and out of place, guards untouched and every rank's result bitwise equal.
 //!
 //! The CPU-target tests run in CI. `tree_across_hosts_on_one_gpu` runs the CUDA kernels the same
-//! way, every rank on GPU 0 (prints SKIPPED without a GPU).
+//! way, every rank on GPU 0, on LL and Simple; `gpu_ll128_through_host_memory_is_refused_and_shm_chains_work`
+//! checks that GPUs never run LL128 through host memory and runs SHM chains (both print SKIPPED
+//! without a GPU).
 //!
 //! Every test launches this binary again as child ranks (`tree_child_entry`).
 mod common;
