@@ -779,6 +779,15 @@ fn must_pass(what: &str, role: &str, common: &Env, envs: &[Env], limit: Duration
     outs.into_iter().map(|(_, o)| o).collect()
 }
 
+/// The number before a line's last word (`... 123 ms`), `u64::MAX` when there is none: how long a
+/// child says a step took.
+fn millis_before_unit(line: &str) -> u64 {
+    line.rsplit(' ')
+        .nth(1)
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(u64::MAX)
+}
+
 fn hosts(names: &[&str]) -> Vec<Env> {
     names
         .iter()
@@ -1245,11 +1254,7 @@ fn survivors_exit(
             .lines()
             .find(|l| l.starts_with("FINAL-ABORT"))
             .unwrap_or_default();
-        let ms: u64 = fin
-            .rsplit(' ')
-            .nth(1)
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(u64::MAX);
+        let ms = millis_before_unit(fin);
         assert!(
             fin.starts_with("FINAL-ABORT Ok(())") && ms <= 5000,
             "{what}: rank {r}: {fin}"
@@ -1304,11 +1309,7 @@ fn b7_c28_abort_from_another_thread_while_tree_loops_across_hosts() {
                 .lines()
                 .find(|l| l.starts_with("ABORT-RETURNED"))
                 .unwrap_or_default();
-            let ms: u64 = ab
-                .rsplit(' ')
-                .nth(1)
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(u64::MAX);
+            let ms = millis_before_unit(ab);
             assert!(
                 ab.starts_with(&format!("ABORT-RETURNED rank {r} Ok(())")) && ms <= 5000,
                 "c28 all {proto}: rank {r}: {ab}\n{out}"
@@ -1800,11 +1801,7 @@ fn b7_rank_vanishing_before_teardown_leaves_no_one_stuck() {
                 .lines()
                 .find(|l| l.starts_with("FINALIZE"))
                 .unwrap_or_default();
-            let ms: u64 = fin
-                .rsplit(' ')
-                .nth(1)
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(u64::MAX);
+            let ms = millis_before_unit(fin);
             assert!(
                 *ok && fin.starts_with("FINALIZE ") && ms < 12_000 && out.contains("DESTROY "),
                 "victim {victim}: rank {r}: {fin}\n{out}"

@@ -238,6 +238,17 @@ fn host(h: &str) -> Vec<(&'static str, String)> {
     vec![("OXCCL_HOSTID", h.to_string())]
 }
 
+/// Four ranks on two hosts (0, 1 on host-a; 2, 3 on host-b), each also with `extra`.
+fn two_hosts(extra: &[(&'static str, &str)]) -> Vec<Vec<(&'static str, String)>> {
+    (0..4)
+        .map(|r| {
+            let mut e = host(if r < 2 { "host-a" } else { "host-b" });
+            e.extend(extra.iter().map(|(k, v)| (*k, v.to_string())));
+            e
+        })
+        .collect()
+}
+
 #[test]
 fn tree_across_two_hosts_every_protocol() {
     // Hosts A (ranks 0, 1) and B (ranks 2, 3): chains 0-1 and 2-3 over SHM, 0 and 2 joined over
@@ -246,9 +257,7 @@ fn tree_across_two_hosts_every_protocol() {
     for proto in ["LL", "LL128", "Simple"] {
         let mut common = small_fifos(proto);
         common.push(("OXCCL_TEST_TREE_DTYPES", "int32,float,half,int8".to_string()));
-        let envs: Vec<_> = (0..4)
-            .map(|r| host(if r < 2 { "host-a" } else { "host-b" }))
-            .collect();
+        let envs = two_hosts(&[]);
         let expect = vec![
             vec![
                 "Trees [0] 1/2/-1->0->-1".to_string(),
@@ -311,14 +320,7 @@ fn ranks_excluding_the_tree_set_up_none() {
     // Two hosts, NCCL_ALGO=ring on every rank: no trees are set up (no tree FIFOs, no NET tree
     // connections), the ring runs. (NCCL_ALGO differing across ranks fails init naming it:
     // tests/lifecycle.rs.)
-    let envs: Vec<Vec<(&str, String)>> = (0..4)
-        .map(|r| {
-            let mut e = host(if r < 2 { "host-a" } else { "host-b" });
-            e.push(("OXCCL_TEST_TREE_ROLE", "choice".to_string()));
-            e.push(("NCCL_ALGO", "ring".to_string()));
-            e
-        })
-        .collect();
+    let envs = two_hosts(&[("OXCCL_TEST_TREE_ROLE", "choice"), ("NCCL_ALGO", "ring")]);
     let expect = vec![vec!["CHOICE Some(Ring)".to_string()]; 4];
     let outs = run_ranks(&[], &envs, &expect);
     assert!(
@@ -332,14 +334,7 @@ fn ranks_excluding_the_tree_set_up_none() {
             .and_then(|v| v.parse().ok())
             .expect("MEM line")
     };
-    let envs_all: Vec<Vec<(&str, String)>> = (0..4)
-        .map(|r| {
-            let mut e = host(if r < 2 { "host-a" } else { "host-b" });
-            e.push(("OXCCL_TEST_TREE_ROLE", "choice".to_string()));
-            e.push(("NCCL_ALGO", "tree".to_string()));
-            e
-        })
-        .collect();
+    let envs_all = two_hosts(&[("OXCCL_TEST_TREE_ROLE", "choice"), ("NCCL_ALGO", "tree")]);
     let with = run_ranks(&[], &envs_all, &vec![vec!["CHOICE Some(Tree)".to_string()]; 4]);
     for r in 0..4 {
         assert!(
@@ -392,9 +387,7 @@ fn tree_across_hosts_on_one_gpu() {
             "OXCCL_TEST_TREE_DTYPES",
             "float,half,bfloat16,int32,int8,double".to_string(),
         ));
-        let envs: Vec<_> = (0..4)
-            .map(|r| host(if r < 2 { "host-a" } else { "host-b" }))
-            .collect();
+        let envs = two_hosts(&[]);
         run_ranks(&common, &envs, &vec![Vec::new(); 4]);
         eprintln!("tree_across_hosts_on_one_gpu: {proto} ok");
     }
@@ -414,9 +407,7 @@ fn gpu_ll128_through_host_memory_is_refused_and_shm_chains_work() {
     common.push(("OXCCL_TEST_TREE_DEVICE", "cuda".to_string()));
     common.push(("OXCCL_ALLOW_SHARED_DEVICE", "1".to_string()));
     common.push(("OXCCL_TEST_TREE_ROLE", "init".to_string()));
-    let envs: Vec<_> = (0..4)
-        .map(|r| host(if r < 2 { "host-a" } else { "host-b" }))
-        .collect();
+    let envs = two_hosts(&[]);
     let want: Vec<Vec<String>> = (0..4)
         .map(|r| {
             vec![format!(
@@ -445,9 +436,7 @@ fn gpu_ll128_through_host_memory_is_refused_and_shm_chains_work() {
         common.push(("OXCCL_ALLOW_SHARED_DEVICE", "1".to_string()));
         common.push(("NCCL_P2P_DISABLE", "1".to_string()));
         common.push(("OXCCL_TEST_TREE_DTYPES", "float,int8".to_string()));
-        let envs: Vec<_> = (0..4)
-            .map(|r| host(if r < 2 { "host-a" } else { "host-b" }))
-            .collect();
+        let envs = two_hosts(&[]);
         let expect = vec![
             vec!["Channel 00 : 0 -> 1 via SHM".to_string()],
             vec![],

@@ -93,8 +93,7 @@ pub(super) struct TreeSetup<'a> {
     pub params: &'a Params,
     pub ctx: Option<&'a Arc<cuda::Context>>,
     pub device: Device,
-    /// This rank wants trees (`NCCL_ALGO` does not exclude them); trees are set up only when
-    /// every rank does.
+    /// `NCCL_ALGO` allows the tree (the same on every rank: `init_rank` checks it first).
     pub wanted: bool,
     /// Name of this rank's `/dev/shm` segment for SHM tree peers.
     pub shm_name: String,
@@ -170,8 +169,8 @@ struct Offer {
 }
 
 /// Sets up the trees of an `init_rank` communicator whose ranks are on two or more hosts; `None`
-/// (on every rank alike) for one host or when a rank does not want them. Every rank calls it at
-/// the same point of init (it all-gathers through the bootstrap).
+/// (on every rank alike) for one host or when `NCCL_ALGO` excludes the tree. Every rank calls it
+/// at the same point of init (it all-gathers through the bootstrap).
 ///
 /// Errors: a tree pattern hook that is not valid, memory that cannot be allocated, a network
 /// that cannot be opened: on the rank concerned its own error, on every other rank `Remote`
@@ -180,7 +179,7 @@ struct Offer {
 pub(super) fn setup(s: &TreeSetup<'_>) -> Result<Option<RankTrees>> {
     let (me, nranks) = (s.rank, s.peers.len());
     let chains = host_chains(s.peers, s.rings);
-    if chains.len() < 2 {
+    if chains.len() < 2 || !s.wanted {
         return Ok(None);
     }
     let kind = |a: usize, b: usize| ring_transport(s.peers, a, b);
@@ -188,10 +187,7 @@ pub(super) fn setup(s: &TreeSetup<'_>) -> Result<Option<RankTrees>> {
     let layout_of = |trees: &[Vec<crate::graph::Tree>], r: usize, k: TransportKind| {
         TreeLayout::for_peers(s.params, trees, r, |p| kind(r, p) == k)
     };
-    let offer = (|| -> Result<Option<Offer>> {
-        if !s.wanted {
-            return Ok(None);
-        }
+    let offer = (|| -> Result<Offer> {
         let trees = channel_trees(&chains, s.nch, test_tree_pattern()?)?;
         let mut kinds: Vec<TransportKind> = Vec::new();
         for t in &trees {
@@ -256,18 +252,15 @@ pub(super) fn setup(s: &TreeSetup<'_>) -> Result<Option<RankTrees>> {
             };
             mem.push((k, block));
         }
-        Ok(Some(Offer {
+        Ok(Offer {
             trees,
             mem,
             staging,
             net,
             desc,
-        }))
+        })
     })();
-    let record = |o: &Option<Offer>| match o {
-        None => "0".to_string(),
-        Some(o) => format!("1\n{}", o.desc.encode()),
-    };
+    let record = |o: &Offer| o.desc.encode();
     let (offer, all) = allgather_checked(
         s.bootstrap,
         me,
@@ -275,21 +268,14 @@ pub(super) fn setup(s: &TreeSetup<'_>) -> Result<Option<RankTrees>> {
         record,
         "cannot set up its tree connections",
     )?;
-    let mut descs = Vec::with_capacity(nranks);
-    for (r, b) in all.iter().enumerate() {
-        let text = String::from_utf8_lossy(b);
-        match text.split_once('\n') {
-            None if text == "0" => descs.push(None),
-            Some(("1", d)) => descs.push(Some(ConnDesc::decode(d).ok_or_else(|| {
-                Error::Remote(format!("rank {r} sent a malformed tree connection descriptor"))
-            })?)),
-            _ => return Err(Error::Remote(format!("rank {r} sent malformed tree information"))),
-        }
-    }
-    let (Some(offer), Some(descs)) = (offer, descs.into_iter().collect::<Option<Vec<ConnDesc>>>()) else {
-        tracing::debug!(target: "oxccl::init", rank = me, "no trees: NCCL_ALGO excludes them on some rank");
-        return Ok(None);
-    };
+    let descs: Vec<ConnDesc> = all
+        .iter()
+        .enumerate()
+        .map(|(r, b)| {
+            ConnDesc::decode(&String::from_utf8_lossy(b))
+                .ok_or_else(|| Error::Remote(format!("rank {r} sent a malformed tree connection descriptor")))
+        })
+        .collect::<Result<_>>()?;
     let Offer {
         trees,
         mem,
