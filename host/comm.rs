@@ -19,7 +19,7 @@ use crate::tuning::{Selection, TreeShape};
 use bytemuck::Zeroable;
 use oxccl_gpu::abi::{
     Algo, ConnInfo, DEFAULT_CHUNK_STEPS, DataType, DevChannel, DevComm, DevRing, DevTree, FIFO_STEPS, Func,
-    KernelArgs, MAX_CHANNELS, MAX_TREE_ARITY, PACK_BYTES, Proto, RedOp, WorkColl,
+    KernelArgs, MAX_CHANNELS, MAX_TREE_ARITY, PACK_BYTES, PTR_EXCHANGE_OFFSET, Proto, RedOp, WorkColl,
 };
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -80,6 +80,8 @@ pub struct Comm {
     fabric: crate::tuning::Fabric,
     /// Bytes of this rank's connection memory (laid out for at least `nchannels` channels).
     conn_bytes: u64,
+    /// Whether the ring connections have pointer exchanges ([`Comm::direct_pointer`]).
+    direct: bool,
 }
 
 enum Res {
@@ -351,6 +353,7 @@ impl Comm {
                     &params,
                     &rings,
                 );
+                let bytes = direct_pointers(bytes, nch, nranks, &params);
                 block[r].write(0, &bytes)?;
                 if params.initial_step != 0 {
                     for c in 0..nch as u64 {
@@ -398,6 +401,7 @@ impl Comm {
                     finalized: false.into(),
                     fabric: crate::tuning::Fabric::NvLink,
                     conn_bytes: layout.bytes(),
+                    direct: params.p2p_direct && nranks > 1,
                 });
             }
             tracing::debug!(target: "oxccl::init", nranks, nch, "CUDA communicators ready");
@@ -431,6 +435,7 @@ impl Comm {
                     &params,
                     &rings,
                 );
+                let bytes = direct_pointers(bytes, nch, nranks, &params);
                 // SAFETY: the block was allocated with exactly this size; nothing else uses it yet.
                 unsafe {
                     std::ptr::copy_nonoverlapping(bytes.as_ptr(), comm_mem[r].addr() as *mut u8, bytes.len())
@@ -475,6 +480,7 @@ impl Comm {
                     finalized: false.into(),
                     fabric: crate::tuning::Fabric::Host,
                     conn_bytes: layout.bytes(),
+                    direct: params.p2p_direct && nranks > 1,
                 })
                 .collect())
         }
@@ -1037,6 +1043,7 @@ impl Comm {
             finalized: std::sync::atomic::AtomicBool::new(false),
             fabric,
             conn_bytes: layout.bytes(),
+            direct: false,
         })
     }
 
@@ -1102,6 +1109,19 @@ impl Comm {
     /// [`Comm::init_all`]). `None` for `channel` outside `0..nchannels()`.
     pub fn ring(&self, channel: usize) -> Option<Vec<usize>> {
         (channel < self.rings.nchannels()).then(|| self.rings.user_ranks(channel, self.rank))
+    }
+    /// Whether this rank's ring connections write straight into the receiver's output (NCCL's
+    /// "P2P/direct pointer"): the ranks of a `Comm::init_all` share one address space, so a
+    /// Broadcast, AllGather or AllReduce on the Simple protocol stores each hop's data in the
+    /// next rank's output instead of its FIFO, saving the receiver a copy. False for one rank,
+    /// for `Comm::init_rank` and with `NCCL_P2P_DIRECT_DISABLE=1`.
+    ///
+    /// On GPUs the next rank's buffers must be reachable from this rank's device: true of
+    /// `cuMemAlloc`/`cudaMalloc` memory once init_all has enabled peer access, not of `cuMemCreate`
+    /// memory mapped for one device only (set `NCCL_P2P_DIRECT_DISABLE=1` for such buffers, as
+    /// with NCCL).
+    pub fn direct_pointer(&self) -> bool {
+        self.direct
     }
     /// The parameters this communicator was created with.
     pub fn params(&self) -> &Params {
@@ -2978,6 +2998,32 @@ fn net_step_sizes(block: &mut [u8], layout: &ConnLayout, staging: &[Option<u64>]
     }
 }
 
+/// Gives both ring connections of each channel in `block` (a [`build_comm_block`] result of
+/// `Comm::init_all`, whose ranks share this process's address space) a pointer-exchange slot,
+/// [`PTR_EXCHANGE_OFFSET`] bytes past the connection's head counter (in the sender's memory), so
+/// the Simple protocol's direct verbs write into the receiver's output (NCCL's "P2P/direct
+/// pointer"). Unchanged for one rank or with `NCCL_P2P_DIRECT_DISABLE=1`. Every rank applies the
+/// same rule, so both ends of a connection agree.
+fn direct_pointers(mut block: Vec<u8>, nch: u32, nranks: usize, params: &Params) -> Vec<u8> {
+    if nranks < 2 || !params.p2p_direct {
+        return block;
+    }
+    for c in 0..nch as usize {
+        let ch = size_of::<DevComm>() + c * size_of::<DevChannel>();
+        for conn in [
+            std::mem::offset_of!(DevChannel, send),
+            std::mem::offset_of!(DevChannel, recv),
+        ] {
+            let at = ch + conn;
+            let mut ci: ConnInfo = bytemuck::pod_read_unaligned(&block[at..at + size_of::<ConnInfo>()]);
+            ci.ptr_exchange = ci.head + PTR_EXCHANGE_OFFSET;
+            block[at..at + size_of::<ConnInfo>()].copy_from_slice(bytemuck::bytes_of(&ci));
+        }
+    }
+    tracing::debug!(target: "oxccl::init", nranks, nch, "ring connections via P2P/direct pointer");
+    block
+}
+
 /// Sets the `trees` field of the [`DevComm`] at the start of `block` (a [`build_comm_block`]
 /// result) to `array`, the rank's [`DevTree`] array (0: none).
 fn set_trees(block: &mut [u8], array: u64) {
@@ -3741,6 +3787,151 @@ impl Drop for Comm {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod direct_tests {
+    use super::*;
+
+    /// Rank `r`'s connection memory of a CPU `init_all` group, as bytes.
+    fn conn_mem(comm: &Comm, r: usize) -> &[u8] {
+        let Res::Cpu(res) = &comm.res else {
+            panic!("CPU communicator expected")
+        };
+        let m = &res.group._conn_mem[r];
+        // SAFETY: the block is alive while `comm` is; the test reads it between calls only.
+        unsafe { std::slice::from_raw_parts(m.addr() as *const u8, m.len()) }
+    }
+
+    #[test]
+    fn pointer_exchanges_pair_the_two_ends_of_each_connection() {
+        let params = Params::default();
+        let layout = ConnLayout::new(&params, 2, true);
+        let bases = [0x1000_0000_0000u64, 0x2000_0000_0000, 0x3000_0000_0000];
+        let rings = ChannelRings::new(vec![vec![0, 1, 2], vec![0, 2, 1]], 3).unwrap();
+        let chans = |r: usize, p: &Params| -> Vec<DevChannel> {
+            let b = build_comm_block(r, 3, 2, &layout, &bases, 0x5000, 0x6000, p, &rings);
+            let b = direct_pointers(b, 2, 3, p);
+            bytemuck::cast_slice::<u8, DevChannel>(&b[size_of::<DevComm>()..][..2 * size_of::<DevChannel>()])
+                .to_vec()
+        };
+        let all: Vec<Vec<DevChannel>> = (0..3).map(|r| chans(r, &params)).collect();
+        for c in 0..2 {
+            for r in 0..3 {
+                let send = all[r][c].send;
+                let next = all[r][c].ring.next as usize;
+                let recv = all[next][c].recv;
+                // Both ends name the same slot: in the sender's memory, past its head counter.
+                assert_eq!(
+                    send.ptr_exchange,
+                    layout.head(bases[r], c as u64) + PTR_EXCHANGE_OFFSET
+                );
+                assert_eq!(
+                    recv.ptr_exchange, send.ptr_exchange,
+                    "channel {c}: rank {r} -> {next}"
+                );
+                assert_eq!((send.exchanges, recv.exchanges), (0, 0));
+            }
+        }
+        // Disabled, or one rank: no slot anywhere.
+        let off = Params {
+            p2p_direct: false,
+            ..Params::default()
+        };
+        assert!(
+            chans(1, &off)
+                .iter()
+                .all(|ch| ch.send.ptr_exchange == 0 && ch.recv.ptr_exchange == 0)
+        );
+        let one = direct_pointers(
+            build_comm_block(0, 1, 2, &layout, &bases, 0x5000, 0x6000, &params, &rings),
+            2,
+            1,
+            &params,
+        );
+        let ch: &[DevChannel] =
+            bytemuck::cast_slice(&one[size_of::<DevComm>()..][..2 * size_of::<DevChannel>()]);
+        assert!(
+            ch.iter()
+                .all(|ch| ch.send.ptr_exchange == 0 && ch.recv.ptr_exchange == 0)
+        );
+    }
+
+    /// A direct Broadcast leaves the receiver's Simple FIFOs untouched (its data went straight to
+    /// the output) and counts one exchange per channel; a Reduce to the same rank (never direct)
+    /// then fills them, which shows the FIFO check can see writes.
+    #[test]
+    fn direct_broadcast_bypasses_the_receivers_fifo() {
+        let devs = Device::cpus(2);
+        let comms = Comm::init_all(&devs).unwrap();
+        if !comms[0].direct_pointer() {
+            eprintln!("skipped: NCCL_P2P_DIRECT_DISABLE is set in this environment");
+            return;
+        }
+        let count = 1usize << 20; // 4 MiB of u32: a Simple call on the CPU target
+        let want: Vec<u8> = (0..count as u32)
+            .flat_map(|i| (i.wrapping_mul(2654435761)).to_ne_bytes())
+            .collect();
+        let streams: Vec<Stream> = devs.iter().map(|d| d.new_stream().unwrap()).collect();
+        let send = devs[0].alloc(count * 4).unwrap();
+        send.write(0, &want).unwrap();
+        let recv: Vec<_> = devs.iter().map(|d| d.alloc(count * 4).unwrap()).collect();
+        let choice = comms[0]
+            .choice_for(Func::Broadcast, count, DataType::U32)
+            .unwrap()
+            .unwrap();
+        assert_eq!(choice.proto, Proto::Simple, "{choice:?}");
+        let nch = choice.nchannels as u64;
+        let fifo_zero = |comm: &Comm| {
+            let mem = conn_mem(comm, 1);
+            let layout = ConnLayout::new(&comm.params, comm.nchannels, true);
+            (0..nch).all(|c| {
+                let at = layout.buff(0, c) as usize;
+                mem[at..at + layout.buffsize as usize].iter().all(|&b| b == 0)
+            })
+        };
+        std::thread::scope(|s| {
+            for r in 0..2 {
+                let (comm, stream, send, recv) = (&comms[r], &streams[r], &send, &recv[r]);
+                s.spawn(move || {
+                    let src = (r == 0).then(|| send.as_slice());
+                    comm.broadcast(src, recv.as_slice(), count, DataType::U32, 0, stream)
+                        .unwrap();
+                    stream.synchronize().unwrap();
+                });
+            }
+        });
+        assert_eq!(recv[1].to_vec().unwrap(), want, "rank 1's output");
+        assert!(
+            fifo_zero(&comms[0]),
+            "a direct Broadcast wrote rank 1's Simple FIFO"
+        );
+        // One exchange per channel: rank 0's slot (its head line) holds rank 1's output and count 1.
+        let layout = ConnLayout::new(&comms[0].params, comms[0].nchannels, true);
+        let mem0 = conn_mem(&comms[0], 0);
+        for c in 0..nch {
+            let at = (layout.head(0, c) + PTR_EXCHANGE_OFFSET) as usize;
+            let slot: [u64; 2] = bytemuck::pod_read_unaligned(&mem0[at..at + 16]);
+            assert_eq!(slot, [recv[1].addr(), 1], "channel {c}");
+        }
+        // The control: a Reduce to rank 1 goes through its FIFOs.
+        std::thread::scope(|s| {
+            for r in 0..2 {
+                let (comm, stream, buf) = (&comms[r], &streams[r], &recv[r]);
+                s.spawn(move || {
+                    let out = (r == 1).then(|| buf.as_slice());
+                    comm.reduce(buf.as_slice(), out, count, DataType::U32, RedOp::Max, 1, stream)
+                        .unwrap();
+                    stream.synchronize().unwrap();
+                });
+            }
+        });
+        assert_eq!(comms[0].last_choice().map(|c| c.proto), Some(Proto::Simple));
+        assert!(
+            !fifo_zero(&comms[0]),
+            "a Reduce to rank 1 left its FIFOs untouched"
+        );
     }
 }
 

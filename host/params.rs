@@ -49,6 +49,10 @@ pub struct Params {
     /// Farthest path type between two GPUs over which P2P is used (`NCCL_P2P_LEVEL` /
     /// `OXCCL_P2P_LEVEL`, see [`parse_p2p_level`] and [`p2p_allowed`]); `None` when unset.
     pub p2p_level: Option<PathType>,
+    /// Whether same-process P2P ring connections write straight into the receiver's output
+    /// (NCCL's "P2P/direct pointer"); `NCCL_P2P_DIRECT_DISABLE=1` / `OXCCL_P2P_DIRECT_DISABLE=1`
+    /// turns it off (0 or 1 accepted). Only `Comm::init_all` has such connections.
+    pub p2p_direct: bool,
 }
 
 impl Default for Params {
@@ -62,6 +66,7 @@ impl Default for Params {
             ll128_buffsize: DEFAULT_LL128_BUFFSIZE,
             initial_step: 0,
             p2p_level: None,
+            p2p_direct: true,
         }
     }
 }
@@ -149,6 +154,9 @@ impl Params {
         }
         if let Some((key, v)) = get("P2P_LEVEL") {
             p.p2p_level = Some(parse_p2p_level(&key, &v)?);
+        }
+        if let Some((key, v)) = get("P2P_DIRECT_DISABLE") {
+            p.p2p_direct = parse_int(&key, &v, 0, 1)? == 0;
         }
         tracing::debug!(target: "oxccl::init", params = ?p, "parameters");
         Ok(p)

@@ -122,8 +122,26 @@ pub struct ConnInfo {
     /// stores its line count instead, tagged with the step ([`lines_step_size`]). 0: not written
     /// (P2P, SHM).
     pub sizes: u64,
+    /// Address of the connection's pointer-exchange slot for direct writes (NCCL's
+    /// `ptrExchange` of a "P2P/direct pointer" connection), 0 when the connection has none. Two
+    /// `u64` in the *sender's* memory, [`PTR_EXCHANGE_OFFSET`] bytes past its head counter: the
+    /// receiver's output address for the current kernel, then the number of kernels that
+    /// published one. Set only when sender and receiver share an address space and each can
+    /// address the other's user buffers (`Comm::init_all`, unless `NCCL_P2P_DIRECT_DISABLE=1`),
+    /// on both ends of a ring connection or neither. The Simple protocol then writes the data of
+    /// a `direct_*` send straight into the receiver's output instead of its FIFO.
+    pub ptr_exchange: u64,
+    /// Exchanges this end has done on the connection (persisted across launches like `step`):
+    /// a receiver publishes count `exchanges + 1` with its output; a sender waits for the slot's
+    /// count to reach its own `exchanges + 1` before it reads the address.
+    pub exchanges: u64,
     pub _pad: u64,
 }
+
+/// Bytes from a connection's head counter to its pointer-exchange slot
+/// ([`ConnInfo::ptr_exchange`]): in the head's 128-byte counter line, which only the receiver
+/// writes (head, then this slot) and only the sender reads.
+pub const PTR_EXCHANGE_OFFSET: u64 = 64;
 
 /// The step-sizes entry (`ConnInfo::sizes`) of step `step` of a flag-line protocol (LL, LL128)
 /// that writes `lines` lines: the step's tag `step mod (2^31 − 1) + 1` in the high 32 bits, the
@@ -285,24 +303,26 @@ pub struct LlFifoLine {
 }
 
 const _: () = {
-    assert!(size_of::<ConnInfo>() == 64 && align_of::<ConnInfo>() == 8);
+    assert!(size_of::<ConnInfo>() == 80 && align_of::<ConnInfo>() == 8);
     assert!(offset_of!(ConnInfo, head) == 24);
     assert!(offset_of!(ConnInfo, tail) == 32);
     assert!(offset_of!(ConnInfo, step) == 40);
     assert!(offset_of!(ConnInfo, sizes) == 48);
+    assert!(offset_of!(ConnInfo, ptr_exchange) == 56);
+    assert!(offset_of!(ConnInfo, exchanges) == 64);
     assert!(size_of::<DevRing>() == 24);
-    assert!(size_of::<DevChannel>() == 160);
+    assert!(size_of::<DevChannel>() == 192);
     assert!(offset_of!(DevChannel, send) == 32);
-    assert!(offset_of!(DevChannel, recv) == 96);
+    assert!(offset_of!(DevChannel, recv) == 112);
     assert!(size_of::<DevComm>() == 64);
     assert!(offset_of!(DevComm, abort_flag) == 16);
     assert!(offset_of!(DevComm, channels) == 24);
     assert!(offset_of!(DevComm, trees) == 56);
-    assert!(size_of::<DevTree>() == 32 + 8 * 64 && align_of::<DevTree>() == 8);
+    assert!(size_of::<DevTree>() == 32 + 8 * 80 && align_of::<DevTree>() == 8);
     assert!(offset_of!(DevTree, send_up) == 32);
-    assert!(offset_of!(DevTree, recv_up) == 96);
-    assert!(offset_of!(DevTree, send_down) == 160);
-    assert!(offset_of!(DevTree, recv_down) == 352);
+    assert!(offset_of!(DevTree, recv_up) == 112);
+    assert!(offset_of!(DevTree, send_down) == 192);
+    assert!(offset_of!(DevTree, recv_down) == 432);
     assert!(size_of::<WorkColl>() == 64);
     assert!(offset_of!(WorkColl, root) == 48);
     assert!(offset_of!(WorkColl, nchannels) == 58);

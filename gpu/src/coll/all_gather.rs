@@ -12,15 +12,16 @@ pub fn ring<P: Primitives>(p: &mut P, r: &RingCtx, count: u64, chunk_elems: u64,
     channel_chunks(r, count, chunk_elems, esize, |chunk_off, len| {
         let out = |owner: u64| chunk_off + owner * count;
         // Our own block: to the next rank, and into our output unless it is already there.
+        // Every hop ends in the receiver's output at the block's place: direct sends.
         if in_place {
-            p.send(chunk_off, len);
+            p.direct_send(chunk_off, out(r.user_rank(0)), len);
         } else {
-            p.copy_send(chunk_off, out(r.user_rank(0)), len);
+            p.direct_copy_send(chunk_off, out(r.user_rank(0)), len);
         }
         for j in 1..n - 1 {
-            p.recv_copy_send(out(r.user_rank(n - j)), len);
+            p.direct_recv_copy_direct_send(out(r.user_rank(n - j)), len);
         }
-        p.recv(out(r.user_rank(1)), len);
+        p.direct_recv(out(r.user_rank(1)), len);
         !p.aborted()
     });
 }

@@ -38,15 +38,16 @@ pub fn ring<P: Primitives>(p: &mut P, r: &RingCtx, count: u64, chunk_elems: u64,
             p.recv_reduce_send(off, len);
         }
         // Our own chunk: the last reduction yields the final value; write it and pass it on.
+        // From here on every hop ends in the receiver's output: direct sends.
         let (off, len) = chunk(r.user_rank(0));
-        p.recv_reduce_copy_send(off, off, len, true);
+        p.recv_reduce_copy_direct_send(off, off, len, true);
         // All-gather: forward each final chunk, copying it into the output.
         for j in 1..n - 1 {
             let (off, len) = chunk(r.user_rank(n - j));
-            p.recv_copy_send(off, len);
+            p.direct_recv_copy_direct_send(off, len);
         }
         let (off, len) = chunk(r.user_rank(1));
-        p.recv(off, len);
+        p.direct_recv(off, len);
 
         if p.aborted() {
             return;

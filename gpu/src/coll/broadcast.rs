@@ -1,5 +1,6 @@
 //! Ring Broadcast (NCCL's `broadcast.h`): the data flows once around the ring starting at the
-//! root; every rank but the last copies it into its output and forwards it.
+//! root; every rank but the last copies it into its output and forwards it. Every hop ends in
+//! the receiver's output, so every send is direct (NCCL's `directSend`/`directRecv`).
 use super::{RingCtx, channel_chunks};
 use crate::proto::Primitives;
 
@@ -19,14 +20,14 @@ pub fn ring<P: Primitives>(
     channel_chunks(r, count, chunk_elems, esize, |off, len| {
         if me == root {
             if in_place {
-                p.send(off, len);
+                p.direct_send(off, off, len);
             } else {
-                p.copy_send(off, off, len);
+                p.direct_copy_send(off, off, len);
             }
         } else if next == root {
-            p.recv(off, len);
+            p.direct_recv(off, len);
         } else {
-            p.recv_copy_send(off, len);
+            p.direct_recv_copy_direct_send(off, len);
         }
         !p.aborted()
     });

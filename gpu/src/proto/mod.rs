@@ -34,6 +34,35 @@ pub trait Primitives {
     fn copy_send(&mut self, src: u64, dst: u64, n: u64);
     /// True once the communicator's abort flag was seen; every verb is then a no-op.
     fn aborted(&self) -> bool;
+
+    // Direct verbs (NCCL's `directSend`, `directRecv`, ...): the same data movement, for a send
+    // whose receiver only copies the data into its output at offset `dst` (its matching verb is
+    // a `direct_recv*` with that `dst`), and a receive whose sender used a `direct_*` send. On a
+    // connection with a pointer exchange (`ConnInfo::ptr_exchange`) the Simple protocol writes
+    // such data straight into the receiver's output, and the receiver finds it there; every
+    // other protocol and connection moves it through the FIFO, as the plain verb does. An
+    // algorithm pairs them exactly: each `direct_*` send is received by a `direct_recv*`.
+
+    /// input[src..src+n] → next's output[dst..].
+    fn direct_send(&mut self, src: u64, _dst: u64, n: u64) {
+        self.send(src, n)
+    }
+    /// input[src..] → output[dst..] and next's output[dst..].
+    fn direct_copy_send(&mut self, src: u64, dst: u64, n: u64) {
+        self.copy_send(src, dst, n)
+    }
+    /// prev → output[dst..dst+n] (already there when prev wrote it directly).
+    fn direct_recv(&mut self, dst: u64, n: u64) {
+        self.recv(dst, n)
+    }
+    /// prev → output[dst..] and next's output[dst..].
+    fn direct_recv_copy_direct_send(&mut self, dst: u64, n: u64) {
+        self.recv_copy_send(dst, n)
+    }
+    /// prev ⊕ input[src..] → output[dst..] and next's output[dst..].
+    fn recv_reduce_copy_direct_send(&mut self, src: u64, dst: u64, n: u64, post: bool) {
+        self.recv_reduce_copy_send(src, dst, n, post)
+    }
 }
 
 /// Calls `f(0)`, …, `f(N - 1)` for `N ≤ 3` (a connection fan's peers): written out, so that once

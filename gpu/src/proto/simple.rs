@@ -25,6 +25,10 @@ struct Conn {
     /// Step sizes for a proxy (`ConnInfo::sizes`); null when none are wanted.
     sizes: *mut u64,
     step: u64,
+    /// Pointer-exchange slot (`ConnInfo::ptr_exchange`): `[output address, count]`; null when
+    /// the connection has no direct writes.
+    exchange: *mut u64,
+    exchanges: u64,
 }
 
 impl Conn {
@@ -40,6 +44,8 @@ impl Conn {
             tail: c.tail as *mut u64,
             sizes: c.sizes as *mut u64,
             step: c.step,
+            exchange: c.ptr_exchange as *mut u64,
+            exchanges: c.exchanges,
         }
     }
 }
@@ -60,8 +66,15 @@ pub struct Simple<T, Op> {
     smem: *mut u32,
     aborted: bool,
     postdiv: u32,
+    /// The next rank's output for this kernel, once a direct send fetched it from the pointer
+    /// exchange (null before).
+    peer_output: *mut u8,
     _op: PhantomData<Op>,
 }
+
+/// `u32` index in the kernel's shared memory where thread 0 leaves the fetched peer output
+/// address for the block (8-byte aligned: the shared array is 16-byte aligned).
+const SMEM_PEER_OUTPUT: usize = 2;
 
 impl<T: Elem, Op: RedFn<T>> Simple<T, Op> {
     /// Loads the channel's ring connections (NCCL's Primitives constructor).
@@ -84,12 +97,32 @@ impl<T: Elem, Op: RedFn<T>> Simple<T, Op> {
         slice_elems: u64,
     ) -> Self {
         // SAFETY: caller guarantees `channel` is valid; fields are plain data.
-        let (send, recv) = unsafe {
+        let (mut send, mut recv) = unsafe {
             (
                 Conn::load(&raw mut (*channel).send),
                 Conn::load(&raw mut (*channel).recv),
             )
         };
+        // Pointer exchange (NCCL's `ptrExchange` of a direct connection): the receiving end
+        // publishes this kernel's output in every Simple kernel; the sending end counts the same
+        // kernels and reads the address only when it first sends directly (`wait`). Both ends
+        // run the same kernels on a channel (same collective, protocol and channel count on
+        // every rank), so their counts agree.
+        if !recv.exchange.is_null() {
+            recv.exchanges += 1;
+            if tid == 0 {
+                // SAFETY: a non-null slot is two `u64` in the sender's memory, which this rank
+                // addresses (ConnInfo contract); the release store orders the address before the
+                // count the sender acquires.
+                unsafe {
+                    arch::store_volatile_u64(recv.exchange, output as u64);
+                    arch::store_release_sys_u64(recv.exchange.add(1), recv.exchanges);
+                }
+            }
+        }
+        if !send.exchange.is_null() {
+            send.exchanges += 1;
+        }
         let slot_bytes = buff_size / FIFO_STEPS / PACK_BYTES * PACK_BYTES;
         let esize = core::mem::size_of::<T>() as u64;
         let slot_elems = slot_bytes / esize;
@@ -115,6 +148,7 @@ impl<T: Elem, Op: RedFn<T>> Simple<T, Op> {
             smem,
             aborted: false,
             postdiv,
+            peer_output: core::ptr::null_mut(),
             _op: PhantomData,
         }
     }
@@ -130,6 +164,8 @@ impl<T: Elem, Op: RedFn<T>> Simple<T, Op> {
             if self.tid == 0 {
                 (*self.send.info).step = self.send.step;
                 (*self.recv.info).step = self.recv.step;
+                (*self.send.info).exchanges = self.send.exchanges;
+                (*self.recv.info).exchanges = self.recv.exchanges;
             }
         }
     }
@@ -152,12 +188,25 @@ impl<T: Elem, Op: RedFn<T>> Simple<T, Op> {
         true
     }
 
-    /// Thread 0 waits for the FIFO slots this step needs, then the block learns whether to abort.
+    /// Thread 0 waits for the FIFO slots this step needs (and, with `fetch`, for the next rank's
+    /// output address), then the block learns whether to abort (and the address).
     #[inline(always)]
-    fn wait<const RECV: bool, const SEND: bool>(&mut self) -> bool {
+    fn wait<const RECV: bool, const SEND: bool>(&mut self, fetch: bool) -> bool {
         if self.tid == 0 {
             let mut ok = true;
-            if RECV {
+            if SEND && fetch {
+                let (slot, want) = (self.send.exchange, self.send.exchanges);
+                // SAFETY: `fetch` is only set on a connection with an exchange slot: two `u64`
+                // in our own memory. The count is acquired before the address is read; the
+                // receiver cannot publish its next kernel's address before it has received this
+                // send, so the address stays this kernel's.
+                unsafe {
+                    ok = self.spin(|| arch::load_acquire_sys_u64(slot.add(1)) >= want);
+                    (self.smem.add(SMEM_PEER_OUTPUT) as *mut u64)
+                        .write_volatile(arch::load_volatile_u64(slot));
+                }
+            }
+            if RECV && ok {
                 let (tail, want) = (self.recv.tail, self.recv.step + self.steps_per_slice);
                 // SAFETY: `tail` is this connection's counter (constructor contract).
                 ok = self.spin(|| unsafe { arch::load_volatile_u64(tail) } >= want);
@@ -179,6 +228,11 @@ impl<T: Elem, Op: RedFn<T>> Simple<T, Op> {
         unsafe { arch::sync_threads() };
         // SAFETY: written by thread 0 before the barrier.
         self.aborted = unsafe { self.smem.read_volatile() } != 0;
+        if SEND && fetch {
+            // SAFETY: written by thread 0 before the barrier, 8-byte aligned.
+            self.peer_output =
+                unsafe { (self.smem.add(SMEM_PEER_OUTPUT) as *const u64).read_volatile() } as *mut u8;
+        }
         !self.aborted
     }
 
@@ -243,8 +297,20 @@ impl<T: Elem, Op: RedFn<T>> Simple<T, Op> {
     /// The one engine behind every verb (NCCL's `genericOp`): per FIFO step, wait, combine up to
     /// two sources (input `SRC`, FIFO `RECV`) into up to two destinations (output `DST`, FIFO
     /// `SEND`), post.
+    ///
+    /// `DIRECT` verbs (the `direct_*` ones): on a connection with a pointer exchange, the sent
+    /// data goes to the next rank's output at `dst` instead of its FIFO, and a pure receive
+    /// (`RECV` without `SRC`) finds its data already in our output at `dst`: `recv` then copies
+    /// nothing, `recv_copy_send` forwards from the output. The steps, waits and posts are those
+    /// of the FIFO path, so the two ends stay in step whichever path a connection takes.
     #[inline(always)]
-    fn generic_op<const RECV: bool, const SEND: bool, const SRC: bool, const DST: bool>(
+    fn generic_op<
+        const RECV: bool,
+        const SEND: bool,
+        const SRC: bool,
+        const DST: bool,
+        const DIRECT: bool,
+    >(
         &mut self,
         src: u64,
         dst: u64,
@@ -254,6 +320,8 @@ impl<T: Elem, Op: RedFn<T>> Simple<T, Op> {
         if self.aborted {
             return;
         }
+        let direct_send = DIRECT && SEND && !self.send.exchange.is_null();
+        let direct_recv = DIRECT && RECV && !SRC && !self.recv.exchange.is_null();
         let mut done = 0u64;
         while done < n {
             let len = core::cmp::min(self.slice_elems, n - done);
@@ -266,7 +334,7 @@ impl<T: Elem, Op: RedFn<T>> Simple<T, Op> {
             if SEND {
                 self.send.step = self.send.step.next_multiple_of(self.steps_per_slice);
             }
-            if !self.wait::<RECV, SEND>() {
+            if !self.wait::<RECV, SEND>(direct_send && self.peer_output.is_null()) {
                 return;
             }
             let in_ptr = self.input.wrapping_add((src + done) as usize) as *const u8;
@@ -276,11 +344,37 @@ impl<T: Elem, Op: RedFn<T>> Simple<T, Op> {
             } else {
                 core::ptr::null_mut()
             };
-            let send_ptr = if SEND {
+            let send_ptr = if direct_send {
+                self.peer_output
+                    .wrapping_add(((dst + done) * core::mem::size_of::<T>() as u64) as usize)
+            } else if SEND {
                 self.slot(&self.send)
             } else {
                 core::ptr::null_mut()
             };
+            if direct_recv {
+                // The data is already in our output; forward it if this verb sends.
+                if SEND {
+                    // SAFETY: our output and the destination cover `len` elements (algorithm
+                    // and FIFO geometry contracts, the receiver's output for a direct send).
+                    unsafe {
+                        reduce_copy::<T, Op, false, false>(
+                            self.tid,
+                            self.nthreads,
+                            out_ptr,
+                            core::ptr::null(),
+                            send_ptr,
+                            core::ptr::null_mut(),
+                            len,
+                            0,
+                        )
+                    };
+                    self.publish_sizes(from, len * core::mem::size_of::<T>() as u64);
+                }
+                self.post::<RECV, SEND>();
+                done += len;
+                continue;
+            }
             let (s0, s1): (*const u8, *const u8) = match (SRC, RECV) {
                 (true, true) => (recv_ptr, in_ptr),
                 (true, false) => (in_ptr, core::ptr::null()),
@@ -496,27 +590,42 @@ unsafe fn reduce_copy<T: Elem, Op: RedFn<T>, const TWO_SRC: bool, const TWO_DST:
 
 impl<T: Elem, Op: RedFn<T>> Primitives for Simple<T, Op> {
     fn send(&mut self, src: u64, n: u64) {
-        self.generic_op::<false, true, true, false>(src, 0, n, false)
+        self.generic_op::<false, true, true, false, false>(src, 0, n, false)
     }
     fn recv(&mut self, dst: u64, n: u64) {
-        self.generic_op::<true, false, false, true>(0, dst, n, false)
+        self.generic_op::<true, false, false, true, false>(0, dst, n, false)
     }
     fn recv_reduce_send(&mut self, src: u64, n: u64) {
-        self.generic_op::<true, true, true, false>(src, 0, n, false)
+        self.generic_op::<true, true, true, false, false>(src, 0, n, false)
     }
     fn recv_reduce_copy(&mut self, src: u64, dst: u64, n: u64, post: bool) {
-        self.generic_op::<true, false, true, true>(src, dst, n, post)
+        self.generic_op::<true, false, true, true, false>(src, dst, n, post)
     }
     fn recv_copy_send(&mut self, dst: u64, n: u64) {
-        self.generic_op::<true, true, false, true>(0, dst, n, false)
+        self.generic_op::<true, true, false, true, false>(0, dst, n, false)
     }
     fn recv_reduce_copy_send(&mut self, src: u64, dst: u64, n: u64, post: bool) {
-        self.generic_op::<true, true, true, true>(src, dst, n, post)
+        self.generic_op::<true, true, true, true, false>(src, dst, n, post)
     }
     fn copy_send(&mut self, src: u64, dst: u64, n: u64) {
-        self.generic_op::<false, true, true, true>(src, dst, n, false)
+        self.generic_op::<false, true, true, true, false>(src, dst, n, false)
     }
     fn aborted(&self) -> bool {
         self.aborted
+    }
+    fn direct_send(&mut self, src: u64, dst: u64, n: u64) {
+        self.generic_op::<false, true, true, false, true>(src, dst, n, false)
+    }
+    fn direct_copy_send(&mut self, src: u64, dst: u64, n: u64) {
+        self.generic_op::<false, true, true, true, true>(src, dst, n, false)
+    }
+    fn direct_recv(&mut self, dst: u64, n: u64) {
+        self.generic_op::<true, false, false, true, true>(0, dst, n, false)
+    }
+    fn direct_recv_copy_direct_send(&mut self, dst: u64, n: u64) {
+        self.generic_op::<true, true, false, true, true>(0, dst, n, false)
+    }
+    fn recv_reduce_copy_direct_send(&mut self, src: u64, dst: u64, n: u64, post: bool) {
+        self.generic_op::<true, true, true, true, true>(src, dst, n, post)
     }
 }
