@@ -106,11 +106,11 @@ fn tree_broadcast_is_refused_and_memory_is_one_fifo_set_per_tree_peer() {
     // child, so each rank has one tree peer per channel: 4 sets of FIFOs — Simple of
     // NCCL_BUFFSIZE (4 MiB), LL of NCCL_LL_BUFFSIZE (512 KiB), LL128 of NCCL_LL128_BUFFSIZE
     // (1 MiB), the defaults — the counter blocks of 4 peer slots × 4 channels × 256 bytes, and 4
-    // DevTrees of 544 bytes.
+    // DevTrees of 672 bytes.
     for (r, c) in comms.iter().enumerate() {
         assert_eq!(
             c.device_memory_bytes() - ring_only[r],
-            4 * ((4 << 20) + (512 << 10) + (1 << 20)) + 4 * 4 * 256 + 4 * 544,
+            4 * ((4 << 20) + (512 << 10) + (1 << 20)) + 4 * 4 * 256 + 4 * 672,
             "rank {r}"
         );
     }

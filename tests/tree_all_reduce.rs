@@ -251,11 +251,11 @@ fn tree_memory_is_one_fifo_per_tree_peer() {
     // root and the other its only child, so each rank has one tree peer per channel: 2 sets of
     // FIFOs — Simple of NCCL_BUFFSIZE (4 MiB), LL of NCCL_LL_BUFFSIZE (512 KiB) and LL128 of
     // NCCL_LL128_BUFFSIZE (1 MiB), the defaults — the counter blocks of 4 peer slots × 2 channels
-    // × 256 bytes, and 2 DevTrees of 544 bytes.
+    // × 256 bytes, and 2 DevTrees of 672 bytes.
     for c in &comms {
         assert_eq!(
             c.device_memory_bytes() - ring_only,
-            2 * ((4 << 20) + (512 << 10) + (1 << 20)) + 2 * 4 * 256 + 2 * 544,
+            2 * ((4 << 20) + (512 << 10) + (1 << 20)) + 2 * 4 * 256 + 2 * 672,
             "rank {}",
             c.rank()
         );
