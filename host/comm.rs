@@ -36,6 +36,10 @@ const ABORTED_HERE: u32 = 1;
 const ABORTED_BY_PEER: u32 = 2;
 /// How long [`Comm::abort`] waits for in-flight operations to exit.
 const ABORT_WAIT: Duration = Duration::from_secs(5);
+/// How long [`Comm::abort`] waits for the other ranks of its `init_all` group when they may write
+/// into its buffers directly: a running kernel stops within microseconds of its flag; only one
+/// queued behind other work takes longer, and that one checks the flag before writing.
+const PEER_ABORT_WAIT: Duration = Duration::from_secs(1);
 /// How long dropping a communicator waits for its last operation before it raises the abort flag.
 const DROP_WAIT: Duration = Duration::from_secs(10);
 /// Bytes reserved per channel for the two step counters (head, tail), each on its own 128-byte line.
@@ -92,8 +96,28 @@ enum Res {
 struct CudaRes {
     ctx: Arc<cuda::Context>,
     group: Arc<CudaGroup>,
+    launch: Arc<LaunchState>,
+}
+
+/// A CUDA rank's last launch: an event recorded after its latest kernel, and whether it ever
+/// launched. Shared with its `init_all` group, so an abort can wait for the peers' kernels
+/// (direct writes land in user buffers, see [`Comm::abort`]).
+struct LaunchState {
     last_event: cuda::Event,
     launched: std::sync::atomic::AtomicBool,
+}
+
+impl LaunchState {
+    fn new(ctx: &Arc<cuda::Context>) -> Result<Arc<LaunchState>> {
+        Ok(Arc::new(LaunchState {
+            last_event: cuda::Event::new(ctx)?,
+            launched: false.into(),
+        }))
+    }
+    /// True when nothing this rank launched is still queued or running.
+    fn idle(&self) -> Result<bool> {
+        Ok(!self.launched.load(Ordering::Acquire) || self.last_event.is_complete()?)
+    }
 }
 
 /// Every rank's device memory of one `init_all`, freed when the last rank is dropped: a rank's
@@ -104,6 +128,8 @@ struct CudaGroup {
     _conn_mem: Vec<cuda::DevAlloc>,
     /// `init_all`: every rank's abort flag (empty for `init_rank`, whose flags live in `mp`).
     abort: Vec<cuda::HostMapped>,
+    /// `init_all`: every rank's last launch (empty for `init_rank`).
+    launches: Vec<Arc<LaunchState>>,
     /// `init_rank`: bootstrap, peer mappings, shared abort page.
     mp: Option<InitRankRes>,
 }
@@ -121,6 +147,8 @@ struct CpuGroup {
     comm_mem: Vec<HostMem>,
     _conn_mem: Vec<HostMem>,
     abort: Vec<HostMem>,
+    /// `init_all`: every rank's count of queued operations (empty for `init_rank`).
+    inflight: Vec<Arc<AtomicUsize>>,
     /// `init_rank`: this rank's connection memory, shared with its ring neighbours.
     _shm: Vec<crate::cpu::ShmSegment>,
     /// `init_rank`: bootstrap, peer mappings, shared abort page.
@@ -370,16 +398,18 @@ impl Comm {
                 None => (Vec::new(), Vec::new()),
             };
             let dev_comms: Vec<u64> = block.iter().map(|b| b.ptr).collect();
+            let launches: Vec<Arc<LaunchState>> =
+                ctxs.iter().map(|c| LaunchState::new(c)).collect::<Result<_>>()?;
             let group = Arc::new(CudaGroup {
                 _comm_mem: block,
                 _conn_mem: conn.into_iter().chain(tree_mem).collect(),
                 abort,
+                launches: launches.clone(),
                 mp: None,
             });
             let mut comms = Vec::with_capacity(nranks);
-            for (r, dev_comm) in dev_comms.into_iter().enumerate() {
+            for (r, (dev_comm, launch)) in dev_comms.into_iter().zip(launches).enumerate() {
                 let ctx = ctxs[r].clone();
-                let last_event = cuda::Event::new(&ctx)?;
                 comms.push(Comm {
                     rank: r,
                     nranks,
@@ -391,8 +421,7 @@ impl Comm {
                     res: Res::Cuda(CudaRes {
                         ctx,
                         group: group.clone(),
-                        last_event,
-                        launched: false.into(),
+                        launch,
                     }),
                     inflight: Arc::new(AtomicUsize::new(0)),
                     last: Mutex::new(None),
@@ -457,6 +486,7 @@ impl Comm {
                 comm_mem,
                 _conn_mem: conn.into_iter().chain(tree_mem).collect(),
                 abort,
+                inflight: (0..nranks).map(|_| Arc::new(AtomicUsize::new(0))).collect(),
                 _shm: Vec::new(),
                 mp: None,
             });
@@ -473,7 +503,7 @@ impl Comm {
                         group: group.clone(),
                         slot: r,
                     }),
-                    inflight: Arc::new(AtomicUsize::new(0)),
+                    inflight: group.inflight[r].clone(),
                     last: Mutex::new(None),
                     trees: trees.get(r).copied(),
                     rings: rings.clone(),
@@ -991,6 +1021,7 @@ impl Comm {
                     comm_mem: vec![comm_mem],
                     _conn_mem: Vec::new(),
                     abort: Vec::new(),
+                    inflight: Vec::new(),
                     _shm: vec![seg],
                     mp: Some(mp),
                 });
@@ -1005,23 +1036,16 @@ impl Comm {
                 set_trees(&mut bytes, tree_array);
                 block.write(0, &bytes)?;
                 let dev_comm = block.ptr;
-                let last_event = cuda::Event::new(&ctx)?;
+                let launch = LaunchState::new(&ctx)?;
                 let group = Arc::new(CudaGroup {
                     _comm_mem: vec![block],
                     // Without a P2P neighbour no one maps the device block: freed now.
                     _conn_mem: if uses_dev { vec![mem] } else { Vec::new() },
                     abort: Vec::new(),
+                    launches: Vec::new(),
                     mp: Some(mp),
                 });
-                (
-                    dev_comm,
-                    Res::Cuda(CudaRes {
-                        ctx,
-                        group,
-                        last_event,
-                        launched: false.into(),
-                    }),
-                )
+                (dev_comm, Res::Cuda(CudaRes { ctx, group, launch }))
             }
             _ => return Err(Error::Internal("connection memory of the wrong kind".into())),
         };
@@ -1159,13 +1183,51 @@ impl Comm {
             }
             std::thread::sleep(Duration::from_micros(200));
         }
+        if self.direct {
+            self.wait_peers_after_abort(start);
+        }
         Ok(())
+    }
+
+    /// With direct writes ([`Comm::direct_pointer`]) a peer's kernel stores into this rank's
+    /// output, which the caller may free once `abort` returns: wait (up to [`PEER_ABORT_WAIT`])
+    /// until no kernel of the group's other ranks is queued or running. Their flags are raised,
+    /// so a running kernel stops at its next wait; a kernel still queued behind other work when
+    /// the time is up checks its flag before its first direct write and writes nothing there.
+    /// Never fails: a peer that cannot be asked counts as idle (debug log).
+    fn wait_peers_after_abort(&self, start: Instant) {
+        let me = self.rank;
+        let peers_idle = || -> bool {
+            match &self.res {
+                Res::Cuda(r) => r.group.launches.iter().enumerate().filter(|(i, _)| *i != me).all(|(i, l)| {
+                    l.idle().unwrap_or_else(|e| {
+                        tracing::debug!(target: "oxccl::init", rank = me, peer = i, "abort: peer state unknown: {e}");
+                        true
+                    })
+                }),
+                Res::Cpu(r) => r
+                    .group
+                    .inflight
+                    .iter()
+                    .enumerate()
+                    .all(|(i, n)| i == r.slot || n.load(Ordering::Acquire) == 0),
+            }
+        };
+        let t = Instant::now();
+        while !peers_idle() {
+            if t.elapsed() > PEER_ABORT_WAIT {
+                tracing::warn!(target: "oxccl::init", rank = me, "abort: other ranks of the group still have queued work after {PEER_ABORT_WAIT:?}; their kernels check the abort flag before writing into this rank's buffers");
+                return;
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        tracing::debug!(target: "oxccl::init", rank = me, elapsed_us = start.elapsed().as_micros() as u64, "abort: group idle");
     }
 
     /// True when this rank has no queued operation left.
     fn idle(&self) -> Result<bool> {
         Ok(match &self.res {
-            Res::Cuda(res) => !res.launched.load(Ordering::Acquire) || res.last_event.is_complete()?,
+            Res::Cuda(res) => res.launch.idle()?,
             Res::Cpu(_) => self.inflight.load(Ordering::Acquire) == 0,
         })
     }
@@ -1252,9 +1314,9 @@ impl Comm {
             }
         }
         if let Res::Cuda(res) = &self.res
-            && res.launched.load(Ordering::Acquire)
+            && res.launch.launched.load(Ordering::Acquire)
         {
-            res.last_event.is_complete()?;
+            res.launch.last_event.is_complete()?;
         }
         match self.init_rank_res() {
             // After teardown (finalize) peers exit when they like.
@@ -1784,8 +1846,8 @@ impl Comm {
                     .ctx
                     .kernel(oxccl_gpu::abi::kernel_name_for(func, algo, dtype, op).as_str())?;
                 s.launch(&module, w.nchannels as u32, self.params.nthreads, &args)?;
-                res.last_event.record(s)?;
-                res.launched.store(true, Ordering::Release);
+                res.launch.last_event.record(s)?;
+                res.launch.launched.store(true, Ordering::Release);
                 Ok(())
             }
             (Res::Cpu(res), Stream::Cpu(s)) => {
@@ -3748,11 +3810,11 @@ impl Drop for Comm {
         let start = Instant::now();
         match &self.res {
             Res::Cuda(res) => {
-                if !res.launched.load(Ordering::Acquire) {
+                if !res.launch.launched.load(Ordering::Acquire) {
                     return;
                 }
                 loop {
-                    match res.last_event.is_complete() {
+                    match res.launch.last_event.is_complete() {
                         Ok(true) => return,
                         Ok(false) if start.elapsed() < DROP_WAIT => {
                             std::thread::sleep(Duration::from_millis(1))

@@ -1289,7 +1289,7 @@ fn bytes_written_after_receiver_abort(direct_disable: &str) -> usize {
     changed
 }
 
-/// Control of the bug below: through the FIFO (`NCCL_P2P_DIRECT_DISABLE=1`) rank 0's late
+/// Control of the case below: through the FIFO (`NCCL_P2P_DIRECT_DISABLE=1`) rank 0's late
 /// Broadcast writes only rank 1's connection memory, never its output after rank 1's abort.
 #[test]
 fn fifo_path_leaves_receiver_output_alone_after_its_abort() {
@@ -1300,20 +1300,19 @@ fn fifo_path_leaves_receiver_output_alone_after_its_abort() {
     assert_eq!(bytes_written_after_receiver_abort("1"), 0);
 }
 
-/// BUG (bb2f2f3): with direct writes, a peer writes into a rank's user buffer after that rank's
-/// `Comm::abort()` returned and its stream finished. Rank 0's Broadcast kernel, started on the
-/// aborted communicator, finds rank 1's published output in the pointer exchange and FIFO
-/// credits free, so its spin loops never poll the abort flag (`Simple::spin` checks it only while
-/// waiting) and it copies the first FIFO window of data (several MiB) straight into rank 1's
-/// output. Through the FIFO those bytes land in communicator memory, which lives until every rank
-/// is gone; a user buffer is dropped as soon as its own device's work is done (`DeviceBuffer`'s
-/// drop waits for its own device only), so after a one-rank abort the peer writes freed memory:
-/// heap corruption / SIGSEGV (`abort_during_direct_collective_loops` freeing per rank).
+/// Was a bug (bb2f2f3, found by this file; fixed in the next commits): with direct writes, a
+/// peer wrote into a rank's user buffer after that rank's `Comm::abort()` returned and its stream
+/// finished. Rank 0's Broadcast kernel, started on the aborted communicator (queued behind
+/// another communicator's call), found rank 1's published output in the pointer exchange and FIFO
+/// credits free, so its spin loops never polled the abort flag (`Simple::spin` checks it only
+/// while waiting) and it copied the first FIFO window of data (several MiB) straight into rank
+/// 1's output — after a one-rank abort a use of freed memory once rank 1 drops the buffer. Now the
+/// Simple kernel reads its abort flag before its first direct write, and rank 1's abort waits (at
+/// most a second) for the group's other ranks.
 #[test]
-#[ignore = "BUG: after rank 1's Comm::abort() returned and its stream finished, rank 0's queued direct (Simple) Broadcast still writes several MiB into rank 1's output buffer (use-after-free once rank 1 drops it): the kernel never polls the abort flag while the pointer exchange and FIFO credits are ready, and direct writes target user memory the receiver no longer guards"]
-fn bug_peer_writes_receiver_output_after_its_abort_returned() {
+fn peer_never_writes_receiver_output_after_its_abort_returned() {
     let _dog = common::Watchdog::new(
-        "bug_peer_writes_receiver_output_after_its_abort_returned",
+        "peer_never_writes_receiver_output_after_its_abort_returned",
         Duration::from_secs(60),
     );
     let n = bytes_written_after_receiver_abort("0");
@@ -1321,6 +1320,68 @@ fn bug_peer_writes_receiver_output_after_its_abort_returned() {
         n, 0,
         "rank 0 wrote {n} bytes into rank 1's output after rank 1's abort() had returned and its stream had finished"
     );
+}
+
+/// A rank aborting in the middle of a large direct Broadcast (both ranks inside it, the root
+/// copying straight into this rank's output): once its `abort()` has returned, the root's kernel
+/// has stopped too — the output does not change any more — because the abort waits for the
+/// group's other ranks, not only its own stream. Several tries at different moments.
+#[test]
+fn receiver_abort_mid_broadcast_waits_for_the_root() {
+    let test = "receiver_abort_mid_broadcast_waits_for_the_root";
+    let _dog = common::Watchdog::new(test, Duration::from_secs(120));
+    // One channel with 32 MiB FIFO slots: the root copies a slice of up to 128 MiB between two
+    // looks at its flag, long enough for the receiver's own kernel to see the abort first.
+    let vars = [
+        ("NCCL_PROTO", "Simple"),
+        ("NCCL_MAX_NCHANNELS", "1"),
+        ("NCCL_BUFFSIZE", "268435456"),
+    ];
+    let count = 192 << 20;
+    let src_bytes = hash_bytes(11, count);
+    let mut moved = 0usize;
+    for (k, delay_us) in [2_000u64, 10_000, 30_000].into_iter().enumerate() {
+        let y = init_ok(2, &vars);
+        assert!(y[0].direct_pointer());
+        let (d0, d1) = (Device::Cpu(0), Device::Cpu(1));
+        let (s0, s1) = (d0.new_stream().unwrap(), d1.new_stream().unwrap());
+        let src = d0.alloc(count).unwrap();
+        src.write(0, &src_bytes).unwrap();
+        let dst0 = d0.alloc(count).unwrap();
+        let out1 = d1.alloc(count).unwrap();
+        y[0].broadcast(Some(src.as_slice()), &dst0, count, DataType::U8, 0, &s0)
+            .unwrap();
+        y[1].broadcast(None, &out1, count, DataType::U8, 0, &s1).unwrap();
+        std::thread::sleep(Duration::from_micros(delay_us));
+        let t = Instant::now();
+        y[1].abort().unwrap();
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "try {k}: abort took {:?}",
+            t.elapsed()
+        );
+        s1.synchronize().unwrap();
+        let before = out1.to_vec().unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+        let after = out1.to_vec().unwrap();
+        let late = before.iter().zip(&after).filter(|(a, b)| a != b).count();
+        assert_eq!(
+            late, 0,
+            "try {k} (abort after {delay_us} µs): {late} bytes of rank 1's output changed after its abort returned"
+        );
+        moved += after
+            .iter()
+            .zip(&src_bytes)
+            .filter(|(a, b)| a == b && **a != 0)
+            .count();
+        let p = pending(s0);
+        assert!(
+            p.done_within(Duration::from_secs(10)).is_some(),
+            "try {k}: rank 0's stream did not finish"
+        );
+    }
+    // The tries did interrupt a Broadcast that was moving data (not all before it started).
+    assert!(moved > 0, "no try saw any data arrive before the abort");
 }
 
 // ---------------------------------------------------------------------------------------------

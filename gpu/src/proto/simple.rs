@@ -205,6 +205,17 @@ impl<T: Elem, Op: RedFn<T>> Simple<T, Op> {
                     (self.smem.add(SMEM_PEER_OUTPUT) as *mut u64)
                         .write_volatile(arch::load_volatile_u64(slot));
                 }
+                // Before the first write into memory that is not the communicator's: a kernel
+                // that starts after an abort (queued behind other work) must not write a
+                // receiver's output, which its owner may free once its own abort returned.
+                // `spin` only polls the flag when it has to wait.
+                // SAFETY: `abort_flag` is 0 or valid (constructor contract).
+                if ok
+                    && !self.abort_flag.is_null()
+                    && unsafe { arch::load_volatile_u32(self.abort_flag) } != 0
+                {
+                    ok = false;
+                }
             }
             if RECV && ok {
                 let (tail, want) = (self.recv.tail, self.recv.step + self.steps_per_slice);
