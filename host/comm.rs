@@ -1184,9 +1184,37 @@ impl Comm {
             std::thread::sleep(Duration::from_micros(200));
         }
         if self.direct {
+            self.mark_group_aborted();
             self.wait_peers_after_abort(start);
         }
         Ok(())
+    }
+
+    /// Sets `DevComm::aborted` in every comm block of this rank's `init_all` group (all their
+    /// abort flags are raised already), so a kernel of any rank that starts from now on writes
+    /// nothing into another rank's output: it reads that word before its first direct write.
+    /// Returns once the words have landed (on GPUs through a stream of their own, while kernels
+    /// run). Never fails: an error is logged (the kernel's spin loops still see the host flag).
+    fn mark_group_aborted(&self) {
+        let at = std::mem::offset_of!(DevComm, aborted);
+        match &self.res {
+            Res::Cuda(r) => {
+                for (i, block) in r.group._comm_mem.iter().enumerate() {
+                    if let Err(e) = block.write_beside(at, &1u32.to_ne_bytes()) {
+                        tracing::warn!(target: "oxccl::init", rank = self.rank, peer = i, "abort: marking rank {i}'s comm block: {e}");
+                    }
+                }
+            }
+            Res::Cpu(r) => {
+                for m in &r.group.comm_mem {
+                    // SAFETY: the comm block lives as long as the group, which `self` keeps
+                    // alive; the word is 4-byte aligned (DevComm is 8-aligned) and kernels only
+                    // load it.
+                    unsafe { AtomicU32::from_ptr((m.addr() as usize + at) as *mut u32) }
+                        .store(1, Ordering::Release);
+                }
+            }
+        }
     }
 
     /// With direct writes ([`Comm::direct_pointer`]) a peer's kernel stores into this rank's
@@ -3803,6 +3831,25 @@ impl std::fmt::Debug for Comm {
     }
 }
 
+impl Comm {
+    /// The abort of a drop whose operations did not finish: this rank's flag (and, across
+    /// processes, the peers' through the shared page). With direct writes the whole `init_all`
+    /// group is aborted instead ([`Comm::abort`]): a peer's kernel may still be writing into this
+    /// rank's buffers, which the caller frees once the drop returns.
+    fn abort_on_drop(&self) {
+        if self.direct {
+            if let Err(e) = self.abort() {
+                tracing::warn!(target: "oxccl::init", rank = self.rank, "destroy: {e}");
+            }
+            return;
+        }
+        self.abort_flag().store(ABORTED_HERE, Ordering::Release);
+        if let Some(mp) = self.init_rank_res() {
+            mp.abort.raise_peers();
+        }
+    }
+}
+
 impl Drop for Comm {
     /// Waits (bounded) for this rank's last queued operation, then raises the abort flag so a
     /// kernel still waiting for a peer exits, then frees everything. Never panics.
@@ -3827,10 +3874,7 @@ impl Drop for Comm {
                     }
                 }
                 tracing::warn!(target: "oxccl::init", rank = self.rank, "destroy: operations still running after {DROP_WAIT:?}; aborting them");
-                self.abort_flag().store(ABORTED_HERE, Ordering::Release);
-                if let Some(mp) = self.init_rank_res() {
-                    mp.abort.raise_peers();
-                }
+                self.abort_on_drop();
                 if let Err(e) = res.ctx.synchronize() {
                     tracing::warn!(target: "oxccl::init", rank = self.rank, "destroy: {e}");
                 }
@@ -3839,10 +3883,7 @@ impl Drop for Comm {
                 while self.inflight.load(Ordering::Acquire) > 0 {
                     if start.elapsed() > DROP_WAIT {
                         tracing::warn!(target: "oxccl::init", rank = self.rank, "destroy: operations still running after {DROP_WAIT:?}; aborting them");
-                        self.abort_flag().store(ABORTED_HERE, Ordering::Release);
-                        if let Some(mp) = self.init_rank_res() {
-                            mp.abort.raise_peers();
-                        }
+                        self.abort_on_drop();
                         break;
                     }
                     std::thread::sleep(Duration::from_millis(1));

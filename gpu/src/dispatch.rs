@@ -112,6 +112,7 @@ pub unsafe fn run_typed<T: Elem, Op: RedFn<T>>(
                     input,
                     output,
                     comm.abort_flag,
+                    &raw const comm.aborted,
                     smem,
                     postdiv,
                     w.slice_elems,

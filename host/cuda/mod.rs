@@ -303,6 +303,17 @@ impl DevAlloc {
         cu!(cuCtxSynchronize())?;
         Ok(a)
     }
+    /// [`copy_htod_beside`] at byte offset `off`: lands while kernels of the context run.
+    pub fn write_beside(&self, off: usize, data: &[u8]) -> Result<()> {
+        if off + data.len() > self.bytes {
+            return Err(Error::Internal(format!(
+                "device write of {} bytes at {off} past {}",
+                data.len(),
+                self.bytes
+            )));
+        }
+        copy_htod_beside(&self.ctx, self.ptr + off as u64, data)
+    }
     /// Synchronous host→device copy at byte offset `off`.
     pub fn write(&self, off: usize, data: &[u8]) -> Result<()> {
         if off + data.len() > self.bytes {
@@ -335,6 +346,22 @@ pub fn copy_htod(ctx: &Context, dst: u64, src: &[u8]) -> Result<()> {
     ctx.bind()?;
     cu!(cuMemcpyHtoD_v2(dst, src.as_ptr() as *const c_void, src.len()))?;
     cu!(cuCtxSynchronize())
+}
+
+/// Host→device copy of a few control bytes on a stream of its own, returning once they have
+/// landed. Unlike [`copy_htod`] (whose context synchronize waits for every kernel of the context)
+/// it does not wait for work queued on other streams: the stream is non-blocking and the copy
+/// runs on a copy engine, so it lands while kernels run (used by `Comm::abort`). `dst` must be
+/// device memory of `ctx` valid for `src.len()` bytes.
+pub fn copy_htod_beside(ctx: &Arc<Context>, dst: u64, src: &[u8]) -> Result<()> {
+    let s = Stream::new(ctx)?;
+    cu!(cuMemcpyHtoDAsync_v2(
+        dst,
+        src.as_ptr() as *const c_void,
+        src.len(),
+        s.raw
+    ))?;
+    s.synchronize()
 }
 
 /// Synchronous device→host copy. `src` must be device memory of `ctx` valid for `dst.len()` bytes.

@@ -205,7 +205,12 @@ pub struct DevComm {
     pub rank: u32,
     pub nranks: u32,
     pub nchannels: u32,
-    pub _pad0: u32,
+    /// Non-zero once the communicator was aborted, in the comm block itself (device memory on
+    /// GPUs): written by `Comm::abort` (on a stream of its own, while kernels run) for the ranks
+    /// of an `init_all` group whose connections write directly into user buffers. A kernel reads
+    /// it before its first direct write: a cheap local load, where `abort_flag` is host memory
+    /// that dozens of blocks reading at once wait for in turn.
+    pub aborted: u32,
     /// Address of a `u32` in host-mapped memory; non-zero means abort (every spin loop polls it).
     pub abort_flag: u64,
     /// Address of `nchannels` [`DevChannel`]s.
