@@ -21,7 +21,10 @@ const COUNTS: &[usize] = &[0, 1, 2, 3, 7, 1023, 1025, (1 << 16) + 3, (1 << 20) +
 fn two_ranks_or_skip(test: &str) -> Option<Vec<Device>> {
     let have = Device::cuda_count();
     if have == 0 {
-        skipped!("SKIPPED: {test}: no CUDA driver/GPU visible ({})", common::no_gpu_reason());
+        skipped!(
+            "SKIPPED: {test}: no CUDA driver/GPU visible ({})",
+            common::no_gpu_reason()
+        );
         return None;
     }
     if have >= 2 {
@@ -95,4 +98,70 @@ fn all_gather_simple_direct() {
 #[test]
 fn all_reduce_simple_direct() {
     matrix(Func::AllReduce, "all_reduce_simple_direct");
+}
+
+/// A rank that aborts never gets data written into its output afterwards, on GPUs too (the case
+/// `tests/breaker_session8.rs` found on the CPU target): rank 0's direct Broadcast is queued behind
+/// another communicator's AllReduce that waits for its rank 1, so it starts only after rank 1 has
+/// aborted; it must see the abort (`DevComm::aborted`, set by `Comm::abort` while kernels run) and
+/// write nothing into rank 1's output, which holds 0xEE from before the calls. Only host calls that
+/// wait for one stream are used while rank 0's stream is blocked (on one GPU a context-wide wait
+/// would wait for the blocked kernel).
+#[test]
+fn late_root_writes_nothing_after_the_receiver_aborted() {
+    let test = "late_root_writes_nothing_after_the_receiver_aborted";
+    let _gpu = common::gpu_lock();
+    let devices = {
+        let _env = common::env_lock();
+        match two_ranks_or_skip(test) {
+            Some(d) => d,
+            None => return,
+        }
+    };
+    if !wanted() {
+        skipped!("SKIPPED: {test}: NCCL_P2P_DIRECT_DISABLE=1 (nothing is written directly)");
+        return;
+    }
+    let y = common::init_comms(&devices, Some("Simple"));
+    let x = common::init_comms(&devices, None);
+    let (d0, d1) = (devices[0], devices[1]);
+    let (s0, s1, sx1) = (
+        d0.new_stream().unwrap(),
+        d1.new_stream().unwrap(),
+        d1.new_stream().unwrap(),
+    );
+    let count = 8 << 20;
+    let src = d0.alloc(count).unwrap();
+    src.write(0, &vec![0x5A; count]).unwrap();
+    let dst0 = d0.alloc(count).unwrap();
+    let out1 = d1.alloc(count).unwrap();
+    out1.fill(0xEE).unwrap();
+    let (xa0, xa1) = (d0.alloc(4096).unwrap(), d1.alloc(4096).unwrap());
+    // Holds rank 0's stream until x's rank 1 calls.
+    x[0].all_reduce(&xa0, &xa0, 1024, oxccl::DataType::I32, oxccl::RedOp::Sum, &s0)
+        .unwrap();
+    y[0].broadcast(Some(src.as_slice()), &dst0, count, oxccl::DataType::U8, 0, &s0)
+        .unwrap();
+    y[1].broadcast(None, &out1, count, oxccl::DataType::U8, 0, &s1)
+        .unwrap();
+    assert_eq!(y[1].last_choice().map(|c| c.proto), Some(oxccl::Proto::Simple));
+    // Rank 1's kernel starts, publishes its output and waits for data that cannot come yet.
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    let t = std::time::Instant::now();
+    y[1].abort().unwrap();
+    s1.synchronize().unwrap();
+    let abort_s = t.elapsed().as_secs_f64();
+    assert!(abort_s < 5.0, "abort took {abort_s} s");
+    // Release rank 0's stream: its Broadcast starts on the aborted communicator.
+    x[1].all_reduce(&xa1, &xa1, 1024, oxccl::DataType::I32, oxccl::RedOp::Sum, &sx1)
+        .unwrap();
+    sx1.synchronize().unwrap();
+    s0.synchronize().unwrap();
+    let got = out1.to_vec().unwrap();
+    let written = got.iter().filter(|&&b| b != 0xEE).count();
+    assert_eq!(
+        written, 0,
+        "rank 0 wrote {written} bytes into rank 1's output after rank 1's abort (took {abort_s} s)"
+    );
+    eprintln!("{test}: abort returned in {abort_s:.3} s; rank 1's output untouched");
 }
