@@ -195,3 +195,32 @@ pub fn spin_pause() {
 pub fn trap() -> ! {
     panic!("oxccl kernel trap")
 }
+
+/// Publishes the pair `(a, b)`: `a`, then `b` with release, so that [`load_pair_u64`], which
+/// reads `b` with acquire first, sees an `a` at least as new as the `b` it saw (the GPU's single
+/// 16-byte store gives the same to a reader that checks `b`).
+///
+/// # Safety
+/// `p` is valid and 16-byte aligned.
+#[inline(always)]
+pub unsafe fn store_pair_u64(p: *mut u64, a: u64, b: u64) {
+    // SAFETY: caller guarantees validity and alignment.
+    unsafe {
+        AtomicU64::from_ptr(p).store(a, Ordering::Relaxed);
+        AtomicU64::from_ptr(p.add(1)).store(b, Ordering::Release);
+    }
+}
+
+/// Reads a pair written by [`store_pair_u64`]: `b` with acquire, then `a`.
+///
+/// # Safety
+/// `p` is valid and 16-byte aligned.
+#[inline(always)]
+pub unsafe fn load_pair_u64(p: *const u64) -> (u64, u64) {
+    let q = p as *mut u64;
+    // SAFETY: caller guarantees validity and alignment.
+    unsafe {
+        let b = AtomicU64::from_ptr(q.add(1)).load(Ordering::Acquire);
+        (AtomicU64::from_ptr(q).load(Ordering::Relaxed), b)
+    }
+}

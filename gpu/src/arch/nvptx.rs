@@ -298,3 +298,25 @@ pub fn trap() -> ! {
     // SAFETY: `trap` has no preconditions.
     unsafe { core::arch::nvptx::trap() }
 }
+
+/// Publishes the pair `(a, b)` in one 16-byte `st.volatile.global.v2.u64`, so that
+/// [`load_pair_u64`] sees both new values or neither (the unit the LL protocols' data-plus-flag
+/// lines rely on, also across NVLink). No fence: the pair orders nothing else.
+///
+/// # Safety
+/// `p` is valid and 16-byte aligned.
+#[inline(always)]
+pub unsafe fn store_pair_u64(p: *mut u64, a: u64, b: u64) {
+    // SAFETY: forwarded caller contract.
+    unsafe { store_volatile_v2_u64(p, a, b) }
+}
+
+/// Reads a pair written by [`store_pair_u64`] with one 16-byte `ld.volatile.global.v2.u64`.
+///
+/// # Safety
+/// `p` is valid and 16-byte aligned.
+#[inline(always)]
+pub unsafe fn load_pair_u64(p: *const u64) -> (u64, u64) {
+    // SAFETY: forwarded caller contract.
+    unsafe { load_volatile_v2_u64(p) }
+}

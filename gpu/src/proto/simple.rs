@@ -115,13 +115,10 @@ impl<T: Elem, Op: RedFn<T>> Simple<T, Op> {
         if !recv.exchange.is_null() {
             recv.exchanges += 1;
             if tid == 0 {
-                // SAFETY: a non-null slot is two `u64` in the sender's memory, which this rank
-                // addresses (ConnInfo contract); the release store orders the address before the
-                // count the sender acquires.
-                unsafe {
-                    arch::store_volatile_u64(recv.exchange, output as u64);
-                    arch::store_release_sys_u64(recv.exchange.add(1), recv.exchanges);
-                }
+                // SAFETY: a non-null slot is two 16-byte aligned `u64` in the sender's memory,
+                // which this rank addresses (ConnInfo contract); the pair is one store, so the
+                // sender never sees the new count with an old address.
+                unsafe { arch::store_pair_u64(recv.exchange, output as u64, recv.exchanges) };
             }
         }
         if !send.exchange.is_null() {
@@ -177,7 +174,7 @@ impl<T: Elem, Op: RedFn<T>> Simple<T, Op> {
 
     /// Spins until `ready()`; polls the abort flag every `SPINS_BEFORE_CHECK_ABORT` tries.
     #[inline(always)]
-    fn spin(&self, ready: impl Fn() -> bool) -> bool {
+    fn spin(&self, mut ready: impl FnMut() -> bool) -> bool {
         let mut spins = 0u32;
         while !ready() {
             spins += 1;
@@ -201,26 +198,33 @@ impl<T: Elem, Op: RedFn<T>> Simple<T, Op> {
             let mut ok = true;
             if SEND && fetch {
                 let (slot, want) = (self.send.exchange, self.send.exchanges);
-                // SAFETY: `fetch` is only set on a connection with an exchange slot: two `u64`
-                // in our own memory. The count is acquired before the address is read; the
-                // receiver cannot publish its next kernel's address before it has received this
-                // send, so the address stays this kernel's.
-                unsafe {
-                    ok = self.spin(|| arch::load_acquire_sys_u64(slot.add(1)) >= want);
-                    (self.smem.add(SMEM_PEER_OUTPUT) as *mut u64)
-                        .write_volatile(arch::load_volatile_u64(slot));
-                }
                 // Before the first write into memory that is not the communicator's: a kernel
                 // that starts after an abort (queued behind other work) must not write a
                 // receiver's output, which its owner may free once its own abort returned.
                 // `spin` only polls the flag when it has to wait. This is the device-side copy
                 // of the flag: the host-mapped one costs a PCIe round trip per block, and the
                 // blocks' reads of it queue behind each other (≈ 1 µs per channel on H200).
+                // Loaded before the slot, so the two loads overlap; a value from before the
+                // wait is enough: an abort that comes later waits for this kernel to end.
                 // SAFETY: `comm_aborted` is null or valid (constructor contract).
-                if ok
-                    && !self.comm_aborted.is_null()
-                    && unsafe { arch::load_volatile_u32(self.comm_aborted) } != 0
-                {
+                let mirror = if self.comm_aborted.is_null() {
+                    0
+                } else {
+                    unsafe { arch::load_volatile_u32(self.comm_aborted) }
+                };
+                let mut peer = 0u64;
+                // SAFETY: `fetch` is only set on a connection with an exchange slot: two 16-byte
+                // aligned `u64` in our own memory, written as one pair. The receiver cannot
+                // publish its next kernel's address before it has received this send, so the
+                // address stays this kernel's.
+                ok = self.spin(|| {
+                    let (p, count) = unsafe { arch::load_pair_u64(slot) };
+                    peer = p;
+                    count >= want
+                });
+                // SAFETY: smem is valid kernel shared memory, 8-byte aligned at this index.
+                unsafe { (self.smem.add(SMEM_PEER_OUTPUT) as *mut u64).write_volatile(peer) };
+                if mirror != 0 {
                     ok = false;
                 }
             }
