@@ -44,12 +44,8 @@ fn wanted() -> bool {
 #[test]
 fn init_all_reports_direct_pointers() {
     let _gpu = common::gpu_lock();
-    let devices = {
-        let _env = common::env_lock();
-        match two_ranks_or_skip("init_all_reports_direct_pointers") {
-            Some(d) => d,
-            None => return,
-        }
+    let Some(devices) = two_ranks_locked("init_all_reports_direct_pointers") else {
+        return;
     };
     let comms = {
         let _env = common::env_lock();
@@ -63,14 +59,16 @@ fn init_all_reports_direct_pointers() {
     assert!(!one[0].direct_pointer());
 }
 
+/// [`two_ranks_or_skip`] under the environment lock.
+fn two_ranks_locked(test: &str) -> Option<Vec<Device>> {
+    let _env = common::env_lock();
+    two_ranks_or_skip(test)
+}
+
 fn matrix(func: Func, test: &str) {
     let _gpu = common::gpu_lock();
-    let devices = {
-        let _env = common::env_lock();
-        match two_ranks_or_skip(test) {
-            Some(d) => d,
-            None => return,
-        }
+    let Some(devices) = two_ranks_locked(test) else {
+        return;
     };
     common::run_collective(
         test,
@@ -111,12 +109,8 @@ fn all_reduce_simple_direct() {
 fn late_root_writes_nothing_after_the_receiver_aborted() {
     let test = "late_root_writes_nothing_after_the_receiver_aborted";
     let _gpu = common::gpu_lock();
-    let devices = {
-        let _env = common::env_lock();
-        match two_ranks_or_skip(test) {
-            Some(d) => d,
-            None => return,
-        }
+    let Some(devices) = two_ranks_locked(test) else {
+        return;
     };
     if !wanted() {
         skipped!("SKIPPED: {test}: NCCL_P2P_DIRECT_DISABLE=1 (nothing is written directly)");

@@ -305,25 +305,21 @@ impl DevAlloc {
     }
     /// [`copy_htod_beside`] at byte offset `off`: lands while kernels of the context run.
     pub fn write_beside(&self, off: usize, data: &[u8]) -> Result<()> {
-        if off + data.len() > self.bytes {
-            return Err(Error::Internal(format!(
-                "device write of {} bytes at {off} past {}",
-                data.len(),
-                self.bytes
-            )));
-        }
-        copy_htod_beside(&self.ctx, self.ptr + off as u64, data)
+        copy_htod_beside(&self.ctx, self.at(off, data.len())?, data)
     }
     /// Synchronous host→device copy at byte offset `off`.
     pub fn write(&self, off: usize, data: &[u8]) -> Result<()> {
-        if off + data.len() > self.bytes {
+        copy_htod(&self.ctx, self.at(off, data.len())?, data)
+    }
+    /// The device address of `len` bytes at `off`; `Internal` when they run past the end.
+    fn at(&self, off: usize, len: usize) -> Result<u64> {
+        if off + len > self.bytes {
             return Err(Error::Internal(format!(
-                "device write of {} bytes at {off} past {}",
-                data.len(),
+                "device write of {len} bytes at {off} past {}",
                 self.bytes
             )));
         }
-        copy_htod(&self.ctx, self.ptr + off as u64, data)
+        Ok(self.ptr + off as u64)
     }
 }
 
