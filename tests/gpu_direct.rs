@@ -17,26 +17,6 @@ use oxccl::{Comm, Device, Func};
 /// Every count of the GPU matrix.
 const COUNTS: &[usize] = &[0, 1, 2, 3, 7, 1023, 1025, (1 << 16) + 3, (1 << 20) + 3];
 
-/// Two ranks: GPUs 0 and 1, or GPU 0 twice when it is the only one.
-fn two_ranks_or_skip(test: &str) -> Option<Vec<Device>> {
-    let have = Device::cuda_count();
-    if have == 0 {
-        skipped!(
-            "SKIPPED: {test}: no CUDA driver/GPU visible ({})",
-            common::no_gpu_reason()
-        );
-        return None;
-    }
-    if have >= 2 {
-        return Some(vec![Device::Cuda(0), Device::Cuda(1)]);
-    }
-    // Set once and never removed, before any communicator of this binary reads it.
-    // SAFETY: the caller holds the env lock, which serialises every environment access of this
-    // test binary.
-    unsafe { std::env::set_var("OXCCL_ALLOW_SHARED_DEVICE", "1") };
-    Some(vec![Device::Cuda(0), Device::Cuda(0)])
-}
-
 fn wanted() -> bool {
     std::env::var("NCCL_P2P_DIRECT_DISABLE").map_or(true, |v| v.trim() != "1")
 }
@@ -44,7 +24,7 @@ fn wanted() -> bool {
 #[test]
 fn init_all_reports_direct_pointers() {
     let _gpu = common::gpu_lock();
-    let Some(devices) = two_ranks_locked("init_all_reports_direct_pointers") else {
+    let Some(devices) = common::two_ranks_or_skip("init_all_reports_direct_pointers") else {
         return;
     };
     let comms = {
@@ -59,15 +39,9 @@ fn init_all_reports_direct_pointers() {
     assert!(!one[0].direct_pointer());
 }
 
-/// [`two_ranks_or_skip`] under the environment lock.
-fn two_ranks_locked(test: &str) -> Option<Vec<Device>> {
-    let _env = common::env_lock();
-    two_ranks_or_skip(test)
-}
-
 fn matrix(func: Func, test: &str) {
     let _gpu = common::gpu_lock();
-    let Some(devices) = two_ranks_locked(test) else {
+    let Some(devices) = common::two_ranks_or_skip(test) else {
         return;
     };
     common::run_collective(
@@ -109,7 +83,7 @@ fn all_reduce_simple_direct() {
 fn late_root_writes_nothing_after_the_receiver_aborted() {
     let test = "late_root_writes_nothing_after_the_receiver_aborted";
     let _gpu = common::gpu_lock();
-    let Some(devices) = two_ranks_locked(test) else {
+    let Some(devices) = common::two_ranks_or_skip(test) else {
         return;
     };
     if !wanted() {

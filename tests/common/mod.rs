@@ -66,6 +66,27 @@ pub fn gpus_or_skip(test: &str, n: usize) -> Option<Vec<Device>> {
     Some((0..n).map(Device::Cuda).collect())
 }
 
+/// Two GPU ranks: GPUs 0 and 1, or GPU 0 twice (`OXCCL_ALLOW_SHARED_DEVICE=1` is then set for
+/// the rest of the process) when it is the only one; `None` after printing why without a GPU.
+pub fn two_ranks_or_skip(test: &str) -> Option<Vec<Device>> {
+    let _env = env_lock();
+    let have = Device::cuda_count();
+    if have == 0 {
+        skipped!(
+            "SKIPPED: {test}: no CUDA driver/GPU visible ({})",
+            no_gpu_reason()
+        );
+        return None;
+    }
+    if have >= 2 {
+        return Some(vec![Device::Cuda(0), Device::Cuda(1)]);
+    }
+    // SAFETY: under the env lock, which serialises every environment access of the test binary;
+    // set once and never removed, before any communicator of this binary reads it.
+    unsafe { std::env::set_var("OXCCL_ALLOW_SHARED_DEVICE", "1") };
+    Some(vec![Device::Cuda(0), Device::Cuda(0)])
+}
+
 /// Serializes GPU tests inside one test binary: every rank's kernel spins until its peers
 /// arrive, so two communicators' kernels sharing GPUs must not compete for them.
 pub fn gpu_lock() -> std::sync::MutexGuard<'static, ()> {

@@ -224,3 +224,38 @@ pub unsafe fn load_pair_u64(p: *const u64) -> (u64, u64) {
         (AtomicU64::from_ptr(q).load(Ordering::Relaxed), b)
     }
 }
+
+/// Lane-wise binary16 sum of two packed pairs (low half = element 0), rounded to nearest even:
+/// the CPU-target twin of the GPU's `add.rn.f16x2` (computed in f32 and rounded once, which gives
+/// the same bits for finite results).
+#[inline(always)]
+pub fn f16x2_add(a: u32, b: u32) -> u32 {
+    f16x2_lanes(a, b, |x, y| x + y)
+}
+
+/// Lane-wise binary16 product, as [`f16x2_add`] (`mul.rn.f16x2` on the GPU).
+#[inline(always)]
+pub fn f16x2_mul(a: u32, b: u32) -> u32 {
+    f16x2_lanes(a, b, |x, y| x * y)
+}
+
+#[inline(always)]
+fn f16x2_lanes(a: u32, b: u32, f: impl Fn(f32, f32) -> f32) -> u32 {
+    let lane = |s: u32| {
+        let (x, y) = (f16_to_f32((a >> s) as u16), f16_to_f32((b >> s) as u16));
+        (f32_to_f16(f(x, y)) as u32) << s
+    };
+    lane(0) | lane(16)
+}
+
+/// Widens one binary16 value (its bits) to f32 exactly (`cvt.f32.f16` on the GPU).
+#[inline(always)]
+pub fn f16_to_f32(h: u16) -> f32 {
+    half::f16::from_bits(h).to_f32()
+}
+
+/// Rounds an f32 to binary16 bits, nearest even (`cvt.rn.f16.f32` on the GPU).
+#[inline(always)]
+pub fn f32_to_f16(f: f32) -> u16 {
+    half::f16::from_f32(f).to_bits()
+}

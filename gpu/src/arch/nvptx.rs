@@ -320,3 +320,53 @@ pub unsafe fn load_pair_u64(p: *const u64) -> (u64, u64) {
     // SAFETY: forwarded caller contract.
     unsafe { load_volatile_v2_u64(p) }
 }
+
+/// `add.rn.f16x2`: lane-wise IEEE binary16 sum of two packed pairs (low half = element 0),
+/// rounded to nearest even — NCCL's `__hadd2`. Bit-identical to adding in f32 and rounding once
+/// (f32 has at least 2·11+2 bits, so the double rounding is innocuous for + and ×).
+#[inline(always)]
+pub fn f16x2_add(a: u32, b: u32) -> u32 {
+    let r: u32;
+    // SAFETY: register-only arithmetic (sm_53+, PTX 4.2+; we target sm_70 / PTX 7.0).
+    unsafe {
+        asm!("add.rn.f16x2 {r}, {a}, {b};", r = out(reg32) r, a = in(reg32) a, b = in(reg32) b,
+             options(pure, nomem, nostack))
+    }
+    r
+}
+
+/// `mul.rn.f16x2`: lane-wise IEEE binary16 product, as [`f16x2_add`] (NCCL's `__hmul2`).
+#[inline(always)]
+pub fn f16x2_mul(a: u32, b: u32) -> u32 {
+    let r: u32;
+    // SAFETY: register-only arithmetic (sm_53+, PTX 4.2+).
+    unsafe {
+        asm!("mul.rn.f16x2 {r}, {a}, {b};", r = out(reg32) r, a = in(reg32) a, b = in(reg32) b,
+             options(pure, nomem, nostack))
+    }
+    r
+}
+
+/// `cvt.f32.f16`: widens one binary16 value (its bits) to f32 exactly.
+#[inline(always)]
+pub fn f16_to_f32(h: u16) -> f32 {
+    let f: f32;
+    // SAFETY: register-only conversion.
+    unsafe {
+        asm!("cvt.f32.f16 {f}, {h};", f = out(reg32) f, h = in(reg16) h,
+             options(pure, nomem, nostack))
+    }
+    f
+}
+
+/// `cvt.rn.f16.f32`: rounds an f32 to binary16 (nearest even; overflow to ±inf), as bits.
+#[inline(always)]
+pub fn f32_to_f16(f: f32) -> u16 {
+    let h: u16;
+    // SAFETY: register-only conversion.
+    unsafe {
+        asm!("cvt.rn.f16.f32 {h}, {f};", h = out(reg16) h, f = in(reg32) f,
+             options(pure, nomem, nostack))
+    }
+    h
+}
