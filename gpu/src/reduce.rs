@@ -5,8 +5,9 @@
 //! in f32 and round once per operation; on the GPU, half sums and products of whole packs use the
 //! packed `add.rn.f16x2` / `mul.rn.f16x2` (NCCL's `__hadd2` / `__hmul2`), which give the same bits
 //! for finite results, and half conversions are the hardware `cvt` rather than bit twiddling;
-//! bfloat16 packs widen by shifts and round with integer adds (sm_70 has no bf16 arithmetic). Avg is Sum followed by a post-division by `nranks` on the
-//! final value (integers truncate toward zero, floats round to nearest).
+//! bfloat16 widens by a shift and rounds with integer adds (sm_70 has no bf16 arithmetic), and both
+//! work word by word on packs (two lanes per `u32`). Avg is Sum followed by a post-division by
+//! `nranks` on the final value (integers truncate toward zero, floats round to nearest).
 use crate::arch::{self, Pack};
 use half::{bf16, f16};
 
@@ -30,6 +31,21 @@ pub trait Elem: Copy + 'static {
     #[inline(always)]
     fn prod_pack(a: Pack, b: Pack) -> Pack {
         lanes::<Self>(a, b, Self::prod)
+    }
+    /// Lane-wise [`Self::min`] over two packs.
+    #[inline(always)]
+    fn min_pack(a: Pack, b: Pack) -> Pack {
+        lanes::<Self>(a, b, Self::min)
+    }
+    /// Lane-wise [`Self::max`] over two packs.
+    #[inline(always)]
+    fn max_pack(a: Pack, b: Pack) -> Pack {
+        lanes::<Self>(a, b, Self::max)
+    }
+    /// Lane-wise [`Self::div`] over a pack (Avg's post-operation).
+    #[inline(always)]
+    fn div_pack(a: Pack, n: u32) -> Pack {
+        lanes::<Self>(a, a, |x, _| Self::div(x, n))
     }
 }
 
@@ -73,100 +89,180 @@ macro_rules! float_elem {
 }
 float_elem!(f32, f64);
 
-impl Elem for f16 {
+/// A 16-bit float type reduced in f32: how one lane (16 bits of a `u32` word) widens and narrows.
+/// The word-wise helpers below work on the two lanes of each word of a pack without going
+/// through memory (the lane-by-lane default of [`Elem`] goes through a stack copy of the pack).
+trait Half16: Elem {
+    /// The lane's bits as f32, exactly.
+    fn widen(bits: u32) -> f32;
+    /// f32 rounded to nearest even, as the lane's bits (in the low 16 bits).
+    fn narrow(x: f32) -> u32;
+
+    /// `f` over both lanes of two words, each result rounded once.
     #[inline(always)]
-    fn sum(a: Self, b: Self) -> Self {
-        h(arch::f32_to_f16(f(a) + f(b)))
+    fn map2(a: u32, b: u32, f: impl Fn(f32, f32) -> f32) -> u32 {
+        let lo = f(Self::widen(a & 0xffff), Self::widen(b & 0xffff));
+        let hi = f(Self::widen(a >> 16), Self::widen(b >> 16));
+        Self::narrow(lo) | Self::narrow(hi) << 16
+    }
+
+    /// Per lane, `b`'s bits where `take_b(a, b)` holds (compared in f32), else `a`'s.
+    #[inline(always)]
+    fn pick2(a: u32, b: u32, take_b: impl Fn(f32, f32) -> bool) -> u32 {
+        let lo = if take_b(Self::widen(a & 0xffff), Self::widen(b & 0xffff)) {
+            b
+        } else {
+            a
+        };
+        let hi = if take_b(Self::widen(a >> 16), Self::widen(b >> 16)) {
+            b
+        } else {
+            a
+        };
+        (lo & 0xffff) | (hi & 0xffff_0000)
+    }
+
+    #[inline(always)]
+    fn min_words(a: Pack, b: Pack) -> Pack {
+        Pack(core::array::from_fn(|i| {
+            Self::pick2(a.0[i], b.0[i], |x, y| y < x)
+        }))
     }
     #[inline(always)]
-    fn prod(a: Self, b: Self) -> Self {
-        h(arch::f32_to_f16(f(a) * f(b)))
+    fn max_words(a: Pack, b: Pack) -> Pack {
+        Pack(core::array::from_fn(|i| {
+            Self::pick2(a.0[i], b.0[i], |x, y| y > x)
+        }))
     }
     #[inline(always)]
-    fn min(a: Self, b: Self) -> Self {
-        if f(b) < f(a) { b } else { a }
-    }
-    #[inline(always)]
-    fn max(a: Self, b: Self) -> Self {
-        if f(b) > f(a) { b } else { a }
-    }
-    #[inline(always)]
-    fn div(a: Self, n: u32) -> Self {
-        h(arch::f32_to_f16(f(a) / n as f32))
-    }
-    #[inline(always)]
-    fn sum_pack(a: Pack, b: Pack) -> Pack {
-        Pack(core::array::from_fn(|i| arch::f16x2_add(a.0[i], b.0[i])))
-    }
-    #[inline(always)]
-    fn prod_pack(a: Pack, b: Pack) -> Pack {
-        Pack(core::array::from_fn(|i| arch::f16x2_mul(a.0[i], b.0[i])))
+    fn div_words(a: Pack, n: u32) -> Pack {
+        let n = n as f32;
+        Pack(core::array::from_fn(|i| Self::map2(a.0[i], 0, |x, _| x / n)))
     }
 }
 
-/// A half as f32, through the hardware conversion on the GPU.
+impl Half16 for f16 {
+    /// `cvt.f32.f16` on the GPU.
+    #[inline(always)]
+    fn widen(bits: u32) -> f32 {
+        arch::f16_to_f32(bits as u16)
+    }
+    /// `cvt.rn.f16.f32` on the GPU.
+    #[inline(always)]
+    fn narrow(x: f32) -> u32 {
+        arch::f32_to_f16(x) as u32
+    }
+}
+
+impl Half16 for bf16 {
+    /// A shift: bfloat16 is the top half of an f32.
+    #[inline(always)]
+    fn widen(bits: u32) -> f32 {
+        f32::from_bits(bits << 16)
+    }
+    /// The bits of `bf16::from_f32` without its branches: add `0x7fff` plus the kept lowest bit
+    /// and truncate (a NaN stays a NaN, its quiet bit set as `from_f32` does).
+    #[inline(always)]
+    fn narrow(x: f32) -> u32 {
+        let u = x.to_bits();
+        if u & 0x7fff_ffff > 0x7f80_0000 {
+            (u >> 16) | 0x40
+        } else {
+            u.wrapping_add(0x7fff + ((u >> 16) & 1)) >> 16
+        }
+    }
+}
+
+/// The scalar operations and the packed overrides of a [`Half16`] type; `$sum` / `$prod` are the
+/// packed sum and product over two words.
+macro_rules! half_elem {
+    ($t:ty, $sum:expr, $prod:expr) => {
+        impl Elem for $t {
+            #[inline(always)]
+            fn sum(a: Self, b: Self) -> Self {
+                lane(<$t as Half16>::map2(
+                    a.to_bits() as u32,
+                    b.to_bits() as u32,
+                    |x, y| x + y,
+                ))
+            }
+            #[inline(always)]
+            fn prod(a: Self, b: Self) -> Self {
+                lane(<$t as Half16>::map2(
+                    a.to_bits() as u32,
+                    b.to_bits() as u32,
+                    |x, y| x * y,
+                ))
+            }
+            #[inline(always)]
+            fn min(a: Self, b: Self) -> Self {
+                if wide(b) < wide(a) { b } else { a }
+            }
+            #[inline(always)]
+            fn max(a: Self, b: Self) -> Self {
+                if wide(b) > wide(a) { b } else { a }
+            }
+            #[inline(always)]
+            fn div(a: Self, n: u32) -> Self {
+                lane(<$t as Half16>::map2(a.to_bits() as u32, 0, |x, _| {
+                    x / n as f32
+                }))
+            }
+            #[inline(always)]
+            fn sum_pack(a: Pack, b: Pack) -> Pack {
+                Pack(core::array::from_fn(|i| $sum(a.0[i], b.0[i])))
+            }
+            #[inline(always)]
+            fn prod_pack(a: Pack, b: Pack) -> Pack {
+                Pack(core::array::from_fn(|i| $prod(a.0[i], b.0[i])))
+            }
+            #[inline(always)]
+            fn min_pack(a: Pack, b: Pack) -> Pack {
+                Self::min_words(a, b)
+            }
+            #[inline(always)]
+            fn max_pack(a: Pack, b: Pack) -> Pack {
+                Self::max_words(a, b)
+            }
+            #[inline(always)]
+            fn div_pack(a: Pack, n: u32) -> Pack {
+                Self::div_words(a, n)
+            }
+        }
+
+        impl Lane for $t {
+            #[inline(always)]
+            fn from_lane(w: u32) -> Self {
+                <$t>::from_bits(w as u16)
+            }
+            #[inline(always)]
+            fn wide(self) -> f32 {
+                <$t as Half16>::widen(self.to_bits() as u32)
+            }
+        }
+    };
+}
+
+/// Scalar glue of the [`Half16`] types (the element-wise tail of the kernels).
+trait Lane {
+    fn from_lane(w: u32) -> Self;
+    fn wide(self) -> f32;
+}
+
 #[inline(always)]
-fn f(x: f16) -> f32 {
-    arch::f16_to_f32(x.to_bits())
+fn lane<T: Lane>(w: u32) -> T {
+    T::from_lane(w)
 }
 
 #[inline(always)]
-fn h(bits: u16) -> f16 {
-    f16::from_bits(bits)
+fn wide<T: Lane>(x: T) -> f32 {
+    x.wide()
 }
 
-impl Elem for bf16 {
-    #[inline(always)]
-    fn sum(a: Self, b: Self) -> Self {
-        bf16::from_f32(a.to_f32() + b.to_f32())
-    }
-    #[inline(always)]
-    fn prod(a: Self, b: Self) -> Self {
-        bf16::from_f32(a.to_f32() * b.to_f32())
-    }
-    #[inline(always)]
-    fn min(a: Self, b: Self) -> Self {
-        if b.to_f32() < a.to_f32() { b } else { a }
-    }
-    #[inline(always)]
-    fn max(a: Self, b: Self) -> Self {
-        if b.to_f32() > a.to_f32() { b } else { a }
-    }
-    #[inline(always)]
-    fn div(a: Self, n: u32) -> Self {
-        bf16::from_f32(a.to_f32() / n as f32)
-    }
-    #[inline(always)]
-    fn sum_pack(a: Pack, b: Pack) -> Pack {
-        Pack(core::array::from_fn(|i| bf16x2(a.0[i], b.0[i], |x, y| x + y)))
-    }
-    #[inline(always)]
-    fn prod_pack(a: Pack, b: Pack) -> Pack {
-        Pack(core::array::from_fn(|i| bf16x2(a.0[i], b.0[i], |x, y| x * y)))
-    }
-}
-
-/// `f` over the two bfloat16 lanes of `a` and `b` (low half = element 0) in f32, each result
-/// rounded to nearest even — the bits of `bf16::from_f32(f(x.to_f32(), y.to_f32()))` without its
-/// branches: widening a bfloat16 is a shift, and rounding adds `0x7fff` plus the kept lowest bit
-/// (a NaN stays a NaN, its quiet bit set as `from_f32` does).
-#[inline(always)]
-fn bf16x2(a: u32, b: u32, f: impl Fn(f32, f32) -> f32) -> u32 {
-    let lo = f(f32::from_bits(a << 16), f32::from_bits(b << 16));
-    let hi = f(f32::from_bits(a & 0xffff_0000), f32::from_bits(b & 0xffff_0000));
-    bf16_round(lo) | bf16_round(hi) << 16
-}
-
-/// f32 to bfloat16 bits (in the low 16 bits of the result), nearest even.
-#[inline(always)]
-fn bf16_round(x: f32) -> u32 {
-    let u = x.to_bits();
-    if u & 0x7fff_ffff > 0x7f80_0000 {
-        (u >> 16) | 0x40
-    } else {
-        u.wrapping_add(0x7fff + ((u >> 16) & 1)) >> 16
-    }
-}
+half_elem!(f16, arch::f16x2_add, arch::f16x2_mul);
+half_elem!(bf16, |a, b| <bf16 as Half16>::map2(a, b, |x, y| x + y), |a, b| {
+    <bf16 as Half16>::map2(a, b, |x, y| x * y)
+});
 
 /// A binary reduction operator over `T`.
 pub trait RedFn<T: Elem>: Copy {
@@ -182,14 +278,7 @@ pub trait RedFn<T: Elem>: Copy {
 /// Lane-wise `x / n` over a pack (Avg's post-operation).
 #[inline(always)]
 pub fn div_pack<T: Elem>(a: Pack, n: u32) -> Pack {
-    let mut r = Pack::default();
-    let pa = &a as *const Pack as *const T;
-    let pr = &mut r as *mut Pack as *mut T;
-    for i in 0..T::PER_PACK {
-        // SAFETY: as in `lanes`.
-        unsafe { pr.add(i).write(T::div(pa.add(i).read(), n)) }
-    }
-    r
+    T::div_pack(a, n)
 }
 
 #[derive(Clone, Copy)]
@@ -226,11 +315,19 @@ impl<T: Elem> RedFn<T> for FuncMin {
     fn apply(a: T, b: T) -> T {
         T::min(a, b)
     }
+    #[inline(always)]
+    fn apply_pack(a: Pack, b: Pack) -> Pack {
+        T::min_pack(a, b)
+    }
 }
 impl<T: Elem> RedFn<T> for FuncMax {
     #[inline(always)]
     fn apply(a: T, b: T) -> T {
         T::max(a, b)
+    }
+    #[inline(always)]
+    fn apply_pack(a: Pack, b: Pack) -> Pack {
+        T::max_pack(a, b)
     }
 }
 

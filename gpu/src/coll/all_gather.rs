@@ -9,19 +9,26 @@ use crate::proto::Primitives;
 #[inline(always)]
 pub fn ring<P: Primitives>(p: &mut P, r: &RingCtx, count: u64, chunk_elems: u64, esize: u64, in_place: bool) {
     let n = r.nranks;
-    channel_chunks(r, count, chunk_elems, esize, |chunk_off, len| {
-        let out = |owner: u64| chunk_off + owner * count;
-        // Our own block: to the next rank, and into our output unless it is already there.
-        // Every hop ends in the receiver's output at the block's place: direct sends.
-        if in_place {
-            p.direct_send(chunk_off, out(r.user_rank(0)), len);
-        } else {
-            p.direct_copy_send(chunk_off, out(r.user_rank(0)), len);
-        }
-        for j in 1..n - 1 {
-            p.direct_recv_copy_direct_send(out(r.user_rank(n - j)), len);
-        }
-        p.direct_recv(out(r.user_rank(1)), len);
-        !p.aborted()
-    });
+    channel_chunks(
+        r,
+        count,
+        chunk_elems,
+        esize,
+        #[inline(always)]
+        |chunk_off, len| {
+            let out = |owner: u64| chunk_off + owner * count;
+            // Our own block: to the next rank, and into our output unless it is already there.
+            // Every hop ends in the receiver's output at the block's place: direct sends.
+            if in_place {
+                p.direct_send(chunk_off, out(r.user_rank(0)), len);
+            } else {
+                p.direct_copy_send(chunk_off, out(r.user_rank(0)), len);
+            }
+            for j in 1..n - 1 {
+                p.direct_recv_copy_direct_send(out(r.user_rank(n - j)), len);
+            }
+            p.direct_recv(out(r.user_rank(1)), len);
+            !p.aborted()
+        },
+    );
 }

@@ -17,18 +17,25 @@ pub fn ring<P: Primitives>(
     in_place: bool,
 ) {
     let (me, next) = (r.user_rank(0), r.user_rank(1));
-    channel_chunks(r, count, chunk_elems, esize, |off, len| {
-        if me == root {
-            if in_place {
-                p.direct_send(off, off, len);
+    channel_chunks(
+        r,
+        count,
+        chunk_elems,
+        esize,
+        #[inline(always)]
+        |off, len| {
+            if me == root {
+                if in_place {
+                    p.direct_send(off, off, len);
+                } else {
+                    p.direct_copy_send(off, off, len);
+                }
+            } else if next == root {
+                p.direct_recv(off, len);
             } else {
-                p.direct_copy_send(off, off, len);
+                p.direct_recv_copy_direct_send(off, len);
             }
-        } else if next == root {
-            p.direct_recv(off, len);
-        } else {
-            p.direct_recv_copy_direct_send(off, len);
-        }
-        !p.aborted()
-    });
+            !p.aborted()
+        },
+    );
 }

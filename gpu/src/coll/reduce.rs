@@ -7,14 +7,21 @@ use crate::proto::Primitives;
 #[inline(always)]
 pub fn ring<P: Primitives>(p: &mut P, r: &RingCtx, count: u64, root: u64, chunk_elems: u64, esize: u64) {
     let (me, prev) = (r.user_rank(0), r.user_rank(r.nranks - 1));
-    channel_chunks(r, count, chunk_elems, esize, |off, len| {
-        if prev == root {
-            p.send(off, len);
-        } else if me == root {
-            p.recv_reduce_copy(off, off, len, true);
-        } else {
-            p.recv_reduce_send(off, len);
-        }
-        !p.aborted()
-    });
+    channel_chunks(
+        r,
+        count,
+        chunk_elems,
+        esize,
+        #[inline(always)]
+        |off, len| {
+            if prev == root {
+                p.send(off, len);
+            } else if me == root {
+                p.recv_reduce_copy(off, off, len, true);
+            } else {
+                p.recv_reduce_send(off, len);
+            }
+            !p.aborted()
+        },
+    );
 }

@@ -8,13 +8,20 @@ use crate::proto::Primitives;
 #[inline(always)]
 pub fn ring<P: Primitives>(p: &mut P, r: &RingCtx, count: u64, chunk_elems: u64, esize: u64) {
     let n = r.nranks;
-    channel_chunks(r, count, chunk_elems, esize, |chunk_off, len| {
-        let inp = |owner: u64| chunk_off + owner * count;
-        p.send(inp(r.user_rank(n - 1)), len);
-        for j in 2..n {
-            p.recv_reduce_send(inp(r.user_rank(n - j)), len);
-        }
-        p.recv_reduce_copy(inp(r.user_rank(0)), chunk_off, len, true);
-        !p.aborted()
-    });
+    channel_chunks(
+        r,
+        count,
+        chunk_elems,
+        esize,
+        #[inline(always)]
+        |chunk_off, len| {
+            let inp = |owner: u64| chunk_off + owner * count;
+            p.send(inp(r.user_rank(n - 1)), len);
+            for j in 2..n {
+                p.recv_reduce_send(inp(r.user_rank(n - j)), len);
+            }
+            p.recv_reduce_copy(inp(r.user_rank(0)), chunk_off, len, true);
+            !p.aborted()
+        },
+    );
 }

@@ -499,27 +499,35 @@ fn part_bytes(line: u64, part: u64, nbytes: u64) -> (u64, u64, u64) {
 }
 
 impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Primitives for Ll128Fan<T, Op, NR, NS> {
+    #[inline(always)]
     fn send(&mut self, src: u64, n: u64) {
         self.generic_op::<false, true, true, false>(src, 0, n, false)
     }
+    #[inline(always)]
     fn recv(&mut self, dst: u64, n: u64) {
         self.generic_op::<true, false, false, true>(0, dst, n, false)
     }
+    #[inline(always)]
     fn recv_reduce_send(&mut self, src: u64, n: u64) {
         self.generic_op::<true, true, true, false>(src, 0, n, false)
     }
+    #[inline(always)]
     fn recv_reduce_copy(&mut self, src: u64, dst: u64, n: u64, post: bool) {
         self.generic_op::<true, false, true, true>(src, dst, n, post)
     }
+    #[inline(always)]
     fn recv_copy_send(&mut self, dst: u64, n: u64) {
         self.generic_op::<true, true, false, true>(0, dst, n, false)
     }
+    #[inline(always)]
     fn recv_reduce_copy_send(&mut self, src: u64, dst: u64, n: u64, post: bool) {
         self.generic_op::<true, true, true, true>(src, dst, n, post)
     }
+    #[inline(always)]
     fn copy_send(&mut self, src: u64, dst: u64, n: u64) {
         self.generic_op::<false, true, true, true>(src, dst, n, false)
     }
+    #[inline(always)]
     fn aborted(&self) -> bool {
         self.aborted
     }

@@ -44,22 +44,27 @@ pub trait Primitives {
     // algorithm pairs them exactly: each `direct_*` send is received by a `direct_recv*`.
 
     /// input[src..src+n] → next's output[dst..].
+    #[inline(always)]
     fn direct_send(&mut self, src: u64, _dst: u64, n: u64) {
         self.send(src, n)
     }
     /// input[src..] → output[dst..] and next's output[dst..].
+    #[inline(always)]
     fn direct_copy_send(&mut self, src: u64, dst: u64, n: u64) {
         self.copy_send(src, dst, n)
     }
     /// prev → output[dst..dst+n] (already there when prev wrote it directly).
+    #[inline(always)]
     fn direct_recv(&mut self, dst: u64, n: u64) {
         self.recv(dst, n)
     }
     /// prev → output[dst..] and next's output[dst..].
+    #[inline(always)]
     fn direct_recv_copy_direct_send(&mut self, dst: u64, n: u64) {
         self.recv_copy_send(dst, n)
     }
     /// prev ⊕ input[src..] → output[dst..] and next's output[dst..].
+    #[inline(always)]
     fn recv_reduce_copy_direct_send(&mut self, src: u64, dst: u64, n: u64, post: bool) {
         self.recv_reduce_copy_send(src, dst, n, post)
     }

@@ -611,42 +611,55 @@ unsafe fn reduce_copy<T: Elem, Op: RedFn<T>, const TWO_SRC: bool, const TWO_DST:
 }
 
 impl<T: Elem, Op: RedFn<T>> Primitives for Simple<T, Op> {
+    #[inline(always)]
     fn send(&mut self, src: u64, n: u64) {
         self.generic_op::<false, true, true, false, false>(src, 0, n, false)
     }
+    #[inline(always)]
     fn recv(&mut self, dst: u64, n: u64) {
         self.generic_op::<true, false, false, true, false>(0, dst, n, false)
     }
+    #[inline(always)]
     fn recv_reduce_send(&mut self, src: u64, n: u64) {
         self.generic_op::<true, true, true, false, false>(src, 0, n, false)
     }
+    #[inline(always)]
     fn recv_reduce_copy(&mut self, src: u64, dst: u64, n: u64, post: bool) {
         self.generic_op::<true, false, true, true, false>(src, dst, n, post)
     }
+    #[inline(always)]
     fn recv_copy_send(&mut self, dst: u64, n: u64) {
         self.generic_op::<true, true, false, true, false>(0, dst, n, false)
     }
+    #[inline(always)]
     fn recv_reduce_copy_send(&mut self, src: u64, dst: u64, n: u64, post: bool) {
         self.generic_op::<true, true, true, true, false>(src, dst, n, post)
     }
+    #[inline(always)]
     fn copy_send(&mut self, src: u64, dst: u64, n: u64) {
         self.generic_op::<false, true, true, true, false>(src, dst, n, false)
     }
+    #[inline(always)]
     fn aborted(&self) -> bool {
         self.aborted
     }
+    #[inline(always)]
     fn direct_send(&mut self, src: u64, dst: u64, n: u64) {
         self.generic_op::<false, true, true, false, true>(src, dst, n, false)
     }
+    #[inline(always)]
     fn direct_copy_send(&mut self, src: u64, dst: u64, n: u64) {
         self.generic_op::<false, true, true, true, true>(src, dst, n, false)
     }
+    #[inline(always)]
     fn direct_recv(&mut self, dst: u64, n: u64) {
         self.generic_op::<true, false, false, true, true>(0, dst, n, false)
     }
+    #[inline(always)]
     fn direct_recv_copy_direct_send(&mut self, dst: u64, n: u64) {
         self.generic_op::<true, true, false, true, true>(0, dst, n, false)
     }
+    #[inline(always)]
     fn recv_reduce_copy_direct_send(&mut self, src: u64, dst: u64, n: u64, post: bool) {
         self.generic_op::<true, true, true, true, true>(src, dst, n, post)
     }
