@@ -4,13 +4,14 @@
 //! call's `Comm::last_choice` must show it) × every DataType × every RedOp (the reducing
 //! collectives) × out-of-place/in-place × the full count set {0, 1, 2, 3, 7, 1023, 1025, 65536+3,
 //! 2^20+3} for every dtype × op, on 1 and 2 GPUs (and on all of them when more than 2 are
-//! visible). Checks as in `common::run_collective`: exact expected values from
+//! visible), and on 2 ranks sharing the GPU when only one is visible. Checks as in `common::run_collective`: exact expected values from
 //! `oxccl::perf::check`, guard bytes around every buffer, poisoned outputs, unchanged inputs and
 //! non-root outputs, AllReduce results bitwise identical on every rank. On one GPU every
 //! collective is a copy and no protocol runs, so the 1-GPU matrices run once, unforced.
 //!
 //! Without enough GPUs (CI), each test prints `SKIPPED: <test>: <reason>` to stderr and returns.
 //! GPU tests in this binary take a lock so two communicators never spin on the same GPUs at once.
+#[macro_use]
 mod common;
 
 use oxccl::{Device, Func};
@@ -41,6 +42,24 @@ fn matrix(func: Func, nranks: usize, test: &str) {
     run(func, &devices, test);
 }
 
+/// Two ranks sharing GPU 0 when it is the only GPU (`OXCCL_ALLOW_SHARED_DEVICE=1`), so a 1-GPU
+/// machine runs every protocol of the matrix too; with 2 or more GPUs `*_2_gpus` covers it.
+fn matrix_shared_gpu(func: Func, test: &str) {
+    match Device::cuda_count() {
+        0 => {
+            let _ = common::gpus_or_skip(test, 1); // prints why
+        }
+        1 => {
+            let Some(devices) = common::two_ranks_or_skip(test) else {
+                return;
+            };
+            let _gpu = common::gpu_lock();
+            run(func, &devices, test);
+        }
+        n => skipped!("SKIPPED: {test}: {n} GPUs visible; the *_2_gpus test runs this matrix"),
+    }
+}
+
 /// All GPUs when more than 2 are visible (1 and 2 have their own tests).
 fn matrix_all_gpus(func: Func, test: &str) {
     if Device::cuda_count() <= 2 {
@@ -53,7 +72,7 @@ fn matrix_all_gpus(func: Func, test: &str) {
 }
 
 macro_rules! gpu_tests {
-    ($($func:ident: $one:ident, $two:ident, $all:ident;)*) => {$(
+    ($($func:ident: $one:ident, $two:ident, $shared:ident, $all:ident;)*) => {$(
         #[test]
         fn $one() {
             matrix(Func::$func, 1, stringify!($one));
@@ -63,6 +82,10 @@ macro_rules! gpu_tests {
             matrix(Func::$func, 2, stringify!($two));
         }
         #[test]
+        fn $shared() {
+            matrix_shared_gpu(Func::$func, stringify!($shared));
+        }
+        #[test]
         fn $all() {
             matrix_all_gpus(Func::$func, stringify!($all));
         }
@@ -70,11 +93,12 @@ macro_rules! gpu_tests {
 }
 
 gpu_tests! {
-    Broadcast: broadcast_1_gpu, broadcast_2_gpus, broadcast_all_gpus;
-    Reduce: reduce_1_gpu, reduce_2_gpus, reduce_all_gpus;
-    AllGather: all_gather_1_gpu, all_gather_2_gpus, all_gather_all_gpus;
-    ReduceScatter: reduce_scatter_1_gpu, reduce_scatter_2_gpus, reduce_scatter_all_gpus;
-    AllReduce: all_reduce_1_gpu, all_reduce_2_gpus, all_reduce_all_gpus;
+    Broadcast: broadcast_1_gpu, broadcast_2_gpus, broadcast_2_ranks_1_gpu, broadcast_all_gpus;
+    Reduce: reduce_1_gpu, reduce_2_gpus, reduce_2_ranks_1_gpu, reduce_all_gpus;
+    AllGather: all_gather_1_gpu, all_gather_2_gpus, all_gather_2_ranks_1_gpu, all_gather_all_gpus;
+    ReduceScatter: reduce_scatter_1_gpu, reduce_scatter_2_gpus, reduce_scatter_2_ranks_1_gpu,
+        reduce_scatter_all_gpus;
+    AllReduce: all_reduce_1_gpu, all_reduce_2_gpus, all_reduce_2_ranks_1_gpu, all_reduce_all_gpus;
 }
 
 /// `NCCL_P2P_DISABLE=1` cannot be honoured by `init_all` (P2P is the only transport it sets up
