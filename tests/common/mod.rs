@@ -70,15 +70,8 @@ pub fn gpus_or_skip(test: &str, n: usize) -> Option<Vec<Device>> {
 /// the rest of the process) when it is the only one; `None` after printing why without a GPU.
 pub fn two_ranks_or_skip(test: &str) -> Option<Vec<Device>> {
     let _env = env_lock();
-    let have = Device::cuda_count();
-    if have == 0 {
-        skipped!(
-            "SKIPPED: {test}: no CUDA driver/GPU visible ({})",
-            no_gpu_reason()
-        );
-        return None;
-    }
-    if have >= 2 {
+    gpus_or_skip(test, 1)?;
+    if Device::cuda_count() >= 2 {
         return Some(vec![Device::Cuda(0), Device::Cuda(1)]);
     }
     // SAFETY: under the env lock, which serialises every environment access of the test binary;
