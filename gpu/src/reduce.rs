@@ -174,39 +174,30 @@ impl Half16 for bf16 {
 }
 
 /// The scalar operations and the packed overrides of a [`Half16`] type; `$sum` / `$prod` are the
-/// packed sum and product over two words.
+/// packed sum and product over two words. A scalar operation is the word-wise one on the low
+/// lane (the element-wise tail of the kernels).
 macro_rules! half_elem {
     ($t:ty, $sum:expr, $prod:expr) => {
         impl Elem for $t {
             #[inline(always)]
             fn sum(a: Self, b: Self) -> Self {
-                lane(<$t as Half16>::map2(
-                    a.to_bits() as u32,
-                    b.to_bits() as u32,
-                    |x, y| x + y,
-                ))
+                <$t>::from_bits(Self::map2(a.to_bits().into(), b.to_bits().into(), |x, y| x + y) as u16)
             }
             #[inline(always)]
             fn prod(a: Self, b: Self) -> Self {
-                lane(<$t as Half16>::map2(
-                    a.to_bits() as u32,
-                    b.to_bits() as u32,
-                    |x, y| x * y,
-                ))
+                <$t>::from_bits(Self::map2(a.to_bits().into(), b.to_bits().into(), |x, y| x * y) as u16)
             }
             #[inline(always)]
             fn min(a: Self, b: Self) -> Self {
-                if wide(b) < wide(a) { b } else { a }
+                <$t>::from_bits(Self::pick2(a.to_bits().into(), b.to_bits().into(), |x, y| y < x) as u16)
             }
             #[inline(always)]
             fn max(a: Self, b: Self) -> Self {
-                if wide(b) > wide(a) { b } else { a }
+                <$t>::from_bits(Self::pick2(a.to_bits().into(), b.to_bits().into(), |x, y| y > x) as u16)
             }
             #[inline(always)]
             fn div(a: Self, n: u32) -> Self {
-                lane(<$t as Half16>::map2(a.to_bits() as u32, 0, |x, _| {
-                    x / n as f32
-                }))
+                <$t>::from_bits(Self::map2(a.to_bits().into(), 0, |x, _| x / n as f32) as u16)
             }
             #[inline(always)]
             fn sum_pack(a: Pack, b: Pack) -> Pack {
@@ -229,34 +220,7 @@ macro_rules! half_elem {
                 Self::div_words(a, n)
             }
         }
-
-        impl Lane for $t {
-            #[inline(always)]
-            fn from_lane(w: u32) -> Self {
-                <$t>::from_bits(w as u16)
-            }
-            #[inline(always)]
-            fn wide(self) -> f32 {
-                <$t as Half16>::widen(self.to_bits() as u32)
-            }
-        }
     };
-}
-
-/// Scalar glue of the [`Half16`] types (the element-wise tail of the kernels).
-trait Lane {
-    fn from_lane(w: u32) -> Self;
-    fn wide(self) -> f32;
-}
-
-#[inline(always)]
-fn lane<T: Lane>(w: u32) -> T {
-    T::from_lane(w)
-}
-
-#[inline(always)]
-fn wide<T: Lane>(x: T) -> f32 {
-    x.wide()
 }
 
 half_elem!(f16, arch::f16x2_add, arch::f16x2_mul);
