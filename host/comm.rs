@@ -15,11 +15,13 @@ use crate::error::{Error, Result};
 use crate::graph::{ChannelRings, RankGraphInfo};
 use crate::mem::{DevSlice, Device, Stream};
 use crate::params::Params;
+use crate::redop::ReduceOp;
 use crate::tuning::{Selection, TreeShape};
 use bytemuck::Zeroable;
 use oxccl_gpu::abi::{
-    Algo, ConnInfo, DEFAULT_CHUNK_STEPS, DataType, DevChannel, DevComm, DevRing, DevTree, FIFO_STEPS, Func,
-    KernelArgs, MAX_CHANNELS, MAX_TREE_ARITY, PACK_BYTES, PTR_EXCHANGE_OFFSET, Proto, RedOp, WorkColl,
+    Algo, ConnInfo, DEFAULT_CHUNK_STEPS, DataType, DevChannel, DevComm, DevRedOp, DevRing, DevTree,
+    FIFO_STEPS, Func, KernelArgs, MAX_CHANNELS, MAX_TREE_ARITY, PACK_BYTES, PTR_EXCHANGE_OFFSET, Proto,
+    REDOP_SCALAR_DEVICE, RedOp, WorkColl,
 };
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -1439,7 +1441,7 @@ impl Comm {
         recv: impl Into<DevSlice<'a>>,
         count: usize,
         dtype: DataType,
-        op: RedOp,
+        op: impl Into<ReduceOp<'a>>,
         stream: &Stream,
     ) -> Result<()> {
         self.safe_call(
@@ -1448,7 +1450,7 @@ impl Comm {
             Some(recv.into()),
             count,
             dtype,
-            op,
+            op.into(),
             0,
             stream,
         )
@@ -1473,7 +1475,7 @@ impl Comm {
             Some(recv.into()),
             count,
             dtype,
-            RedOp::Sum,
+            RedOp::Sum.into(),
             root,
             stream,
         )
@@ -1489,7 +1491,7 @@ impl Comm {
         recv: Option<DevSlice<'a>>,
         count: usize,
         dtype: DataType,
-        op: RedOp,
+        op: impl Into<ReduceOp<'a>>,
         root: usize,
         stream: &Stream,
     ) -> Result<()> {
@@ -1499,7 +1501,7 @@ impl Comm {
             recv,
             count,
             dtype,
-            op,
+            op.into(),
             root,
             stream,
         )
@@ -1522,7 +1524,7 @@ impl Comm {
             Some(recv.into()),
             count,
             dtype,
-            RedOp::Sum,
+            RedOp::Sum.into(),
             0,
             stream,
         )
@@ -1537,7 +1539,7 @@ impl Comm {
         recv: impl Into<DevSlice<'a>>,
         count: usize,
         dtype: DataType,
-        op: RedOp,
+        op: impl Into<ReduceOp<'a>>,
         stream: &Stream,
     ) -> Result<()> {
         self.safe_call(
@@ -1546,7 +1548,7 @@ impl Comm {
             Some(recv.into()),
             count,
             dtype,
-            op,
+            op.into(),
             0,
             stream,
         )
@@ -1574,7 +1576,7 @@ impl Comm {
         recv: Option<DevSlice<'_>>,
         count: usize,
         dtype: DataType,
-        op: RedOp,
+        op: ReduceOp<'_>,
         root: usize,
         stream: &Stream,
     ) -> Result<()> {
@@ -1610,6 +1612,15 @@ impl Comm {
                             self.device
                         )));
                     }
+                    if need && s.addr() % dtype.size() as u64 != 0 {
+                        return Err(Error::invalid(format!(
+                            "{name} at {:#x} on rank {} is not aligned to the {}-byte size of {}",
+                            s.addr(),
+                            self.rank,
+                            dtype.size(),
+                            dtype.name()
+                        )));
+                    }
                     if need && (s.len() as u64) < bytes {
                         return Err(Error::invalid(format!(
                             "{name} holds {} bytes but {} of count {count} × {} ({} bytes each) needs {bytes} on rank {}",
@@ -1633,8 +1644,14 @@ impl Comm {
             };
             let overlap = sa < ra + recv_bytes && ra < sa + send_bytes;
             if overlap && in_place_at.is_none() {
+                // Not NCCL's in-place form (e.g. a ReduceScatter with recvbuff == sendbuff on a
+                // rank other than 0): the output would overwrite input still to be read. Refused
+                // (case C05). Staging the input in a copy instead would need a stream-ordered
+                // allocation, which can wait for the device while a peer's kernel on the same GPU
+                // spins for this rank.
                 return Err(Error::invalid(format!(
-                    "sendbuff and recvbuff of {func} partly overlap: in place means {}; otherwise they must be disjoint",
+                    "sendbuff and recvbuff of {func} partly overlap on rank {}: in place means {}; otherwise they must be disjoint",
+                    self.rank,
                     match func {
                         Func::AllGather => "sendbuff == recvbuff + rank × count elements",
                         Func::ReduceScatter => "recvbuff == sendbuff + rank × count elements",
@@ -1663,13 +1680,13 @@ impl Comm {
     /// # Safety
     /// `send` and `recv` are valid for `count × dtype.size()` bytes on this rank's device until the
     /// operation completes on `stream`, and are equal or disjoint.
-    pub unsafe fn all_reduce_raw(
+    pub unsafe fn all_reduce_raw<'a>(
         &self,
         send: u64,
         recv: u64,
         count: usize,
         dtype: DataType,
-        op: RedOp,
+        op: impl Into<ReduceOp<'a>>,
         stream: &Stream,
     ) -> Result<()> {
         // SAFETY: forwarded caller contract.
@@ -1683,19 +1700,42 @@ impl Comm {
     /// The buffers are valid on this rank's device for the sizes `func` needs with `count` until
     /// the operation completes on `stream`, and overlap only as the in-place forms allow.
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn collective_raw(
+    pub unsafe fn collective_raw<'a>(
         &self,
         func: Func,
         send: u64,
         recv: u64,
         count: usize,
         dtype: DataType,
-        op: RedOp,
+        op: impl Into<ReduceOp<'a>>,
         root: usize,
         stream: &Stream,
     ) -> Result<()> {
+        let op = op.into();
         self.check_root(func, root)?;
         let (_, recv_bytes) = self.buffer_bytes(func, count, dtype)?;
+        if count > 0 {
+            // The buffers NCCL lets a rank omit are Broadcast's send and Reduce's receive buffer
+            // on non-root ranks; any other NULL would be dereferenced by the kernel.
+            let is_root = self.rank == root;
+            for (name, addr, optional) in [
+                ("sendbuff", send, func == Func::Broadcast && !is_root),
+                ("recvbuff", recv, func == Func::Reduce && !is_root),
+            ] {
+                if addr == 0 && !optional {
+                    return Err(Error::invalid(format!(
+                        "{name} is NULL on rank {} ({func} of {count} elements needs it{})",
+                        self.rank,
+                        if matches!(func, Func::Broadcast | Func::Reduce) {
+                            " on the root"
+                        } else {
+                            ""
+                        }
+                    )));
+                }
+            }
+        }
+        let (dev_op, redop_arg, redop_flags) = self.check_op(func, &op, dtype)?;
         self.check_stream(stream)?;
         if self.flag_state() != 0 {
             // Remote (another rank aborted) or InvalidUsage (this rank did).
@@ -1709,6 +1749,33 @@ impl Comm {
         }
         if count == 0 {
             return Ok(());
+        }
+        if self.nranks == 1 && dev_op == DevRedOp::PreMulSum {
+            // One rank's PreMulSum scales the input: the kernel's one-rank path (NCCL's
+            // `ncclLaunchOneRank`), on every channel.
+            let work = WorkColl {
+                sendbuff: send,
+                recvbuff: recv,
+                count: count as u64,
+                redop_arg,
+                func: func as u8,
+                redop: dev_op as u8,
+                redop_flags,
+                dtype: dtype as u8,
+                algo: Algo::Ring as u8,
+                proto: Proto::Simple as u8,
+                nchannels: self.nchannels.clamp(1, u16::MAX as u32) as u16,
+                ..WorkColl::zeroed()
+            };
+            tracing::debug!(target: "oxccl::coll", rank = self.rank, %func, count, %dtype, %op, "enqueue (one rank)");
+            return self.launch(
+                KernelArgs {
+                    comm: self.dev_comm,
+                    _pad: 0,
+                    work,
+                },
+                stream,
+            );
         }
         if self.nranks == 1 {
             // One rank: every collective is a copy of the input (Sum, Prod, Min, Max and Avg of one
@@ -1729,7 +1796,9 @@ impl Comm {
             slice_elems: choice.slice_elems,
             root: root as u32,
             func: func as u8,
-            redop: op as u8,
+            redop: dev_op as u8,
+            redop_arg,
+            redop_flags,
             dtype: dtype as u8,
             algo: choice.algo as u8,
             proto: choice.proto as u8,
@@ -1748,6 +1817,49 @@ impl Comm {
             },
             stream,
         )
+    }
+
+    /// The kernel's operator and scalar operand (`WorkColl::redop_arg`, `redop_flags`) for `op` on
+    /// a `func` call of `dtype`; Broadcast and AllGather reduce nothing and ignore `op`. A
+    /// PreMulSum scalar must have the call's type (case C07); a device-resident one must lie on
+    /// this rank's device, hold one element and be aligned to its size.
+    fn check_op(&self, func: Func, op: &ReduceOp<'_>, dtype: DataType) -> Result<(DevRedOp, u64, u8)> {
+        if matches!(func, Func::Broadcast | Func::AllGather) {
+            return Ok((DevRedOp::Sum, 0, 0));
+        }
+        match op {
+            ReduceOp::Builtin(o) => Ok(((*o).into(), 0, 0)),
+            ReduceOp::PreMulSum(s) => {
+                if s.dtype() != dtype {
+                    return Err(Error::invalid(format!(
+                        "the PreMulSum scalar is {} but {func} runs on {}: the scalar must have the call's dtype",
+                        s.dtype().name(),
+                        dtype.name()
+                    )));
+                }
+                Ok((DevRedOp::PreMulSum, s.to_bits(), 0))
+            }
+            ReduceOp::PreMulSumDevice(s) => {
+                if s.device() != self.device {
+                    return Err(Error::invalid(format!(
+                        "the PreMulSum scalar is on {:?} but rank {} is on {:?}",
+                        s.device(),
+                        self.rank,
+                        self.device
+                    )));
+                }
+                let size = dtype.size();
+                if s.len() < size || s.addr() % size as u64 != 0 {
+                    return Err(Error::invalid(format!(
+                        "the device-resident PreMulSum scalar ({} bytes at {:#x}) must hold one {} ({size} bytes) aligned to {size} bytes",
+                        s.len(),
+                        s.addr(),
+                        dtype.name()
+                    )));
+                }
+                Ok((DevRedOp::PreMulSum, s.addr(), REDOP_SCALAR_DEVICE))
+            }
+        }
     }
 
     fn check_bytes(&self, count: usize, dtype: DataType) -> Result<u64> {
@@ -1866,7 +1978,7 @@ impl Comm {
                     Func::from_u8(w.func),
                     Algo::from_u8(w.algo),
                     DataType::from_u8(w.dtype),
-                    RedOp::from_u8(w.redop),
+                    DevRedOp::from_u8(w.redop),
                 ) else {
                     return Err(Error::Internal("work element with an invalid enum".into()));
                 };

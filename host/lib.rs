@@ -43,6 +43,7 @@ pub mod nccl;
 pub mod params;
 pub mod perf;
 pub mod proxy;
+pub mod redop;
 pub mod topo;
 pub mod transport;
 pub mod tuning;
@@ -51,7 +52,8 @@ pub use comm::{Choice, Comm};
 pub use error::{Error, Result, ResultCode, error_string, error_string_of};
 pub use handle::CommHandle;
 pub use mem::{DevSlice, Device, DeviceBuffer, Stream};
-pub use oxccl_gpu::abi::{Algo, DataType, Func, Proto, RedOp, kernel_name, kernel_name_for};
+pub use oxccl_gpu::abi::{Algo, DataType, DevRedOp, Func, Proto, RedOp, kernel_name, kernel_name_for};
+pub use redop::{ReduceOp, Scalar};
 
 /// The embedded kernels: `PTX_MODULES` lists (kernel entry point, deflated PTX module) pairs, one
 /// module per entry point, split by build.rs from the PTX built from `gpu/` (empty when built with

@@ -18,7 +18,7 @@ macro_rules! skipped {
 
 mod common;
 
-use oxccl::{Comm, DataType, DevSlice, Device, DeviceBuffer, Error, RedOp, ResultCode, Stream};
+use oxccl::{Comm, DataType, DevSlice, Device, DeviceBuffer, Error, Func, RedOp, ResultCode, Stream};
 
 /// Communicators over `devices` and one stream per rank.
 fn group(devices: &[Device]) -> (Vec<Comm>, Vec<Stream>) {
@@ -591,14 +591,21 @@ fn argument_errors(devices: &[Device], other: Device) {
     let e = c.all_reduce(&good, &good2, usize::MAX, DataType::I32, RedOp::Sum, st);
     expect_err(e, inv, &["count"], "count usize::MAX");
 
-    // Partial overlap (either order, by one element and by all but one byte).
+    // Partial overlap by one element (either order), and buffers not aligned to the element size
+    // (here also overlapping).
     let big = alloc(dev, 2 * bytes);
-    for (so, ro) in [(0, 4), (4, 0), (0, bytes - 1), (bytes - 1, 0), (1, 0)] {
+    for (so, ro, name) in [
+        (0, 4, "overlap"),
+        (4, 0, "overlap"),
+        (0, bytes - 1, "recvbuff"),
+        (bytes - 1, 0, "sendbuff"),
+        (1, 0, "sendbuff"),
+    ] {
         let r = ar(big.slice(so, bytes).unwrap(), big.slice(ro, bytes).unwrap(), st);
         expect_err(
             r,
             inv,
-            &["overlap"],
+            &[name, if name == "overlap" { "in place" } else { "aligned" }],
             &format!("send at byte {so}, recv at byte {ro} of one buffer"),
         );
     }
@@ -759,4 +766,337 @@ fn duplicate_device_is_invalid_usage_gpu() {
         .err()
         .expect("mixed CUDA/CPU devices accepted");
     assert_eq!(e.code(), ResultCode::InvalidArgument, "{e}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// C05: in place means the rank's block of the big buffer, not send == recv; any other overlap
+// is refused.
+
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+fn f32s(b: &DeviceBuffer) -> Vec<f32> {
+    b.to_vec()
+        .unwrap()
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+/// Case C05 on `devices` (f32, per-rank count 1001): AllGather with `send = data + r·1001`,
+/// `recv = data`; ReduceScatter with `send = data`, `recv = data + r·1001`; AllReduce, Broadcast
+/// and Reduce with send == recv; then overlaps outside the in-place forms — ReduceScatter and
+/// AllGather with recv == send (in place on rank 0 only), AllReduce with recv one element past
+/// send — which are InvalidArgument naming the overlap, before anything is queued, on every rank
+/// where they are not the in-place form.
+fn c05_in_place_offsets(devices: &[Device]) {
+    const COUNT: usize = 1001;
+    let n = devices.len();
+    let (comms, streams) = group(devices);
+    let bufs: Vec<DeviceBuffer> = devices.iter().map(|d| alloc(*d, (n * COUNT + 1) * 4)).collect();
+    let tri = (n * (n - 1) / 2) as f32;
+
+    // AllGather in place: rank r's block at r·1001 holds r·10000 + i, the rest -1.
+    for (r, b) in bufs.iter().enumerate() {
+        let mut v = vec![-1.0f32; n * COUNT + 1];
+        for i in 0..COUNT {
+            v[r * COUNT + i] = (r * 10000 + i) as f32;
+        }
+        b.write(0, &f32_bytes(&v)).unwrap();
+    }
+    for (r, c) in comms.iter().enumerate() {
+        let send = bufs[r].slice(r * COUNT * 4, COUNT * 4).unwrap();
+        let recv = bufs[r].slice(0, n * COUNT * 4).unwrap();
+        c.all_gather(send, recv, COUNT, DataType::F32, &streams[r])
+            .unwrap_or_else(|e| panic!("C05 AllGather in place: rank {r}: {e}"));
+    }
+    sync_all(&streams, "C05 AllGather in place");
+    for (r, b) in bufs.iter().enumerate() {
+        let got = f32s(b);
+        for k in 0..n {
+            for i in 0..COUNT {
+                assert_eq!(
+                    got[k * COUNT + i],
+                    (k * 10000 + i) as f32,
+                    "C05 AllGather in place: rank {r} data[{k}·1001+{i}]"
+                );
+            }
+        }
+        assert_eq!(
+            got[n * COUNT],
+            -1.0,
+            "C05 AllGather in place: rank {r}: the element past the buffer was written"
+        );
+    }
+
+    // ReduceScatter in place: data[j] = r + j; recv = data + r·1001.
+    let fill = |b: &DeviceBuffer, r: usize| {
+        let v: Vec<f32> = (0..n * COUNT + 1).map(|j| (r + j) as f32).collect();
+        b.write(0, &f32_bytes(&v)).unwrap();
+    };
+    for (r, b) in bufs.iter().enumerate() {
+        fill(b, r);
+    }
+    for (r, c) in comms.iter().enumerate() {
+        let send = bufs[r].slice(0, n * COUNT * 4).unwrap();
+        let recv = bufs[r].slice(r * COUNT * 4, COUNT * 4).unwrap();
+        c.reduce_scatter(send, recv, COUNT, DataType::F32, RedOp::Sum, &streams[r])
+            .unwrap_or_else(|e| panic!("C05 ReduceScatter in place: rank {r}: {e}"));
+    }
+    sync_all(&streams, "C05 ReduceScatter in place");
+    for (r, b) in bufs.iter().enumerate() {
+        let got = f32s(b);
+        for (j, &g) in got.iter().enumerate() {
+            let want = if j / COUNT == r && j < n * COUNT {
+                (n * j) as f32 + tri
+            } else {
+                (r + j) as f32
+            };
+            assert_eq!(
+                g, want,
+                "C05 ReduceScatter in place: rank {r} data[{j}] (4·(r·1001+i)+6 on 4 ranks)"
+            );
+        }
+    }
+
+    // send == recv: AllReduce, Broadcast (root 0), Reduce (root n-1).
+    for (r, b) in bufs.iter().enumerate() {
+        fill(b, r);
+    }
+    // One collective on every rank, then a synchronize, then the next: a rank that queued a
+    // second collective whose kernel module is not loaded yet, while its first kernel waits for
+    // the other ranks, deadlocks in the module load when the ranks share a GPU (seen on one
+    // H200, session 10; the loading is lazy, per kernel).
+    let d = |r: usize| bufs[r].slice(0, COUNT * 4).unwrap();
+    for (r, c) in comms.iter().enumerate() {
+        c.all_reduce(d(r), d(r), COUNT, DataType::F32, RedOp::Sum, &streams[r])
+            .unwrap();
+    }
+    sync_all(&streams, "C05 AllReduce send == recv");
+    for (r, c) in comms.iter().enumerate() {
+        c.broadcast(Some(d(r)), d(r), COUNT, DataType::F32, 0, &streams[r])
+            .unwrap();
+    }
+    sync_all(&streams, "C05 Broadcast send == recv");
+    for (r, c) in comms.iter().enumerate() {
+        c.reduce(
+            d(r),
+            Some(d(r)),
+            COUNT,
+            DataType::F32,
+            RedOp::Sum,
+            n - 1,
+            &streams[r],
+        )
+        .unwrap();
+    }
+    sync_all(&streams, "C05 send == recv");
+    for (r, b) in bufs.iter().enumerate() {
+        let got = f32s(b);
+        for i in 0..COUNT {
+            // AllReduce: n·i + tri on every rank; Broadcast copies rank 0's; Reduce sums again on
+            // rank n-1 only.
+            let ar = (n * i) as f32 + tri;
+            let want = if r == n - 1 { n as f32 * ar } else { ar };
+            assert_eq!(
+                got[i], want,
+                "C05 AllReduce+Broadcast+Reduce in place: rank {r} data[{i}]"
+            );
+        }
+        assert_eq!(
+            got[COUNT],
+            (r + COUNT) as f32,
+            "C05 in place: rank {r}: data[1001] was written"
+        );
+    }
+
+    // Outside the in-place forms: recv == send for ReduceScatter and AllGather is the in-place
+    // form on rank 0 only; every other rank refuses it, naming the overlap and the form (rank 0
+    // is not called: its legal call would wait for the others).
+    for r in 1..n {
+        let c = &comms[r];
+        let all = bufs[r].slice(0, n * COUNT * 4).unwrap();
+        let first = bufs[r].slice(0, COUNT * 4).unwrap();
+        let e = c.reduce_scatter(all, first, COUNT, DataType::F32, RedOp::Sum, &streams[r]);
+        expect_err(
+            e,
+            ResultCode::InvalidArgument,
+            &["overlap", "recvbuff == sendbuff + rank × count"],
+            "C05 ReduceScatter recv == send",
+        );
+        let e = c.all_gather(first, all, COUNT, DataType::F32, &streams[r]);
+        expect_err(
+            e,
+            ResultCode::InvalidArgument,
+            &["overlap", "sendbuff == recvbuff + rank × count"],
+            "C05 AllGather send == recv",
+        );
+    }
+    // A partial overlap (AllReduce with recv one element past send) is refused on every rank.
+    for (r, c) in comms.iter().enumerate() {
+        let send = bufs[r].slice(0, COUNT * 4).unwrap();
+        let recv = bufs[r].slice(4, COUNT * 4).unwrap();
+        let e = c.all_reduce(send, recv, COUNT, DataType::F32, RedOp::Sum, &streams[r]);
+        expect_err(
+            e,
+            ResultCode::InvalidArgument,
+            &["overlap"],
+            "C05 AllReduce recv = send + 1",
+        );
+    }
+    check_in_step(&comms, &streams, "C05");
+}
+
+#[test]
+fn c05_in_place_offsets_cpu_4_ranks() {
+    c05_in_place_offsets(&Device::cpus(4));
+}
+
+#[test]
+fn c05_in_place_offsets_gpu() {
+    let Some(devices) = common::two_ranks_or_skip("c05_in_place_offsets_gpu") else {
+        return;
+    };
+    let _gpu = common::gpu_lock();
+    c05_in_place_offsets(&devices);
+}
+
+// ---------------------------------------------------------------------------------------------
+// C25: rooted collectives with the buffers NCCL lets non-roots omit, and bad roots.
+
+/// Case C25 on `devices` with root `root`: Reduce f32 sum of 1024 with rank r's value r+1 and
+/// no receive buffer on non-roots gives n(n+1)/2 (10.0 on 4 ranks) everywhere on the root and
+/// writes nothing else; Broadcast with no send buffer on non-roots works; a root without its
+/// send buffer (safe and raw entry points) and a root of n or -1 are InvalidArgument naming the
+/// argument (and for the root, the range 0..=n-1) on every rank.
+fn c25_rooted_nulls(devices: &[Device], root: usize) {
+    const COUNT: usize = 1024;
+    let n = devices.len();
+    let (comms, streams) = group(devices);
+    let sends: Vec<DeviceBuffer> = devices.iter().map(|d| alloc(*d, COUNT * 4)).collect();
+    let recvs: Vec<DeviceBuffer> = devices.iter().map(|d| alloc(*d, COUNT * 4 + 64)).collect();
+    for r in 0..n {
+        sends[r].write(0, &f32_bytes(&[(r + 1) as f32; COUNT])).unwrap();
+        recvs[r].fill(0xa5).unwrap();
+    }
+    for (r, c) in comms.iter().enumerate() {
+        let recv = (r == root).then(|| recvs[r].slice(0, COUNT * 4).unwrap());
+        c.reduce(
+            &sends[r],
+            recv,
+            COUNT,
+            DataType::F32,
+            RedOp::Sum,
+            root,
+            &streams[r],
+        )
+        .unwrap_or_else(|e| panic!("C25 Reduce: rank {r}: {e}"));
+    }
+    sync_all(&streams, "C25 Reduce");
+    let total = (n * (n + 1) / 2) as f32;
+    for (r, b) in recvs.iter().enumerate() {
+        let got = b.to_vec().unwrap();
+        if r == root {
+            assert_eq!(f32s(b)[..COUNT], vec![total; COUNT][..], "C25 Reduce: root {r}");
+            assert_eq!(
+                got[COUNT * 4..],
+                vec![0xa5; 64][..],
+                "C25 Reduce: root {r}: past the output"
+            );
+        } else {
+            assert_eq!(
+                got,
+                vec![0xa5; COUNT * 4 + 64],
+                "C25 Reduce: non-root {r} was written"
+            );
+        }
+    }
+    for (r, c) in comms.iter().enumerate() {
+        let send = (r == root).then(|| sends[r].as_slice());
+        c.broadcast(send, &recvs[r], COUNT, DataType::F32, root, &streams[r])
+            .unwrap_or_else(|e| panic!("C25 Broadcast: rank {r}: {e}"));
+    }
+    sync_all(&streams, "C25 Broadcast");
+    for (r, b) in recvs.iter().enumerate() {
+        assert_eq!(
+            f32s(b)[..COUNT],
+            vec![(root + 1) as f32; COUNT][..],
+            "C25 Broadcast: rank {r}"
+        );
+    }
+    // The root without its send buffer: refused on the root before anything is queued.
+    let c = &comms[root];
+    let e = c
+        .broadcast(None, &recvs[root], COUNT, DataType::F32, root, &streams[root])
+        .expect_err("Broadcast without the root's sendbuff");
+    assert_eq!(e.code(), ResultCode::InvalidArgument, "{e}");
+    assert!(e.to_string().contains("sendbuff"), "{e}");
+    // SAFETY: the NULL send is refused before any access; the receive buffer is valid.
+    let e = unsafe {
+        c.collective_raw(
+            Func::Reduce,
+            0,
+            recvs[root].addr(),
+            COUNT,
+            DataType::F32,
+            RedOp::Sum,
+            root,
+            &streams[root],
+        )
+    }
+    .expect_err("Reduce with a NULL sendbuff on the root");
+    assert_eq!(e.code(), ResultCode::InvalidArgument, "{e}");
+    assert!(e.to_string().contains("sendbuff is NULL"), "{e}");
+    // Roots out of range, on every rank (-1 as the C API would pass it).
+    let range = format!("0..={}", n - 1);
+    for bad in [n, usize::MAX] {
+        for (r, c) in comms.iter().enumerate() {
+            let e = c
+                .reduce(
+                    &sends[r],
+                    Some(recvs[r].as_slice()),
+                    COUNT,
+                    DataType::F32,
+                    RedOp::Sum,
+                    bad,
+                    &streams[r],
+                )
+                .expect_err("Reduce with a bad root");
+            assert_eq!(e.code(), ResultCode::InvalidArgument, "{e}");
+            assert!(
+                e.to_string().contains("root") && e.to_string().contains(&range),
+                "rank {r} root {bad}: {e}"
+            );
+            let e = c
+                .broadcast(
+                    Some(sends[r].as_slice()),
+                    &recvs[r],
+                    COUNT,
+                    DataType::F32,
+                    bad,
+                    &streams[r],
+                )
+                .expect_err("Broadcast with a bad root");
+            assert!(
+                e.to_string().contains("root") && e.to_string().contains(&range),
+                "rank {r} root {bad}: {e}"
+            );
+        }
+    }
+    check_in_step(&comms, &streams, "C25");
+}
+
+#[test]
+fn c25_rooted_nulls_cpu_4_ranks() {
+    c25_rooted_nulls(&Device::cpus(4), 2);
+}
+
+#[test]
+fn c25_rooted_nulls_gpu() {
+    let Some(devices) = common::two_ranks_or_skip("c25_rooted_nulls_gpu") else {
+        return;
+    };
+    let _gpu = common::gpu_lock();
+    c25_rooted_nulls(&devices, 1);
 }

@@ -12,7 +12,7 @@
 #[macro_use]
 mod common;
 
-use oxccl::{Comm, Device, Func};
+use oxccl::{Comm, Func};
 
 /// Every count of the GPU matrix.
 const COUNTS: &[usize] = &[0, 1, 2, 3, 7, 1023, 1025, (1 << 16) + 3, (1 << 20) + 3];

@@ -2,7 +2,7 @@
 //! self-contained (every function it calls or names is defined in it), none holding another
 //! kernel, each smaller than the linked PTX it was split from. Pure text checks: no GPU needed.
 use oxccl::kernels::PTX_BYTES;
-use oxccl::{Algo, DataType, Func, RedOp};
+use oxccl::{Algo, DataType, DevRedOp, Func};
 use oxccl_gpu::abi::{kernel_name, kernel_name_for};
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -193,11 +193,14 @@ fn every_all_reduce_kernel_has_a_module() {
     );
     let mut missing = Vec::new();
     for &dt in DataType::ALL {
-        for &op in RedOp::ALL {
-            // The ring's entry point and the tree's (`oxccl_allreduce_tree_<dtype>_<op>`).
+        for &op in DevRedOp::ALL {
+            // The ring's entry point and the tree's (`oxccl_allreduce_tree_<dtype>_<op>`), and
+            // the other reducing collectives' (PreMulSum's included).
             for k in [
                 kernel_name(Func::AllReduce, dt, op),
                 kernel_name_for(Func::AllReduce, Algo::Tree, dt, op),
+                kernel_name(Func::Reduce, dt, op),
+                kernel_name(Func::ReduceScatter, dt, op),
             ] {
                 if !names.contains(k.as_str()) {
                     missing.push(k.as_str().to_string());
@@ -211,7 +214,7 @@ fn every_all_reduce_kernel_has_a_module() {
     }
     assert!(
         missing.is_empty(),
-        "{} AllReduce kernels have no PTX module: {missing:?} (modules: {})",
+        "{} reducing kernels have no PTX module: {missing:?} (modules: {})",
         missing.len(),
         modules.len()
     );

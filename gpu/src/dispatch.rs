@@ -1,14 +1,16 @@
 //! From a [`KernelArgs`] to the monomorphised algorithm (NCCL's `ncclDevFuncTable` +
 //! `RunWorkColl`), shared by the GPU kernel entry point and the CPU target's block threads: one
 //! kernel entry point, a `match` inside on (func, algo, proto, dtype, op).
-use crate::abi::{Algo, DataType, DevChannel, DevComm, Func, KernelArgs, Proto, RedOp, WorkColl};
+use crate::abi::{
+    Algo, DataType, DevChannel, DevComm, DevRedOp, Func, KernelArgs, Proto, REDOP_SCALAR_DEVICE, WorkColl,
+};
 use crate::coll::{self, RingCtx};
 use crate::proto::Primitives;
 use crate::proto::fan::Peers;
 use crate::proto::ll::Ll;
 use crate::proto::ll128::Ll128;
 use crate::proto::simple::Simple;
-use crate::reduce::{Elem, FuncMax, FuncMin, FuncProd, FuncSum, RedFn};
+use crate::reduce::{Elem, FuncMax, FuncMin, FuncPreMulSum, FuncProd, FuncSum, OpArgs, RedFn};
 use half::{bf16, f16};
 
 /// Runs block `bid` (one channel) of the operation described by `args`, dispatching on every
@@ -21,7 +23,7 @@ use half::{bf16, f16};
 pub unsafe fn run_block(args: &KernelArgs, bid: u32, tid: u32, nthreads: u32, smem: *mut u32) {
     let (Some(dtype), Some(op)) = (
         DataType::from_u8(args.work.dtype),
-        RedOp::from_u8(args.work.redop),
+        DevRedOp::from_u8(args.work.redop),
     ) else {
         crate::arch::trap()
     };
@@ -44,15 +46,16 @@ pub unsafe fn run_block(args: &KernelArgs, bid: u32, tid: u32, nthreads: u32, sm
 
 /// # Safety
 /// As [`run_block`].
-unsafe fn by_op<T: Elem>(args: &KernelArgs, bid: u32, tid: u32, nthreads: u32, smem: *mut u32, op: RedOp) {
+unsafe fn by_op<T: Elem>(args: &KernelArgs, bid: u32, tid: u32, nthreads: u32, smem: *mut u32, op: DevRedOp) {
     // SAFETY: forwarded caller contract.
     unsafe {
         match op {
-            RedOp::Sum => run_typed::<T, FuncSum>(args, bid, tid, nthreads, smem, false, None),
-            RedOp::Prod => run_typed::<T, FuncProd>(args, bid, tid, nthreads, smem, false, None),
-            RedOp::Max => run_typed::<T, FuncMax>(args, bid, tid, nthreads, smem, false, None),
-            RedOp::Min => run_typed::<T, FuncMin>(args, bid, tid, nthreads, smem, false, None),
-            RedOp::Avg => run_typed::<T, FuncSum>(args, bid, tid, nthreads, smem, true, None),
+            DevRedOp::Sum => run_typed::<T, FuncSum>(args, bid, tid, nthreads, smem, false, None),
+            DevRedOp::Prod => run_typed::<T, FuncProd>(args, bid, tid, nthreads, smem, false, None),
+            DevRedOp::Max => run_typed::<T, FuncMax>(args, bid, tid, nthreads, smem, false, None),
+            DevRedOp::Min => run_typed::<T, FuncMin>(args, bid, tid, nthreads, smem, false, None),
+            DevRedOp::Avg => run_typed::<T, FuncSum>(args, bid, tid, nthreads, smem, true, None),
+            DevRedOp::PreMulSum => run_typed::<T, FuncPreMulSum>(args, bid, tid, nthreads, smem, false, None),
         }
     }
 }
@@ -75,13 +78,19 @@ pub unsafe fn run_typed<T: Elem, Op: RedFn<T>>(
     let w = &args.work;
     // SAFETY: caller contract.
     let comm = unsafe { &*(args.comm as *const DevComm) };
-    let postdiv = if avg { comm.nranks } else { 0 };
+    // SAFETY: the host checked a device-resident scalar's address (launch contract).
+    let op_args = unsafe { op_args::<T, Op>(comm, w, avg) };
+    if Op::PRE_MUL && comm.nranks == 1 {
+        // SAFETY: forwarded caller contract.
+        unsafe { one_rank::<T, Op>(w, bid, tid, nthreads, &op_args) };
+        return;
+    }
     // The CPU target's entry point dispatches trees here; on the GPU the tree has its own entry
     // points (`run_tree_kernel`), so the ring entry points' code stays ring-only.
     #[cfg(not(target_arch = "nvptx64"))]
     if w.algo == Algo::Tree as u8 {
         // SAFETY: forwarded caller contract.
-        unsafe { run_tree::<T, Op>(comm, w, bid, tid, nthreads, smem, postdiv, only) };
+        unsafe { run_tree::<T, Op>(comm, w, bid, tid, nthreads, smem, op_args, only) };
         return;
     }
     // A kernel entry point passes its collective as a constant, so only that one is compiled in.
@@ -114,7 +123,7 @@ pub unsafe fn run_typed<T: Elem, Op: RedFn<T>>(
                     comm.abort_flag,
                     &raw const comm.aborted,
                     smem,
-                    postdiv,
+                    op_args,
                     w.slice_elems,
                 );
                 run_ring::<T, _>(&mut p, &ring, comm, w, func);
@@ -130,7 +139,7 @@ pub unsafe fn run_typed<T: Elem, Op: RedFn<T>>(
                     output,
                     comm.abort_flag,
                     smem,
-                    postdiv,
+                    op_args,
                 );
                 run_ring::<T, _>(&mut p, &ring, comm, w, func);
                 p.finish();
@@ -145,7 +154,7 @@ pub unsafe fn run_typed<T: Elem, Op: RedFn<T>>(
                     output,
                     comm.abort_flag,
                     smem,
-                    postdiv,
+                    op_args,
                 );
                 run_ring::<T, _>(&mut p, &ring, comm, w, func);
                 p.finish();
@@ -171,7 +180,7 @@ pub unsafe fn run_tree_kernel<T: Elem, Op: RedFn<T>>(
     // SAFETY: forwarded caller contract.
     unsafe {
         let comm = &*(args.comm as *const DevComm);
-        let postdiv = if avg { comm.nranks } else { 0 };
+        let op_args = op_args::<T, Op>(comm, &args.work, avg);
         run_tree::<T, Op>(
             comm,
             &args.work,
@@ -179,9 +188,71 @@ pub unsafe fn run_tree_kernel<T: Elem, Op: RedFn<T>>(
             tid,
             nthreads,
             smem,
-            postdiv,
+            op_args,
             Some(Func::AllReduce),
         );
+    }
+}
+
+/// The operands of `w`'s reduction (NCCL's `redOpArg`): Avg's post-division by `nranks`
+/// (`avg`), and PreMulSum's scalar, from its bits or, when it is device-resident, read from
+/// device memory now.
+///
+/// # Safety
+/// A device-resident scalar's address holds one element of `T` readable by this kernel.
+#[inline(always)]
+unsafe fn op_args<T: Elem, Op: RedFn<T>>(comm: &DevComm, w: &WorkColl, avg: bool) -> OpArgs {
+    let args = OpArgs::div(if avg { comm.nranks } else { 0 });
+    if !Op::PRE_MUL {
+        return args;
+    }
+    let bits = if w.redop_flags & REDOP_SCALAR_DEVICE != 0 {
+        let p = w.redop_arg;
+        // SAFETY: caller contract; volatile, as another stream may have written it just before.
+        unsafe {
+            match core::mem::size_of::<T>() {
+                1 => (p as *const u8).read_volatile() as u64,
+                2 => (p as *const u16).read_volatile() as u64,
+                4 => (p as *const u32).read_volatile() as u64,
+                _ => (p as *const u64).read_volatile(),
+            }
+        }
+    } else {
+        w.redop_arg
+    };
+    args.with_scalar_bits::<T>(bits)
+}
+
+/// A reducing collective of one rank (NCCL's `ncclLaunchOneRank`): the output is the input after
+/// the pre-operation (PreMulSum's scaling), `w.count` elements split into whole packs over the
+/// `w.nchannels` blocks.
+///
+/// # Safety
+/// `w`'s buffers hold `w.count` elements of `T` and are equal or disjoint.
+#[inline(always)]
+unsafe fn one_rank<T: Elem, Op: RedFn<T>>(w: &WorkColl, bid: u32, tid: u32, nthreads: u32, args: &OpArgs) {
+    use crate::proto::simple::{PreOn, reduce_copy};
+    let esize = core::mem::size_of::<T>() as u64;
+    let per_pack = crate::abi::PACK_BYTES / esize;
+    let nch = (w.nchannels as u64).max(1);
+    let per_block = w.count.div_ceil(nch).div_ceil(per_pack) * per_pack;
+    let start = (bid as u64 * per_block).min(w.count);
+    let n = per_block.min(w.count - start);
+    let off = (start * esize) as usize;
+    // SAFETY: `start + n <= w.count` elements of both buffers (caller contract).
+    unsafe {
+        reduce_copy::<T, Op, false, false>(
+            tid,
+            nthreads,
+            (w.sendbuff as *const u8).wrapping_add(off),
+            core::ptr::null(),
+            (w.recvbuff as *mut u8).wrapping_add(off),
+            core::ptr::null_mut(),
+            n,
+            0,
+            PreOn::S0,
+            args,
+        )
     }
 }
 
@@ -220,7 +291,7 @@ unsafe fn run_tree<T: Elem, Op: RedFn<T>>(
     tid: u32,
     nthreads: u32,
     smem: *mut u32,
-    postdiv: u32,
+    op_args: OpArgs,
     only: Option<Func>,
 ) {
     use crate::abi::DevTree;
@@ -276,7 +347,7 @@ unsafe fn run_tree<T: Elem, Op: RedFn<T>>(
                         output,
                         abort,
                         smem,
-                        postdiv
+                        op_args
                     ),
                     $down::<T, Op>::new(
                         tid,
@@ -287,7 +358,7 @@ unsafe fn run_tree<T: Elem, Op: RedFn<T>>(
                         output,
                         abort,
                         smem,
-                        postdiv
+                        op_args
                     )
                 )
             }};
@@ -297,10 +368,10 @@ unsafe fn run_tree<T: Elem, Op: RedFn<T>>(
                 let slice = w.slice_elems;
                 phases!(
                     TreeUp::<T, Op>::new(
-                        tid, nthreads, tree, buff, input, output, abort, smem, postdiv, slice
+                        tid, nthreads, tree, buff, input, output, abort, smem, op_args, slice
                     ),
                     TreeDown::<T, Op>::new(
-                        tid, nthreads, tree, buff, input, output, abort, smem, postdiv, slice
+                        tid, nthreads, tree, buff, input, output, abort, smem, op_args, slice
                     )
                 )
             }

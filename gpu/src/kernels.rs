@@ -8,7 +8,7 @@
 //! program uses, when it first uses them.
 use crate::abi::{Func, KernelArgs};
 use crate::arch;
-use crate::reduce::{FuncMax, FuncMin, FuncProd, FuncSum};
+use crate::reduce::{FuncMax, FuncMin, FuncPreMulSum, FuncProd, FuncSum};
 use half::{bf16, f16};
 
 macro_rules! entries {
@@ -274,6 +274,46 @@ entries! {
     oxccl_allreduce_tree_bfloat16_max => AllReduceTree, bf16, FuncMax, false;
     oxccl_allreduce_tree_bfloat16_min => AllReduceTree, bf16, FuncMin, false;
     oxccl_allreduce_tree_bfloat16_avg => AllReduceTree, bf16, FuncSum, true;
+    oxccl_allreduce_int8_premulsum => AllReduce, i8, FuncPreMulSum, false;
+    oxccl_allreduce_uint8_premulsum => AllReduce, u8, FuncPreMulSum, false;
+    oxccl_allreduce_int32_premulsum => AllReduce, i32, FuncPreMulSum, false;
+    oxccl_allreduce_uint32_premulsum => AllReduce, u32, FuncPreMulSum, false;
+    oxccl_allreduce_int64_premulsum => AllReduce, i64, FuncPreMulSum, false;
+    oxccl_allreduce_uint64_premulsum => AllReduce, u64, FuncPreMulSum, false;
+    oxccl_allreduce_half_premulsum => AllReduce, f16, FuncPreMulSum, false;
+    oxccl_allreduce_float_premulsum => AllReduce, f32, FuncPreMulSum, false;
+    oxccl_allreduce_double_premulsum => AllReduce, f64, FuncPreMulSum, false;
+    oxccl_allreduce_bfloat16_premulsum => AllReduce, bf16, FuncPreMulSum, false;
+    oxccl_reduce_int8_premulsum => Reduce, i8, FuncPreMulSum, false;
+    oxccl_reduce_uint8_premulsum => Reduce, u8, FuncPreMulSum, false;
+    oxccl_reduce_int32_premulsum => Reduce, i32, FuncPreMulSum, false;
+    oxccl_reduce_uint32_premulsum => Reduce, u32, FuncPreMulSum, false;
+    oxccl_reduce_int64_premulsum => Reduce, i64, FuncPreMulSum, false;
+    oxccl_reduce_uint64_premulsum => Reduce, u64, FuncPreMulSum, false;
+    oxccl_reduce_half_premulsum => Reduce, f16, FuncPreMulSum, false;
+    oxccl_reduce_float_premulsum => Reduce, f32, FuncPreMulSum, false;
+    oxccl_reduce_double_premulsum => Reduce, f64, FuncPreMulSum, false;
+    oxccl_reduce_bfloat16_premulsum => Reduce, bf16, FuncPreMulSum, false;
+    oxccl_reducescatter_int8_premulsum => ReduceScatter, i8, FuncPreMulSum, false;
+    oxccl_reducescatter_uint8_premulsum => ReduceScatter, u8, FuncPreMulSum, false;
+    oxccl_reducescatter_int32_premulsum => ReduceScatter, i32, FuncPreMulSum, false;
+    oxccl_reducescatter_uint32_premulsum => ReduceScatter, u32, FuncPreMulSum, false;
+    oxccl_reducescatter_int64_premulsum => ReduceScatter, i64, FuncPreMulSum, false;
+    oxccl_reducescatter_uint64_premulsum => ReduceScatter, u64, FuncPreMulSum, false;
+    oxccl_reducescatter_half_premulsum => ReduceScatter, f16, FuncPreMulSum, false;
+    oxccl_reducescatter_float_premulsum => ReduceScatter, f32, FuncPreMulSum, false;
+    oxccl_reducescatter_double_premulsum => ReduceScatter, f64, FuncPreMulSum, false;
+    oxccl_reducescatter_bfloat16_premulsum => ReduceScatter, bf16, FuncPreMulSum, false;
+    oxccl_allreduce_tree_int8_premulsum => AllReduceTree, i8, FuncPreMulSum, false;
+    oxccl_allreduce_tree_uint8_premulsum => AllReduceTree, u8, FuncPreMulSum, false;
+    oxccl_allreduce_tree_int32_premulsum => AllReduceTree, i32, FuncPreMulSum, false;
+    oxccl_allreduce_tree_uint32_premulsum => AllReduceTree, u32, FuncPreMulSum, false;
+    oxccl_allreduce_tree_int64_premulsum => AllReduceTree, i64, FuncPreMulSum, false;
+    oxccl_allreduce_tree_uint64_premulsum => AllReduceTree, u64, FuncPreMulSum, false;
+    oxccl_allreduce_tree_half_premulsum => AllReduceTree, f16, FuncPreMulSum, false;
+    oxccl_allreduce_tree_float_premulsum => AllReduceTree, f32, FuncPreMulSum, false;
+    oxccl_allreduce_tree_double_premulsum => AllReduceTree, f64, FuncPreMulSum, false;
+    oxccl_allreduce_tree_bfloat16_premulsum => AllReduceTree, bf16, FuncPreMulSum, false;
 }
 
 #[panic_handler]

@@ -1,5 +1,5 @@
 //! Reduction operators per element type (NCCL's `reduce_kernel.h`: `FuncSum`, `FuncProd`,
-//! `FuncMinMax`, and `FuncSumPostDiv` for Avg).
+//! `FuncMinMax`, `FuncSumPostDiv` for Avg and `FuncPreMulSum`).
 //!
 //! Integer arithmetic wraps (NCCL does no overflow handling, case C08). Half and bfloat16 compute
 //! in f32 and round once per operation; on the GPU, half sums and products of whole packs use the
@@ -230,6 +230,10 @@ half_elem!(bf16, |a, b| <bf16 as Half16>::map2(a, b, |x, y| x + y), |a, b| {
 
 /// A binary reduction operator over `T`.
 pub trait RedFn<T: Elem>: Copy {
+    /// True for PreMulSum: this rank's input is multiplied by the call's scalar
+    /// ([`OpArgs::scalar`]) before it is combined (NCCL's `applyPreOp` of `FuncPreMulSum`).
+    const PRE_MUL: bool = false;
+
     fn apply(a: T, b: T) -> T;
 
     /// Lane-wise [`Self::apply`] over two packs.
@@ -245,8 +249,79 @@ pub fn div_pack<T: Elem>(a: Pack, n: u32) -> Pack {
     T::div_pack(a, n)
 }
 
+/// The per-call operands of a reduction (NCCL's `redOpArg`), carried by every protocol's
+/// primitives: Avg's post-division and PreMulSum's scalar.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct OpArgs {
+    /// Divide the final value by this (Avg: `nranks`); 0 means no post-division.
+    pub postdiv: u32,
+    /// PreMulSum's scalar, replicated in every lane of the pack (unused by other operators).
+    pub scalar: Pack,
+}
+
+impl OpArgs {
+    /// Operands with a post-division by `postdiv` (0: none) and no scalar.
+    pub const fn div(postdiv: u32) -> Self {
+        OpArgs {
+            postdiv,
+            scalar: Pack([0; 4]),
+        }
+    }
+
+    /// The scalar from its raw bits (the low `size_of::<T>()` bytes of `bits`), replicated in
+    /// every lane of [`Self::scalar`].
+    #[inline(always)]
+    pub fn with_scalar_bits<T: Elem>(mut self, bits: u64) -> Self {
+        let (lo, hi) = match core::mem::size_of::<T>() {
+            1 => (
+                (bits as u32 & 0xff) * 0x0101_0101,
+                (bits as u32 & 0xff) * 0x0101_0101,
+            ),
+            2 => (
+                (bits as u32 & 0xffff) * 0x0001_0001,
+                (bits as u32 & 0xffff) * 0x0001_0001,
+            ),
+            4 => (bits as u32, bits as u32),
+            _ => (bits as u32, (bits >> 32) as u32),
+        };
+        self.scalar = Pack([lo, hi, lo, hi]);
+        self
+    }
+
+    /// The scalar as one element.
+    #[inline(always)]
+    pub fn scalar_elem<T: Elem>(&self) -> T {
+        // SAFETY: a Pack holds 16 bytes, 16-aligned, and every `T` is at most 8 bytes.
+        unsafe { (&self.scalar as *const Pack as *const T).read() }
+    }
+}
+
+/// This rank's input pack as it enters the reduction: times the scalar for PreMulSum, unchanged
+/// for every other operator (the test is a constant, so it costs them nothing).
+#[inline(always)]
+pub fn pre_pack<T: Elem, Op: RedFn<T>>(x: Pack, args: &OpArgs) -> Pack {
+    if Op::PRE_MUL {
+        T::prod_pack(x, args.scalar)
+    } else {
+        x
+    }
+}
+
+/// [`pre_pack`] for one element.
+#[inline(always)]
+pub fn pre_elem<T: Elem, Op: RedFn<T>>(x: T, args: &OpArgs) -> T {
+    if Op::PRE_MUL {
+        T::prod(x, args.scalar_elem::<T>())
+    } else {
+        x
+    }
+}
+
 #[derive(Clone, Copy)]
 pub struct FuncSum;
+/// PreMulSum (NCCL's `ncclRedOpCreatePreMulSum`): the sum of every rank's input times its scalar.
+#[derive(Clone, Copy)]
+pub struct FuncPreMulSum;
 #[derive(Clone, Copy)]
 pub struct FuncProd;
 #[derive(Clone, Copy)]
@@ -255,6 +330,17 @@ pub struct FuncMin;
 pub struct FuncMax;
 
 impl<T: Elem> RedFn<T> for FuncSum {
+    #[inline(always)]
+    fn apply(a: T, b: T) -> T {
+        T::sum(a, b)
+    }
+    #[inline(always)]
+    fn apply_pack(a: Pack, b: Pack) -> Pack {
+        T::sum_pack(a, b)
+    }
+}
+impl<T: Elem> RedFn<T> for FuncPreMulSum {
+    const PRE_MUL: bool = true;
     #[inline(always)]
     fn apply(a: T, b: T) -> T {
         T::sum(a, b)

@@ -59,8 +59,31 @@ impl DataType {
 }
 
 abi_enum! {
-    /// Reduction operator, in `ncclRedOp_t` order.
+    /// Reduction operator, in `ncclRedOp_t` order: the built-in operators a call names directly.
+    /// PreMulSum, which needs a scalar, is `oxccl::ReduceOp::PreMulSum` on the host and
+    /// [`DevRedOp::PreMulSum`] in the kernels.
     RedOp { Sum => "sum", Prod => "prod", Max => "max", Min => "min", Avg => "avg" }
+}
+
+abi_enum! {
+    /// Reduction operator as the kernels see it (NCCL's `ncclDevRedOp_t`): every [`RedOp`], in
+    /// the same order, then PreMulSum, whose scalar travels in `WorkColl::redop_arg`.
+    DevRedOp {
+        Sum => "sum", Prod => "prod", Max => "max", Min => "min", Avg => "avg",
+        PreMulSum => "premulsum",
+    }
+}
+
+impl From<RedOp> for DevRedOp {
+    fn from(op: RedOp) -> Self {
+        match op {
+            RedOp::Sum => DevRedOp::Sum,
+            RedOp::Prod => DevRedOp::Prod,
+            RedOp::Max => DevRedOp::Max,
+            RedOp::Min => DevRedOp::Min,
+            RedOp::Avg => DevRedOp::Avg,
+        }
+    }
 }
 
 abi_enum! {

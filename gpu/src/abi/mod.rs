@@ -32,6 +32,9 @@ pub const MAX_NTHREADS: u32 = 1024;
 pub const WARP_SIZE: u32 = 32;
 /// Bytes of kernel shared memory the kernel declares (see `arch::kernel_shared_mem`).
 pub const KERNEL_SMEM_BYTES: usize = 64;
+/// `WorkColl::redop_flags` bit: PreMulSum's scalar is device-resident (NCCL's
+/// `ncclScalarDevice`): `redop_arg` is its address, read by the kernel when it runs.
+pub const REDOP_SCALAR_DEVICE: u8 = 1;
 /// A spinning thread reads the abort flag once every this many polls (NCCL's
 /// `NCCL_SPINS_BEFORE_CHECK_ABORT`).
 #[cfg(target_arch = "nvptx64")]
@@ -42,7 +45,7 @@ pub const SPINS_BEFORE_CHECK_ABORT: u32 = 1 << 12;
 pub const SPINS_BEFORE_CHECK_ABORT: u32 = 1;
 /// Name of the kernel entry point for a (collective, element type, operator) on the ring, e.g.
 /// `oxccl_allreduce_float_sum`: each is also the name of its own PTX module (see build.rs).
-pub fn kernel_name(func: Func, dtype: DataType, op: RedOp) -> KernelName {
+pub fn kernel_name(func: Func, dtype: DataType, op: impl Into<DevRedOp>) -> KernelName {
     kernel_name_for(func, Algo::Ring, dtype, op)
 }
 
@@ -50,8 +53,8 @@ pub fn kernel_name(func: Func, dtype: DataType, op: RedOp) -> KernelName {
 /// ring's is [`kernel_name`]'s; the tree (AllReduce only) has its own entry points,
 /// `oxccl_allreduce_tree_<dtype>_<op>`, so a program that never runs a tree never JIT-compiles its
 /// code and the ring kernels stay as small as before the tree.
-pub fn kernel_name_for(func: Func, algo: Algo, dtype: DataType, op: RedOp) -> KernelName {
-    let (dtype, op) = kernel_variant(func, dtype, op);
+pub fn kernel_name_for(func: Func, algo: Algo, dtype: DataType, op: impl Into<DevRedOp>) -> KernelName {
+    let (dtype, op) = kernel_variant(func, dtype, op.into());
     let mut n = KernelName { buf: [0; 64], len: 0 };
     let tree = if algo == Algo::Tree { "_tree" } else { "" };
     for part in ["oxccl_", func.name(), tree, "_", dtype.name(), "_", op.name()] {
@@ -66,7 +69,7 @@ pub fn kernel_name_for(func: Func, algo: Algo, dtype: DataType, op: RedOp) -> Ke
 /// The (type, operator) of the kernel that runs `func` on `dtype` with `op`: collectives that
 /// only move data (Broadcast, AllGather) use one kernel per element size (uint8, half, uint32,
 /// uint64) and no operator (`Sum`); the others use their own type and operator.
-pub const fn kernel_variant(func: Func, dtype: DataType, op: RedOp) -> (DataType, RedOp) {
+pub const fn kernel_variant(func: Func, dtype: DataType, op: DevRedOp) -> (DataType, DevRedOp) {
     match func {
         Func::Broadcast | Func::AllGather => {
             let d = match dtype.size() {
@@ -75,7 +78,7 @@ pub const fn kernel_variant(func: Func, dtype: DataType, op: RedOp) -> (DataType
                 4 => DataType::U32,
                 _ => DataType::U64,
             };
-            (d, RedOp::Sum)
+            (d, DevRedOp::Sum)
         }
         _ => (dtype, op),
     }
@@ -262,7 +265,8 @@ pub struct WorkColl {
     pub recvbuff: u64,
     /// Elements per rank of the operation (AllReduce: the whole vector).
     pub count: u64,
-    /// Scalar operand of the reduction (reserved for PreMulSum), as raw bits.
+    /// PreMulSum's scalar: its raw bits (the low `dtype`-size bytes), or, when `redop_flags` has
+    /// [`REDOP_SCALAR_DEVICE`], the device address of one element of `dtype`.
     pub redop_arg: u64,
     /// Elements per chunk per ring step, a multiple of one 16-byte pack.
     pub chunk_elems: u64,
@@ -272,7 +276,7 @@ pub struct WorkColl {
     pub root: u32,
     /// [`Func`] as u8.
     pub func: u8,
-    /// [`RedOp`] as u8.
+    /// [`DevRedOp`] as u8.
     pub redop: u8,
     /// [`DataType`] as u8.
     pub dtype: u8,
@@ -280,7 +284,8 @@ pub struct WorkColl {
     pub algo: u8,
     /// [`Proto`] as u8.
     pub proto: u8,
-    pub _pad0: u8,
+    /// [`REDOP_SCALAR_DEVICE`] or 0.
+    pub redop_flags: u8,
     /// Channels (thread blocks) this operation uses; block `b` runs channel `b`.
     pub nchannels: u16,
     pub _pad1: u32,

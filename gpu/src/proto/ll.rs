@@ -15,7 +15,7 @@ use super::fan::{Fan, Peers, abort_raised};
 use super::{Primitives, balanced_step, each_peer};
 use crate::abi::{FIFO_STEPS, LlFifoLine, MAX_TREE_ARITY, Proto, SPINS_BEFORE_CHECK_ABORT};
 use crate::arch::{self, Pack};
-use crate::reduce::{Elem, RedFn, div_pack};
+use crate::reduce::{Elem, OpArgs, RedFn, div_pack, pre_pack};
 use core::marker::PhantomData;
 
 /// Flag values repeat with this period (in steps); flags run from 1 to `LL_FLAG_PERIOD`.
@@ -50,7 +50,11 @@ pub struct LlFan<T, Op, const NR: usize, const NS: usize> {
     abort_flag: *const u32,
     smem: *mut u32,
     aborted: bool,
-    postdiv: u32,
+    /// Avg's post-division and PreMulSum's scalar.
+    op_args: OpArgs,
+    /// False while the source is the output, which PreMulSum must not scale again
+    /// ([`super::tree::SendFromOutput`]).
+    pre_input: bool,
     _op: PhantomData<Op>,
 }
 
@@ -140,7 +144,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> LlFan<T, Op, NR, N
         output: *mut T,
         abort_flag: u64,
         smem: *mut u32,
-        postdiv: u32,
+        op_args: OpArgs,
     ) -> Self {
         LlFan {
             tid,
@@ -153,7 +157,8 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> LlFan<T, Op, NR, N
             abort_flag: abort_flag as *const u32,
             smem,
             aborted: false,
-            postdiv,
+            op_args,
+            pre_input: true,
             _op: PhantomData,
         }
     }
@@ -268,7 +273,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> LlFan<T, Op, NR, N
         // Equal steps: `n` over as few steps as fit, each the same size (up to one element), so
         // a verb never ends with a sliver of a step (sender and receiver compute the same split).
         let per_step = balanced_step(n, self.step_elems());
-        let div = if post { self.postdiv } else { 0 };
+        let div = if post { self.op_args.postdiv } else { 0 };
         let (nrecv, nsend) = self.conns.counts::<RECV, SEND>();
         let mut done = 0u64;
         while done < n {
@@ -328,7 +333,13 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> LlFan<T, Op, NR, N
                     let valid = core::cmp::min(8, nbytes - line * 8);
                     // SAFETY: `valid` bytes at this offset are inside the caller's buffers.
                     let mut v = if SRC {
-                        unsafe { load_partial(in_base.add(k * 8), valid, esize) }
+                        let x = unsafe { load_partial(in_base.add(k * 8), valid, esize) };
+                        // PreMulSum scales this rank's input before it is combined.
+                        if Op::PRE_MUL && self.pre_input {
+                            unpack(pre_pack::<T, Op>(pack(x), &self.op_args))
+                        } else {
+                            x
+                        }
                     } else {
                         0
                     };
@@ -442,7 +453,9 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> super::tree::SendF
     fn send_from_output(&mut self, src: u64, n: u64) {
         let input = self.input;
         self.input = self.output as *const T;
+        self.pre_input = false;
         self.send(src, n);
+        self.pre_input = true;
         self.input = input;
     }
 }

@@ -19,7 +19,7 @@ use super::ll::{load_partial, store_partial};
 use super::{Primitives, balanced_step, each_peer};
 use crate::abi::{FIFO_STEPS, MAX_TREE_ARITY, Proto, SPINS_BEFORE_CHECK_ABORT};
 use crate::arch::{self, Pack};
-use crate::reduce::{Elem, RedFn, div_pack};
+use crate::reduce::{Elem, OpArgs, RedFn, div_pack, pre_pack};
 use core::marker::PhantomData;
 
 /// Bytes per LL128 line.
@@ -98,7 +98,11 @@ pub struct Ll128Fan<T, Op, const NR: usize, const NS: usize> {
     abort_flag: *const u32,
     smem: *mut u32,
     aborted: bool,
-    postdiv: u32,
+    /// Avg's post-division and PreMulSum's scalar.
+    op_args: OpArgs,
+    /// False while the source is the output, which PreMulSum must not scale again
+    /// ([`super::tree::SendFromOutput`]).
+    pre_input: bool,
     _op: PhantomData<Op>,
 }
 
@@ -128,7 +132,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
         output: *mut T,
         abort_flag: u64,
         smem: *mut u32,
-        postdiv: u32,
+        op_args: OpArgs,
     ) -> Self {
         Ll128Fan {
             tid,
@@ -141,7 +145,8 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
             abort_flag: abort_flag as *const u32,
             smem,
             aborted: false,
-            postdiv,
+            op_args,
+            pre_input: true,
             _op: PhantomData,
         }
     }
@@ -348,7 +353,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
         // Equal steps: `n` over as few steps as fit, each the same size (up to one element), so
         // a verb never ends with a sliver of a step (sender and receiver compute the same split).
         let per_step = balanced_step(n, self.step_elems());
-        let div = if post { self.postdiv } else { 0 };
+        let div = if post { self.op_args.postdiv } else { 0 };
         let (nrecv, nsend) = self.conns.counts::<RECV, SEND>();
         let lanes = self.lanes;
         let line_words = (LL128_LINE_BYTES / 8) as usize;
@@ -422,7 +427,13 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
                             let (off, lo_b, hi_b) = part_bytes(line[u], lanes.part0 + i as u64, nbytes);
                             let mut v = words_pack(&w[u], i);
                             if SRC {
+                                // PreMulSum scales this rank's input before it is combined.
                                 let s = words_pack(&src_w[u], i);
+                                let s = if self.pre_input {
+                                    pre_pack::<T, Op>(s, &self.op_args)
+                                } else {
+                                    s
+                                };
                                 v = if nrecv > 0 { Op::apply_pack(v, s) } else { s };
                             }
                             if div != 0 {
@@ -540,7 +551,9 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> super::tree::SendF
     fn send_from_output(&mut self, src: u64, n: u64) {
         let input = self.input;
         self.input = self.output as *const T;
+        self.pre_input = false;
         self.send(src, n);
+        self.pre_input = true;
         self.input = input;
     }
 }

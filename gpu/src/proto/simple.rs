@@ -13,7 +13,7 @@
 use super::Primitives;
 use crate::abi::{ConnInfo, DevChannel, FIFO_STEPS, PACK_BYTES, SPINS_BEFORE_CHECK_ABORT};
 use crate::arch::{self, Pack};
-use crate::reduce::{Elem, RedFn, div_pack};
+use crate::reduce::{Elem, OpArgs, RedFn, div_pack, pre_elem, pre_pack};
 use core::marker::PhantomData;
 
 /// Device-side state of one connection for the duration of a kernel.
@@ -67,7 +67,8 @@ pub struct Simple<T, Op> {
     comm_aborted: *const u32,
     smem: *mut u32,
     aborted: bool,
-    postdiv: u32,
+    /// Avg's post-division and PreMulSum's scalar.
+    op_args: OpArgs,
     /// The next rank's output for this kernel, once a direct send fetched it from the pointer
     /// exchange (null before).
     peer_output: *mut u8,
@@ -97,7 +98,7 @@ impl<T: Elem, Op: RedFn<T>> Simple<T, Op> {
         abort_flag: u64,
         comm_aborted: *const u32,
         smem: *mut u32,
-        postdiv: u32,
+        op_args: OpArgs,
         slice_elems: u64,
     ) -> Self {
         // SAFETY: caller guarantees `channel` is valid; fields are plain data.
@@ -149,7 +150,7 @@ impl<T: Elem, Op: RedFn<T>> Simple<T, Op> {
             comm_aborted,
             smem,
             aborted: false,
-            postdiv,
+            op_args,
             peer_output: core::ptr::null_mut(),
             _op: PhantomData,
         }
@@ -389,6 +390,8 @@ impl<T: Elem, Op: RedFn<T>> Simple<T, Op> {
                             core::ptr::null_mut(),
                             len,
                             0,
+                            PreOn::None,
+                            &self.op_args,
                         )
                     };
                     self.publish_sizes(from, len * core::mem::size_of::<T>() as u64);
@@ -407,22 +410,65 @@ impl<T: Elem, Op: RedFn<T>> Simple<T, Op> {
                 (true, false) => (out_ptr, core::ptr::null_mut()),
                 _ => (send_ptr, core::ptr::null_mut()),
             };
-            let div = if post { self.postdiv } else { 0 };
+            let div = if post { self.op_args.postdiv } else { 0 };
+            // The input is the second source when the FIFO is the first (PreMulSum scales it).
+            let pre = match (SRC, RECV) {
+                (true, true) => PreOn::S1,
+                (true, false) => PreOn::S0,
+                _ => PreOn::None,
+            };
+            let a = &self.op_args;
             // SAFETY: the pointers cover `len` elements (algorithm and FIFO geometry contracts).
             unsafe {
                 match (SRC && RECV, DST && SEND) {
-                    (true, true) => {
-                        reduce_copy::<T, Op, true, true>(self.tid, self.nthreads, s0, s1, d0, d1, len, div)
-                    }
-                    (true, false) => {
-                        reduce_copy::<T, Op, true, false>(self.tid, self.nthreads, s0, s1, d0, d1, len, div)
-                    }
-                    (false, true) => {
-                        reduce_copy::<T, Op, false, true>(self.tid, self.nthreads, s0, s1, d0, d1, len, div)
-                    }
-                    (false, false) => {
-                        reduce_copy::<T, Op, false, false>(self.tid, self.nthreads, s0, s1, d0, d1, len, div)
-                    }
+                    (true, true) => reduce_copy::<T, Op, true, true>(
+                        self.tid,
+                        self.nthreads,
+                        s0,
+                        s1,
+                        d0,
+                        d1,
+                        len,
+                        div,
+                        pre,
+                        a,
+                    ),
+                    (true, false) => reduce_copy::<T, Op, true, false>(
+                        self.tid,
+                        self.nthreads,
+                        s0,
+                        s1,
+                        d0,
+                        d1,
+                        len,
+                        div,
+                        pre,
+                        a,
+                    ),
+                    (false, true) => reduce_copy::<T, Op, false, true>(
+                        self.tid,
+                        self.nthreads,
+                        s0,
+                        s1,
+                        d0,
+                        d1,
+                        len,
+                        div,
+                        pre,
+                        a,
+                    ),
+                    (false, false) => reduce_copy::<T, Op, false, false>(
+                        self.tid,
+                        self.nthreads,
+                        s0,
+                        s1,
+                        d0,
+                        d1,
+                        len,
+                        div,
+                        pre,
+                        a,
+                    ),
                 }
             }
             if SEND {
@@ -511,16 +557,25 @@ pub(crate) const fn parse_unroll(s: &[u8]) -> usize {
     n
 }
 
+/// Which source of [`reduce_copy`] is this rank's input, which PreMulSum scales first.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum PreOn {
+    None,
+    S0,
+    S1,
+}
+
 /// `d0 (, d1) = s0 (⊕ s1) (/ div)` over `n` elements, spread over `nthreads` threads: 16-byte
 /// packs when every pointer is 16-byte aligned, then element by element for the rest (NCCL's
-/// `reduceCopy`). `div == 0` means no post-division.
+/// `reduceCopy`). `div == 0` means no post-division; the source `pre` names is first scaled by
+/// `args.scalar` when `Op` is PreMulSum.
 ///
 /// # Safety
 /// The pointers in use are valid for `n` elements of `T`; the destinations overlap no source
 /// except exactly (in place).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn reduce_copy<T: Elem, Op: RedFn<T>, const TWO_SRC: bool, const TWO_DST: bool>(
+pub(crate) unsafe fn reduce_copy<T: Elem, Op: RedFn<T>, const TWO_SRC: bool, const TWO_DST: bool>(
     tid: u32,
     nthreads: u32,
     s0: *const u8,
@@ -529,6 +584,8 @@ unsafe fn reduce_copy<T: Elem, Op: RedFn<T>, const TWO_SRC: bool, const TWO_DST:
     d1: *mut u8,
     n: u64,
     div: u32,
+    pre: PreOn,
+    args: &OpArgs,
 ) {
     let esize = core::mem::size_of::<T>() as u64;
     let mut addrs = s0 as u64 | d0 as u64;
@@ -545,6 +602,16 @@ unsafe fn reduce_copy<T: Elem, Op: RedFn<T>, const TWO_SRC: bool, const TWO_DST:
     };
     let stride = nthreads as u64;
     let op = |a: Pack, b: Pack| -> Pack {
+        let a = if pre == PreOn::S0 {
+            pre_pack::<T, Op>(a, args)
+        } else {
+            a
+        };
+        let b = if pre == PreOn::S1 {
+            pre_pack::<T, Op>(b, args)
+        } else {
+            b
+        };
         let v = if TWO_SRC { Op::apply_pack(a, b) } else { a };
         if div != 0 { div_pack::<T>(v, div) } else { v }
     };
@@ -595,8 +662,15 @@ unsafe fn reduce_copy<T: Elem, Op: RedFn<T>, const TWO_SRC: bool, const TWO_DST:
         while e < n {
             let k = e as usize;
             let mut r = read_src(es0.add(k));
+            if pre == PreOn::S0 {
+                r = pre_elem::<T, Op>(r, args);
+            }
             if TWO_SRC {
-                r = Op::apply(r, read_src(es1.add(k)));
+                let mut b = read_src(es1.add(k));
+                if pre == PreOn::S1 {
+                    b = pre_elem::<T, Op>(b, args);
+                }
+                r = Op::apply(r, b);
             }
             if div != 0 {
                 r = T::div(r, div);

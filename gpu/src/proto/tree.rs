@@ -24,7 +24,7 @@ use crate::abi::{
     ConnInfo, DevTree, FIFO_STEPS, MAX_TREE_ARITY, PACK_BYTES, Proto, SPINS_BEFORE_CHECK_ABORT,
 };
 use crate::arch::{self, Pack};
-use crate::reduce::{Elem, RedFn, div_pack};
+use crate::reduce::{Elem, OpArgs, RedFn, div_pack, pre_elem, pre_pack};
 use core::marker::PhantomData;
 
 /// 16-byte loads per source each thread keeps in flight in the copy loop: the ring Simple
@@ -96,7 +96,8 @@ pub struct TreeSimple<T, Op, const UP: bool> {
     abort_flag: *const u32,
     smem: *mut u32,
     aborted: bool,
-    postdiv: u32,
+    /// Avg's post-division and PreMulSum's scalar.
+    op_args: OpArgs,
     _op: PhantomData<Op>,
 }
 
@@ -138,7 +139,7 @@ impl<T: Elem, Op: RedFn<T>, const UP: bool> TreeSimple<T, Op, UP> {
         output: *mut T,
         abort_flag: u64,
         smem: *mut u32,
-        postdiv: u32,
+        op_args: OpArgs,
         slice_elems: u64,
     ) -> Self {
         // SAFETY: caller guarantees `tree`; present connections are set up for Simple.
@@ -176,7 +177,7 @@ impl<T: Elem, Op: RedFn<T>, const UP: bool> TreeSimple<T, Op, UP> {
             abort_flag: abort_flag as *const u32,
             smem,
             aborted: false,
-            postdiv,
+            op_args,
             _op: PhantomData,
         }
     }
@@ -363,11 +364,24 @@ impl<T: Elem, Op: RedFn<T>, const UP: bool> TreeSimple<T, Op, UP> {
             } else {
                 ([s[0], s[1], s[2], core::ptr::null_mut()], nsend)
             };
-            let div = if post { self.postdiv } else { 0 };
+            let div = if post { self.op_args.postdiv } else { 0 };
             // SAFETY: the first `nsrc` / `ndst` pointers cover `len` elements (algorithm and FIFO
             // geometry contracts); a destination equals a source only in place (output over
             // input, exactly).
-            unsafe { reduce_copy_fan::<T, Op>(self.tid, self.nthreads, srcs, nsrc, dsts, ndst, len, div) };
+            unsafe {
+                reduce_copy_fan::<T, Op>(
+                    self.tid,
+                    self.nthreads,
+                    srcs,
+                    nsrc,
+                    dsts,
+                    ndst,
+                    len,
+                    div,
+                    SRC,
+                    &self.op_args,
+                )
+            };
             self.post::<RECV, SEND>(len * core::mem::size_of::<T>() as u64);
             done += len;
         }
@@ -390,12 +404,14 @@ unsafe fn reduce_copy_fan<T: Elem, Op: RedFn<T>>(
     ndst: usize,
     n: u64,
     div: u32,
+    pre0: bool,
+    args: &OpArgs,
 ) {
     macro_rules! arms {
         ($(($s:literal, $d:literal)),*) => {
             match (nsrc, ndst) {
                 // SAFETY: forwarded caller contract for exactly these counts.
-                $(($s, $d) => unsafe { reduce_copy_n::<T, Op, $s, $d>(tid, nthreads, srcs, dsts, n, div) },)*
+                $(($s, $d) => unsafe { reduce_copy_n::<T, Op, $s, $d>(tid, nthreads, srcs, dsts, n, div, pre0, args) },)*
                 _ => {}
             }
         };
@@ -442,7 +458,8 @@ unsafe fn fold_packs<T: Elem, Op: RedFn<T>>(v: &mut [Pack; UNROLL], p: *const u8
 /// `d = s[0] ⊕ s[1] ⊕ … (/ div)` into each of the `ND` destinations, from the `NS` sources, over
 /// `n` elements spread over `nthreads` threads: 16-byte packs (`UNROLL` in flight per thread) when
 /// every pointer is 16-byte aligned, then element by element (NCCL's `reduceCopy` with several
-/// sources and destinations). `div == 0` means no post-division.
+/// sources and destinations). `div == 0` means no post-division; `pre0`: the first source is this
+/// rank's input, which PreMulSum scales by `args.scalar` first.
 ///
 /// # Safety
 /// The first `NS` sources and `ND` destinations are valid for `n` elements of `T`; a destination
@@ -456,6 +473,8 @@ unsafe fn reduce_copy_n<T: Elem, Op: RedFn<T>, const NS: usize, const ND: usize>
     d: [*mut u8; 4],
     n: u64,
     div: u32,
+    pre0: bool,
+    args: &OpArgs,
 ) {
     let esize = core::mem::size_of::<T>() as u64;
     let mut addrs = s[0] as u64 | d[0] as u64;
@@ -503,6 +522,9 @@ unsafe fn reduce_copy_n<T: Elem, Op: RedFn<T>, const NS: usize, const ND: usize>
             let mut v = [Pack::default(); UNROLL];
             for u in 0..UNROLL {
                 v[u] = load_src((s[0] as *const Pack).add((i + u as u64 * stride) as usize));
+                if pre0 {
+                    v[u] = pre_pack::<T, Op>(v[u], args);
+                }
             }
             if NS > 1 {
                 fold_packs::<T, Op>(&mut v, s[1], i, stride);
@@ -522,6 +544,9 @@ unsafe fn reduce_copy_n<T: Elem, Op: RedFn<T>, const NS: usize, const ND: usize>
         while i < npacks {
             let k = i as usize;
             let mut v = load_src((s[0] as *const Pack).add(k));
+            if pre0 {
+                v = pre_pack::<T, Op>(v, args);
+            }
             if NS > 1 {
                 v = Op::apply_pack(v, load_src((s[1] as *const Pack).add(k)));
             }
@@ -541,6 +566,9 @@ unsafe fn reduce_copy_n<T: Elem, Op: RedFn<T>, const NS: usize, const ND: usize>
         while e < n {
             let k = e as usize;
             let mut r = read_src((s[0] as *const T).add(k));
+            if pre0 {
+                r = pre_elem::<T, Op>(r, args);
+            }
             if NS > 1 {
                 r = Op::apply(r, read_src((s[1] as *const T).add(k)));
             }
@@ -659,7 +687,16 @@ mod tests {
                                     // SAFETY: every pointer covers `n` elements after the shift.
                                     unsafe {
                                         reduce_copy_fan::<u32, FuncSum>(
-                                            tid, nthreads, sa, ns, da, nd, n as u64, div,
+                                            tid,
+                                            nthreads,
+                                            sa,
+                                            ns,
+                                            da,
+                                            nd,
+                                            n as u64,
+                                            div,
+                                            false,
+                                            &OpArgs::default(),
                                         )
                                     };
                                 }
@@ -706,8 +743,30 @@ mod tests {
         let null = core::ptr::null_mut::<u8>();
         // SAFETY: the pointers in use cover `n` elements.
         unsafe {
-            reduce_copy_fan::<u32, FuncSum>(0, 1, [s; 4], 0, [d, null, null, null], 1, n as u64, 0);
-            reduce_copy_fan::<u32, FuncSum>(0, 1, [s; 4], 1, [d, null, null, null], 0, n as u64, 0);
+            reduce_copy_fan::<u32, FuncSum>(
+                0,
+                1,
+                [s; 4],
+                0,
+                [d, null, null, null],
+                1,
+                n as u64,
+                0,
+                false,
+                &OpArgs::default(),
+            );
+            reduce_copy_fan::<u32, FuncSum>(
+                0,
+                1,
+                [s; 4],
+                1,
+                [d, null, null, null],
+                0,
+                n as u64,
+                0,
+                false,
+                &OpArgs::default(),
+            );
         }
         assert!(dst.iter().all(|p| p.0 == [7; 4]));
     }
