@@ -1,12 +1,14 @@
-//! Field failure cases from CASES.md (C01, C03, C08) and argument-error checks, each written
-//! once over a list of devices and run on the CPU target (always) and on GPUs (skipped with the
-//! reason printed when too few are visible).
+//! Field failure cases from CASES.md (C01, C03, C05, C08, C25) and argument-error checks, each
+//! written once over a list of devices and run on the CPU target (always) and on GPUs (skipped
+//! with the reason printed when too few are visible).
 //!
 //! C01 covers every collective that exists with count 0: AllReduce (also with NULL pointers
 //! through the raw call), Broadcast, Reduce (every root, with and without the optional buffers
 //! of non-roots), AllGather, ReduceScatter; grouped Send/Recv with count 0 comes when Send/Recv
-//! exist. C03 covers avg, sum and max (PreMulSum does not exist yet). The matrices and C08 are
-//! AllReduce only.
+//! exist. C03 covers avg, sum and max (PreMulSum on one rank: `tests/premulsum.rs`). The
+//! matrices and C08 are AllReduce only. C05: in-place offsets and refused overlaps; C25: rooted
+//! collectives with the buffers non-roots may omit, NULL root buffers, roots out of range. C07
+//! (PreMulSum's scalar width) is in `tests/premulsum.rs`.
 
 /// Prints past libtest's output capture, so every run shows why a test skipped.
 macro_rules! skipped {

@@ -418,57 +418,30 @@ impl<T: Elem, Op: RedFn<T>> Simple<T, Op> {
                 _ => PreOn::None,
             };
             let a = &self.op_args;
+            // One monomorphised copy per (two sources, two destinations).
+            macro_rules! copy {
+                ($two_src:literal, $two_dst:literal) => {
+                    reduce_copy::<T, Op, $two_src, $two_dst>(
+                        self.tid,
+                        self.nthreads,
+                        s0,
+                        s1,
+                        d0,
+                        d1,
+                        len,
+                        div,
+                        pre,
+                        a,
+                    )
+                };
+            }
             // SAFETY: the pointers cover `len` elements (algorithm and FIFO geometry contracts).
             unsafe {
                 match (SRC && RECV, DST && SEND) {
-                    (true, true) => reduce_copy::<T, Op, true, true>(
-                        self.tid,
-                        self.nthreads,
-                        s0,
-                        s1,
-                        d0,
-                        d1,
-                        len,
-                        div,
-                        pre,
-                        a,
-                    ),
-                    (true, false) => reduce_copy::<T, Op, true, false>(
-                        self.tid,
-                        self.nthreads,
-                        s0,
-                        s1,
-                        d0,
-                        d1,
-                        len,
-                        div,
-                        pre,
-                        a,
-                    ),
-                    (false, true) => reduce_copy::<T, Op, false, true>(
-                        self.tid,
-                        self.nthreads,
-                        s0,
-                        s1,
-                        d0,
-                        d1,
-                        len,
-                        div,
-                        pre,
-                        a,
-                    ),
-                    (false, false) => reduce_copy::<T, Op, false, false>(
-                        self.tid,
-                        self.nthreads,
-                        s0,
-                        s1,
-                        d0,
-                        d1,
-                        len,
-                        div,
-                        pre,
-                        a,
-                    ),
+                    (true, true) => copy!(true, true),
+                    (true, false) => copy!(true, false),
+                    (false, true) => copy!(false, true),
+                    (false, false) => copy!(false, false),
                 }
             }
             if SEND {
