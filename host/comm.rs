@@ -1434,7 +1434,9 @@ impl Comm {
     /// `recv` (NCCL's `ncclAllReduce`). `send` and `recv` hold at least `count × dtype.size()` bytes
     /// on this rank's device and may be the same range (in place) but must not partly overlap.
     /// Queued on `stream` (on this rank's device); returns at once. Results are bitwise identical on
-    /// every rank. `count == 0` is a no-op.
+    /// every rank. `count == 0` is a no-op. `op` is a [`RedOp`] or a [`ReduceOp`] (PreMulSum, whose
+    /// scalar must have `dtype`'s type: otherwise InvalidArgument). Buffers must be aligned to the
+    /// element size.
     pub fn all_reduce<'a>(
         &self,
         send: impl Into<DevSlice<'a>>,
@@ -1483,7 +1485,7 @@ impl Comm {
 
     /// Reduces (`op`) `count` elements of `dtype` across all ranks into `recv` on rank `root`
     /// (NCCL's `ncclReduce`). `recv` is written on the root only (others may pass `None` and are
-    /// never written). Errors as for [`Comm::broadcast`].
+    /// never written). Errors as for [`Comm::broadcast`]; `op` as for [`Comm::all_reduce`].
     #[allow(clippy::too_many_arguments)]
     pub fn reduce<'a>(
         &self,
@@ -1532,7 +1534,8 @@ impl Comm {
 
     /// Reduces (`op`) `nranks × count` elements of `dtype` across ranks and leaves block `r` (the
     /// `count` elements at `r × count`) in `recv` on rank `r` (NCCL's `ncclReduceScatter`). In place
-    /// when `recv` is exactly this rank's block of `send`; any other overlap is an error.
+    /// when `recv` is exactly this rank's block of `send`; any other overlap is an error. `op` as for
+    /// [`Comm::all_reduce`].
     pub fn reduce_scatter<'a>(
         &self,
         send: impl Into<DevSlice<'a>>,
