@@ -25,6 +25,7 @@ fn main() {
     println!("cargo:rerun-if-changed=Cargo.toml");
     println!("cargo:rerun-if-changed=rust-toolchain.toml");
     println!("cargo:rerun-if-env-changed=OXCCL_SKIP_PTX");
+    println!("cargo:rerun-if-env-changed=OXCCL_ONLY_FUNCS");
     println!("cargo:rerun-if-env-changed=OXCCL_BUILD_UNROLL");
     println!("cargo:rerun-if-env-changed=OXCCL_BUILD_LL128_UNROLL");
     println!("cargo:rerun-if-env-changed=OXCCL_BUILD_SIMPLE_SYNC");

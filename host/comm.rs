@@ -107,6 +107,8 @@ struct CudaRes {
 struct LaunchState {
     last_event: cuda::Event,
     launched: std::sync::atomic::AtomicBool,
+    /// Kernels this rank has launched (the group's module-load rendezvous, [`wait_group_launches`]).
+    issued: std::sync::atomic::AtomicU64,
 }
 
 impl LaunchState {
@@ -114,6 +116,7 @@ impl LaunchState {
         Ok(Arc::new(LaunchState {
             last_event: cuda::Event::new(ctx)?,
             launched: false.into(),
+            issued: 0.into(),
         }))
     }
     /// True when nothing this rank launched is still queued or running.
@@ -1985,15 +1988,39 @@ impl Comm {
                 ) else {
                     return Err(Error::Internal("work element with an invalid enum".into()));
                 };
-                let module = res
-                    .ctx
-                    .kernel(oxccl_gpu::abi::kernel_name_for(func, algo, dtype, op).as_str())?;
+                let name = oxccl_gpu::abi::kernel_name_for(func, algo, dtype, op);
+                let issued = res.launch.issued.load(Ordering::Acquire);
+                let module = match res.ctx.loaded_kernel(name.as_str()) {
+                    Some(m) => m,
+                    None => {
+                        // Loading may wait for every kernel of the context: first let every rank
+                        // of the group launch what came before, so none of their kernels waits
+                        // for one of ours that the load holds back.
+                        wait_group_launches(&res.group.launches, issued, self.abort_flag(), self.rank, name.as_str())?;
+                        res.ctx.kernel(name.as_str())?
+                    }
+                };
                 s.launch(&module, w.nchannels as u32, self.params.nthreads, &args)?;
                 res.launch.last_event.record(s)?;
                 res.launch.launched.store(true, Ordering::Release);
+                res.launch.issued.store(issued + 1, Ordering::Release);
                 Ok(())
             }
             (Res::Cpu(res), Stream::Cpu(s)) => {
+                let w = &args.work;
+                let (Some(func), Some(algo), Some(dtype), Some(op)) = (
+                    Func::from_u8(w.func),
+                    Algo::from_u8(w.algo),
+                    DataType::from_u8(w.dtype),
+                    DevRedOp::from_u8(w.redop),
+                ) else {
+                    return Err(Error::Internal("work element with an invalid enum".into()));
+                };
+                if oxccl_gpu::dispatch::entry_for(func, algo, dtype, op).is_none() {
+                    return Err(crate::kernels::not_built(
+                        oxccl_gpu::abi::kernel_name_for(func, algo, dtype, op).as_str(),
+                    ));
+                }
                 launch_cpu(args, res.group.clone(), self.rank, s, &self.inflight)
             }
             _ => Err(Error::invalid(
@@ -2048,6 +2075,49 @@ impl Comm {
     }
 }
 
+/// How long a rank waits for its `init_all` group before it says so in the log (it keeps
+/// waiting: the peers' calls are the user's, and `abort` ends the wait).
+const GROUP_LAUNCH_WARN: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Waits until every rank of an `init_all` group (`launches`; empty for `init_rank`, whose ranks
+/// have contexts of their own) has launched at least `issued` kernels, i.e. everything before
+/// this rank's next one, or until `abort` is raised (an error). Called before a rank loads a
+/// kernel module: CUDA's module load may wait for every kernel running in the context (CUDA's
+/// "lazy loading" caveat), and a peer's kernel that waits for this rank's next kernel would then
+/// never finish. Once every earlier call of every rank is launched, each running kernel can
+/// finish, so the load does; the slowest rank never waits, so the group cannot wait on itself.
+fn wait_group_launches(
+    launches: &[Arc<LaunchState>],
+    issued: u64,
+    abort: &AtomicU32,
+    rank: usize,
+    kernel: &str,
+) -> Result<()> {
+    let start = std::time::Instant::now();
+    let mut warned = false;
+    loop {
+        let behind: Vec<usize> = launches
+            .iter()
+            .enumerate()
+            .filter(|(_, l)| l.issued.load(Ordering::Acquire) < issued)
+            .map(|(r, _)| r)
+            .collect();
+        if behind.is_empty() {
+            return Ok(());
+        }
+        if abort.load(Ordering::Acquire) != 0 {
+            return Err(Error::InvalidUsage(format!(
+                "rank {rank}: the communicator was aborted while waiting for ranks {behind:?} to launch their call {issued} before loading {kernel}"
+            )));
+        }
+        if !warned && start.elapsed() > GROUP_LAUNCH_WARN {
+            warned = true;
+            tracing::warn!(target: "oxccl::enqueue", "rank {rank}: waiting {:?} for ranks {behind:?} to launch their call {issued} before loading kernel {kernel} (did they skip a call?)", start.elapsed());
+        }
+        std::thread::sleep(std::time::Duration::from_micros(50));
+    }
+}
+
 /// Runs one collective on the CPU target: one host thread per channel, each running the same
 /// `run_block` the GPU kernel runs, queued on the CPU stream.
 fn launch_cpu(
@@ -2070,7 +2140,9 @@ fn launch_cpu(
                         let mut smem = [0u32; oxccl_gpu::abi::KERNEL_SMEM_BYTES / 4];
                         // SAFETY: `args.comm` is this rank's comm block, kept alive by `group`;
                         // the buffers are the caller's (all_reduce_raw contract).
-                        unsafe { oxccl_gpu::dispatch::run_block(args, b, 0, 1, smem.as_mut_ptr()) };
+                        let ran = unsafe { oxccl_gpu::dispatch::run_block(args, b, 0, 1, smem.as_mut_ptr()) };
+                        // `launch` checked the entry, so this does not happen.
+                        assert!(ran, "no kernel entry for the work");
                     })
                 })
                 .collect();

@@ -68,6 +68,17 @@ pub mod kernels {
         String::from_utf8(bytes).ok()
     }
 
+    /// The error for a call whose kernel entry `name` this build does not have: the kernel
+    /// entry table was filtered by `OXCCL_ONLY_FUNCS` when it was built, or the PTX was skipped
+    /// (`OXCCL_SKIP_PTX`).
+    pub fn not_built(name: &str) -> crate::Error {
+        crate::Error::InvalidUsage(format!(
+            "kernel {name} is not in this build: it was built with OXCCL_ONLY_FUNCS={:?} \
+             (rebuild without OXCCL_ONLY_FUNCS for every kernel) or with OXCCL_SKIP_PTX",
+            option_env!("OXCCL_ONLY_FUNCS").unwrap_or("")
+        ))
+    }
+
     /// Every kernel entry point with its PTX text.
     pub fn all() -> Vec<(&'static str, String)> {
         PTX_MODULES

@@ -149,3 +149,135 @@ fn init_all_honours_p2p_level() {
         common::all_reduce_f32(&comms, 1000, in_place);
     }
 }
+
+/// Two ranks for the launch-order tests: 2 GPUs when there are, else 2 ranks sharing GPU 0, else
+/// (CI) 2 CPU-target ranks, so the same sequence runs everywhere; `None` never (the CPU target is
+/// always there).
+fn two_ranks_any() -> Vec<Device> {
+    if Device::cuda_count() == 0 {
+        eprintln!("note: no CUDA ({}); running on 2 CPU-target ranks", common::no_gpu_reason());
+        return Device::cpus(2);
+    }
+    common::two_ranks_or_skip("two_ranks_any").unwrap_or_else(|| Device::cpus(2))
+}
+
+/// Little-endian bytes of `count` int64 values `f(i)`.
+fn i64_bytes(count: usize, f: impl Fn(usize) -> i64) -> Vec<u8> {
+    (0..count).flat_map(|i| f(i).to_le_bytes()).collect()
+}
+
+/// One rank issues five collectives back to back, each needing a kernel module not loaded yet
+/// (int64 max / uint64 entries: no other test of this binary uses them first when run alone),
+/// while its peer starts 300 ms later. Loading a module can wait for every kernel of the context,
+/// and the first rank's AllReduce kernel spins until the peer's arrives: the library must let the
+/// peer launch before it loads (otherwise this deadlocked on one shared GPU). Results are exact on
+/// both ranks; a watchdog fails the test after 60 s without progress.
+#[test]
+fn calls_queued_back_to_back_load_their_kernels_without_deadlock() {
+    use oxccl::{DataType, RedOp};
+    let devices = two_ranks_any();
+    let _gpu = common::gpu_lock();
+    let dog = common::Watchdog::new("calls_queued_back_to_back", std::time::Duration::from_secs(60));
+    let comms = common::init_comms(&devices, None);
+    let count = 4099usize;
+    let results: Vec<Vec<Vec<u8>>> = std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .iter()
+            .map(|c| {
+                s.spawn(move || {
+                    let r = c.rank();
+                    let dev = c.device();
+                    let stream = dev.new_stream().unwrap();
+                    let input = dev.alloc(2 * count * 8).unwrap();
+                    input.write(0, &i64_bytes(2 * count, |i| (i as i64 * 7 + r as i64) % 1000 - 500)).unwrap();
+                    let outs: Vec<_> = (0..5).map(|_| dev.alloc(2 * count * 8).unwrap()).collect();
+                    if r == 1 {
+                        std::thread::sleep(std::time::Duration::from_millis(300));
+                    }
+                    let send = input.slice(0, count * 8).unwrap();
+                    c.all_reduce(send, &outs[0], count, DataType::I64, RedOp::Max, &stream).unwrap();
+                    c.broadcast(Some(send), &outs[1], count, DataType::U64, 1, &stream).unwrap();
+                    c.reduce(send, Some(outs[2].as_slice()), count, DataType::I64, RedOp::Max, 0, &stream).unwrap();
+                    c.all_gather(send, &outs[3], count, DataType::I64, &stream).unwrap();
+                    c.reduce_scatter(&input, &outs[4], count, DataType::I64, RedOp::Max, &stream).unwrap();
+                    stream.synchronize().unwrap();
+                    outs.iter()
+                        .map(|o| {
+                            let mut v = vec![0u8; 2 * count * 8];
+                            o.read(0, &mut v).unwrap();
+                            v
+                        })
+                        .collect()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    dog.step("checking");
+    let input = |r: usize, i: usize| (i as i64 * 7 + r as i64) % 1000 - 500;
+    let max = |i: usize| input(0, i).max(input(1, i));
+    for (r, outs) in results.iter().enumerate() {
+        let want_ar = i64_bytes(count, max);
+        assert_eq!(&outs[0][..count * 8], &want_ar[..], "rank {r}: AllReduce max");
+        assert_eq!(&outs[1][..count * 8], &i64_bytes(count, |i| input(1, i))[..], "rank {r}: Broadcast");
+        if r == 0 {
+            assert_eq!(&outs[2][..count * 8], &want_ar[..], "rank 0: Reduce max");
+        }
+        let gathered: Vec<u8> = (0..2).flat_map(|k| i64_bytes(count, move |i| input(k, i))).collect();
+        assert_eq!(&outs[3][..], &gathered[..], "rank {r}: AllGather");
+        assert_eq!(&outs[4][..count * 8], &i64_bytes(count, |i| max(r * count + i))[..], "rank {r}: ReduceScatter");
+    }
+}
+
+/// Each call on a stream made for it (NCCL users do this through frameworks that pick a stream
+/// per call): every rank on its own thread creates a stream, allocates and fills its buffers,
+/// meets its peer at a barrier, calls an f16 or bf16 sum AllReduce on LL or LL128 with a small odd
+/// count, synchronizes, meets again, reads back and drops it all; 21 calls × 5 sequences. On one
+/// shared H200 one call of each sequence used to hang. Every result is exact on both ranks; a
+/// watchdog fails the test after 30 s without progress.
+#[test]
+fn a_fresh_stream_per_call_completes_every_call() {
+    use oxccl::{DataType, RedOp};
+    let devices = two_ranks_any();
+    let _gpu = common::gpu_lock();
+    let dog = common::Watchdog::new("a_fresh_stream_per_call", std::time::Duration::from_secs(30));
+    const COUNTS: [usize; 10] = [1, 2, 3, 5, 7, 15, 17, 127, 129, 4095];
+    for (proto_i, proto) in ["LL", "LL128", "LL", "LL128", "LL"].iter().enumerate() {
+        let comms = common::init_comms(&devices, Some(proto));
+        let barrier = std::sync::Barrier::new(comms.len());
+        std::thread::scope(|s| {
+            for c in &comms {
+                let (barrier, dog) = (&barrier, &dog);
+                s.spawn(move || {
+                    let r = c.rank();
+                    for call in 0..21usize {
+                        let dtype = if (call + proto_i) % 3 == 0 { DataType::Bf16 } else { DataType::F16 };
+                        let count = COUNTS[(call * 7 + proto_i) % COUNTS.len()];
+                        dog.step(format!("sequence {proto_i} ({proto}) call {call}: {dtype} count {count}"));
+                        let dev = c.device();
+                        let stream = dev.new_stream().unwrap();
+                        let send = dev.alloc(count * 2).unwrap();
+                        let recv = dev.alloc(count * 2).unwrap();
+                        // Small integers are exact in both types: rank r sends (i % 13) + r + 1.
+                        let val = |r: usize, i: usize| ((i % 13) + r + 1) as f32;
+                        let enc = |x: f32| match dtype {
+                            DataType::F16 => half::f16::from_f32(x).to_bits(),
+                            _ => half::bf16::from_f32(x).to_bits(),
+                        };
+                        let bytes: Vec<u8> = (0..count).flat_map(|i| enc(val(r, i)).to_le_bytes()).collect();
+                        send.write(0, &bytes).unwrap();
+                        barrier.wait();
+                        c.all_reduce(&send, &recv, count, dtype, RedOp::Sum, &stream).unwrap();
+                        stream.synchronize().unwrap();
+                        barrier.wait();
+                        let mut got = vec![0u8; count * 2];
+                        recv.read(0, &mut got).unwrap();
+                        let want: Vec<u8> =
+                            (0..count).flat_map(|i| enc(val(0, i) + val(1, i)).to_le_bytes()).collect();
+                        assert_eq!(got, want, "rank {r}, {proto}, call {call}: {dtype} count {count}");
+                    }
+                });
+            }
+        });
+    }
+}

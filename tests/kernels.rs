@@ -191,6 +191,9 @@ fn every_all_reduce_kernel_has_a_module() {
         modules.len(),
         "duplicate module names in PTX_MODULES"
     );
+    // The modules are exactly the generated kernel entry table's entries.
+    let entries: BTreeSet<&str> = oxccl_gpu::dispatch::ENTRIES.iter().map(|e| e.name).collect();
+    assert_eq!(names, entries, "PTX modules and kernel entry table differ");
     let mut missing = Vec::new();
     for &dt in DataType::ALL {
         for &op in DevRedOp::ALL {

@@ -24,13 +24,22 @@ enum Cmd {
     /// Benchmark a collective like nccl-tests (size, time, algbw, busbw, #wrong).
     Perf(PerfArgs),
     /// Print the version, the devices and the kernel module.
-    Info,
+    Info(InfoArgs),
     /// Print a topology: its nodes and links, the GPU path matrix, path bandwidths and the rings
     /// the graph search builds.
     Topo(TopoArgs),
     /// Time communicator creation (Comm::init_rank, and NCCL's ncclCommInitRank with --compare
     /// nccl), one rank per process: median/min/max over the iterations.
     InitBench(InitBenchArgs),
+}
+
+#[derive(clap::Args)]
+struct InfoArgs {
+    /// Also list the kernel modules: PTX bytes each, and on GPU 0 (when there is one) the JIT
+    /// time, registers per thread and local memory per thread of each, loaded now. An optional
+    /// substring keeps only the modules whose name contains it (e.g. `--kernels allreduce_float`).
+    #[arg(long, value_name = "FILTER", num_args = 0..=1, default_missing_value = "")]
+    kernels: Option<String>,
 }
 
 #[derive(clap::Args)]
@@ -235,7 +244,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let r = match cli.cmd {
         Cmd::Perf(a) => perf(a),
-        Cmd::Info => info(),
+        Cmd::Info(a) => info(a),
         Cmd::Topo(t) => topo(t),
         Cmd::InitBench(a) => init_bench(a),
     };
@@ -724,7 +733,7 @@ fn print_graphs(system: &oxccl::topo::System, nodes: usize) -> Result<(), Box<dy
     Ok(())
 }
 
-fn info() -> Result<ExitCode, Box<dyn std::error::Error>> {
+fn info(args: InfoArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     println!(
         "oxccl {} (ncclGetVersion-style code {}: major × 10000 + minor × 100 + patch)",
         env!("CARGO_PKG_VERSION"),
@@ -759,7 +768,51 @@ fn info() -> Result<ExitCode, Box<dyn std::error::Error>> {
         Ok(v) => println!("NCCL {} (system libnccl.so.2)", nccl::version_string(v)),
         Err(e) => println!("NCCL: {e}"),
     }
+    if let Some(filter) = args.kernels {
+        kernel_table(&filter)?;
+    }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `oxccl info --kernels`: one line per module whose name contains `filter`: PTX bytes, and on
+/// GPU 0 the cold-or-cached JIT time, registers and local memory per thread.
+fn kernel_table(filter: &str) -> Result<(), Box<dyn std::error::Error>> {
+    let ctx = match oxccl::cuda::driver() {
+        Ok(()) if !Device::all_cuda().is_empty() => Some(oxccl::cuda::Context::get(0)?),
+        _ => None,
+    };
+    println!(
+        "\n# {:<40} {:>10} {:>10} {:>6} {:>8}",
+        "kernel module", "PTX bytes", "JIT ms", "regs", "local B"
+    );
+    let (mut n, mut bytes, mut jit) = (0usize, 0usize, 0.0f64);
+    for (name, _) in oxccl::kernels::PTX_MODULES.iter().filter(|(n, _)| n.contains(filter)) {
+        let ptx = oxccl::kernels::module(name).map_or(0, |m| m.len());
+        n += 1;
+        bytes += ptx;
+        match &ctx {
+            Some(ctx) => {
+                let m = ctx.kernel(name)?;
+                jit += m.load_seconds;
+                println!(
+                    "  {name:<40} {ptx:>10} {:>10.1} {:>6} {:>8}",
+                    m.load_seconds * 1e3,
+                    m.num_regs,
+                    m.local_bytes
+                );
+            }
+            None => println!("  {name:<40} {ptx:>10} {:>10} {:>6} {:>8}", "-", "-", "-"),
+        }
+    }
+    println!(
+        "# {n} modules, {bytes} PTX bytes{}",
+        if ctx.is_some() {
+            format!(", {:.2} s JIT in all (GPU 0; the driver's JIT cache makes a second run fast)", jit)
+        } else {
+            " (no GPU: JIT time, registers and local memory need one)".into()
+        }
+    );
+    Ok(())
 }
 
 fn ptx_target() -> String {

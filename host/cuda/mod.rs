@@ -196,8 +196,15 @@ impl Context {
         cu!(cuCtxSynchronize())
     }
 
+    /// The module of kernel entry point `name` if this context has loaded it already.
+    pub fn loaded_kernel(&self, name: &str) -> Option<Arc<Module>> {
+        self.modules.lock().ok()?.get(name).cloned()
+    }
+
     /// The PTX module of kernel entry point `name` in this context, JIT-compiled from the embedded
-    /// PTX on first use (see [`crate::kernels`]).
+    /// PTX on first use (see [`crate::kernels`]). Loading a module may wait for every kernel
+    /// running in the context (CUDA's module loading can synchronise the context), so a caller
+    /// whose peers' kernels might be spinning on it must load first (see `Comm::launch`).
     pub fn kernel(&self, name: &str) -> Result<Arc<Module>> {
         let mut mods = self
             .modules
@@ -206,11 +213,7 @@ impl Context {
         if let Some(m) = mods.get(name) {
             return Ok(m.clone());
         }
-        let ptx = crate::kernels::module(name).ok_or_else(|| {
-            Error::Internal(format!(
-                "kernel {name} is not in this build (built with OXCCL_SKIP_PTX?)"
-            ))
-        })?;
+        let ptx = crate::kernels::module(name).ok_or_else(|| crate::kernels::not_built(name))?;
         let m = Arc::new(Module::load(self, name, &ptx)?);
         mods.insert(name.to_string(), m.clone());
         Ok(m)

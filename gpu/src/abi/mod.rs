@@ -66,9 +66,11 @@ pub fn kernel_name_for(func: Func, algo: Algo, dtype: DataType, op: impl Into<De
     n
 }
 
-/// The (type, operator) of the kernel that runs `func` on `dtype` with `op`: collectives that
-/// only move data (Broadcast, AllGather) use one kernel per element size (uint8, half, uint32,
-/// uint64) and no operator (`Sum`); the others use their own type and operator.
+/// The (type, operator) of the kernel entry that runs `func` on `dtype` with `op` (the rules of
+/// the kernel entry table, gpu/build.rs): collectives that only move data (Broadcast, AllGather)
+/// use one entry per element size (uint8, half, uint32, uint64) and no operator (`Sum`); Avg runs
+/// the `Sum` entry, which reads the post-division from the work; the others use their own type
+/// and operator.
 pub const fn kernel_variant(func: Func, dtype: DataType, op: DevRedOp) -> (DataType, DevRedOp) {
     match func {
         Func::Broadcast | Func::AllGather => {
@@ -80,7 +82,10 @@ pub const fn kernel_variant(func: Func, dtype: DataType, op: DevRedOp) -> (DataT
             };
             (d, DevRedOp::Sum)
         }
-        _ => (dtype, op),
+        _ => match op {
+            DevRedOp::Avg => (dtype, DevRedOp::Sum),
+            _ => (dtype, op),
+        },
     }
 }
 

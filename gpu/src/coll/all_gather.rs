@@ -6,7 +6,7 @@ use crate::proto::Primitives;
 /// This channel's share of an AllGather of `count` elements per rank. Input offsets are relative
 /// to the rank's input, output offsets to the output of `nranks × count` elements; `in_place` when
 /// the input is the output at `rank × count`.
-#[inline(always)]
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
 pub fn ring<P: Primitives>(p: &mut P, r: &RingCtx, count: u64, chunk_elems: u64, esize: u64, in_place: bool) {
     let n = r.nranks;
     channel_chunks(
@@ -14,7 +14,7 @@ pub fn ring<P: Primitives>(p: &mut P, r: &RingCtx, count: u64, chunk_elems: u64,
         count,
         chunk_elems,
         esize,
-        #[inline(always)]
+        #[cfg_attr(target_arch = "nvptx64", inline(always))]
         |chunk_off, len| {
             let out = |owner: u64| chunk_off + owner * count;
             // Our own block: to the next rank, and into our output unless it is already there.

@@ -9,7 +9,7 @@ use super::{RingCtx, loop_chunk};
 use crate::proto::Primitives;
 
 /// Runs this channel's share of an AllReduce of `count` elements (`esize` bytes each).
-#[inline(always)]
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
 pub fn ring<P: Primitives>(p: &mut P, r: &RingCtx, count: u64, chunk_elems: u64, esize: u64) {
     let n = r.nranks;
     let loop_size = r.nchannels * n * chunk_elems;

@@ -6,7 +6,7 @@ use crate::proto::Primitives;
 
 /// This channel's share of a Broadcast of `count` elements from user rank `root`; `in_place` when
 /// the root's input and output are the same buffer.
-#[inline(always)]
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
 pub fn ring<P: Primitives>(
     p: &mut P,
     r: &RingCtx,
@@ -22,7 +22,7 @@ pub fn ring<P: Primitives>(
         count,
         chunk_elems,
         esize,
-        #[inline(always)]
+        #[cfg_attr(target_arch = "nvptx64", inline(always))]
         |off, len| {
             if me == root {
                 if in_place {

@@ -21,7 +21,7 @@ pub struct RingCtx {
 
 impl RingCtx {
     /// User rank `k` hops downstream of us.
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     pub fn user_rank(&self, k: u64) -> u64 {
         // SAFETY: `user_ranks` holds `nranks` entries (host contract); `k % nranks` is in range.
         unsafe { *self.user_ranks.add((k % self.nranks) as usize) as u64 }
@@ -29,7 +29,7 @@ impl RingCtx {
 }
 
 /// Elements rounded up to a whole number of 16-byte packs of `esize`-byte elements.
-#[inline(always)]
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
 pub const fn align_elems(n: u64, esize: u64) -> u64 {
     let per = crate::abi::PACK_BYTES / esize;
     n.div_ceil(per) * per
@@ -40,7 +40,7 @@ pub const fn align_elems(n: u64, esize: u64) -> u64 {
 /// packs, but never more than `chunk_elems` — the loop advances by `parts × chunk_elems`, so a
 /// larger chunk would overlap the next iteration's (an in-place call would then reduce elements
 /// twice).
-#[inline(always)]
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
 pub fn loop_chunk(chunk_elems: u64, remaining: u64, parts: u64, esize: u64) -> u64 {
     core::cmp::min(
         align_elems(core::cmp::min(chunk_elems, remaining.div_ceil(parts)), esize),
@@ -52,7 +52,7 @@ pub fn loop_chunk(chunk_elems: u64, remaining: u64, parts: u64, esize: u64) -> u
 /// at most `chunk_elems` (NCCL's grid loop of the one-block-per-rank collectives): calls
 /// `step(offset, len)` once per loop, `len` possibly 0 on the last loop; stops when it returns
 /// `false` (abort).
-#[inline(always)]
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
 pub fn channel_chunks(
     r: &RingCtx,
     count: u64,

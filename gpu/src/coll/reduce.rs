@@ -4,7 +4,7 @@ use super::{RingCtx, channel_chunks};
 use crate::proto::Primitives;
 
 /// This channel's share of a Reduce of `count` elements to user rank `root`.
-#[inline(always)]
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
 pub fn ring<P: Primitives>(p: &mut P, r: &RingCtx, count: u64, root: u64, chunk_elems: u64, esize: u64) {
     let (me, prev) = (r.user_rank(0), r.user_rank(r.nranks - 1));
     channel_chunks(
@@ -12,7 +12,7 @@ pub fn ring<P: Primitives>(p: &mut P, r: &RingCtx, count: u64, root: u64, chunk_
         count,
         chunk_elems,
         esize,
-        #[inline(always)]
+        #[cfg_attr(target_arch = "nvptx64", inline(always))]
         |off, len| {
             if prev == root {
                 p.send(off, len);

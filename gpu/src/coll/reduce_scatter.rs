@@ -5,7 +5,7 @@ use crate::proto::Primitives;
 
 /// This channel's share of a ReduceScatter of `count` elements per rank: input offsets are
 /// relative to the input of `nranks × count` elements, output offsets to the rank's `count`.
-#[inline(always)]
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
 pub fn ring<P: Primitives>(p: &mut P, r: &RingCtx, count: u64, chunk_elems: u64, esize: u64) {
     let n = r.nranks;
     channel_chunks(
@@ -13,7 +13,7 @@ pub fn ring<P: Primitives>(p: &mut P, r: &RingCtx, count: u64, chunk_elems: u64,
         count,
         chunk_elems,
         esize,
-        #[inline(always)]
+        #[cfg_attr(target_arch = "nvptx64", inline(always))]
         |chunk_off, len| {
             let inp = |owner: u64| chunk_off + owner * count;
             p.send(inp(r.user_rank(n - 1)), len);

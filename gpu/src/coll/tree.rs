@@ -30,7 +30,7 @@ impl TreeCtx {
     /// iteration that starts at `grid_off` (the grid loop of [`super::channel_chunks`], written
     /// out here because a closure the compiler does not inline would keep the primitives in GPU
     /// local memory).
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn chunk(&self, grid_off: u64, count: u64, chunk_elems: u64, esize: u64) -> (u64, u64) {
         let real_chunk = loop_chunk(chunk_elems, count - grid_off, self.nchannels, esize);
         let off = grid_off + self.channel * real_chunk;
@@ -45,7 +45,7 @@ impl TreeCtx {
 
 /// The reduce phase of this channel's share of an AllReduce of `count` elements (`esize` bytes
 /// each), over primitives that receive from the children and send to the parent.
-#[inline(always)]
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
 pub fn all_reduce_up<P: Primitives>(p: &mut P, t: &TreeCtx, count: u64, chunk_elems: u64, esize: u64) {
     let loop_size = t.nchannels * chunk_elems;
     let mut grid_off = 0u64;
@@ -68,7 +68,7 @@ pub fn all_reduce_up<P: Primitives>(p: &mut P, t: &TreeCtx, count: u64, chunk_el
 /// The broadcast phase of this channel's share of an AllReduce, over primitives that receive from
 /// the parent and send to the children; run after [`all_reduce_up`] (the root sends what that
 /// phase wrote into its output).
-#[inline(always)]
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
 pub fn all_reduce_down<P: Primitives + SendFromOutput>(
     p: &mut P,
     t: &TreeCtx,

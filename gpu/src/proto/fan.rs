@@ -33,7 +33,7 @@ impl Peers {
     ///
     /// # Safety
     /// The channel or tree is set up.
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     pub unsafe fn lists(self) -> (ConnList, ConnList) {
         let null = core::ptr::null_mut();
         // SAFETY: caller guarantees the channel / tree; only field addresses are taken.
@@ -53,7 +53,7 @@ impl Peers {
 }
 
 /// Whether the abort flag (0 or a valid address) is raised.
-#[inline(always)]
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
 pub fn abort_raised(flag: *const u32) -> bool {
     // SAFETY: `flag` is 0 or valid (the primitives' constructor contract).
     !flag.is_null() && unsafe { arch::load_volatile_u32(flag) } != 0
@@ -88,7 +88,7 @@ impl<B> LineConn<B> {
 
     /// # Safety
     /// `info` points at a connection set up for `proto`.
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     unsafe fn load(info: *mut ConnInfo, proto: Proto) -> Self {
         // SAFETY: caller guarantees `info`.
         let c = unsafe { info.read() };
@@ -119,7 +119,7 @@ impl<B, const NR: usize, const NS: usize> Fan<B, NR, NS> {
     /// # Safety
     /// The listed connections are set up for `proto`; `smem` is the kernel's shared memory. All
     /// threads of the block call it.
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     pub unsafe fn load(tid: u32, smem: *mut u32, peers: Peers, proto: Proto) -> Self {
         // SAFETY: forwarded caller contract; every thread reaches the barrier.
         unsafe {
@@ -151,7 +151,7 @@ impl<B, const NR: usize, const NS: usize> Fan<B, NR, NS> {
 
     /// The receive and send peers a verb uses: none on a side it does not use, and on a ring
     /// (one and one, both always present) constants, so the ring's code has no peer counts.
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     pub fn counts<const RECV: bool, const SEND: bool>(&self) -> (usize, usize) {
         let ring = NR == 1 && NS == 1;
         let nrecv = if !RECV {
@@ -173,7 +173,7 @@ impl<B, const NR: usize, const NS: usize> Fan<B, NR, NS> {
 
     /// Thread 0 waits for a free slot on every send peer, then the block learns whether to abort
     /// (through `smem[0]`); true to go on.
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     pub fn wait_send_credit(&self, tid: u32, smem: *mut u32, abort_flag: *const u32) -> bool {
         if tid == 0 {
             let mut ok = true;
@@ -211,7 +211,7 @@ impl<B, const NR: usize, const NS: usize> Fan<B, NR, NS> {
     ///
     /// # Safety
     /// Every thread of the block has finished reading the received slots.
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     pub unsafe fn end_step(&mut self, tid: u32, nrecv: usize, nsend: usize) {
         if tid == 0 {
             each_peer::<NR>(|i| {
@@ -237,7 +237,7 @@ impl<B, const NR: usize, const NS: usize> Fan<B, NR, NS> {
     ///
     /// # Safety
     /// All threads of the block call it, once, after the last verb.
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     pub unsafe fn finish(&self, tid: u32) {
         // SAFETY: every thread reaches the barrier; then only thread 0 writes the connections
         // this fan loaded.

@@ -22,14 +22,14 @@ use core::marker::PhantomData;
 pub const LL_FLAG_PERIOD: u64 = (1 << 31) - 1;
 
 /// The flag of the lines of step `step`: in `1..=LL_FLAG_PERIOD`, never 0.
-#[inline(always)]
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
 pub const fn ll_flag(step: u64) -> u32 {
     (step % LL_FLAG_PERIOD + 1) as u32
 }
 
 /// Whether step `step` cleans its whole slot: the last [`FIFO_STEPS`] steps of each flag period,
 /// one per slot.
-#[inline(always)]
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
 pub const fn ll_clean(step: u64) -> bool {
     step % LL_FLAG_PERIOD >= LL_FLAG_PERIOD - FIFO_STEPS
 }
@@ -67,7 +67,7 @@ compile_error!("oxccl's LL packing assumes a little-endian target");
 ///
 /// # Safety
 /// `p` is valid for `nbytes` bytes and aligned to `esize`.
-#[inline(always)]
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
 pub(crate) unsafe fn load_partial(p: *const u8, nbytes: u64, esize: u64) -> u64 {
     if nbytes == 8 && (p as u64) % 8 == 0 {
         // SAFETY: caller guarantees 8 valid, aligned bytes.
@@ -96,7 +96,7 @@ pub(crate) unsafe fn load_partial(p: *const u8, nbytes: u64, esize: u64) -> u64 
 ///
 /// # Safety
 /// `p` is valid for `nbytes` bytes and aligned to `esize`.
-#[inline(always)]
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
 pub(crate) unsafe fn store_partial(p: *mut u8, v: u64, nbytes: u64, esize: u64) {
     if nbytes == 8 && (p as u64) % 8 == 0 {
         // SAFETY: caller guarantees 8 valid, aligned bytes.
@@ -134,7 +134,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> LlFan<T, Op, NR, N
     /// As `Simple::new`, for connections whose LL buffers are `buff_size` bytes. All threads of
     /// the block call it.
     #[allow(clippy::too_many_arguments)]
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     pub unsafe fn new(
         tid: u32,
         nthreads: u32,
@@ -178,7 +178,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> LlFan<T, Op, NR, N
     }
 
     /// Spins until the line holds `flag` twice; `None` on abort.
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn read_line(&self, line: *const LlFifoLine, flag: u32) -> Option<u64> {
         let mut spins = 0u32;
         loop {
@@ -198,14 +198,14 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> LlFan<T, Op, NR, N
         }
     }
 
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn write_line(line: *mut LlFifoLine, v: u64, flag: u32) {
         // SAFETY: the line lies inside the peer's receive slot.
         unsafe { arch::store_volatile_v4(line as *mut Pack, Pack([v as u32, flag, (v >> 32) as u32, flag])) }
     }
 
     /// Thread 0 waits for a free slot on every send peer; then the block learns whether to abort.
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn wait_send_credit(&mut self) -> bool {
         self.aborted = !self.conns.wait_send_credit(self.tid, self.smem, self.abort_flag);
         !self.aborted
@@ -214,7 +214,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> LlFan<T, Op, NR, N
     /// `v` (the input's word, `SRC`) combined with line `k` of every present receive peer's slot
     /// (`slots`, `flags`; the first `nrecv`), peer 0 first; `None` on abort. Written out per peer
     /// (present peers are the leading ones) so no flag lives in GPU local memory.
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn fold_recv<const SRC: bool>(
         &self,
         slots: &[*mut LlFifoLine; NR],
@@ -238,7 +238,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> LlFan<T, Op, NR, N
 
     /// Reads (and drops) line `k` of every present receive peer whose step cleans its slot; false
     /// on abort.
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn drain_clean(
         &self,
         slots: &[*mut LlFifoLine; NR],
@@ -258,7 +258,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> LlFan<T, Op, NR, N
     /// The one engine behind every verb (NCCL's `LLGenericOp`): per step, every thread takes
     /// its lines; for each, the input (`SRC`) combined with the line of every receive peer
     /// (`RECV`), written to every send peer (`SEND`) and the output (`DST`).
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn generic_op<const RECV: bool, const SEND: bool, const SRC: bool, const DST: bool>(
         &mut self,
         src: u64,
@@ -394,53 +394,53 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> LlFan<T, Op, NR, N
 }
 
 /// An 8-byte word in the low half of a pack (the upper half is zero and ignored).
-#[inline(always)]
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
 fn pack(v: u64) -> Pack {
     Pack([v as u32, (v >> 32) as u32, 0, 0])
 }
 
 /// The low 8 bytes of a pack.
-#[inline(always)]
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
 fn unpack(p: Pack) -> u64 {
     p.0[0] as u64 | (p.0[1] as u64) << 32
 }
 
 /// `op(a, b)` lane-wise over the elements packed in two 8-byte words.
-#[inline(always)]
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
 fn combine<T: Elem, Op: RedFn<T>>(a: u64, b: u64) -> u64 {
     unpack(Op::apply_pack(pack(a), pack(b)))
 }
 
 impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Primitives for LlFan<T, Op, NR, NS> {
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn send(&mut self, src: u64, n: u64) {
         self.generic_op::<false, true, true, false>(src, 0, n, false)
     }
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn recv(&mut self, dst: u64, n: u64) {
         self.generic_op::<true, false, false, true>(0, dst, n, false)
     }
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn recv_reduce_send(&mut self, src: u64, n: u64) {
         self.generic_op::<true, true, true, false>(src, 0, n, false)
     }
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn recv_reduce_copy(&mut self, src: u64, dst: u64, n: u64, post: bool) {
         self.generic_op::<true, false, true, true>(src, dst, n, post)
     }
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn recv_copy_send(&mut self, dst: u64, n: u64) {
         self.generic_op::<true, true, false, true>(0, dst, n, false)
     }
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn recv_reduce_copy_send(&mut self, src: u64, dst: u64, n: u64, post: bool) {
         self.generic_op::<true, true, true, true>(src, dst, n, post)
     }
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn copy_send(&mut self, src: u64, dst: u64, n: u64) {
         self.generic_op::<false, true, true, true>(src, dst, n, false)
     }
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn aborted(&self) -> bool {
         self.aborted
     }

@@ -43,7 +43,7 @@ const UNROLL: usize = match option_env!("OXCCL_BUILD_LL128_UNROLL") {
 };
 
 /// The flag of the lines of step `step`: never 0, never repeated within a connection's lifetime.
-#[inline(always)]
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
 pub const fn ll128_flag(step: u64) -> u64 {
     step.wrapping_add(1)
 }
@@ -122,7 +122,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
     /// of `FIFO_STEPS × 128`), with `nthreads` a multiple of 32 on the GPU. All threads of the
     /// block call it.
     #[allow(clippy::too_many_arguments)]
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     pub unsafe fn new(
         tid: u32,
         nthreads: u32,
@@ -171,7 +171,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
     /// warp reloads the whole batch (NCCL's `needReload`). Every lane of the warp calls it
     /// together (`active[u]` false for lines past the end, which are not read).
     #[cfg(target_arch = "nvptx64")]
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn read_batch(
         &self,
         lines: &[*const u64; UNROLL],
@@ -210,7 +210,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
 
     /// CPU target: each line of the batch in turn, as [`Self::read_line`].
     #[cfg(not(target_arch = "nvptx64"))]
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn read_batch(
         &self,
         lines: &[*const u64; UNROLL],
@@ -229,7 +229,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
 
     /// CPU target: waits for the flag word (acquire), then reads the 15 data words.
     #[cfg(not(target_arch = "nvptx64"))]
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn read_line(&self, line: *const u64, flag: u64, active: bool) -> Option<[u64; 2 * PARTS]> {
         let mut w = [0u64; 2 * PARTS];
         if !active {
@@ -259,7 +259,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
     /// Writes this thread's parts of `line` with `flag` in the last word (GPU: one 16-byte store
     /// per lane, the 8 lanes of a line in the same instruction).
     #[cfg(target_arch = "nvptx64")]
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn write_parts(&self, line: *mut u64, w: [u64; 2 * PARTS], flag: u64) {
         let p = self.lanes.part0;
         let hi = if p == LL128_LINE_PARTS - 1 { flag } else { w[1] };
@@ -269,7 +269,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
 
     /// CPU target: data words first, then the flag with release ordering.
     #[cfg(not(target_arch = "nvptx64"))]
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn write_parts(&self, line: *mut u64, w: [u64; 2 * PARTS], flag: u64) {
         // SAFETY: the line lies inside the peer's slot; its words are only accessed atomically.
         unsafe {
@@ -281,7 +281,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
     }
 
     /// Thread 0 waits for a free slot on every send peer; then the block learns whether to abort.
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn wait_send_credit(&mut self) -> bool {
         self.aborted = !self.conns.wait_send_credit(self.tid, self.smem, self.abort_flag);
         !self.aborted
@@ -291,7 +291,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
     /// (`slots`, `flags`; the first `nrecv`), combined into `w`, peer 0 first; false on abort.
     /// Written out per peer (present peers are the leading ones) so nothing lands in GPU local
     /// memory. Every lane of the warp calls it together.
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn fold_recv(
         &self,
         slots: &[*mut u64; NR],
@@ -338,7 +338,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
     /// The one engine behind every verb (NCCL's `GenericOp` of `prims_ll128.h`): per step, each
     /// line group takes its lines; for each, the lines of every receive peer (`RECV`) combined
     /// with the input (`SRC`), written to every send peer (`SEND`) and the output (`DST`).
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn generic_op<const RECV: bool, const SEND: bool, const SRC: bool, const DST: bool>(
         &mut self,
         src: u64,
@@ -485,14 +485,14 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
 }
 
 /// Part `q` (two words) of a line's words as a pack.
-#[inline(always)]
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
 fn words_pack(w: &[u64; 2 * PARTS], q: usize) -> Pack {
     let (a, b) = (w[2 * q], w[2 * q + 1]);
     Pack([a as u32, (a >> 32) as u32, b as u32, (b >> 32) as u32])
 }
 
 /// Stores a pack as part `q` (two words) of a line's words.
-#[inline(always)]
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
 fn pack_words(w: &mut [u64; 2 * PARTS], q: usize, v: Pack) {
     w[2 * q] = v.0[0] as u64 | (v.0[1] as u64) << 32;
     w[2 * q + 1] = v.0[2] as u64 | (v.0[3] as u64) << 32;
@@ -501,7 +501,7 @@ fn pack_words(w: &mut [u64; 2 * PARTS], q: usize, v: Pack) {
 /// Where part `part` of line `line` lies in a step's data: its byte offset, and how many of its
 /// bytes are data in its low and high word, given the step's `nbytes` (the last part of a line
 /// carries 8 data bytes, the others 16).
-#[inline(always)]
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
 fn part_bytes(line: u64, part: u64, nbytes: u64) -> (u64, u64, u64) {
     let off = line * LL128_DATA_BYTES + part * 16;
     let cap = if part == LL128_LINE_PARTS - 1 { 8 } else { 16 };
@@ -510,35 +510,35 @@ fn part_bytes(line: u64, part: u64, nbytes: u64) -> (u64, u64, u64) {
 }
 
 impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Primitives for Ll128Fan<T, Op, NR, NS> {
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn send(&mut self, src: u64, n: u64) {
         self.generic_op::<false, true, true, false>(src, 0, n, false)
     }
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn recv(&mut self, dst: u64, n: u64) {
         self.generic_op::<true, false, false, true>(0, dst, n, false)
     }
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn recv_reduce_send(&mut self, src: u64, n: u64) {
         self.generic_op::<true, true, true, false>(src, 0, n, false)
     }
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn recv_reduce_copy(&mut self, src: u64, dst: u64, n: u64, post: bool) {
         self.generic_op::<true, false, true, true>(src, dst, n, post)
     }
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn recv_copy_send(&mut self, dst: u64, n: u64) {
         self.generic_op::<true, true, false, true>(0, dst, n, false)
     }
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn recv_reduce_copy_send(&mut self, src: u64, dst: u64, n: u64, post: bool) {
         self.generic_op::<true, true, true, true>(src, dst, n, post)
     }
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn copy_send(&mut self, src: u64, dst: u64, n: u64) {
         self.generic_op::<false, true, true, true>(src, dst, n, false)
     }
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn aborted(&self) -> bool {
         self.aborted
     }

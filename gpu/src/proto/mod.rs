@@ -44,27 +44,27 @@ pub trait Primitives {
     // algorithm pairs them exactly: each `direct_*` send is received by a `direct_recv*`.
 
     /// input[src..src+n] → next's output[dst..].
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn direct_send(&mut self, src: u64, _dst: u64, n: u64) {
         self.send(src, n)
     }
     /// input[src..] → output[dst..] and next's output[dst..].
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn direct_copy_send(&mut self, src: u64, dst: u64, n: u64) {
         self.copy_send(src, dst, n)
     }
     /// prev → output[dst..dst+n] (already there when prev wrote it directly).
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn direct_recv(&mut self, dst: u64, n: u64) {
         self.recv(dst, n)
     }
     /// prev → output[dst..] and next's output[dst..].
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn direct_recv_copy_direct_send(&mut self, dst: u64, n: u64) {
         self.recv_copy_send(dst, n)
     }
     /// prev ⊕ input[src..] → output[dst..] and next's output[dst..].
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn recv_reduce_copy_direct_send(&mut self, src: u64, dst: u64, n: u64, post: bool) {
         self.recv_reduce_copy_send(src, dst, n, post)
     }
@@ -73,7 +73,7 @@ pub trait Primitives {
 /// Calls `f(0)`, …, `f(N - 1)` for `N ≤ 3` (a connection fan's peers): written out, so that once
 /// inlined every peer index is a constant and per-peer arrays stay in GPU registers (a loop the
 /// compiler might not unroll would index them at run time, through local memory).
-#[inline(always)]
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
 pub(crate) fn each_peer<const N: usize>(mut f: impl FnMut(usize)) {
     const { assert!(N <= crate::abi::MAX_TREE_ARITY) };
     if N > 0 {
@@ -96,7 +96,7 @@ pub(crate) fn each_peer<const N: usize>(mut f: impl FnMut(usize)) {
 /// # Safety
 /// `tree` points at a set-up [`crate::abi::DevTree`].
 #[allow(clippy::type_complexity)]
-#[inline(always)]
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
 pub(crate) unsafe fn tree_conns(
     tree: *mut crate::abi::DevTree,
     up: bool,
@@ -140,7 +140,7 @@ pub(crate) unsafe fn tree_conns(
 /// Stores how many lines step `step` of a flag-line protocol writes in the connection's step
 /// sizes (null: no proxy reads them), tagged with the step ([`crate::abi::lines_step_size`]);
 /// called by thread 0 after the slot's credit, before or while the lines are written.
-#[inline(always)]
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
 pub(crate) fn announce_step_lines(sizes: *mut u64, step: u64, lines: u64) {
     if sizes.is_null() {
         return;
@@ -153,7 +153,7 @@ pub(crate) fn announce_step_lines(sizes: *mut u64, step: u64, lines: u64) {
 
 /// Elements per step when `n` elements travel in steps of at most `max_step`: the fewest steps,
 /// all of equal size except the last (shorter by less than one element per step).
-#[inline(always)]
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
 pub fn balanced_step(n: u64, max_step: u64) -> u64 {
     let max_step = if max_step == 0 { 1 } else { max_step };
     let steps = n.div_ceil(max_step);

@@ -174,7 +174,7 @@ impl<T: Elem, Op: RedFn<T>> Simple<T, Op> {
     }
 
     /// Spins until `ready()`; polls the abort flag every `SPINS_BEFORE_CHECK_ABORT` tries.
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn spin(&self, mut ready: impl FnMut() -> bool) -> bool {
         let mut spins = 0u32;
         while !ready() {
@@ -193,7 +193,7 @@ impl<T: Elem, Op: RedFn<T>> Simple<T, Op> {
 
     /// Thread 0 waits for the FIFO slots this step needs (and, with `fetch`, for the next rank's
     /// output address), then the block learns whether to abort (and the address).
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn wait<const RECV: bool, const SEND: bool>(&mut self, fetch: bool) -> bool {
         if self.tid == 0 {
             let mut ok = true;
@@ -260,7 +260,7 @@ impl<T: Elem, Op: RedFn<T>> Simple<T, Op> {
     }
 
     /// After the block's copy: publish the sent slot and free the received one.
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn post<const RECV: bool, const SEND: bool>(&mut self) {
         // SAFETY: all threads reach this barrier; only thread 0 stores the counters.
         unsafe {
@@ -288,7 +288,7 @@ impl<T: Elem, Op: RedFn<T>> Simple<T, Op> {
     /// Thread 0 stores the bytes of each send step from `from` to the end of the current slice
     /// (`bytes` spread over its slots; 0 for the steps the slice's alignment skipped) where the
     /// proxy reads them (NCCL's `connFifo[].size`), before [`Self::post`] publishes the tail.
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn publish_sizes(&self, from: u64, bytes: u64) {
         if self.tid != 0 || self.send.sizes.is_null() {
             return;
@@ -311,7 +311,7 @@ impl<T: Elem, Op: RedFn<T>> Simple<T, Op> {
         }
     }
 
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn slot(&self, c: &Conn) -> *mut u8 {
         // SAFETY: the slot lies inside the connection buffer.
         unsafe { c.buff.add(((c.step % FIFO_STEPS) * self.slot_bytes) as usize) }
@@ -326,7 +326,7 @@ impl<T: Elem, Op: RedFn<T>> Simple<T, Op> {
     /// (`RECV` without `SRC`) finds its data already in our output at `dst`: `recv` then copies
     /// nothing, `recv_copy_send` forwards from the output. The steps, waits and posts are those
     /// of the FIFO path, so the two ends stay in step whichever path a connection takes.
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn generic_op<
         const RECV: bool,
         const SEND: bool,
@@ -490,7 +490,7 @@ const fn parse_sync(s: &[u8]) -> bool {
 ///
 /// # Safety
 /// `p` is a valid, 16-byte aligned global address.
-#[inline(always)]
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
 pub(crate) unsafe fn load_src(p: *const Pack) -> Pack {
     // SAFETY: caller guarantees `p`.
     unsafe {
@@ -506,7 +506,7 @@ pub(crate) unsafe fn load_src(p: *const Pack) -> Pack {
 ///
 /// # Safety
 /// `p` is valid and aligned for `T`.
-#[inline(always)]
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
 pub(crate) unsafe fn read_src<T>(p: *const T) -> T {
     // SAFETY: caller guarantees `p`.
     unsafe {
@@ -547,7 +547,7 @@ pub(crate) enum PreOn {
 /// The pointers in use are valid for `n` elements of `T`; the destinations overlap no source
 /// except exactly (in place).
 #[allow(clippy::too_many_arguments)]
-#[inline(always)]
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
 pub(crate) unsafe fn reduce_copy<T: Elem, Op: RedFn<T>, const TWO_SRC: bool, const TWO_DST: bool>(
     tid: u32,
     nthreads: u32,
@@ -658,55 +658,55 @@ pub(crate) unsafe fn reduce_copy<T: Elem, Op: RedFn<T>, const TWO_SRC: bool, con
 }
 
 impl<T: Elem, Op: RedFn<T>> Primitives for Simple<T, Op> {
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn send(&mut self, src: u64, n: u64) {
         self.generic_op::<false, true, true, false, false>(src, 0, n, false)
     }
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn recv(&mut self, dst: u64, n: u64) {
         self.generic_op::<true, false, false, true, false>(0, dst, n, false)
     }
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn recv_reduce_send(&mut self, src: u64, n: u64) {
         self.generic_op::<true, true, true, false, false>(src, 0, n, false)
     }
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn recv_reduce_copy(&mut self, src: u64, dst: u64, n: u64, post: bool) {
         self.generic_op::<true, false, true, true, false>(src, dst, n, post)
     }
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn recv_copy_send(&mut self, dst: u64, n: u64) {
         self.generic_op::<true, true, false, true, false>(0, dst, n, false)
     }
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn recv_reduce_copy_send(&mut self, src: u64, dst: u64, n: u64, post: bool) {
         self.generic_op::<true, true, true, true, false>(src, dst, n, post)
     }
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn copy_send(&mut self, src: u64, dst: u64, n: u64) {
         self.generic_op::<false, true, true, true, false>(src, dst, n, false)
     }
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn aborted(&self) -> bool {
         self.aborted
     }
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn direct_send(&mut self, src: u64, dst: u64, n: u64) {
         self.generic_op::<false, true, true, false, true>(src, dst, n, false)
     }
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn direct_copy_send(&mut self, src: u64, dst: u64, n: u64) {
         self.generic_op::<false, true, true, true, true>(src, dst, n, false)
     }
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn direct_recv(&mut self, dst: u64, n: u64) {
         self.generic_op::<true, false, false, true, true>(0, dst, n, false)
     }
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn direct_recv_copy_direct_send(&mut self, dst: u64, n: u64) {
         self.generic_op::<true, true, false, true, true>(0, dst, n, false)
     }
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn recv_reduce_copy_direct_send(&mut self, src: u64, dst: u64, n: u64, post: bool) {
         self.generic_op::<true, true, true, true, true>(src, dst, n, post)
     }

@@ -62,7 +62,7 @@ impl Conn {
 
     /// # Safety
     /// `info` points at a connection set up for the Simple protocol.
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     unsafe fn load(info: *mut ConnInfo) -> Self {
         // SAFETY: caller guarantees `info`.
         let c = unsafe { info.read() };
@@ -129,7 +129,7 @@ impl<T: Elem, Op: RedFn<T>, const UP: bool> TreeSimple<T, Op, UP> {
     /// `smem` points at kernel shared memory; `abort_flag` is 0 or a valid flag address. All
     /// threads of the block call it.
     #[allow(clippy::too_many_arguments)]
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     pub unsafe fn new(
         tid: u32,
         nthreads: u32,
@@ -186,7 +186,7 @@ impl<T: Elem, Op: RedFn<T>, const UP: bool> TreeSimple<T, Op, UP> {
     ///
     /// # Safety
     /// All threads of the block call it, once, after the last verb.
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     pub unsafe fn finish(self) {
         // SAFETY: every thread reaches this barrier; then only thread 0 writes the connections
         // this phase loaded (valid by the constructor's contract).
@@ -206,7 +206,7 @@ impl<T: Elem, Op: RedFn<T>, const UP: bool> TreeSimple<T, Op, UP> {
     }
 
     /// Spins until `ready()`; polls the abort flag every `SPINS_BEFORE_CHECK_ABORT` tries.
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn spin(&self, ready: impl Fn() -> bool) -> bool {
         let mut spins = 0u32;
         while !ready() {
@@ -225,7 +225,7 @@ impl<T: Elem, Op: RedFn<T>, const UP: bool> TreeSimple<T, Op, UP> {
 
     /// Thread 0 waits until every receive peer (`RECV`) has published the next step and every
     /// send peer (`SEND`) has freed its slot; then the block learns whether to abort.
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn wait<const RECV: bool, const SEND: bool>(&mut self) -> bool {
         if self.tid == 0 {
             let mut ok = true;
@@ -262,7 +262,7 @@ impl<T: Elem, Op: RedFn<T>, const UP: bool> TreeSimple<T, Op, UP> {
     /// received step of every receive peer. A send peer behind a proxy (NET) first gets the
     /// step's byte count in its step sizes (NCCL's `connFifo[].size`), so the proxy sends only
     /// those bytes.
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn post<const RECV: bool, const SEND: bool>(&mut self, bytes: u64) {
         // SAFETY: all threads reach this barrier; only thread 0 stores the counters and step
         // sizes (a non-null `sizes` holds FIFO_STEPS entries, the ConnInfo contract).
@@ -303,7 +303,7 @@ impl<T: Elem, Op: RedFn<T>, const UP: bool> TreeSimple<T, Op, UP> {
     }
 
     /// The FIFO slot of `c`'s current step (meaningless, and unused, for an absent peer).
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn slot(&self, c: &Conn) -> *mut u8 {
         c.buff
             .wrapping_add(((c.step % FIFO_STEPS) * self.slot_bytes) as usize)
@@ -313,7 +313,7 @@ impl<T: Elem, Op: RedFn<T>, const UP: bool> TreeSimple<T, Op, UP> {
     /// for every peer, reduce the sources — the input (`SRC`) or the output (`SRC_OUT`), and the
     /// slot of every receive peer (`RECV`) — into the destinations — the output (`DST`) and the
     /// slot of every send peer (`SEND`) — then post.
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn generic_op<
         const RECV: bool,
         const SEND: bool,
@@ -394,7 +394,7 @@ impl<T: Elem, Op: RedFn<T>, const UP: bool> TreeSimple<T, Op, UP> {
 /// # Safety
 /// As [`reduce_copy_n`] for the pointers in use.
 #[allow(clippy::too_many_arguments)]
-#[inline(always)]
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
 unsafe fn reduce_copy_fan<T: Elem, Op: RedFn<T>>(
     tid: u32,
     nthreads: u32,
@@ -442,7 +442,7 @@ unsafe fn reduce_copy_fan<T: Elem, Op: RedFn<T>>(
 /// `p` is valid and 16-byte aligned at every one of those packs.
 // Indexed loops: `u` addresses both the pack arrays and the memory offsets.
 #[allow(clippy::needless_range_loop)]
-#[inline(always)]
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
 unsafe fn fold_packs<T: Elem, Op: RedFn<T>>(v: &mut [Pack; UNROLL], p: *const u8, i: u64, stride: u64) {
     let p = p as *const Pack;
     let mut w = [Pack::default(); UNROLL];
@@ -465,7 +465,7 @@ unsafe fn fold_packs<T: Elem, Op: RedFn<T>>(v: &mut [Pack; UNROLL], p: *const u8
 /// The first `NS` sources and `ND` destinations are valid for `n` elements of `T`; a destination
 /// overlaps no source except exactly (in place).
 #[allow(clippy::needless_range_loop)]
-#[inline(always)]
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
 unsafe fn reduce_copy_n<T: Elem, Op: RedFn<T>, const NS: usize, const ND: usize>(
     tid: u32,
     nthreads: u32,
@@ -597,42 +597,42 @@ unsafe fn reduce_copy_n<T: Elem, Op: RedFn<T>, const NS: usize, const ND: usize>
 }
 
 impl<T: Elem, Op: RedFn<T>, const UP: bool> Primitives for TreeSimple<T, Op, UP> {
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn send(&mut self, src: u64, n: u64) {
         self.generic_op::<false, true, true, false, false>(src, 0, n, false)
     }
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn recv(&mut self, dst: u64, n: u64) {
         self.generic_op::<true, false, false, false, true>(0, dst, n, false)
     }
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn recv_reduce_send(&mut self, src: u64, n: u64) {
         self.generic_op::<true, true, true, false, false>(src, 0, n, false)
     }
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn recv_reduce_copy(&mut self, src: u64, dst: u64, n: u64, post: bool) {
         self.generic_op::<true, false, true, false, true>(src, dst, n, post)
     }
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn recv_copy_send(&mut self, dst: u64, n: u64) {
         self.generic_op::<true, true, false, false, true>(0, dst, n, false)
     }
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn recv_reduce_copy_send(&mut self, src: u64, dst: u64, n: u64, post: bool) {
         self.generic_op::<true, true, true, false, true>(src, dst, n, post)
     }
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn copy_send(&mut self, src: u64, dst: u64, n: u64) {
         self.generic_op::<false, true, true, false, true>(src, dst, n, false)
     }
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn aborted(&self) -> bool {
         self.aborted
     }
 }
 
 impl<T: Elem, Op: RedFn<T>, const UP: bool> SendFromOutput for TreeSimple<T, Op, UP> {
-    #[inline(always)]
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn send_from_output(&mut self, src: u64, n: u64) {
         self.generic_op::<false, true, false, true, false>(src, 0, n, false)
     }

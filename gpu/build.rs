@@ -1,0 +1,150 @@
+//! Generates the kernel entry table (NCCL's `generate.py`): one row per kernel entry point,
+//! func × algo × element type × operator, written to `$OUT_DIR/entries.rs` as one `entries!`
+//! invocation. Both the nvptx kernels (`src/kernels.rs`, one `extern "ptx-kernel"` fn per row) and
+//! the CPU target's dispatch (`src/dispatch.rs`, one match arm per row) expand it, so the two
+//! targets run exactly the same variants.
+//!
+//! The table (the rules are [`crate::abi::kernel_variant`]'s, checked by a unit test there):
+//! - AllReduce (ring and tree), Reduce, ReduceScatter: every type × sum, prod, max, min,
+//!   premulsum. Avg runs the sum entry with a post-division by `nranks` read at run time.
+//! - Broadcast, AllGather: they only move bytes, so one entry per element size (uint8, half,
+//!   uint32, uint64) with the sum operator.
+//!
+//! `OXCCL_ONLY_FUNCS` (like NCCL's `ONLY_FUNCS`) keeps only the rows that match, for a fast local
+//! edit loop: a `|`- or `,`-separated list of patterns, each a list of space-separated words that
+//! must all name one of the row's fields (collective, `ring`/`tree`, type, operator;
+//! case-insensitive; `f32`-style type names work too). E.g. `OXCCL_ONLY_FUNCS="allreduce float sum"`
+//! builds the ring and tree float-sum AllReduce only. A call whose entry is not built fails with an
+//! error naming the entry and the variable. Unset or empty: everything (what CI builds).
+use std::fmt::Write as _;
+
+/// (ABI variant, NCCL name, Rust type, short name).
+const DTYPES: [(&str, &str, &str, &str); 10] = [
+    ("I8", "int8", "i8", "i8"),
+    ("U8", "uint8", "u8", "u8"),
+    ("I32", "int32", "i32", "i32"),
+    ("U32", "uint32", "u32", "u32"),
+    ("I64", "int64", "i64", "i64"),
+    ("U64", "uint64", "u64", "u64"),
+    ("F16", "half", "f16", "f16"),
+    ("F32", "float", "f32", "f32"),
+    ("F64", "double", "f64", "f64"),
+    ("Bf16", "bfloat16", "bf16", "bf16"),
+];
+/// (ABI variant, name, operator type).
+const OPS: [(&str, &str, &str); 5] = [
+    ("Sum", "sum", "FuncSum"),
+    ("Prod", "prod", "FuncProd"),
+    ("Max", "max", "FuncMax"),
+    ("Min", "min", "FuncMin"),
+    ("PreMulSum", "premulsum", "FuncPreMulSum"),
+];
+
+struct Row {
+    name: String,
+    func: &'static str,
+    algo: &'static str,
+    dtype: (&'static str, &'static str, &'static str, &'static str),
+    op: (&'static str, &'static str, &'static str),
+}
+
+impl Row {
+    /// The words a pattern of `OXCCL_ONLY_FUNCS` may name.
+    fn fields(&self) -> [String; 5] {
+        [
+            self.func.to_ascii_lowercase(),
+            self.algo.to_ascii_lowercase(),
+            self.dtype.1.to_string(),
+            self.dtype.3.to_string(),
+            self.op.1.to_string(),
+        ]
+    }
+}
+
+fn rows() -> Vec<Row> {
+    let mut rows = Vec::new();
+    for (func, algo) in [
+        ("AllReduce", "Ring"),
+        ("Reduce", "Ring"),
+        ("ReduceScatter", "Ring"),
+        ("AllReduce", "Tree"),
+    ] {
+        for dtype in DTYPES {
+            for op in OPS {
+                let tree = if algo == "Tree" { "_tree" } else { "" };
+                rows.push(Row {
+                    name: format!("oxccl_{}{tree}_{}_{}", func.to_ascii_lowercase(), dtype.1, op.1),
+                    func,
+                    algo,
+                    dtype,
+                    op,
+                });
+            }
+        }
+    }
+    for func in ["Broadcast", "AllGather"] {
+        for dtype in DTYPES.into_iter().filter(|d| ["U8", "F16", "U32", "U64"].contains(&d.0)) {
+            rows.push(Row {
+                name: format!("oxccl_{}_{}_sum", func.to_ascii_lowercase(), dtype.1),
+                func,
+                algo: "Ring",
+                dtype,
+                op: OPS[0],
+            });
+        }
+    }
+    rows
+}
+
+/// Whether `row` matches the filter `only` (see the module docs); `None` keeps everything.
+fn keep(row: &Row, only: Option<&str>) -> bool {
+    let Some(only) = only.map(str::trim).filter(|s| !s.is_empty()) else {
+        return true;
+    };
+    let fields = row.fields();
+    only.split(['|', ',']).map(str::trim).filter(|p| !p.is_empty()).any(|pattern| {
+        pattern
+            .split_whitespace()
+            .all(|w| fields.iter().any(|f| f.eq_ignore_ascii_case(w)))
+    })
+}
+
+fn main() {
+    println!("cargo:rerun-if-changed=build.rs");
+    println!("cargo:rerun-if-env-changed=OXCCL_ONLY_FUNCS");
+    let only = std::env::var("OXCCL_ONLY_FUNCS").ok();
+    let all = rows();
+    let kept: Vec<&Row> = all.iter().filter(|r| keep(r, only.as_deref())).collect();
+    if kept.is_empty() {
+        panic!(
+            "OXCCL_ONLY_FUNCS={:?} matches no kernel entry: name a collective (allreduce, reduce, \
+             reducescatter, broadcast, allgather), ring/tree, a type (float, f32, ...) or an operator \
+             (sum, prod, max, min, premulsum)",
+            only.unwrap_or_default()
+        );
+    }
+    if kept.len() < all.len() {
+        println!(
+            "cargo:warning=OXCCL_ONLY_FUNCS: building {} of {} kernel entries",
+            kept.len(),
+            all.len()
+        );
+    }
+    let mut s = String::from(
+        "// Generated by gpu/build.rs: the kernel entry table.\n// name => func, algo, dtype variant, element type, operator variant, operator type;\nentries! {\n",
+    );
+    for r in &kept {
+        let _ = writeln!(
+            s,
+            "    {} => {}, {}, {}, {}, {}, {};",
+            r.name, r.func, r.algo, r.dtype.0, r.dtype.2, r.op.0, r.op.2
+        );
+    }
+    s.push_str("}\n");
+    let out = std::path::PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
+    let path = out.join("entries.rs");
+    // Rewrite only on change, so an unrelated rerun leaves the crate fresh.
+    if std::fs::read_to_string(&path).ok().as_deref() != Some(s.as_str()) {
+        std::fs::write(&path, s).expect("write the kernel entry table");
+    }
+}
