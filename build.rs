@@ -61,7 +61,14 @@ fn main() {
         );
     }
 
-    let target_dir = out.join("gpu-target");
+    // One nvptx build for every profile of the outer build (debug, release, test): its own
+    // target directory beside the profiles' (`OUT_DIR` is `<target>/<profile>/build/<pkg>/out`),
+    // so `cargo test` after `cargo build --release` reuses the kernels instead of rebuilding
+    // them, and cargo's own fingerprints decide whether anything under gpu/ changed.
+    let target_dir = out
+        .ancestors()
+        .nth(4)
+        .map_or_else(|| out.join("gpu-target"), |t| t.join("oxccl-ptx"));
     let cargo = env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let mut cmd = Command::new(cargo);
     // The outer build's settings must not leak into the nvptx build.
