@@ -1,5 +1,5 @@
 //! Generates the kernel entry table (NCCL's `generate.py`): one row per kernel entry point,
-//! func × algo × element type × operator, written to `$OUT_DIR/entries.rs` as one `entries!`
+//! func × algo × protocol × element type × operator, written to `$OUT_DIR/entries.rs` as one `entries!`
 //! invocation. Both the nvptx kernels (`src/kernels.rs`, one `extern "ptx-kernel"` fn per row) and
 //! the CPU target's dispatch (`src/dispatch.rs`, one match arm per row) expand it, so the two
 //! targets run exactly the same variants.
@@ -9,12 +9,15 @@
 //!   premulsum. Avg runs the sum entry with a post-division by `nranks` read at run time.
 //! - Broadcast, AllGather: they only move bytes, so one entry per element size (uint8, half,
 //!   uint32, uint64) with the sum operator.
+//! - Each of those for each protocol (LL, LL128, Simple), so a module holds one protocol's code
+//!   and a program JIT-compiles only the protocols its calls use.
 //!
 //! `OXCCL_ONLY_FUNCS` (like NCCL's `ONLY_FUNCS`) keeps only the rows that match, for a fast local
 //! edit loop: a `|`- or `,`-separated list of patterns, each a list of space-separated words that
-//! must all name one of the row's fields (collective, `ring`/`tree`, type, operator;
-//! case-insensitive; `f32`-style type names work too). E.g. `OXCCL_ONLY_FUNCS="allreduce float sum"`
-//! builds the ring and tree float-sum AllReduce only. A call whose entry is not built fails with an
+//! must all name one of the row's fields (collective, `ring`/`tree`, `ll`/`ll128`/`simple`, type,
+//! operator; case-insensitive; `f32`-style type names work too). E.g.
+//! `OXCCL_ONLY_FUNCS="allreduce float sum"` builds the ring and tree float-sum AllReduce only, on
+//! every protocol. A call whose entry is not built fails with an
 //! error naming the entry and the variable. Unset or empty: everything (what CI builds).
 use std::fmt::Write as _;
 
@@ -40,20 +43,25 @@ const OPS: [(&str, &str, &str); 5] = [
     ("PreMulSum", "premulsum", "FuncPreMulSum"),
 ];
 
+/// (ABI variant, name suffix).
+const PROTOS: [(&str, &str); 3] = [("Ll", "ll"), ("Ll128", "ll128"), ("Simple", "simple")];
+
 struct Row {
     name: String,
     func: &'static str,
     algo: &'static str,
+    proto: (&'static str, &'static str),
     dtype: (&'static str, &'static str, &'static str, &'static str),
     op: (&'static str, &'static str, &'static str),
 }
 
 impl Row {
     /// The words a pattern of `OXCCL_ONLY_FUNCS` may name.
-    fn fields(&self) -> [String; 5] {
+    fn fields(&self) -> [String; 6] {
         [
             self.func.to_ascii_lowercase(),
             self.algo.to_ascii_lowercase(),
+            self.proto.1.to_string(),
             self.dtype.1.to_string(),
             self.dtype.3.to_string(),
             self.op.1.to_string(),
@@ -63,34 +71,44 @@ impl Row {
 
 fn rows() -> Vec<Row> {
     let mut rows = Vec::new();
-    for (func, algo) in [
-        ("AllReduce", "Ring"),
-        ("Reduce", "Ring"),
-        ("ReduceScatter", "Ring"),
-        ("AllReduce", "Tree"),
-    ] {
-        for dtype in DTYPES {
-            for op in OPS {
-                let tree = if algo == "Tree" { "_tree" } else { "" };
-                rows.push(Row {
-                    name: format!("oxccl_{}{tree}_{}_{}", func.to_ascii_lowercase(), dtype.1, op.1),
-                    func,
-                    algo,
-                    dtype,
-                    op,
-                });
+    for proto in PROTOS {
+        for (func, algo) in [
+            ("AllReduce", "Ring"),
+            ("Reduce", "Ring"),
+            ("ReduceScatter", "Ring"),
+            ("AllReduce", "Tree"),
+        ] {
+            for dtype in DTYPES {
+                for op in OPS {
+                    let tree = if algo == "Tree" { "_tree" } else { "" };
+                    rows.push(Row {
+                        name: format!(
+                            "oxccl_{}{tree}_{}_{}_{}",
+                            func.to_ascii_lowercase(),
+                            proto.1,
+                            dtype.1,
+                            op.1
+                        ),
+                        func,
+                        algo,
+                        proto,
+                        dtype,
+                        op,
+                    });
+                }
             }
         }
-    }
-    for func in ["Broadcast", "AllGather"] {
-        for dtype in DTYPES.into_iter().filter(|d| ["U8", "F16", "U32", "U64"].contains(&d.0)) {
-            rows.push(Row {
-                name: format!("oxccl_{}_{}_sum", func.to_ascii_lowercase(), dtype.1),
-                func,
-                algo: "Ring",
-                dtype,
-                op: OPS[0],
-            });
+        for func in ["Broadcast", "AllGather"] {
+            for dtype in DTYPES.into_iter().filter(|d| ["U8", "F16", "U32", "U64"].contains(&d.0)) {
+                rows.push(Row {
+                    name: format!("oxccl_{}_{}_{}_sum", func.to_ascii_lowercase(), proto.1, dtype.1),
+                    func,
+                    algo: "Ring",
+                    proto,
+                    dtype,
+                    op: OPS[0],
+                });
+            }
         }
     }
     rows
@@ -118,7 +136,7 @@ fn main() {
     if kept.is_empty() {
         panic!(
             "OXCCL_ONLY_FUNCS={:?} matches no kernel entry: name a collective (allreduce, reduce, \
-             reducescatter, broadcast, allgather), ring/tree, a type (float, f32, ...) or an operator \
+             reducescatter, broadcast, allgather), ring/tree, ll/ll128/simple, a type (float, f32, ...) or an operator \
              (sum, prod, max, min, premulsum)",
             only.unwrap_or_default()
         );
@@ -131,13 +149,13 @@ fn main() {
         );
     }
     let mut s = String::from(
-        "// Generated by gpu/build.rs: the kernel entry table.\n// name => func, algo, dtype variant, element type, operator variant, operator type;\nentries! {\n",
+        "// Generated by gpu/build.rs: the kernel entry table.\n// name => func, algo, protocol, dtype variant, element type, operator variant, operator type;\nentries! {\n",
     );
     for r in &kept {
         let _ = writeln!(
             s,
-            "    {} => {}, {}, {}, {}, {}, {};",
-            r.name, r.func, r.algo, r.dtype.0, r.dtype.2, r.op.0, r.op.2
+            "    {} => {}, {}, {}, {}, {}, {}, {};",
+            r.name, r.func, r.algo, r.proto.0, r.dtype.0, r.dtype.2, r.op.0, r.op.2
         );
     }
     s.push_str("}\n");

@@ -1980,15 +1980,16 @@ impl Comm {
         match (&self.res, stream) {
             (Res::Cuda(res), Stream::Cuda(s)) => {
                 let w = &args.work;
-                let (Some(func), Some(algo), Some(dtype), Some(op)) = (
+                let (Some(func), Some(algo), Some(proto), Some(dtype), Some(op)) = (
                     Func::from_u8(w.func),
                     Algo::from_u8(w.algo),
+                    Proto::from_u8(w.proto),
                     DataType::from_u8(w.dtype),
                     DevRedOp::from_u8(w.redop),
                 ) else {
                     return Err(Error::Internal("work element with an invalid enum".into()));
                 };
-                let name = oxccl_gpu::abi::kernel_name_for(func, algo, dtype, op);
+                let name = oxccl_gpu::abi::kernel_name_for(func, algo, proto, dtype, op);
                 let issued = res.launch.issued.load(Ordering::Acquire);
                 let module = match res.ctx.loaded_kernel(name.as_str()) {
                     Some(m) => m,
@@ -2008,17 +2009,18 @@ impl Comm {
             }
             (Res::Cpu(res), Stream::Cpu(s)) => {
                 let w = &args.work;
-                let (Some(func), Some(algo), Some(dtype), Some(op)) = (
+                let (Some(func), Some(algo), Some(proto), Some(dtype), Some(op)) = (
                     Func::from_u8(w.func),
                     Algo::from_u8(w.algo),
+                    Proto::from_u8(w.proto),
                     DataType::from_u8(w.dtype),
                     DevRedOp::from_u8(w.redop),
                 ) else {
                     return Err(Error::Internal("work element with an invalid enum".into()));
                 };
-                if oxccl_gpu::dispatch::entry_for(func, algo, dtype, op).is_none() {
+                if oxccl_gpu::dispatch::entry_for(func, algo, proto, dtype, op).is_none() {
                     return Err(crate::kernels::not_built(
-                        oxccl_gpu::abi::kernel_name_for(func, algo, dtype, op).as_str(),
+                        oxccl_gpu::abi::kernel_name_for(func, algo, proto, dtype, op).as_str(),
                     ));
                 }
                 launch_cpu(args, res.group.clone(), self.rank, s, &self.inflight)

@@ -2,7 +2,7 @@
 //! self-contained (every function it calls or names is defined in it), none holding another
 //! kernel, each smaller than the linked PTX it was split from. Pure text checks: no GPU needed.
 use oxccl::kernels::PTX_BYTES;
-use oxccl::{Algo, DataType, DevRedOp, Func};
+use oxccl::{Algo, DataType, DevRedOp, Func, Proto};
 use oxccl_gpu::abi::{kernel_name, kernel_name_for};
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -195,15 +195,18 @@ fn every_all_reduce_kernel_has_a_module() {
     let entries: BTreeSet<&str> = oxccl_gpu::dispatch::ENTRIES.iter().map(|e| e.name).collect();
     assert_eq!(names, entries, "PTX modules and kernel entry table differ");
     let mut missing = Vec::new();
-    for &dt in DataType::ALL {
-        for &op in DevRedOp::ALL {
-            // The ring's entry point and the tree's (`oxccl_allreduce_tree_<dtype>_<op>`), and
-            // the other reducing collectives' (PreMulSum's included).
+    for (&dt, &op, &proto) in DataType::ALL
+        .iter()
+        .flat_map(|dt| DevRedOp::ALL.iter().flat_map(move |op| Proto::ALL.iter().map(move |p| (dt, op, p))))
+    {
+        {
+            // The ring's entry point and the tree's (`oxccl_allreduce_tree_<proto>_<dtype>_<op>`),
+            // and the other reducing collectives' (PreMulSum's included), on every protocol.
             for k in [
-                kernel_name(Func::AllReduce, dt, op),
-                kernel_name_for(Func::AllReduce, Algo::Tree, dt, op),
-                kernel_name(Func::Reduce, dt, op),
-                kernel_name(Func::ReduceScatter, dt, op),
+                kernel_name(Func::AllReduce, proto, dt, op),
+                kernel_name_for(Func::AllReduce, Algo::Tree, proto, dt, op),
+                kernel_name(Func::Reduce, proto, dt, op),
+                kernel_name(Func::ReduceScatter, proto, dt, op),
             ] {
                 if !names.contains(k.as_str()) {
                     missing.push(k.as_str().to_string());

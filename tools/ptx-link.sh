@@ -27,6 +27,9 @@ done
 [[ -n "$out" ]] || { echo "ptx-link: no -o given" >&2; exit 1; }
 ((${#objs[@]})) || { echo "ptx-link: no bitcode objects given" >&2; exit 1; }
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+# OXCCL_PTX_TIMES=FILE appends each step's wall time to FILE (build-time measurements).
+t0=$(date +%s.%N)
+step() { [[ -n "${OXCCL_PTX_TIMES:-}" ]] || return 0; local t; t=$(date +%s.%N); awk -v a="$t" -v b="$t0" -v s="$1" 'BEGIN { printf "%s %.1f s\n", s, a - b }' >> "$OXCCL_PTX_TIMES"; t0=$t; }
 link=("$bin/llvm-link" "${objs[@]}")
 i=0
 for r in "${rlibs[@]}"; do
@@ -34,10 +37,10 @@ for r in "${rlibs[@]}"; do
   (cd "$d" && "$bin/llvm-ar" x "$r")
   for m in "$d"/*.o; do [[ -e "$m" ]] && link+=(--only-needed "$m"); done
 done
-"${link[@]}" -o "$tmp/linked.bc"
+"${link[@]}" -o "$tmp/linked.bc"; step llvm-link
 keep=$(IFS=,; echo "${exports[*]}")
-"$bin/opt" -passes=internalize,globaldce -internalize-public-api-list="$keep" "$tmp/linked.bc" -o "$tmp/int.bc"
-"$bin/opt" -O3 "$tmp/int.bc" -o "$tmp/opt.bc"
+"$bin/opt" -passes=internalize,globaldce -internalize-public-api-list="$keep" "$tmp/linked.bc" -o "$tmp/int.bc"; step internalize
+"$bin/opt" -O3 "$tmp/int.bc" -o "$tmp/opt.bc"; step opt-O3
 llc_args=(-mcpu="$cpu" -O3)
 [[ -n "$feat" ]] && llc_args+=(-mattr="$feat")
-"$bin/llc" "${llc_args[@]}" "$tmp/opt.bc" -o "$out"
+"$bin/llc" "${llc_args[@]}" "$tmp/opt.bc" -o "$out"; step llc

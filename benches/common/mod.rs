@@ -421,11 +421,16 @@ impl Loopback {
     }
 }
 
-/// Loads (JIT-compiles on a cold cache) the kernel of (`func`, `dtype`, Sum) on GPU 0 and returns
-/// the module load time in seconds (of the first load in this process).
+/// Loads (JIT-compiles on a cold cache) the ring kernels of (`func`, `dtype`, Sum) on GPU 0, one
+/// module per protocol, and returns their module load time in seconds (of the first load in this
+/// process), so that no timed call includes a JIT.
 pub fn load_kernel(func: Func, dtype: DataType) -> Result<f64> {
-    let name = oxccl::kernel_name(func, dtype, RedOp::Sum);
-    Ok(cuda::Context::get(0)?.kernel(name.as_str())?.load_seconds)
+    let mut seconds = 0.0;
+    for &proto in oxccl::Proto::ALL {
+        let name = oxccl::kernel_name(func, proto, dtype, RedOp::Sum);
+        seconds += cuda::Context::get(0)?.kernel(name.as_str())?.load_seconds;
+    }
+    Ok(seconds)
 }
 
 /// The device-to-device copy ceiling on GPU 0: `cuMemcpyDtoDAsync` of `bytes` bytes from `src` to

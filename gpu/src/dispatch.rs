@@ -27,6 +27,7 @@ pub struct Entry {
     pub name: &'static str,
     pub func: Func,
     pub algo: Algo,
+    pub proto: Proto,
     pub dtype: DataType,
     pub op: DevRedOp,
 }
@@ -34,12 +35,13 @@ pub struct Entry {
 /// The kernel entry table, as built (`OXCCL_ONLY_FUNCS` may have filtered it), and the CPU
 /// target's dispatch over it.
 macro_rules! entries {
-    ($($name:ident => $func:ident, $algo:ident, $dt:ident, $t:ty, $opv:ident, $op:ty;)*) => {
+    ($($name:ident => $func:ident, $algo:ident, $proto:ident, $dt:ident, $t:ty, $opv:ident, $op:ty;)*) => {
         /// Every kernel entry of this build, in table order.
         pub const ENTRIES: &[Entry] = &[$(Entry {
             name: stringify!($name),
             func: Func::$func,
             algo: Algo::$algo,
+            proto: Proto::$proto,
             dtype: DataType::$dt,
             op: DevRedOp::$opv,
         }),*];
@@ -55,21 +57,29 @@ macro_rules! entries {
         #[cfg(not(target_arch = "nvptx64"))]
         pub unsafe fn run_block(args: &KernelArgs, bid: u32, tid: u32, nthreads: u32, smem: *mut u32) -> bool {
             let w = &args.work;
-            let (Some(func), Some(algo), Some(dtype), Some(op)) = (
+            let (Some(func), Some(algo), Some(proto), Some(dtype), Some(op)) = (
                 Func::from_u8(w.func),
                 Algo::from_u8(w.algo),
+                Proto::from_u8(w.proto),
                 DataType::from_u8(w.dtype),
                 DevRedOp::from_u8(w.redop),
             ) else {
                 return false;
             };
             let (dtype, op) = crate::abi::kernel_variant(func, dtype, op);
+            let key = (func, algo, proto, dtype, op);
             $(
-                if (func, algo, dtype, op) == (Func::$func, Algo::$algo, DataType::$dt, DevRedOp::$opv) {
+                if key == (Func::$func, Algo::$algo, Proto::$proto, DataType::$dt, DevRedOp::$opv) {
                     // SAFETY: forwarded caller contract; the row's type and operator are the
                     // work's (kernel_variant).
                     unsafe {
-                        run_kernel::<$t, $op, { Func::$func as u8 }, { Algo::$algo as u8 }>(args, bid, tid, nthreads, smem)
+                        run_kernel::<
+                            $t,
+                            $op,
+                            { Func::$func as u8 },
+                            { Algo::$algo as u8 },
+                            { Proto::$proto as u8 },
+                        >(args, bid, tid, nthreads, smem)
                     };
                     return true;
                 }
@@ -81,25 +91,26 @@ macro_rules! entries {
 
 include!(concat!(env!("OUT_DIR"), "/entries.rs"));
 
-/// The table entry that runs `func` with `algo` on `dtype` and `op` in this build, if any.
-pub fn entry_for(func: Func, algo: Algo, dtype: DataType, op: DevRedOp) -> Option<&'static Entry> {
+/// The table entry that runs `func` with `algo` and `proto` on `dtype` and `op` in this build,
+/// if any.
+pub fn entry_for(func: Func, algo: Algo, proto: Proto, dtype: DataType, op: DevRedOp) -> Option<&'static Entry> {
     let (dtype, op) = crate::abi::kernel_variant(func, dtype, op);
     ENTRIES
         .iter()
-        .find(|e| (e.func, e.algo, e.dtype, e.op) == (func, algo, dtype, op))
+        .find(|e| (e.func, e.algo, e.proto, e.dtype, e.op) == (func, algo, proto, dtype, op))
 }
 
 /// The body of one kernel entry: block `bid` of `args` for element type `T`, operator `Op`,
-/// collective `FUNC` and algorithm `ALGO` (constants, so only that code is compiled in),
-/// dispatching on the protocol at run time. Avg shares Sum's entry: its post-division by
+/// collective `FUNC`, algorithm `ALGO` and protocol `PROTO` (constants, so only that code is
+/// compiled in). Avg shares Sum's entry: its post-division by
 /// `nranks` is read from `args.work.redop` here.
 ///
 /// # Safety
 /// As [`run_block`], and `args.work`'s type, operator, collective and algorithm are those of
-/// the entry (`kernel_variant` of them).
+/// the entry (`kernel_variant` of them), and so is its protocol.
 #[cfg_attr(target_arch = "nvptx64", inline(always))]
 #[cfg_attr(not(target_arch = "nvptx64"), inline(never))]
-pub unsafe fn run_kernel<T: Elem, Op: RedFn<T>, const FUNC: u8, const ALGO: u8>(
+pub unsafe fn run_kernel<T: Elem, Op: RedFn<T>, const FUNC: u8, const ALGO: u8, const PROTO: u8>(
     args: &KernelArgs,
     bid: u32,
     tid: u32,
@@ -117,7 +128,7 @@ pub unsafe fn run_kernel<T: Elem, Op: RedFn<T>, const FUNC: u8, const ALGO: u8>(
         unsafe { one_rank::<T, Op>(w, bid, tid, nthreads, &op_args) };
         return;
     }
-    let Some(proto) = Proto::from_u8(w.proto) else {
+    let Some(proto) = Proto::from_u8(PROTO) else {
         crate::arch::trap()
     };
     if ALGO == Algo::Tree as u8 {
@@ -452,7 +463,7 @@ unsafe fn run_tree<T: Elem, Op: RedFn<T>>(
 #[cfg(test)]
 mod tests {
     use super::{ENTRIES, entry_for};
-    use crate::abi::{Algo, DataType, DevRedOp, Func, kernel_name_for};
+    use crate::abi::{Algo, DataType, DevRedOp, Func, Proto, kernel_name_for};
 
     /// Every call the host can make has exactly one entry, named as `kernel_name_for` names it,
     /// and the table holds nothing else (skipped in a build filtered by `OXCCL_ONLY_FUNCS`).
@@ -468,20 +479,22 @@ mod tests {
                 if algo == Algo::Tree && func != Func::AllReduce {
                     continue;
                 }
-                for &dtype in DataType::ALL {
-                    for &op in DevRedOp::ALL {
-                        let e = entry_for(func, algo, dtype, op)
-                            .unwrap_or_else(|| panic!("no entry for {func} {algo} {dtype} {op}"));
-                        assert_eq!(e.name, kernel_name_for(func, algo, dtype, op).as_str());
-                        used.insert(e.name);
+                for &proto in Proto::ALL {
+                    for &dtype in DataType::ALL {
+                        for &op in DevRedOp::ALL {
+                            let e = entry_for(func, algo, proto, dtype, op)
+                                .unwrap_or_else(|| panic!("no entry for {func} {algo} {proto} {dtype} {op}"));
+                            assert_eq!(e.name, kernel_name_for(func, algo, proto, dtype, op).as_str());
+                            used.insert(e.name);
+                        }
                     }
                 }
             }
         }
         assert_eq!(used.len(), ENTRIES.len(), "entries no call uses");
-        // 4 reducing (collective, algorithm) pairs × 10 types × 5 operators (Avg runs Sum's),
-        // and Broadcast and AllGather × 4 element sizes.
-        assert_eq!(ENTRIES.len(), 4 * 10 * 5 + 2 * 4);
+        // 3 protocols × (4 reducing (collective, algorithm) pairs × 10 types × 5 operators (Avg
+        // runs Sum's), and Broadcast and AllGather × 4 element sizes).
+        assert_eq!(ENTRIES.len(), 3 * (4 * 10 * 5 + 2 * 4));
         let names: std::collections::BTreeSet<_> = ENTRIES.iter().map(|e| e.name).collect();
         assert_eq!(names.len(), ENTRIES.len(), "duplicate entry names");
     }

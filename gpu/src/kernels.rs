@@ -1,11 +1,12 @@
 //! Kernel entry points of the PTX module (nvptx64 only): one per row of the kernel entry table
-//! that gpu/build.rs generates (func × algo × element type × operator), named
-//! `oxccl_<func>[_tree]_<dtype>_<op>` after the ABI enums' names ([`crate::abi::kernel_name_for`]).
+//! that gpu/build.rs generates (func × algo × protocol × element type × operator), named
+//! `oxccl_<func>[_tree]_<proto>_<dtype>_<op>` after the ABI enums' names
+//! ([`crate::abi::kernel_name_for`]).
 //! Broadcast and AllGather only move bytes, so they have one entry per element size; Avg runs the
-//! sum entry (its post-division is read at run time); the protocol is dispatched inside
+//! sum entry (its post-division is read at run time); each entry runs one protocol
 //! ([`crate::dispatch::run_kernel`]). build.rs splits the linked PTX into one module per entry
 //! point so that the driver JIT-compiles only the kernels a program uses.
-use crate::abi::{Algo, DataType, DevRedOp, Func, KernelArgs};
+use crate::abi::{Algo, DataType, DevRedOp, Func, KernelArgs, Proto};
 use crate::arch;
 #[allow(unused_imports)] // a filtered table (OXCCL_ONLY_FUNCS) may use few of them
 use crate::reduce::{FuncMax, FuncMin, FuncPreMulSum, FuncProd, FuncSum};
@@ -14,7 +15,7 @@ use half::{bf16, f16};
 
 /// One `extern "ptx-kernel"` entry point per row of the generated table (gpu/build.rs).
 macro_rules! entries {
-    ($($name:ident => $func:ident, $algo:ident, $dt:ident, $t:ty, $opv:ident, $op:ty;)*) => {$(
+    ($($name:ident => $func:ident, $algo:ident, $proto:ident, $dt:ident, $t:ty, $opv:ident, $op:ty;)*) => {$(
         /// Collective kernel: grid = `args.work.nchannels` blocks, block = `NCCL_NTHREADS` threads.
         ///
         /// # Safety
@@ -29,7 +30,13 @@ macro_rules! entries {
             // contract.
             unsafe {
                 let smem = arch::kernel_shared_mem();
-                crate::dispatch::run_kernel::<$t, $op, { Func::$func as u8 }, { Algo::$algo as u8 }>(
+                crate::dispatch::run_kernel::<
+                    $t,
+                    $op,
+                    { Func::$func as u8 },
+                    { Algo::$algo as u8 },
+                    { Proto::$proto as u8 },
+                >(
                     &args,
                     arch::block_idx(),
                     arch::thread_idx(),

@@ -548,15 +548,22 @@ fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         wrong += table::total_wrong(&rows);
         all_rows.push((func, rows));
         if let (Backend::Oxccl(_), Some(Device::Cuda(o))) = (&main, devices.first()) {
-            let name = oxccl::kernel_name(func, cfg.dtype, cfg.op).as_str().to_string();
-            let m = oxccl::cuda::Context::get(*o)?.kernel(&name)?;
-            println!(
-                "# kernel {name}: PTX {} bytes, JIT {:.1} ms, {} registers, {} bytes local memory per thread",
-                oxccl::kernels::module(&name).map_or(0, |m| m.len()),
-                m.load_seconds * 1e3,
-                m.num_regs,
-                m.local_bytes
-            );
+            // The kernel module of each (algorithm, protocol) the sweep ran.
+            let used: std::collections::BTreeSet<(oxccl::Algo, oxccl::Proto)> = all_rows
+                .last()
+                .map(|(_, rows)| rows.iter().filter_map(|r| r.choice.map(|c| (c.algo, c.proto))).collect())
+                .unwrap_or_default();
+            for (algo, proto) in used {
+                let name = oxccl::kernel_name_for(func, algo, proto, cfg.dtype, cfg.op).as_str().to_string();
+                let m = oxccl::cuda::Context::get(*o)?.kernel(&name)?;
+                println!(
+                    "# kernel {name}: PTX {} bytes, JIT {:.1} ms, {} registers, {} bytes local memory per thread",
+                    oxccl::kernels::module(&name).map_or(0, |m| m.len()),
+                    m.load_seconds * 1e3,
+                    m.num_regs,
+                    m.local_bytes
+                );
+            }
         }
     }
     if let (Some(a0), Some(a1), Some(a2), Some(a3), Some(a4)) =

@@ -43,21 +43,33 @@ pub const SPINS_BEFORE_CHECK_ABORT: u32 = 1 << 12;
 /// costs a scheduler time slice, so 4096 polls could take tens of seconds: check on every poll.
 #[cfg(not(target_arch = "nvptx64"))]
 pub const SPINS_BEFORE_CHECK_ABORT: u32 = 1;
-/// Name of the kernel entry point for a (collective, element type, operator) on the ring, e.g.
-/// `oxccl_allreduce_float_sum`: each is also the name of its own PTX module (see build.rs).
-pub fn kernel_name(func: Func, dtype: DataType, op: impl Into<DevRedOp>) -> KernelName {
-    kernel_name_for(func, Algo::Ring, dtype, op)
+/// Name of the kernel entry point for a (collective, protocol, element type, operator) on the
+/// ring, e.g. `oxccl_allreduce_simple_float_sum`: each is also the name of its own PTX module (see
+/// build.rs).
+pub fn kernel_name(func: Func, proto: Proto, dtype: DataType, op: impl Into<DevRedOp>) -> KernelName {
+    kernel_name_for(func, Algo::Ring, proto, dtype, op)
 }
 
-/// Name of the kernel entry point for a (collective, algorithm, element type, operator): the
-/// ring's is [`kernel_name`]'s; the tree (AllReduce only) has its own entry points,
-/// `oxccl_allreduce_tree_<dtype>_<op>`, so a program that never runs a tree never JIT-compiles its
-/// code and the ring kernels stay as small as before the tree.
-pub fn kernel_name_for(func: Func, algo: Algo, dtype: DataType, op: impl Into<DevRedOp>) -> KernelName {
+/// Name of the kernel entry point for a (collective, algorithm, protocol, element type,
+/// operator): `oxccl_<func>[_tree]_<proto>_<dtype>_<op>` (the tree, AllReduce only, has its own
+/// entries), with the type and operator of [`kernel_variant`] — the kernel entry table's rules
+/// (gpu/build.rs), so a program JIT-compiles only the protocols and algorithms it runs.
+pub fn kernel_name_for(
+    func: Func,
+    algo: Algo,
+    proto: Proto,
+    dtype: DataType,
+    op: impl Into<DevRedOp>,
+) -> KernelName {
     let (dtype, op) = kernel_variant(func, dtype, op.into());
     let mut n = KernelName { buf: [0; 64], len: 0 };
     let tree = if algo == Algo::Tree { "_tree" } else { "" };
-    for part in ["oxccl_", func.name(), tree, "_", dtype.name(), "_", op.name()] {
+    let proto = match proto {
+        Proto::Ll => "ll",
+        Proto::Ll128 => "ll128",
+        Proto::Simple => "simple",
+    };
+    for part in ["oxccl_", func.name(), tree, "_", proto, "_", dtype.name(), "_", op.name()] {
         for &b in part.as_bytes() {
             n.buf[n.len] = b;
             n.len += 1;
