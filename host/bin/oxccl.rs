@@ -40,6 +40,12 @@ struct InfoArgs {
     /// substring keeps only the modules whose name contains it (e.g. `--kernels allreduce_float`).
     #[arg(long, value_name = "FILTER", num_args = 0..=1, default_missing_value = "")]
     kernels: Option<String>,
+    /// Time a cold start in this process instead: communicator creation and the first 8-byte
+    /// float-sum AllReduce (its kernel module loaded, JIT-compiled on an empty JIT cache), for
+    /// `oxccl` (2 GPUs, or 2 ranks sharing GPU 0 with OXCCL_ALLOW_SHARED_DEVICE=1) or `nccl` (2
+    /// GPUs, or 1 rank: NCCL refuses two ranks on one GPU). Run each in a fresh process.
+    #[arg(long, value_name = "LIBRARY", value_parser = ["oxccl", "nccl"])]
+    first_call: Option<String>,
 }
 
 #[derive(clap::Args)]
@@ -741,6 +747,10 @@ fn print_graphs(system: &oxccl::topo::System, nodes: usize) -> Result<(), Box<dy
 }
 
 fn info(args: InfoArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
+    if let Some(lib) = args.first_call {
+        first_call(&lib)?;
+        return Ok(ExitCode::SUCCESS);
+    }
     println!(
         "oxccl {} (ncclGetVersion-style code {}: major × 10000 + minor × 100 + patch)",
         env!("CARGO_PKG_VERSION"),
@@ -779,6 +789,69 @@ fn info(args: InfoArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         kernel_table(&filter)?;
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `oxccl info --first-call LIB`: wall times of driver load + context creation, communicator
+/// creation, and the first AllReduce (launch to completion), in this process.
+fn first_call(lib: &str) -> Result<(), Box<dyn std::error::Error>> {
+    let t0 = std::time::Instant::now();
+    let ms = |t: std::time::Instant| t.elapsed().as_secs_f64() * 1e3;
+    oxccl::cuda::driver()?;
+    let ngpus = Device::all_cuda().len();
+    if ngpus == 0 {
+        return Err("--first-call needs a GPU".into());
+    }
+    let ctx = oxccl::cuda::Context::get(0)?;
+    ctx.bind()?;
+    let t_ctx = ms(t0);
+    let t1 = std::time::Instant::now();
+    let (init, call, ranks) = if lib == "nccl" {
+        let ordinals: Vec<usize> = (0..ngpus.min(2)).collect();
+        let comms = nccl::NcclComms::init_all(&ordinals)?;
+        let init = ms(t1);
+        let bufs: Vec<_> = ordinals.iter().map(|&o| Device::Cuda(o).alloc(8)).collect::<Result<_, _>>()?;
+        let streams: Vec<_> = ordinals
+            .iter()
+            .map(|&o| oxccl::cuda::Stream::new(&oxccl::cuda::Context::get(o)?))
+            .collect::<Result<_, _>>()?;
+        let t2 = std::time::Instant::now();
+        nccl::NcclComms::group_start()?;
+        for (r, (b, st)) in bufs.iter().zip(&streams).enumerate() {
+            let a = b.as_slice().addr();
+            // SAFETY: `a` is an 8-byte allocation of rank r's GPU, alive until the sync below.
+            unsafe { comms.collective(r, oxccl::Func::AllReduce, a, a, 2, oxccl::DataType::F32, oxccl::RedOp::Sum, 0, st)? };
+        }
+        nccl::NcclComms::group_end()?;
+        for st in &streams {
+            st.synchronize()?;
+        }
+        (init, ms(t2), ordinals.len())
+    } else {
+        let devices = if ngpus >= 2 {
+            vec![Device::Cuda(0), Device::Cuda(1)]
+        } else {
+            vec![Device::Cuda(0), Device::Cuda(0)]
+        };
+        let comms = oxccl::Comm::init_all(&devices)?;
+        let init = ms(t1);
+        let bufs: Vec<_> = devices.iter().map(|d| d.alloc(8)).collect::<Result<_, _>>()?;
+        let streams: Vec<_> = devices.iter().map(|d| d.new_stream()).collect::<Result<_, _>>()?;
+        let t2 = std::time::Instant::now();
+        for ((c, b), st) in comms.iter().zip(&bufs).zip(&streams) {
+            c.all_reduce(b, b, 2, oxccl::DataType::F32, oxccl::RedOp::Sum, st)?;
+        }
+        for st in &streams {
+            st.synchronize()?;
+        }
+        (init, ms(t2), devices.len())
+    };
+    println!(
+        "first-call {lib}: {ranks} ranks on {} GPU(s): driver + context {t_ctx:.1} ms, init {init:.1} ms, \
+         first AllReduce {call:.1} ms, total {:.1} ms",
+        ngpus.min(2),
+        ms(t0)
+    );
+    Ok(())
 }
 
 /// `oxccl info --kernels`: one line per module whose name contains `filter`: PTX bytes, and on
