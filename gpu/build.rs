@@ -99,7 +99,10 @@ fn rows() -> Vec<Row> {
             }
         }
         for func in ["Broadcast", "AllGather"] {
-            for dtype in DTYPES.into_iter().filter(|d| ["U8", "F16", "U32", "U64"].contains(&d.0)) {
+            for dtype in DTYPES
+                .into_iter()
+                .filter(|d| ["U8", "F16", "U32", "U64"].contains(&d.0))
+            {
                 rows.push(Row {
                     name: format!("oxccl_{}_{}_{}_sum", func.to_ascii_lowercase(), proto.1, dtype.1),
                     func,
@@ -120,11 +123,14 @@ fn keep(row: &Row, only: Option<&str>) -> bool {
         return true;
     };
     let fields = row.fields();
-    only.split(['|', ',']).map(str::trim).filter(|p| !p.is_empty()).any(|pattern| {
-        pattern
-            .split_whitespace()
-            .all(|w| fields.iter().any(|f| f.eq_ignore_ascii_case(w)))
-    })
+    only.split(['|', ','])
+        .map(str::trim)
+        .filter(|p| !p.is_empty())
+        .any(|pattern| {
+            pattern
+                .split_whitespace()
+                .all(|w| fields.iter().any(|f| f.eq_ignore_ascii_case(w)))
+        })
 }
 
 fn main() {

@@ -1997,7 +1997,13 @@ impl Comm {
                         // Loading may wait for every kernel of the context: first let every rank
                         // of the group launch what came before, so none of their kernels waits
                         // for one of ours that the load holds back.
-                        wait_group_launches(&res.group.launches, issued, self.abort_flag(), self.rank, name.as_str())?;
+                        wait_group_launches(
+                            &res.group.launches,
+                            issued,
+                            self.abort_flag(),
+                            self.rank,
+                            name.as_str(),
+                        )?;
                         res.ctx.kernel(name.as_str())?
                     }
                 };

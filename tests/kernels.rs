@@ -195,10 +195,11 @@ fn every_all_reduce_kernel_has_a_module() {
     let entries: BTreeSet<&str> = oxccl_gpu::dispatch::ENTRIES.iter().map(|e| e.name).collect();
     assert_eq!(names, entries, "PTX modules and kernel entry table differ");
     let mut missing = Vec::new();
-    for (&dt, &op, &proto) in DataType::ALL
-        .iter()
-        .flat_map(|dt| DevRedOp::ALL.iter().flat_map(move |op| Proto::ALL.iter().map(move |p| (dt, op, p))))
-    {
+    for (&dt, &op, &proto) in DataType::ALL.iter().flat_map(|dt| {
+        DevRedOp::ALL
+            .iter()
+            .flat_map(move |op| Proto::ALL.iter().map(move |p| (dt, op, p)))
+    }) {
         {
             // The ring's entry point and the tree's (`oxccl_allreduce_tree_<proto>_<dtype>_<op>`),
             // and the other reducing collectives' (PreMulSum's included), on every protocol.

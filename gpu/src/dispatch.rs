@@ -93,7 +93,13 @@ include!(concat!(env!("OUT_DIR"), "/entries.rs"));
 
 /// The table entry that runs `func` with `algo` and `proto` on `dtype` and `op` in this build,
 /// if any.
-pub fn entry_for(func: Func, algo: Algo, proto: Proto, dtype: DataType, op: DevRedOp) -> Option<&'static Entry> {
+pub fn entry_for(
+    func: Func,
+    algo: Algo,
+    proto: Proto,
+    dtype: DataType,
+    op: DevRedOp,
+) -> Option<&'static Entry> {
     let (dtype, op) = crate::abi::kernel_variant(func, dtype, op);
     ENTRIES
         .iter()
@@ -149,7 +155,9 @@ pub unsafe fn run_kernel<T: Elem, Op: RedFn<T>, const FUNC: u8, const ALGO: u8, 
             nchannels: w.nchannels as u64,
         };
         match proto {
-            Proto::Simple => ring_simple::<T, Op, FUNC>(comm, w, channel, &ring, tid, nthreads, smem, op_args),
+            Proto::Simple => {
+                ring_simple::<T, Op, FUNC>(comm, w, channel, &ring, tid, nthreads, smem, op_args)
+            }
             Proto::Ll => ring_ll::<T, Op, FUNC>(comm, w, channel, &ring, tid, nthreads, smem, op_args),
             Proto::Ll128 => ring_ll128::<T, Op, FUNC>(comm, w, channel, &ring, tid, nthreads, smem, op_args),
         }

@@ -557,10 +557,16 @@ fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
             // The kernel module of each (algorithm, protocol) the sweep ran.
             let used: std::collections::BTreeSet<(oxccl::Algo, oxccl::Proto)> = all_rows
                 .last()
-                .map(|(_, rows)| rows.iter().filter_map(|r| r.choice.map(|c| (c.algo, c.proto))).collect())
+                .map(|(_, rows)| {
+                    rows.iter()
+                        .filter_map(|r| r.choice.map(|c| (c.algo, c.proto)))
+                        .collect()
+                })
                 .unwrap_or_default();
             for (algo, proto) in used {
-                let name = oxccl::kernel_name_for(func, algo, proto, cfg.dtype, cfg.op).as_str().to_string();
+                let name = oxccl::kernel_name_for(func, algo, proto, cfg.dtype, cfg.op)
+                    .as_str()
+                    .to_string();
                 let m = oxccl::cuda::Context::get(*o)?.kernel(&name)?;
                 println!(
                     "# kernel {name}: PTX {} bytes, JIT {:.1} ms, {} registers, {} bytes local memory per thread",
@@ -809,7 +815,10 @@ fn first_call(lib: &str) -> Result<(), Box<dyn std::error::Error>> {
         let ordinals: Vec<usize> = (0..ngpus.min(2)).collect();
         let comms = nccl::NcclComms::init_all(&ordinals)?;
         let init = ms(t1);
-        let bufs: Vec<_> = ordinals.iter().map(|&o| Device::Cuda(o).alloc(8)).collect::<Result<_, _>>()?;
+        let bufs: Vec<_> = ordinals
+            .iter()
+            .map(|&o| Device::Cuda(o).alloc(8))
+            .collect::<Result<_, _>>()?;
         let streams: Vec<_> = ordinals
             .iter()
             .map(|&o| oxccl::cuda::Stream::new(&oxccl::cuda::Context::get(o)?))
@@ -819,7 +828,19 @@ fn first_call(lib: &str) -> Result<(), Box<dyn std::error::Error>> {
         for (r, (b, st)) in bufs.iter().zip(&streams).enumerate() {
             let a = b.as_slice().addr();
             // SAFETY: `a` is an 8-byte allocation of rank r's GPU, alive until the sync below.
-            unsafe { comms.collective(r, oxccl::Func::AllReduce, a, a, 2, oxccl::DataType::F32, oxccl::RedOp::Sum, 0, st)? };
+            unsafe {
+                comms.collective(
+                    r,
+                    oxccl::Func::AllReduce,
+                    a,
+                    a,
+                    2,
+                    oxccl::DataType::F32,
+                    oxccl::RedOp::Sum,
+                    0,
+                    st,
+                )?
+            };
         }
         nccl::NcclComms::group_end()?;
         for st in &streams {
@@ -866,7 +887,10 @@ fn kernel_table(filter: &str) -> Result<(), Box<dyn std::error::Error>> {
         "kernel module", "PTX bytes", "JIT ms", "regs", "local B"
     );
     let (mut n, mut bytes, mut jit) = (0usize, 0usize, 0.0f64);
-    for (name, _) in oxccl::kernels::PTX_MODULES.iter().filter(|(n, _)| n.contains(filter)) {
+    for (name, _) in oxccl::kernels::PTX_MODULES
+        .iter()
+        .filter(|(n, _)| n.contains(filter))
+    {
         let ptx = oxccl::kernels::module(name).map_or(0, |m| m.len());
         n += 1;
         bytes += ptx;
@@ -887,7 +911,10 @@ fn kernel_table(filter: &str) -> Result<(), Box<dyn std::error::Error>> {
     println!(
         "# {n} modules, {bytes} PTX bytes{}",
         if ctx.is_some() {
-            format!(", {:.2} s JIT in all (GPU 0; the driver's JIT cache makes a second run fast)", jit)
+            format!(
+                ", {:.2} s JIT in all (GPU 0; the driver's JIT cache makes a second run fast)",
+                jit
+            )
         } else {
             " (no GPU: JIT time, registers and local memory need one)".into()
         }

@@ -69,7 +69,17 @@ pub fn kernel_name_for(
         Proto::Ll128 => "ll128",
         Proto::Simple => "simple",
     };
-    for part in ["oxccl_", func.name(), tree, "_", proto, "_", dtype.name(), "_", op.name()] {
+    for part in [
+        "oxccl_",
+        func.name(),
+        tree,
+        "_",
+        proto,
+        "_",
+        dtype.name(),
+        "_",
+        op.name(),
+    ] {
         for &b in part.as_bytes() {
             n.buf[n.len] = b;
             n.len += 1;
