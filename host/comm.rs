@@ -1980,13 +1980,7 @@ impl Comm {
         match (&self.res, stream) {
             (Res::Cuda(res), Stream::Cuda(s)) => {
                 let w = &args.work;
-                let (Some(func), Some(algo), Some(proto), Some(dtype), Some(op)) = (
-                    Func::from_u8(w.func),
-                    Algo::from_u8(w.algo),
-                    Proto::from_u8(w.proto),
-                    DataType::from_u8(w.dtype),
-                    DevRedOp::from_u8(w.redop),
-                ) else {
+                let Some((func, algo, proto, dtype, op)) = w.entry_key() else {
                     return Err(Error::Internal("work element with an invalid enum".into()));
                 };
                 let name = oxccl_gpu::abi::kernel_name_for(func, algo, proto, dtype, op);
@@ -2015,13 +2009,7 @@ impl Comm {
             }
             (Res::Cpu(res), Stream::Cpu(s)) => {
                 let w = &args.work;
-                let (Some(func), Some(algo), Some(proto), Some(dtype), Some(op)) = (
-                    Func::from_u8(w.func),
-                    Algo::from_u8(w.algo),
-                    Proto::from_u8(w.proto),
-                    DataType::from_u8(w.dtype),
-                    DevRedOp::from_u8(w.redop),
-                ) else {
+                let Some((func, algo, proto, dtype, op)) = w.entry_key() else {
                     return Err(Error::Internal("work element with an invalid enum".into()));
                 };
                 if oxccl_gpu::dispatch::entry_for(func, algo, proto, dtype, op).is_none() {

@@ -56,14 +56,7 @@ macro_rules! entries {
         /// the block calls this with the same `args` and `bid`, `tid` in `0..nthreads`.
         #[cfg(not(target_arch = "nvptx64"))]
         pub unsafe fn run_block(args: &KernelArgs, bid: u32, tid: u32, nthreads: u32, smem: *mut u32) -> bool {
-            let w = &args.work;
-            let (Some(func), Some(algo), Some(proto), Some(dtype), Some(op)) = (
-                Func::from_u8(w.func),
-                Algo::from_u8(w.algo),
-                Proto::from_u8(w.proto),
-                DataType::from_u8(w.dtype),
-                DevRedOp::from_u8(w.redop),
-            ) else {
+            let Some((func, algo, proto, dtype, op)) = args.work.entry_key() else {
                 return false;
             };
             let (dtype, op) = crate::abi::kernel_variant(func, dtype, op);

@@ -318,6 +318,20 @@ pub struct WorkColl {
     pub _pad1: u32,
 }
 
+impl WorkColl {
+    /// The work's (collective, algorithm, protocol, type, operator), `None` when a field is out
+    /// of its enum's range: the key of its kernel entry (with [`kernel_variant`]'s rules).
+    pub fn entry_key(&self) -> Option<(Func, Algo, Proto, DataType, DevRedOp)> {
+        Some((
+            Func::from_u8(self.func)?,
+            Algo::from_u8(self.algo)?,
+            Proto::from_u8(self.proto)?,
+            DataType::from_u8(self.dtype)?,
+            DevRedOp::from_u8(self.redop)?,
+        ))
+    }
+}
+
 /// The one by-value argument of the collective kernel (NCCL's `ncclDevKernelArgs`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]
