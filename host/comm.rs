@@ -2095,15 +2095,14 @@ fn launch_cpu(
                         let mut smem = [0u32; oxccl_gpu::abi::KERNEL_SMEM_BYTES / 4];
                         // SAFETY: `args.comm` is this rank's comm block, kept alive by `group`;
                         // the buffers are the caller's (all_reduce_raw contract).
-                        let ran = unsafe { oxccl_gpu::dispatch::run_block(args, b, 0, 1, smem.as_mut_ptr()) };
-                        // `launch` checked the entry, so this does not happen.
-                        assert!(ran, "no kernel entry for the work");
+                        // `false` (no entry for the work) cannot happen: `launch` checked it.
+                        unsafe { oxccl_gpu::dispatch::run_block(args, b, 0, 1, smem.as_mut_ptr()) }
                     })
                 })
                 .collect();
             let mut ok = true;
             for h in handles {
-                ok &= h.join().is_ok();
+                ok &= h.join().unwrap_or(false);
             }
             ok
         });
