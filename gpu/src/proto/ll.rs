@@ -22,14 +22,14 @@ use core::marker::PhantomData;
 pub const LL_FLAG_PERIOD: u64 = (1 << 31) - 1;
 
 /// The flag of the lines of step `step`: in `1..=LL_FLAG_PERIOD`, never 0.
-#[inline(always)] // a per-element/per-line leaf: inlined on the host too
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
 pub const fn ll_flag(step: u64) -> u32 {
     (step % LL_FLAG_PERIOD + 1) as u32
 }
 
 /// Whether step `step` cleans its whole slot: the last [`FIFO_STEPS`] steps of each flag period,
 /// one per slot.
-#[inline(always)] // a per-element/per-line leaf: inlined on the host too
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
 pub const fn ll_clean(step: u64) -> bool {
     step % LL_FLAG_PERIOD >= LL_FLAG_PERIOD - FIFO_STEPS
 }
@@ -67,7 +67,7 @@ compile_error!("oxccl's LL packing assumes a little-endian target");
 ///
 /// # Safety
 /// `p` is valid for `nbytes` bytes and aligned to `esize`.
-#[inline(always)] // a per-element/per-line leaf: inlined on the host too
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
 pub(crate) unsafe fn load_partial(p: *const u8, nbytes: u64, esize: u64) -> u64 {
     if nbytes == 8 && (p as u64) % 8 == 0 {
         // SAFETY: caller guarantees 8 valid, aligned bytes.
@@ -96,7 +96,7 @@ pub(crate) unsafe fn load_partial(p: *const u8, nbytes: u64, esize: u64) -> u64 
 ///
 /// # Safety
 /// `p` is valid for `nbytes` bytes and aligned to `esize`.
-#[inline(always)] // a per-element/per-line leaf: inlined on the host too
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
 pub(crate) unsafe fn store_partial(p: *mut u8, v: u64, nbytes: u64, esize: u64) {
     if nbytes == 8 && (p as u64) % 8 == 0 {
         // SAFETY: caller guarantees 8 valid, aligned bytes.
@@ -178,7 +178,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> LlFan<T, Op, NR, N
     }
 
     /// Spins until the line holds `flag` twice; `None` on abort.
-    #[inline(always)] // a per-element/per-line leaf: inlined on the host too
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn read_line(&self, line: *const LlFifoLine, flag: u32) -> Option<u64> {
         let mut spins = 0u32;
         loop {
@@ -198,7 +198,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> LlFan<T, Op, NR, N
         }
     }
 
-    #[inline(always)] // a per-element/per-line leaf: inlined on the host too
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn write_line(line: *mut LlFifoLine, v: u64, flag: u32) {
         // SAFETY: the line lies inside the peer's receive slot.
         unsafe { arch::store_volatile_v4(line as *mut Pack, Pack([v as u32, flag, (v >> 32) as u32, flag])) }
@@ -394,19 +394,19 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> LlFan<T, Op, NR, N
 }
 
 /// An 8-byte word in the low half of a pack (the upper half is zero and ignored).
-#[inline(always)] // a per-element/per-line leaf: inlined on the host too
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
 fn pack(v: u64) -> Pack {
     Pack([v as u32, (v >> 32) as u32, 0, 0])
 }
 
 /// The low 8 bytes of a pack.
-#[inline(always)] // a per-element/per-line leaf: inlined on the host too
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
 fn unpack(p: Pack) -> u64 {
     p.0[0] as u64 | (p.0[1] as u64) << 32
 }
 
 /// `op(a, b)` lane-wise over the elements packed in two 8-byte words.
-#[inline(always)] // a per-element/per-line leaf: inlined on the host too
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
 fn combine<T: Elem, Op: RedFn<T>>(a: u64, b: u64) -> u64 {
     unpack(Op::apply_pack(pack(a), pack(b)))
 }

@@ -43,7 +43,7 @@ const UNROLL: usize = match option_env!("OXCCL_BUILD_LL128_UNROLL") {
 };
 
 /// The flag of the lines of step `step`: never 0, never repeated within a connection's lifetime.
-#[inline(always)] // a per-element/per-line leaf: inlined on the host too
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
 pub const fn ll128_flag(step: u64) -> u64 {
     step.wrapping_add(1)
 }
@@ -171,7 +171,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
     /// warp reloads the whole batch (NCCL's `needReload`). Every lane of the warp calls it
     /// together (`active[u]` false for lines past the end, which are not read).
     #[cfg(target_arch = "nvptx64")]
-    #[inline(always)] // a per-element/per-line leaf: inlined on the host too
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn read_batch(
         &self,
         lines: &[*const u64; UNROLL],
@@ -210,7 +210,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
 
     /// CPU target: each line of the batch in turn, as [`Self::read_line`].
     #[cfg(not(target_arch = "nvptx64"))]
-    #[inline(always)] // a per-element/per-line leaf: inlined on the host too
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn read_batch(
         &self,
         lines: &[*const u64; UNROLL],
@@ -229,7 +229,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
 
     /// CPU target: waits for the flag word (acquire), then reads the 15 data words.
     #[cfg(not(target_arch = "nvptx64"))]
-    #[inline(always)] // a per-element/per-line leaf: inlined on the host too
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn read_line(&self, line: *const u64, flag: u64, active: bool) -> Option<[u64; 2 * PARTS]> {
         let mut w = [0u64; 2 * PARTS];
         if !active {
@@ -259,7 +259,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
     /// Writes this thread's parts of `line` with `flag` in the last word (GPU: one 16-byte store
     /// per lane, the 8 lanes of a line in the same instruction).
     #[cfg(target_arch = "nvptx64")]
-    #[inline(always)] // a per-element/per-line leaf: inlined on the host too
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn write_parts(&self, line: *mut u64, w: [u64; 2 * PARTS], flag: u64) {
         let p = self.lanes.part0;
         let hi = if p == LL128_LINE_PARTS - 1 { flag } else { w[1] };
@@ -269,7 +269,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
 
     /// CPU target: data words first, then the flag with release ordering.
     #[cfg(not(target_arch = "nvptx64"))]
-    #[inline(always)] // a per-element/per-line leaf: inlined on the host too
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn write_parts(&self, line: *mut u64, w: [u64; 2 * PARTS], flag: u64) {
         // SAFETY: the line lies inside the peer's slot; its words are only accessed atomically.
         unsafe {
@@ -485,14 +485,14 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
 }
 
 /// Part `q` (two words) of a line's words as a pack.
-#[inline(always)] // a per-element/per-line leaf: inlined on the host too
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
 fn words_pack(w: &[u64; 2 * PARTS], q: usize) -> Pack {
     let (a, b) = (w[2 * q], w[2 * q + 1]);
     Pack([a as u32, (a >> 32) as u32, b as u32, (b >> 32) as u32])
 }
 
 /// Stores a pack as part `q` (two words) of a line's words.
-#[inline(always)] // a per-element/per-line leaf: inlined on the host too
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
 fn pack_words(w: &mut [u64; 2 * PARTS], q: usize, v: Pack) {
     w[2 * q] = v.0[0] as u64 | (v.0[1] as u64) << 32;
     w[2 * q + 1] = v.0[2] as u64 | (v.0[3] as u64) << 32;
@@ -501,7 +501,7 @@ fn pack_words(w: &mut [u64; 2 * PARTS], q: usize, v: Pack) {
 /// Where part `part` of line `line` lies in a step's data: its byte offset, and how many of its
 /// bytes are data in its low and high word, given the step's `nbytes` (the last part of a line
 /// carries 8 data bytes, the others 16).
-#[inline(always)] // a per-element/per-line leaf: inlined on the host too
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
 fn part_bytes(line: u64, part: u64, nbytes: u64) -> (u64, u64, u64) {
     let off = line * LL128_DATA_BYTES + part * 16;
     let cap = if part == LL128_LINE_PARTS - 1 { 8 } else { 16 };

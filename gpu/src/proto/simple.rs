@@ -490,7 +490,7 @@ const fn parse_sync(s: &[u8]) -> bool {
 ///
 /// # Safety
 /// `p` is a valid, 16-byte aligned global address.
-#[inline(always)] // a per-element/per-line leaf: inlined on the host too
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
 pub(crate) unsafe fn load_src(p: *const Pack) -> Pack {
     // SAFETY: caller guarantees `p`.
     unsafe {
@@ -506,7 +506,7 @@ pub(crate) unsafe fn load_src(p: *const Pack) -> Pack {
 ///
 /// # Safety
 /// `p` is valid and aligned for `T`.
-#[inline(always)] // a per-element/per-line leaf: inlined on the host too
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
 pub(crate) unsafe fn read_src<T>(p: *const T) -> T {
     // SAFETY: caller guarantees `p`.
     unsafe {
