@@ -91,6 +91,8 @@ pub fn gpu_lock() -> std::sync::MutexGuard<'static, ()> {
 /// (a hang in a collective would otherwise block the test run forever).
 pub struct Watchdog {
     state: Arc<(Mutex<String>, AtomicU64, AtomicBool)>,
+    /// The step each rank's thread is in ([`Watchdog::rank_step`]), printed with a timeout.
+    ranks: Arc<Mutex<Vec<String>>>,
 }
 
 impl Watchdog {
@@ -106,6 +108,8 @@ impl Watchdog {
             AtomicBool::new(false),
         ));
         let s = state.clone();
+        let ranks: Arc<Mutex<Vec<String>>> = Arc::default();
+        let rs = ranks.clone();
         let test = test.to_string();
         std::thread::spawn(move || {
             let mut seen = u64::MAX;
@@ -122,11 +126,34 @@ impl Watchdog {
                 } else if since.elapsed() > limit {
                     let what = s.0.lock().map(|g| g.clone()).unwrap_or_default();
                     eprintln!("TIMEOUT: {test}: no progress for {limit:?} at step: {what}");
+                    for (r, step) in rs
+                        .lock()
+                        .map(|g| g.clone())
+                        .unwrap_or_default()
+                        .iter()
+                        .enumerate()
+                    {
+                        if !step.is_empty() {
+                            eprintln!("TIMEOUT: {test}: rank {r} was at: {step}");
+                        }
+                    }
                     std::process::exit(101);
                 }
             }
         });
-        Watchdog { state }
+        Watchdog { state, ranks }
+    }
+    /// Records the step `rank`'s thread now runs (also counted as progress), so a timeout says
+    /// where each rank stopped: inside a call, or waiting for its stream.
+    pub fn rank_step(&self, rank: usize, what: impl Into<String>) {
+        let what = what.into();
+        if let Ok(mut g) = self.ranks.lock() {
+            if g.len() <= rank {
+                g.resize(rank + 1, String::new());
+            }
+            g[rank] = what.clone();
+        }
+        self.step(format!("rank {rank}: {what}"));
     }
     /// Records the step now running.
     pub fn step(&self, what: impl Into<String>) {
