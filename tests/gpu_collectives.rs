@@ -269,10 +269,10 @@ enum StreamUse {
     OnePerRank,
 }
 
-/// Small calls in lockstep: every rank on its own thread takes a stream ([`StreamUse`]),
+/// Small calls in lockstep: every rank of `devices` on its own thread takes a stream ([`StreamUse`]),
 /// allocates and fills its buffers, meets its peer at a barrier, calls an f16 or bf16 sum
 /// AllReduce on LL or LL128 with a small odd count, synchronizes, meets again, reads back and
-/// drops the buffers; 21 calls × 5 sequences. Every result is exact on both ranks; a watchdog
+/// drops the buffers; 21 calls × 5 sequences. Every result is exact on every rank; a watchdog
 /// fails the test after 30 s without progress, naming where each rank stopped.
 fn small_calls_in_lockstep(devices: &[Device], streams: StreamUse) {
     use oxccl::{DataType, RedOp};
@@ -282,7 +282,8 @@ fn small_calls_in_lockstep(devices: &[Device], streams: StreamUse) {
     const COUNTS: [usize; 10] = [1, 2, 3, 5, 7, 15, 17, 127, 129, 4095];
     for (proto_i, proto) in ["LL", "LL128", "LL", "LL128", "LL"].iter().enumerate() {
         let comms = common::init_comms(&devices, Some(proto));
-        let barrier = std::sync::Barrier::new(comms.len());
+        let n = comms.len();
+        let barrier = std::sync::Barrier::new(n);
         std::thread::scope(|s| {
             for c in &comms {
                 let (barrier, dog) = (&barrier, &dog);
@@ -330,7 +331,7 @@ fn small_calls_in_lockstep(devices: &[Device], streams: StreamUse) {
                         let mut got = vec![0u8; count * 2];
                         recv.read(0, &mut got).unwrap();
                         let want: Vec<u8> = (0..count)
-                            .flat_map(|i| enc(val(0, i) + val(1, i)).to_le_bytes())
+                            .flat_map(|i| enc((0..n).map(|k| val(k, i)).sum()).to_le_bytes())
                             .collect();
                         assert_eq!(got, want, "rank {r}, {proto}, call {call}: {dtype} count {count}");
                     }
@@ -340,10 +341,10 @@ fn small_calls_in_lockstep(devices: &[Device], streams: StreamUse) {
     }
 }
 
-/// [`small_calls_in_lockstep`] on 2 CPU-target ranks, a fresh stream per call.
+/// [`small_calls_in_lockstep`] on 3 CPU-target ranks, a fresh stream per call.
 #[test]
 fn a_fresh_stream_per_call_completes_every_call_cpu() {
-    small_calls_in_lockstep(&Device::cpus(2), StreamUse::FreshPerCall);
+    small_calls_in_lockstep(&Device::cpus(3), StreamUse::FreshPerCall);
 }
 
 /// [`small_calls_in_lockstep`] on 2 GPUs, or 2 ranks sharing GPU 0, one stream per rank.
@@ -355,15 +356,71 @@ fn one_stream_per_rank_completes_every_call_gpu() {
     small_calls_in_lockstep(&devices, StreamUse::OnePerRank);
 }
 
-/// [`small_calls_in_lockstep`] on 2 GPUs, or 2 ranks sharing GPU 0, a fresh stream per call. Known open fault: on one shared
-/// H200 a call of the sequence never completes (seen 2026-12-02 in 4 of 4 runs, stalled at a
-/// different call each time, cold or warm JIT cache, also before the module-load wait existed),
-/// so it is run on demand (`--ignored`) until the cause is found.
+/// [`small_calls_in_lockstep`] on 2 GPUs, or 2 ranks sharing GPU 0, a fresh stream per call.
+/// Such streams often share a hardware queue; this hung before completion markers were untimed.
 #[test]
-#[ignore = "known hang on one shared H200 (a call of the sequence never completes); run with --ignored"]
 fn a_fresh_stream_per_call_completes_every_call_gpu() {
     let Some(devices) = common::two_ranks_or_skip("a_fresh_stream_per_call_completes_every_call_gpu") else {
         return;
     };
     small_calls_in_lockstep(&devices, StreamUse::FreshPerCall);
+}
+
+/// Set in the child of [`calls_complete_with_every_stream_on_one_hardware_queue_gpu`].
+const ONE_QUEUE_CHILD: &str = "OXCCL_TEST_ONE_QUEUE_CHILD";
+
+/// Child entry of [`calls_complete_with_every_stream_on_one_hardware_queue_gpu`]; returns at
+/// once unless [`ONE_QUEUE_CHILD`] is set. Runs [`small_calls_in_lockstep`] with both stream
+/// uses on 3 ranks sharing GPU 0, and on GPUs 0 and 1 when there are two.
+#[test]
+fn one_hardware_queue_child() {
+    if std::env::var_os(ONE_QUEUE_CHILD).is_none() {
+        return;
+    }
+    let mut groups = vec![vec![Device::Cuda(0); 3]];
+    if Device::cuda_count() >= 2 {
+        groups.push(vec![Device::Cuda(0), Device::Cuda(1)]);
+    }
+    for devices in &groups {
+        for streams in [StreamUse::OnePerRank, StreamUse::FreshPerCall] {
+            small_calls_in_lockstep(devices, streams);
+            println!(
+                "lockstep done: {} ranks on {devices:?}, {streams:?}",
+                devices.len()
+            );
+        }
+    }
+}
+
+/// With `CUDA_DEVICE_MAX_CONNECTIONS=1` every stream of the process shares one hardware queue,
+/// so anything the library queues behind one rank's kernel that waits for that kernel to end
+/// would keep a rank sharing the GPU from starting: the sequences of [`one_hardware_queue_child`]
+/// (3 ranks on one GPU; 2 GPUs too when present) must all complete in a child process (the
+/// variable is read at CUDA's initialisation). Before completion markers were untimed, the first
+/// call deadlocked (2 of 2 runs on an H200).
+#[test]
+fn calls_complete_with_every_stream_on_one_hardware_queue_gpu() {
+    let test = "calls_complete_with_every_stream_on_one_hardware_queue_gpu";
+    if common::gpus_or_skip(test, 1).is_none() {
+        return;
+    }
+    let _gpu = common::gpu_lock();
+    let child = common::child::clean_child(
+        &[],
+        "one_hardware_queue_child",
+        [
+            ("CUDA_DEVICE_MAX_CONNECTIONS", "1"),
+            ("OXCCL_ALLOW_SHARED_DEVICE", "1"),
+            ("OXCCL_TEST_STALL_S", "20"),
+            (ONE_QUEUE_CHILD, "1"),
+        ],
+    )
+    .spawn()
+    .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(240);
+    let (ok, out) = common::child::wait_with_deadline(child, deadline);
+    assert!(ok, "{test}: the child failed:\n{out}");
+    let want = if Device::cuda_count() >= 2 { 4 } else { 2 };
+    let done = out.lines().filter(|l| l.starts_with("lockstep done:")).count();
+    assert_eq!(done, want, "{test}: sequences completed in the child:\n{out}");
 }

@@ -135,7 +135,7 @@ pub struct Timer<'a> {
 impl<'a> Timer<'a> {
     /// Events for `streams`.
     pub fn new(streams: Vec<&'a cuda::Stream>) -> Result<Timer<'a>> {
-        let mk = |s: &&cuda::Stream| Event::new(&s.ctx_arc());
+        let mk = |s: &&cuda::Stream| Event::new_timed(&s.ctx_arc());
         let start = streams.iter().map(mk).collect::<Result<_>>()?;
         let end = streams.iter().map(mk).collect::<Result<_>>()?;
         Ok(Timer {

@@ -542,7 +542,7 @@ impl Drop for Stream {
     }
 }
 
-/// A CUDA event (timing enabled), for benchmarks and completion tracking.
+/// A CUDA event: a completion marker ([`Event::new`]) or a timestamp ([`Event::new_timed`]).
 pub struct Event {
     raw: sys::CUevent,
     ctx: Arc<Context>,
@@ -553,11 +553,28 @@ unsafe impl Send for Event {}
 unsafe impl Sync for Event {}
 
 impl Event {
-    /// Creates an event on `ctx`.
+    /// Creates a completion marker on `ctx` (`CU_EVENT_DISABLE_TIMING`).
+    ///
+    /// Streams share the GPU's hardware queues (`CUDA_DEVICE_MAX_CONNECTIONS`, 8 by default), and
+    /// a timing event recorded behind a kernel holds back everything queued after it on that
+    /// hardware queue until the kernel ends, other streams' kernels included. Ranks sharing a GPU
+    /// spin until each other's kernel runs, so a timed marker behind one rank's kernel could keep
+    /// its peer's kernel from starting: measured on an H200, 10 of 10 waits deadlocked with a
+    /// timed marker and 0 of 10 with an untimed one (docs/benchmarks.md). Use this one for
+    /// anything recorded behind a collective.
     pub fn new(ctx: &Arc<Context>) -> Result<Event> {
+        Event::with_flags(ctx, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32)
+    }
+    /// Creates a timing event on `ctx`, for [`Event::elapsed_ms_since`]. Record one behind a
+    /// collective only once every rank sharing its GPU has queued that collective (see
+    /// [`Event::new`]).
+    pub fn new_timed(ctx: &Arc<Context>) -> Result<Event> {
+        Event::with_flags(ctx, sys::CUevent_flags::CU_EVENT_DEFAULT as u32)
+    }
+    fn with_flags(ctx: &Arc<Context>, flags: u32) -> Result<Event> {
         ctx.bind()?;
         let mut raw = std::ptr::null_mut();
-        cu!(cuEventCreate(&mut raw, 0))?;
+        cu!(cuEventCreate(&mut raw, flags))?;
         Ok(Event {
             raw,
             ctx: ctx.clone(),
