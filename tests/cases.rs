@@ -724,6 +724,9 @@ fn names_ranks(msg: &str, a: usize, b: usize) -> bool {
 
 #[test]
 fn duplicate_device_is_invalid_usage_cpu() {
+    // Another test of this binary may have allowed shared devices (`two_ranks_or_skip`).
+    let _lock = common::env_lock();
+    let _env = common::env::Env::clean(&["ALLOW_SHARED_DEVICE"]);
     let e = Comm::init_all(&[Device::Cpu(0), Device::Cpu(0)])
         .err()
         .expect("init_all with Cpu(0) twice succeeded");
@@ -753,6 +756,8 @@ fn duplicate_device_is_invalid_usage_gpu() {
         return;
     };
     let _g = common::gpu_lock();
+    let _lock = common::env_lock();
+    let _env = common::env::Env::clean(&["ALLOW_SHARED_DEVICE"]);
     let e = Comm::init_all(&[Device::Cuda(0), Device::Cuda(0)])
         .err()
         .expect("init_all with Cuda(0) twice succeeded");
