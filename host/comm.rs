@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 
 mod enqueue;
 mod rank_trees;
-use enqueue::wait_group_launches;
+use enqueue::wait_launches;
 
 /// Default channel count on CUDA devices (overridable with `NCCL_MAX_NCHANNELS`).
 pub const CUDA_DEFAULT_NCHANNELS: u32 = 64;
@@ -101,6 +101,9 @@ struct CudaRes {
     ctx: Arc<cuda::Context>,
     group: Arc<CudaGroup>,
     launch: Arc<LaunchState>,
+    /// `init_all`: the other ranks of the group on this rank's GPU, whose launches this rank's
+    /// next launch waits for ([`wait_launches`]); empty for `init_rank`.
+    sharing: Vec<usize>,
 }
 
 /// A CUDA rank's last launch: an event recorded after its latest kernel, and whether it ever
@@ -109,7 +112,7 @@ struct CudaRes {
 struct LaunchState {
     last_event: cuda::Event,
     launched: std::sync::atomic::AtomicBool,
-    /// Kernels this rank has launched (the group's module-load rendezvous, [`wait_group_launches`]).
+    /// Kernels this rank has launched (the group's launch ordering, [`wait_launches`]).
     issued: std::sync::atomic::AtomicU64,
 }
 
@@ -429,6 +432,9 @@ impl Comm {
                         ctx,
                         group: group.clone(),
                         launch,
+                        sharing: (0..nranks)
+                            .filter(|&p| p != r && devices[p] == devices[r])
+                            .collect(),
                     }),
                     inflight: Arc::new(AtomicUsize::new(0)),
                     last: Mutex::new(None),
@@ -1052,7 +1058,15 @@ impl Comm {
                     launches: Vec::new(),
                     mp: Some(mp),
                 });
-                (dev_comm, Res::Cuda(CudaRes { ctx, group, launch }))
+                (
+                    dev_comm,
+                    Res::Cuda(CudaRes {
+                        ctx,
+                        group,
+                        launch,
+                        sharing: Vec::new(),
+                    }),
+                )
             }
             _ => return Err(Error::Internal("connection memory of the wrong kind".into())),
         };
@@ -1987,19 +2001,26 @@ impl Comm {
                 };
                 let name = oxccl_gpu::abi::kernel_name_for(func, algo, proto, dtype, op);
                 let issued = res.launch.issued.load(Ordering::Acquire);
+                let counter = |p: usize| (p, &res.group.launches[p].issued);
+                if !res.sharing.is_empty() {
+                    // This kernel waits in its stream for this rank's previous one; on a hardware
+                    // queue shared with a rank of this GPU it would hold back that rank's kernel
+                    // of the previous call, which ours is waiting for (module docs).
+                    let peers: Vec<_> = res.sharing.iter().map(|&p| counter(p)).collect();
+                    wait_launches(&peers, issued, self.abort_flag(), self.rank, &|| {
+                        "before launching its next one on the GPU they share".into()
+                    })?;
+                }
                 let module = match res.ctx.loaded_kernel(name.as_str()) {
                     Some(m) => m,
                     None => {
                         // Loading may wait for every kernel of the context: first let every rank
                         // of the group launch what came before, so none of their kernels waits
                         // for one of ours that the load holds back.
-                        wait_group_launches(
-                            &res.group.launches,
-                            issued,
-                            self.abort_flag(),
-                            self.rank,
-                            name.as_str(),
-                        )?;
+                        let peers: Vec<_> = (0..res.group.launches.len()).map(counter).collect();
+                        wait_launches(&peers, issued, self.abort_flag(), self.rank, &|| {
+                            format!("before loading kernel {}", name.as_str())
+                        })?;
                         res.ctx.kernel(name.as_str())?
                     }
                 };

@@ -366,12 +366,56 @@ fn a_fresh_stream_per_call_completes_every_call_gpu() {
     small_calls_in_lockstep(&devices, StreamUse::FreshPerCall);
 }
 
+/// Every rank of `devices` on its own thread queues 40 f32 sum AllReduces of 1000 elements back to
+/// back on one stream (rank 1 starts 100 ms late, so the others run ahead), then synchronizes;
+/// the last result is exact on every rank.
+fn calls_back_to_back(devices: &[Device]) {
+    use oxccl::{DataType, RedOp};
+    let _gpu = common::gpu_lock();
+    let dog = common::Watchdog::new("calls_back_to_back", std::time::Duration::from_secs(30));
+    let comms = common::init_comms(devices, None);
+    let n = comms.len();
+    let count = 1000usize;
+    let val = |r: usize, i: usize| ((i % 29) + 2 * r) as f32;
+    std::thread::scope(|s| {
+        for c in &comms {
+            let dog = &dog;
+            s.spawn(move || {
+                let r = c.rank();
+                let dev = c.device();
+                let stream = dev.new_stream().unwrap();
+                let send = dev.alloc(count * 4).unwrap();
+                let recv = dev.alloc(count * 4).unwrap();
+                let bytes: Vec<u8> = (0..count).flat_map(|i| val(r, i).to_le_bytes()).collect();
+                send.write(0, &bytes).unwrap();
+                if r == 1 {
+                    std::thread::sleep(std::time::Duration::from_millis(100));
+                }
+                for call in 0..40 {
+                    dog.rank_step(r, format!("back to back: queueing call {call}"));
+                    c.all_reduce(&send, &recv, count, DataType::F32, RedOp::Sum, &stream)
+                        .unwrap();
+                }
+                dog.rank_step(r, "back to back: synchronizing its stream");
+                stream.synchronize().unwrap();
+                let mut got = vec![0u8; count * 4];
+                recv.read(0, &mut got).unwrap();
+                let want: Vec<u8> = (0..count)
+                    .flat_map(|i| (0..n).map(|k| val(k, i)).sum::<f32>().to_le_bytes())
+                    .collect();
+                assert_eq!(got, want, "rank {r}: the last of 40 back-to-back AllReduces");
+            });
+        }
+    });
+}
+
 /// Set in the child of [`calls_complete_with_every_stream_on_one_hardware_queue_gpu`].
 const ONE_QUEUE_CHILD: &str = "OXCCL_TEST_ONE_QUEUE_CHILD";
 
 /// Child entry of [`calls_complete_with_every_stream_on_one_hardware_queue_gpu`]; returns at
 /// once unless [`ONE_QUEUE_CHILD`] is set. Runs [`small_calls_in_lockstep`] with both stream
-/// uses on 3 ranks sharing GPU 0, and on GPUs 0 and 1 when there are two.
+/// uses and [`calls_back_to_back`] on 3 ranks sharing GPU 0, and on GPUs 0 and 1 when there are
+/// two.
 #[test]
 fn one_hardware_queue_child() {
     if std::env::var_os(ONE_QUEUE_CHILD).is_none() {
@@ -389,6 +433,8 @@ fn one_hardware_queue_child() {
                 devices.len()
             );
         }
+        calls_back_to_back(devices);
+        println!("back to back done: {} ranks on {devices:?}", devices.len());
     }
 }
 
@@ -397,7 +443,9 @@ fn one_hardware_queue_child() {
 /// would keep a rank sharing the GPU from starting: the sequences of [`one_hardware_queue_child`]
 /// (3 ranks on one GPU; 2 GPUs too when present) must all complete in a child process (the
 /// variable is read at CUDA's initialisation). Before completion markers were untimed, the first
-/// call deadlocked (2 of 2 runs on an H200).
+/// lockstep call deadlocked (2 of 2 runs on an H200); before a rank sharing its GPU waited for
+/// its peers' launches, calls queued back to back deadlocked under this variable
+/// (`calls_queued_back_to_back_load_their_kernels_without_deadlock`, 1 of 1 runs).
 #[test]
 fn calls_complete_with_every_stream_on_one_hardware_queue_gpu() {
     let test = "calls_complete_with_every_stream_on_one_hardware_queue_gpu";
@@ -424,4 +472,10 @@ fn calls_complete_with_every_stream_on_one_hardware_queue_gpu() {
     // The first line shares libtest's "test ... " line (the child's output is not captured).
     let done = out.matches("lockstep done:").count();
     assert_eq!(done, want, "{test}: sequences completed in the child:\n{out}");
+    let done = out.matches("back to back done:").count();
+    assert_eq!(
+        done,
+        want / 2,
+        "{test}: back-to-back runs completed in the child:\n{out}"
+    );
 }
