@@ -258,6 +258,16 @@ impl Comm {
     /// tree connections live in device memory and tree neighbours reach each other over peer
     /// access, like ring neighbours (`System` error when it is not supported).
     ///
+    /// Ranks sharing a GPU (`OXCCL_ALLOW_SHARED_DEVICE=1`, for testing on one GPU): each rank's
+    /// kernel spins until the others' kernels of the same call run, on one GPU whose hardware
+    /// queues their streams share. A rank therefore launches call `n + 1` only once every rank
+    /// on its GPU has launched call `n`; issue the calls from a thread per rank, or call `n` on
+    /// every rank before call `n + 1` on any (NCCL's rule for one thread driving several devices).
+    /// Until every rank on the GPU has issued a call, queue nothing else behind it on any of their
+    /// streams, and do not allocate, free or copy synchronously on the device: a context-wide
+    /// synchronization (which [`DeviceBuffer`](crate::DeviceBuffer)'s allocation and writes do) waits
+    /// for the kernel that is waiting for this thread.
+    ///
     /// Errors: `InvalidArgument` for an empty or mixed list or a bad environment value
     /// (`NCCL_BUFFSIZE`, `NCCL_NTHREADS`, `NCCL_MAX_NCHANNELS`, `OXCCL_TEST_NODES`, ...), `InvalidUsage` for a
     /// repeated device, `NoCuda`/`Cuda` for driver failures, `System` when ring neighbours cannot
