@@ -2237,12 +2237,6 @@ impl ConnDesc {
     }
 }
 
-fn fnv64(b: &[u8]) -> u64 {
-    b.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &x| {
-        (h ^ x as u64).wrapping_mul(0x100_0000_01b3)
-    })
-}
-
 use crate::liveness::proc_start;
 
 impl PeerInfo {
@@ -2257,8 +2251,7 @@ impl PeerInfo {
         abort_page: String,
         p2p_level: Option<crate::topo::PathType>,
     ) -> Result<PeerInfo> {
-        let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
-        let host = crate::params::env_var("HOSTID").map_or(host.trim().to_string(), |(_, v)| v);
+        let host = crate::topo::detect::local_host_name();
         let pid = std::process::id();
         let (cuda, dev) = match device {
             Device::Cuda(o) => (true, o),
@@ -2271,7 +2264,7 @@ impl PeerInfo {
                 Some(c) => c.bus_id()?,
                 None => String::new(),
             },
-            host_hash: fnv64(host.as_bytes()),
+            host_hash: crate::hash::fnv1a_64(host.as_bytes()),
             host,
             pid,
             start_time: proc_start(pid).map_or(0, |(t, _)| t),
@@ -2905,7 +2898,7 @@ mod p2p_level_tests {
             dev: rank,
             bus_id: bus_id.into(),
             host: "h".into(),
-            host_hash: fnv64(b"h"),
+            host_hash: crate::hash::fnv1a_64(b"h"),
             pid: 100 + rank as u32,
             start_time: 1,
             p2p_disable: false,
@@ -4220,7 +4213,7 @@ mod init_rank_tests {
             dev: 0,
             bus_id: bus.into(),
             host: host.into(),
-            host_hash: fnv64(host.as_bytes()),
+            host_hash: crate::hash::fnv1a_64(host.as_bytes()),
             pid,
             start_time: 77,
             p2p_disable: false,

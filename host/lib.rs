@@ -37,6 +37,7 @@ pub mod cuda;
 pub mod error;
 pub mod graph;
 pub mod handle;
+mod hash;
 pub(crate) mod liveness;
 pub mod mem;
 pub mod nccl;

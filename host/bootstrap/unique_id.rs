@@ -41,12 +41,6 @@ pub struct UniqueId {
 const _: () = assert!(std::mem::size_of::<UniqueId>() == UNIQUE_ID_BYTES);
 const _: () = assert!(USED <= UNIQUE_ID_BYTES);
 
-fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
-        (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3)
-    })
-}
-
 impl UniqueId {
     pub(crate) fn new(root: SocketAddr, secret: u64, root_on_rank0: bool) -> UniqueId {
         let mut b = [0u8; UNIQUE_ID_BYTES];
@@ -56,7 +50,7 @@ impl UniqueId {
         b[OFF_FLAGS..OFF_FLAGS + 2].copy_from_slice(&flags.to_le_bytes());
         b[OFF_SECRET..OFF_SECRET + 8].copy_from_slice(&secret.to_le_bytes());
         b[OFF_ADDR..OFF_SUM].copy_from_slice(&encode_addr(&root));
-        let sum = fnv1a(&b[..OFF_SUM]);
+        let sum = crate::hash::fnv1a_64(&b[..OFF_SUM]);
         b[OFF_SUM..USED].copy_from_slice(&sum.to_le_bytes());
         UniqueId { internal: b }
     }
@@ -91,7 +85,7 @@ impl UniqueId {
             ));
         }
         let stored = u64::from_le_bytes(bytes[OFF_SUM..USED].try_into().unwrap_or([0; 8]));
-        if stored != fnv1a(&bytes[..OFF_SUM]) || bytes[USED..].iter().any(|&b| b != 0) {
+        if stored != crate::hash::fnv1a_64(&bytes[..OFF_SUM]) || bytes[USED..].iter().any(|&b| b != 0) {
             return bad("checksum mismatch (corrupted in transit?)");
         }
         let flags = u16::from_le_bytes([bytes[OFF_FLAGS], bytes[OFF_FLAGS + 1]]);

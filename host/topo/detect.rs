@@ -132,15 +132,14 @@ impl DetectOptions {
 /// This host's hash: FNV-1a (64 bits) of `/proc/sys/kernel/hostname` (trimmed), or of
 /// `OXCCL_HOSTID` / `NCCL_HOSTID` when set — the value oxccl's peer info exchanges.
 pub fn local_host_hash() -> u64 {
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
-    let host = crate::params::env_var("HOSTID").map_or(host.trim().to_string(), |(_, v)| v);
-    fnv64(host.as_bytes())
+    crate::hash::fnv1a_64(local_host_name().as_bytes())
 }
 
-fn fnv64(b: &[u8]) -> u64 {
-    b.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &x| {
-        (h ^ x as u64).wrapping_mul(0x100_0000_01b3)
-    })
+/// This host's name as peers compare it: `/proc/sys/kernel/hostname` (trimmed), or
+/// `OXCCL_HOSTID` / `NCCL_HOSTID` when set.
+pub(crate) fn local_host_name() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    crate::params::env_var("HOSTID").map_or(host.trim().to_string(), |(_, v)| v)
 }
 
 // ------------------------------------------------------------------------------------------
