@@ -443,9 +443,8 @@ fn one_hardware_queue_child() {
 /// would keep a rank sharing the GPU from starting: the sequences of [`one_hardware_queue_child`]
 /// (3 ranks on one GPU; 2 GPUs too when present) must all complete in a child process (the
 /// variable is read at CUDA's initialisation). Before completion markers were untimed, the first
-/// lockstep call deadlocked (2 of 2 runs on an H200); before a rank sharing its GPU waited for
-/// its peers' launches, calls queued back to back deadlocked under this variable
-/// (`calls_queued_back_to_back_load_their_kernels_without_deadlock`, 1 of 1 runs).
+/// lockstep call deadlocked (2 of 2 runs on an H200). The back-to-back calls check that a rank
+/// sharing its GPU waits for its peers' launches before queueing its next kernel.
 #[test]
 fn calls_complete_with_every_stream_on_one_hardware_queue_gpu() {
     let test = "calls_complete_with_every_stream_on_one_hardware_queue_gpu";
