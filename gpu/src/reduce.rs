@@ -232,7 +232,12 @@ half_elem!(bf16, |a, b| <bf16 as Half16>::map2(a, b, |x, y| x + y), |a, b| {
 pub trait RedFn<T: Elem>: Copy {
     /// True for PreMulSum: this rank's input is multiplied by the call's scalar
     /// ([`OpArgs::scalar`]) before it is combined (NCCL's `applyPreOp` of `FuncPreMulSum`).
-    const PRE_MUL: bool = false;
+    /// A constant for every operator the GPU compiles; read at run time by the host's
+    /// [`FuncAny`].
+    #[inline(always)]
+    fn pre_mul() -> bool {
+        false
+    }
 
     fn apply(a: T, b: T) -> T;
 
@@ -300,7 +305,7 @@ impl OpArgs {
 /// for every other operator (the test is a constant, so it costs them nothing).
 #[inline(always)]
 pub fn pre_pack<T: Elem, Op: RedFn<T>>(x: Pack, args: &OpArgs) -> Pack {
-    if Op::PRE_MUL {
+    if Op::pre_mul() {
         T::prod_pack(x, args.scalar)
     } else {
         x
@@ -310,7 +315,7 @@ pub fn pre_pack<T: Elem, Op: RedFn<T>>(x: Pack, args: &OpArgs) -> Pack {
 /// [`pre_pack`] for one element.
 #[inline(always)]
 pub fn pre_elem<T: Elem, Op: RedFn<T>>(x: T, args: &OpArgs) -> T {
-    if Op::PRE_MUL {
+    if Op::pre_mul() {
         T::prod(x, args.scalar_elem::<T>())
     } else {
         x
@@ -340,7 +345,10 @@ impl<T: Elem> RedFn<T> for FuncSum {
     }
 }
 impl<T: Elem> RedFn<T> for FuncPreMulSum {
-    const PRE_MUL: bool = true;
+    #[inline(always)]
+    fn pre_mul() -> bool {
+        true
+    }
     #[inline(always)]
     fn apply(a: T, b: T) -> T {
         T::sum(a, b)
@@ -378,6 +386,65 @@ impl<T: Elem> RedFn<T> for FuncMax {
     #[inline(always)]
     fn apply_pack(a: Pack, b: Pack) -> Pack {
         T::max_pack(a, b)
+    }
+}
+
+/// The CPU target's operator: the one [`set_host_op`] chose for the calling host thread, read at
+/// run time and applied with the same per-type functions ([`Elem`]) the GPU's operators use.
+///
+/// The GPU has one kernel per operator (each a constant, so only its code is compiled in); the
+/// host instantiates each (collective, algorithm, protocol, type) entry body once with this
+/// operator instead of five times, which keeps the CPU target's build four times smaller. The
+/// protocol, schedule and per-type reduction code it runs is the GPU's.
+#[cfg(not(target_arch = "nvptx64"))]
+#[derive(Clone, Copy)]
+pub struct FuncAny;
+
+#[cfg(not(target_arch = "nvptx64"))]
+std::thread_local! {
+    static HOST_OP: core::cell::Cell<crate::abi::DevRedOp> =
+        const { core::cell::Cell::new(crate::abi::DevRedOp::Sum) };
+}
+
+/// Chooses the operator [`FuncAny`] applies on the calling host thread (the CPU target's
+/// dispatch calls it before running a block). Avg is Sum with a post-division
+/// ([`OpArgs::postdiv`]), so it reduces as Sum here.
+#[cfg(not(target_arch = "nvptx64"))]
+pub fn set_host_op(op: crate::abi::DevRedOp) {
+    HOST_OP.with(|c| c.set(op));
+}
+
+#[cfg(not(target_arch = "nvptx64"))]
+#[inline(always)]
+fn host_op() -> crate::abi::DevRedOp {
+    HOST_OP.with(|c| c.get())
+}
+
+#[cfg(not(target_arch = "nvptx64"))]
+impl<T: Elem> RedFn<T> for FuncAny {
+    #[inline(always)]
+    fn pre_mul() -> bool {
+        host_op() == crate::abi::DevRedOp::PreMulSum
+    }
+    #[inline(always)]
+    fn apply(a: T, b: T) -> T {
+        use crate::abi::DevRedOp as O;
+        match host_op() {
+            O::Sum | O::Avg | O::PreMulSum => T::sum(a, b),
+            O::Prod => T::prod(a, b),
+            O::Max => T::max(a, b),
+            O::Min => T::min(a, b),
+        }
+    }
+    #[inline(always)]
+    fn apply_pack(a: Pack, b: Pack) -> Pack {
+        use crate::abi::DevRedOp as O;
+        match host_op() {
+            O::Sum | O::Avg | O::PreMulSum => T::sum_pack(a, b),
+            O::Prod => T::prod_pack(a, b),
+            O::Max => T::max_pack(a, b),
+            O::Min => T::min_pack(a, b),
+        }
     }
 }
 
