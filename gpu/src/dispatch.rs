@@ -128,7 +128,7 @@ pub unsafe fn run_kernel<T: Elem, Op: RedFn<T>, const FUNC: u8, const ALGO: u8, 
     let avg = w.redop == DevRedOp::Avg as u8;
     // SAFETY: the host checked a device-resident scalar's address (launch contract).
     let op_args = unsafe { op_args::<T, Op>(comm, w, avg) };
-    if Op::pre_mul() && comm.nranks == 1 {
+    if crate::pre_mul!(T, Op) && comm.nranks == 1 {
         // SAFETY: forwarded caller contract.
         unsafe { one_rank::<T, Op>(w, bid, tid, nthreads, &op_args) };
         return;
@@ -291,7 +291,7 @@ unsafe fn ring_ll128<T: Elem, Op: RedFn<T>, const FUNC: u8>(
 #[cfg_attr(target_arch = "nvptx64", inline(always))]
 unsafe fn op_args<T: Elem, Op: RedFn<T>>(comm: &DevComm, w: &WorkColl, avg: bool) -> OpArgs {
     let args = OpArgs::div(if avg { comm.nranks } else { 0 });
-    if !Op::pre_mul() {
+    if !crate::pre_mul!(T, Op) {
         return args;
     }
     let bits = if w.redop_flags & REDOP_SCALAR_DEVICE != 0 {

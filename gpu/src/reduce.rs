@@ -228,15 +228,39 @@ half_elem!(bf16, |a, b| <bf16 as Half16>::map2(a, b, |x, y| x + y), |a, b| {
     <bf16 as Half16>::map2(a, b, |x, y| x * y)
 });
 
+/// Whether operator `$op` over `$t` is PreMulSum: on the GPU the constant
+/// [`RedFn::PRE_MUL`] (folded away before code generation), on the host
+/// [`RedFn::pre_mul_host`], which [`FuncAny`] answers at run time.
+#[cfg(target_arch = "nvptx64")]
+#[macro_export]
+macro_rules! pre_mul {
+    ($t:ty, $op:ty) => {
+        <$op as $crate::reduce::RedFn<$t>>::PRE_MUL
+    };
+}
+/// Whether operator `$op` over `$t` is PreMulSum: on the GPU the constant
+/// [`RedFn::PRE_MUL`] (folded away before code generation), on the host
+/// [`RedFn::pre_mul_host`], which [`FuncAny`] answers at run time.
+#[cfg(not(target_arch = "nvptx64"))]
+#[macro_export]
+macro_rules! pre_mul {
+    ($t:ty, $op:ty) => {
+        <$op as $crate::reduce::RedFn<$t>>::pre_mul_host()
+    };
+}
+
 /// A binary reduction operator over `T`.
 pub trait RedFn<T: Elem>: Copy {
     /// True for PreMulSum: this rank's input is multiplied by the call's scalar
     /// ([`OpArgs::scalar`]) before it is combined (NCCL's `applyPreOp` of `FuncPreMulSum`).
-    /// A constant for every operator the GPU compiles; read at run time by the host's
-    /// [`FuncAny`].
+    /// Read through [`pre_mul!`](crate::pre_mul), which on the host also asks [`FuncAny`].
+    const PRE_MUL: bool = false;
+
+    /// [`Self::PRE_MUL`], or for [`FuncAny`] whether the host thread's operator is PreMulSum.
+    #[cfg(not(target_arch = "nvptx64"))]
     #[inline(always)]
-    fn pre_mul() -> bool {
-        false
+    fn pre_mul_host() -> bool {
+        Self::PRE_MUL
     }
 
     fn apply(a: T, b: T) -> T;
@@ -305,7 +329,7 @@ impl OpArgs {
 /// for every other operator (the test is a constant, so it costs them nothing).
 #[inline(always)]
 pub fn pre_pack<T: Elem, Op: RedFn<T>>(x: Pack, args: &OpArgs) -> Pack {
-    if Op::pre_mul() {
+    if crate::pre_mul!(T, Op) {
         T::prod_pack(x, args.scalar)
     } else {
         x
@@ -315,7 +339,7 @@ pub fn pre_pack<T: Elem, Op: RedFn<T>>(x: Pack, args: &OpArgs) -> Pack {
 /// [`pre_pack`] for one element.
 #[inline(always)]
 pub fn pre_elem<T: Elem, Op: RedFn<T>>(x: T, args: &OpArgs) -> T {
-    if Op::pre_mul() {
+    if crate::pre_mul!(T, Op) {
         T::prod(x, args.scalar_elem::<T>())
     } else {
         x
@@ -345,10 +369,7 @@ impl<T: Elem> RedFn<T> for FuncSum {
     }
 }
 impl<T: Elem> RedFn<T> for FuncPreMulSum {
-    #[inline(always)]
-    fn pre_mul() -> bool {
-        true
-    }
+    const PRE_MUL: bool = true;
     #[inline(always)]
     fn apply(a: T, b: T) -> T {
         T::sum(a, b)
@@ -423,7 +444,7 @@ fn host_op() -> crate::abi::DevRedOp {
 #[cfg(not(target_arch = "nvptx64"))]
 impl<T: Elem> RedFn<T> for FuncAny {
     #[inline(always)]
-    fn pre_mul() -> bool {
+    fn pre_mul_host() -> bool {
         host_op() == crate::abi::DevRedOp::PreMulSum
     }
     #[inline(always)]

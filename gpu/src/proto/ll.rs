@@ -335,7 +335,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> LlFan<T, Op, NR, N
                     let mut v = if SRC {
                         let x = unsafe { load_partial(in_base.add(k * 8), valid, esize) };
                         // PreMulSum scales this rank's input before it is combined.
-                        if Op::pre_mul() && self.pre_input {
+                        if crate::pre_mul!(T, Op) && self.pre_input {
                             unpack(pre_pack::<T, Op>(pack(x), &self.op_args))
                         } else {
                             x
