@@ -2050,7 +2050,7 @@ impl Comm {
                         oxccl_gpu::abi::kernel_name_for(func, algo, proto, dtype, op).as_str(),
                     ));
                 }
-                launch_cpu(args, res.group.clone(), self.rank, s, &self.inflight)
+                launch_cpu(args, self.params.cpu_nthreads, res.group.clone(), self.rank, s, &self.inflight)
             }
             _ => Err(Error::invalid(
                 "stream and communicator are of different backends",
@@ -2104,10 +2104,12 @@ impl Comm {
     }
 }
 
-/// Runs one collective on the CPU target: one host thread per channel, each running the same
-/// `run_block` the GPU kernel runs, queued on the CPU stream.
+/// Runs one collective on the CPU target: per channel a block of `nthreads` host threads
+/// (`OXCCL_CPU_NTHREADS`), each running the same `run_block` the GPU kernel's threads run, with
+/// the block's shared memory and real barriers; queued on the CPU stream.
 fn launch_cpu(
     args: KernelArgs,
+    nthreads: u32,
     group: Arc<CpuGroup>,
     rank: usize,
     stream: &CpuStream,
@@ -2122,12 +2124,15 @@ fn launch_cpu(
                 .map(|b| {
                     let args = &args;
                     s.spawn(move || {
-                        oxccl_gpu::arch::set_block_idx(b);
-                        let mut smem = [0u32; oxccl_gpu::abi::KERNEL_SMEM_BYTES / 4];
-                        // SAFETY: `args.comm` is this rank's comm block, kept alive by `group`;
-                        // the buffers are the caller's (all_reduce_raw contract).
-                        // `false` (no entry for the work) cannot happen: `launch` checked it.
-                        unsafe { oxccl_gpu::dispatch::run_block(args, b, 0, 1, smem.as_mut_ptr()) }
+                        let mut smem = vec![0u32; oxccl_gpu::abi::KERNEL_SMEM_BYTES / 4];
+                        let smem = smem.as_mut_ptr() as usize;
+                        oxccl_gpu::arch::run_block_threads(b, nthreads, |tid| {
+                            // SAFETY: `args.comm` is this rank's comm block, kept alive by
+                            // `group`; the buffers are the caller's (all_reduce_raw contract);
+                            // `smem` is this block's, shared by its threads as on the GPU.
+                            // `false` (no entry for the work) cannot happen: `launch` checked it.
+                            unsafe { oxccl_gpu::dispatch::run_block(args, b, tid, nthreads, smem as *mut u32) }
+                        })
                     })
                 })
                 .collect();

@@ -53,7 +53,17 @@ pub struct Params {
     /// (NCCL's "P2P/direct pointer"); `NCCL_P2P_DIRECT_DISABLE=1` / `OXCCL_P2P_DIRECT_DISABLE=1`
     /// turns it off (0 or 1 accepted). Only `Comm::init_all` has such connections.
     pub p2p_direct: bool,
+    /// Host threads per block on the CPU target (`OXCCL_CPU_NTHREADS`, oxccl spelling only), in
+    /// [1, 1024]; default [`DEFAULT_CPU_NTHREADS`]. With more than one, a block's threads split
+    /// each step as the GPU's do and meet at real barriers, and warp shuffles and votes exchange
+    /// values between them (`tests/cpu_block_threads.rs` runs two warps' worth, 64).
+    pub cpu_nthreads: u32,
 }
+
+/// Default host threads per CPU-target block: one. Each host thread of a block is an OS thread
+/// started per call, so the CPU suite keeps one per block and runs blocks of 64 threads in its
+/// own test binary.
+pub const DEFAULT_CPU_NTHREADS: u32 = 1;
 
 impl Default for Params {
     fn default() -> Self {
@@ -67,6 +77,7 @@ impl Default for Params {
             initial_step: 0,
             p2p_level: None,
             p2p_direct: true,
+            cpu_nthreads: DEFAULT_CPU_NTHREADS,
         }
     }
 }
@@ -157,6 +168,9 @@ impl Params {
         }
         if let Some((key, v)) = get("P2P_DIRECT_DISABLE") {
             p.p2p_direct = parse_int(&key, &v, 0, 1)? == 0;
+        }
+        if let Some((key, v)) = get("CPU_NTHREADS").filter(|(k, _)| k.starts_with("OXCCL_")) {
+            p.cpu_nthreads = parse_int(&key, &v, 1, MAX_NTHREADS as i64)? as u32;
         }
         tracing::debug!(target: "oxccl::init", params = ?p, "parameters");
         Ok(p)
@@ -318,6 +332,19 @@ mod tests {
         let e = with(&[("NCCL_NTHREADS", "abc")]).unwrap_err().to_string();
         assert!(e.contains("NCCL_NTHREADS") && e.contains("64..=1024"), "{e}");
         assert!(with(&[("NCCL_NTHREADS", "2048")]).is_err());
+    }
+
+    #[test]
+    fn cpu_block_threads_are_read_or_rejected() {
+        assert_eq!(with(&[]).unwrap().cpu_nthreads, 1);
+        assert_eq!(with(&[("OXCCL_CPU_NTHREADS", "64")]).unwrap().cpu_nthreads, 64);
+        assert_eq!(with(&[("OXCCL_CPU_NTHREADS", "1024")]).unwrap().cpu_nthreads, 1024);
+        // An oxccl-only variable: NCCL has no CPU target.
+        assert_eq!(with(&[("NCCL_CPU_NTHREADS", "64")]).unwrap().cpu_nthreads, 1);
+        for bad in ["0", "1025", "abc"] {
+            let e = with(&[("OXCCL_CPU_NTHREADS", bad)]).unwrap_err().to_string();
+            assert!(e.contains("OXCCL_CPU_NTHREADS") && e.contains("1..=1024"), "{e}");
+        }
     }
 
     #[test]

@@ -1,46 +1,211 @@
-//! Host implementations of the `arch` functions, for the CPU target. A block is one host thread
-//! (`block_dim() == 1`), so barriers are no-ops; flag loads and stores are `core` atomics with the
-//! same ordering the PTX versions give; data loads and stores are plain memory accesses.
+//! Host implementations of the `arch` functions, for the CPU target. A block is a team of host
+//! threads ([`run_block_threads`]): `sync_threads` is a real barrier of the team, warp shuffles
+//! and votes exchange values between the (up to 32) threads of a warp, flag loads and stores are
+//! `core` atomics with the same ordering the PTX versions give; data loads and stores are plain
+//! memory accesses.
 use super::Pack;
+use core::cell::Cell;
 use core::sync::atomic::{AtomicU32, AtomicU64, Ordering, fence};
+use std::sync::{Condvar, Mutex};
+use std::vec::Vec;
+
+/// Threads per warp, as on the GPU.
+const WARP: u32 = 32;
 
 std::thread_local! {
-    static BLOCK_IDX: core::cell::Cell<u32> = const { core::cell::Cell::new(0) };
+    static BLOCK_IDX: Cell<u32> = const { Cell::new(0) };
+    /// The calling thread's index in its block and its block's team (null outside a team).
+    static THREAD: Cell<(u32, *const Team)> = const { Cell::new((0, core::ptr::null())) };
 }
 
-/// Thread index within the block: always 0 (one thread per block on the CPU target).
+/// A barrier of `n` host threads that a trapping member breaks: the others then trap too
+/// instead of waiting forever (a GPU trap ends the whole kernel).
+struct Barrier {
+    n: u32,
+    /// (threads arrived, generation, broken).
+    state: Mutex<(u32, u64, bool)>,
+    cv: Condvar,
+}
+
+impl Barrier {
+    fn new(n: u32) -> Self {
+        Barrier {
+            n,
+            state: Mutex::new((0, 0, false)),
+            cv: Condvar::new(),
+        }
+    }
+
+    /// Waits until all `n` threads have arrived; the mutex orders every thread's earlier memory
+    /// operations before every thread's later ones (as `bar.sync` does for a block).
+    fn wait(&self) {
+        let mut g = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if g.2 {
+            drop(g);
+            trap();
+        }
+        let generation = g.1;
+        g.0 += 1;
+        if g.0 == self.n {
+            g.0 = 0;
+            g.1 += 1;
+            self.cv.notify_all();
+            return;
+        }
+        while g.1 == generation && !g.2 {
+            g = self.cv.wait(g).unwrap_or_else(|e| e.into_inner());
+        }
+        if g.1 == generation {
+            drop(g);
+            trap();
+        }
+    }
+
+    fn break_all(&self) {
+        let mut g = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        g.2 = true;
+        self.cv.notify_all();
+    }
+}
+
+/// One warp of a team: its lanes' barrier and exchange slots.
+struct Warp {
+    barrier: Barrier,
+    lanes: u32,
+    slots: [AtomicU32; WARP as usize],
+}
+
+/// The host threads of one CPU-target block.
+struct Team {
+    nthreads: u32,
+    block: Barrier,
+    warps: Vec<Warp>,
+}
+
+impl Team {
+    fn new(nthreads: u32) -> Self {
+        Team {
+            nthreads,
+            block: Barrier::new(nthreads),
+            warps: (0..nthreads.div_ceil(WARP))
+                .map(|w| {
+                    let lanes = (nthreads - w * WARP).min(WARP);
+                    Warp {
+                        barrier: Barrier::new(lanes),
+                        lanes,
+                        slots: core::array::from_fn(|_| AtomicU32::new(0)),
+                    }
+                })
+                .collect(),
+        }
+    }
+}
+
+/// Breaks the team's barriers when its thread unwinds (a trap), so no teammate waits forever.
+struct BreakOnUnwind<'a>(&'a Team);
+
+impl Drop for BreakOnUnwind<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.block.break_all();
+            for w in &self.0.warps {
+                w.barrier.break_all();
+            }
+        }
+    }
+}
+
+/// Runs block `bid` as a team of `nthreads` host threads (the CPU target's kernel block): thread
+/// `tid` runs `body(tid)` with [`thread_idx`], [`block_dim`] and [`block_idx`] set and the
+/// team's barriers behind [`sync_threads`], [`shfl_xor`] and [`vote_any`]. Thread 0 is the
+/// calling thread. True when every thread's `body` returned true; a thread that traps (panics)
+/// breaks the team's barriers, so its teammates trap at their next barrier, and counts as false.
+pub fn run_block_threads(bid: u32, nthreads: u32, body: impl Fn(u32) -> bool + Sync) -> bool {
+    let nthreads = nthreads.max(1);
+    let team = Team::new(nthreads);
+    let run = |tid: u32| -> bool {
+        BLOCK_IDX.with(|b| b.set(bid));
+        THREAD.with(|t| t.set((tid, &team as *const Team)));
+        let guard = BreakOnUnwind(&team);
+        let ok = body(tid);
+        drop(guard);
+        THREAD.with(|t| t.set((0, core::ptr::null())));
+        ok
+    };
+    std::thread::scope(|s| {
+        let others: Vec<_> = (1..nthreads).map(|tid| s.spawn(move || run(tid))).collect();
+        let first = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(0))).unwrap_or(false);
+        others.into_iter().fold(first, |ok, h| h.join().unwrap_or(false) && ok)
+    })
+}
+
+/// The calling thread's team, if it runs inside [`run_block_threads`].
+fn team() -> Option<(u32, &'static Team)> {
+    let (tid, team) = THREAD.with(|t| t.get());
+    // SAFETY: set by run_block_threads to a team that outlives the body it runs on this thread,
+    // and cleared before the team is dropped.
+    unsafe { team.as_ref() }.map(|t| (tid, t))
+}
+
+/// Thread index within the block (0 outside a team).
 #[inline(always)]
 pub fn thread_idx() -> u32 {
-    0
+    THREAD.with(|t| t.get().0)
 }
-/// Block index of the calling host thread, as set by [`set_block_idx`].
+/// Block index of the calling host thread, as set by [`run_block_threads`] or [`set_block_idx`].
 #[inline(always)]
 pub fn block_idx() -> u32 {
     BLOCK_IDX.with(|b| b.get())
 }
-/// Threads per block: 1.
+/// Threads per block (1 outside a team).
 #[inline(always)]
 pub fn block_dim() -> u32 {
-    1
+    team().map_or(1, |(_, t)| t.nthreads)
 }
-/// Sets the block index the calling host thread reports (the CPU launcher calls it).
+/// Sets the block index the calling host thread reports.
 pub fn set_block_idx(b: u32) {
     BLOCK_IDX.with(|c| c.set(b));
 }
 
-/// Block barrier: a no-op for one thread per block.
+/// Block barrier (`bar.sync 0`): waits for every thread of the team; a no-op outside one.
 ///
 /// # Safety
-/// None on the host.
+/// Every thread of the block reaches it (as on the GPU); otherwise the team waits forever.
 #[inline(always)]
-pub unsafe fn sync_threads() {}
+pub unsafe fn sync_threads() {
+    if let Some((_, t)) = team() {
+        if t.nthreads > 1 {
+            t.block.wait();
+        }
+    }
+}
 
-/// Named barrier: a no-op for one thread per block.
+/// Named barrier (`bar.sync id, n`) of `n` threads: the CPU target runs the block barrier, so
+/// every thread of the block must take part (the kernels use none with fewer).
 ///
 /// # Safety
-/// None on the host.
+/// As [`sync_threads`].
 #[inline(always)]
-pub unsafe fn named_barrier(_id: u32, _n: u32) {}
+pub unsafe fn named_barrier(_id: u32, _n: u32) {
+    // SAFETY: forwarded caller contract.
+    unsafe { sync_threads() }
+}
+
+/// The calling thread's warp and lane, if it runs in a team.
+fn warp_lane() -> Option<(&'static Warp, u32)> {
+    team().map(|(tid, t)| (&t.warps[(tid / WARP) as usize], tid % WARP))
+}
+
+/// Every lane of the calling thread's warp publishes `v`; `f` reads the warp's values.
+fn warp_exchange<R>(v: u32, f: impl FnOnce(&Warp, u32) -> R) -> Option<R> {
+    let (w, lane) = warp_lane()?;
+    w.slots[lane as usize].store(v, Ordering::Relaxed);
+    w.barrier.wait();
+    let r = f(w, lane);
+    // The slots are reused by the next exchange: nobody writes before everybody has read.
+    w.barrier.wait();
+    Some(r)
+}
 
 /// Acquire-release fence.
 ///
@@ -174,16 +339,37 @@ pub unsafe fn store_v4(p: *mut Pack, v: Pack) {
     unsafe { p.write(v) }
 }
 
-/// Warp shuffle: with one thread per block there is no other lane; returns `v`.
+/// Butterfly warp shuffle (`shfl.sync.bfly`): lane `l` gets lane `l ^ lane_mask`'s `v` (its own
+/// where that lane does not exist, as for a partial warp on the GPU).
 ///
 /// # Safety
-/// None on the host.
+/// Every lane of the warp calls it together (full-warp convergence, as on the GPU).
 #[inline(always)]
-pub unsafe fn shfl_xor(v: u32, _lane_mask: u32) -> u32 {
-    v
+pub unsafe fn shfl_xor(v: u32, lane_mask: u32) -> u32 {
+    warp_exchange(v, |w, lane| {
+        let src = lane ^ (lane_mask & (WARP - 1));
+        if src < w.lanes {
+            w.slots[src as usize].load(Ordering::Relaxed)
+        } else {
+            v
+        }
+    })
+    .unwrap_or(v)
 }
 
-/// Spin-loop hint. On the CPU target many ranks' channels share few cores, so a waiting thread
+/// Warp vote (`vote.sync.any`): true when `pred` holds on any lane of the calling warp.
+///
+/// # Safety
+/// As [`shfl_xor`].
+#[inline(always)]
+pub unsafe fn vote_any(pred: bool) -> bool {
+    warp_exchange(pred as u32, |w, _| {
+        w.slots[..w.lanes as usize].iter().any(|s| s.load(Ordering::Relaxed) != 0)
+    })
+    .unwrap_or(pred)
+}
+
+/// Spin-loop hint. On the CPU target many ranks' blocks share few cores, so a waiting thread
 /// gives its core away instead of burning it.
 #[inline(always)]
 pub fn spin_pause() {
@@ -258,4 +444,97 @@ pub fn f16_to_f32(h: u16) -> f32 {
 #[inline(always)]
 pub fn f32_to_f16(f: f32) -> u16 {
     half::f16::from_f32(f).to_bits()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use core::sync::atomic::AtomicUsize;
+
+    /// Each thread sees its own index, the team size and the block; every shuffle partner's
+    /// value arrives, in full warps and in the partial last warp (40 threads: 32 + 8).
+    #[test]
+    fn shuffles_exchange_between_the_lanes_of_each_warp() {
+        for n in [1u32, 8, 40, 64] {
+            let wrong = AtomicUsize::new(0);
+            let ok = run_block_threads(5, n, |tid| {
+                if (thread_idx(), block_dim(), block_idx()) != (tid, n, 5) {
+                    wrong.fetch_add(1, Ordering::Relaxed);
+                }
+                let lanes = (n - tid / WARP * WARP).min(WARP);
+                for mask in [1u32, 2, 4, 8, 16] {
+                    // SAFETY: every thread of the team runs the same shuffles.
+                    let got = unsafe { shfl_xor(1000 + tid, mask) };
+                    let lane = tid % WARP;
+                    let want = if (lane ^ mask) < lanes { 1000 + (tid / WARP * WARP + (lane ^ mask)) } else { 1000 + tid };
+                    if got != want {
+                        wrong.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+                true
+            });
+            assert!(ok, "n = {n}");
+            assert_eq!(wrong.load(Ordering::Relaxed), 0, "n = {n}: wrong indices or shuffles");
+        }
+    }
+
+    /// A vote is true on every lane of a warp exactly when one of its lanes voted true, and
+    /// never sees the other warp's votes.
+    #[test]
+    fn votes_are_per_warp() {
+        let wrong = AtomicUsize::new(0);
+        let ok = run_block_threads(0, 64, |tid| {
+            // Warp 0: only lane 31 votes true; warp 1: nobody.
+            // SAFETY: every thread of the team votes the same number of times.
+            let (a, b) = unsafe { (vote_any(tid == 31), vote_any(false)) };
+            if a != (tid < 32) || b {
+                wrong.fetch_add(1, Ordering::Relaxed);
+            }
+            true
+        });
+        assert!(ok);
+        assert_eq!(wrong.load(Ordering::Relaxed), 0);
+    }
+
+    /// What a thread wrote before `sync_threads` is seen by every thread after it, in every
+    /// round (the barrier orders memory as `bar.sync` does).
+    #[test]
+    fn the_block_barrier_orders_every_round() {
+        let n = 64u32;
+        let cells: Vec<AtomicU32> = (0..n).map(|_| AtomicU32::new(0)).collect();
+        let wrong = AtomicUsize::new(0);
+        let ok = run_block_threads(0, n, |tid| {
+            for round in 1..=50u32 {
+                cells[tid as usize].store(round, Ordering::Relaxed);
+                // SAFETY: every thread reaches both barriers of each round.
+                unsafe { sync_threads() };
+                let peer = (tid + round) % n;
+                if cells[peer as usize].load(Ordering::Relaxed) != round {
+                    wrong.fetch_add(1, Ordering::Relaxed);
+                }
+                // SAFETY: as above.
+                unsafe { sync_threads() };
+            }
+            true
+        });
+        assert!(ok);
+        assert_eq!(wrong.load(Ordering::Relaxed), 0);
+    }
+
+    /// A thread that traps breaks the barriers: its teammates waiting at one trap too, and the
+    /// block reports failure instead of hanging; a body returning false is a failure as well.
+    #[test]
+    fn a_trapping_thread_fails_the_block_without_a_hang() {
+        let ok = run_block_threads(0, 64, |tid| {
+            if tid == 17 {
+                trap();
+            }
+            // SAFETY: the barrier is broken by the trap, so nobody waits forever.
+            unsafe { sync_threads() };
+            true
+        });
+        assert!(!ok);
+        assert!(!run_block_threads(0, 4, |tid| tid != 2));
+        assert!(run_block_threads(0, 4, |_| true));
+    }
 }

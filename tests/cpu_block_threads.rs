@@ -1,0 +1,102 @@
+//! The CPU target with blocks of two warps (`OXCCL_CPU_NTHREADS=64`), so that the split of each
+//! step over a block's threads, the block barriers and the warp exchanges run as on the GPU: every
+//! collective on LL, LL128 and Simple over rings, and AllReduce over trees, checked as nccl-tests
+//! checks (`common::run_collective`: exact expected values, out of place and in place, poisoned
+//! outputs, guard bytes, every rank). A few (type, operator) pairs and counts that split
+//! unevenly over 64 threads keep the run short: each block thread is an OS thread per call.
+mod common;
+
+use common::env::Env;
+use oxccl::{DataType, Device, Func, RedOp};
+
+/// Counts: shorter than one pack, not a multiple of 64 threads' packs, and several LL128 lines
+/// and Simple slices per thread.
+const COUNTS: &[usize] = &[1, 7, 1025, 70_001];
+/// One type per element size, with different operators.
+const PAIRS: &[(DataType, RedOp)] = &[
+    (DataType::F32, RedOp::Sum),
+    (DataType::Bf16, RedOp::Max),
+    (DataType::I8, RedOp::Prod),
+    (DataType::F64, RedOp::Avg),
+];
+
+/// Sets `OXCCL_CPU_NTHREADS=64` for this binary: every communicator below is created after it.
+fn two_warps() -> std::sync::MutexGuard<'static, ()> {
+    let lock = common::env_lock();
+    // SAFETY: environment changes in this binary happen under `env_lock`, and every test sets
+    // the same value before it creates communicators.
+    unsafe { std::env::set_var("OXCCL_CPU_NTHREADS", "64") };
+    lock
+}
+
+fn ring(test: &str, func: Func) {
+    drop(two_warps());
+    common::run_collective(
+        test,
+        &Device::cpus(2),
+        &common::Matrix {
+            func,
+            counts: &[],
+            extra_counts: COUNTS,
+            extra_pairs: PAIRS,
+            protos: Some(common::PROTOS),
+        },
+    );
+}
+
+#[test]
+fn all_reduce_on_blocks_of_two_warps() {
+    ring("all_reduce_on_blocks_of_two_warps", Func::AllReduce);
+}
+
+#[test]
+fn broadcast_on_blocks_of_two_warps() {
+    ring("broadcast_on_blocks_of_two_warps", Func::Broadcast);
+}
+
+#[test]
+fn reduce_on_blocks_of_two_warps() {
+    ring("reduce_on_blocks_of_two_warps", Func::Reduce);
+}
+
+#[test]
+fn all_gather_on_blocks_of_two_warps() {
+    ring("all_gather_on_blocks_of_two_warps", Func::AllGather);
+}
+
+#[test]
+fn reduce_scatter_on_blocks_of_two_warps() {
+    ring("reduce_scatter_on_blocks_of_two_warps", Func::ReduceScatter);
+}
+
+/// The tree AllReduce (2 simulated nodes of 1 rank, `NCCL_ALGO=tree`) on every protocol.
+#[test]
+fn tree_all_reduce_on_blocks_of_two_warps() {
+    let devices = Device::cpus(2);
+    for proto in common::PROTOS {
+        {
+            let _lock = two_warps();
+            let env = Env::clean(&["ALGO", "PROTO", "TEST_NODES"]);
+            env.set(&[("NCCL_ALGO", "tree"), ("NCCL_PROTO", proto), ("OXCCL_TEST_NODES", "2")]);
+            // Created now, under this environment; the matrix below creates its own.
+            let comms = oxccl::Comm::init_all(&devices).unwrap();
+            for (r, c) in common::all_reduce_f32(&comms, 1025, false).iter().enumerate() {
+                assert_eq!((c.algo, c.proto.name()), (oxccl::Algo::Tree, *proto), "rank {r}");
+            }
+        }
+        let _lock = two_warps();
+        let env = Env::clean(&["ALGO", "PROTO", "TEST_NODES"]);
+        env.set(&[("NCCL_ALGO", "tree"), ("NCCL_PROTO", proto), ("OXCCL_TEST_NODES", "2")]);
+        common::run_collective(
+            &format!("tree_all_reduce_on_blocks_of_two_warps {proto}"),
+            &devices,
+            &common::Matrix {
+                func: Func::AllReduce,
+                counts: &[],
+                extra_counts: COUNTS,
+                extra_pairs: PAIRS,
+                protos: None,
+            },
+        );
+    }
+}
