@@ -83,6 +83,14 @@ struct Team {
 }
 
 impl Team {
+    /// Breaks every barrier of the team (a thread trapped).
+    fn break_all(&self) {
+        self.block.break_all();
+        for w in &self.warps {
+            w.barrier.break_all();
+        }
+    }
+
     fn new(nthreads: u32) -> Self {
         Team {
             nthreads,
@@ -101,42 +109,138 @@ impl Team {
     }
 }
 
-/// Breaks the team's barriers when its thread unwinds (a trap), so no teammate waits forever.
-struct BreakOnUnwind<'a>(&'a Team);
+/// Counts a team's pooled threads down to zero (their bodies have returned or trapped).
+struct Latch {
+    left: Mutex<(u32, bool)>,
+    cv: Condvar,
+}
 
-impl Drop for BreakOnUnwind<'_> {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            self.0.block.break_all();
-            for w in &self.0.warps {
-                w.barrier.break_all();
-            }
+impl Latch {
+    fn done(&self, ok: bool) {
+        let mut g = self.left.lock().unwrap_or_else(|e| e.into_inner());
+        g.0 -= 1;
+        g.1 &= ok;
+        if g.0 == 0 {
+            self.cv.notify_all();
         }
+    }
+
+    /// Waits for every pooled thread; true when all of them succeeded.
+    fn wait(&self) -> bool {
+        let mut g = self.left.lock().unwrap_or_else(|e| e.into_inner());
+        while g.0 > 0 {
+            g = self.cv.wait(g).unwrap_or_else(|e| e.into_inner());
+        }
+        g.1
     }
 }
 
 /// Runs block `bid` as a team of `nthreads` host threads (the CPU target's kernel block): thread
 /// `tid` runs `body(tid)` with [`thread_idx`], [`block_dim`] and [`block_idx`] set and the
 /// team's barriers behind [`sync_threads`], [`shfl_xor`] and [`vote_any`]. Thread 0 is the
-/// calling thread. True when every thread's `body` returned true; a thread that traps (panics)
-/// breaks the team's barriers, so its teammates trap at their next barrier, and counts as false.
+/// calling thread; the others come from a process-wide pool of idle host threads (see
+/// [`pool`]), so a call does not start threads once the pool is warm. True when every thread's
+/// `body` returned true; a thread that traps (panics) breaks the team's barriers, so its
+/// teammates trap at their next barrier, and counts as false.
 pub fn run_block_threads(bid: u32, nthreads: u32, body: impl Fn(u32) -> bool + Sync) -> bool {
     let nthreads = nthreads.max(1);
     let team = Team::new(nthreads);
     let run = |tid: u32| -> bool {
         BLOCK_IDX.with(|b| b.set(bid));
         THREAD.with(|t| t.set((tid, &team as *const Team)));
-        let guard = BreakOnUnwind(&team);
-        let ok = body(tid);
-        drop(guard);
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(tid)));
         THREAD.with(|t| t.set((0, core::ptr::null())));
-        ok
+        // A trap: no teammate may wait for this thread at a barrier.
+        r.unwrap_or_else(|_| {
+            team.break_all();
+            false
+        })
     };
-    std::thread::scope(|s| {
-        let others: Vec<_> = (1..nthreads).map(|tid| s.spawn(move || run(tid))).collect();
-        let first = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(0))).unwrap_or(false);
-        others.into_iter().fold(first, |ok, h| h.join().unwrap_or(false) && ok)
-    })
+    let latch = Latch {
+        left: Mutex::new((nthreads - 1, true)),
+        cv: Condvar::new(),
+    };
+    for tid in 1..nthreads {
+        let (run, latch) = (&run, &latch);
+        let job: std::boxed::Box<dyn FnOnce() + Send + '_> = std::boxed::Box::new(move || latch.done(run(tid)));
+        // SAFETY: the job borrows `run` and `latch` (and through them `team` and `body`), which
+        // live until this function returns; it returns only after `latch.wait()` saw every job
+        // finish, and a job touches nothing borrowed after `latch.done`. `run` catches a trap,
+        // so every job reaches `done`.
+        let job: pool::Job = unsafe { core::mem::transmute(job) };
+        pool::run(job);
+    }
+    let first = run(0);
+    latch.wait() && first
+}
+
+/// A process-wide pool of idle host threads for the CPU target's block teams: a job goes to an
+/// idle thread if there is one, else to a new thread, which joins the pool when its job ends and
+/// leaves it after [`IDLE_EXIT`] without work.
+mod pool {
+    use std::boxed::Box;
+    use std::sync::Mutex;
+    use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, channel};
+    use std::vec::Vec;
+
+    pub type Job = Box<dyn FnOnce() + Send + 'static>;
+
+    /// How long an idle pooled thread waits for a job before it exits.
+    const IDLE_EXIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+    /// Idle threads, each by its id and the sender of its job channel.
+    static IDLE: Mutex<Vec<(u64, Sender<Job>)>> = Mutex::new(Vec::new());
+
+    fn idle() -> std::sync::MutexGuard<'static, Vec<(u64, Sender<Job>)>> {
+        IDLE.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Runs `job` on an idle pooled thread, or on a new one.
+    pub fn run(mut job: Job) {
+        loop {
+            let Some((_, tx)) = idle().pop() else {
+                break;
+            };
+            match tx.send(job) {
+                Ok(()) => return,
+                // That thread has exited; try the next.
+                Err(e) => job = e.0,
+            }
+        }
+        start(job);
+    }
+
+    fn start(job: Job) {
+        static NEXT_ID: core::sync::atomic::AtomicU64 = core::sync::atomic::AtomicU64::new(0);
+        let id = NEXT_ID.fetch_add(1, core::sync::atomic::Ordering::Relaxed);
+        let (tx, rx) = channel::<Job>();
+        std::thread::spawn(move || worker(id, tx, rx, job));
+    }
+
+    fn worker(id: u64, tx: Sender<Job>, rx: Receiver<Job>, first: Job) {
+        let mut job = first;
+        loop {
+            job();
+            idle().push((id, tx.clone()));
+            job = match rx.recv_timeout(IDLE_EXIT) {
+                Ok(j) => j,
+                Err(RecvTimeoutError::Timeout) => {
+                    let mut list = idle();
+                    if let Some(i) = list.iter().position(|(k, _)| *k == id) {
+                        list.swap_remove(i);
+                        return;
+                    }
+                    drop(list);
+                    // Taken from the list just now: its sender sends the job next.
+                    match rx.recv() {
+                        Ok(j) => j,
+                        Err(_) => return,
+                    }
+                }
+                Err(RecvTimeoutError::Disconnected) => return,
+            };
+        }
+    }
 }
 
 /// The calling thread's team, if it runs inside [`run_block_threads`].
