@@ -60,9 +60,9 @@ pub struct Params {
     pub cpu_nthreads: u32,
 }
 
-/// Default host threads per CPU-target block: one. Each host thread of a block is an OS thread
-/// started per call, so the CPU suite keeps one per block and runs blocks of 64 threads in its
-/// own test binary.
+/// Default host threads per CPU-target block: one. Many threads per block on few cores spend their
+/// time in barrier and spin-wait system calls (64 make `ll_protocol` 25× slower on 2 cores), so
+/// the CPU suite keeps one per block and runs blocks of 64 threads in its own test binary.
 pub const DEFAULT_CPU_NTHREADS: u32 = 1;
 
 impl Default for Params {

@@ -3,7 +3,7 @@
 //! collective on LL, LL128 and Simple over rings, and AllReduce over trees, checked as nccl-tests
 //! checks (`common::run_collective`: exact expected values, out of place and in place, poisoned
 //! outputs, guard bytes, every rank). A few (type, operator) pairs and counts that split
-//! unevenly over 64 threads keep the run short: each block thread is an OS thread per call.
+//! unevenly over 64 threads keep the run short: many host threads per block are slow on few cores.
 mod common;
 
 use common::env::Env;
@@ -69,24 +69,30 @@ fn reduce_scatter_on_blocks_of_two_warps() {
     ring("reduce_scatter_on_blocks_of_two_warps", Func::ReduceScatter);
 }
 
+/// Two warps per block, and the tree forced on `proto` over 2 simulated nodes of 1 rank, while
+/// the guards live.
+fn tree_env(proto: &str) -> (Env, std::sync::MutexGuard<'static, ()>) {
+    let lock = two_warps();
+    let env = Env::clean(&["ALGO", "PROTO", "TEST_NODES"]);
+    env.set(&[("NCCL_ALGO", "tree"), ("NCCL_PROTO", proto), ("OXCCL_TEST_NODES", "2")]);
+    // The environment is restored (first field dropped first) before the lock is released.
+    (env, lock)
+}
+
 /// The tree AllReduce (2 simulated nodes of 1 rank, `NCCL_ALGO=tree`) on every protocol.
 #[test]
 fn tree_all_reduce_on_blocks_of_two_warps() {
     let devices = Device::cpus(2);
     for proto in common::PROTOS {
         {
-            let _lock = two_warps();
-            let env = Env::clean(&["ALGO", "PROTO", "TEST_NODES"]);
-            env.set(&[("NCCL_ALGO", "tree"), ("NCCL_PROTO", proto), ("OXCCL_TEST_NODES", "2")]);
+            let _env = tree_env(proto);
             // Created now, under this environment; the matrix below creates its own.
             let comms = oxccl::Comm::init_all(&devices).unwrap();
             for (r, c) in common::all_reduce_f32(&comms, 1025, false).iter().enumerate() {
                 assert_eq!((c.algo, c.proto.name()), (oxccl::Algo::Tree, *proto), "rank {r}");
             }
         }
-        let _lock = two_warps();
-        let env = Env::clean(&["ALGO", "PROTO", "TEST_NODES"]);
-        env.set(&[("NCCL_ALGO", "tree"), ("NCCL_PROTO", proto), ("OXCCL_TEST_NODES", "2")]);
+        let _env = tree_env(proto);
         common::run_collective(
             &format!("tree_all_reduce_on_blocks_of_two_warps {proto}"),
             &devices,
