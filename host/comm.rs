@@ -2050,7 +2050,7 @@ impl Comm {
                         oxccl_gpu::abi::kernel_name_for(func, algo, proto, dtype, op).as_str(),
                     ));
                 }
-                launch_cpu(args, self.params.cpu_nthreads, res.group.clone(), self.rank, s, &self.inflight)
+                launch_cpu(args, self.params.cpu_nthreads, self.params.cpu_team, res.group.clone(), self.rank, s, &self.inflight)
             }
             _ => Err(Error::invalid(
                 "stream and communicator are of different backends",
@@ -2104,12 +2104,15 @@ impl Comm {
     }
 }
 
-/// Runs one collective on the CPU target: per channel a block of `nthreads` host threads
-/// (`OXCCL_CPU_NTHREADS`), each running the same `run_block` the GPU kernel's threads run, with
-/// the block's shared memory and real barriers; queued on the CPU stream.
+/// Runs one collective on the CPU target: per channel a host thread running a block of
+/// `nthreads` threads (`OXCCL_CPU_NTHREADS`; fibers of it or host threads of their own, `team`),
+/// each running the same `run_block` the GPU kernel's threads run, with the block's shared memory
+/// and real barriers; queued on the CPU stream.
+#[allow(clippy::too_many_arguments)]
 fn launch_cpu(
     args: KernelArgs,
     nthreads: u32,
+    team: oxccl_gpu::arch::TeamKind,
     group: Arc<CpuGroup>,
     rank: usize,
     stream: &CpuStream,
@@ -2126,7 +2129,7 @@ fn launch_cpu(
                     s.spawn(move || {
                         let mut smem = vec![0u32; oxccl_gpu::abi::KERNEL_SMEM_BYTES / 4];
                         let smem = smem.as_mut_ptr() as usize;
-                        oxccl_gpu::arch::run_block_threads(b, nthreads, |tid| {
+                        oxccl_gpu::arch::run_block_threads(b, nthreads, team, |tid| {
                             // SAFETY: `args.comm` is this rank's comm block, kept alive by
                             // `group`; the buffers are the caller's (all_reduce_raw contract);
                             // `smem` is this block's, shared by its threads as on the GPU.

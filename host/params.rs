@@ -2,6 +2,7 @@
 //! created (NCCL's `NCCL_PARAM`). Every variable is accepted under its NCCL name and, where noted,
 //! under an `OXCCL_` spelling, which wins when both are set. Bad values are errors that name the
 //! variable and the accepted range, or are rounded with a warning; never silently used.
+use oxccl_gpu::arch::TeamKind;
 use crate::error::{Error, Result};
 use crate::topo::PathType;
 use oxccl_gpu::abi::{
@@ -53,17 +54,19 @@ pub struct Params {
     /// (NCCL's "P2P/direct pointer"); `NCCL_P2P_DIRECT_DISABLE=1` / `OXCCL_P2P_DIRECT_DISABLE=1`
     /// turns it off (0 or 1 accepted). Only `Comm::init_all` has such connections.
     pub p2p_direct: bool,
-    /// Host threads per block on the CPU target (`OXCCL_CPU_NTHREADS`, oxccl spelling only), in
-    /// [1, 1024]; default [`DEFAULT_CPU_NTHREADS`]. With more than one, a block's threads split
-    /// each step as the GPU's do and meet at real barriers, and warp shuffles and votes exchange
-    /// values between them (`tests/cpu_block_threads.rs` runs two warps' worth, 64).
+    /// Threads per block on the CPU target (`OXCCL_CPU_NTHREADS`, oxccl spelling only): whole
+    /// warps, a multiple of 32 in [32, 1024]; default [`DEFAULT_CPU_NTHREADS`]. A block's
+    /// threads split each step as the GPU's do, meet at real barriers, and exchange values by
+    /// warp shuffles and votes; LL128's lanes write and read lines as on the GPU.
     pub cpu_nthreads: u32,
+    /// How a CPU-target block runs its threads (`OXCCL_CPU_TEAM`, oxccl spelling only): `fibers`
+    /// of one host thread (the default: cheap on few cores) or `threads`, a host thread each
+    /// (preemptive and parallel, so timing-dependent bugs of a block's threads can show).
+    pub cpu_team: TeamKind,
 }
 
-/// Default host threads per CPU-target block: one. Many threads per block on few cores spend their
-/// time in barrier and spin-wait system calls (64 make `ll_protocol` 25× slower on 2 cores), so
-/// the CPU suite keeps one per block and runs blocks of 64 threads in its own test binary.
-pub const DEFAULT_CPU_NTHREADS: u32 = 1;
+/// Default threads per CPU-target block: two warps, as fibers of one host thread.
+pub const DEFAULT_CPU_NTHREADS: u32 = 64;
 
 impl Default for Params {
     fn default() -> Self {
@@ -78,6 +81,7 @@ impl Default for Params {
             p2p_level: None,
             p2p_direct: true,
             cpu_nthreads: DEFAULT_CPU_NTHREADS,
+            cpu_team: TeamKind::Fibers,
         }
     }
 }
@@ -170,7 +174,24 @@ impl Params {
             p.p2p_direct = parse_int(&key, &v, 0, 1)? == 0;
         }
         if let Some((key, v)) = get("CPU_NTHREADS").filter(|(k, _)| k.starts_with("OXCCL_")) {
-            p.cpu_nthreads = parse_int(&key, &v, 1, MAX_NTHREADS as i64)? as u32;
+            let n = parse_int(&key, &v, WARP_SIZE as i64, MAX_NTHREADS as i64)? as u32;
+            if n % WARP_SIZE != 0 {
+                return Err(Error::invalid(format!(
+                    "{key}={n} is not a whole number of warps (accepted: a multiple of {WARP_SIZE} in {WARP_SIZE}..={MAX_NTHREADS})"
+                )));
+            }
+            p.cpu_nthreads = n;
+        }
+        if let Some((key, v)) = get("CPU_TEAM").filter(|(k, _)| k.starts_with("OXCCL_")) {
+            p.cpu_team = match v.trim().to_ascii_lowercase().as_str() {
+                "fibers" => TeamKind::Fibers,
+                "threads" => TeamKind::Threads,
+                _ => {
+                    return Err(Error::invalid(format!(
+                        "{key}={v:?} is not a CPU team kind (accepted: fibers, threads)"
+                    )));
+                }
+            };
         }
         tracing::debug!(target: "oxccl::init", params = ?p, "parameters");
         Ok(p)
@@ -336,15 +357,23 @@ mod tests {
 
     #[test]
     fn cpu_block_threads_are_read_or_rejected() {
-        assert_eq!(with(&[]).unwrap().cpu_nthreads, 1);
-        assert_eq!(with(&[("OXCCL_CPU_NTHREADS", "64")]).unwrap().cpu_nthreads, 64);
+        assert_eq!(with(&[]).unwrap().cpu_nthreads, 64);
+        assert_eq!(with(&[]).unwrap().cpu_team, TeamKind::Fibers);
+        assert_eq!(with(&[("OXCCL_CPU_NTHREADS", "32")]).unwrap().cpu_nthreads, 32);
         assert_eq!(with(&[("OXCCL_CPU_NTHREADS", "1024")]).unwrap().cpu_nthreads, 1024);
-        // An oxccl-only variable: NCCL has no CPU target.
-        assert_eq!(with(&[("NCCL_CPU_NTHREADS", "64")]).unwrap().cpu_nthreads, 1);
-        for bad in ["0", "1025", "abc"] {
+        // oxccl-only variables: NCCL has no CPU target.
+        assert_eq!(with(&[("NCCL_CPU_NTHREADS", "128")]).unwrap().cpu_nthreads, 64);
+        assert_eq!(with(&[("NCCL_CPU_TEAM", "threads")]).unwrap().cpu_team, TeamKind::Fibers);
+        for bad in ["0", "1", "31", "1025", "abc"] {
             let e = with(&[("OXCCL_CPU_NTHREADS", bad)]).unwrap_err().to_string();
-            assert!(e.contains("OXCCL_CPU_NTHREADS") && e.contains("1..=1024"), "{e}");
+            assert!(e.contains("OXCCL_CPU_NTHREADS") && e.contains("32..=1024"), "{bad}: {e}");
         }
+        let e = with(&[("OXCCL_CPU_NTHREADS", "48")]).unwrap_err().to_string();
+        assert!(e.contains("OXCCL_CPU_NTHREADS=48") && e.contains("multiple of 32"), "{e}");
+        assert_eq!(with(&[("OXCCL_CPU_TEAM", "Threads")]).unwrap().cpu_team, TeamKind::Threads);
+        assert_eq!(with(&[("OXCCL_CPU_TEAM", "fibers")]).unwrap().cpu_team, TeamKind::Fibers);
+        let e = with(&[("OXCCL_CPU_TEAM", "green")]).unwrap_err().to_string();
+        assert!(e.contains("OXCCL_CPU_TEAM") && e.contains("fibers, threads"), "{e}");
     }
 
     #[test]

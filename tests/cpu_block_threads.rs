@@ -1,5 +1,7 @@
-//! The CPU target with blocks of two warps (`OXCCL_CPU_NTHREADS=64`), so that the split of each
-//! step over a block's threads, the block barriers and the warp exchanges run as on the GPU: every
+//! The CPU target with blocks of two warps whose threads are host threads of their own
+//! (`OXCCL_CPU_NTHREADS=64 OXCCL_CPU_TEAM=threads`; the rest of the suite runs them as fibers of
+//! one host thread), so that the split of each step over a block's threads, the block barriers,
+//! the warp exchanges and LL128's line lanes run preemptively and in parallel: every
 //! collective on LL, LL128 and Simple over rings, and AllReduce over trees, checked as nccl-tests
 //! checks (`common::run_collective`: exact expected values, out of place and in place, poisoned
 //! outputs, guard bytes, every rank). A few (type, operator) pairs and counts that split
@@ -20,12 +22,16 @@ const PAIRS: &[(DataType, RedOp)] = &[
     (DataType::F64, RedOp::Avg),
 ];
 
-/// Sets `OXCCL_CPU_NTHREADS=64` for this binary: every communicator below is created after it.
+/// Sets `OXCCL_CPU_NTHREADS=64` and `OXCCL_CPU_TEAM=threads` for this binary: every communicator
+/// below is created after it.
 fn two_warps() -> std::sync::MutexGuard<'static, ()> {
     let lock = common::env_lock();
     // SAFETY: environment changes in this binary happen under `env_lock`, and every test sets
     // the same value before it creates communicators.
-    unsafe { std::env::set_var("OXCCL_CPU_NTHREADS", "64") };
+    unsafe {
+        std::env::set_var("OXCCL_CPU_NTHREADS", "64");
+        std::env::set_var("OXCCL_CPU_TEAM", "threads");
+    }
     lock
 }
 

@@ -1,5 +1,5 @@
-//! Host implementations of the `arch` functions, for the CPU target. A block is a team of host
-//! threads ([`run_block_threads`]): `sync_threads` is a real barrier of the team, warp shuffles
+//! Host implementations of the `arch` functions, for the CPU target. A block is a team of fibers
+//! of one host thread, or of host threads ([`run_block_threads`]): `sync_threads` is a real barrier of the team, warp shuffles
 //! and votes exchange values between the (up to 32) threads of a warp, flag loads and stores are
 //! `core` atomics with the same ordering the PTX versions give; data loads and stores are plain
 //! memory accesses.
@@ -22,8 +22,9 @@ std::thread_local! {
 /// instead of waiting forever (a GPU trap ends the whole kernel).
 struct Barrier {
     n: u32,
-    /// (threads arrived, generation, broken).
-    state: Mutex<(u32, u64, bool)>,
+    /// (threads arrived, generation, broken, threads exited). An exited thread no longer holds
+    /// the barrier back (as on the GPU, where `bar.sync` does not wait for exited threads).
+    state: Mutex<(u32, u64, bool, u32)>,
     cv: Condvar,
 }
 
@@ -31,7 +32,7 @@ impl Barrier {
     fn new(n: u32) -> Self {
         Barrier {
             n,
-            state: Mutex::new((0, 0, false)),
+            state: Mutex::new((0, 0, false, 0)),
             cv: Condvar::new(),
         }
     }
@@ -46,14 +47,24 @@ impl Barrier {
         }
         let generation = g.1;
         g.0 += 1;
-        if g.0 == self.n {
+        if g.0 + g.3 >= self.n {
             g.0 = 0;
             g.1 += 1;
             self.cv.notify_all();
             return;
         }
-        while g.1 == generation && !g.2 {
-            g = self.cv.wait(g).unwrap_or_else(|e| e.into_inner());
+        if fiber::active() {
+            // The teammates are fibers of this host thread: let them run until the last one
+            // arrives.
+            while g.1 == generation && !g.2 {
+                drop(g);
+                fiber::suspend(false);
+                g = self.state.lock().unwrap_or_else(|e| e.into_inner());
+            }
+        } else {
+            while g.1 == generation && !g.2 {
+                g = self.cv.wait(g).unwrap_or_else(|e| e.into_inner());
+            }
         }
         if g.1 == generation {
             drop(g);
@@ -65,6 +76,17 @@ impl Barrier {
         let mut g = self.state.lock().unwrap_or_else(|e| e.into_inner());
         g.2 = true;
         self.cv.notify_all();
+    }
+
+    /// A member's body returned: the others no longer wait for it.
+    fn exit(&self) {
+        let mut g = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        g.3 += 1;
+        if g.0 > 0 && g.0 + g.3 >= self.n {
+            g.0 = 0;
+            g.1 += 1;
+            self.cv.notify_all();
+        }
     }
 }
 
@@ -89,6 +111,12 @@ impl Team {
         for w in &self.warps {
             w.barrier.break_all();
         }
+    }
+
+    /// Thread `tid`'s body returned: its barriers stop waiting for it.
+    fn exit(&self, tid: u32) {
+        self.block.exit();
+        self.warps[(tid / WARP) as usize].barrier.exit();
     }
 
     fn new(nthreads: u32) -> Self {
@@ -135,21 +163,39 @@ impl Latch {
     }
 }
 
-/// Runs block `bid` as a team of `nthreads` host threads (the CPU target's kernel block): thread
-/// `tid` runs `body(tid)` with [`thread_idx`], [`block_dim`] and [`block_idx`] set and the
-/// team's barriers behind [`sync_threads`], [`shfl_xor`] and [`vote_any`]. Thread 0 is the
-/// calling thread; the others come from a process-wide pool of idle host threads (see
-/// [`pool`]), so a call does not start threads once the pool is warm. True when every thread's
-/// `body` returned true; a thread that traps (panics) breaks the team's barriers, so its
-/// teammates trap at their next barrier, and counts as false.
-pub fn run_block_threads(bid: u32, nthreads: u32, body: impl Fn(u32) -> bool + Sync) -> bool {
+/// How a CPU-target block runs its threads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TeamKind {
+    /// Every thread of the block is a fiber (a stackful coroutine) of one host thread, which
+    /// switches between them at barriers, warp shuffles and votes, and spin-waits: cheap on few
+    /// cores, and each thread still has its own stack, index and warp lane.
+    Fibers,
+    /// Every thread of the block is a host thread of its own (from [`pool`]): preemptive, truly
+    /// parallel, and costly when there are more of them than cores.
+    Threads,
+}
+
+/// Runs block `bid` as a team of `nthreads` threads (the CPU target's kernel block), fibers of
+/// the calling host thread or host threads of their own (`kind`): thread `tid` runs `body(tid)`
+/// with [`thread_idx`], [`block_dim`] and [`block_idx`] set and the team's barriers behind
+/// [`sync_threads`], [`shfl_xor`] and [`vote_any`]. True when every thread's `body` returned
+/// true; a thread that traps (panics) breaks the team's barriers, so its teammates trap at their
+/// next barrier, and counts as false. A block whose fiber stacks cannot be had (mmap failed)
+/// is false too, and runs nothing.
+pub fn run_block_threads(bid: u32, nthreads: u32, kind: TeamKind, body: impl Fn(u32) -> bool + Sync) -> bool {
     let nthreads = nthreads.max(1);
     let team = Team::new(nthreads);
+    // One thread needs no team switching: run it directly (it still sees its team).
+    if kind == TeamKind::Fibers && nthreads > 1 {
+        BLOCK_IDX.with(|b| b.set(bid));
+        return fiber::run_team(&team, &body);
+    }
     let run = |tid: u32| -> bool {
         BLOCK_IDX.with(|b| b.set(bid));
         THREAD.with(|t| t.set((tid, &team as *const Team)));
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(tid)));
         THREAD.with(|t| t.set((0, core::ptr::null())));
+        team.exit(tid);
         // A trap: no teammate may wait for this thread at a barrier.
         r.unwrap_or_else(|_| {
             team.break_all();
@@ -172,6 +218,135 @@ pub fn run_block_threads(bid: u32, nthreads: u32, body: impl Fn(u32) -> bool + S
     }
     let first = run(0);
     latch.wait() && first
+}
+
+/// The fibers of [`TeamKind::Fibers`] teams: one host thread resumes its block's fibers in
+/// turn; a fiber runs until it waits (a barrier, a warp exchange, a spin-wait), then the next
+/// one runs. Once a round of the block saw a fiber spin-wait (for memory another host thread
+/// writes), the host thread yields its core.
+mod fiber {
+    use super::{THREAD, Team};
+    use core::cell::Cell;
+    use corosensei::stack::DefaultStack;
+    use corosensei::{Coroutine, CoroutineResult, Yielder};
+    use std::sync::Mutex;
+    use std::vec::Vec;
+
+    /// Bytes of each fiber's stack (mapped lazily; a guard page below it).
+    const STACK_BYTES: usize = 256 * 1024;
+    /// Stacks kept for reuse by later blocks.
+    const POOLED_STACKS: usize = 4096;
+
+    /// A fiber stack between uses.
+    struct Pooled(DefaultStack);
+    // SAFETY: a pooled stack is a mapping no fiber runs on; any thread may run the next fiber
+    // on it.
+    unsafe impl Send for Pooled {}
+
+    static STACKS: Mutex<Vec<Pooled>> = Mutex::new(Vec::new());
+
+    std::thread_local! {
+        /// The running fiber's yielder (null outside a fiber).
+        static YIELDER: Cell<*const Yielder<(), ()>> = const { Cell::new(core::ptr::null()) };
+        /// Whether a fiber spin-waited since the scheduler last looked.
+        static SPUN: Cell<bool> = const { Cell::new(false) };
+    }
+
+    /// Whether the caller is a fiber of a team.
+    pub fn active() -> bool {
+        !YIELDER.with(|y| y.get()).is_null()
+    }
+
+    /// Gives the host thread to the block's next fiber; `spin` marks a spin-wait. Returns when
+    /// the scheduler resumes this fiber. Outside a fiber it does nothing.
+    pub fn suspend(spin: bool) {
+        let y = YIELDER.with(|c| c.get());
+        if y.is_null() {
+            return;
+        }
+        let me = THREAD.with(|t| t.get());
+        if spin {
+            SPUN.with(|c| c.set(true));
+        }
+        // SAFETY: `y` is the yielder of the fiber running this code (set at its start and
+        // restored after each switch), valid while the fiber runs.
+        unsafe { (*y).suspend(()) };
+        YIELDER.with(|c| c.set(y));
+        THREAD.with(|t| t.set(me));
+    }
+
+    fn take_stack() -> Option<DefaultStack> {
+        let pooled = STACKS.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        match pooled {
+            Some(Pooled(s)) => Some(s),
+            None => DefaultStack::new(STACK_BYTES).ok(),
+        }
+    }
+
+    fn give_stack(s: DefaultStack) {
+        let mut pool = STACKS.lock().unwrap_or_else(|e| e.into_inner());
+        if pool.len() < POOLED_STACKS {
+            pool.push(Pooled(s));
+        }
+    }
+
+    /// Runs every thread of `team` as a fiber of the calling host thread; true when every
+    /// `body` returned true.
+    pub fn run_team(team: &Team, body: &(impl Fn(u32) -> bool + Sync)) -> bool {
+        let team_ptr = team as *const Team;
+        let mut fibers = Vec::with_capacity(team.nthreads as usize);
+        for tid in 0..team.nthreads {
+            let Some(stack) = take_stack() else {
+                for mut f in fibers.drain(..).flatten() {
+                    let f: &mut Coroutine<(), (), bool, DefaultStack> = &mut f;
+                    // Not started: this only drops its closure.
+                    f.force_unwind();
+                }
+                return false;
+            };
+            let f = move |y: &Yielder<(), ()>, ()| -> bool {
+                YIELDER.with(|c| c.set(y as *const _));
+                THREAD.with(|t| t.set((tid, team_ptr)));
+                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(tid)));
+                // SAFETY: the team outlives its fibers (run_team returns after all ended).
+                unsafe { (*team_ptr).exit(tid) };
+                r.unwrap_or_else(|_| {
+                    // A trap: no teammate may wait for this thread at a barrier.
+                    // SAFETY: the team outlives its fibers (run_team returns after all ended).
+                    unsafe { (*team_ptr).break_all() };
+                    false
+                })
+            };
+            // SAFETY: the fiber borrows `team` and `body`, which outlive it: every fiber is run
+            // to its end below before this function returns (a trapping body is caught inside
+            // its fiber, so each one ends by returning).
+            fibers.push(Some(unsafe { Coroutine::with_stack_unchecked(stack, f) }));
+        }
+        let mut ok = true;
+        let mut live = fibers.len();
+        while live > 0 {
+            SPUN.with(|c| c.set(false));
+            for slot in fibers.iter_mut() {
+                let Some(f) = slot else { continue };
+                match f.resume(()) {
+                    CoroutineResult::Yield(()) => {}
+                    CoroutineResult::Return(r) => {
+                        ok &= r;
+                        live -= 1;
+                        if let Some(f) = slot.take() {
+                            give_stack(f.into_stack());
+                        }
+                    }
+                }
+            }
+            if SPUN.with(|c| c.get()) {
+                std::thread::yield_now();
+            }
+        }
+        YIELDER.with(|c| c.set(core::ptr::null()));
+        THREAD.with(|t| t.set((0, core::ptr::null())));
+        ok
+    }
 }
 
 /// A process-wide pool of idle host threads for the CPU target's block teams: a job goes to an
@@ -309,6 +484,33 @@ fn warp_exchange<R>(v: u32, f: impl FnOnce(&Warp, u32) -> R) -> Option<R> {
     // The slots are reused by the next exchange: nobody writes before everybody has read.
     w.barrier.wait();
     Some(r)
+}
+
+/// Warp barrier (`bar.warp.sync` of the full warp): what every lane of the calling thread's warp
+/// wrote before it is seen by every lane after it; a no-op outside a team.
+///
+/// # Safety
+/// Every lane of the warp calls it together (as [`shfl_xor`]).
+pub unsafe fn sync_warp() {
+    if let Some((w, _)) = warp_lane() {
+        w.barrier.wait();
+    }
+}
+
+/// Two 8-byte acquire loads at `p` (the GPU's `ld.volatile.v2.u64` of an LL128 line part).
+///
+/// # Safety
+/// `p` is valid and 16-byte aligned, and only accessed atomically while shared.
+#[inline(always)]
+pub unsafe fn load_volatile_v2_u64(p: *const u64) -> (u64, u64) {
+    let q = p as *mut u64;
+    // SAFETY: caller guarantees validity and alignment.
+    unsafe {
+        (
+            AtomicU64::from_ptr(q).load(Ordering::Acquire),
+            AtomicU64::from_ptr(q.add(1)).load(Ordering::Acquire),
+        )
+    }
 }
 
 /// Acquire-release fence.
@@ -477,7 +679,11 @@ pub unsafe fn vote_any(pred: bool) -> bool {
 /// gives its core away instead of burning it.
 #[inline(always)]
 pub fn spin_pause() {
-    std::thread::yield_now();
+    if fiber::active() {
+        fiber::suspend(true);
+    } else {
+        std::thread::yield_now();
+    }
 }
 
 /// Abort the "kernel": on the host this is a panic of the channel thread, which the CPU launcher
@@ -555,30 +761,34 @@ mod tests {
     use super::*;
     use core::sync::atomic::AtomicUsize;
 
+    const KINDS: [TeamKind; 2] = [TeamKind::Fibers, TeamKind::Threads];
+
     /// Each thread sees its own index, the team size and the block; every shuffle partner's
     /// value arrives, in full warps and in the partial last warp (40 threads: 32 + 8).
     #[test]
     fn shuffles_exchange_between_the_lanes_of_each_warp() {
-        for n in [1u32, 8, 40, 64] {
-            let wrong = AtomicUsize::new(0);
-            let ok = run_block_threads(5, n, |tid| {
-                if (thread_idx(), block_dim(), block_idx()) != (tid, n, 5) {
-                    wrong.fetch_add(1, Ordering::Relaxed);
-                }
-                let lanes = (n - tid / WARP * WARP).min(WARP);
-                for mask in [1u32, 2, 4, 8, 16] {
-                    // SAFETY: every thread of the team runs the same shuffles.
-                    let got = unsafe { shfl_xor(1000 + tid, mask) };
-                    let lane = tid % WARP;
-                    let want = if (lane ^ mask) < lanes { 1000 + (tid / WARP * WARP + (lane ^ mask)) } else { 1000 + tid };
-                    if got != want {
+        for kind in KINDS {
+            for n in [1u32, 8, 40, 64] {
+                let wrong = AtomicUsize::new(0);
+                let ok = run_block_threads(5, n, kind, |tid| {
+                    if (thread_idx(), block_dim(), block_idx()) != (tid, n, 5) {
                         wrong.fetch_add(1, Ordering::Relaxed);
                     }
-                }
-                true
-            });
-            assert!(ok, "n = {n}");
-            assert_eq!(wrong.load(Ordering::Relaxed), 0, "n = {n}: wrong indices or shuffles");
+                    let lanes = (n - tid / WARP * WARP).min(WARP);
+                    for mask in [1u32, 2, 4, 8, 16] {
+                        // SAFETY: every thread of the team runs the same shuffles.
+                        let got = unsafe { shfl_xor(1000 + tid, mask) };
+                        let lane = tid % WARP;
+                        let want = if (lane ^ mask) < lanes { 1000 + (tid / WARP * WARP + (lane ^ mask)) } else { 1000 + tid };
+                        if got != want {
+                            wrong.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                    true
+                });
+                assert!(ok, "n = {n}");
+                assert_eq!(wrong.load(Ordering::Relaxed), 0, "n = {n}: wrong indices or shuffles");
+            }
         }
     }
 
@@ -586,59 +796,106 @@ mod tests {
     /// never sees the other warp's votes.
     #[test]
     fn votes_are_per_warp() {
-        let wrong = AtomicUsize::new(0);
-        let ok = run_block_threads(0, 64, |tid| {
-            // Warp 0: only lane 31 votes true; warp 1: nobody.
-            // SAFETY: every thread of the team votes the same number of times.
-            let (a, b) = unsafe { (vote_any(tid == 31), vote_any(false)) };
-            if a != (tid < 32) || b {
-                wrong.fetch_add(1, Ordering::Relaxed);
-            }
-            true
-        });
-        assert!(ok);
-        assert_eq!(wrong.load(Ordering::Relaxed), 0);
+        for kind in KINDS {
+            let wrong = AtomicUsize::new(0);
+            let ok = run_block_threads(0, 64, kind, |tid| {
+                // Warp 0: only lane 31 votes true; warp 1: nobody.
+                // SAFETY: every thread of the team votes the same number of times.
+                let (a, b) = unsafe { (vote_any(tid == 31), vote_any(false)) };
+                if a != (tid < 32) || b {
+                    wrong.fetch_add(1, Ordering::Relaxed);
+                }
+                true
+            });
+            assert!(ok);
+            assert_eq!(wrong.load(Ordering::Relaxed), 0);
+        }
     }
 
     /// What a thread wrote before `sync_threads` is seen by every thread after it, in every
     /// round (the barrier orders memory as `bar.sync` does).
     #[test]
     fn the_block_barrier_orders_every_round() {
-        let n = 64u32;
-        let cells: Vec<AtomicU32> = (0..n).map(|_| AtomicU32::new(0)).collect();
-        let wrong = AtomicUsize::new(0);
-        let ok = run_block_threads(0, n, |tid| {
-            for round in 1..=50u32 {
-                cells[tid as usize].store(round, Ordering::Relaxed);
-                // SAFETY: every thread reaches both barriers of each round.
-                unsafe { sync_threads() };
-                let peer = (tid + round) % n;
-                if cells[peer as usize].load(Ordering::Relaxed) != round {
-                    wrong.fetch_add(1, Ordering::Relaxed);
+        for kind in KINDS {
+            let n = 64u32;
+            let cells: Vec<AtomicU32> = (0..n).map(|_| AtomicU32::new(0)).collect();
+            let wrong = AtomicUsize::new(0);
+            let ok = run_block_threads(0, n, kind, |tid| {
+                for round in 1..=50u32 {
+                    cells[tid as usize].store(round, Ordering::Relaxed);
+                    // SAFETY: every thread reaches both barriers of each round.
+                    unsafe { sync_threads() };
+                    let peer = (tid + round) % n;
+                    if cells[peer as usize].load(Ordering::Relaxed) != round {
+                        wrong.fetch_add(1, Ordering::Relaxed);
+                    }
+                    // SAFETY: as above.
+                    unsafe { sync_threads() };
                 }
-                // SAFETY: as above.
-                unsafe { sync_threads() };
-            }
-            true
-        });
-        assert!(ok);
-        assert_eq!(wrong.load(Ordering::Relaxed), 0);
+                true
+            });
+            assert!(ok);
+            assert_eq!(wrong.load(Ordering::Relaxed), 0);
+        }
     }
 
     /// A thread that traps breaks the barriers: its teammates waiting at one trap too, and the
     /// block reports failure instead of hanging; a body returning false is a failure as well.
     #[test]
     fn a_trapping_thread_fails_the_block_without_a_hang() {
-        let ok = run_block_threads(0, 64, |tid| {
-            if tid == 17 {
-                trap();
-            }
-            // SAFETY: the barrier is broken by the trap, so nobody waits forever.
-            unsafe { sync_threads() };
-            true
-        });
-        assert!(!ok);
-        assert!(!run_block_threads(0, 4, |tid| tid != 2));
-        assert!(run_block_threads(0, 4, |_| true));
+        for kind in KINDS {
+            let ok = run_block_threads(0, 64, kind, |tid| {
+                if tid == 17 {
+                    trap();
+                }
+                // SAFETY: the barrier is broken by the trap, so nobody waits forever.
+                unsafe { sync_threads() };
+                true
+            });
+            assert!(!ok);
+            assert!(!run_block_threads(0, 4, kind, |tid| tid != 2));
+            assert!(run_block_threads(0, 4, kind, |_| true));
+        }
+    }
+
+    /// A thread spin-waiting for a teammate's store (no barrier between them) lets that
+    /// teammate run: the lowest thread waits for the highest one, which runs after it.
+    #[test]
+    fn a_spin_waiting_thread_lets_its_teammates_run() {
+        for kind in KINDS {
+            let flag = AtomicU32::new(0);
+            let ok = run_block_threads(0, 64, kind, |tid| {
+                if tid == 0 {
+                    while flag.load(Ordering::Acquire) != 63 {
+                        spin_pause();
+                    }
+                } else if tid == 63 {
+                    flag.store(63, Ordering::Release);
+                }
+                true
+            });
+            assert!(ok && flag.load(Ordering::Relaxed) == 63);
+        }
+    }
+
+    /// A thread that returned early does not hold its teammates' barriers back (a GPU's
+    /// `bar.sync` does not wait for exited threads): thread 0 leaves, the others meet twice.
+    #[test]
+    fn an_exited_thread_does_not_hold_a_barrier() {
+        for kind in KINDS {
+            let ok = run_block_threads(0, 64, kind, |tid| {
+                if tid == 0 {
+                    return true;
+                }
+                // SAFETY: every thread but the exited one reaches both barriers.
+                unsafe {
+                    sync_threads();
+                    sync_warp();
+                    sync_threads();
+                }
+                true
+            });
+            assert!(ok);
+        }
     }
 }

@@ -6,8 +6,10 @@
 //! bytes (`st.volatile.v2.u64`) in one warp instruction, the last thread's second word being the
 //! flag, and NVLink delivers the 128-byte line as one unit; the reader's 8 threads load the line
 //! the same way and the warp retries until every flag thread of the warp saw its flag (a warp
-//! vote). On the CPU target one thread handles all 8 parts of a line and orders the flag after
-//! the data explicitly (release store, acquire load).
+//! vote). The CPU target runs the same lanes and votes (its blocks are whole warps), ordering
+//! what one 16-byte store gives the GPU explicitly: a writer's lanes store their data parts, meet
+//! at the warp barrier, then each flag lane stores its flags with release; a reader's flag lanes
+//! load the flags with acquire, the warp votes, then every lane loads its data parts.
 //!
 //! A connection's LL128 buffer (`buff_sizes[Ll128]` bytes) holds [`FIFO_STEPS`] slots of lines.
 //! Lines of step `s` carry the flag `s + 1` as a full 64-bit word: it never wraps in practice
@@ -29,11 +31,9 @@ pub const LL128_DATA_BYTES: u64 = 120;
 /// Threads (16-byte parts) per line on the GPU.
 pub const LL128_LINE_PARTS: u64 = 8;
 
-/// Line parts one thread handles: one on the GPU (warp-cooperative), all eight on the CPU target.
-#[cfg(target_arch = "nvptx64")]
+/// Line parts (16-byte pieces) one thread handles: one, the 8 threads of a line group together
+/// writing or reading the whole line.
 const PARTS: usize = 1;
-#[cfg(not(target_arch = "nvptx64"))]
-const PARTS: usize = LL128_LINE_PARTS as usize;
 
 /// Lines a thread works on per loop iteration: their loads are all in flight at once. A
 /// build-time knob for kernel tuning: `OXCCL_BUILD_LL128_UNROLL=N cargo build` (1..=16; default 2).
@@ -61,7 +61,6 @@ struct Lanes {
 }
 
 impl Lanes {
-    #[cfg(target_arch = "nvptx64")]
     fn new(tid: u32, nthreads: u32) -> Self {
         let (tid, n) = (tid as u64, nthreads as u64);
         Lanes {
@@ -69,15 +68,6 @@ impl Lanes {
             stride: n / LL128_LINE_PARTS,
             part0: tid % LL128_LINE_PARTS,
             warp_group: tid / 32 * (32 / LL128_LINE_PARTS),
-        }
-    }
-    #[cfg(not(target_arch = "nvptx64"))]
-    fn new(tid: u32, nthreads: u32) -> Self {
-        Lanes {
-            group: tid as u64,
-            stride: nthreads as u64,
-            part0: 0,
-            warp_group: tid as u64,
         }
     }
 }
@@ -208,9 +198,11 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
         }
     }
 
-    /// CPU target: each line of the batch in turn, as [`Self::read_line`].
+    /// CPU target: the GPU's batch read with the ordering its 16-byte loads give made explicit:
+    /// the flag lanes load their flags with acquire, the warp votes (its barrier orders those
+    /// loads before every lane's next ones), then each lane loads its data part. A warp that saw
+    /// a stale flag gives its core away before it retries.
     #[cfg(not(target_arch = "nvptx64"))]
-    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn read_batch(
         &self,
         lines: &[*const u64; UNROLL],
@@ -218,42 +210,41 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
         active: &[bool; UNROLL],
         w: &mut [[u64; 2 * PARTS]; UNROLL],
     ) -> bool {
-        for u in 0..UNROLL {
-            match self.read_line(lines[u], flag, active[u]) {
-                Some(r) => w[u] = r,
-                None => return false,
-            }
-        }
-        true
-    }
-
-    /// CPU target: waits for the flag word (acquire), then reads the 15 data words.
-    #[cfg(not(target_arch = "nvptx64"))]
-    #[cfg_attr(target_arch = "nvptx64", inline(always))]
-    fn read_line(&self, line: *const u64, flag: u64, active: bool) -> Option<[u64; 2 * PARTS]> {
-        let mut w = [0u64; 2 * PARTS];
-        if !active {
-            return Some(w);
-        }
         let mut spins = 0u32;
-        // SAFETY: the line lies inside the receive slot; its words are only accessed atomically.
-        unsafe {
-            while arch::load_acquire_sys_u64(line.add(15)) != flag {
-                spins += 1;
-                if spins == SPINS_BEFORE_CHECK_ABORT {
-                    spins = 0;
-                    if abort_raised(self.abort_flag) {
-                        return None;
+        let p = self.lanes.part0;
+        let flag_part = p == LL128_LINE_PARTS - 1;
+        loop {
+            let mut stale = false;
+            for u in 0..UNROLL {
+                if active[u] && flag_part {
+                    // SAFETY: the flag word lies inside the receive slot, 8-byte aligned, and
+                    // is only accessed atomically.
+                    stale |= unsafe { arch::load_acquire_sys_u64(lines[u].add(15)) } != flag;
+                }
+            }
+            // SAFETY: the caller keeps the warp converged.
+            if !unsafe { arch::vote_any(stale) } {
+                for u in 0..UNROLL {
+                    if active[u] {
+                        // SAFETY: the part lies inside the receive slot, 16-byte aligned; its
+                        // words are only accessed atomically while shared.
+                        let (a, b) = unsafe { arch::load_volatile_v2_u64(lines[u].add(2 * p as usize)) };
+                        w[u][0] = a;
+                        w[u][1] = b;
                     }
                 }
-                arch::spin_pause();
+                return true;
             }
-            for (i, word) in w.iter_mut().enumerate().take(15) {
-                *word = arch::load_volatile_u64(line.add(i));
+            arch::spin_pause();
+            spins += 1;
+            if spins == SPINS_BEFORE_CHECK_ABORT {
+                spins = 0;
+                // SAFETY: as above; every lane takes the same branch.
+                if unsafe { arch::vote_any(abort_raised(self.abort_flag)) } {
+                    return false;
+                }
             }
         }
-        w[15] = flag;
-        Some(w)
     }
 
     /// Writes this thread's parts of `line` with `flag` in the last word (GPU: one 16-byte store
@@ -267,16 +258,39 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
         unsafe { arch::store_volatile_v2_u64(line.add(2 * p as usize), w[0], hi) }
     }
 
-    /// CPU target: data words first, then the flag with release ordering.
+    /// CPU target: the lane's data words only; the flag lane's flag follows in
+    /// [`Self::publish_flags`], after the warp barrier, so a reader that sees the flag sees the
+    /// whole line (what one 16-byte store per lane gives the GPU).
     #[cfg(not(target_arch = "nvptx64"))]
-    #[cfg_attr(target_arch = "nvptx64", inline(always))]
-    fn write_parts(&self, line: *mut u64, w: [u64; 2 * PARTS], flag: u64) {
-        // SAFETY: the line lies inside the peer's slot; its words are only accessed atomically.
+    fn write_parts(&self, line: *mut u64, w: [u64; 2 * PARTS], _flag: u64) {
+        let p = self.lanes.part0 as usize;
+        // SAFETY: the part lies inside the peer's slot, 16-byte aligned; its words are only
+        // accessed atomically while shared.
         unsafe {
-            for (i, &word) in w.iter().enumerate().take(15) {
-                arch::store_volatile_u64(line.add(i), word);
+            arch::store_volatile_u64(line.add(2 * p), w[0]);
+            if p != LL128_LINE_PARTS as usize - 1 {
+                arch::store_volatile_u64(line.add(2 * p + 1), w[1]);
             }
-            arch::store_release_sys_u64(line.add(15), flag);
+        }
+    }
+
+    /// CPU target: after every lane of the warp wrote its parts of a batch's lines, the flag
+    /// lanes store the flags (`flags[u][i]` for line `u` and send peer `i`) with release. Every
+    /// lane of the warp calls it together.
+    #[cfg(not(target_arch = "nvptx64"))]
+    fn publish_flags(&self, lines: &[[*mut u64; NS]; UNROLL], flags: &[u64; NS], active: &[bool; UNROLL], nsend: usize) {
+        // SAFETY: the caller keeps the warp converged.
+        unsafe { arch::sync_warp() };
+        if self.lanes.part0 != LL128_LINE_PARTS - 1 {
+            return;
+        }
+        for u in 0..UNROLL {
+            if active[u] {
+                for i in 0..nsend {
+                    // SAFETY: the flag word lies inside peer i's slot, 8-byte aligned.
+                    unsafe { arch::store_release_sys_u64(lines[u][i].add(15), flags[i]) };
+                }
+            }
         }
     }
 
@@ -464,6 +478,16 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
                             }
                         });
                     }
+                }
+                #[cfg(not(target_arch = "nvptx64"))]
+                if SEND {
+                    let mut at = [[core::ptr::null_mut::<u64>(); NS]; UNROLL];
+                    for u in 0..UNROLL {
+                        for i in 0..nsend {
+                            at[u][i] = slot_s[i].wrapping_add(line[u] as usize * line_words);
+                        }
+                    }
+                    self.publish_flags(&at, &fs, &active, nsend);
                 }
             }
             // Free the received slots once every thread has read its lines; share any abort.
