@@ -1,6 +1,7 @@
 //! oxccl's device code, compiled twice: for `nvptx64-nvidia-cuda` into the PTX module the host
-//! library embeds (build.rs), and for the host as the CPU target, where each channel is a host
-//! thread (or a team of them, `OXCCL_CPU_NTHREADS`) running the very same schedules and protocols.
+//! library embeds (build.rs), and for the host as the CPU target, where each channel is a block of
+//! `OXCCL_CPU_NTHREADS` threads (fibers of one host thread, or host threads: `OXCCL_CPU_TEAM`)
+//! running the very same schedules and protocols.
 //!
 //! | layer | module | knows about |
 //! |---|---|---|
