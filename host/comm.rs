@@ -44,6 +44,9 @@ const ABORT_WAIT: Duration = Duration::from_secs(5);
 /// into its buffers directly: a running kernel stops within microseconds of its flag; only one
 /// queued behind other work takes longer, and that one checks the flag before writing.
 const PEER_ABORT_WAIT: Duration = Duration::from_secs(1);
+/// How long [`Comm::abort`] on the CPU target waits for a peer's kernel that is running (its
+/// flag raised, so it ends at its next wait, after its current copy).
+const PEER_RUNNING_WAIT: Duration = Duration::from_secs(10);
 /// How long dropping a communicator waits for its last operation before it raises the abort flag.
 const DROP_WAIT: Duration = Duration::from_secs(10);
 /// Bytes reserved per channel for the two step counters (head, tail), each on its own 128-byte line.
@@ -159,6 +162,10 @@ struct CpuGroup {
     abort: Vec<HostMem>,
     /// `init_all`: every rank's count of queued operations (empty for `init_rank`).
     inflight: Vec<Arc<AtomicUsize>>,
+    /// `init_all`: every rank's count of operations whose blocks are running now, a subset of
+    /// `inflight` (empty for `init_rank`). A running CPU kernel whose abort flag is raised ends
+    /// at its next wait, however long its current copy takes.
+    running: Vec<AtomicUsize>,
     /// `init_rank`: this rank's connection memory, shared with its ring neighbours.
     _shm: Vec<crate::cpu::ShmSegment>,
     /// `init_rank`: bootstrap, peer mappings, shared abort page.
@@ -510,6 +517,7 @@ impl Comm {
                 _conn_mem: conn.into_iter().chain(tree_mem).collect(),
                 abort,
                 inflight: (0..nranks).map(|_| Arc::new(AtomicUsize::new(0))).collect(),
+                running: (0..nranks).map(|_| AtomicUsize::new(0)).collect(),
                 _shm: Vec::new(),
                 mp: None,
             });
@@ -1045,6 +1053,7 @@ impl Comm {
                     _conn_mem: Vec::new(),
                     abort: Vec::new(),
                     inflight: Vec::new(),
+                    running: Vec::new(),
                     _shm: vec![seg],
                     mp: Some(mp),
                 });
@@ -1253,7 +1262,8 @@ impl Comm {
     /// until no kernel of the group's other ranks is queued or running. Their flags are raised,
     /// so a running kernel stops at its next wait; a kernel still queued behind other work when
     /// the time is up checks its flag before its first direct write and writes nothing there.
-    /// Never fails: a peer that cannot be asked counts as idle (debug log).
+    /// On the CPU target a peer kernel that is running is waited for longer
+    /// ([`PEER_RUNNING_WAIT`]): it ends after its current copy. Never fails: a peer that cannot be asked counts as idle (debug log).
     fn wait_peers_after_abort(&self, start: Instant) {
         let me = self.rank;
         let peers_idle = || -> bool {
@@ -1272,10 +1282,25 @@ impl Comm {
                     .all(|(i, n)| i == r.slot || n.load(Ordering::Acquire) == 0),
             }
         };
+        // CPU target: a peer's kernel that is running (not only queued) ends at its next wait,
+        // but its current copy may take far longer on host threads than on a GPU (a 128 MiB
+        // slice): wait for it too, up to PEER_RUNNING_WAIT.
+        let peers_running = || -> bool {
+            match &self.res {
+                Res::Cuda(_) => false,
+                Res::Cpu(r) => r
+                    .group
+                    .running
+                    .iter()
+                    .enumerate()
+                    .any(|(i, n)| i != r.slot && n.load(Ordering::Acquire) != 0),
+            }
+        };
         let t = Instant::now();
         while !peers_idle() {
-            if t.elapsed() > PEER_ABORT_WAIT {
-                tracing::warn!(target: "oxccl::init", rank = me, "abort: other ranks of the group still have queued work after {PEER_ABORT_WAIT:?}; their kernels check the abort flag before writing into this rank's buffers");
+            let waited = t.elapsed();
+            if waited > PEER_ABORT_WAIT && !(peers_running() && waited < PEER_RUNNING_WAIT) {
+                tracing::warn!(target: "oxccl::init", rank = me, waited_ms = waited.as_millis() as u64, "abort: other ranks of the group still have queued work; their kernels check the abort flag before writing into this rank's buffers");
                 return;
             }
             std::thread::sleep(Duration::from_micros(200));
@@ -2050,7 +2075,7 @@ impl Comm {
                         oxccl_gpu::abi::kernel_name_for(func, algo, proto, dtype, op).as_str(),
                     ));
                 }
-                launch_cpu(args, self.params.cpu_nthreads, self.params.cpu_team, res.group.clone(), self.rank, s, &self.inflight)
+                launch_cpu(args, self.params.cpu_nthreads, self.params.cpu_team, res.group.clone(), self.rank, res.slot, s, &self.inflight)
             }
             _ => Err(Error::invalid(
                 "stream and communicator are of different backends",
@@ -2115,12 +2140,17 @@ fn launch_cpu(
     team: oxccl_gpu::arch::TeamKind,
     group: Arc<CpuGroup>,
     rank: usize,
+    slot: usize,
     stream: &CpuStream,
     inflight: &Arc<AtomicUsize>,
 ) -> Result<()> {
     inflight.fetch_add(1, Ordering::AcqRel);
     let inflight = inflight.clone();
     stream.enqueue(move || {
+        let running = group.running.get(slot);
+        if let Some(n) = running {
+            n.fetch_add(1, Ordering::AcqRel);
+        }
         let nch = args.work.nchannels as u32;
         let result = std::thread::scope(|s| {
             let handles: Vec<_> = (0..nch)
@@ -2145,6 +2175,9 @@ fn launch_cpu(
             }
             ok
         });
+        if let Some(n) = running {
+            n.fetch_sub(1, Ordering::AcqRel);
+        }
         drop(group);
         inflight.fetch_sub(1, Ordering::AcqRel);
         if result {
