@@ -372,17 +372,6 @@ fn remove_stale_namespaces() {
     }
 }
 
-/// `oxccl perf --procs n --hosts hosts`: creates the simulated [`Hosts`], runs rank r in host
-/// [`host_of`]`(r, n, hosts)` as [`spawn`] does, and deletes the hosts afterwards, also when a
-/// rank fails or the ranks cannot start. Errors: those of [`Hosts::create`] and [`spawn`].
-pub fn spawn_hosts(n: usize, hosts: usize, gpu: bool) -> Result<Option<(usize, std::process::ExitStatus)>> {
-    let h = Hosts::create(hosts)?;
-    let id = h.unique_id()?;
-    let r = spawn_ranks(n, gpu, &id, |r| h.launch(host_of(r, n, hosts)));
-    drop(h);
-    r
-}
-
 /// This process's rank, as [`spawn`] started it.
 #[derive(Clone, Debug)]
 pub struct ChildRank {

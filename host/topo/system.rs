@@ -490,18 +490,6 @@ impl System {
         &self.paths
     }
 
-    /// The path options the paths were computed with.
-    pub fn path_options(&self) -> &PathOptions {
-        &self.options
-    }
-
-    /// Recomputes the paths with other options (NCCL's `ncclTopoComputePaths`).
-    pub fn compute_paths(&mut self, options: PathOptions) -> Result<()> {
-        self.options = options;
-        self.paths = super::paths::compute(self, &self.options)?;
-        Ok(())
-    }
-
     /// Keeps only the GPUs of the communicator whose ranks are `ranks` (all of them, on every
     /// host) and recomputes the paths (NCCL's `ncclTopoTrimSystem` + `ncclTopoComputePaths`).
     /// When every rank of `ranks` is a GPU of this system, the NET nodes go too: a communicator

@@ -50,7 +50,7 @@ impl Barrier {
         if g.0 + g.3 >= self.n {
             g.0 = 0;
             g.1 += 1;
-            self.cv.notify_all();
+            self.notify();
             return;
         }
         if fiber::active() {
@@ -72,10 +72,18 @@ impl Barrier {
         }
     }
 
+    /// Wakes the members waiting on the condition variable: only host-thread teams do (fibers
+    /// poll the state when resumed), and a wake is a system call.
+    fn notify(&self) {
+        if !fiber::active() {
+            self.cv.notify_all();
+        }
+    }
+
     fn break_all(&self) {
         let mut g = self.state.lock().unwrap_or_else(|e| e.into_inner());
         g.2 = true;
-        self.cv.notify_all();
+        self.notify();
     }
 
     /// A member's body returned: the others no longer wait for it.
@@ -85,7 +93,7 @@ impl Barrier {
         if g.0 > 0 && g.0 + g.3 >= self.n {
             g.0 = 0;
             g.1 += 1;
-            self.cv.notify_all();
+            self.notify();
         }
     }
 }

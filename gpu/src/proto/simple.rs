@@ -573,7 +573,11 @@ pub(crate) unsafe fn reduce_copy<T: Elem, Op: RedFn<T>, const TWO_SRC: bool, con
     } else {
         0
     };
+    // On the host a thread's packs are contiguous (see below).
+    #[cfg(target_arch = "nvptx64")]
     let stride = nthreads as u64;
+    #[cfg(not(target_arch = "nvptx64"))]
+    let stride = 1u64;
     let op = |a: Pack, b: Pack| -> Pack {
         let a = if pre == PreOn::S0 {
             pre_pack::<T, Op>(a, args)
@@ -590,10 +594,17 @@ pub(crate) unsafe fn reduce_copy<T: Elem, Op: RedFn<T>, const TWO_SRC: bool, con
     };
     let (ps0, ps1) = (s0 as *const Pack, s1 as *const Pack);
     let (pd0, pd1) = (d0 as *mut Pack, d1 as *mut Pack);
-    let mut i = tid as u64;
-    // SAFETY (whole block): indices stay below `npacks`, inside the caller's ranges.
+    // Which packs this thread takes: on the GPU every `nthreads`-th from `tid` (a warp's loads
+    // coalesce); on the host a contiguous share ([`host_share`]), because a block's fibers run
+    // one after the other and a strided walk would stream every cache line of the slice once
+    // per fiber.
+    #[cfg(target_arch = "nvptx64")]
+    let (mut i, end) = (tid as u64, npacks);
+    #[cfg(not(target_arch = "nvptx64"))]
+    let (mut i, end) = host_share(tid, nthreads, 0, npacks);
+    // SAFETY (whole block): indices stay below `end` ≤ `npacks`, inside the caller's ranges.
     unsafe {
-        while i + (UNROLL as u64 - 1) * stride < npacks {
+        while i + (UNROLL as u64 - 1) * stride < end {
             let mut v = [Pack::default(); UNROLL];
             let mut w = [Pack::default(); UNROLL];
             for u in 0..UNROLL {
@@ -614,7 +625,7 @@ pub(crate) unsafe fn reduce_copy<T: Elem, Op: RedFn<T>, const TWO_SRC: bool, con
             }
             i += UNROLL as u64 * stride;
         }
-        while i < npacks {
+        while i < end {
             let a = load_src(ps0.add(i as usize));
             let b = if TWO_SRC {
                 load_src(ps1.add(i as usize))
@@ -631,8 +642,11 @@ pub(crate) unsafe fn reduce_copy<T: Elem, Op: RedFn<T>, const TWO_SRC: bool, con
         // Remaining elements (or all of them when a pointer is misaligned).
         let (es0, es1) = (s0 as *const T, s1 as *const T);
         let (ed0, ed1) = (d0 as *mut T, d1 as *mut T);
-        let mut e = npacks * PACK_BYTES / esize + tid as u64;
-        while e < n {
+        #[cfg(target_arch = "nvptx64")]
+        let (mut e, eend) = (npacks * PACK_BYTES / esize + tid as u64, n);
+        #[cfg(not(target_arch = "nvptx64"))]
+        let (mut e, eend) = host_share(tid, nthreads, npacks * PACK_BYTES / esize, n);
+        while e < eend {
             let k = e as usize;
             let mut r = read_src(es0.add(k));
             if pre == PreOn::S0 {
@@ -655,6 +669,16 @@ pub(crate) unsafe fn reduce_copy<T: Elem, Op: RedFn<T>, const TWO_SRC: bool, con
             e += stride;
         }
     }
+}
+
+/// The indices in `from..to` thread `tid` of a block of `nthreads` handles on the host, as the
+/// run `first..end`: the range split into `nthreads` contiguous shares that cover it (the GPU
+/// takes every `nthreads`-th index from `from + tid` instead; see [`reduce_copy`]).
+#[cfg(not(target_arch = "nvptx64"))]
+fn host_share(tid: u32, nthreads: u32, from: u64, to: u64) -> (u64, u64) {
+    let chunk = to.saturating_sub(from).div_ceil(nthreads as u64);
+    let first = core::cmp::min(from + tid as u64 * chunk, to);
+    (first, core::cmp::min(first + chunk, to))
 }
 
 impl<T: Elem, Op: RedFn<T>> Primitives for Simple<T, Op> {
@@ -709,5 +733,30 @@ impl<T: Elem, Op: RedFn<T>> Primitives for Simple<T, Op> {
     #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn recv_reduce_copy_direct_send(&mut self, src: u64, dst: u64, n: u64, post: bool) {
         self.generic_op::<true, true, true, true, true>(src, dst, n, post)
+    }
+}
+
+#[cfg(all(test, not(target_arch = "nvptx64")))]
+mod tests {
+    use super::host_share;
+
+    /// Every index of `from..to` goes to exactly one thread, for block sizes that do and do not
+    /// divide the range, empty ranges and ranges shorter than the block.
+    #[test]
+    fn thread_shares_are_disjoint_and_cover_the_range() {
+        for nthreads in [1u32, 2, 31, 32, 64, 512] {
+            for (from, to) in [(0u64, 0u64), (0, 1), (5, 5), (3, 17), (0, 64), (7, 4099), (100, 100_003)] {
+                let mut hits = std::vec![0u32; (to - from) as usize];
+                for tid in 0..nthreads {
+                    let (first, end) = host_share(tid, nthreads, from, to);
+                    assert!(end <= to && first >= from.min(to), "tid {tid}/{nthreads} of {from}..{to}");
+                    for i in first..end {
+                        hits[(i - from) as usize] += 1;
+                    }
+                }
+                let bad: std::vec::Vec<_> = hits.iter().enumerate().filter(|(_, h)| **h != 1).collect();
+                assert!(bad.is_empty(), "{nthreads} threads over {from}..{to}: {} indices not covered once, first {:?}", bad.len(), bad.first());
+            }
+        }
     }
 }
