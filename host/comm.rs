@@ -1263,7 +1263,8 @@ impl Comm {
     /// so a running kernel stops at its next wait; a kernel still queued behind other work when
     /// the time is up checks its flag before its first direct write and writes nothing there.
     /// On the CPU target a peer kernel that is running is waited for longer
-    /// ([`PEER_RUNNING_WAIT`]): it ends after its current copy. Never fails: a peer that cannot be asked counts as idle (debug log).
+    /// ([`PEER_RUNNING_WAIT`]): it ends after its current copy. Never fails: a peer that cannot
+    /// be asked counts as idle (debug log).
     fn wait_peers_after_abort(&self, start: Instant) {
         let me = self.rank;
         let peers_idle = || -> bool {
