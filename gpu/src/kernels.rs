@@ -48,7 +48,7 @@ macro_rules! entries {
     )*};
 }
 
-include!(concat!(env!("OUT_DIR"), "/entries.rs"));
+include!(concat!(env!("OUT_DIR"), "/kernel_modules.rs"));
 
 #[panic_handler]
 fn panic(_: &core::panic::PanicInfo) -> ! {
