@@ -2158,7 +2158,8 @@ fn launch_cpu(
                 .map(|b| {
                     let args = &args;
                     s.spawn(move || {
-                        let mut smem = vec![0u32; oxccl_gpu::abi::KERNEL_SMEM_BYTES / 4];
+                        // u64 cells: the shared memory is 8-byte aligned, as on the GPU.
+                        let mut smem = vec![0u64; oxccl_gpu::abi::KERNEL_SMEM_BYTES / 8];
                         let smem = smem.as_mut_ptr() as usize;
                         oxccl_gpu::arch::run_block_threads(b, nthreads, team, |tid| {
                             // SAFETY: `args.comm` is this rank's comm block, kept alive by

@@ -31,7 +31,7 @@ pub const MIN_NTHREADS: u32 = 64;
 pub const MAX_NTHREADS: u32 = 1024;
 pub const WARP_SIZE: u32 = 32;
 /// Bytes of kernel shared memory the kernel declares (see `arch::kernel_shared_mem`).
-pub const KERNEL_SMEM_BYTES: usize = 64;
+pub const KERNEL_SMEM_BYTES: usize = 128;
 /// `WorkColl::redop_flags` bit: PreMulSum's scalar is device-resident (NCCL's
 /// `ncclScalarDevice`): `redop_arg` is its address, read by the kernel when it runs.
 pub const REDOP_SCALAR_DEVICE: u8 = 1;

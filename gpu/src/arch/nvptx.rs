@@ -282,8 +282,8 @@ pub unsafe fn kernel_shared_mem() -> *mut u32 {
     let p: u64;
     // SAFETY: declares a kernel-scope shared array; the caller calls this once per kernel.
     unsafe {
-        asm!("{{ .shared .align 16 .b8 oxccl_smem[64]; cvta.shared.u64 {p}, oxccl_smem; }}",
-             p = out(reg64) p, options(nostack, nomem))
+        asm!("{{ .shared .align 16 .b8 oxccl_smem[{n}]; cvta.shared.u64 {p}, oxccl_smem; }}",
+             n = const crate::abi::KERNEL_SMEM_BYTES, p = out(reg64) p, options(nostack, nomem))
     }
     p as *mut u32
 }

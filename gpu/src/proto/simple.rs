@@ -10,44 +10,56 @@
 //! loads with `ld.volatile` (never a stale L1 line) on the reader, whose freeing of a slot needs no
 //! fence — NCCL's `prims_simple.h` ordering; the build knob [`VOLATILE_SYNC`] restores a
 //! `fence.acq_rel.sys` after the flag load (the CPU target always has it).
-use super::Primitives;
+use super::{Primitives, unrolled};
 use crate::abi::{ConnInfo, DevChannel, FIFO_STEPS, PACK_BYTES, SPINS_BEFORE_CHECK_ABORT};
 use crate::arch::{self, Pack};
 use crate::reduce::{Elem, OpArgs, RedFn, div_pack, pre_elem, pre_pack};
 use core::marker::PhantomData;
 
-/// Device-side state of one connection for the duration of a kernel.
+/// What every thread of the block keeps of one connection for the duration of a kernel: the
+/// FIFO buffer and the step. The connection's counters and exchange slot are thread 0's alone
+/// and live in the block's shared memory ([`Ctl`]), so they hold no registers in the copy loops.
 struct Conn {
-    info: *mut ConnInfo,
     buff: *mut u8,
-    head: *mut u64,
-    tail: *mut u64,
-    /// Step sizes for a proxy (`ConnInfo::sizes`); null when none are wanted.
-    sizes: *mut u64,
     step: u64,
-    /// Pointer-exchange slot (`ConnInfo::ptr_exchange`): `[output address, count]`; null when
-    /// the connection has no direct writes.
-    exchange: *mut u64,
-    exchanges: u64,
 }
 
-impl Conn {
-    /// # Safety
-    /// `info` points at a connection that was set up for the Simple protocol.
-    unsafe fn load(info: *mut ConnInfo) -> Self {
-        // SAFETY: caller guarantees `info`.
-        let c = unsafe { info.read() };
-        Conn {
-            info,
-            buff: c.buffs[crate::abi::Proto::Simple as usize] as *mut u8,
-            head: c.head as *mut u64,
-            tail: c.tail as *mut u64,
-            sizes: c.sizes as *mut u64,
-            step: c.step,
-            exchange: c.ptr_exchange as *mut u64,
-            exchanges: c.exchanges,
-        }
-    }
+/// Thread 0's part of the two connections and the abort flags, in the kernel's shared memory
+/// from byte [`SMEM_CTL`] on. Only thread 0 writes and reads it (volatile, so the values are
+/// not kept in registers across the verbs).
+#[repr(C)]
+struct Ctl {
+    send_info: u64,
+    send_head: u64,
+    send_tail: u64,
+    /// Step sizes for a proxy (`ConnInfo::sizes`); 0 when none are wanted.
+    send_sizes: u64,
+    /// Pointer-exchange slot (`ConnInfo::ptr_exchange`): `[output address, count]`; 0 when the
+    /// connection has no direct writes.
+    send_exchange: u64,
+    send_exchanges: u64,
+    recv_info: u64,
+    recv_head: u64,
+    recv_tail: u64,
+    abort_flag: u64,
+    /// The communicator's `DevComm::aborted` (read before the first direct write); 0 when none.
+    comm_aborted: u64,
+}
+
+/// Byte offset of [`Ctl`] in the kernel's shared memory (after the abort word and the peer
+/// output address).
+const SMEM_CTL: usize = 16;
+const _: () = assert!(SMEM_CTL + core::mem::size_of::<Ctl>() <= crate::abi::KERNEL_SMEM_BYTES);
+
+macro_rules! ctl_get {
+    ($self:ident . $f:ident) => {{
+        // Some callers are inside an `unsafe` block already.
+        #[allow(unused_unsafe)]
+        // SAFETY: `ctl` points into this kernel's shared memory (constructor contract), 8-byte
+        // aligned; only thread 0 accesses it.
+        let v = unsafe { (&raw const (*$self.ctl()).$f).read_volatile() };
+        v
+    }};
 }
 
 /// Simple-protocol primitives for one channel of a ring, for element type `T` and operator `Op`.
@@ -58,13 +70,15 @@ pub struct Simple<T, Op> {
     output: *mut T,
     send: Conn,
     recv: Conn,
-    slot_bytes: u64,
-    slice_elems: u64,
+    /// Whether the send connection writes into the next rank's output (it has a pointer
+    /// exchange), and whether the receive connection's data arrives in our output.
+    send_direct: bool,
+    recv_direct: bool,
+    /// Bytes per FIFO slot and elements per slice (32-bit: a buffer is at most 1 GiB).
+    slot_bytes: u32,
+    slice_elems: u32,
     /// FIFO steps (slots) each slice occupies: 1, 2 or 4 (NCCL's `StepPerSlice`).
-    steps_per_slice: u64,
-    abort_flag: *const u32,
-    /// The communicator's `DevComm::aborted` (read before the first direct write).
-    comm_aborted: *const u32,
+    steps_per_slice: u32,
     smem: *mut u32,
     aborted: bool,
     /// Avg's post-division and PreMulSum's scalar.
@@ -102,29 +116,56 @@ impl<T: Elem, Op: RedFn<T>> Simple<T, Op> {
         slice_elems: u64,
     ) -> Self {
         // SAFETY: caller guarantees `channel` is valid; fields are plain data.
-        let (mut send, mut recv) = unsafe {
-            (
-                Conn::load(&raw mut (*channel).send),
-                Conn::load(&raw mut (*channel).recv),
-            )
-        };
+        let (send_info, recv_info) = unsafe { (&raw mut (*channel).send, &raw mut (*channel).recv) };
+        // SAFETY: as above.
+        let (sc, rc) = unsafe { (send_info.read(), recv_info.read()) };
         // Pointer exchange (NCCL's `ptrExchange` of a direct connection): the receiving end
         // publishes this kernel's output in every Simple kernel; the sending end counts the same
         // kernels and reads the address only when it first sends directly (`wait`). Both ends
         // run the same kernels on a channel (same collective, protocol and channel count on
         // every rank), so their counts agree.
-        if !recv.exchange.is_null() {
-            recv.exchanges += 1;
-            if tid == 0 {
-                // SAFETY: a non-null slot is two 16-byte aligned `u64` in the sender's memory,
-                // which this rank addresses (ConnInfo contract); the pair is one store, so the
-                // sender never sees the new count with an old address.
-                unsafe { arch::store_pair_u64(recv.exchange, output as u64, recv.exchanges) };
+        let (send_direct, recv_direct) = (sc.ptr_exchange != 0, rc.ptr_exchange != 0);
+        if tid == 0 {
+            // SAFETY: `smem` is this kernel's shared memory of KERNEL_SMEM_BYTES, 16-byte
+            // aligned (caller contract); only thread 0 touches the `Ctl` part.
+            unsafe {
+                let ctl = (smem as *mut u8).add(SMEM_CTL) as *mut Ctl;
+                // Field by field: a volatile store of the whole struct would build it in local
+                // memory first.
+                macro_rules! put {
+                    ($($f:ident = $v:expr),*) => {$( (&raw mut (*ctl).$f).write_volatile($v); )*};
+                }
+                put!(
+                    send_info = send_info as u64,
+                    send_head = sc.head,
+                    send_tail = sc.tail,
+                    send_sizes = sc.sizes,
+                    send_exchange = sc.ptr_exchange,
+                    send_exchanges = sc.exchanges + u64::from(send_direct),
+                    recv_info = recv_info as u64,
+                    recv_head = rc.head,
+                    recv_tail = rc.tail,
+                    abort_flag = abort_flag,
+                    comm_aborted = comm_aborted as u64
+                );
+                if recv_direct {
+                    // SAFETY: a non-null slot is two 16-byte aligned `u64` in the sender's
+                    // memory, which this rank addresses (ConnInfo contract); the pair is one
+                    // store, so the sender never sees the new count with an old address. The
+                    // new count is stored back at once: only this block's next kernel reads it.
+                    arch::store_pair_u64(rc.ptr_exchange as *mut u64, output as u64, rc.exchanges + 1);
+                    (*recv_info).exchanges = rc.exchanges + 1;
+                }
             }
         }
-        if !send.exchange.is_null() {
-            send.exchanges += 1;
-        }
+        let send = Conn {
+            buff: sc.buffs[crate::abi::Proto::Simple as usize] as *mut u8,
+            step: sc.step,
+        };
+        let recv = Conn {
+            buff: rc.buffs[crate::abi::Proto::Simple as usize] as *mut u8,
+            step: rc.step,
+        };
         let slot_bytes = buff_size / FIFO_STEPS / PACK_BYTES * PACK_BYTES;
         let esize = core::mem::size_of::<T>() as u64;
         let slot_elems = slot_bytes / esize;
@@ -143,11 +184,11 @@ impl<T: Elem, Op: RedFn<T>> Simple<T, Op> {
             output,
             send,
             recv,
-            slot_bytes,
-            slice_elems,
-            steps_per_slice,
-            abort_flag: abort_flag as *const u32,
-            comm_aborted,
+            send_direct,
+            recv_direct,
+            slot_bytes: slot_bytes as u32,
+            slice_elems: slice_elems as u32,
+            steps_per_slice: steps_per_slice as u32,
             smem,
             aborted: false,
             op_args,
@@ -165,12 +206,18 @@ impl<T: Elem, Op: RedFn<T>> Simple<T, Op> {
         unsafe {
             arch::sync_threads();
             if self.tid == 0 {
-                (*self.send.info).step = self.send.step;
-                (*self.recv.info).step = self.recv.step;
-                (*self.send.info).exchanges = self.send.exchanges;
-                (*self.recv.info).exchanges = self.recv.exchanges;
+                let (si, ri) = (ctl_get!(self.send_info) as *mut ConnInfo, ctl_get!(self.recv_info) as *mut ConnInfo);
+                (*si).step = self.send.step;
+                (*ri).step = self.recv.step;
+                (*si).exchanges = ctl_get!(self.send_exchanges);
             }
         }
+    }
+
+    /// Thread 0's connection state in shared memory.
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
+    fn ctl(&self) -> *mut Ctl {
+        self.smem.wrapping_byte_add(SMEM_CTL) as *mut Ctl
     }
 
     /// Spins until `ready()`; polls the abort flag every `SPINS_BEFORE_CHECK_ABORT` tries.
@@ -181,8 +228,9 @@ impl<T: Elem, Op: RedFn<T>> Simple<T, Op> {
             spins += 1;
             if spins == SPINS_BEFORE_CHECK_ABORT {
                 spins = 0;
-                // SAFETY: `abort_flag` is 0 or valid (constructor contract).
-                if !self.abort_flag.is_null() && unsafe { arch::load_volatile_u32(self.abort_flag) } != 0 {
+                let flag = ctl_get!(self.abort_flag) as *const u32;
+                // SAFETY: the abort flag is 0 or valid (constructor contract).
+                if !flag.is_null() && unsafe { arch::load_volatile_u32(flag) } != 0 {
                     return false;
                 }
             }
@@ -198,7 +246,7 @@ impl<T: Elem, Op: RedFn<T>> Simple<T, Op> {
         if self.tid == 0 {
             let mut ok = true;
             if SEND && fetch {
-                let (slot, want) = (self.send.exchange, self.send.exchanges);
+                let (slot, want) = (ctl_get!(self.send_exchange) as *mut u64, ctl_get!(self.send_exchanges));
                 // Before the first write into memory that is not the communicator's: a kernel
                 // that starts after an abort (queued behind other work) must not write a
                 // receiver's output, which its owner may free once its own abort returned.
@@ -208,10 +256,11 @@ impl<T: Elem, Op: RedFn<T>> Simple<T, Op> {
                 // Loaded before the slot, so the two loads overlap; a value from before the
                 // wait is enough: an abort that comes later waits for this kernel to end.
                 // SAFETY: `comm_aborted` is null or valid (constructor contract).
-                let mirror = if self.comm_aborted.is_null() {
+                let comm_aborted = ctl_get!(self.comm_aborted) as *const u32;
+                let mirror = if comm_aborted.is_null() {
                     0
                 } else {
-                    unsafe { arch::load_volatile_u32(self.comm_aborted) }
+                    unsafe { arch::load_volatile_u32(comm_aborted) }
                 };
                 let mut peer = 0u64;
                 // SAFETY: `fetch` is only set on a connection with an exchange slot: two 16-byte
@@ -230,12 +279,12 @@ impl<T: Elem, Op: RedFn<T>> Simple<T, Op> {
                 }
             }
             if RECV && ok {
-                let (tail, want) = (self.recv.tail, self.recv.step + self.steps_per_slice);
+                let (tail, want) = (ctl_get!(self.recv_tail) as *const u64, self.recv.step + u64::from(self.steps_per_slice));
                 // SAFETY: `tail` is this connection's counter (constructor contract).
                 ok = self.spin(|| unsafe { arch::load_volatile_u64(tail) } >= want);
             }
             if SEND && ok {
-                let (head, want) = (self.send.head, self.send.step + self.steps_per_slice);
+                let (head, want) = (ctl_get!(self.send_head) as *const u64, self.send.step + u64::from(self.steps_per_slice));
                 // SAFETY: as above, for the send connection's head.
                 ok = self.spin(|| unsafe { arch::load_volatile_u64(head) } + FIFO_STEPS >= want);
             }
@@ -270,18 +319,18 @@ impl<T: Elem, Op: RedFn<T>> Simple<T, Op> {
                     arch::fence_acq_rel_sys();
                 }
                 if SEND {
-                    arch::store_volatile_u64(self.send.tail, self.send.step + self.steps_per_slice);
+                    arch::store_volatile_u64(ctl_get!(self.send_tail) as *mut u64, self.send.step + u64::from(self.steps_per_slice));
                 }
                 if RECV {
-                    arch::store_volatile_u64(self.recv.head, self.recv.step + self.steps_per_slice);
+                    arch::store_volatile_u64(ctl_get!(self.recv_head) as *mut u64, self.recv.step + u64::from(self.steps_per_slice));
                 }
             }
         }
         if SEND {
-            self.send.step += self.steps_per_slice;
+            self.send.step += u64::from(self.steps_per_slice);
         }
         if RECV {
-            self.recv.step += self.steps_per_slice;
+            self.recv.step += u64::from(self.steps_per_slice);
         }
     }
 
@@ -290,23 +339,27 @@ impl<T: Elem, Op: RedFn<T>> Simple<T, Op> {
     /// proxy reads them (NCCL's `connFifo[].size`), before [`Self::post`] publishes the tail.
     #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn publish_sizes(&self, from: u64, bytes: u64) {
-        if self.tid != 0 || self.send.sizes.is_null() {
+        if self.tid != 0 {
+            return;
+        }
+        let sizes = ctl_get!(self.send_sizes) as *mut u64;
+        if sizes.is_null() {
             return;
         }
         let first = self.send.step;
         let mut st = from;
-        while st < first + self.steps_per_slice {
+        while st < first + u64::from(self.steps_per_slice) {
             let v = if st < first {
                 0
             } else {
                 core::cmp::min(
-                    self.slot_bytes,
-                    bytes.saturating_sub((st - first) * self.slot_bytes),
+                    u64::from(self.slot_bytes),
+                    bytes.saturating_sub((st - first) * u64::from(self.slot_bytes)),
                 )
             };
             // SAFETY: `sizes` holds FIFO_STEPS entries (ConnInfo contract); `wait` saw the proxy
             // free these slots, so it no longer reads their entries.
-            unsafe { arch::store_volatile_u64(self.send.sizes.add((st % FIFO_STEPS) as usize), v) };
+            unsafe { arch::store_volatile_u64(sizes.add((st % FIFO_STEPS) as usize), v) };
             st += 1;
         }
     }
@@ -314,7 +367,7 @@ impl<T: Elem, Op: RedFn<T>> Simple<T, Op> {
     #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn slot(&self, c: &Conn) -> *mut u8 {
         // SAFETY: the slot lies inside the connection buffer.
-        unsafe { c.buff.add(((c.step % FIFO_STEPS) * self.slot_bytes) as usize) }
+        unsafe { c.buff.add(((c.step % FIFO_STEPS) * u64::from(self.slot_bytes)) as usize) }
     }
 
     /// The one engine behind every verb (NCCL's `genericOp`): per FIFO step, wait, combine up to
@@ -343,19 +396,19 @@ impl<T: Elem, Op: RedFn<T>> Simple<T, Op> {
         if self.aborted {
             return;
         }
-        let direct_send = DIRECT && SEND && !self.send.exchange.is_null();
-        let direct_recv = DIRECT && RECV && !SRC && !self.recv.exchange.is_null();
+        let direct_send = DIRECT && SEND && self.send_direct;
+        let direct_recv = DIRECT && RECV && !SRC && self.recv_direct;
         let mut done = 0u64;
         while done < n {
-            let len = core::cmp::min(self.slice_elems, n - done);
+            let len = core::cmp::min(u64::from(self.slice_elems), n - done);
             let from = self.send.step;
             // A slice starts on a multiple of its step count so its slots are contiguous. Both ends
             // of a connection see the same slices, so they align their steps identically.
             if RECV {
-                self.recv.step = self.recv.step.next_multiple_of(self.steps_per_slice);
+                self.recv.step = self.recv.step.next_multiple_of(u64::from(self.steps_per_slice));
             }
             if SEND {
-                self.send.step = self.send.step.next_multiple_of(self.steps_per_slice);
+                self.send.step = self.send.step.next_multiple_of(u64::from(self.steps_per_slice));
             }
             if !self.wait::<RECV, SEND>(direct_send && self.peer_output.is_null()) {
                 return;
@@ -560,7 +613,10 @@ pub(crate) unsafe fn reduce_copy<T: Elem, Op: RedFn<T>, const TWO_SRC: bool, con
     pre: PreOn,
     args: &OpArgs,
 ) {
-    let esize = core::mem::size_of::<T>() as u64;
+    // Indices are 32-bit (fewer registers in the unrolled loops): a call copies at most one
+    // slice, which fits a FIFO buffer (`NCCL_BUFFSIZE` ≤ 1 GiB, checked by the host).
+    let n = n as u32;
+    let esize = core::mem::size_of::<T>() as u32;
     let mut addrs = s0 as u64 | d0 as u64;
     if TWO_SRC {
         addrs |= s1 as u64;
@@ -569,15 +625,15 @@ pub(crate) unsafe fn reduce_copy<T: Elem, Op: RedFn<T>, const TWO_SRC: bool, con
         addrs |= d1 as u64;
     }
     let npacks = if addrs % PACK_BYTES == 0 {
-        n * esize / PACK_BYTES
+        n * esize / PACK_BYTES as u32
     } else {
         0
     };
     // On the host a thread's packs are contiguous (see below).
     #[cfg(target_arch = "nvptx64")]
-    let stride = nthreads as u64;
+    let stride = nthreads;
     #[cfg(not(target_arch = "nvptx64"))]
-    let stride = 1u64;
+    let stride = 1u32;
     let op = |a: Pack, b: Pack| -> Pack {
         let a = if pre == PreOn::S0 {
             pre_pack::<T, Op>(a, args)
@@ -599,31 +655,27 @@ pub(crate) unsafe fn reduce_copy<T: Elem, Op: RedFn<T>, const TWO_SRC: bool, con
     // one after the other and a strided walk would stream every cache line of the slice once
     // per fiber.
     #[cfg(target_arch = "nvptx64")]
-    let (mut i, end) = (tid as u64, npacks);
+    let (mut i, end) = (tid, npacks);
     #[cfg(not(target_arch = "nvptx64"))]
     let (mut i, end) = host_share(tid, nthreads, 0, npacks);
     // SAFETY (whole block): indices stay below `end` ≤ `npacks`, inside the caller's ranges.
     unsafe {
-        while i + (UNROLL as u64 - 1) * stride < end {
+        while i + (UNROLL as u32 - 1) * stride < end {
             let mut v = [Pack::default(); UNROLL];
             let mut w = [Pack::default(); UNROLL];
-            for u in 0..UNROLL {
-                v[u] = load_src(ps0.add((i + u as u64 * stride) as usize));
-            }
+            unrolled::<UNROLL>(|u| v[u] = load_src(ps0.add((i + u as u32 * stride) as usize)));
             if TWO_SRC {
-                for u in 0..UNROLL {
-                    w[u] = load_src(ps1.add((i + u as u64 * stride) as usize));
-                }
+                unrolled::<UNROLL>(|u| w[u] = load_src(ps1.add((i + u as u32 * stride) as usize)));
             }
-            for u in 0..UNROLL {
+            unrolled::<UNROLL>(|u| {
                 let r = op(v[u], w[u]);
-                let k = (i + u as u64 * stride) as usize;
+                let k = (i + u as u32 * stride) as usize;
                 arch::store_v4(pd0.add(k), r);
                 if TWO_DST {
                     arch::store_v4(pd1.add(k), r);
                 }
-            }
-            i += UNROLL as u64 * stride;
+            });
+            i += UNROLL as u32 * stride;
         }
         while i < end {
             let a = load_src(ps0.add(i as usize));
@@ -643,9 +695,9 @@ pub(crate) unsafe fn reduce_copy<T: Elem, Op: RedFn<T>, const TWO_SRC: bool, con
         let (es0, es1) = (s0 as *const T, s1 as *const T);
         let (ed0, ed1) = (d0 as *mut T, d1 as *mut T);
         #[cfg(target_arch = "nvptx64")]
-        let (mut e, eend) = (npacks * PACK_BYTES / esize + tid as u64, n);
+        let (mut e, eend) = (npacks * PACK_BYTES as u32 / esize + tid, n);
         #[cfg(not(target_arch = "nvptx64"))]
-        let (mut e, eend) = host_share(tid, nthreads, npacks * PACK_BYTES / esize, n);
+        let (mut e, eend) = host_share(tid, nthreads, npacks * PACK_BYTES as u32 / esize, n);
         while e < eend {
             let k = e as usize;
             let mut r = read_src(es0.add(k));
@@ -675,9 +727,9 @@ pub(crate) unsafe fn reduce_copy<T: Elem, Op: RedFn<T>, const TWO_SRC: bool, con
 /// run `first..end`: the range split into `nthreads` contiguous shares that cover it (the GPU
 /// takes every `nthreads`-th index from `from + tid` instead; see [`reduce_copy`]).
 #[cfg(not(target_arch = "nvptx64"))]
-fn host_share(tid: u32, nthreads: u32, from: u64, to: u64) -> (u64, u64) {
-    let chunk = to.saturating_sub(from).div_ceil(nthreads as u64);
-    let first = core::cmp::min(from + tid as u64 * chunk, to);
+fn host_share(tid: u32, nthreads: u32, from: u32, to: u32) -> (u32, u32) {
+    let chunk = to.saturating_sub(from).div_ceil(nthreads);
+    let first = core::cmp::min(from.saturating_add(tid.saturating_mul(chunk)), to);
     (first, core::cmp::min(first + chunk, to))
 }
 
@@ -745,7 +797,7 @@ mod tests {
     #[test]
     fn thread_shares_are_disjoint_and_cover_the_range() {
         for nthreads in [1u32, 2, 31, 32, 64, 512] {
-            for (from, to) in [(0u64, 0u64), (0, 1), (5, 5), (3, 17), (0, 64), (7, 4099), (100, 100_003)] {
+            for (from, to) in [(0u32, 0u32), (0, 1), (5, 5), (3, 17), (0, 64), (7, 4099), (100, 100_003)] {
                 let mut hits = std::vec![0u32; (to - from) as usize];
                 for tid in 0..nthreads {
                     let (first, end) = host_share(tid, nthreads, from, to);
