@@ -40,8 +40,32 @@ fn item_name(text: &str) -> Option<(String, bool)> {
     (!name.is_empty() && name.chars().all(is_ident)).then(|| (name.to_string(), false))
 }
 
-/// Splits `ptx` into `(entry name, module text)` pairs, one per `.entry`, in file order.
+/// The line before each part of a PTX file that `tools/ptx-link.sh` compiled in parts (each
+/// part a whole PTX module of its own, with its own header and helper functions).
+pub const PART_MARKER: &str = "// oxccl-ptx-part";
+
+/// Splits `ptx` into `(entry name, module text)` pairs, one per `.entry`, in file order. A file
+/// of several parts ([`PART_MARKER`]) is split part by part: a module holds what its entry
+/// reaches in its own part.
 pub fn split_ptx(ptx: &str) -> Result<Vec<(String, String)>, String> {
+    let mut parts: Vec<String> = vec![String::new()];
+    for line in ptx.lines() {
+        if line.starts_with(PART_MARKER) {
+            parts.push(String::new());
+        } else if let Some(last) = parts.last_mut() {
+            last.push_str(line);
+            last.push('\n');
+        }
+    }
+    let mut modules = Vec::new();
+    for part in parts.iter().filter(|p| !p.trim().is_empty()) {
+        modules.extend(split_module(part)?);
+    }
+    Ok(modules)
+}
+
+/// [`split_ptx`] of one PTX module.
+fn split_module(ptx: &str) -> Result<Vec<(String, String)>, String> {
     let mut header = String::new();
     let mut items: Vec<Item> = Vec::new();
     let mut cur = String::new();

@@ -140,6 +140,34 @@ mod ptx_split_tests {
         assert!(!two.contains("helper_a") && !two.contains("table_x") && !two.contains(".entry k_one"));
     }
 
+    /// A file linked in parts: each part has its own header and its own copy of a helper with
+    /// the same name; each entry's module takes the helper of its own part, once.
+    #[test]
+    fn parts_are_split_each_on_its_own() {
+        let part = |entry: &str, body: &str| {
+            format!(
+                ".version 7.0\n.target sm_70\n.address_size 64\n\n.func helper()\n{{\n\t{body};\n}}\n\
+                 .visible .entry {entry}()\n{{\n\tcall.uni helper, ();\n\tret;\n}}\n"
+            )
+        };
+        let ptx = format!(
+            "{} 0 of 2\n{}{} 1 of 2\n{}",
+            super::ptx_split::PART_MARKER,
+            part("k_a", "membar.gl"),
+            super::ptx_split::PART_MARKER,
+            part("k_b", "membar.sys")
+        );
+        let mods = split_ptx(&ptx).unwrap();
+        let names: Vec<&str> = mods.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, ["k_a", "k_b"]);
+        let (a, b) = (&mods[0].1, &mods[1].1);
+        assert_eq!(a.matches(".func helper").count(), 1);
+        assert!(a.contains("membar.gl") && !a.contains("membar.sys") && !a.contains("k_b"));
+        assert_eq!(b.matches(".func helper").count(), 1);
+        assert!(b.contains("membar.sys") && !b.contains("membar.gl") && !b.contains("k_a"));
+        assert_eq!(a.matches(".version 7.0").count(), 1);
+    }
+
     #[test]
     fn unbalanced_input_is_an_error() {
         assert!(split_ptx(".version 7.0\n.visible .entry k()\n{\n\tret;\n").is_err());

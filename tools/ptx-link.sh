@@ -4,8 +4,9 @@
 # llvm-bitcode-linker (which the registry here does not ship):
 #   --export-symbol K ... <inputs .o/.rlib> --target-cpu sm_XX [--target-feature=+ptxNN] -o out.ptx
 # We do the same job with the llvm-tools binaries of the pinned toolchain:
-#   llvm-link (rlib members --only-needed) -> opt internalize+globaldce (keep the kernels)
-#   -> opt -O3 -> llc -mcpu=sm_XX -mattr=+ptxNN -> out.ptx
+#   llvm-link (rlib members --only-needed) -> per part of the kernels, in parallel: opt
+#   internalize+globaldce (keep that part's kernels) -> opt -O3 -> llc -mcpu=sm_XX -mattr=+ptxNN
+#   -> the parts' PTX joined into out.ptx
 set -euo pipefail
 bin=${OXCCL_LLVM_BIN:-"$(rustc --print sysroot)/lib/rustlib/x86_64-unknown-linux-gnu/bin"}
 [[ -x "$bin/llvm-link" ]] || { echo "ptx-link: llvm-tools not found in $bin (rustup component add llvm-tools)" >&2; exit 1; }
@@ -38,9 +39,29 @@ for r in "${rlibs[@]}"; do
   for m in "$d"/*.o; do [[ -e "$m" ]] && link+=(--only-needed "$m"); done
 done
 "${link[@]}" -o "$tmp/linked.bc"; step llvm-link
-keep=$(IFS=,; echo "${exports[*]}")
-"$bin/opt" -passes=internalize,globaldce -internalize-public-api-list="$keep" "$tmp/linked.bc" -o "$tmp/int.bc"; step internalize
-"$bin/opt" -O3 "$tmp/int.bc" -o "$tmp/opt.bc"; step opt-O3
+# The kernels are cut into OXCCL_PTX_JOBS parts (default: the machine's cores, at most 4), each
+# internalized to its own kernels, optimized and compiled on its own core; the parts' PTX texts
+# are joined, each after a `// oxccl-ptx-part` line (build/ptx_split.rs splits them apart).
+jobs=${OXCCL_PTX_JOBS:-$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)}
+((jobs >= 1)) || jobs=1
+((jobs <= 4)) || jobs=4
+((jobs <= ${#exports[@]})) || jobs=${#exports[@]}
 llc_args=(-mcpu="$cpu" -O3)
 [[ -n "$feat" ]] && llc_args+=(-mattr="$feat")
-"$bin/llc" "${llc_args[@]}" "$tmp/opt.bc" -o "$out"; step llc
+part() { # $1 = part index: every jobs-th export from it
+  local k=$1 keep=() i
+  for ((i = k; i < ${#exports[@]}; i += jobs)); do keep+=("${exports[i]}"); done
+  local list; list=$(IFS=,; echo "${keep[*]}")
+  "$bin/opt" -passes=internalize,globaldce -internalize-public-api-list="$list" "$tmp/linked.bc" -o "$tmp/int$k.bc"
+  "$bin/opt" -O3 "$tmp/int$k.bc" -o "$tmp/opt$k.bc"
+  "$bin/llc" "${llc_args[@]}" "$tmp/opt$k.bc" -o "$tmp/part$k.ptx"
+}
+pids=()
+for ((k = 0; k < jobs; k++)); do part "$k" & pids+=($!); done
+for p in "${pids[@]}"; do wait "$p"; done
+step "internalize+opt-O3+llc ($jobs parts)"
+: > "$out"
+for ((k = 0; k < jobs; k++)); do
+  echo "// oxccl-ptx-part $k of $jobs" >> "$out"
+  cat "$tmp/part$k.ptx" >> "$out"
+done
