@@ -1,0 +1,691 @@
+//! Channels and their connections in the device communicator block (NCCL's `channel.cc` and
+//! `devCommSetup`): each rank's [`DevComm`], its channels' rings and connections, the pointer
+//! exchange of direct connections, the NET step sizes, and the trees (per-channel tree
+//! connections on CUDA and on the CPU target), with the ring order each channel follows.
+use super::*;
+
+/// Builds rank `r`'s communicator block: [`DevComm`], its channels (ring + connections), and the
+/// user-rank arrays of each channel's ring (`rings`: channel `c`'s prev, next, index and user ranks,
+/// NCCL's `setupChannel`). `conn_base[p]` is the connection memory of rank `p`
+/// as this rank's kernels address it; `conn_base[r]` is this rank's own.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn build_comm_block(
+    r: usize,
+    nranks: usize,
+    nch: u32,
+    layout: &ConnLayout,
+    conn_base: &[u64],
+    block_addr: u64,
+    abort_addr: u64,
+    params: &Params,
+    rings: &ChannelRings,
+) -> Vec<u8> {
+    let own = conn_base[r];
+    build_comm_block_split(
+        r,
+        nranks,
+        nch,
+        layout,
+        conn_base,
+        &vec![[own, own]; nch as usize],
+        block_addr,
+        abort_addr,
+        params,
+        rings,
+    )
+}
+
+/// Points the send connection of each channel `c` with `staging[c]` set (the kernel's address
+/// of the NET staging block of its next rank) in `block` (a [`build_comm_block`] result) at the
+/// step sizes of that staging FIFO, [`crate::transport::STEP_SIZES_OFFSET`] bytes past its tail,
+/// so the proxy sends only the bytes each Simple step filled (NCCL's `connFifo[].size` for proxy
+/// connections).
+pub(super) fn net_step_sizes(block: &mut [u8], layout: &ConnLayout, staging: &[Option<u64>]) {
+    for (c, staging) in staging.iter().enumerate() {
+        let Some(staging) = *staging else { continue };
+        let at = size_of::<DevComm>()
+            + c * size_of::<DevChannel>()
+            + std::mem::offset_of!(DevChannel, send)
+            + std::mem::offset_of!(ConnInfo, sizes);
+        let sizes = layout.tail(staging, c as u64) + crate::transport::STEP_SIZES_OFFSET;
+        block[at..at + 8].copy_from_slice(&sizes.to_ne_bytes());
+    }
+}
+
+/// Gives both ring connections of each channel in `block` (a [`build_comm_block`] result of
+/// `Comm::init_all`, whose ranks share this process's address space) a pointer-exchange slot,
+/// [`PTR_EXCHANGE_OFFSET`] bytes past the connection's head counter (in the sender's memory), so
+/// the Simple protocol's direct verbs write into the receiver's output (NCCL's "P2P/direct
+/// pointer"). Unchanged for one rank or with `NCCL_P2P_DIRECT_DISABLE=1`. Every rank applies the
+/// same rule, so both ends of a connection agree.
+pub(super) fn direct_pointers(mut block: Vec<u8>, nch: u32, nranks: usize, params: &Params) -> Vec<u8> {
+    if nranks < 2 || !params.p2p_direct {
+        return block;
+    }
+    for c in 0..nch as usize {
+        let ch = size_of::<DevComm>() + c * size_of::<DevChannel>();
+        for conn in [
+            std::mem::offset_of!(DevChannel, send),
+            std::mem::offset_of!(DevChannel, recv),
+        ] {
+            let at = ch + conn;
+            let mut ci: ConnInfo = bytemuck::pod_read_unaligned(&block[at..at + size_of::<ConnInfo>()]);
+            ci.ptr_exchange = ci.head + PTR_EXCHANGE_OFFSET;
+            block[at..at + size_of::<ConnInfo>()].copy_from_slice(bytemuck::bytes_of(&ci));
+        }
+    }
+    tracing::debug!(target: "oxccl::init", nranks, nch, "ring connections via P2P/direct pointer");
+    block
+}
+
+/// Sets the `trees` field of the [`DevComm`] at the start of `block` (a [`build_comm_block`]
+/// result) to `array`, the rank's [`DevTree`] array (0: none).
+pub(super) fn set_trees(block: &mut [u8], array: u64) {
+    let at = std::mem::offset_of!(DevComm, trees);
+    block[at..at + 8].copy_from_slice(&array.to_ne_bytes());
+}
+
+/// [`build_comm_block`] where this rank's own connection memory is split by transport, per
+/// channel `c`: the head counters of its send connection (written by the next rank) in block
+/// `own[c][0]`, the receive FIFOs and tail of its receive connection (written by the previous
+/// rank) in block `own[c][1]` (e.g. device memory for a P2P neighbour and host memory for a NET
+/// one). `conn_base[r]` is unused.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn build_comm_block_split(
+    r: usize,
+    nranks: usize,
+    nch: u32,
+    layout: &ConnLayout,
+    conn_base: &[u64],
+    own: &[[u64; 2]],
+    block_addr: u64,
+    abort_addr: u64,
+    params: &Params,
+    rings: &ChannelRings,
+) -> Vec<u8> {
+    let nchu = nch as usize;
+    let channels_off = size_of::<DevComm>();
+    let ranks_off = channels_off + nchu * size_of::<DevChannel>();
+    let mut buff_sizes = [0u64; Proto::COUNT];
+    buff_sizes[Proto::Simple as usize] = params.buffsize;
+    buff_sizes[Proto::Ll as usize] = layout.ll_buffsize;
+    buff_sizes[Proto::Ll128 as usize] = layout.ll128_buffsize;
+    let dc = DevComm {
+        rank: r as u32,
+        nranks: nranks as u32,
+        nchannels: nch,
+        abort_flag: abort_addr,
+        channels: block_addr + channels_off as u64,
+        buff_sizes,
+        ..DevComm::zeroed()
+    };
+    let mut out = Vec::with_capacity(comm_block_bytes(nchu, nranks));
+    out.extend_from_slice(bytemuck::bytes_of(&dc));
+    for c in 0..nch as u64 {
+        // This channel's ring neighbours (rank order unless the topology's rings are used).
+        let (next, prev) = (rings.next(c as usize, r), rings.prev(c as usize, r));
+        let [own_send, own_recv] = own[c as usize];
+        let mut send = ConnInfo::zeroed();
+        send.buffs[Proto::Simple as usize] = layout.buff(conn_base[next], c);
+        if layout.ll_buffsize > 0 {
+            send.buffs[Proto::Ll as usize] = layout.ll(conn_base[next], c);
+            send.buffs[Proto::Ll128 as usize] = layout.ll128(conn_base[next], c);
+        }
+        send.step = params.initial_step;
+        send.tail = layout.tail(conn_base[next], c);
+        send.head = layout.head(own_send, c);
+        let mut recv = ConnInfo::zeroed();
+        recv.buffs[Proto::Simple as usize] = layout.buff(own_recv, c);
+        if layout.ll_buffsize > 0 {
+            recv.buffs[Proto::Ll as usize] = layout.ll(own_recv, c);
+            recv.buffs[Proto::Ll128 as usize] = layout.ll128(own_recv, c);
+        }
+        recv.step = params.initial_step;
+        recv.tail = layout.tail(own_recv, c);
+        recv.head = layout.head(conn_base[prev], c);
+        let ch = DevChannel {
+            ring: DevRing {
+                prev: prev as u32,
+                next: next as u32,
+                index: rings.index(c as usize, r) as u32,
+                _pad: 0,
+                user_ranks: block_addr + (ranks_off + c as usize * nranks * 4) as u64,
+            },
+            _pad: 0,
+            send,
+            recv,
+        };
+        out.extend_from_slice(bytemuck::bytes_of(&ch));
+    }
+    for c in 0..nch as usize {
+        for u in rings.user_ranks(c, r) {
+            out.extend_from_slice(&(u as u32).to_ne_bytes());
+        }
+    }
+    out
+}
+
+// ---------------------------------------------------------------------------------------------
+// Trees: the double binary tree across nodes with a chain inside each node (NCCL's
+// `connectTrees` and the P2P/SHM setup of the tree peers' connections).
+
+/// Receive FIFOs (and counter blocks) per channel of a rank's tree connection memory: peer slot 0
+/// is the parent, slot 1 + i child `i`.
+pub(super) const TREE_PEERS: usize = 1 + MAX_TREE_ARITY;
+
+/// A communicator's trees as its calls see them: their shape (for the choice) and this rank's
+/// tree connection memory in bytes.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct CommTrees {
+    pub(super) shape: TreeShape,
+    pub(super) bytes: u64,
+}
+
+/// The node count of a [`Comm::init_all`] communicator (CPU target or CUDA) from the test hook
+/// `OXCCL_TEST_NODES=N` (oxccl spelling only): its ranks are split into `N` equal nodes of
+/// consecutive ranks — node `n` holds ranks `n·k .. (n+1)·k` with `k = nranks / N` — as if they ran
+/// on `N` hosts. Rings are unchanged; with `N ≥ 2` the double binary tree's connections are set up
+/// too, so `NCCL_ALGO=tree` can run (and the tuning model may choose the tree for AllReduce).
+/// `None` when unset or 1. Errors: `InvalidArgument` naming the variable unless `N` is a divisor
+/// of `nranks` in `1..=nranks`.
+pub(super) fn test_nodes(nranks: usize) -> Result<Option<usize>> {
+    let Ok(v) = std::env::var("OXCCL_TEST_NODES") else {
+        return Ok(None);
+    };
+    let bad = || {
+        Error::invalid(format!(
+            "OXCCL_TEST_NODES={v:?}: accepted a divisor of the rank count {nranks} in 1..={nranks} \
+             (the ranks split into that many equal nodes)"
+        ))
+    };
+    let n: usize = v.trim().parse().map_err(|_| bad())?;
+    if n == 0 || n > nranks || !nranks.is_multiple_of(n) {
+        return Err(bad());
+    }
+    Ok((n > 1).then_some(n))
+}
+
+/// The tree pattern of an `init_all` communicator split into test nodes, from the test hook
+/// `OXCCL_TEST_TREE_PATTERN` (oxccl spelling only): `balanced` (the default, NCCL's
+/// `NCCL_TOPO_PATTERN_BALANCED_TREE`), `split` or `tree` (`NCCL_TOPO_PATTERN_TREE`: both child
+/// nodes hang from the node's first rank, which then has three children with its chain's next
+/// rank). Errors: `InvalidArgument` naming the variable and the accepted values.
+pub(super) fn test_tree_pattern() -> Result<crate::graph::Pattern> {
+    use crate::graph::Pattern;
+    match std::env::var("OXCCL_TEST_TREE_PATTERN").as_deref() {
+        Err(_) | Ok("balanced") => Ok(Pattern::BalancedTree),
+        Ok("split") => Ok(Pattern::SplitTree),
+        Ok("tree") => Ok(Pattern::Tree),
+        Ok(v) => Err(Error::invalid(format!(
+            "OXCCL_TEST_TREE_PATTERN={v:?}: accepted balanced, split or tree"
+        ))),
+    }
+}
+
+/// Every channel's tree, indexed `[channel][rank]`, for ranks split into `node_chains` (each
+/// node's chain in order): the double binary tree with the child nodes attached by `pattern`
+/// ([`crate::graph::double_binary_tree`]; NCCL's default is the balanced tree); channel `c` runs
+/// tree `c % 2`.
+pub(super) fn channel_trees(
+    node_chains: &[Vec<usize>],
+    nch: u32,
+    pattern: crate::graph::Pattern,
+) -> Result<Vec<Vec<crate::graph::Tree>>> {
+    let [t0, t1] = crate::graph::double_binary_tree(node_chains, pattern)?;
+    Ok((0..nch)
+        .map(|c| if c % 2 == 0 { t0.clone() } else { t1.clone() })
+        .collect())
+}
+
+/// The ring graph of one node of a communicator (NCCL's `ncclTopoCompute` for rings, then the
+/// rank's part of `AllGather3`): `node_ranks` are the communicator ranks of the node, `node` its
+/// index. On CUDA (`bus_ids` = each node rank's PCI bus id) the system is the machine's, as
+/// [`p2p_path_type`] builds it (`NCCL_TOPO_FILE` completed by detection), trimmed to the node's
+/// GPUs. On the CPU target (`bus_ids` = `None`) this is a test hook: with `NCCL_TOPO_FILE` set to
+/// a topology of exactly as many GPUs as the node has ranks, node rank `i` takes the file's GPU
+/// of rank `i`, so CPU ranks follow that machine's rings; without it, `None`.
+///
+/// `None` (with a debug log) whenever no searched ring applies: no topology, a rank's GPU missing
+/// from it, two ranks on one GPU, or a failed search; the caller then keeps rank order.
+///
+/// Errors: the file named by `NCCL_TOPO_FILE` cannot be read (`System`, naming it) or is not a
+/// valid topology (`InvalidArgument` naming the file, the line where known, and why).
+pub(super) fn node_ring_graph(
+    node_ranks: &[usize],
+    bus_ids: Option<&[String]>,
+    node: usize,
+) -> Result<Option<RankGraphInfo>> {
+    let skip = |why: String| {
+        tracing::debug!(target: "oxccl::init", node, "rings in rank order: {why}");
+        Ok(None)
+    };
+    let sys = match bus_ids {
+        None => match crate::topo::System::from_env() {
+            Ok(Some(s)) => s,
+            Ok(None) => return skip("CPU target without NCCL_TOPO_FILE".into()),
+            // A file the user named but that cannot be read, parsed or built fails init (as on
+            // CUDA, where p2p_path_type reads the same file), naming the file and why.
+            Err(e) => return Err(e),
+        },
+        Some(_) => {
+            let mut xml = crate::topo::Xml::from_env()?.unwrap_or_else(crate::topo::Xml::new_system);
+            let nvml =
+                crate::topo::detect::NvmlProbe::shared().map(|n| n as &dyn crate::topo::detect::NvmlSource);
+            crate::topo::detect::detect_into(
+                &mut xml,
+                &crate::topo::detect::DetectOptions::from_env(),
+                nvml,
+                None,
+            );
+            match crate::topo::System::from_xml(xml) {
+                Ok(s) => s,
+                Err(e) => return skip(format!("topology: {e}")),
+            }
+        }
+    };
+    // The system GPU rank of each node rank.
+    let gpu_rank = |i: usize| -> Option<i32> {
+        let id = match bus_ids {
+            None => sys.gpu_by_rank(i as i32)?,
+            Some(b) => sys.node_by_bus_id(crate::topo::NodeType::Gpu, &b[i])?,
+        };
+        sys.node(id).gpu().map(|g| g.rank)
+    };
+    let mut sys_ranks = Vec::with_capacity(node_ranks.len());
+    for i in 0..node_ranks.len() {
+        match gpu_rank(i) {
+            Some(g) if !sys_ranks.contains(&g) => sys_ranks.push(g),
+            Some(g) => return skip(format!("two ranks on the GPU of topology rank {g}")),
+            None => return skip(format!("node rank {i}'s GPU is not in the topology")),
+        }
+    }
+    let mut sys = sys;
+    if bus_ids.is_none() && sys.count(crate::topo::NodeType::Gpu) != node_ranks.len() {
+        return skip(format!(
+            "NCCL_TOPO_FILE has {} GPUs for {} CPU ranks",
+            sys.count(crate::topo::NodeType::Gpu),
+            node_ranks.len()
+        ));
+    }
+    if let Err(e) = sys.trim(&sys_ranks) {
+        return skip(format!("trimming the topology: {e}"));
+    }
+    let graph = match crate::graph::search_graph(&sys, &crate::graph::GraphRequest::ring(false)) {
+        Ok(g) => g,
+        Err(e) => return skip(format!("ring search: {e}")),
+    };
+    let to_comm = |g: usize| {
+        sys_ranks
+            .iter()
+            .position(|&s| s as usize == g)
+            .map(|i| node_ranks[i])
+    };
+    let intra: Option<Vec<Vec<usize>>> = graph
+        .intra
+        .iter()
+        .map(|ch| ch.iter().map(|&g| to_comm(g)).collect())
+        .collect();
+    let Some(intra) = intra else {
+        return skip("the searched rings hold a GPU outside the node".into());
+    };
+    Ok(Some(RankGraphInfo {
+        node,
+        ring: crate::graph::GraphInfo::of(&graph),
+        intra,
+    }))
+}
+
+/// The distinct ring neighbours (next and prev over every channel) of rank `r`, in first-seen
+/// order; for rank order, `[r + 1, r - 1]` (mod nranks).
+pub(super) fn ring_peers(rings: &ChannelRings, r: usize) -> Vec<usize> {
+    let mut out = Vec::new();
+    for c in 0..rings.nchannels() {
+        for p in [rings.next(c, r), rings.prev(c, r)] {
+            if !out.contains(&p) {
+                out.push(p);
+            }
+        }
+    }
+    out
+}
+
+/// The rings of an `nranks`-rank communicator's `nch` channels from every rank's graph
+/// information (`None` for a rank without one): NCCL's merge after `AllGather3` and
+/// `connectRings` ([`ChannelRings::from_infos`]); rank order (0 → 1 → … → 0) when a rank has none.
+pub(super) fn comm_rings(infos: &[Option<RankGraphInfo>], nranks: usize, nch: u32) -> Result<ChannelRings> {
+    let all: Option<Vec<RankGraphInfo>> = infos.iter().cloned().collect();
+    match all {
+        Some(all) if all.len() == nranks => {
+            let rings = ChannelRings::from_infos(&all, nch as usize)?;
+            tracing::debug!(target: "oxccl::init", nranks, nch, ring0 = ?rings.ring(0), rank_order = rings.is_rank_order(), "rings from the topology");
+            Ok(rings)
+        }
+        _ => Ok(ChannelRings::rank_order(nranks, nch as usize)),
+    }
+}
+
+/// Layout of one rank's tree connection memory: per tree peer the rank has on each channel (peer
+/// slots as [`TREE_PEERS`]; absent peers get none, so a leaf holds one set per channel) a receive
+/// FIFO for each protocol — Simple (`NCCL_BUFFSIZE`), LL (`NCCL_LL_BUFFSIZE`) and LL128
+/// (`NCCL_LL128_BUFFSIZE`) bytes, in that order, as ring connections have — then per channel and
+/// peer slot a counters block: the head of the send connection to that peer at +0, the tail of the
+/// receive connection from it at +128.
+pub(super) struct TreeLayout {
+    /// Offset of the FIFOs of (channel, peer slot), `None` for an absent peer.
+    pub(super) fifo: Vec<[Option<u64>; TREE_PEERS]>,
+    /// Offset of each protocol's FIFO inside a peer's FIFOs, indexed by [`Proto`].
+    pub(super) proto_at: [u64; Proto::COUNT],
+    pub(super) counters_at: u64,
+}
+
+impl TreeLayout {
+    pub(super) fn new(params: &Params, trees: &[Vec<crate::graph::Tree>], rank: usize) -> TreeLayout {
+        Self::for_peers(params, trees, rank, |_| true)
+    }
+
+    /// The layout with FIFOs only for the tree peers `keep` accepts (e.g. those of one
+    /// transport); the peer slots and the counters region are as in [`TreeLayout::new`].
+    pub(super) fn for_peers(
+        params: &Params,
+        trees: &[Vec<crate::graph::Tree>],
+        rank: usize,
+        keep: impl Fn(usize) -> bool,
+    ) -> TreeLayout {
+        let mut proto_at = [0u64; Proto::COUNT];
+        proto_at[Proto::Ll as usize] = params.buffsize;
+        proto_at[Proto::Ll128 as usize] = params.buffsize + params.ll_buffsize;
+        let buffsize = params.buffsize + params.ll_buffsize + params.ll128_buffsize;
+        let mut off = 0u64;
+        let fifo = trees
+            .iter()
+            .map(|t| {
+                let me = &t[rank];
+                let mut f = [None; TREE_PEERS];
+                let present = std::iter::once(me.up).chain(me.down);
+                for (slot, peer) in f.iter_mut().zip(present) {
+                    if usize::try_from(peer).is_ok_and(&keep) {
+                        *slot = Some(off);
+                        off += buffsize;
+                    }
+                }
+                f
+            })
+            .collect();
+        TreeLayout {
+            fifo,
+            proto_at,
+            counters_at: off.next_multiple_of(128),
+        }
+    }
+    pub(super) fn bytes(&self) -> u64 {
+        self.counters_at + (self.fifo.len() * TREE_PEERS) as u64 * COUNTERS_BYTES
+    }
+    /// The receive FIFOs of (channel `c`, peer slot `peer`), indexed by [`Proto`]; zeros for an
+    /// absent peer.
+    pub(super) fn buffs(&self, base: u64, c: usize, peer: usize) -> [u64; Proto::COUNT] {
+        self.fifo[c][peer].map_or([0; Proto::COUNT], |o| self.proto_at.map(|p| base + o + p))
+    }
+    pub(super) fn head(&self, base: u64, c: usize, peer: usize) -> u64 {
+        base + self.counters_at + (c * TREE_PEERS + peer) as u64 * COUNTERS_BYTES
+    }
+    pub(super) fn tail(&self, base: u64, c: usize, peer: usize) -> u64 {
+        self.head(base, c, peer) + 128
+    }
+    /// Offsets of every head and tail counter.
+    pub(super) fn counter_offsets(&self) -> Vec<u64> {
+        (0..self.fifo.len())
+            .flat_map(|c| {
+                (0..TREE_PEERS).flat_map(move |peer| [self.head(0, c, peer), self.tail(0, c, peer)])
+            })
+            .collect()
+    }
+    /// The counters region (from `counters_at` to the end) with every head and tail at `step`,
+    /// the rest zero: what a device copy writes to start the FIFOs at `step`.
+    pub(super) fn counters(&self, step: u64) -> Vec<u8> {
+        let mut out = vec![0u8; (self.bytes() - self.counters_at) as usize];
+        for c in 0..self.fifo.len() {
+            for peer in 0..TREE_PEERS {
+                for at in [self.head(0, c, peer), self.tail(0, c, peer)] {
+                    let i = (at - self.counters_at) as usize;
+                    out[i..i + 8].copy_from_slice(&step.to_ne_bytes());
+                }
+            }
+        }
+        out
+    }
+}
+
+/// A tree connection's [`ConnInfo`] at `initial_step`: FIFOs `buffs`, head and tail counters.
+pub(super) fn tree_conn(buffs: [u64; Proto::COUNT], head: u64, tail: u64, initial_step: u64) -> ConnInfo {
+    let mut ci = ConnInfo::zeroed();
+    ci.buffs = buffs;
+    ci.head = head;
+    ci.tail = tail;
+    ci.step = initial_step;
+    ci
+}
+
+/// The (send, receive) connections of one tree edge between two ranks that reach each other's
+/// tree memory (P2P, SHM, one process): this rank's memory (`lm` at `bm`) holds the receive FIFOs
+/// of its peer slot `mine`, the peer's (`lp` at `bp`) those of its slot `theirs` for this rank.
+/// The send connection writes the peer's FIFOs and tail and is freed through this rank's head;
+/// the receive connection reads this rank's FIFOs and frees the peer's head.
+pub(super) fn shared_tree_edge(
+    c: usize,
+    (lm, bm, mine): (&TreeLayout, u64, usize),
+    (lp, bp, theirs): (&TreeLayout, u64, usize),
+    initial_step: u64,
+) -> (ConnInfo, ConnInfo) {
+    (
+        tree_conn(
+            lp.buffs(bp, c, theirs),
+            lm.head(bm, c, mine),
+            lp.tail(bp, c, theirs),
+            initial_step,
+        ),
+        tree_conn(
+            lm.buffs(bm, c, mine),
+            lp.head(bp, c, theirs),
+            lm.tail(bm, c, mine),
+            initial_step,
+        ),
+    )
+}
+
+/// Rank `r`'s [`DevTree`] of every channel: its parent and children, and a connection to and from
+/// each (NCCL's tree `ncclConnInfo`s). `edge(c, peer, mine, theirs)` gives the (send, receive)
+/// connections of the edge to `peer` on channel `c`, where `mine` is the peer's slot in `r`'s
+/// tree memory and `theirs` is `r`'s slot in the peer's (slot 0: the parent, `1 + i`: child `i`):
+/// for the edge between parent `p` and its child `r` (child slot `j` of `p`), `r` writes `p`'s
+/// FIFO of slot `1 + j` and `p` writes `r`'s FIFO of slot 0 ([`shared_tree_edge`] when both reach
+/// each other's memory). Errors: `Internal` when the trees are not consistent (a child that does
+/// not name its parent).
+pub(super) fn build_dev_trees(
+    r: usize,
+    trees: &[Vec<crate::graph::Tree>],
+    mut edge: impl FnMut(usize, usize, usize, usize) -> Result<(ConnInfo, ConnInfo)>,
+) -> Result<Vec<DevTree>> {
+    let me = r;
+    let mut out = Vec::with_capacity(trees.len());
+    for (c, t) in trees.iter().enumerate() {
+        let tr = &t[me];
+        let mut d = DevTree {
+            up: tr.up,
+            down: tr.down,
+            depth: tr.depth,
+            ..DevTree::zeroed()
+        };
+        if let Ok(p) = usize::try_from(tr.up) {
+            let j = t[p].down.iter().position(|&x| x == me as i32).ok_or_else(|| {
+                Error::Internal(format!(
+                    "channel {c}: rank {me}'s parent {p} does not list it among its children {:?}",
+                    t[p].down
+                ))
+            })?;
+            (d.send_up, d.recv_up) = edge(c, p, 0, 1 + j)?;
+        }
+        for (i, &k) in tr.down.iter().enumerate() {
+            let Ok(k) = usize::try_from(k) else { continue };
+            if t[k].up != me as i32 {
+                return Err(Error::Internal(format!(
+                    "channel {c}: rank {me} lists child {k} whose parent is {}",
+                    t[k].up
+                )));
+            }
+            (d.send_down[i], d.recv_down[i]) = edge(c, k, 1 + i, 0)?;
+        }
+        out.push(d);
+    }
+    Ok(out)
+}
+
+/// [`build_dev_trees`] for ranks that all reach each other's tree memory (`layouts[k]` at
+/// `bases[k]`): an `init_all` communicator.
+pub(super) fn build_shared_dev_trees(
+    r: usize,
+    trees: &[Vec<crate::graph::Tree>],
+    layouts: &[TreeLayout],
+    bases: &[u64],
+    initial_step: u64,
+) -> Result<Vec<DevTree>> {
+    build_dev_trees(r, trees, |c, p, mine, theirs| {
+        Ok(shared_tree_edge(
+            c,
+            (&layouts[r], bases[r], mine),
+            (&layouts[p], bases[p], theirs),
+            initial_step,
+        ))
+    })
+}
+
+/// The trees of an `init_all` communicator of `nranks` ranks split into `nnodes` nodes of
+/// consecutive ranks ([`test_nodes`]): every channel's tree (`[channel][rank]`), each rank's tree
+/// connection memory layout, and the shape the tuning model sees.
+pub(super) fn test_node_trees(
+    nranks: usize,
+    nnodes: usize,
+    nch: u32,
+    params: &Params,
+) -> Result<(Vec<Vec<crate::graph::Tree>>, Vec<TreeLayout>, TreeShape)> {
+    let k = nranks / nnodes;
+    let chains: Vec<Vec<usize>> = (0..nnodes).map(|n| (n * k..(n + 1) * k).collect()).collect();
+    let trees = channel_trees(&chains, nch, test_tree_pattern()?)?;
+    let layouts: Vec<TreeLayout> = (0..nranks).map(|r| TreeLayout::new(params, &trees, r)).collect();
+    let shape = TreeShape {
+        nnodes,
+        depth: trees[0][0].depth.max(0) as u32,
+    };
+    Ok((trees, layouts, shape))
+}
+
+/// Sets up the trees of a CUDA `init_all` communicator split into `nnodes` nodes
+/// ([`test_nodes`]), rank `r` on `ctxs[r]`: peer access between tree neighbours on different
+/// devices (NCCL's P2P transport, same-process path, as for ring neighbours), every rank's tree
+/// connection memory in its device's memory (counters at `initial_step`), its [`DevTree`] array in
+/// device memory, and that array's address in the `trees` field of the [`DevComm`] at the start
+/// of `block[r]`. Returns each rank's [`CommTrees`] and the allocations, which must outlive every
+/// kernel of every rank. Errors: `System` naming both ranks when two tree neighbours' devices
+/// cannot access each other; `Cuda` for driver failures.
+pub(super) fn setup_cuda_trees(
+    ctxs: &[Arc<cuda::Context>],
+    nnodes: usize,
+    nch: u32,
+    params: &Params,
+    block: &[cuda::DevAlloc],
+) -> Result<(Vec<CommTrees>, Vec<cuda::DevAlloc>)> {
+    let nranks = ctxs.len();
+    let (trees, layouts, shape) = test_node_trees(nranks, nnodes, nch, params)?;
+    // Channels alternate between the two trees, so the first two hold every tree edge.
+    for t in trees.iter().take(2) {
+        for (r, tr) in t.iter().enumerate() {
+            for peer in std::iter::once(tr.up).chain(tr.down) {
+                let Ok(peer) = usize::try_from(peer) else { continue };
+                if ctxs[peer].ordinal == ctxs[r].ordinal {
+                    continue;
+                }
+                if !ctxs[r].can_access_peer(&ctxs[peer])? {
+                    return Err(Error::System(format!(
+                        "no transport can connect tree neighbours rank {r} (CUDA device {}) and rank {peer} \
+                         (CUDA device {}): peer access is not supported between them",
+                        ctxs[r].ordinal, ctxs[peer].ordinal
+                    )));
+                }
+                ctxs[r].enable_peer_access(&ctxs[peer])?;
+            }
+        }
+    }
+    let mut mem: Vec<cuda::DevAlloc> = layouts
+        .iter()
+        .zip(ctxs)
+        .map(|(l, ctx)| cuda::DevAlloc::zeroed(ctx, l.bytes() as usize))
+        .collect::<Result<_>>()?;
+    let bases: Vec<u64> = mem.iter().map(|m| m.ptr).collect();
+    let mut out = Vec::with_capacity(nranks);
+    for r in 0..nranks {
+        let l = &layouts[r];
+        if params.initial_step != 0 {
+            mem[r].write(l.counters_at as usize, &l.counters(params.initial_step))?;
+        }
+        let dev = build_shared_dev_trees(r, &trees, &layouts, &bases, params.initial_step)?;
+        let bytes: &[u8] = bytemuck::cast_slice(&dev);
+        let arr = cuda::DevAlloc::zeroed(&ctxs[r], bytes.len())?;
+        arr.write(0, bytes)?;
+        block[r].write(std::mem::offset_of!(DevComm, trees), &arr.ptr.to_ne_bytes())?;
+        out.push(CommTrees {
+            shape,
+            bytes: l.bytes() + bytes.len() as u64,
+        });
+        mem.push(arr);
+    }
+    tracing::debug!(target: "oxccl::init", nranks, nnodes, nch, depth = shape.depth, "CUDA trees ready");
+    Ok((out, mem))
+}
+
+/// Sets up the trees of a CPU-target `init_all` communicator of `nranks` ranks split into `nnodes`
+/// nodes ([`test_nodes`]): every rank's tree connection memory (counters at `initial_step`) and
+/// [`DevTree`] array, whose address goes into the `trees` field of its [`DevComm`] in `comm_mem`.
+/// Returns each rank's [`CommTrees`] and the memory, which must outlive every operation.
+pub(super) fn setup_cpu_trees(
+    nranks: usize,
+    nnodes: usize,
+    nch: u32,
+    params: &Params,
+    comm_mem: &[HostMem],
+) -> Result<(Vec<CommTrees>, Vec<HostMem>)> {
+    let (trees, layouts, shape) = test_node_trees(nranks, nnodes, nch, params)?;
+    let mut mem: Vec<HostMem> = layouts
+        .iter()
+        .map(|l| HostMem::zeroed(l.bytes() as usize))
+        .collect::<Result<_>>()?;
+    let bases: Vec<u64> = mem.iter().map(|m| m.addr()).collect();
+    let mut out = Vec::with_capacity(nranks);
+    for r in 0..nranks {
+        for c in 0..nch as usize {
+            for peer in 0..TREE_PEERS {
+                for at in [
+                    layouts[r].head(bases[r], c, peer),
+                    layouts[r].tail(bases[r], c, peer),
+                ] {
+                    // SAFETY: the counters lie inside rank r's fresh tree memory, unused so far.
+                    unsafe { (at as *mut u64).write(params.initial_step) };
+                }
+            }
+        }
+        let dev = build_shared_dev_trees(r, &trees, &layouts, &bases, params.initial_step)?;
+        let bytes: &[u8] = bytemuck::cast_slice(&dev);
+        let block = HostMem::zeroed(bytes.len())?;
+        // SAFETY: `block` was allocated with exactly this size and the DevComm lies at the start
+        // of rank r's communicator block (8-byte aligned); no operation runs yet.
+        unsafe {
+            std::ptr::copy_nonoverlapping(bytes.as_ptr(), block.addr() as *mut u8, bytes.len());
+            (*(comm_mem[r].addr() as *mut DevComm)).trees = block.addr();
+        }
+        out.push(CommTrees {
+            shape,
+            bytes: layouts[r].bytes() + bytes.len() as u64,
+        });
+        mem.push(block);
+    }
+    tracing::debug!(target: "oxccl::init", nranks, nnodes, nch, depth = shape.depth, "CPU trees ready");
+    Ok((out, mem))
+}
