@@ -5,8 +5,10 @@
 //! targets run exactly the same variants.
 //!
 //! The table (the rules are [`crate::abi::kernel_variant`]'s, checked by a unit test there):
-//! - AllReduce (ring and tree), Reduce, ReduceScatter: every type × sum, prod, max, min,
-//!   premulsum. Avg runs the sum entry with a post-division by `nranks` read at run time.
+//! - AllReduce (ring and tree), Reduce, ReduceScatter: every type × two operator entries: `sum`,
+//!   with the operator compiled in (Avg runs it too, with a post-division by `nranks` read at run
+//!   time), and `any`, which applies the call's operator (prod, max, min, premulsum) read at run
+//!   time (`reduce::FuncAny`).
 //! - Broadcast, AllGather: they only move bytes, so one entry per element size (uint8, half,
 //!   uint32, uint64) with the sum operator.
 //! - Each of those for each protocol (LL, LL128, Simple), so a module holds one protocol's code
@@ -34,13 +36,10 @@ const DTYPES: [(&str, &str, &str, &str); 10] = [
     ("F64", "double", "f64", "f64"),
     ("Bf16", "bfloat16", "bf16", "bf16"),
 ];
-/// (ABI variant, name, operator type).
-const OPS: [(&str, &str, &str); 5] = [
-    ("Sum", "sum", "FuncSum"),
-    ("Prod", "prod", "FuncProd"),
-    ("Max", "max", "FuncMax"),
-    ("Min", "min", "FuncMin"),
-    ("PreMulSum", "premulsum", "FuncPreMulSum"),
+/// (`KernelOp` variant, name, operator type, the call operators the entry runs).
+const OPS: [(&str, &str, &str, &[&str]); 2] = [
+    ("Sum", "sum", "FuncSum", &["sum", "avg"]),
+    ("Any", "any", "FuncAny", &["prod", "max", "min", "premulsum"]),
 ];
 
 /// (ABI variant, name suffix).
@@ -52,20 +51,23 @@ struct Row {
     algo: &'static str,
     proto: (&'static str, &'static str),
     dtype: (&'static str, &'static str, &'static str, &'static str),
-    op: (&'static str, &'static str, &'static str),
+    op: (&'static str, &'static str, &'static str, &'static [&'static str]),
 }
 
 impl Row {
-    /// The words a pattern of `OXCCL_ONLY_FUNCS` may name.
-    fn fields(&self) -> [String; 6] {
-        [
+    /// The words a pattern of `OXCCL_ONLY_FUNCS` may name: the row's fields, and the call
+    /// operators its entry runs (`max` names the `any` entries).
+    fn fields(&self) -> Vec<String> {
+        let mut f = vec![
             self.func.to_ascii_lowercase(),
             self.algo.to_ascii_lowercase(),
             self.proto.1.to_string(),
             self.dtype.1.to_string(),
             self.dtype.3.to_string(),
             self.op.1.to_string(),
-        ]
+        ];
+        f.extend(self.op.3.iter().map(|o| o.to_string()));
+        f
     }
 }
 
@@ -143,7 +145,7 @@ fn main() {
         panic!(
             "OXCCL_ONLY_FUNCS={:?} matches no kernel entry: name a collective (allreduce, reduce, \
              reducescatter, broadcast, allgather), ring/tree, ll/ll128/simple, a type (float, f32, ...) or an operator \
-             (sum, prod, max, min, premulsum)",
+             (sum, avg, prod, max, min, premulsum, any)",
             only.unwrap_or_default()
         );
     }

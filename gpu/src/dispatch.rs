@@ -8,10 +8,11 @@
 //! (an outlined verb keeps its state in local memory); on the host each entry's protocol bodies
 //! stay separate functions, so the CPU target builds in parallel code units of reasonable size.
 //! The host also compiles one body per (collective, algorithm, protocol, type) rather than per
-//! row: the row's operator is applied at run time by [`crate::reduce::FuncAny`] (144 bodies for
-//! the 624 rows), through the same per-type reduction functions the GPU's operators use.
+//! row: the call's operator is applied at run time by [`crate::reduce::FuncAny`] (144 bodies for
+//! the 264 rows), through the same per-type reduction functions the GPU's operators use.
 use crate::abi::{
-    Algo, DataType, DevChannel, DevComm, DevRedOp, Func, KernelArgs, Proto, REDOP_SCALAR_DEVICE, WorkColl,
+    Algo, DataType, DevChannel, DevComm, DevRedOp, Func, KernelArgs, KernelOp, Proto, REDOP_SCALAR_DEVICE,
+    WorkColl,
 };
 use crate::coll::{self, RingCtx};
 use crate::proto::Primitives;
@@ -20,7 +21,7 @@ use crate::proto::ll::Ll;
 use crate::proto::ll128::Ll128;
 use crate::proto::simple::Simple;
 #[allow(unused_imports)] // a filtered table (OXCCL_ONLY_FUNCS) may use few of them
-use crate::reduce::{Elem, FuncMax, FuncMin, FuncPreMulSum, FuncProd, FuncSum, OpArgs, RedFn};
+use crate::reduce::{Elem, FuncAny, FuncSum, OpArgs, RedFn};
 #[allow(unused_imports)]
 use half::{bf16, f16};
 
@@ -32,7 +33,7 @@ pub struct Entry {
     pub algo: Algo,
     pub proto: Proto,
     pub dtype: DataType,
-    pub op: DevRedOp,
+    pub op: KernelOp,
 }
 
 /// The kernel entry table, as built (`OXCCL_ONLY_FUNCS` may have filtered it), and the CPU
@@ -46,7 +47,7 @@ macro_rules! entries {
             algo: Algo::$algo,
             proto: Proto::$proto,
             dtype: DataType::$dt,
-            op: DevRedOp::$opv,
+            op: KernelOp::$opv,
         }),*];
 
         /// Runs block `bid` (one channel) of the operation described by `args` through its entry
@@ -65,12 +66,11 @@ macro_rules! entries {
             let (dtype, op) = crate::abi::kernel_variant(func, dtype, op);
             let key = (func, algo, proto, dtype, op);
             $(
-                if key == (Func::$func, Algo::$algo, Proto::$proto, DataType::$dt, DevRedOp::$opv) {
+                if key == (Func::$func, Algo::$algo, Proto::$proto, DataType::$dt, KernelOp::$opv) {
                     // The host instantiates one body per (collective, algorithm, protocol,
-                    // type) and applies the row's operator at run time (`FuncAny`).
-                    crate::reduce::set_host_op(DevRedOp::$opv);
+                    // type) and applies the call's operator at run time (`FuncAny`).
                     // SAFETY: forwarded caller contract; the row's type is the work's
-                    // (kernel_variant) and `FuncAny` applies its operator.
+                    // (kernel_variant) and `FuncAny` applies the work's operator.
                     unsafe {
                         run_kernel::<
                             $t,
@@ -108,7 +108,7 @@ pub fn entry_for(
 /// The body of one kernel entry: block `bid` of `args` for element type `T`, operator `Op`,
 /// collective `FUNC`, algorithm `ALGO` and protocol `PROTO` (constants, so only that code is
 /// compiled in). Avg shares Sum's entry: its post-division by
-/// `nranks` is read from `args.work.redop` here.
+/// `nranks` is read from `args.work.redop` here, as is the operator of an `Any` entry.
 ///
 /// # Safety
 /// As [`run_block`], and `args.work`'s type, operator, collective and algorithm are those of
@@ -128,7 +128,7 @@ pub unsafe fn run_kernel<T: Elem, Op: RedFn<T>, const FUNC: u8, const ALGO: u8, 
     let avg = w.redop == DevRedOp::Avg as u8;
     // SAFETY: the host checked a device-resident scalar's address (launch contract).
     let op_args = unsafe { op_args::<T, Op>(comm, w, avg) };
-    if crate::pre_mul!(T, Op) && comm.nranks == 1 {
+    if Op::pre_mul(&op_args) && comm.nranks == 1 {
         // SAFETY: forwarded caller contract.
         unsafe { one_rank::<T, Op>(w, bid, tid, nthreads, &op_args) };
         return;
@@ -290,8 +290,9 @@ unsafe fn ring_ll128<T: Elem, Op: RedFn<T>, const FUNC: u8>(
 /// A device-resident scalar's address holds one element of `T` readable by this kernel.
 #[cfg_attr(target_arch = "nvptx64", inline(always))]
 unsafe fn op_args<T: Elem, Op: RedFn<T>>(comm: &DevComm, w: &WorkColl, avg: bool) -> OpArgs {
-    let args = OpArgs::div(if avg { comm.nranks } else { 0 });
-    if !crate::pre_mul!(T, Op) {
+    let op = DevRedOp::from_u8(w.redop).unwrap_or(DevRedOp::Sum);
+    let args = OpArgs::new(op, if avg { comm.nranks } else { 0 });
+    if !Op::pre_mul(&args) {
         return args;
     }
     let bits = if w.redop_flags & REDOP_SCALAR_DEVICE != 0 {
@@ -499,9 +500,10 @@ mod tests {
             }
         }
         assert_eq!(used.len(), ENTRIES.len(), "entries no call uses");
-        // 3 protocols × (4 reducing (collective, algorithm) pairs × 10 types × 5 operators (Avg
-        // runs Sum's), and Broadcast and AllGather × 4 element sizes).
-        assert_eq!(ENTRIES.len(), 3 * (4 * 10 * 5 + 2 * 4));
+        // 3 protocols × (4 reducing (collective, algorithm) pairs × 10 types × 2 operator
+        // entries (Sum, which Avg runs too, and Any), and Broadcast and AllGather × 4 element
+        // sizes).
+        assert_eq!(ENTRIES.len(), 3 * (4 * 10 * 2 + 2 * 4));
         let names: std::collections::BTreeSet<_> = ENTRIES.iter().map(|e| e.name).collect();
         assert_eq!(names.len(), ENTRIES.len(), "duplicate entry names");
     }

@@ -3,13 +3,14 @@
 //! `oxccl_<func>[_tree]_<proto>_<dtype>_<op>` after the ABI enums' names
 //! ([`crate::abi::kernel_name_for`]).
 //! Broadcast and AllGather only move bytes, so they have one entry per element size; Avg runs the
-//! sum entry (its post-division is read at run time); each entry runs one protocol
+//! sum entry (its post-division is read at run time), and Prod, Max, Min and PreMulSum their
+//! type's `any` entry (its operator is read at run time); each entry runs one protocol
 //! ([`crate::dispatch::run_kernel`]). build.rs splits the linked PTX into one module per entry
 //! point so that the driver JIT-compiles only the kernels a program uses.
-use crate::abi::{Algo, DataType, DevRedOp, Func, KernelArgs, Proto};
+use crate::abi::{Algo, DataType, Func, KernelArgs, KernelOp, Proto};
 use crate::arch;
 #[allow(unused_imports)] // a filtered table (OXCCL_ONLY_FUNCS) may use few of them
-use crate::reduce::{FuncMax, FuncMin, FuncPreMulSum, FuncProd, FuncSum};
+use crate::reduce::{FuncAny, FuncSum};
 #[allow(unused_imports)]
 use half::{bf16, f16};
 
@@ -25,7 +26,7 @@ macro_rules! entries {
         pub unsafe extern "ptx-kernel" fn $name(args: KernelArgs) {
             // The table's type and operator are the ABI's, checked at compile time.
             const _: () = assert!(DataType::$dt.size() == core::mem::size_of::<$t>());
-            const _: DevRedOp = DevRedOp::$opv;
+            const _: KernelOp = KernelOp::$opv;
             // SAFETY: `kernel_shared_mem` is called once in this kernel; the rest is the launch
             // contract.
             unsafe {

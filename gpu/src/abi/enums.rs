@@ -74,6 +74,22 @@ abi_enum! {
     }
 }
 
+abi_enum! {
+    /// The operator of a kernel entry (the kernel entry table, gpu/build.rs): Sum (Avg too) has
+    /// its own entries, with the operator compiled in; every other operator runs the `Any`
+    /// entries, which read the call's operator at run time (`reduce::FuncAny`).
+    KernelOp { Sum => "sum", Any => "any" }
+}
+
+impl From<DevRedOp> for KernelOp {
+    fn from(op: DevRedOp) -> Self {
+        match op {
+            DevRedOp::Sum | DevRedOp::Avg => KernelOp::Sum,
+            DevRedOp::Prod | DevRedOp::Max | DevRedOp::Min | DevRedOp::PreMulSum => KernelOp::Any,
+        }
+    }
+}
+
 impl From<RedOp> for DevRedOp {
     fn from(op: RedOp) -> Self {
         match op {

@@ -44,8 +44,8 @@ pub const SPINS_BEFORE_CHECK_ABORT: u32 = 1 << 12;
 #[cfg(not(target_arch = "nvptx64"))]
 pub const SPINS_BEFORE_CHECK_ABORT: u32 = 1;
 /// Name of the kernel entry point for a (collective, protocol, element type, operator) on the
-/// ring, e.g. `oxccl_allreduce_simple_float_sum`: each is also the name of its own PTX module (see
-/// build.rs).
+/// ring, e.g. `oxccl_allreduce_simple_float_sum` (`_any` for the operators chosen at run time):
+/// each is also the name of its own PTX module (see build.rs).
 pub fn kernel_name(func: Func, proto: Proto, dtype: DataType, op: impl Into<DevRedOp>) -> KernelName {
     kernel_name_for(func, Algo::Ring, proto, dtype, op)
 }
@@ -91,9 +91,9 @@ pub fn kernel_name_for(
 /// The (type, operator) of the kernel entry that runs `func` on `dtype` with `op` (the rules of
 /// the kernel entry table, gpu/build.rs): collectives that only move data (Broadcast, AllGather)
 /// use one entry per element size (uint8, half, uint32, uint64) and no operator (`Sum`); Avg runs
-/// the `Sum` entry, which reads the post-division from the work; the others use their own type
-/// and operator.
-pub const fn kernel_variant(func: Func, dtype: DataType, op: DevRedOp) -> (DataType, DevRedOp) {
+/// the `Sum` entry, which reads the post-division from the work; Prod, Max, Min and PreMulSum
+/// run their type's `Any` entry, which reads the operator from the work.
+pub const fn kernel_variant(func: Func, dtype: DataType, op: DevRedOp) -> (DataType, KernelOp) {
     match func {
         Func::Broadcast | Func::AllGather => {
             let d = match dtype.size() {
@@ -102,11 +102,11 @@ pub const fn kernel_variant(func: Func, dtype: DataType, op: DevRedOp) -> (DataT
                 4 => DataType::U32,
                 _ => DataType::U64,
             };
-            (d, DevRedOp::Sum)
+            (d, KernelOp::Sum)
         }
         _ => match op {
-            DevRedOp::Avg => (dtype, DevRedOp::Sum),
-            _ => (dtype, op),
+            DevRedOp::Sum | DevRedOp::Avg => (dtype, KernelOp::Sum),
+            DevRedOp::Prod | DevRedOp::Max | DevRedOp::Min | DevRedOp::PreMulSum => (dtype, KernelOp::Any),
         },
     }
 }

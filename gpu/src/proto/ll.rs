@@ -225,13 +225,13 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> LlFan<T, Op, NR, N
     ) -> Option<u64> {
         if NR > 0 && nrecv > 0 {
             let r = self.read_line(slots[0].wrapping_add(k), flags[0])?;
-            v = if SRC { combine::<T, Op>(r, v) } else { r };
+            v = if SRC { combine::<T, Op>(&self.op_args, r, v) } else { r };
         }
         if NR > 1 && nrecv > 1 {
-            v = combine::<T, Op>(self.read_line(slots[1].wrapping_add(k), flags[1])?, v);
+            v = combine::<T, Op>(&self.op_args, self.read_line(slots[1].wrapping_add(k), flags[1])?, v);
         }
         if NR > 2 && nrecv > 2 {
-            v = combine::<T, Op>(self.read_line(slots[2].wrapping_add(k), flags[2])?, v);
+            v = combine::<T, Op>(&self.op_args, self.read_line(slots[2].wrapping_add(k), flags[2])?, v);
         }
         Some(v)
     }
@@ -335,7 +335,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> LlFan<T, Op, NR, N
                     let mut v = if SRC {
                         let x = unsafe { load_partial(in_base.add(k * 8), valid, esize) };
                         // PreMulSum scales this rank's input before it is combined.
-                        if crate::pre_mul!(T, Op) && self.pre_input {
+                        if Op::pre_mul(&self.op_args) && self.pre_input {
                             unpack(pre_pack::<T, Op>(pack(x), &self.op_args))
                         } else {
                             x
@@ -407,8 +407,8 @@ fn unpack(p: Pack) -> u64 {
 
 /// `op(a, b)` lane-wise over the elements packed in two 8-byte words.
 #[cfg_attr(target_arch = "nvptx64", inline(always))]
-fn combine<T: Elem, Op: RedFn<T>>(a: u64, b: u64) -> u64 {
-    unpack(Op::apply_pack(pack(a), pack(b)))
+fn combine<T: Elem, Op: RedFn<T>>(args: &OpArgs, a: u64, b: u64) -> u64 {
+    unpack(Op::apply_pack(args, pack(a), pack(b)))
 }
 
 impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Primitives for LlFan<T, Op, NR, NS> {

@@ -334,7 +334,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
             }
             for u in 0..UNROLL {
                 for q in 0..PARTS {
-                    let v = Op::apply_pack(words_pack(&w[u], q), words_pack(&w2[u], q));
+                    let v = Op::apply_pack(&self.op_args, words_pack(&w[u], q), words_pack(&w2[u], q));
                     pack_words(&mut w[u], q, v);
                 }
             }
@@ -448,7 +448,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
                                 } else {
                                     s
                                 };
-                                v = if nrecv > 0 { Op::apply_pack(v, s) } else { s };
+                                v = if nrecv > 0 { Op::apply_pack(&self.op_args, v, s) } else { s };
                             }
                             if div != 0 {
                                 v = div_pack::<T>(v, div);

@@ -645,7 +645,7 @@ pub(crate) unsafe fn reduce_copy<T: Elem, Op: RedFn<T>, const TWO_SRC: bool, con
         } else {
             b
         };
-        let v = if TWO_SRC { Op::apply_pack(a, b) } else { a };
+        let v = if TWO_SRC { Op::apply_pack(args, a, b) } else { a };
         if div != 0 { div_pack::<T>(v, div) } else { v }
     };
     let (ps0, ps1) = (s0 as *const Pack, s1 as *const Pack);
@@ -709,7 +709,7 @@ pub(crate) unsafe fn reduce_copy<T: Elem, Op: RedFn<T>, const TWO_SRC: bool, con
                 if pre == PreOn::S1 {
                     b = pre_elem::<T, Op>(b, args);
                 }
-                r = Op::apply(r, b);
+                r = Op::apply(args, r, b);
             }
             if div != 0 {
                 r = T::div(r, div);

@@ -443,7 +443,13 @@ unsafe fn reduce_copy_fan<T: Elem, Op: RedFn<T>>(
 // Indexed loops: `u` addresses both the pack arrays and the memory offsets.
 #[allow(clippy::needless_range_loop)]
 #[cfg_attr(target_arch = "nvptx64", inline(always))]
-unsafe fn fold_packs<T: Elem, Op: RedFn<T>>(v: &mut [Pack; UNROLL], p: *const u8, i: u64, stride: u64) {
+unsafe fn fold_packs<T: Elem, Op: RedFn<T>>(
+    args: &OpArgs,
+    v: &mut [Pack; UNROLL],
+    p: *const u8,
+    i: u64,
+    stride: u64,
+) {
     let p = p as *const Pack;
     let mut w = [Pack::default(); UNROLL];
     for u in 0..UNROLL {
@@ -451,7 +457,7 @@ unsafe fn fold_packs<T: Elem, Op: RedFn<T>>(v: &mut [Pack; UNROLL], p: *const u8
         w[u] = unsafe { load_src(p.add((i + u as u64 * stride) as usize)) };
     }
     for u in 0..UNROLL {
-        v[u] = Op::apply_pack(v[u], w[u]);
+        v[u] = Op::apply_pack(args, v[u], w[u]);
     }
 }
 
@@ -527,13 +533,13 @@ unsafe fn reduce_copy_n<T: Elem, Op: RedFn<T>, const NS: usize, const ND: usize>
                 }
             }
             if NS > 1 {
-                fold_packs::<T, Op>(&mut v, s[1], i, stride);
+                fold_packs::<T, Op>(args, &mut v, s[1], i, stride);
             }
             if NS > 2 {
-                fold_packs::<T, Op>(&mut v, s[2], i, stride);
+                fold_packs::<T, Op>(args, &mut v, s[2], i, stride);
             }
             if NS > 3 {
-                fold_packs::<T, Op>(&mut v, s[3], i, stride);
+                fold_packs::<T, Op>(args, &mut v, s[3], i, stride);
             }
             for u in 0..UNROLL {
                 let r = if div != 0 { div_pack::<T>(v[u], div) } else { v[u] };
@@ -548,13 +554,13 @@ unsafe fn reduce_copy_n<T: Elem, Op: RedFn<T>, const NS: usize, const ND: usize>
                 v = pre_pack::<T, Op>(v, args);
             }
             if NS > 1 {
-                v = Op::apply_pack(v, load_src((s[1] as *const Pack).add(k)));
+                v = Op::apply_pack(args, v, load_src((s[1] as *const Pack).add(k)));
             }
             if NS > 2 {
-                v = Op::apply_pack(v, load_src((s[2] as *const Pack).add(k)));
+                v = Op::apply_pack(args, v, load_src((s[2] as *const Pack).add(k)));
             }
             if NS > 3 {
-                v = Op::apply_pack(v, load_src((s[3] as *const Pack).add(k)));
+                v = Op::apply_pack(args, v, load_src((s[3] as *const Pack).add(k)));
             }
             if div != 0 {
                 v = div_pack::<T>(v, div);
@@ -570,13 +576,13 @@ unsafe fn reduce_copy_n<T: Elem, Op: RedFn<T>, const NS: usize, const ND: usize>
                 r = pre_elem::<T, Op>(r, args);
             }
             if NS > 1 {
-                r = Op::apply(r, read_src((s[1] as *const T).add(k)));
+                r = Op::apply(args, r, read_src((s[1] as *const T).add(k)));
             }
             if NS > 2 {
-                r = Op::apply(r, read_src((s[2] as *const T).add(k)));
+                r = Op::apply(args, r, read_src((s[2] as *const T).add(k)));
             }
             if NS > 3 {
-                r = Op::apply(r, read_src((s[3] as *const T).add(k)));
+                r = Op::apply(args, r, read_src((s[3] as *const T).add(k)));
             }
             if div != 0 {
                 r = T::div(r, div);
