@@ -177,19 +177,27 @@ fn i64_bytes(count: usize, f: impl Fn(usize) -> i64) -> Vec<u8> {
 /// both ranks; a watchdog fails the test after 60 s without progress.
 #[test]
 fn calls_queued_back_to_back_load_their_kernels_without_deadlock() {
-    use oxccl::{DataType, RedOp};
     let devices = two_ranks_any();
     let _gpu = common::gpu_lock();
+    calls_queued_back_to_back(&devices);
+}
+
+/// The sequence of [`calls_queued_back_to_back_load_their_kernels_without_deadlock`] on
+/// `devices` (the caller holds the GPU lock).
+fn calls_queued_back_to_back(devices: &[Device]) {
+    use oxccl::{DataType, RedOp};
     let dog = common::Watchdog::new("calls_queued_back_to_back", std::time::Duration::from_secs(60));
-    let comms = common::init_comms(&devices, None);
+    let comms = common::init_comms(devices, None);
     let count = 4099usize;
     let results: Vec<Vec<Vec<u8>>> = std::thread::scope(|s| {
         let handles: Vec<_> = comms
             .iter()
             .map(|c| {
+                let dog = &dog;
                 s.spawn(move || {
                     let r = c.rank();
                     let dev = c.device();
+                    dog.rank_step(r, "queued: allocating and writing its input");
                     let stream = dev.new_stream().unwrap();
                     let input = dev.alloc(2 * count * 8).unwrap();
                     input
@@ -203,10 +211,13 @@ fn calls_queued_back_to_back_load_their_kernels_without_deadlock() {
                         std::thread::sleep(std::time::Duration::from_millis(300));
                     }
                     let send = input.slice(0, count * 8).unwrap();
+                    dog.rank_step(r, "queued: AllReduce int64 max");
                     c.all_reduce(send, &outs[0], count, DataType::I64, RedOp::Max, &stream)
                         .unwrap();
+                    dog.rank_step(r, "queued: Broadcast uint64");
                     c.broadcast(Some(send), &outs[1], count, DataType::U64, 1, &stream)
                         .unwrap();
+                    dog.rank_step(r, "queued: Reduce int64 max");
                     c.reduce(
                         send,
                         Some(outs[2].as_slice()),
@@ -217,10 +228,13 @@ fn calls_queued_back_to_back_load_their_kernels_without_deadlock() {
                         &stream,
                     )
                     .unwrap();
+                    dog.rank_step(r, "queued: AllGather int64");
                     c.all_gather(send, &outs[3], count, DataType::I64, &stream)
                         .unwrap();
+                    dog.rank_step(r, "queued: ReduceScatter int64 max");
                     c.reduce_scatter(&input, &outs[4], count, DataType::I64, RedOp::Max, &stream)
                         .unwrap();
+                    dog.rank_step(r, "queued: synchronizing its stream");
                     stream.synchronize().unwrap();
                     outs.iter()
                         .map(|o| {
@@ -413,14 +427,19 @@ fn calls_back_to_back(devices: &[Device]) {
 const ONE_QUEUE_CHILD: &str = "OXCCL_TEST_ONE_QUEUE_CHILD";
 
 /// Child entry of [`calls_complete_with_every_stream_on_one_hardware_queue_gpu`]; returns at
-/// once unless [`ONE_QUEUE_CHILD`] is set. Runs [`small_calls_in_lockstep`] with both stream
-/// uses and [`calls_back_to_back`] on 3 ranks sharing GPU 0, and on GPUs 0 and 1 when there are
-/// two.
+/// once unless [`ONE_QUEUE_CHILD`] is set. Runs [`calls_queued_back_to_back`] on 2 ranks sharing
+/// GPU 0 (first, so its kernel modules load lazily), then [`small_calls_in_lockstep`] with both
+/// stream uses and [`calls_back_to_back`] on 3 ranks sharing GPU 0, and on GPUs 0 and 1 when
+/// there are two.
 #[test]
 fn one_hardware_queue_child() {
     if std::env::var_os(ONE_QUEUE_CHILD).is_none() {
         return;
     }
+    // First, while no kernel module is loaded yet: two ranks sharing GPU 0 queue calls whose
+    // modules each load lazily, one rank 300 ms late.
+    calls_queued_back_to_back(&[Device::Cuda(0), Device::Cuda(0)]);
+    println!("queued done");
     let mut groups = vec![vec![Device::Cuda(0); 3]];
     if Device::cuda_count() >= 2 {
         groups.push(vec![Device::Cuda(0), Device::Cuda(1)]);
@@ -471,6 +490,7 @@ fn calls_complete_with_every_stream_on_one_hardware_queue_gpu() {
     // The first line shares libtest's "test ... " line (the child's output is not captured).
     let done = out.matches("lockstep done:").count();
     assert_eq!(done, want, "{test}: sequences completed in the child:\n{out}");
+    assert_eq!(out.matches("queued done").count(), 1, "{test}: the queued calls in the child:\n{out}");
     let done = out.matches("back to back done:").count();
     assert_eq!(
         done,
