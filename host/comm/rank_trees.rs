@@ -486,7 +486,7 @@ mod tests {
     use super::*;
 
     fn peer(host: &str) -> PeerInfo {
-        super::super::init_rank_tests::cuda_peer("0000:01:00.0", host, 1)
+        super::super::peer_info::peer_tests::cuda_peer("0000:01:00.0", host, 1)
     }
 
     #[test]

@@ -20,6 +20,7 @@
 pub mod net;
 pub mod net_socket;
 pub mod plugin;
+pub(crate) mod shm;
 
 use crate::bootstrap::Bootstrap;
 use crate::cpu::HostMem;
