@@ -105,7 +105,7 @@ pub(super) enum PeerLink {
 }
 
 impl PeerLink {
-    /// Connects rank `me` to ring neighbour `peer` over `kind`, the transport [`ring_transport`]
+    /// Connects rank `me` to ring neighbour `peer` over `kind`, the transport [`transport_between`]
     /// chose for the pair (P2P or SHM; NET connections are made by `transport::connect_net`).
     /// Between CUDA devices P2P also follows `p2p_level` (`NCCL_P2P_LEVEL`, see
     /// [`check_p2p_level`]): a guard, since [`exchange_p2p_denied`] already made pairs that

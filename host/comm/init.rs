@@ -338,7 +338,7 @@ impl Comm {
     /// Peer information (rank, device, PCI bus id, host, process, connection memory) is exchanged
     /// in one bootstrap allgather like the seed's `fillInfo` + AllGather1, then each rank connects
     /// to its two ring neighbours with the transport chosen per peer, P2P then SHM then NET
-    /// (`ring_transport`, honouring `NCCL_P2P_DISABLE` / `NCCL_SHM_DISABLE`): P2P between CUDA
+    /// (`transport_between`, honouring `NCCL_P2P_DISABLE` / `NCCL_SHM_DISABLE`): P2P between CUDA
     /// devices of one host — the neighbour's pointer over peer access when it lives in this
     /// process, CUDA IPC (`cuIpcOpenMemHandle`) when it lives in another process; SHM on one host
     /// — the receiver's `/dev/shm` segment, on CUDA registered with the driver in both processes
@@ -505,7 +505,7 @@ impl Comm {
             crate::tuning::Fabric::of_gpu_rings(
                 (0..rings.nchannels())
                     .flat_map(|c| (0..nranks).map(move |a| (c, a)))
-                    .map(|(c, a)| ring_transport(&peers, a, rings.next(c, a))),
+                    .map(|(c, a)| transport_between(&peers, a, rings.next(c, a))),
             )
         } else {
             crate::tuning::Fabric::Host
@@ -547,8 +547,8 @@ impl Comm {
         let chan_kinds: Vec<[TransportKind; 2]> = (0..nch as usize)
             .map(|c| {
                 [
-                    ring_transport(&peers, rank, rings.next(c, rank)),
-                    ring_transport(&peers, rank, rings.prev(c, rank)),
+                    transport_between(&peers, rank, rings.next(c, rank)),
+                    transport_between(&peers, rank, rings.prev(c, rank)),
                 ]
             })
             .collect();
@@ -600,9 +600,9 @@ impl Comm {
                     rank,
                     nranks,
                     ring: &|c, q| (rings.next(c as usize, q), rings.prev(c as usize, q)),
+                    transport: &|a, b| transport_between(&peers, a, b),
                     device,
                     ctx: ctx.as_deref(),
-                    hosts: &peers.iter().map(|p| p.host.clone()).collect::<Vec<_>>(),
                     nch,
                     block_bytes: layout.bytes() as usize,
                     fifo: &|b, c| crate::transport::FifoAddrs {
@@ -645,7 +645,7 @@ impl Comm {
         if (0..nranks).any(|a| {
             peers[a].cuda
                 && (0..nch as usize)
-                    .any(|c| ring_transport(&peers, a, rings.next(c, a)) == TransportKind::Shm)
+                    .any(|c| transport_between(&peers, a, rings.next(c, a)) == TransportKind::Shm)
         }) {
             let made = match &ctx {
                 Some(ctx) if kinds.contains(&TransportKind::Shm) => {
@@ -669,7 +669,7 @@ impl Comm {
         for c in 0..nch as usize {
             for peer in [rings.next(c, rank), rings.prev(c, rank)] {
                 if !neighbours.iter().any(|&(p, _)| p == peer) {
-                    neighbours.push((peer, ring_transport(&peers, rank, peer)));
+                    neighbours.push((peer, transport_between(&peers, rank, peer)));
                 }
             }
         }
@@ -743,7 +743,7 @@ impl Comm {
             || (0..nranks).any(|a| {
                 peers[a].cuda
                     && (0..nch as usize)
-                        .any(|c| ring_transport(&peers, a, rings.next(c, a)) != TransportKind::P2p)
+                        .any(|c| transport_between(&peers, a, rings.next(c, a)) != TransportKind::P2p)
             });
         if host_path && selection.protos.0[Proto::Ll128 as usize] {
             let mut protos = selection.protos.0;

@@ -212,7 +212,7 @@ impl PeerInfo {
 
 /// Checks the gathered peer information, identically on every rank so every rank fails alike:
 /// one device kind, one device per rank per host (C26), the same channels and buffer sizes. (Every
-/// pair of ring neighbours has a transport: NET connects any two ranks, see [`ring_transport`].)
+/// pair of ring neighbours has a transport: NET connects any two ranks, see [`transport_between`].)
 pub(super) fn check_peers(rank: usize, peers: &[PeerInfo]) -> Result<()> {
     let me = &peers[rank];
     let shared_ok = crate::params::env_var("ALLOW_SHARED_DEVICE").is_some_and(|(_, v)| v == "1");
@@ -252,9 +252,12 @@ pub(super) fn check_peers(rank: usize, peers: &[PeerInfo]) -> Result<()> {
 
 /// The transport between ranks `a` and `b` (NCCL's `selectTransport`: the first of P2P, SHM, NET
 /// that can connect them, [`crate::transport::select_transport`]), decided from both ranks'
-/// information so the two ends agree. A rank is its own neighbour only in a 1-rank communicator,
-/// which uses its own memory (reported as P2P).
-pub(super) fn ring_transport(peers: &[PeerInfo], a: usize, b: usize) -> crate::transport::TransportKind {
+/// information so the two ends agree. This is the one choice per pair of an `init_rank`
+/// communicator: its ring connections, its trees ([`rank_trees`]), the NET setup
+/// ([`crate::transport::connect_net`]) and the LL128 and tuning decisions all follow it. A rank
+/// is its own neighbour only in a 1-rank communicator, which uses its own memory (reported as
+/// P2P).
+pub(super) fn transport_between(peers: &[PeerInfo], a: usize, b: usize) -> crate::transport::TransportKind {
     if a == b {
         return crate::transport::TransportKind::P2p;
     }
@@ -273,7 +276,7 @@ pub(super) fn ring_transport(peers: &[PeerInfo], a: usize, b: usize) -> crate::t
 /// after `ncclTopoCheckP2p`): when any rank set a level, each CUDA rank finds the ranks of its
 /// host whose GPU path (`path_of`, e.g. [`p2p_path_type`]) exceeds its own level or theirs, and
 /// the lists are all-gathered into every [`PeerInfo::p2p_denied`], so that every rank's
-/// [`ring_transport`] agrees (a rank cannot compute another host's paths). Such a pair then uses
+/// [`transport_between`] agrees (a rank cannot compute another host's paths). Such a pair then uses
 /// SHM, or NET with SHM disabled, as in NCCL. Nothing is exchanged when no rank set a level
 /// (every rank sees that alike in the gathered peer information). A path of unknown type allows
 /// P2P, with a warning (see [`check_p2p_level`]).
@@ -692,13 +695,13 @@ pub(super) mod peer_tests {
         }
         for (a, b, k) in [(0, 1, P2p), (1, 2, Shm), (2, 0, Shm), (2, 3, Net)] {
             assert_eq!(
-                (ring_transport(&p, a, b), ring_transport(&p, b, a)),
+                (transport_between(&p, a, b), transport_between(&p, b, a)),
                 (k, k),
                 "{a}-{b}"
             );
         }
         p[1].shm_disable = true;
-        assert_eq!(ring_transport(&p, 1, 2), Net);
+        assert_eq!(transport_between(&p, 1, 2), Net);
         // A path error is the caller's error.
         let broken =
             |_: &PeerInfo, _: &PeerInfo| -> Result<Option<PathType>> { Err(Error::invalid("bad topology")) };
@@ -766,7 +769,7 @@ pub(super) mod peer_tests {
         // NCCL_SHM_DISABLE=1. Pairs: 0-1 SHM (P2P off on 1), 1-2 NET (P2P off on 1, SHM off on 2),
         // 2-3 and 3-0 NET (other host); 0-0 (a 1-rank ring) its own memory, reported as P2P.
         let mut p = four_peers();
-        assert_eq!(ring_transport(&p, 0, 1), P2p);
+        assert_eq!(transport_between(&p, 0, 1), P2p);
         p[1].p2p_disable = true;
         p[2].shm_disable = true;
         let want = [
@@ -779,7 +782,7 @@ pub(super) mod peer_tests {
         ];
         for (a, b, k) in want {
             assert_eq!(
-                (ring_transport(&p, a, b), ring_transport(&p, b, a)),
+                (transport_between(&p, a, b), transport_between(&p, b, a)),
                 (k, k),
                 "{a}-{b}"
             );
@@ -789,9 +792,9 @@ pub(super) mod peer_tests {
         for q in &mut p {
             q.cuda = false;
         }
-        assert_eq!((ring_transport(&p, 0, 1), ring_transport(&p, 1, 2)), (Shm, Net));
+        assert_eq!((transport_between(&p, 0, 1), transport_between(&p, 1, 2)), (Shm, Net));
         p[2].shm_disable = false;
-        assert_eq!(ring_transport(&p, 0, 2), Shm);
+        assert_eq!(transport_between(&p, 0, 2), Shm);
     }
 
     #[test]

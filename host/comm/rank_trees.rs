@@ -182,7 +182,7 @@ pub(super) fn setup(s: &TreeSetup<'_>) -> Result<Option<RankTrees>> {
     if chains.len() < 2 || !s.wanted {
         return Ok(None);
     }
-    let kind = |a: usize, b: usize| ring_transport(s.peers, a, b);
+    let kind = |a: usize, b: usize| transport_between(s.peers, a, b);
     let step = s.params.initial_step;
     let layout_of = |trees: &[Vec<crate::graph::Tree>], r: usize, k: TransportKind| {
         TreeLayout::for_peers(s.params, trees, r, |p| kind(r, p) == k)
