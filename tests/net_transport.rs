@@ -455,6 +455,31 @@ fn two_ranks_one_net_peer_and_unknown_net_name() {
 }
 
 #[test]
+fn p2p_level_loc_and_shm_disabled_use_net_on_one_host() {
+    // Two ranks of one host with NCCL_P2P_LEVEL=LOC and NCCL_SHM_DISABLE=1: NET both ways, and
+    // every collective exact. On GPUs the P2P level keeps two distinct GPUs off P2P and SHM is
+    // off, so NCCL uses NET; init once chose NET there while its NET setup chose again from its
+    // own peer info (without the level) and found them disagreeing. CPU-target ranks never use
+    // P2P, so here the level changes nothing: the test pins the outcome the GPU case must share.
+    let id = get_unique_id().expect("unique id");
+    let envs: Vec<Vec<(&str, String)>> = (0..2)
+        .map(|_| {
+            vec![
+                ("OXCCL_HOSTID", "one-host".to_string()),
+                ("NCCL_P2P_LEVEL", "LOC".to_string()),
+                ("NCCL_SHM_DISABLE", "1".to_string()),
+                ("NCCL_BUFFSIZE", "65536".to_string()),
+            ]
+        })
+        .collect();
+    let expect = vec![
+        vec!["Channel 00 : 0 -> 1 via NET/Socket/0".to_string()],
+        vec!["Channel 00 : 1 -> 0 via NET/Socket/0".to_string()],
+    ];
+    run_group(&envs, &expect, &[None; 2], Some(&id));
+}
+
+#[test]
 fn parallel_socket_streams_across_hosts() {
     // Two ranks on two hosts, NET both ways, each connection with NCCL_SOCKET_NTHREADS=2 ×
     // NCCL_NSOCKS_PERTHREAD=3 = 6 data sockets; default buffers, so Simple steps are 512 KiB and

@@ -689,3 +689,407 @@ pub(super) fn setup_cpu_trees(
     tracing::debug!(target: "oxccl::init", nranks, nnodes, nch, depth = shape.depth, "CPU trees ready");
     Ok((out, mem))
 }
+
+/// Bytes reserved per channel for the two step counters (head, tail), each on its own 128-byte line.
+pub(super) const COUNTERS_BYTES: u64 = 256;
+
+/// Layout of one rank's connection memory: per channel a Simple receive buffer, then per channel
+/// the counters block (head of the send connection at +0, tail of the receive connection at +128).
+pub(super) struct ConnLayout {
+    pub(super) buffsize: u64,
+    pub(super) ll_buffsize: u64,
+    pub(super) ll128_buffsize: u64,
+    pub(super) nch: u64,
+}
+impl ConnLayout {
+    /// `ll`: whether connections get LL and LL128 buffers (every communicator does today).
+    pub(super) fn new(params: &Params, nch: u32, ll: bool) -> Self {
+        ConnLayout {
+            buffsize: params.buffsize,
+            ll_buffsize: if ll { params.ll_buffsize } else { 0 },
+            ll128_buffsize: if ll { params.ll128_buffsize } else { 0 },
+            nch: nch as u64,
+        }
+    }
+    pub(super) fn per_channel(&self) -> u64 {
+        self.buffsize + self.ll_buffsize + self.ll128_buffsize
+    }
+    pub(super) fn bytes(&self) -> u64 {
+        self.nch * (self.per_channel() + COUNTERS_BYTES)
+    }
+    /// The Simple receive buffer of channel `c`.
+    pub(super) fn buff(&self, base: u64, c: u64) -> u64 {
+        base + c * self.per_channel()
+    }
+    /// The LL receive buffer of channel `c`.
+    pub(super) fn ll(&self, base: u64, c: u64) -> u64 {
+        self.buff(base, c) + self.buffsize
+    }
+    /// The LL128 receive buffer of channel `c` (128-byte aligned: every size is a multiple of 128).
+    pub(super) fn ll128(&self, base: u64, c: u64) -> u64 {
+        self.ll(base, c) + self.ll_buffsize
+    }
+    pub(super) fn head(&self, base: u64, c: u64) -> u64 {
+        base + self.nch * self.per_channel() + c * COUNTERS_BYTES
+    }
+    pub(super) fn tail(&self, base: u64, c: u64) -> u64 {
+        self.head(base, c) + 128
+    }
+}
+
+/// Layout of one rank's communicator block: DevComm, channels, then per channel the ring's user
+/// ranks.
+pub(super) fn comm_block_bytes(nch: usize, nranks: usize) -> usize {
+    size_of::<DevComm>() + nch * size_of::<DevChannel>() + nch * nranks * 4
+}
+
+#[cfg(test)]
+mod direct_tests {
+    use super::*;
+
+    /// Rank `r`'s connection memory of a CPU `init_all` group, as bytes.
+    fn conn_mem(comm: &Comm, r: usize) -> &[u8] {
+        let Res::Cpu(res) = &comm.res else {
+            panic!("CPU communicator expected")
+        };
+        let m = &res.group._conn_mem[r];
+        // SAFETY: the block is alive while `comm` is; the test reads it between calls only.
+        unsafe { std::slice::from_raw_parts(m.addr() as *const u8, m.len()) }
+    }
+
+    #[test]
+    fn pointer_exchanges_pair_the_two_ends_of_each_connection() {
+        let params = Params::default();
+        let layout = ConnLayout::new(&params, 2, true);
+        let bases = [0x1000_0000_0000u64, 0x2000_0000_0000, 0x3000_0000_0000];
+        let rings = ChannelRings::new(vec![vec![0, 1, 2], vec![0, 2, 1]], 3).unwrap();
+        let chans = |r: usize, p: &Params| -> Vec<DevChannel> {
+            let b = build_comm_block(r, 3, 2, &layout, &bases, 0x5000, 0x6000, p, &rings);
+            let b = direct_pointers(b, 2, 3, p);
+            bytemuck::cast_slice::<u8, DevChannel>(&b[size_of::<DevComm>()..][..2 * size_of::<DevChannel>()])
+                .to_vec()
+        };
+        let all: Vec<Vec<DevChannel>> = (0..3).map(|r| chans(r, &params)).collect();
+        for c in 0..2 {
+            for r in 0..3 {
+                let send = all[r][c].send;
+                let next = all[r][c].ring.next as usize;
+                let recv = all[next][c].recv;
+                // Both ends name the same slot: in the sender's memory, past its head counter.
+                assert_eq!(
+                    send.ptr_exchange,
+                    layout.head(bases[r], c as u64) + PTR_EXCHANGE_OFFSET
+                );
+                assert_eq!(
+                    recv.ptr_exchange, send.ptr_exchange,
+                    "channel {c}: rank {r} -> {next}"
+                );
+                assert_eq!((send.exchanges, recv.exchanges), (0, 0));
+            }
+        }
+        // Disabled, or one rank: no slot anywhere.
+        let off = Params {
+            p2p_direct: false,
+            ..Params::default()
+        };
+        assert!(
+            chans(1, &off)
+                .iter()
+                .all(|ch| ch.send.ptr_exchange == 0 && ch.recv.ptr_exchange == 0)
+        );
+        let one = direct_pointers(
+            build_comm_block(0, 1, 2, &layout, &bases, 0x5000, 0x6000, &params, &rings),
+            2,
+            1,
+            &params,
+        );
+        let ch: &[DevChannel] =
+            bytemuck::cast_slice(&one[size_of::<DevComm>()..][..2 * size_of::<DevChannel>()]);
+        assert!(
+            ch.iter()
+                .all(|ch| ch.send.ptr_exchange == 0 && ch.recv.ptr_exchange == 0)
+        );
+    }
+
+    /// A direct Broadcast leaves the receiver's Simple FIFOs untouched (its data went straight to
+    /// the output) and counts one exchange per channel; a Reduce to the same rank (never direct)
+    /// then fills them, which shows the FIFO check can see writes.
+    #[test]
+    fn direct_broadcast_bypasses_the_receivers_fifo() {
+        let devs = Device::cpus(2);
+        let comms = Comm::init_all(&devs).unwrap();
+        if !comms[0].direct_pointer() {
+            eprintln!("skipped: NCCL_P2P_DIRECT_DISABLE is set in this environment");
+            return;
+        }
+        let count = 1usize << 20; // 4 MiB of u32: a Simple call on the CPU target
+        let want: Vec<u8> = (0..count as u32)
+            .flat_map(|i| (i.wrapping_mul(2654435761)).to_ne_bytes())
+            .collect();
+        let streams: Vec<Stream> = devs.iter().map(|d| d.new_stream().unwrap()).collect();
+        let send = devs[0].alloc(count * 4).unwrap();
+        send.write(0, &want).unwrap();
+        let recv: Vec<_> = devs.iter().map(|d| d.alloc(count * 4).unwrap()).collect();
+        let choice = comms[0]
+            .choice_for(Func::Broadcast, count, DataType::U32)
+            .unwrap()
+            .unwrap();
+        assert_eq!(choice.proto, Proto::Simple, "{choice:?}");
+        let nch = choice.nchannels as u64;
+        let fifo_zero = |comm: &Comm| {
+            let mem = conn_mem(comm, 1);
+            let layout = ConnLayout::new(&comm.params, comm.nchannels, true);
+            (0..nch).all(|c| {
+                let at = layout.buff(0, c) as usize;
+                mem[at..at + layout.buffsize as usize].iter().all(|&b| b == 0)
+            })
+        };
+        std::thread::scope(|s| {
+            for r in 0..2 {
+                let (comm, stream, send, recv) = (&comms[r], &streams[r], &send, &recv[r]);
+                s.spawn(move || {
+                    let src = (r == 0).then(|| send.as_slice());
+                    comm.broadcast(src, recv.as_slice(), count, DataType::U32, 0, stream)
+                        .unwrap();
+                    stream.synchronize().unwrap();
+                });
+            }
+        });
+        assert_eq!(recv[1].to_vec().unwrap(), want, "rank 1's output");
+        assert!(
+            fifo_zero(&comms[0]),
+            "a direct Broadcast wrote rank 1's Simple FIFO"
+        );
+        // One exchange per channel: rank 0's slot (its head line) holds rank 1's output and count 1.
+        let layout = ConnLayout::new(&comms[0].params, comms[0].nchannels, true);
+        let mem0 = conn_mem(&comms[0], 0);
+        for c in 0..nch {
+            let at = (layout.head(0, c) + PTR_EXCHANGE_OFFSET) as usize;
+            let slot: [u64; 2] = bytemuck::pod_read_unaligned(&mem0[at..at + 16]);
+            assert_eq!(slot, [recv[1].addr(), 1], "channel {c}");
+        }
+        // The control: a Reduce to rank 1 goes through its FIFOs.
+        std::thread::scope(|s| {
+            for r in 0..2 {
+                let (comm, stream, buf) = (&comms[r], &streams[r], &recv[r]);
+                s.spawn(move || {
+                    let out = (r == 1).then(|| buf.as_slice());
+                    comm.reduce(buf.as_slice(), out, count, DataType::U32, RedOp::Max, 1, stream)
+                        .unwrap();
+                    stream.synchronize().unwrap();
+                });
+            }
+        });
+        assert_eq!(comms[0].last_choice().map(|c| c.proto), Some(Proto::Simple));
+        assert!(
+            !fifo_zero(&comms[0]),
+            "a Reduce to rank 1 left its FIFOs untouched"
+        );
+    }
+}
+
+#[cfg(test)]
+mod comm_block_tests {
+    use super::*;
+
+    #[test]
+    fn split_own_memory_by_transport() {
+        // Rank 1 of 3, 2 channels. Channel 0: next (2) reached through P2P, prev (0) through NET:
+        // its send head must be in its device block (own[0][0]) where rank 2 writes it, its
+        // receive FIFOs and tail in its host block (own[0][1]) where the proxy writes them.
+        // Channel 1 (rings may differ per channel, so may the transports): the other way round.
+        // Peers' blocks as given.
+        let params = Params::default();
+        let layout = ConnLayout::new(&params, 2, true);
+        let bases = [0x1000_0000_0000u64, 0, 0x3000_0000_0000];
+        let own = [
+            [0x7000_0000_0000u64, 0x9000_0000_0000],
+            [0x9000_0000_0000u64, 0x7000_0000_0000],
+        ];
+        let rings = ChannelRings::rank_order(3, 2);
+        let mut bytes =
+            build_comm_block_split(1, 3, 2, &layout, &bases, &own, 0x5000, 0x6000, &params, &rings);
+        // NET step sizes on channel 1's send connection only (its next is across the network).
+        net_step_sizes(&mut bytes, &layout, &[None, Some(0xa000_0000_0000)]);
+        let chans: &[DevChannel] =
+            bytemuck::cast_slice(&bytes[size_of::<DevComm>()..][..2 * size_of::<DevChannel>()]);
+        for (c, ch) in chans.iter().enumerate() {
+            let [send, recv] = own[c];
+            let c = c as u64;
+            assert_eq!(ch.send.buffs[Proto::Simple as usize], layout.buff(bases[2], c));
+            assert_eq!(ch.send.tail, layout.tail(bases[2], c));
+            assert_eq!(ch.send.head, layout.head(send, c));
+            assert_eq!(ch.recv.buffs[Proto::Simple as usize], layout.buff(recv, c));
+            assert_eq!(ch.recv.buffs[Proto::Ll as usize], layout.ll(recv, c));
+            assert_eq!(ch.recv.buffs[Proto::Ll128 as usize], layout.ll128(recv, c));
+            assert_eq!(ch.recv.tail, layout.tail(recv, c));
+            assert_eq!(ch.recv.head, layout.head(bases[0], c));
+        }
+        assert_eq!(chans[0].send.sizes, 0);
+        assert_eq!(
+            chans[1].send.sizes,
+            layout.tail(0xa000_0000_0000, 1) + crate::transport::STEP_SIZES_OFFSET
+        );
+        // Unsplit: the same as the split with conn_base[r] on both sides.
+        let whole = [bases[0], own[0][1], bases[2]];
+        assert_eq!(
+            build_comm_block(1, 3, 2, &layout, &whole, 0x5000, 0x6000, &params, &rings),
+            build_comm_block_split(
+                1,
+                3,
+                2,
+                &layout,
+                &whole,
+                &[[whole[1], whole[1]]; 2],
+                0x5000,
+                0x6000,
+                &params,
+                &rings
+            )
+        );
+    }
+
+    #[test]
+    fn comm_block_follows_each_channels_ring() {
+        // 3 ranks, 2 channels: channel 0 in rank order, channel 1 on ring 0 -> 2 -> 1 -> 0. Rank 1
+        // sends to 2 and receives from 0 on channel 0, sends to 0 and receives from 2 on
+        // channel 1; its user ranks are 1 2 0 and 1 0 2, its index (distance from rank 0) 1 and 2.
+        let params = Params::default();
+        let layout = ConnLayout::new(&params, 2, true);
+        let bases = [0x1000_0000_0000u64, 0x2000_0000_0000, 0x3000_0000_0000];
+        let rings = ChannelRings::new(vec![vec![0, 1, 2], vec![0, 2, 1]], 3).unwrap();
+        let block = 0x5000u64;
+        let bytes = build_comm_block(1, 3, 2, &layout, &bases, block, 0x6000, &params, &rings);
+        let chans: &[DevChannel] =
+            bytemuck::cast_slice(&bytes[size_of::<DevComm>()..][..2 * size_of::<DevChannel>()]);
+        let ranks_off = size_of::<DevComm>() + 2 * size_of::<DevChannel>();
+        let user: &[u32] = bytemuck::cast_slice(&bytes[ranks_off..ranks_off + 2 * 3 * 4]);
+        assert_eq!(user, &[1, 2, 0, 1, 0, 2]);
+        for (c, (next, prev, index)) in [(2usize, 0usize, 1u32), (0, 2, 2)].into_iter().enumerate() {
+            let ch = &chans[c];
+            let cu = c as u64;
+            assert_eq!(
+                (ch.ring.next as usize, ch.ring.prev as usize, ch.ring.index),
+                (next, prev, index)
+            );
+            assert_eq!(ch.ring.user_ranks, block + (ranks_off + c * 3 * 4) as u64);
+            assert_eq!(
+                ch.send.buffs[Proto::Simple as usize],
+                layout.buff(bases[next], cu)
+            );
+            assert_eq!(ch.send.tail, layout.tail(bases[next], cu));
+            assert_eq!(ch.send.head, layout.head(bases[1], cu));
+            assert_eq!(ch.recv.head, layout.head(bases[prev], cu));
+            assert_eq!(ch.recv.buffs[Proto::Ll as usize], layout.ll(bases[1], cu));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tree_tests {
+    use super::*;
+
+    #[test]
+    fn tree_connections_pair_up_across_ranks() {
+        // 2 nodes of 2 ranks (chains [0, 1] and [2, 3]), balanced pattern. Tree 0 (channel 0):
+        // btree(2) has node 0 as root and node 1 as its child of type 1, which attaches to the
+        // head c[0] = rank 0; so rank 0 has children 1 (its chain) and 2, rank 2 child 3. Tree 1
+        // (channel 1) is the mirror: node 1 roots it, node 0 hangs from rank 2.
+        let chains = vec![vec![0, 1], vec![2, 3]];
+        let trees = channel_trees(&chains, 3, crate::graph::Pattern::BalancedTree).unwrap();
+        let ud = |c: usize, r: usize| (trees[c][r].up, trees[c][r].down);
+        assert_eq!(ud(0, 0), (-1, [1, 2, -1]));
+        assert_eq!(ud(0, 2), (0, [3, -1, -1]));
+        assert_eq!(ud(1, 2), (-1, [3, 0, -1]));
+        assert_eq!(ud(1, 0), (2, [1, -1, -1]));
+        // Channel 2 runs tree 0 again.
+        assert_eq!(trees[2], trees[0]);
+
+        // Per present peer one Simple (1 MiB), LL (64 KiB) and LL128 (128 KiB) FIFO.
+        let params = Params {
+            buffsize: 1 << 20,
+            ll_buffsize: 64 << 10,
+            ll128_buffsize: 128 << 10,
+            ..Params::default()
+        };
+        let buffsize = (1 << 20) + (64 << 10) + (128 << 10);
+        let layouts: Vec<TreeLayout> = (0..4).map(|r| TreeLayout::new(&params, &trees, r)).collect();
+        // A FIFO set per present peer: rank 3 is a leaf in both trees (one per channel); rank 0 has
+        // two children in tree 0 (channels 0, 2) and a parent and a child in tree 1 (channel 1).
+        assert_eq!(layouts[3].counters_at, 3 * buffsize);
+        assert_eq!(layouts[0].counters_at, (2 + 2 + 2) * buffsize);
+        assert_eq!(layouts[0].bytes(), 6 * buffsize + 3 * 4 * COUNTERS_BYTES);
+        let bases: Vec<u64> = (0..4).map(|r| (r as u64 + 1) << 32).collect();
+        let dev: Vec<Vec<DevTree>> = (0..4)
+            .map(|r| build_shared_dev_trees(r, &trees, &layouts, &bases, 7).unwrap())
+            .collect();
+        let (simple, ll, ll128) = (Proto::Simple as usize, Proto::Ll as usize, Proto::Ll128 as usize);
+        for c in 0..3 {
+            for (r, dr) in dev.iter().enumerate() {
+                let d = &dr[c];
+                assert_eq!((d.up, d.down), ud(c, r));
+                for (i, &k) in d.down.iter().enumerate() {
+                    let Ok(k) = usize::try_from(k) else {
+                        assert_eq!(d.send_down[i].buffs, [0; Proto::COUNT]);
+                        continue;
+                    };
+                    // Parent r → child k: the same FIFO, tail and head seen from both ends.
+                    let (s, rv) = (&d.send_down[i], &dev[k][c].recv_up);
+                    assert_eq!((s.buffs, s.head, s.tail, s.step), (rv.buffs, rv.head, rv.tail, 7));
+                    // The FIFO and tail live in the child's memory, the head in the parent's.
+                    assert_eq!(s.buffs[simple] >> 32, k as u64 + 1);
+                    // The LL and LL128 FIFOs follow the Simple one.
+                    assert_eq!(
+                        (s.buffs[ll] - s.buffs[simple], s.buffs[ll128] - s.buffs[simple]),
+                        (1 << 20, (1 << 20) + (64 << 10))
+                    );
+                    assert_eq!((s.tail >> 32, s.head >> 32), (k as u64 + 1, r as u64 + 1));
+                    // Child k → parent r.
+                    let (s, rv) = (&dev[k][c].send_up, &d.recv_down[i]);
+                    assert_eq!((s.buffs, s.head, s.tail, s.step), (rv.buffs, rv.head, rv.tail, 7));
+                    assert_eq!(s.buffs[simple] >> 32, r as u64 + 1);
+                    assert_eq!((s.tail >> 32, s.head >> 32), (r as u64 + 1, k as u64 + 1));
+                }
+                if d.up < 0 {
+                    assert_eq!(d.send_up.buffs, [0; Proto::COUNT]);
+                }
+            }
+        }
+        // Every receive FIFO of a rank is its own, one slot apart at least.
+        for r in 0..4 {
+            let mut fifos: Vec<u64> = dev[r]
+                .iter()
+                .flat_map(|d| std::iter::once(d.recv_up).chain(d.recv_down))
+                .map(|ci| ci.buffs[simple])
+                .filter(|&b| b != 0)
+                .collect();
+            let n = fifos.len();
+            fifos.sort();
+            fifos.dedup();
+            assert_eq!(fifos.len(), n, "rank {r}");
+            assert!(fifos.windows(2).all(|w| w[1] - w[0] >= buffsize));
+            assert_eq!(n as u64 * buffsize, layouts[r].counters_at);
+        }
+    }
+
+    #[test]
+    fn counters_region_starts_every_head_and_tail_at_the_step() {
+        // One rank, 3 channels: the region holds 3 channels × 4 peer slots of COUNTERS_BYTES (256),
+        // head at +0 and tail at +128 of each; a CUDA init copies it to `counters_at`. Exactly those
+        // 24 u64 words hold the step, every other byte is zero.
+        let trees = channel_trees(&[vec![0], vec![1]], 3, crate::graph::Pattern::BalancedTree).unwrap();
+        let l = TreeLayout::new(&Params::default(), &trees, 1);
+        let v = l.counters(0x0102_0304_0506_0708);
+        assert_eq!(v.len() as u64, 3 * 4 * COUNTERS_BYTES);
+        assert_eq!(l.bytes() - l.counters_at, v.len() as u64);
+        for (w, b) in v.chunks(8).enumerate() {
+            let at = w as u64 * 8;
+            let want = if at % COUNTERS_BYTES == 0 || at % COUNTERS_BYTES == 128 {
+                0x0102_0304_0506_0708
+            } else {
+                0
+            };
+            assert_eq!(u64::from_ne_bytes(b.try_into().unwrap()), want, "byte {at}");
+        }
+    }
+}

@@ -1,5 +1,9 @@
-//! Launch ordering across the ranks of one process (a piece of NCCL's `enqueue.cc`).
+//! Plan and launch of one call (NCCL's `enqueue.cc`): the plan ([`Choice`]: algorithm, protocol,
+//! channels, chunk and slice from the tuning model), the launch of the kernel on a CUDA stream or
+//! of its blocks on the CPU target ([`launch_cpu`]), and the launch ordering across the ranks of
+//! one process.
 //!
+//! Launch ordering:
 //! A rank's kernel spins until its peers' kernels of the same call run, so the ranks of one
 //! process must never queue work that waits for one of their kernels ahead of a peer's kernel
 //! that this kernel needs. Two places can:
@@ -18,9 +22,8 @@
 //! The slowest rank never waits, so the group cannot wait on itself as long as every rank issues
 //! its calls: from threads of their own, or from one thread that issues call `n` on every rank
 //! before call `n + 1` on any (NCCL's rule for one thread driving several devices).
-use crate::error::{Error, Result};
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use super::*;
+use std::sync::atomic::AtomicU64;
 
 /// How long a rank waits for its peers before it says so in the log (it keeps waiting: the
 /// peers' calls are the user's, and `abort` ends the wait).
@@ -73,6 +76,269 @@ pub(super) fn wait_launches(
             std::thread::sleep(Duration::from_micros(50));
         }
     }
+}
+
+
+/// What a call was planned as: algorithm, protocol, channels, chunk and slice sizes. Observable
+/// through [`Comm::last_choice`] and logged at debug level (target `oxccl::coll`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Choice {
+    pub func: Func,
+    pub algo: Algo,
+    pub proto: Proto,
+    pub nchannels: u32,
+    /// Elements per ring chunk.
+    pub chunk_elems: u64,
+    /// Elements per FIFO step.
+    pub slice_elems: u64,
+}
+
+
+
+/// A CUDA rank's last launch: an event recorded after its latest kernel, and whether it ever
+/// launched. Shared with its `init_all` group, so an abort can wait for the peers' kernels
+/// (direct writes land in user buffers, see [`Comm::abort`]).
+pub(super) struct LaunchState {
+    pub(super) last_event: cuda::Event,
+    pub(super) launched: std::sync::atomic::AtomicBool,
+    /// Kernels this rank has launched (the group's launch ordering, [`wait_launches`]).
+    pub(super) issued: std::sync::atomic::AtomicU64,
+}
+
+impl LaunchState {
+    pub(super) fn new(ctx: &Arc<cuda::Context>) -> Result<Arc<LaunchState>> {
+        Ok(Arc::new(LaunchState {
+            last_event: cuda::Event::new(ctx)?,
+            launched: false.into(),
+            issued: 0.into(),
+        }))
+    }
+    /// True when nothing this rank launched is still queued or running.
+    pub(super) fn idle(&self) -> Result<bool> {
+        Ok(!self.launched.load(Ordering::Acquire) || self.last_event.is_complete()?)
+    }
+}
+
+/// Every rank's device memory of one `init_all`, freed when the last rank is dropped: a rank's
+/// kernel writes into its neighbours' FIFOs and counters (the receiver's head credit can land after
+
+impl Comm {
+    /// Algorithm, protocol, channels, chunk and slice for a call of `bytes` bytes (the seed's
+    /// tuning step: the cost model of [`crate::tuning::Model`] among what `NCCL_ALGO` /
+    /// `NCCL_PROTO` allow and this communicator implements — the tree only when it has trees).
+    pub(super) fn plan(&self, func: Func, bytes: u64, esize: u64) -> Result<Choice> {
+        let model = crate::tuning::Model::for_fabric(self.fabric);
+        let min = self.params.min_nchannels.unwrap_or(1);
+        let trees = self.trees.map(|t| t.shape);
+        let (algo, proto, nch) =
+            self.selection
+                .choose_sized_with(&model, func, bytes, self.nranks, min, self.nchannels, trees)?;
+        if algo == Algo::Tree && proto == Proto::Simple {
+            // One FIFO slot per chunk and slice (NCCL's tree on Simple: chunkSteps = sliceSteps =
+            // 1), halved down to 128 KiB while there are fewer than 8 chunks per channel and tree
+            // level, so the levels pipeline.
+            let slot_bytes = self.params.buffsize / FIFO_STEPS / PACK_BYTES * PACK_BYTES;
+            let depth = trees.map_or(1, |t| t.depth.max(1)) as u64;
+            let mut chunk = slot_bytes;
+            while bytes / (nch as u64 * chunk) < depth * 8 && chunk > (128 << 10) {
+                chunk = chunk / 2 / PACK_BYTES * PACK_BYTES;
+            }
+            return Ok(Choice {
+                func,
+                algo,
+                proto,
+                nchannels: nch,
+                chunk_elems: chunk / esize,
+                slice_elems: chunk / esize,
+            });
+        }
+        if proto != Proto::Simple {
+            // One chunk is one step of lines: 8 data bytes per 16-byte LL line, 120 per 128-byte
+            // LL128 line (NCCL's LL / LL128 chunk, for the ring and the tree alike).
+            let step_data = if proto == Proto::Ll {
+                self.params.ll_buffsize / FIFO_STEPS / 16 * 8
+            } else {
+                self.params.ll128_buffsize / FIFO_STEPS / 128 * 120
+            };
+            // A whole number of 16-byte packs (an odd line count makes, e.g., 65 × 8 = 520
+            // bytes): the kernels round each loop's chunk to whole packs, which must stay within
+            // the chunk (`coll::loop_chunk`).
+            let step_data = (step_data / PACK_BYTES * PACK_BYTES).max(PACK_BYTES);
+            let chunk = (step_data / esize).max(1);
+            return Ok(Choice {
+                func,
+                algo,
+                proto,
+                nchannels: nch,
+                chunk_elems: chunk,
+                slice_elems: chunk,
+            });
+        }
+        let slot_bytes = self.params.buffsize / FIFO_STEPS / PACK_BYTES * PACK_BYTES;
+        let chunk_bytes = slot_bytes * DEFAULT_CHUNK_STEPS;
+        // Slices of up to half a chunk (NCCL's 2 steps per slice), and at least 4 per chunk for
+        // mid-size calls so the ring still pipelines.
+        let per_chunk = bytes.div_ceil(nch as u64 * self.nranks as u64);
+        let slice_bytes = if per_chunk >= 4 * chunk_bytes {
+            chunk_bytes / 2
+        } else {
+            (per_chunk.min(chunk_bytes) / 4)
+                .next_multiple_of(PACK_BYTES)
+                .clamp((32 << 10).min(slot_bytes), chunk_bytes / 2)
+        };
+        Ok(Choice {
+            func,
+            algo,
+            proto,
+            nchannels: nch,
+            chunk_elems: chunk_bytes / esize,
+            slice_elems: slice_bytes / esize,
+        })
+    }
+
+    pub(super) fn copy(&self, dst: u64, src: u64, bytes: usize, stream: &Stream) -> Result<()> {
+        match stream {
+            Stream::Cuda(s) => s.copy_dtod(dst, src, bytes),
+            Stream::Cpu(s) => s.enqueue(move || {
+                // SAFETY: the caller of the collective guarantees both ranges (all_reduce_raw).
+                unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, bytes) };
+                Ok(())
+            }),
+        }
+    }
+
+    pub(super) fn launch(&self, args: KernelArgs, stream: &Stream) -> Result<()> {
+        match (&self.res, stream) {
+            (Res::Cuda(res), Stream::Cuda(s)) => {
+                let w = &args.work;
+                let Some((func, algo, proto, dtype, op)) = w.entry_key() else {
+                    return Err(Error::Internal("work element with an invalid enum".into()));
+                };
+                let name = oxccl_gpu::abi::kernel_name_for(func, algo, proto, dtype, op);
+                let issued = res.launch.issued.load(Ordering::Acquire);
+                let counter = |p: usize| (p, &res.group.launches[p].issued);
+                if !res.sharing.is_empty() {
+                    // This kernel waits in its stream for this rank's previous one; on a hardware
+                    // queue shared with a rank of this GPU it would hold back that rank's kernel
+                    // of the previous call, which ours is waiting for (module docs).
+                    let peers: Vec<_> = res.sharing.iter().map(|&p| counter(p)).collect();
+                    wait_launches(&peers, issued, self.abort_flag(), self.rank, &|| {
+                        "before launching its next one on the GPU they share".into()
+                    })?;
+                }
+                let module = match res.ctx.loaded_kernel(name.as_str()) {
+                    Some(m) => m,
+                    None => {
+                        // Loading may wait for every kernel of the context: first let every rank
+                        // of the group launch what came before, so none of their kernels waits
+                        // for one of ours that the load holds back.
+                        let peers: Vec<_> = (0..res.group.launches.len()).map(counter).collect();
+                        wait_launches(&peers, issued, self.abort_flag(), self.rank, &|| {
+                            format!("before loading kernel {}", name.as_str())
+                        })?;
+                        res.ctx.kernel(name.as_str())?
+                    }
+                };
+                s.launch(&module, w.nchannels as u32, self.params.nthreads, &args)?;
+                res.launch.last_event.record(s)?;
+                res.launch.launched.store(true, Ordering::Release);
+                res.launch.issued.store(issued + 1, Ordering::Release);
+                Ok(())
+            }
+            (Res::Cpu(res), Stream::Cpu(s)) => {
+                let w = &args.work;
+                let Some((func, algo, proto, dtype, op)) = w.entry_key() else {
+                    return Err(Error::Internal("work element with an invalid enum".into()));
+                };
+                if oxccl_gpu::dispatch::entry_for(func, algo, proto, dtype, op).is_none() {
+                    return Err(crate::kernels::not_built(
+                        oxccl_gpu::abi::kernel_name_for(func, algo, proto, dtype, op).as_str(),
+                    ));
+                }
+                launch_cpu(args, self.params.cpu_nthreads, self.params.cpu_team, res.group.clone(), self.rank, res.slot, s, &self.inflight)
+            }
+            _ => Err(Error::invalid(
+                "stream and communicator are of different backends",
+            )),
+        }
+    }
+}
+
+/// Runs one collective on the CPU target: per channel a host thread running a block of
+/// `nthreads` threads (`OXCCL_CPU_NTHREADS`; fibers of it or host threads of their own, `team`),
+/// each running the same `run_block` the GPU kernel's threads run, with the block's shared memory
+/// and real barriers; queued on the CPU stream.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn launch_cpu(
+    args: KernelArgs,
+    nthreads: u32,
+    team: oxccl_gpu::arch::TeamKind,
+    group: Arc<CpuGroup>,
+    rank: usize,
+    slot: usize,
+    stream: &CpuStream,
+    inflight: &Arc<AtomicUsize>,
+) -> Result<()> {
+    inflight.fetch_add(1, Ordering::AcqRel);
+    let inflight = inflight.clone();
+    stream.enqueue(move || {
+        let running = group.running.get(slot);
+        if let Some(n) = running {
+            n.fetch_add(1, Ordering::AcqRel);
+        }
+        let nch = args.work.nchannels as u32;
+        let result = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..nch)
+                .map(|b| {
+                    let args = &args;
+                    s.spawn(move || {
+                        // u64 cells: the shared memory is 8-byte aligned, as on the GPU.
+                        let mut smem = vec![0u64; oxccl_gpu::abi::KERNEL_SMEM_BYTES / 8];
+                        let smem = smem.as_mut_ptr() as usize;
+                        oxccl_gpu::arch::run_block_threads(b, nthreads, team, |tid| {
+                            // SAFETY: `args.comm` is this rank's comm block, kept alive by
+                            // `group`; the buffers are the caller's (all_reduce_raw contract);
+                            // `smem` is this block's, shared by its threads as on the GPU.
+                            // `false` (no entry for the work) cannot happen: `launch` checked it.
+                            unsafe { oxccl_gpu::dispatch::run_block(args, b, tid, nthreads, smem as *mut u32) }
+                        })
+                    })
+                })
+                .collect();
+            let mut ok = true;
+            for h in handles {
+                ok &= h.join().unwrap_or(false);
+            }
+            ok
+        });
+        if let Some(n) = running {
+            n.fetch_sub(1, Ordering::AcqRel);
+        }
+        drop(group);
+        inflight.fetch_sub(1, Ordering::AcqRel);
+        if result {
+            Ok(())
+        } else {
+            Err(Error::Internal(format!(
+                "rank {rank}: a CPU-target channel trapped"
+            )))
+        }
+    })
+}
+
+/// Whether `NCCL_PROTO` (or `OXCCL_PROTO`) names LL128 in a list of protocols to use (not in an
+/// exclusion list): NCCL then enables LL128 even where it is off by default; oxccl still keeps it
+/// off through host memory on GPUs, and says so with a warning.
+pub(super) fn ll128_forced() -> bool {
+    ll128_forced_by(crate::params::env_var("PROTO").map(|(_, v)| v).as_deref())
+}
+
+/// [`ll128_forced`] for the `NCCL_PROTO` value `proto` (`None`: unset).
+pub(super) fn ll128_forced_by(proto: Option<&str>) -> bool {
+    proto.is_some_and(|v| {
+        let v = v.trim();
+        !v.starts_with('^') && v.split(',').any(|p| p.trim().eq_ignore_ascii_case("LL128"))
+    })
 }
 
 #[cfg(test)]
@@ -129,5 +395,24 @@ mod tests {
                 && msg.contains("first 1 calls before loading kernel k"),
             "{msg}"
         );
+    }
+}
+
+#[cfg(test)]
+mod ll128_tests {
+    use super::*;
+
+    #[test]
+    fn ll128_forced_only_by_a_positive_list() {
+        for (v, want) in [
+            (None, false),
+            (Some("LL128"), true),
+            (Some("simple, ll128"), true),
+            (Some("^LL"), false),
+            (Some("^LL128"), false),
+            (Some("LL"), false),
+        ] {
+            assert_eq!(ll128_forced_by(v), want, "{v:?}");
+        }
     }
 }

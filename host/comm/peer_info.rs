@@ -1,7 +1,9 @@
 //! What the ranks tell each other at init and how a pair of ranks connects (NCCL's peer info in
 //! `init.cc` and the P2P checks of `transport/p2p.cc`): each rank's [`PeerInfo`] (host, process,
 //! device, bus id, connection memory), the checks that the ranks' infos agree, the transport a
-//! ring edge takes, and `NCCL_P2P_LEVEL` / `NCCL_P2P_DISABLE` against the topology's path type.
+//! ring edge takes, and `NCCL_P2P_LEVEL` / `NCCL_P2P_DISABLE` against the topology's path type;
+//! the settings every rank must share ([`plan_settings`]) and the all-gather that fails every rank
+//! alike when one fails ([`allgather_checked`]).
 use super::*;
 
 /// What one rank tells the others at init (the seed's `ncclPeerInfo`, gathered by AllGather1),
@@ -210,7 +212,7 @@ impl PeerInfo {
 
 /// Checks the gathered peer information, identically on every rank so every rank fails alike:
 /// one device kind, one device per rank per host (C26), the same channels and buffer sizes. (Every
-/// pair of ring neighbours has a transport: NET connects any two ranks, see [`ring_transport`].)
+/// pair of ring neighbours has a transport: NET connects any two ranks, see [`transport_between`].)
 pub(super) fn check_peers(rank: usize, peers: &[PeerInfo]) -> Result<()> {
     let me = &peers[rank];
     let shared_ok = crate::params::env_var("ALLOW_SHARED_DEVICE").is_some_and(|(_, v)| v == "1");
@@ -250,9 +252,12 @@ pub(super) fn check_peers(rank: usize, peers: &[PeerInfo]) -> Result<()> {
 
 /// The transport between ranks `a` and `b` (NCCL's `selectTransport`: the first of P2P, SHM, NET
 /// that can connect them, [`crate::transport::select_transport`]), decided from both ranks'
-/// information so the two ends agree. A rank is its own neighbour only in a 1-rank communicator,
-/// which uses its own memory (reported as P2P).
-pub(super) fn ring_transport(peers: &[PeerInfo], a: usize, b: usize) -> crate::transport::TransportKind {
+/// information so the two ends agree. This is the one choice per pair of an `init_rank`
+/// communicator: its ring connections, its trees ([`rank_trees`]), the NET setup
+/// ([`crate::transport::connect_net`]) and the LL128 and tuning decisions all follow it. A rank
+/// is its own neighbour only in a 1-rank communicator, which uses its own memory (reported as
+/// P2P).
+pub(super) fn transport_between(peers: &[PeerInfo], a: usize, b: usize) -> crate::transport::TransportKind {
     if a == b {
         return crate::transport::TransportKind::P2p;
     }
@@ -271,7 +276,7 @@ pub(super) fn ring_transport(peers: &[PeerInfo], a: usize, b: usize) -> crate::t
 /// after `ncclTopoCheckP2p`): when any rank set a level, each CUDA rank finds the ranks of its
 /// host whose GPU path (`path_of`, e.g. [`p2p_path_type`]) exceeds its own level or theirs, and
 /// the lists are all-gathered into every [`PeerInfo::p2p_denied`], so that every rank's
-/// [`ring_transport`] agrees (a rank cannot compute another host's paths). Such a pair then uses
+/// [`transport_between`] agrees (a rank cannot compute another host's paths). Such a pair then uses
 /// SHM, or NET with SHM disabled, as in NCCL. Nothing is exchanged when no rank set a level
 /// (every rank sees that alike in the gathered peer information). A path of unknown type allows
 /// P2P, with a warning (see [`check_p2p_level`]).
@@ -416,6 +421,99 @@ pub(super) fn check_p2p_level(
     }
 }
 
+/// The settings that decide how each call runs and must therefore be the same on every rank
+/// (NCCL requires it; a rank planning another protocol, algorithm or channel count than its peers
+/// waits for them forever): one `NAME=value` line each, in a fixed order, from the parsed values
+/// (so `LL,Simple` and `Simple,LL` agree).
+pub(super) fn plan_settings(p: &Params, s: &Selection) -> String {
+    let names = |v: &[bool], all: &[&str]| -> String {
+        let on: Vec<&str> = all.iter().zip(v).filter(|(_, b)| **b).map(|(n, _)| *n).collect();
+        format!("{{{}}}", on.join(","))
+    };
+    let opt = |v: Option<u32>| v.map_or("unset".to_string(), |v| v.to_string());
+    [
+        (
+            "NCCL_PROTO",
+            names(
+                &s.protos.0,
+                &[Proto::Ll.name(), Proto::Ll128.name(), Proto::Simple.name()],
+            ),
+        ),
+        (
+            "NCCL_ALGO",
+            names(&s.algos.0, &[Algo::Tree.name(), Algo::Ring.name()]),
+        ),
+        ("NCCL_MIN_NCHANNELS", opt(p.min_nchannels)),
+        ("NCCL_MAX_NCHANNELS", opt(p.max_nchannels)),
+        ("NCCL_NTHREADS", p.nthreads.to_string()),
+        ("NCCL_BUFFSIZE", p.buffsize.to_string()),
+        ("NCCL_LL_BUFFSIZE", p.ll_buffsize.to_string()),
+        ("NCCL_LL128_BUFFSIZE", p.ll128_buffsize.to_string()),
+        ("OXCCL_TEST_INITIAL_STEP", p.initial_step.to_string()),
+    ]
+    .iter()
+    .map(|(k, v)| format!("{k}={v}"))
+    .collect::<Vec<_>>()
+    .join("\n")
+}
+
+/// Compares every rank's [`plan_settings`] record (`all`, by rank) with this rank's: the first
+/// setting that differs fails init on every rank alike with `InvalidUsage` naming the variable,
+/// the lowest rank whose value differs from rank 0's, and both values.
+pub(super) fn check_plan_settings(rank: usize, all: &[Vec<u8>]) -> Result<()> {
+    let lines =
+        |b: &[u8]| -> Vec<String> { String::from_utf8_lossy(b).lines().map(str::to_string).collect() };
+    let Some(first) = all.first().map(|b| lines(b)) else {
+        return Ok(());
+    };
+    for (r, b) in all.iter().enumerate().skip(1) {
+        let other = lines(b);
+        if let Some((a, o)) = first.iter().zip(&other).find(|(a, o)| a != o) {
+            let (name, v0) = a.split_once('=').unwrap_or((a.as_str(), ""));
+            let v = o.split_once('=').map_or(o.as_str(), |(_, v)| v);
+            return Err(Error::InvalidUsage(format!(
+                "rank {rank}: {name} differs across ranks: rank 0 has {v0}, rank {r} has {v} \
+                 (also spelled OXCCL_{}; every rank must set the same value)",
+                name.trim_start_matches("NCCL_").trim_start_matches("OXCCL_")
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Prefix of a rank's record in an `init_rank` all-gather when that rank failed (its error follows).
+pub(super) const INIT_ERR_PREFIX: &str = "ERR ";
+
+/// An `init_rank` all-gather after a step that may fail on some ranks: each rank sends
+/// `record(&value)` of its result `mine`, or its error, so every rank learns of a failure at the
+/// same step and fails at once, naming the rank (rather than one rank leaving and the others
+/// waiting out the bootstrap timeout). Returns this rank's value and every rank's record.
+///
+/// Errors: this rank's own error as it is; else `Remote` "rank {rank}: rank {r} {what}: {error}"
+/// for the first rank `r` that failed; bootstrap errors.
+pub(super) fn allgather_checked<T>(
+    bootstrap: &crate::bootstrap::Bootstrap,
+    rank: usize,
+    mine: Result<T>,
+    record: impl FnOnce(&T) -> String,
+    what: &str,
+) -> Result<(T, Vec<Vec<u8>>)> {
+    let sent = match &mine {
+        Ok(v) => record(v),
+        Err(e) => format!("{INIT_ERR_PREFIX}{e}"),
+    };
+    let all = bootstrap.allgather(sent.as_bytes())?;
+    let value = mine?;
+    if let Some((r, e)) = all.iter().enumerate().find_map(|(r, b)| {
+        String::from_utf8_lossy(b)
+            .strip_prefix(INIT_ERR_PREFIX)
+            .map(|e| (r, e.to_string()))
+    }) {
+        return Err(Error::Remote(format!("rank {rank}: rank {r} {what}: {e}")));
+    }
+    Ok((value, all))
+}
+
 #[cfg(test)]
 mod p2p_level_tests {
     use super::*;
@@ -526,5 +624,184 @@ mod p2p_level_tests {
         let broken = |_: &PeerInfo, _: &PeerInfo| Err(Error::invalid("NCCL_TOPO_FILE: bad"));
         assert!(check_p2p_level(0, &a, 1, &b, Some(PathType::Nvl), broken).is_err());
         check_p2p_level(0, &a, 1, &b, None, broken).unwrap();
+    }
+}
+
+#[cfg(test)]
+pub(super) mod peer_tests {
+    use super::*;
+    use crate::liveness::proc_start;
+
+    pub(in crate::comm) fn cuda_peer(bus: &str, host: &str, pid: u32) -> PeerInfo {
+        PeerInfo {
+            cuda: true,
+            dev: 0,
+            bus_id: bus.into(),
+            host: host.into(),
+            host_hash: crate::hash::fnv1a_64(host.as_bytes()),
+            pid,
+            start_time: 77,
+            p2p_disable: false,
+            shm_disable: false,
+            p2p_level: None,
+            p2p_denied: Vec::new(),
+            shm_name: format!("oxccl-1-{pid}-r0"),
+            nch: 4,
+            conn_bytes: 1 << 20,
+            conn: ConnDesc::Ipc {
+                ptr: 0x7f00_0000_0000,
+                handle: std::array::from_fn(|i| i as u8 * 3),
+            },
+            abort_page: String::new(),
+        }
+    }
+
+    /// CUDA ranks 0-2 on host h (bus ids 0000:0r:00.0), rank 3 on host k.
+    fn four_peers() -> Vec<PeerInfo> {
+        (0..4)
+            .map(|r| {
+                cuda_peer(
+                    &format!("0000:{r:02x}:00.0"),
+                    if r == 3 { "k" } else { "h" },
+                    r as u32,
+                )
+            })
+            .collect()
+    }
+
+    #[test]
+    fn p2p_level_denies_far_pairs_which_then_use_shm() {
+        use crate::topo::PathType;
+        use crate::transport::TransportKind::{Net, P2p, Shm};
+        // Host h: ranks 0, 1, 2; host k: rank 3. Paths on h (fake, by bus id pair): 0-1 NVL,
+        // 0-2 and 1-2 SYS. Rank 2 sets NCCL_P2P_LEVEL=PHB, rank 0 NVL, rank 1 nothing.
+        let mut p = four_peers();
+        p[0].p2p_level = Some(PathType::Nvl);
+        p[2].p2p_level = Some(PathType::Phb);
+        let path = |a: &PeerInfo, b: &PeerInfo| -> Result<Option<PathType>> {
+            let far = a.bus_id.ends_with("02:00.0") || b.bus_id.ends_with("02:00.0");
+            Ok(Some(if far { PathType::Sys } else { PathType::Nvl }))
+        };
+        // Rank 0 (NVL): 1 is NVL (allowed), 2 is SYS (denied by both levels); 3 is another host.
+        assert_eq!(p2p_denied_by_level(0, &p, path).unwrap(), vec![2]);
+        // Rank 1 (no level): only rank 2's PHB applies to 1-2 (SYS > PHB): denied; 0-1 NVL ok.
+        assert_eq!(p2p_denied_by_level(1, &p, path).unwrap(), vec![2]);
+        assert_eq!(p2p_denied_by_level(2, &p, path).unwrap(), vec![0, 1]);
+        assert_eq!(p2p_denied_by_level(3, &p, path).unwrap(), Vec::<usize>::new());
+        // What the all-gather hands every rank; denied pairs fall back to SHM, or NET with SHM
+        // off, seen alike from both ends.
+        for r in 0..4 {
+            p[r].p2p_denied = p2p_denied_by_level(r, &p, path).unwrap();
+        }
+        for (a, b, k) in [(0, 1, P2p), (1, 2, Shm), (2, 0, Shm), (2, 3, Net)] {
+            assert_eq!(
+                (transport_between(&p, a, b), transport_between(&p, b, a)),
+                (k, k),
+                "{a}-{b}"
+            );
+        }
+        p[1].shm_disable = true;
+        assert_eq!(transport_between(&p, 1, 2), Net);
+        // A path error is the caller's error.
+        let broken =
+            |_: &PeerInfo, _: &PeerInfo| -> Result<Option<PathType>> { Err(Error::invalid("bad topology")) };
+        assert!(p2p_denied_by_level(0, &p, broken).is_err());
+    }
+
+    #[test]
+    fn peer_info_round_trips() {
+        let mut p = cuda_peer("0000:18:00.0", "node a", 4242);
+        p.abort_page = "oxccl-1-2-abort".into();
+        p.shm_disable = true;
+        p.p2p_level = Some(crate::topo::PathType::Pxb);
+        assert_eq!(PeerInfo::decode(0, p.encode().as_bytes()).unwrap(), p);
+        let q = PeerInfo {
+            cuda: false,
+            bus_id: String::new(),
+            conn: ConnDesc::Shm("oxccl-1-2-r1".into()),
+            p2p_level: None,
+            ..p
+        };
+        assert_eq!(PeerInfo::decode(1, q.encode().as_bytes()).unwrap(), q);
+        let e = PeerInfo::decode(3, b"cuda\n0").unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "remote error: rank 3 sent malformed peer information (2 fields, expected 15)"
+        );
+    }
+
+    #[test]
+    fn cuda_rules_name_both_ranks() {
+        // Two processes whose CUDA ordinal is 0 but on different GPUs (CUDA_VISIBLE_DEVICES): fine.
+        let (a, b) = (
+            cuda_peer("0000:18:00.0", "h", 1),
+            cuda_peer("0000:2a:00.0", "h", 2),
+        );
+        check_peers(0, &[a.clone(), b.clone()]).unwrap();
+        // The same bus id twice: C26, naming both ranks and the bus id.
+        let e = check_peers(1, &[a.clone(), a.clone()]).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "invalid usage: ranks 0 and 1 are both on cuda device 0 (bus id 0000:18:00.0) of host \"h\"; one device \
+             per rank is required (set OXCCL_ALLOW_SHARED_DEVICE=1 to share a device for testing)"
+        );
+        // NCCL_P2P_DISABLE=1 on either side, or different hosts: fine (SHM or NET connects them).
+        let mut c = b.clone();
+        c.p2p_disable = true;
+        check_peers(0, &[a.clone(), c]).unwrap();
+        let d = cuda_peer("0000:2a:00.0", "other", 2);
+        check_peers(0, &[a.clone(), d]).unwrap();
+        // A CPU-target rank among CUDA ranks.
+        let mut cpu = b;
+        cpu.cuda = false;
+        let e = check_peers(0, &[a, cpu]).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "invalid usage: rank 1 is on a cpu device but rank 0 is on a cuda device: a communicator is all CUDA or \
+             all CPU-target"
+        );
+    }
+
+    #[test]
+    fn ring_transports_follow_p2p_shm_net() {
+        use crate::transport::TransportKind::{Net, P2p, Shm};
+        // Ranks 0-2 on host h, rank 3 on host k; rank 1 has NCCL_P2P_DISABLE=1, rank 2
+        // NCCL_SHM_DISABLE=1. Pairs: 0-1 SHM (P2P off on 1), 1-2 NET (P2P off on 1, SHM off on 2),
+        // 2-3 and 3-0 NET (other host); 0-0 (a 1-rank ring) its own memory, reported as P2P.
+        let mut p = four_peers();
+        assert_eq!(transport_between(&p, 0, 1), P2p);
+        p[1].p2p_disable = true;
+        p[2].shm_disable = true;
+        let want = [
+            (0, 1, Shm),
+            (1, 2, Net),
+            (2, 3, Net),
+            (3, 0, Net),
+            (0, 2, P2p),
+            (0, 0, P2p),
+        ];
+        for (a, b, k) in want {
+            assert_eq!(
+                (transport_between(&p, a, b), transport_between(&p, b, a)),
+                (k, k),
+                "{a}-{b}"
+            );
+        }
+        // CPU-target ranks never use P2P: SHM on one host (0-2 also with P2P allowed on both),
+        // still NET where one side disabled SHM.
+        for q in &mut p {
+            q.cuda = false;
+        }
+        assert_eq!((transport_between(&p, 0, 1), transport_between(&p, 1, 2)), (Shm, Net));
+        p[2].shm_disable = false;
+        assert_eq!(transport_between(&p, 0, 2), Shm);
+    }
+
+    #[test]
+    fn proc_start_of_this_process() {
+        let (t, zombie) = proc_start(std::process::id()).unwrap();
+        assert!(t > 0 && !zombie);
+        // Pids above the kernel's maximum (4194304) never exist.
+        assert_eq!(proc_start(u32::MAX), None);
     }
 }

@@ -182,7 +182,7 @@ pub(super) fn setup(s: &TreeSetup<'_>) -> Result<Option<RankTrees>> {
     if chains.len() < 2 || !s.wanted {
         return Ok(None);
     }
-    let kind = |a: usize, b: usize| ring_transport(s.peers, a, b);
+    let kind = |a: usize, b: usize| transport_between(s.peers, a, b);
     let step = s.params.initial_step;
     let layout_of = |trees: &[Vec<crate::graph::Tree>], r: usize, k: TransportKind| {
         TreeLayout::for_peers(s.params, trees, r, |p| kind(r, p) == k)
@@ -486,7 +486,7 @@ mod tests {
     use super::*;
 
     fn peer(host: &str) -> PeerInfo {
-        super::super::init_rank_tests::cuda_peer("0000:01:00.0", host, 1)
+        super::super::peer_info::peer_tests::cuda_peer("0000:01:00.0", host, 1)
     }
 
     #[test]

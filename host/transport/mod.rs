@@ -11,8 +11,11 @@
 //! | NET | always | a local staging FIFO that the proxy thread ([`crate::proxy`]) sends over the network (on CUDA pinned, device-mapped host memory) |
 //!
 //! "One host" means equal host ids: the host name, or `OXCCL_HOSTID` when set (so tests can make
-//! "hosts" inside one machine). The choice is made from both ranks' information, which the ranks
-//! all-gather first, so the two ends always agree. The network is the one `NCCL_NET` names
+//! "hosts" inside one machine). `NCCL_P2P_LEVEL` forbidding P2P for a pair of GPUs counts as P2P
+//! disabled for that pair. The choice is made once per pair of ranks, from both ranks' information
+//! (which the ranks all-gather first, so the two ends always agree), by `Comm::init_rank`; the
+//! ring's and the trees' connections and the NET setup ([`connect_net`]) all follow that one
+//! decision. The network is the one `NCCL_NET` names
 //! (case-insensitively; default: the first available: an NCCL network plugin when
 //! `NCCL_NET_PLUGIN`'s lookup finds a usable one ([`plugin`]), else the socket network
 //! [`net_socket`]); an unknown name is an error listing the available ones (NCCL's `initNet`).
@@ -20,6 +23,7 @@
 pub mod net;
 pub mod net_socket;
 pub mod plugin;
+pub(crate) mod shm;
 
 use crate::bootstrap::Bootstrap;
 use crate::cpu::HostMem;
@@ -80,81 +84,42 @@ pub fn env_switch(name: &str) -> Result<bool> {
     }
 }
 
-impl PeerInfo {
-    /// This rank's information: `cuda` and `host` from init, the switches from the environment
-    /// (`NCCL_P2P_DISABLE`, `NCCL_SHM_DISABLE`).
-    pub fn local(cuda: bool, host: &str) -> Result<PeerInfo> {
-        Ok(PeerInfo {
-            cuda,
-            host: host.to_string(),
-            p2p_disable: env_switch("P2P_DISABLE")?,
-            shm_disable: env_switch("SHM_DISABLE")?,
-        })
-    }
-
-    fn encode(&self) -> Vec<u8> {
-        format!(
-            "{}\n{}\n{}\n{}",
-            u8::from(self.cuda),
-            u8::from(self.p2p_disable),
-            u8::from(self.shm_disable),
-            self.host
-        )
-        .into_bytes()
-    }
-
-    fn decode(b: &[u8]) -> Option<PeerInfo> {
-        let s = String::from_utf8_lossy(b);
-        let mut it = s.splitn(4, '\n');
-        let flag = |x: Option<&str>| x.map(|v| v == "1");
-        Some(PeerInfo {
-            cuda: flag(it.next())?,
-            p2p_disable: flag(it.next())?,
-            shm_disable: flag(it.next())?,
-            host: it.next()?.to_string(),
-        })
-    }
-}
-
-/// What one rank contributes to [`connect_net`]'s all-gather: its [`PeerInfo`] and, when opening
-/// its network failed, why (that matters only if one of its ring neighbours uses NET); or, when
-/// its local checks failed, only why.
+/// What one rank contributes to [`connect_net`]'s all-gather: that its checks passed and, when
+/// opening its network failed, why (that matters only if one of its ring neighbours uses NET); or,
+/// when its local checks failed, only why.
 #[derive(Clone, Debug, PartialEq, Eq)]
 enum SetupRecord {
-    Info(PeerInfo, Option<String>),
+    Ready(Option<String>),
     Failed(String),
 }
 
 impl SetupRecord {
-    /// `I`, the network error's length (u32 LE, 0: none), the error, the info; or `F` and the
-    /// error.
+    /// `I` and the network error (empty: none); or `F` and the error.
     fn encode(&self) -> Vec<u8> {
         match self {
-            SetupRecord::Info(info, net_error) => {
-                let e = net_error.as_deref().unwrap_or("").as_bytes();
-                let mut b = vec![b'I'];
-                b.extend_from_slice(&(e.len() as u32).to_le_bytes());
-                b.extend_from_slice(e);
-                b.extend_from_slice(&info.encode());
-                b
-            }
+            SetupRecord::Ready(net_error) => [b"I".as_slice(), net_error.as_deref().unwrap_or("").as_bytes()].concat(),
             SetupRecord::Failed(why) => [b"F".as_slice(), why.as_bytes()].concat(),
         }
     }
 
     fn decode(b: &[u8]) -> Option<SetupRecord> {
         match b.split_first()? {
-            (b'I', rest) => {
-                let len = u32::from_le_bytes(rest.get(..4)?.try_into().ok()?) as usize;
-                let e = rest.get(4..4 + len)?;
-                let info = PeerInfo::decode(rest.get(4 + len..)?)?;
-                let net_error = (len > 0).then(|| String::from_utf8_lossy(e).into_owned());
-                Some(SetupRecord::Info(info, net_error))
-            }
+            (b'I', e) => Some(SetupRecord::Ready(
+                (!e.is_empty()).then(|| String::from_utf8_lossy(e).into_owned()),
+            )),
             (b'F', why) => Some(SetupRecord::Failed(String::from_utf8_lossy(why).into_owned())),
             _ => None,
         }
     }
+}
+
+/// This rank's transport settings as [`connect_net`] checks them before its all-gather: the
+/// switches `NCCL_P2P_DISABLE` and `NCCL_SHM_DISABLE` (0 or 1) and the network `NCCL_NET` names.
+fn check_settings() -> Result<()> {
+    env_switch("P2P_DISABLE")?;
+    env_switch("SHM_DISABLE")?;
+    wanted_net()?;
+    Ok(())
 }
 
 /// The transport between ranks `a` and `b`: the first of P2P, SHM, NET that can connect them
@@ -245,13 +210,15 @@ pub struct RingSetup<'a> {
     /// The ring neighbours `(next, prev)` of rank `q` on channel `c`: `ring(c, q)` (every
     /// channel's ring, as `Comm::init_rank` connects them; they may differ per channel).
     pub ring: &'a dyn Fn(u32, usize) -> (usize, usize),
+    /// The transport between ranks `a` and `b`: `transport(a, b)`, the one choice per pair that
+    /// `Comm::init_rank` makes (the same on every rank and in both orders); the neighbours it
+    /// gives NET are connected here.
+    pub transport: &'a dyn Fn(usize, usize) -> TransportKind,
     /// This rank's device (its proxy thread is the device's).
     pub device: Device,
     /// The CUDA context of `device` (`None` on the CPU target): staging FIFOs are then pinned,
     /// device-mapped host memory, so the kernel writes them and the proxy reads them.
     pub ctx: Option<&'a crate::cuda::Context>,
-    /// Every rank's host id, by rank.
-    pub hosts: &'a [String],
     /// Channels: one network connection per channel and direction.
     pub nch: u32,
     /// Bytes of one rank's connection block.
@@ -339,8 +306,8 @@ const HANDLE_TAG: u32 = 0x4e45_5400;
 const SETUP_POLL: Duration = Duration::from_millis(1);
 
 /// Connects this rank's ring neighbours that need the NET transport (part of `Comm::init_rank`'s
-/// per-neighbour setup, NCCL's `ncclTransportP2pSetup` for `netTransport`): selects every
-/// neighbour's transport ([`select_transport`]), and for each NET neighbour sets
+/// per-neighbour setup, NCCL's `ncclTransportP2pSetup` for `netTransport`): for each neighbour
+/// that `setup.transport` gives NET (the caller's one selection per pair) it sets
 /// `conn_base[peer]` to a local block (the staging FIFOs of the send connection, the head
 /// counters of the receive connection), connects one network connection per channel and
 /// direction, and hands them to the proxy thread. Other neighbours are left alone
@@ -360,9 +327,7 @@ const SETUP_POLL: Duration = Duration::from_millis(1);
 /// and a network that cannot be opened on a rank that needs it (`NetSocket::from_env`'s errors),
 /// on the rank concerned; every other rank then gets `Remote` naming that rank and its error
 /// (these checks are all-gathered before any rank goes on, so all ranks fail at the same point;
-/// the network is opened before that only on ranks with a neighbour on another host or
-/// `NCCL_SHM_DISABLE=1` (and, on CUDA, `NCCL_P2P_DISABLE=1`), and afterwards, failing that rank
-/// alone, on a rank that needs it only because of a neighbour's settings).
+/// the network is opened only on ranks with a NET neighbour).
 /// Bootstrap failures, a peer that does not connect within the bootstrap timeout (`Timeout`).
 ///
 /// # Safety
@@ -379,10 +344,7 @@ pub unsafe fn connect_net(setup: &RingSetup<'_>, conn_base: &mut [u64]) -> Resul
     // cannot set up its transports still takes part and every rank fails naming it and its cause,
     // rather than finding its memory already gone or waiting for it until the bootstrap timeout.
     let near = s.bootstrap.addrs().get(rank).map(|a| a.ip());
-    let local = PeerInfo::local(s.device.is_cuda(), &s.hosts[rank]).and_then(|me| wanted_net().map(|_| me));
-    // The network is opened here only where NET is possible from this rank's side (a ring
-    // neighbour on another host, or NCCL_SHM_DISABLE=1 here without P2P on this side), so
-    // SHM-only and P2P-only ranks never load it.
+    let local = check_settings();
     // The distinct ring neighbours of rank `q` over every channel.
     let neighbours = |q: usize| -> Vec<usize> {
         let mut out = Vec::new();
@@ -396,31 +358,29 @@ pub unsafe fn connect_net(setup: &RingSetup<'_>, conn_base: &mut [u64]) -> Resul
         }
         out
     };
+    let needs_net = |q: usize| {
+        neighbours(q)
+            .iter()
+            .any(|&p| (s.transport)(q, p) == TransportKind::Net)
+    };
     let mine = neighbours(rank);
+    // The network is opened only where a neighbour uses NET, so SHM-only and P2P-only ranks
+    // never load it.
     let mut opened = match &local {
-        Ok(me)
-            if (me.shm_disable && (!me.cuda || me.p2p_disable))
-                || mine.iter().any(|&p| s.hosts[p] != s.hosts[rank]) =>
-        {
-            Some(net_from_env(near))
-        }
+        Ok(()) if needs_net(rank) => Some(net_from_env(near)),
         _ => None,
     };
     let record = match (&local, &opened) {
         (Err(e), _) => SetupRecord::Failed(e.to_string()),
-        (Ok(me), Some(Err(e))) => SetupRecord::Info(me.clone(), Some(e.to_string())),
-        (Ok(me), _) => SetupRecord::Info(me.clone(), None),
+        (Ok(()), Some(Err(e))) => SetupRecord::Ready(Some(e.to_string())),
+        (Ok(()), _) => SetupRecord::Ready(None),
     };
     let gathered = s.bootstrap.allgather(&record.encode())?;
     local?;
-    let mut infos = Vec::with_capacity(nranks);
     let mut net_errors = Vec::with_capacity(nranks);
     for (r, b) in gathered.iter().enumerate() {
         match SetupRecord::decode(b) {
-            Some(SetupRecord::Info(info, net_error)) => {
-                infos.push(info);
-                net_errors.push(net_error);
-            }
+            Some(SetupRecord::Ready(net_error)) => net_errors.push(net_error),
             Some(SetupRecord::Failed(why)) => {
                 return Err(Error::Remote(format!(
                     "rank {rank}: rank {r} cannot set up its transports: {why}"
@@ -434,11 +394,8 @@ pub unsafe fn connect_net(setup: &RingSetup<'_>, conn_base: &mut [u64]) -> Resul
         }
     }
     // A rank that needs the network but could not open it fails every rank (the lowest such).
-    for q in 0..nranks {
-        let needs_net = neighbours(q)
-            .iter()
-            .any(|&p| select_transport(&infos[q], &infos[p]) == TransportKind::Net);
-        if let (true, Some(why)) = (needs_net, &net_errors[q]) {
+    for (q, net_error) in net_errors.iter().enumerate() {
+        if let Some(why) = net_error {
             return match opened.take() {
                 Some(Err(e)) if q == rank => Err(e),
                 _ => Err(Error::Remote(format!(
@@ -450,7 +407,7 @@ pub unsafe fn connect_net(setup: &RingSetup<'_>, conn_base: &mut [u64]) -> Resul
     let mut blocks = Vec::new();
     let mut kinds = vec![None; nranks];
     for &peer in &mine {
-        let kind = select_transport(&infos[rank], &infos[peer]);
+        let kind = (s.transport)(rank, peer);
         kinds[peer] = Some(kind);
         match kind {
             TransportKind::P2p | TransportKind::Shm => {}
@@ -469,13 +426,9 @@ pub unsafe fn connect_net(setup: &RingSetup<'_>, conn_base: &mut [u64]) -> Resul
         }
     }
     let is_net = |p: usize| kinds[p] == Some(TransportKind::Net);
-    let net = match (mine.iter().any(|&p| is_net(p)), opened) {
-        (false, _) => None,
-        (true, Some(n)) => Some(n?),
-        // Only a neighbour's NCCL_SHM_DISABLE=1 made this rank need the network: opened now, so
-        // a failure here is this rank's alone.
-        (true, None) => Some(net_from_env(near)?),
-    };
+    // Opened above exactly when a neighbour uses NET; an error there was all-gathered and
+    // returned.
+    let net = opened.transpose()?;
     for c in 0..s.nch {
         let (next, prev) = (s.ring)(c, rank);
         for (dir, peer) in [("->", next), ("<-", prev)] {
@@ -773,26 +726,80 @@ mod tests {
     #[test]
     fn setup_records_round_trip() {
         for r in [
-            SetupRecord::Info(info(false, "h\n1", false, true), None),
-            SetupRecord::Info(
-                info(false, "h2", true, false),
-                Some("invalid usage: no\nmatch".into()),
-            ),
+            SetupRecord::Ready(None),
+            SetupRecord::Ready(Some("invalid usage: no\nmatch".into())),
             SetupRecord::Failed("invalid argument: NCCL_NET=\"IB\"".into()),
             SetupRecord::Failed(String::new()),
         ] {
             assert_eq!(SetupRecord::decode(&r.encode()), Some(r.clone()), "{r:?}");
         }
-        // A length past the end, an unknown tag, nothing at all.
-        assert_eq!(SetupRecord::decode(b"I\x09\0\0\0abc"), None);
+        // An unknown tag, nothing at all.
         assert_eq!(SetupRecord::decode(b"X0\n0\n0\nh"), None);
         assert_eq!(SetupRecord::decode(b""), None);
     }
 
+    /// Two CPU-target ranks of one host, with SHM allowed in this process's environment: told
+    /// NET for their pair (as `Comm::init_rank` decides for two GPUs that `NCCL_P2P_LEVEL` keeps
+    /// off P2P when `NCCL_SHM_DISABLE=1`), `connect_net` connects them over the network; told SHM,
+    /// it leaves them alone. It used to choose again from its own all-gathered peer info, which
+    /// knew nothing of `NCCL_P2P_LEVEL`, and so could disagree with the rest of init.
     #[test]
-    fn peer_info_round_trips() {
-        let p = info(false, "node-7\nodd", true, false);
-        assert_eq!(PeerInfo::decode(&p.encode()), Some(p));
-        assert_eq!(PeerInfo::decode(b"1\n0"), None);
+    fn net_setup_follows_the_transport_it_is_given() {
+        use TransportKind::{Net, Shm};
+        let fifo = |b: u64, c: u64| FifoAddrs {
+            simple: b + c * 4096,
+            ll: b + c * 4096 + 1024,
+            ll128: b + c * 4096 + 2048,
+            head: b + c * 4096 + 3072,
+            tail: b + c * 4096 + 3584,
+        };
+        for kind in [Net, Shm] {
+            let id = crate::bootstrap::get_unique_id().unwrap();
+            std::thread::scope(|scope| {
+                for rank in 0..2 {
+                    let id = &id;
+                    scope.spawn(move || {
+                        let bootstrap = Bootstrap::init(id, rank, 2).unwrap();
+                        let block = HostMem::zeroed(2 * 4096).unwrap();
+                        let abort = HostMem::zeroed(64).unwrap();
+                        let mut conn_base = [0u64; 2];
+                        conn_base[rank] = block.addr();
+                        let setup = RingSetup {
+                            bootstrap: &bootstrap,
+                            rank,
+                            nranks: 2,
+                            ring: &|_, q| (1 - q, 1 - q),
+                            transport: &|_, _| kind,
+                            device: Device::Cpu(rank),
+                            ctx: None,
+                            nch: 2,
+                            block_bytes: 2 * 4096,
+                            fifo: &fifo,
+                            buffsize: 1024,
+                            ll_buffsize: 0,
+                            ll128_buffsize: 0,
+                            initial_step: 0,
+                            abort_flag: abort.addr(),
+                            abort_who: abort.addr() + 4,
+                            host_abort_lines: Vec::new(),
+                        };
+                        // SAFETY: `block` and `abort` outlive `net`, dropped first.
+                        let net = unsafe { connect_net(&setup, &mut conn_base) }.unwrap();
+                        let peer = 1 - rank;
+                        match kind {
+                            Net => {
+                                let net = net.as_ref().expect("NET resources");
+                                assert_ne!(conn_base[peer], 0, "rank {rank}");
+                                assert_eq!(net.kernel_base(peer), Some(conn_base[peer]));
+                            }
+                            _ => assert!(net.is_none() && conn_base[peer] == 0, "rank {rank}"),
+                        }
+                        // Both ranks connected before either closes its connections.
+                        bootstrap.barrier().unwrap();
+                        drop(net);
+                    });
+                }
+            });
+        }
     }
 }

@@ -1,0 +1,466 @@
+//! Abort, asynchronous errors and teardown (NCCL's `ncclCommAbort`, `ncclCommFinalize`,
+//! `ncclCommDestroy`, `ncclCommGetAsyncError`): the abort flag every kernel spin loop polls, the
+//! shared abort page of an `init_rank` host ([`SharedAbort`]), the waits of abort, finalize and
+//! destroy, and the collective part of an `init_rank` teardown ([`InitRankRes::sync_teardown`]).
+//!
+//! Teardown order: a rank's queued operations finish (or are aborted), then it closes its
+//! mappings of its neighbours' memory, then the ranks meet at a bootstrap barrier, then its NET
+//! connections close, then its memory is freed (field order of [`InitRankRes`] and the groups).
+use super::*;
+
+/// Abort-flag values: this rank called abort, or another rank of its process group did.
+pub(super) const ABORTED_HERE: u32 = 1;
+pub(super) const ABORTED_BY_PEER: u32 = 2;
+/// How long [`Comm::abort`] waits for in-flight operations to exit.
+pub(super) const ABORT_WAIT: Duration = Duration::from_secs(5);
+/// How long [`Comm::abort`] waits for the other ranks of its `init_all` group when they may write
+/// into its buffers directly: a running kernel stops within microseconds of its flag; only one
+/// queued behind other work takes longer, and that one checks the flag before writing.
+pub(super) const PEER_ABORT_WAIT: Duration = Duration::from_secs(1);
+/// How long [`Comm::abort`] on the CPU target waits for a peer's kernel that is running (its
+/// flag raised, so it ends at its next wait, after its current copy).
+pub(super) const PEER_RUNNING_WAIT: Duration = Duration::from_secs(10);
+/// How long dropping a communicator waits for its last operation before it raises the abort flag.
+pub(super) const DROP_WAIT: Duration = Duration::from_secs(10);
+
+/// Bytes of one rank's line in the shared abort page: the flag its kernels poll (u32 at +0) and
+/// which rank raised it, plus one (u32 at +4).
+pub(super) const ABORT_LINE_BYTES: usize = 64;
+
+impl Comm {
+    /// Aborts this rank (NCCL's `ncclCommAbort`): raises the abort flag that every kernel spin
+    /// loop polls, so operations still waiting for a peer exit and their streams drain, then waits
+    /// up to 5 s for this rank's queued operations to finish. The communicator is unusable
+    /// afterwards: later calls return `InvalidUsage`. Safe to call from any thread, more than once.
+    /// Results of the interrupted operations are undefined.
+    pub fn abort(&self) -> Result<()> {
+        self.abort_flag().store(ABORTED_HERE, Ordering::Release);
+        // Ranks of the same process group would otherwise wait for us forever: their kernels exit
+        // too, and their later calls report the remote abort (case C28, one rank aborting).
+        for peer in self.group_abort_flags() {
+            let _ = peer.compare_exchange(0, ABORTED_BY_PEER, Ordering::AcqRel, Ordering::Acquire);
+        }
+        if let Some(mp) = self.init_rank_res() {
+            mp.abort.raise_peers();
+        }
+        tracing::warn!(target: "oxccl::init", rank = self.rank, "communicator aborted");
+        let start = Instant::now();
+        while !self.idle()? {
+            if start.elapsed() > ABORT_WAIT {
+                return Err(Error::Timeout(format!(
+                    "rank {}: operations still running {ABORT_WAIT:?} after abort",
+                    self.rank
+                )));
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        if self.direct {
+            self.mark_group_aborted();
+            self.wait_peers_after_abort(start);
+        }
+        Ok(())
+    }
+
+    /// Sets `DevComm::aborted` in every comm block of this rank's `init_all` group (all their
+    /// abort flags are raised already), so a kernel of any rank that starts from now on writes
+    /// nothing into another rank's output: it reads that word before its first direct write.
+    /// Returns once the words have landed (on GPUs through a stream of their own, while kernels
+    /// run). Never fails: an error is logged (the kernel's spin loops still see the host flag).
+    pub(super) fn mark_group_aborted(&self) {
+        let at = std::mem::offset_of!(DevComm, aborted);
+        match &self.res {
+            Res::Cuda(r) => {
+                for (i, block) in r.group._comm_mem.iter().enumerate() {
+                    if let Err(e) = block.write_beside(at, &1u32.to_ne_bytes()) {
+                        tracing::warn!(target: "oxccl::init", rank = self.rank, peer = i, "abort: marking rank {i}'s comm block: {e}");
+                    }
+                }
+            }
+            Res::Cpu(r) => {
+                for m in &r.group.comm_mem {
+                    // SAFETY: the comm block lives as long as the group, which `self` keeps
+                    // alive; the word is 4-byte aligned (DevComm is 8-aligned) and kernels only
+                    // load it.
+                    unsafe { AtomicU32::from_ptr((m.addr() as usize + at) as *mut u32) }
+                        .store(1, Ordering::Release);
+                }
+            }
+        }
+    }
+
+    /// With direct writes ([`Comm::direct_pointer`]) a peer's kernel stores into this rank's
+    /// output, which the caller may free once `abort` returns: wait (up to [`PEER_ABORT_WAIT`])
+    /// until no kernel of the group's other ranks is queued or running. Their flags are raised,
+    /// so a running kernel stops at its next wait; a kernel still queued behind other work when
+    /// the time is up checks its flag before its first direct write and writes nothing there.
+    /// On the CPU target a peer kernel that is running is waited for longer
+    /// ([`PEER_RUNNING_WAIT`]): it ends after its current copy. Never fails: a peer that cannot
+    /// be asked counts as idle (debug log).
+    pub(super) fn wait_peers_after_abort(&self, start: Instant) {
+        let me = self.rank;
+        let peers_idle = || -> bool {
+            match &self.res {
+                Res::Cuda(r) => r.group.launches.iter().enumerate().filter(|(i, _)| *i != me).all(|(i, l)| {
+                    l.idle().unwrap_or_else(|e| {
+                        tracing::debug!(target: "oxccl::init", rank = me, peer = i, "abort: peer state unknown: {e}");
+                        true
+                    })
+                }),
+                Res::Cpu(r) => r
+                    .group
+                    .inflight
+                    .iter()
+                    .enumerate()
+                    .all(|(i, n)| i == r.slot || n.load(Ordering::Acquire) == 0),
+            }
+        };
+        // CPU target: a peer's kernel that is running (not only queued) ends at its next wait,
+        // but its current copy may take far longer on host threads than on a GPU (a 128 MiB
+        // slice): wait for it too, up to PEER_RUNNING_WAIT.
+        let peers_running = || -> bool {
+            match &self.res {
+                Res::Cuda(_) => false,
+                Res::Cpu(r) => r
+                    .group
+                    .running
+                    .iter()
+                    .enumerate()
+                    .any(|(i, n)| i != r.slot && n.load(Ordering::Acquire) != 0),
+            }
+        };
+        let t = Instant::now();
+        while !peers_idle() {
+            let waited = t.elapsed();
+            if waited > PEER_ABORT_WAIT && !(peers_running() && waited < PEER_RUNNING_WAIT) {
+                tracing::warn!(target: "oxccl::init", rank = me, waited_ms = waited.as_millis() as u64, "abort: other ranks of the group still have queued work; their kernels check the abort flag before writing into this rank's buffers");
+                return;
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        tracing::debug!(target: "oxccl::init", rank = me, elapsed_us = start.elapsed().as_micros() as u64, "abort: group idle");
+    }
+
+    /// True when this rank has no queued operation left.
+    pub(super) fn idle(&self) -> Result<bool> {
+        Ok(match &self.res {
+            Res::Cuda(res) => res.launch.idle()?,
+            Res::Cpu(_) => self.inflight.load(Ordering::Acquire) == 0,
+        })
+    }
+
+    /// Waits up to `limit` for this rank's queued operations; `Ok(false)` when some still run.
+    pub(super) fn wait_idle(&self, limit: Duration) -> Result<bool> {
+        let start = Instant::now();
+        while !self.idle()? {
+            if start.elapsed() > limit {
+                return Ok(false);
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        Ok(true)
+    }
+
+    /// Destroys this rank (NCCL's `ncclCommDestroy`): waits for its queued operations (up to 10 s,
+    /// then aborts them), then — for [`Comm::init_rank`] communicators not finalized or aborted —
+    /// closes its mappings of its neighbours' memory and waits at a bootstrap barrier for every
+    /// rank (bounded by the bootstrap timeout), then frees its resources, returning the first error
+    /// met on the way. Taking `self` makes a second destroy or a use after destroy a compile error
+    /// (case C27; [`crate::handle::CommHandle`] detects them at run time for handle users).
+    pub fn destroy(self) -> Result<()> {
+        if !self.wait_idle(DROP_WAIT)? {
+            self.abort()?;
+            return Err(Error::Timeout(format!(
+                "rank {}: destroy waited {DROP_WAIT:?} for queued operations and aborted them",
+                self.rank
+            )));
+        }
+        match self.init_rank_res() {
+            Some(mp) => mp.sync_teardown(),
+            None => Ok(()),
+        }
+    }
+
+    /// Finishes this rank's part of the communicator (NCCL's `ncclCommFinalize`): waits for its
+    /// queued operations (up to 10 s: `Timeout` then, without aborting), then — for
+    /// [`Comm::init_rank`] communicators — closes its mappings of its neighbours' memory and waits
+    /// at a bootstrap barrier until every rank has finalized too (bounded by the bootstrap
+    /// timeout). Afterwards collectives are refused with `InvalidUsage` and
+    /// [`destroy`](Comm::destroy) is purely local. Calling it again returns `Ok` at once.
+    pub fn finalize(&self) -> Result<()> {
+        if self.finalized.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        if !self.wait_idle(DROP_WAIT)? {
+            return Err(Error::Timeout(format!(
+                "rank {}: finalize waited {DROP_WAIT:?} for queued operations; abort to stop them",
+                self.rank
+            )));
+        }
+        self.finalized.store(true, Ordering::Release);
+        match self.init_rank_res() {
+            Some(mp) => mp.sync_teardown(),
+            None => Ok(()),
+        }
+    }
+
+    /// The error this communicator has met outside any call (NCCL's `ncclCommGetAsyncError`):
+    /// `Ok(())` while healthy; `Remote` once another rank aborted (naming it when known) or, for
+    /// [`Comm::init_rank`], once a peer process of this host has exited before teardown
+    /// ([`Comm::finalize`]); `InvalidUsage` after this rank's own abort; `Cuda` when a kernel of
+    /// this rank failed. Cheap enough to poll while waiting for a stream. After an error,
+    /// [`abort`](Comm::abort) the communicator.
+    pub fn get_async_error(&self) -> Result<()> {
+        match self.flag_state() {
+            0 => {}
+            ABORTED_BY_PEER => {
+                let who = match self.init_rank_res().and_then(|mp| mp.abort.raised_by_peer()) {
+                    Some(r) => format!("rank {r}"),
+                    None => "another rank".to_string(),
+                };
+                return Err(Error::Remote(format!(
+                    "rank {}: {who} of this communicator aborted; abort or destroy this rank too",
+                    self.rank
+                )));
+            }
+            _ => {
+                return Err(Error::InvalidUsage(format!(
+                    "rank {}: the communicator was aborted",
+                    self.rank
+                )));
+            }
+        }
+        if let Res::Cuda(res) = &self.res
+            && res.launch.launched.load(Ordering::Acquire)
+        {
+            res.launch.last_event.is_complete()?;
+        }
+        match self.init_rank_res() {
+            // After teardown (finalize) peers exit when they like.
+            Some(mp) if !mp.synced.load(Ordering::Acquire) => mp.check_peers_alive(),
+            _ => Ok(()),
+        }
+    }
+
+    /// The abort state: 0, [`ABORTED_HERE`] or [`ABORTED_BY_PEER`] (also when a peer raised this
+    /// rank's shared line while its kernels poll a private flag).
+    pub(super) fn flag_state(&self) -> u32 {
+        let v = self.abort_flag().load(Ordering::Acquire);
+        if v == 0
+            && let Some(mp) = self.init_rank_res()
+            && mp.abort.raised_by_peer().is_some()
+        {
+            return ABORTED_BY_PEER;
+        }
+        v
+    }
+
+    pub(super) fn abort_flag(&self) -> &AtomicU32 {
+        let p = match (&self.res, self.init_rank_res()) {
+            (_, Some(mp)) => mp.abort.own_flag() as *const u32,
+            (Res::Cuda(r), None) => r.group.abort[self.rank].host_ptr() as *const u32,
+            (Res::Cpu(r), None) => r.group.abort[r.slot].addr() as *const u32,
+        };
+        // SAFETY: the flag lives in memory owned by `self.res`, 4-byte aligned, accessed atomically.
+        unsafe { AtomicU32::from_ptr(p as *mut u32) }
+    }
+
+    /// The abort flags of the other ranks of this process's group (`init_all`); none for
+    /// `init_rank`, whose peers' flags [`SharedAbort::raise_peers`] raises.
+    pub(super) fn group_abort_flags(&self) -> Vec<&AtomicU32> {
+        let ptrs: Vec<*const u32> = match &self.res {
+            Res::Cuda(r) => r
+                .group
+                .abort
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| *i != self.rank)
+                .map(|(_, a)| a.host_ptr() as *const u32)
+                .collect(),
+            Res::Cpu(r) => r
+                .group
+                .abort
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| *i != r.slot)
+                .map(|(_, a)| a.addr() as *const u32)
+                .collect(),
+        };
+        // SAFETY: the flags live in memory owned by the shared group, which `self` keeps alive.
+        ptrs.into_iter()
+            .map(|p| unsafe { AtomicU32::from_ptr(p as *mut u32) })
+            .collect()
+    }
+
+    /// The abort of a drop whose operations did not finish: this rank's flag (and, across
+    /// processes, the peers' through the shared page). With direct writes the whole `init_all`
+    /// group is aborted instead ([`Comm::abort`]): a peer's kernel may still be writing into this
+    /// rank's buffers, which the caller frees once the drop returns.
+    pub(super) fn abort_on_drop(&self) {
+        if self.direct {
+            if let Err(e) = self.abort() {
+                tracing::warn!(target: "oxccl::init", rank = self.rank, "destroy: {e}");
+            }
+            return;
+        }
+        self.abort_flag().store(ABORTED_HERE, Ordering::Release);
+        if let Some(mp) = self.init_rank_res() {
+            mp.abort.raise_peers();
+        }
+    }
+}
+
+/// The abort flags of an `init_rank` communicator: one [`ABORT_LINE_BYTES`] line per rank in a
+/// `/dev/shm` page every rank of a host maps, so any rank can raise the flags of its host's ranks
+/// (the lines of other hosts' ranks stay unused there). On CUDA the
+/// page is registered with the driver and each rank's kernels poll its line through the device
+/// mapping; if registration fails, kernels poll a private host-mapped flag instead (then an abort
+/// elsewhere reaches this rank's host calls only).
+pub(super) struct SharedAbort {
+    /// Dropped before `page`: unregistered before unmapped.
+    pub(super) _reg: Option<cuda::HostRegistration>,
+    pub(super) fallback: Option<cuda::HostMapped>,
+    pub(super) page: crate::cpu::ShmSegment,
+    pub(super) rank: usize,
+    pub(super) nranks: usize,
+    /// The address this rank's kernels poll.
+    pub(super) dev_flag: u64,
+}
+
+impl SharedAbort {
+    pub(super) fn new(
+        page: crate::cpu::ShmSegment,
+        rank: usize,
+        nranks: usize,
+        ctx: Option<&Arc<cuda::Context>>,
+    ) -> Result<SharedAbort> {
+        let line = (rank * ABORT_LINE_BYTES) as u64;
+        let (reg, fallback, dev_flag) = match ctx {
+            None => (None, None, page.addr() + line),
+            // SAFETY: the page is a page-aligned mapping of nranks lines that `SharedAbort` keeps
+            // until after the registration is dropped (field order).
+            Some(ctx) => match unsafe {
+                cuda::HostRegistration::new(ctx, page.addr() as *mut u8, nranks * ABORT_LINE_BYTES)
+            } {
+                Ok(r) => {
+                    let d = r.dev_ptr() + line;
+                    (Some(r), None, d)
+                }
+                Err(e) => {
+                    tracing::warn!(target: "oxccl::init", rank, "registering the shared abort page failed ({e}); \
+                        this rank's kernels poll a private flag, so other ranks' aborts reach its host calls only");
+                    let f = cuda::HostMapped::zeroed(ctx, 64)?;
+                    let d = f.dev_ptr;
+                    (None, Some(f), d)
+                }
+            },
+        };
+        Ok(SharedAbort {
+            _reg: reg,
+            fallback,
+            page,
+            rank,
+            nranks,
+            dev_flag,
+        })
+    }
+
+    /// Host address of rank `r`'s line.
+    pub(super) fn line(&self, r: usize) -> u64 {
+        self.page.addr() + (r * ABORT_LINE_BYTES) as u64
+    }
+
+    /// Host address of the flag this rank's kernels poll.
+    pub(super) fn own_flag(&self) -> u64 {
+        match &self.fallback {
+            Some(f) => f.host_ptr() as u64,
+            None => self.line(self.rank),
+        }
+    }
+
+    /// Raised in this rank's line by another rank: `Some(that rank)` (or `Some(None)` when the
+    /// flag was raised by an `init_all` peer).
+    pub(super) fn raised_by_peer(&self) -> Option<usize> {
+        // SAFETY: the line lies in the mapped page, 4-byte aligned, accessed atomically.
+        let (flag, who) = unsafe {
+            (
+                AtomicU32::from_ptr(self.line(self.rank) as *mut u32).load(Ordering::Acquire),
+                AtomicU32::from_ptr((self.line(self.rank) + 4) as *mut u32).load(Ordering::Acquire),
+            )
+        };
+        (flag == ABORTED_BY_PEER && who > 0).then(|| who as usize - 1)
+    }
+
+    /// Raises every other rank's flag, noting `self.rank` as the cause.
+    pub(super) fn raise_peers(&self) {
+        for r in (0..self.nranks).filter(|&r| r != self.rank) {
+            // SAFETY: as in `raised_by_peer`.
+            unsafe {
+                let _ = AtomicU32::from_ptr((self.line(r) + 4) as *mut u32).compare_exchange(
+                    0,
+                    self.rank as u32 + 1,
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                );
+                let _ = AtomicU32::from_ptr(self.line(r) as *mut u32).compare_exchange(
+                    0,
+                    ABORTED_BY_PEER,
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                );
+            }
+        }
+    }
+}
+
+impl InitRankRes {
+    /// The collective part of teardown, done once: closes this rank's mappings of its
+    /// neighbours' memory, then waits at a bootstrap barrier (bounded by the bootstrap timeout)
+    /// so that no rank frees memory a peer may still write into or has mapped, then closes its
+    /// NET connections. Those stay open across the barrier: a peer that destroys later than this
+    /// rank (by more than the proxy's flush wait) would otherwise see its connections end and
+    /// take this rank for dead. The barrier is skipped after an abort: the aborting rank raised
+    /// every rank's flag, so no kernel keeps writing, and a peer may never arrive. The caller's
+    /// own operations must be finished.
+    pub(super) fn sync_teardown(&self) -> Result<()> {
+        if self.synced.swap(true, Ordering::AcqRel) {
+            return Ok(());
+        }
+        // This rank's operations are done: peers may now exit at any time (after their own
+        // teardown), which is no failure.
+        drop(self.watched.lock().unwrap_or_else(|p| p.into_inner()).take());
+        let (net, mapped): (Vec<PeerLink>, Vec<PeerLink>) =
+            std::mem::take(&mut *self.links.lock().unwrap_or_else(|p| p.into_inner()))
+                .into_iter()
+                .partition(|l| matches!(l, PeerLink::Net { .. }));
+        drop(mapped);
+        // SAFETY: the flag lives in memory owned by `self.abort`.
+        let aborted =
+            unsafe { AtomicU32::from_ptr(self.abort.own_flag() as *mut u32) }.load(Ordering::Acquire) != 0;
+        if aborted || self.abort.raised_by_peer().is_some() {
+            return Ok(());
+        }
+        let synced = self.bootstrap.barrier().map_err(|e| {
+            tracing::warn!(target: "oxccl::init", rank = self.rank, "teardown barrier: {e}");
+            e
+        });
+        drop(net);
+        synced
+    }
+
+    /// `Remote` naming the first peer process of this host that has exited.
+    pub(super) fn check_peers_alive(&self) -> Result<()> {
+        let me = &self.peers[self.rank];
+        for (r, p) in self.peers.iter().enumerate() {
+            if p.host != me.host || p.pid == me.pid || p.start_time == 0 {
+                continue;
+            }
+            if !crate::liveness::process_alive(p.pid, p.start_time) {
+                return Err(Error::Remote(format!(
+                    "rank {}: peer rank {r} (process {} on host {:?}) has exited; abort this communicator",
+                    self.rank, p.pid, p.host
+                )));
+            }
+        }
+        Ok(())
+    }
+}

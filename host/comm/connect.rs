@@ -1,0 +1,224 @@
+//! How a rank reaches each ring or tree neighbour's connection memory once the transport of the
+//! pair is chosen (NCCL's per-peer `ncclTransportP2pSetup`): its own connection memory
+//! ([`OwnConn`], [`HostConns`]) and its links to the peers' ([`PeerLink`]: P2P by direct pointer
+//! or CUDA IPC, SHM by `/dev/shm`, NET through `transport::connect_net`).
+use super::*;
+use crate::transport::shm::RegisteredShm;
+
+/// A CUDA rank's connection memory for its SHM and NET neighbours (its P2P neighbours use
+/// [`OwnConn::Dev`]): one block each, laid out as [`ConnLayout`], in host memory that both the
+/// kernels (through the device mapping) and the other side reach.
+#[derive(Default)]
+pub(super) struct HostConns {
+    /// SHM: a `/dev/shm` segment that SHM neighbours map and register too.
+    pub(super) shm: Option<RegisteredShm>,
+    /// NET: pinned, device-mapped host memory whose receive FIFOs and head counters the proxy
+    /// thread writes.
+    pub(super) net: Option<cuda::HostMapped>,
+}
+
+/// This rank's connection memory (receive buffers and counters, [`ConnLayout`]).
+pub(super) enum OwnConn {
+    /// CPU target: a `/dev/shm` segment its neighbours map.
+    Shm(crate::cpu::ShmSegment),
+    /// CUDA: `cuMemAlloc` memory its neighbours open through CUDA IPC (or use directly).
+    Dev(cuda::DevAlloc),
+}
+
+impl OwnConn {
+    pub(super) fn alloc(
+        ctx: Option<&Arc<cuda::Context>>,
+        layout: &ConnLayout,
+        name: &str,
+        initial_step: u64,
+    ) -> Result<OwnConn> {
+        let bytes = layout.bytes() as usize;
+        Ok(match ctx {
+            None => {
+                let seg = crate::cpu::ShmSegment::create(name, bytes)?;
+                for c in 0..layout.nch {
+                    for at in [layout.head(seg.addr(), c), layout.tail(seg.addr(), c)] {
+                        // SAFETY: the counters lie inside our fresh segment; no peer maps it yet.
+                        unsafe { (at as *mut u64).write(initial_step) };
+                    }
+                }
+                OwnConn::Shm(seg)
+            }
+            Some(ctx) => {
+                let mem = cuda::DevAlloc::zeroed(ctx, bytes)?;
+                if initial_step != 0 {
+                    for c in 0..layout.nch {
+                        for at in [layout.head(mem.ptr, c), layout.tail(mem.ptr, c)] {
+                            mem.write((at - mem.ptr) as usize, &initial_step.to_ne_bytes())?;
+                        }
+                    }
+                }
+                OwnConn::Dev(mem)
+            }
+        })
+    }
+
+    pub(super) fn base(&self) -> u64 {
+        match self {
+            OwnConn::Shm(s) => s.addr(),
+            OwnConn::Dev(m) => m.ptr,
+        }
+    }
+
+    pub(super) fn desc(&self, name: &str) -> Result<ConnDesc> {
+        Ok(match self {
+            OwnConn::Shm(_) => ConnDesc::Shm(name.to_string()),
+            OwnConn::Dev(m) => ConnDesc::Ipc {
+                ptr: m.ptr,
+                handle: m.ipc_handle()?,
+            },
+        })
+    }
+}
+
+/// A peer's connection memory as [`PeerLink::connect`] opens it: its descriptor (CPU target: the
+/// `/dev/shm` name; CUDA: the IPC handle of its device memory, for P2P), on CUDA the name of its
+/// `/dev/shm` segment (for SHM), and its size in bytes.
+#[derive(Clone, Copy)]
+pub(super) struct PeerMem<'a> {
+    pub(super) desc: &'a ConnDesc,
+    pub(super) shm_name: &'a str,
+    pub(super) bytes: usize,
+}
+
+/// How this rank reaches one ring or tree neighbour's connection memory: the transport chosen for
+/// that peer.
+pub(super) enum PeerLink {
+    /// CPU target, NET (both neighbours that use it): staging FIFOs and the proxy registration
+    /// (`transport::connect_net`); dropping it flushes and closes the network connections.
+    Net { _held: crate::transport::NetResources },
+    /// CPU target: the neighbour's `/dev/shm` segment, mapped here (the seed's SHM transport).
+    Shm(crate::cpu::ShmSegment),
+    /// CUDA, neighbour of this host reached through SHM: its `/dev/shm` segment, mapped here and
+    /// registered with CUDA (unregistered and unmapped before this rank's teardown barrier).
+    ShmMapped(RegisteredShm),
+    /// CUDA, neighbour in this process: its device pointer, used over peer access (P2P).
+    P2pDirect(u64),
+    /// CUDA, neighbour in another process of this host: its memory opened through CUDA IPC
+    /// (P2P/IPC), closed before this rank's teardown barrier.
+    P2pIpc(cuda::IpcMapping),
+}
+
+impl PeerLink {
+    /// Connects rank `me` to ring neighbour `peer` over `kind`, the transport [`transport_between`]
+    /// chose for the pair (P2P or SHM; NET connections are made by `transport::connect_net`).
+    /// Between CUDA devices P2P also follows `p2p_level` (`NCCL_P2P_LEVEL`, see
+    /// [`check_p2p_level`]): a guard, since [`exchange_p2p_denied`] already made pairs that
+    /// either side's level forbids use SHM or NET. CUDA SHM maps the peer's segment ([`PeerInfo::shm_name`]), which must exist.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn connect(
+        me: usize,
+        peers: &[PeerInfo],
+        peer: usize,
+        kind: crate::transport::TransportKind,
+        ctx: Option<&Arc<cuda::Context>>,
+        target: PeerMem<'_>,
+        p2p_level: Option<crate::topo::PathType>,
+    ) -> Result<PeerLink> {
+        use crate::transport::TransportKind;
+        let (mi, pi) = (&peers[me], &peers[peer]);
+        match (kind, ctx) {
+            (TransportKind::Net, _) => {
+                return Err(Error::Internal(format!(
+                    "rank {me}: the NET connection to rank {peer} was not made by connect_net"
+                )));
+            }
+            (TransportKind::Shm, Some(ctx)) => {
+                let m = RegisteredShm::open(ctx, target.shm_name, target.bytes)?;
+                tracing::debug!(target: "oxccl::init", rank = me, peer, "SHM (registered with CUDA)");
+                return Ok(PeerLink::ShmMapped(m));
+            }
+            (TransportKind::P2p, None) => {
+                return Err(Error::Internal(format!(
+                    "rank {me}: P2P chosen for CPU-target rank {peer}"
+                )));
+            }
+            (TransportKind::P2p, Some(_)) => check_p2p_level(me, mi, peer, pi, p2p_level, p2p_path_type)?,
+            (TransportKind::Shm, None) => {}
+        }
+        let context = |e: Error| match e {
+            Error::Cuda {
+                call,
+                code,
+                name,
+                msg,
+            } => Error::Cuda {
+                call,
+                code,
+                name,
+                msg: format!("{msg} (rank {me} connecting to rank {peer}'s connection memory)"),
+            },
+            e => e,
+        };
+        match (target.desc, ctx) {
+            (ConnDesc::Shm(name), None) => {
+                Ok(PeerLink::Shm(crate::cpu::ShmSegment::open(name, target.bytes)?))
+            }
+            (ConnDesc::Ipc { ptr: 0, .. }, Some(_)) => Err(Error::Internal(format!(
+                "rank {peer} offers no device memory for rank {me}'s P2P connection"
+            ))),
+            (ConnDesc::Ipc { ptr, handle }, Some(ctx)) => {
+                let no_peer_access = || {
+                    Error::System(format!(
+                        "no transport can connect rank {me} ({}) and rank {peer} ({}): peer access is not supported between them",
+                        mi.describe_device(),
+                        pi.describe_device()
+                    ))
+                };
+                if pi.pid == mi.pid && pi.host == mi.host {
+                    if pi.dev != mi.dev {
+                        let pctx = cuda::Context::get(pi.dev)?;
+                        if !ctx.can_access_peer(&pctx)? {
+                            return Err(no_peer_access());
+                        }
+                        ctx.enable_peer_access(&pctx)?;
+                    }
+                    tracing::debug!(target: "oxccl::init", rank = me, peer, "P2P (same process)");
+                    return Ok(PeerLink::P2pDirect(*ptr));
+                }
+                if pi.bus_id != mi.bus_id
+                    && let Some(o) = cuda::device_by_bus_id(&pi.bus_id)?
+                    && !ctx.can_access_peer(&*cuda::Context::get(o)?)?
+                {
+                    return Err(no_peer_access());
+                }
+                let m = cuda::IpcMapping::open(ctx, handle).map_err(context)?;
+                tracing::debug!(target: "oxccl::init", rank = me, peer, "P2P/IPC");
+                Ok(PeerLink::P2pIpc(m))
+            }
+            _ => Err(Error::Internal(format!(
+                "rank {peer}'s connection descriptor does not match rank {me}'s device kind"
+            ))),
+        }
+    }
+
+    pub(super) fn base(&self) -> u64 {
+        match self {
+            PeerLink::Shm(s) => s.addr(),
+            PeerLink::ShmMapped(m) => m.dev_base(),
+            PeerLink::P2pDirect(p) => *p,
+            PeerLink::P2pIpc(m) => m.ptr(),
+            PeerLink::Net { .. } => 0,
+        }
+    }
+}
+
+/// Creates `/dev/shm/<name>` for one rank's connection memory (`layout`, rounded up to whole
+/// pages), sets its step counters to `initial_step` and registers it. Errors: a `/dev/shm`
+/// without the room (`System` naming the bytes needed and the path), driver failures.
+pub(super) fn create_shm_conn(
+    ctx: &cuda::Context,
+    name: &str,
+    layout: &ConnLayout,
+    initial_step: u64,
+) -> Result<RegisteredShm> {
+    let counters: Vec<u64> = (0..layout.nch)
+        .flat_map(|c| [layout.head(0, c), layout.tail(0, c)])
+        .collect();
+    RegisteredShm::create_with(ctx, name, layout.bytes() as usize, &counters, initial_step)
+}

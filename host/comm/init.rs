@@ -1,0 +1,973 @@
+//! Communicator creation (NCCL's `init.cc`): [`Comm::init_all`] for the devices of one process,
+//! [`Comm::init_rank`] for one rank of a communicator that meets through a bootstrap, and
+//! [`Comm::from_env`] for launchers, and the timing of `init_rank`'s phases. What the ranks
+//! exchange on the way (peer info, the settings every rank must share) is in `peer_info.rs`; the
+//! channels and the communicator block in `channel.rs`; the links to each neighbour in
+//! `connect.rs`.
+use super::*;
+
+pub(super) fn check_devices(devices: &[Device]) -> Result<()> {
+    if devices.is_empty() {
+        return Err(Error::invalid(
+            "devices is empty: a communicator needs at least one rank (Device::all_cuda() is empty when no GPU is visible; Device::cpus(n) gives CPU-target ranks)",
+        ));
+    }
+    let cuda = devices[0].is_cuda();
+    if devices.iter().any(|d| d.is_cuda() != cuda) {
+        return Err(Error::invalid("devices mixes CUDA and CPU-target devices"));
+    }
+    let shared_ok = crate::params::env_var("ALLOW_SHARED_DEVICE").is_some_and(|(_, v)| v == "1");
+    for (i, a) in devices.iter().enumerate() {
+        if let Some(j) = devices[..i].iter().position(|b| b == a)
+            && !shared_ok
+        {
+            return Err(Error::InvalidUsage(format!(
+                "ranks {j} and {i} are both on device {a:?}; one GPU per rank is required \
+                     (set OXCCL_ALLOW_SHARED_DEVICE=1 to share a device for testing)"
+            )));
+        }
+    }
+    Ok(())
+}
+
+impl Comm {
+    /// Creates one communicator per device, rank `i` on `devices[i]`, all in this process (NCCL's
+    /// `ncclCommInitAll`). Devices must all be CUDA or all CPU-target, each used once.
+    ///
+    /// Rings: on CUDA, each channel's ring is the ring graph searched on this machine's topology
+    /// (`NCCL_TOPO_FILE` completed by detection) over the ranks' GPUs, channel `c` on searched
+    /// channel `c % count` ([`Comm::ring`] shows it); rank order (0 → 1 → … → 0) when a GPU is
+    /// missing from the topology, two ranks share a GPU, or the search fails (debug log). Test
+    /// hook: on the CPU target, `NCCL_TOPO_FILE` naming a topology with exactly as many GPUs as
+    /// ranks gives CPU rank `r` the file's GPU of rank `r`, so CPU ranks run that machine's rings;
+    /// otherwise CPU rings are in rank order.
+    ///
+    /// Test hook: `OXCCL_TEST_NODES=N` (a divisor of the rank count) splits the ranks into `N`
+    /// equal nodes of consecutive ranks, as if on `N` hosts, and sets up the double binary tree
+    /// across them (a chain inside each node; channel `c` on tree `c % 2`), so AllReduce may run
+    /// (or, with `NCCL_ALGO=tree`, must run) as a tree. Rings are unchanged. On CUDA devices the
+    /// tree connections live in device memory and tree neighbours reach each other over peer
+    /// access, like ring neighbours (`System` error when it is not supported).
+    ///
+    /// Ranks sharing a GPU (`OXCCL_ALLOW_SHARED_DEVICE=1`, for testing on one GPU): each rank's
+    /// kernel spins until the others' kernels of the same call run, on one GPU whose hardware
+    /// queues their streams share. A rank therefore launches call `n + 1` only once every rank
+    /// on its GPU has launched call `n`; issue the calls from a thread per rank, or call `n` on
+    /// every rank before call `n + 1` on any (NCCL's rule for one thread driving several devices).
+    /// Until every rank on the GPU has issued a call, queue nothing else behind it on any of their
+    /// streams, and do not allocate, free or copy synchronously on the device: a context-wide
+    /// synchronization (which [`DeviceBuffer`](crate::DeviceBuffer)'s allocation and writes do) waits
+    /// for the kernel that is waiting for this thread.
+    ///
+    /// Errors: `InvalidArgument` for an empty or mixed list or a bad environment value
+    /// (`NCCL_BUFFSIZE`, `NCCL_NTHREADS`, `NCCL_MAX_NCHANNELS`, `OXCCL_TEST_NODES`, ...), `InvalidUsage` for a
+    /// repeated device, `NoCuda`/`Cuda` for driver failures, `System` when ring neighbours cannot
+    /// reach each other's memory.
+    pub fn init_all(devices: &[Device]) -> Result<Vec<Comm>> {
+        check_devices(devices)?;
+        let mut params = Params::from_env()?;
+        if devices[0].is_cuda() && params.nthreads > cuda::MAX_JIT_THREADS {
+            tracing::warn!(target: "oxccl::init", "NCCL_NTHREADS={} rounded down to {} (the most threads per block the kernels are built for)", params.nthreads, cuda::MAX_JIT_THREADS);
+            params.nthreads = cuda::MAX_JIT_THREADS;
+        }
+        let selection = Selection::from_env()?;
+        let nranks = devices.len();
+        let default_nch = if devices[0].is_cuda() {
+            CUDA_DEFAULT_NCHANNELS
+        } else {
+            CPU_DEFAULT_NCHANNELS
+        };
+        let mut nch = params
+            .max_nchannels
+            .unwrap_or(default_nch)
+            .clamp(1, MAX_CHANNELS as u32);
+        let mut layout = ConnLayout::new(&params, nch, true);
+        let _span = tracing::debug_span!(target: "oxccl::init", "init_all", nranks, nch).entered();
+
+        if devices[0].is_cuda() {
+            let ctxs: Vec<Arc<cuda::Context>> = devices
+                .iter()
+                .map(|d| match d {
+                    Device::Cuda(o) => cuda::Context::get(*o),
+                    Device::Cpu(_) => Err(Error::Internal("CPU device in a CUDA communicator".into())),
+                })
+                .collect::<Result<_>>()?;
+            // Ranks sharing a GPU (OXCCL_ALLOW_SHARED_DEVICE=1) spin in kernels that must all be
+            // resident at once: at most SMs / ranks-per-GPU channels (one block each) per rank, or
+            // blocks waiting for an SM would wait forever for peers that cannot finish.
+            let per_gpu = devices
+                .iter()
+                .map(|d| devices.iter().filter(|e| *e == d).count())
+                .max()
+                .unwrap_or(1);
+            if per_gpu > 1 {
+                let sms = ctxs
+                    .iter()
+                    .map(|c| c.multiprocessor_count())
+                    .collect::<Result<Vec<_>>>()?;
+                let cap = (sms.into_iter().min().unwrap_or(1) / per_gpu as u32).max(1);
+                if nch > cap {
+                    tracing::info!(target: "oxccl::init", "{per_gpu} ranks share a GPU: {nch} channels capped to {cap} (SMs per rank)");
+                    nch = cap;
+                    layout = ConnLayout::new(&params, nch, true);
+                }
+            }
+            // NCCL_TOPO_DUMP_FILE, and this thread near the GPUs' CPUs until init returns.
+            let _near = crate::topo::detect::on_cuda_init(0, &ctxs)?;
+            // P2P transport, same-process path: every rank writes into its ring neighbours. It is
+            // the only transport init_all sets up between GPUs, so a request to avoid P2P cannot
+            // be honoured here: refuse it rather than ignore it.
+            if nranks > 1
+                && let Some((key, v)) = crate::params::env_var("P2P_DISABLE").filter(|(_, v)| v.trim() == "1")
+            {
+                return Err(Error::InvalidUsage(format!(
+                    "{key}={v}: Comm::init_all connects GPUs only by P2P (SHM and NET need one process per \
+                     GPU: use Comm::init_rank, e.g. `oxccl perf --procs N`), so it cannot run without P2P"
+                )));
+            }
+            // Every channel's ring from the machine's topology (rank order without one).
+            let bus_ids: Vec<String> = ctxs.iter().map(|c| c.bus_id()).collect::<Result<_>>()?;
+            let all: Vec<usize> = (0..nranks).collect();
+            let rings = Arc::new(comm_rings(
+                &vec![node_ring_graph(&all, Some(&bus_ids), 0)?; nranks],
+                nranks,
+                nch,
+            )?);
+            for r in 0..nranks {
+                for peer in ring_peers(&rings, r) {
+                    if ctxs[peer].ordinal == ctxs[r].ordinal {
+                        continue;
+                    }
+                    // NCCL_P2P_LEVEL: as for P2P_DISABLE, P2P is init_all's only transport, so
+                    // a level that forbids it between two ring neighbours is refused by name.
+                    if let Some(lvl) = params.p2p_level {
+                        let path = gpu_path_type(&bus_ids[r], &bus_ids[peer])?;
+                        if crate::params::p2p_allowed(Some(lvl), path) == Some(false) {
+                            let key = crate::params::env_var("P2P_LEVEL")
+                                .map_or_else(|| "NCCL_P2P_LEVEL".to_string(), |(k, _)| k);
+                            return Err(Error::InvalidUsage(format!(
+                                "{key}={lvl} allows P2P up to {lvl} paths, but rank {r} (CUDA device {}, {}) and \
+                                 rank {peer} (CUDA device {}, {}) are {} apart and Comm::init_all connects GPUs \
+                                 only by P2P (SHM and NET need one process per GPU: use Comm::init_rank, e.g. \
+                                 `oxccl perf --procs N`)",
+                                ctxs[r].ordinal,
+                                bus_ids[r],
+                                ctxs[peer].ordinal,
+                                bus_ids[peer],
+                                path.map_or("?", |p| p.as_str()),
+                            )));
+                        }
+                    }
+                    if !ctxs[r].can_access_peer(&ctxs[peer])? {
+                        return Err(Error::System(format!(
+                            "no transport can connect rank {r} (CUDA device {}) and rank {peer} (CUDA device {}): \
+                             peer access is not supported between them",
+                            ctxs[r].ordinal, ctxs[peer].ordinal
+                        )));
+                    }
+                    ctxs[r].enable_peer_access(&ctxs[peer])?;
+                }
+            }
+            let mut conn = Vec::with_capacity(nranks);
+            let mut block = Vec::with_capacity(nranks);
+            let mut abort = Vec::with_capacity(nranks);
+            for ctx in &ctxs {
+                conn.push(cuda::DevAlloc::zeroed(ctx, layout.bytes() as usize)?);
+                block.push(cuda::DevAlloc::zeroed(
+                    ctx,
+                    comm_block_bytes(nch as usize, nranks),
+                )?);
+                abort.push(cuda::HostMapped::zeroed(ctx, 64)?);
+            }
+            let conn_base: Vec<u64> = conn.iter().map(|a| a.ptr).collect();
+            for r in 0..nranks {
+                let bytes = build_comm_block(
+                    r,
+                    nranks,
+                    nch,
+                    &layout,
+                    &conn_base,
+                    block[r].ptr,
+                    abort[r].dev_ptr,
+                    &params,
+                    &rings,
+                );
+                let bytes = direct_pointers(bytes, nch, nranks, &params);
+                block[r].write(0, &bytes)?;
+                if params.initial_step != 0 {
+                    for c in 0..nch as u64 {
+                        for at in [layout.head(conn_base[r], c), layout.tail(conn_base[r], c)] {
+                            conn[r]
+                                .write((at - conn_base[r]) as usize, &params.initial_step.to_ne_bytes())?;
+                        }
+                    }
+                }
+            }
+            // Trees across the test nodes, in device memory; freed with the ring connections.
+            let (trees, tree_mem) = match test_nodes(nranks)? {
+                Some(nnodes) => setup_cuda_trees(&ctxs, nnodes, nch, &params, &block)?,
+                None => (Vec::new(), Vec::new()),
+            };
+            let dev_comms: Vec<u64> = block.iter().map(|b| b.ptr).collect();
+            let launches: Vec<Arc<LaunchState>> =
+                ctxs.iter().map(|c| LaunchState::new(c)).collect::<Result<_>>()?;
+            let group = Arc::new(CudaGroup {
+                _comm_mem: block,
+                _conn_mem: conn.into_iter().chain(tree_mem).collect(),
+                abort,
+                launches: launches.clone(),
+                mp: None,
+            });
+            let mut comms = Vec::with_capacity(nranks);
+            for (r, (dev_comm, launch)) in dev_comms.into_iter().zip(launches).enumerate() {
+                let ctx = ctxs[r].clone();
+                comms.push(Comm {
+                    rank: r,
+                    nranks,
+                    device: devices[r],
+                    params: params.clone(),
+                    selection,
+                    nchannels: nch,
+                    dev_comm,
+                    res: Res::Cuda(CudaRes {
+                        ctx,
+                        group: group.clone(),
+                        launch,
+                        sharing: (0..nranks)
+                            .filter(|&p| p != r && devices[p] == devices[r])
+                            .collect(),
+                    }),
+                    inflight: Arc::new(AtomicUsize::new(0)),
+                    last: Mutex::new(None),
+                    trees: trees.get(r).copied(),
+                    rings: rings.clone(),
+                    finalized: false.into(),
+                    fabric: crate::tuning::Fabric::NvLink,
+                    conn_bytes: layout.bytes(),
+                    direct: params.p2p_direct && nranks > 1,
+                });
+            }
+            tracing::debug!(target: "oxccl::init", nranks, nch, "CUDA communicators ready");
+            Ok(comms)
+        } else {
+            let conn: Vec<HostMem> = (0..nranks)
+                .map(|_| HostMem::zeroed(layout.bytes() as usize))
+                .collect::<Result<_>>()?;
+            let comm_mem: Vec<HostMem> = (0..nranks)
+                .map(|_| HostMem::zeroed(comm_block_bytes(nch as usize, nranks)))
+                .collect::<Result<_>>()?;
+            let abort: Vec<HostMem> = (0..nranks).map(|_| HostMem::zeroed(64)).collect::<Result<_>>()?;
+            let conn_base: Vec<u64> = conn.iter().map(|a| a.addr()).collect();
+            // Every channel's ring: rank order, or the rings of NCCL_TOPO_FILE's GPUs (test hook,
+            // see node_ring_graph).
+            let all: Vec<usize> = (0..nranks).collect();
+            let rings = Arc::new(comm_rings(
+                &vec![node_ring_graph(&all, None, 0)?; nranks],
+                nranks,
+                nch,
+            )?);
+            for r in 0..nranks {
+                let bytes = build_comm_block(
+                    r,
+                    nranks,
+                    nch,
+                    &layout,
+                    &conn_base,
+                    comm_mem[r].addr(),
+                    abort[r].addr(),
+                    &params,
+                    &rings,
+                );
+                let bytes = direct_pointers(bytes, nch, nranks, &params);
+                // SAFETY: the block was allocated with exactly this size; nothing else uses it yet.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(bytes.as_ptr(), comm_mem[r].addr() as *mut u8, bytes.len())
+                };
+                for c in 0..nch as u64 {
+                    for at in [layout.head(conn_base[r], c), layout.tail(conn_base[r], c)] {
+                        // SAFETY: the counters lie inside rank r's connection memory, unused so far.
+                        unsafe { (at as *mut u64).write(params.initial_step) };
+                    }
+                }
+            }
+            // Trees across the test nodes: their connection memory and DevTree arrays live as long
+            // as the ring connections.
+            let (trees, tree_mem) = match test_nodes(nranks)? {
+                Some(nnodes) => setup_cpu_trees(nranks, nnodes, nch, &params, &comm_mem)?,
+                None => (Vec::new(), Vec::new()),
+            };
+            let group = Arc::new(CpuGroup {
+                comm_mem,
+                _conn_mem: conn.into_iter().chain(tree_mem).collect(),
+                abort,
+                inflight: (0..nranks).map(|_| Arc::new(AtomicUsize::new(0))).collect(),
+                running: (0..nranks).map(|_| AtomicUsize::new(0)).collect(),
+                _shm: Vec::new(),
+                mp: None,
+            });
+            Ok((0..nranks)
+                .map(|r| Comm {
+                    rank: r,
+                    nranks,
+                    device: devices[r],
+                    params: params.clone(),
+                    selection,
+                    nchannels: nch,
+                    dev_comm: group.comm_mem[r].addr(),
+                    res: Res::Cpu(CpuRes {
+                        group: group.clone(),
+                        slot: r,
+                    }),
+                    inflight: group.inflight[r].clone(),
+                    last: Mutex::new(None),
+                    trees: trees.get(r).copied(),
+                    rings: rings.clone(),
+                    finalized: false.into(),
+                    fabric: crate::tuning::Fabric::Host,
+                    conn_bytes: layout.bytes(),
+                    direct: params.p2p_direct && nranks > 1,
+                })
+                .collect())
+        }
+    }
+
+    /// Creates this process's rank `rank` of an `nranks`-rank communicator whose ranks meet through
+    /// the bootstrap of `id` (NCCL's `ncclCommInitRank`; every rank calls it with the same `id`,
+    /// usually in its own process, with the same `NCCL_BUFFSIZE`/`NCCL_MAX_NCHANNELS`).
+    ///
+    /// Peer information (rank, device, PCI bus id, host, process, connection memory) is exchanged
+    /// in one bootstrap allgather like the seed's `fillInfo` + AllGather1, then each rank connects
+    /// to its two ring neighbours with the transport chosen per peer, P2P then SHM then NET
+    /// (`transport_between`, honouring `NCCL_P2P_DISABLE` / `NCCL_SHM_DISABLE`): P2P between CUDA
+    /// devices of one host — the neighbour's pointer over peer access when it lives in this
+    /// process, CUDA IPC (`cuIpcOpenMemHandle`) when it lives in another process; SHM on one host
+    /// — the receiver's `/dev/shm` segment, on CUDA registered with the driver in both processes
+    /// (`cuMemHostRegister`) so kernels use its device mapping; NET otherwise — staging FIFOs in
+    /// local memory (pinned, device-mapped on CUDA) that the proxy thread sends over the network.
+    /// LL128 is left out on CUDA communicators with SHM or NET connections unless `NCCL_PROTO`
+    /// names it (as NCCL's tuning). The abort flags of the ranks of one host share one
+    /// `/dev/shm` page, so an [`abort`](Comm::abort) on any rank reaches the kernels of every rank
+    /// of its host; ranks on other hosts learn of it through their NET connections (the proxy).
+    ///
+    /// Errors, the same on every rank in bounded time (the bootstrap timeout): `InvalidArgument`
+    /// for `rank` outside `0..nranks` or a corrupt id; `InvalidUsage` for two ranks on the same
+    /// device of one host (case C26, naming both ranks and the device / bus id;
+    /// `OXCCL_ALLOW_SHARED_DEVICE=1` allows it), for a mix of CUDA and CPU-target devices, or for
+    /// ranks that disagree on the channel count or buffer sizes; `System` naming both ranks when
+    /// P2P is chosen but refused (no peer access, `NCCL_P2P_LEVEL`), or naming the bytes needed
+    /// and the path when `/dev/shm` is too small for SHM connection memory (the other ranks get
+    /// `Remote` naming that rank); the network's errors for NET; `Remote`/`Timeout` from the
+    /// bootstrap.
+    ///
+    /// Teardown is collective: destroying or dropping the communicator waits at a bootstrap
+    /// barrier (bounded by the bootstrap timeout) until every rank is done with the others'
+    /// memory, so ranks in one thread must be created and destroyed from separate threads.
+    pub fn init_rank(
+        nranks: usize,
+        id: &crate::bootstrap::UniqueId,
+        rank: usize,
+        device: Device,
+    ) -> Result<Comm> {
+        let result = Self::init_rank_inner(nranks, id, rank, device);
+        if result.is_err() {
+            // Names this rank created and had not unlinked yet (absent ones are fine).
+            let prefix = format!("/dev/shm/oxccl-{:08x}-{}", id_tag(id), std::process::id());
+            let _ = std::fs::remove_file(format!("{prefix}-r{rank}"));
+            let _ = std::fs::remove_file(format!("{prefix}-r{rank}-abort"));
+            let _ = std::fs::remove_file(format!("{prefix}-r{rank}-tree"));
+        }
+        result
+    }
+
+    pub(super) fn init_rank_inner(
+        nranks: usize,
+        id: &crate::bootstrap::UniqueId,
+        rank: usize,
+        device: Device,
+    ) -> Result<Comm> {
+        if nranks == 0 || rank >= nranks {
+            return Err(Error::invalid(format!(
+                "rank {rank} is out of range for nranks {nranks} (accepted: 0..{nranks})"
+            )));
+        }
+        let is_cuda = device.is_cuda();
+        let phases = InitPhases::start(rank);
+        // The rank's own settings and device. A failure here still joins the bootstrap and
+        // sends its error in the first all-gather, so every rank fails at once naming this rank
+        // (a rank leaving before the bootstrap left the others waiting out its timeout, with an
+        // error about the bootstrap ring rather than the cause).
+        let local = (|| -> Result<_> {
+            let mut params = Params::from_env()?;
+            if is_cuda && params.nthreads > cuda::MAX_JIT_THREADS {
+                tracing::warn!(target: "oxccl::init", "NCCL_NTHREADS={} rounded down to {} (the most threads per block the kernels are built for)", params.nthreads, cuda::MAX_JIT_THREADS);
+                params.nthreads = cuda::MAX_JIT_THREADS;
+            }
+            let selection = Selection::from_env()?;
+            let ctx = match device {
+                Device::Cuda(o) => Some(cuda::Context::get(o)?),
+                Device::Cpu(_) => None,
+            };
+            // NCCL_TOPO_DUMP_FILE, and this thread (so the helper threads it starts) near the GPU.
+            let near = crate::topo::detect::on_cuda_init(rank, ctx.as_slice())?;
+            Ok((params, selection, ctx, near))
+        })();
+        phases.mark("settings, device context and topology hook");
+        let bootstrap = crate::bootstrap::Bootstrap::init(id, rank, nranks)?;
+        phases.mark("bootstrap ring");
+        let ((params, mut selection, ctx, _near), all) = allgather_checked(
+            &bootstrap,
+            rank,
+            local,
+            |(p, s, _, _)| plan_settings(p, s),
+            "cannot initialize (its settings or device)",
+        )?;
+        check_plan_settings(rank, &all)?;
+        let default_nch = if is_cuda {
+            CUDA_DEFAULT_NCHANNELS
+        } else {
+            CPU_DEFAULT_NCHANNELS
+        };
+        let nch = params
+            .max_nchannels
+            .unwrap_or(default_nch)
+            .clamp(1, MAX_CHANNELS as u32);
+        let layout = ConnLayout::new(&params, nch, true);
+        let _span = tracing::debug_span!(target: "oxccl::init", "init_rank", rank, nranks, nch).entered();
+        // Names after the id and the creating process: unique among live processes.
+        let prefix = format!("oxccl-{:08x}-{}", id_tag(id), std::process::id());
+        let own_name = format!("{prefix}-r{rank}");
+        let own = OwnConn::alloc(ctx.as_ref(), &layout, &own_name, params.initial_step)?;
+        // The shared abort page is per host (a rank cannot map another host's /dev/shm): every
+        // rank offers one, and the ranks of a host use that of its lowest rank (the others drop
+        // theirs once the peers are known).
+        let page_bytes = nranks * ABORT_LINE_BYTES;
+        let page_name = format!("{own_name}-abort");
+        let created_page = crate::cpu::ShmSegment::create(&page_name, page_bytes)?;
+        let me = PeerInfo::local(
+            device,
+            ctx.as_deref(),
+            nch,
+            layout.bytes(),
+            own.desc(&own_name)?,
+            own_name.clone(),
+            page_name,
+            params.p2p_level,
+        )?;
+        let mut peers: Vec<PeerInfo> = bootstrap
+            .allgather(me.encode().as_bytes())?
+            .iter()
+            .enumerate()
+            .map(|(r, b)| PeerInfo::decode(r, b))
+            .collect::<Result<_>>()?;
+        check_peers(rank, &peers)?;
+        exchange_p2p_denied(rank, &mut peers, &bootstrap, p2p_path_type)?;
+        phases.mark("connection memory and peer all-gather");
+        // The rings (NCCL's AllGather3 + connectRings): each rank's node graph travels in a second
+        // all-gather. A rank connects to the next and previous rank of every channel's ring, each
+        // over its own transport (rings that differ per channel may mix P2P, SHM and NET).
+        let rings = {
+            let hosts: Vec<&str> = {
+                let mut h: Vec<&str> = Vec::new();
+                for p in &peers {
+                    if !h.contains(&p.host.as_str()) {
+                        h.push(p.host.as_str());
+                    }
+                }
+                h
+            };
+            let node = hosts.iter().position(|h| *h == peers[rank].host).unwrap_or(0);
+            let node_ranks: Vec<usize> = (0..nranks)
+                .filter(|&r| peers[r].host == peers[rank].host)
+                .collect();
+            let bus: Vec<String> = node_ranks.iter().map(|&r| peers[r].bus_id.clone()).collect();
+            // A rank whose topology file fails sends its error instead, so every rank fails
+            // naming it (rather than waiting in this all-gather for the bootstrap timeout).
+            let (_, all) = allgather_checked(
+                &bootstrap,
+                rank,
+                node_ring_graph(&node_ranks, is_cuda.then_some(bus.as_slice()), node),
+                |m| m.as_ref().map_or(String::new(), |i| i.encode()),
+                "cannot build its ring graph from its topology",
+            )?;
+            let infos: Vec<Option<RankGraphInfo>> = all
+                .iter()
+                .map(|b| {
+                    (!b.is_empty())
+                        .then(|| RankGraphInfo::decode(&String::from_utf8_lossy(b)))
+                        .transpose()
+                })
+                .collect::<Result<_>>()?;
+            let hosts: Vec<&str> = peers.iter().map(|p| p.host.as_str()).collect();
+            comm_rings(&infos, nranks, nch)?.grouped_by_host(&hosts)?
+        };
+        // The tuning model's fabric, from every ring pair of every channel (so all ranks agree).
+        let fabric = if is_cuda {
+            crate::tuning::Fabric::of_gpu_rings(
+                (0..rings.nchannels())
+                    .flat_map(|c| (0..nranks).map(move |a| (c, a)))
+                    .map(|(c, a)| transport_between(&peers, a, rings.next(c, a))),
+            )
+        } else {
+            crate::tuning::Fabric::Host
+        };
+        // Channels no call would use are not connected (over NET each costs two proxied socket
+        // connections with their threads). The connection memory keeps its layout of
+        // `layout.nch` channels; only the first `nch` are set up and used.
+        let nch = crate::tuning::Model::for_fabric(fabric).connected_channels(nch, params.min_nchannels);
+        let rings = Arc::new(rings.first_channels(nch as usize));
+        phases.mark("ring search and all-gather");
+        let leader = peers
+            .iter()
+            .position(|p| p.host == peers[rank].host)
+            .unwrap_or(rank);
+        let page = if leader == rank {
+            created_page
+        } else {
+            if let Err(e) = created_page.unlink() {
+                tracing::warn!(target: "oxccl::init", "{e}");
+            }
+            drop(created_page);
+            let name = &peers[leader].abort_page;
+            // Gone: the leader failed or exited after the all-gather (on its own error, which
+            // names the cause) before this rank got here; say so rather than "no such file".
+            crate::cpu::ShmSegment::open(name, page_bytes).map_err(|e| {
+                if std::path::Path::new("/dev/shm").join(name).exists() {
+                    e
+                } else {
+                    Error::Remote(format!(
+                        "rank {rank}: rank {leader} left init before this rank mapped its abort page \
+                         (rank {leader}'s own error names the cause): {e}"
+                    ))
+                }
+            })?
+        };
+        use crate::transport::TransportKind;
+        // Per channel, the transports of the send (next) and receive (prev) neighbours (the rings
+        // may differ per channel, and so the transports), and every transport in use here.
+        let chan_kinds: Vec<[TransportKind; 2]> = (0..nch as usize)
+            .map(|c| {
+                [
+                    transport_between(&peers, rank, rings.next(c, rank)),
+                    transport_between(&peers, rank, rings.prev(c, rank)),
+                ]
+            })
+            .collect();
+        let kinds: Vec<TransportKind> = chan_kinds.iter().flatten().copied().collect();
+        // CUDA: the connection memory a SHM or NET neighbour (or its proxy) writes is host memory
+        // that the kernels reach through its device mapping. The NET block is made here (the
+        // proxy fills it), the SHM segment after connect_net.
+        let mut host_conns = HostConns::default();
+        if let Some(ctx) = &ctx
+            && kinds.contains(&TransportKind::Net)
+        {
+            let m = cuda::HostMapped::zeroed(ctx, layout.bytes() as usize)?;
+            for c in 0..layout.nch {
+                let base = m.host_ptr() as u64;
+                for at in [layout.head(base, c), layout.tail(base, c)] {
+                    // SAFETY: the counters lie inside the fresh block; no one else uses it yet.
+                    unsafe { (at as *mut u64).write(params.initial_step) };
+                }
+            }
+            host_conns.net = Some(m);
+        }
+        // Connection memory as the kernels address it (`conn_base`) and as the proxy does
+        // (`conn_host`, host addresses); the same on the CPU target.
+        let mut conn_base = vec![0u64; nranks];
+        conn_base[rank] = own.base();
+        let mut conn_host = vec![0u64; nranks];
+        conn_host[rank] = host_conns
+            .net
+            .as_ref()
+            .map_or(own.base(), |m| m.host_ptr() as u64);
+        let mut links = Vec::new();
+        // Where a proxy raises a failed NET connection: this rank's line of the host's abort page
+        // (flag, then who raised it) and the host's other ranks' lines.
+        let proxy_abort = crate::transport::ProxyAbort {
+            flag: page.addr() + (rank * ABORT_LINE_BYTES) as u64,
+            who: page.addr() + (rank * ABORT_LINE_BYTES) as u64 + 4,
+            host_lines: (0..nranks)
+                .filter(|&r| r != rank && peers[r].host == peers[rank].host)
+                .map(|r| page.addr() + (r * ABORT_LINE_BYTES) as u64)
+                .collect(),
+        };
+        // NET neighbours (other hosts, or NCCL_SHM_DISABLE=1): local staging FIFOs and the proxy.
+        // SAFETY: our connection memory and abort line outlive `links`, which holds the NET
+        // resources and is dropped first at teardown (and on every error return).
+        if let Some(net) = unsafe {
+            crate::transport::connect_net(
+                &crate::transport::RingSetup {
+                    bootstrap: &bootstrap,
+                    rank,
+                    nranks,
+                    ring: &|c, q| (rings.next(c as usize, q), rings.prev(c as usize, q)),
+                    transport: &|a, b| transport_between(&peers, a, b),
+                    device,
+                    ctx: ctx.as_deref(),
+                    nch,
+                    block_bytes: layout.bytes() as usize,
+                    fifo: &|b, c| crate::transport::FifoAddrs {
+                        simple: layout.buff(b, c),
+                        ll: layout.ll(b, c),
+                        ll128: layout.ll128(b, c),
+                        head: layout.head(b, c),
+                        tail: layout.tail(b, c),
+                    },
+                    buffsize: params.buffsize,
+                    ll_buffsize: layout.ll_buffsize,
+                    ll128_buffsize: layout.ll128_buffsize,
+                    initial_step: params.initial_step,
+                    abort_flag: proxy_abort.flag,
+                    abort_who: proxy_abort.who,
+                    host_abort_lines: proxy_abort.host_lines.clone(),
+                },
+                &mut conn_host,
+            )?
+        } {
+            for peer in ring_peers(&rings, rank) {
+                if let Some(b) = net.kernel_base(peer) {
+                    conn_base[peer] = b;
+                }
+            }
+            links.push(PeerLink::Net { _held: net });
+        }
+        let ring_pairs = (0..nch as usize)
+            .flat_map(|c| [rings.next(c, rank), rings.prev(c, rank)])
+            .zip(kinds.iter().copied());
+        for (peer, kind) in ring_pairs {
+            if peer != rank && (kind == TransportKind::Net) != (conn_base[peer] != 0) {
+                return Err(Error::Internal(format!(
+                    "rank {rank}: init chose {kind} for ring neighbour {peer} but the NET setup disagrees"
+                )));
+            }
+        }
+        // CUDA SHM: each rank whose neighbour uses SHM creates its segment, and every rank learns
+        // whether all of them exist before any maps one (so all fail alike, naming the rank).
+        if (0..nranks).any(|a| {
+            peers[a].cuda
+                && (0..nch as usize)
+                    .any(|c| transport_between(&peers, a, rings.next(c, a)) == TransportKind::Shm)
+        }) {
+            let made = match &ctx {
+                Some(ctx) if kinds.contains(&TransportKind::Shm) => {
+                    create_shm_conn(ctx, &own_name, &layout, params.initial_step).map(Some)
+                }
+                _ => Ok(None),
+            };
+            let status = made.as_ref().err().map_or(String::new(), |e| e.to_string());
+            let all = bootstrap.allgather(status.as_bytes())?;
+            host_conns.shm = made?;
+            if let Some((r, why)) = all.iter().enumerate().find(|(_, b)| !b.is_empty()) {
+                return Err(Error::Remote(format!(
+                    "rank {rank}: rank {r} cannot create its SHM connection memory: {}",
+                    String::from_utf8_lossy(why)
+                )));
+            }
+        }
+        // Every ring neighbour of every channel (one next and one prev unless the rings differ
+        // per channel, in which case all use one transport, see above).
+        let mut neighbours: Vec<(usize, TransportKind)> = Vec::new();
+        for c in 0..nch as usize {
+            for peer in [rings.next(c, rank), rings.prev(c, rank)] {
+                if !neighbours.iter().any(|&(p, _)| p == peer) {
+                    neighbours.push((peer, transport_between(&peers, rank, peer)));
+                }
+            }
+        }
+        for (peer, kind) in neighbours {
+            if conn_base[peer] == 0 {
+                let target = PeerMem {
+                    desc: &peers[peer].conn,
+                    shm_name: &peers[peer].shm_name,
+                    bytes: layout.bytes() as usize,
+                };
+                let link =
+                    PeerLink::connect(rank, &peers, peer, kind, ctx.as_ref(), target, params.p2p_level)?;
+                conn_base[peer] = link.base();
+                links.push(link);
+            }
+        }
+        // The trees, on communicators spanning hosts (every rank takes part, or none).
+        let trees = rank_trees::setup(&rank_trees::TreeSetup {
+            bootstrap: &bootstrap,
+            rank,
+            peers: &peers,
+            rings: &rings,
+            nch,
+            params: &params,
+            ctx: ctx.as_ref(),
+            device,
+            wanted: selection.algos.0[Algo::Tree as usize],
+            shm_name: peers[rank].tree_shm_name(),
+            abort: proxy_abort,
+        })?;
+        let (tree_mem, comm_trees, tree_array, tree_host_path) = match trees {
+            Some(mut t) => {
+                links.append(&mut t.links);
+                let ct = CommTrees {
+                    shape: t.shape,
+                    bytes: t.bytes,
+                };
+                (t.mem, Some(ct), t.array, t.host_path)
+            }
+            None => (Vec::new(), None, 0, false),
+        };
+        // This rank's own connection memory as its kernels address it, per direction (send: the
+        // head counters next writes; receive: the FIFOs prev writes).
+        let mut own_split = vec![[0u64; 2]; nch as usize];
+        for (split, ck) in own_split.iter_mut().zip(&chan_kinds) {
+            for (at, &kind) in split.iter_mut().zip(ck) {
+                *at = match (&own, kind) {
+                    (OwnConn::Shm(s), _) => s.addr(),
+                    (OwnConn::Dev(m), TransportKind::P2p) => m.ptr,
+                    (OwnConn::Dev(_), TransportKind::Shm) => {
+                        host_conns.shm.as_ref().map_or(0, |m| m.dev_base())
+                    }
+                    (OwnConn::Dev(_), TransportKind::Net) => {
+                        host_conns.net.as_ref().map_or(0, |m| m.dev_ptr())
+                    }
+                };
+                if *at == 0 {
+                    return Err(Error::Internal(format!(
+                        "rank {rank}: no connection memory for its {kind} neighbour"
+                    )));
+                }
+            }
+        }
+        // LL128 trusts a 128-byte line to arrive whole, which NVLink gives and host memory (SHM,
+        // NET without GPUDirect) does not: a GPU's line can land in two halves, the flag's first
+        // (seen on H200: tree LL128 over NET, 64 bytes of a line wrong). So on GPUs whose ring or
+        // tree connections go through host memory LL128 is off, also when NCCL_PROTO names it
+        // (NCCL then runs it at the risk of silent corruption; oxccl does not). Decided from
+        // every pair, and NCCL_PROTO agrees on every rank, so all ranks agree.
+        let host_path = tree_host_path
+            || (0..nranks).any(|a| {
+                peers[a].cuda
+                    && (0..nch as usize)
+                        .any(|c| transport_between(&peers, a, rings.next(c, a)) != TransportKind::P2p)
+            });
+        if host_path && selection.protos.0[Proto::Ll128 as usize] {
+            let mut protos = selection.protos.0;
+            protos[Proto::Ll128 as usize] = false;
+            let (var, value) =
+                crate::params::env_var("PROTO").unwrap_or(("NCCL_PROTO".into(), String::new()));
+            if !protos.iter().any(|&b| b) {
+                return Err(Error::invalid(format!(
+                    "{var}={value:?}: LL128 cannot run on this communicator: its GPU connections go \
+                     through host memory (SHM or NET), where 128-byte lines can arrive torn \
+                     (accepted here: LL, Simple)"
+                )));
+            }
+            selection.protos.0 = protos;
+            if ll128_forced() {
+                tracing::warn!(target: "oxccl::init", rank, "{var}={value:?} names LL128, which is off on this communicator: its GPU connections go through host memory (SHM/NET), where 128-byte lines can arrive torn");
+            } else {
+                tracing::info!(target: "oxccl::init", rank, "LL128 off: GPU connections through host memory (SHM/NET)");
+            }
+        }
+        phases.mark("connections (P2P/SHM/NET)");
+        // Every rank has mapped what it needs: the names can go (the mappings stay).
+        bootstrap.barrier()?;
+        let unlinked = match &own {
+            OwnConn::Shm(s) => s.unlink(),
+            OwnConn::Dev(_) => Ok(()),
+        }
+        .and(host_conns.shm.as_ref().map_or(Ok(()), |m| m.seg.unlink()))
+        .and(rank_trees::unlink(&tree_mem));
+        if let Err(e) = unlinked.and(if rank == leader { page.unlink() } else { Ok(()) }) {
+            tracing::warn!(target: "oxccl::init", "{e}");
+        }
+        let abort = SharedAbort::new(page, rank, nranks, ctx.as_ref())?;
+        let abort_dev = abort.dev_flag;
+        let uses_dev = kinds.contains(&TransportKind::P2p);
+        // Per channel, the kernel's address of the NET staging block its send connection writes.
+        let net_staging: Vec<Option<u64>> = (0..nch as usize)
+            .map(|c| (chan_kinds[c][0] == TransportKind::Net).then(|| conn_base[rings.next(c, rank)]))
+            .collect();
+        // The host's ranks in other processes: their death raises this host's flags.
+        let me = &peers[rank];
+        let host_ranks = (0..nranks).filter(|&r| r != rank && peers[r].host == me.host);
+        let watch = crate::liveness::Watch {
+            rank,
+            own_flag: abort.own_flag(),
+            own_line: abort.line(rank),
+            host_lines: host_ranks.clone().map(|r| abort.line(r)).collect(),
+            peers: host_ranks
+                .filter(|&r| peers[r].pid != me.pid && peers[r].start_time != 0)
+                .map(|r| (r, peers[r].pid, peers[r].start_time))
+                .collect(),
+        };
+        // SAFETY: the flags and lines are in `abort`'s page (or its private flag), which
+        // `InitRankRes` keeps until after the watch (field order).
+        let watched = unsafe { crate::liveness::watch(watch) };
+        let mp = InitRankRes {
+            rank,
+            peers,
+            links: Mutex::new(links),
+            _host_conns: host_conns,
+            _tree_mem: tree_mem,
+            watched: Mutex::new(watched),
+            abort,
+            synced: std::sync::atomic::AtomicBool::new(false),
+            bootstrap,
+        };
+        let block_bytes = comm_block_bytes(nch as usize, nranks);
+        let (dev_comm, res) = match (own, ctx) {
+            (OwnConn::Shm(seg), None) => {
+                let comm_mem = HostMem::zeroed(block_bytes)?;
+                let mut bytes = build_comm_block(
+                    rank,
+                    nranks,
+                    nch,
+                    &layout,
+                    &conn_base,
+                    comm_mem.addr(),
+                    abort_dev,
+                    &params,
+                    &rings,
+                );
+                net_step_sizes(&mut bytes, &layout, &net_staging);
+                set_trees(&mut bytes, tree_array);
+                // SAFETY: the block was allocated with exactly this size; nothing else uses it yet.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(bytes.as_ptr(), comm_mem.addr() as *mut u8, bytes.len())
+                };
+                let dev_comm = comm_mem.addr();
+                let group = Arc::new(CpuGroup {
+                    comm_mem: vec![comm_mem],
+                    _conn_mem: Vec::new(),
+                    abort: Vec::new(),
+                    inflight: Vec::new(),
+                    running: Vec::new(),
+                    _shm: vec![seg],
+                    mp: Some(mp),
+                });
+                (dev_comm, Res::Cpu(CpuRes { group, slot: 0 }))
+            }
+            (OwnConn::Dev(mem), Some(ctx)) => {
+                let block = cuda::DevAlloc::zeroed(&ctx, block_bytes)?;
+                let mut bytes = build_comm_block_split(
+                    rank, nranks, nch, &layout, &conn_base, &own_split, block.ptr, abort_dev, &params, &rings,
+                );
+                net_step_sizes(&mut bytes, &layout, &net_staging);
+                set_trees(&mut bytes, tree_array);
+                block.write(0, &bytes)?;
+                let dev_comm = block.ptr;
+                let launch = LaunchState::new(&ctx)?;
+                let group = Arc::new(CudaGroup {
+                    _comm_mem: vec![block],
+                    // Without a P2P neighbour no one maps the device block: freed now.
+                    _conn_mem: if uses_dev { vec![mem] } else { Vec::new() },
+                    abort: Vec::new(),
+                    launches: Vec::new(),
+                    mp: Some(mp),
+                });
+                (
+                    dev_comm,
+                    Res::Cuda(CudaRes {
+                        ctx,
+                        group,
+                        launch,
+                        sharing: Vec::new(),
+                    }),
+                )
+            }
+            _ => return Err(Error::Internal("connection memory of the wrong kind".into())),
+        };
+        phases.mark("barrier and device block");
+        tracing::debug!(target: "oxccl::init", rank, nranks, nch, cuda = is_cuda, total_ms = phases.total_ms(), "init_rank communicator ready");
+        Ok(Comm {
+            rank,
+            nranks,
+            device,
+            params,
+            selection,
+            nchannels: nch,
+            dev_comm,
+            res,
+            inflight: Arc::new(AtomicUsize::new(0)),
+            last: Mutex::new(None),
+            trees: comm_trees,
+            rings,
+            finalized: std::sync::atomic::AtomicBool::new(false),
+            fabric,
+            conn_bytes: layout.bytes(),
+            direct: false,
+        })
+    }
+
+    /// One rank per process from a launcher's environment, as torchrun and Slurm wrappers set it:
+    /// `RANK`, `WORLD_SIZE`, `LOCAL_RANK` (default: `RANK`), and the rendezvous address from
+    /// `NCCL_COMM_ID` / `OXCCL_COMM_ID` (`host:port`) or else `MASTER_ADDR` and `MASTER_PORT`;
+    /// rank 0 runs the bootstrap root there. The device is GPU `LOCAL_RANK` when GPUs are visible,
+    /// else CPU-target device `LOCAL_RANK`. Then as [`Comm::init_rank`]. Errors name the missing or
+    /// malformed variable.
+    pub fn from_env() -> Result<Comm> {
+        let var = |k: &str| {
+            std::env::var(k).map_err(|_| Error::invalid(format!("{k} is not set (needed by Comm::from_env)")))
+        };
+        let num = |k: &str, v: String| {
+            v.trim()
+                .parse::<usize>()
+                .map_err(|_| Error::invalid(format!("{k}={v:?} is not a non-negative integer")))
+        };
+        let rank = num("RANK", var("RANK")?)?;
+        let world = num("WORLD_SIZE", var("WORLD_SIZE")?)?;
+        let local = match std::env::var("LOCAL_RANK") {
+            Ok(v) => num("LOCAL_RANK", v)?,
+            Err(_) => rank,
+        };
+        if world == 0 || rank >= world {
+            return Err(Error::invalid(format!(
+                "RANK={rank} is out of range for WORLD_SIZE={world} (accepted: 0..{world})"
+            )));
+        }
+        let comm_id = match crate::params::env_var("COMM_ID") {
+            Some((_, v)) => v,
+            None => format!("{}:{}", var("MASTER_ADDR")?, var("MASTER_PORT")?),
+        };
+        let id = crate::bootstrap::UniqueId::from_comm_id(&comm_id)?;
+        let ngpu = Device::cuda_count();
+        let device = if ngpu > 0 {
+            Device::Cuda(local % ngpu)
+        } else {
+            Device::Cpu(local)
+        };
+        Comm::init_rank(world, &id, rank, device)
+    }
+}
+
+/// Times the phases of one `init_rank` for debug logs (`OXCCL_LOG=oxccl::init=debug`): each
+/// [`InitPhases::mark`] logs the milliseconds since the previous mark.
+pub(super) struct InitPhases {
+    pub(super) rank: usize,
+    pub(super) start: Instant,
+    pub(super) last: std::cell::Cell<Instant>,
+}
+
+impl InitPhases {
+    pub(super) fn start(rank: usize) -> InitPhases {
+        let now = Instant::now();
+        InitPhases {
+            rank,
+            start: now,
+            last: std::cell::Cell::new(now),
+        }
+    }
+
+    pub(super) fn mark(&self, phase: &str) {
+        let now = Instant::now();
+        let ms = (now - self.last.get()).as_secs_f64() * 1e3;
+        self.last.set(now);
+        tracing::debug!(target: "oxccl::init", rank = self.rank, ms = format!("{ms:.2}"), "init_rank phase: {phase}");
+    }
+
+    pub(super) fn total_ms(&self) -> String {
+        format!("{:.2}", self.start.elapsed().as_secs_f64() * 1e3)
+    }
+}
+
+
+/// A short tag of a unique id, so segment names of different communicators never collide.
+pub(super) fn id_tag(id: &crate::bootstrap::UniqueId) -> u64 {
+    crate::hash::fnv1a_64(&id.to_bytes()) & 0xffff_ffff
+}

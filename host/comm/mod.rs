@@ -1,0 +1,332 @@
+//! Communicators (NCCL's `ncclComm`): the [`Comm`] type, the resources a rank holds, its
+//! accessors and its drop. A communicator is one rank's view of a group of ranks that run
+//! collectives together: its channels (each a ring, and on several hosts a tree), its connection
+//! memory and links to its neighbours, and the communicator block its kernels read.
+//!
+//! Where each part lives (NCCL's file in parentheses):
+//!
+//! | file | what | NCCL |
+//! |---|---|---|
+//! | `init.rs` | [`Comm::init_all`], [`Comm::init_rank`], [`Comm::from_env`] | `init.cc` |
+//! | `peer_info.rs` | what ranks tell each other at init, P2P-level checks | `init.cc`, `p2p.cc` |
+//! | `channel.rs` | channels, connection layout, the communicator block | `channel.cc` |
+//! | `connect.rs` | a rank's connection memory, its links to each neighbour's | `transport.cc` |
+//! | `rank_trees.rs` | the trees of `init_rank` communicators spanning hosts | `connectTrees` |
+//! | `collectives.rs` | the public calls and their argument checks | `collectives.cc`, `argcheck.cc` |
+//! | `enqueue.rs` | plan and launch of one call | `enqueue.cc` |
+//! | `abort.rs` | abort, async errors, finalize, destroy, teardown order | `init.cc` |
+//!
+//! The transports themselves (selection, NET, the SHM segment) are in [`crate::transport`].
+//!
+//! `Comm::init_all(devices)` creates one communicator per device in one process (NCCL's
+//! `ncclCommInitAll`). Each channel's ring follows the topology's searched ring order (NCCL's
+//! graph search, `AllGather3` merge and `setupChannel`: [`crate::graph::connect`]), or rank order
+//! where no topology applies. Each rank owns, per channel, a receive buffer of
+//! `NCCL_BUFFSIZE` bytes and two step counters (its send connection's head, its receive
+//! connection's tail); its ring neighbours write into them directly (P2P write over peer access on
+//! CUDA, plain host memory on the CPU target).
+use crate::cpu::{CpuStream, HostMem};
+use crate::cuda;
+use crate::error::{Error, Result};
+use crate::graph::{ChannelRings, RankGraphInfo};
+use crate::mem::{DevSlice, Device, Stream};
+use crate::params::Params;
+use crate::redop::ReduceOp;
+use crate::tuning::{Selection, TreeShape};
+use bytemuck::Zeroable;
+use oxccl_gpu::abi::{
+    Algo, ConnInfo, DEFAULT_CHUNK_STEPS, DataType, DevChannel, DevComm, DevRedOp, DevRing, DevTree,
+    FIFO_STEPS, Func, KernelArgs, MAX_CHANNELS, MAX_TREE_ARITY, PACK_BYTES, PTR_EXCHANGE_OFFSET, Proto,
+    REDOP_SCALAR_DEVICE, RedOp, WorkColl,
+};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+mod abort;
+mod channel;
+mod collectives;
+mod connect;
+mod enqueue;
+mod init;
+mod peer_info;
+mod rank_trees;
+use abort::*;
+use channel::*;
+use connect::*;
+use peer_info::*;
+pub use enqueue::Choice;
+use enqueue::*;
+use crate::transport::shm::RegisteredShm;
+
+/// Default channel count on CUDA devices (overridable with `NCCL_MAX_NCHANNELS`).
+pub const CUDA_DEFAULT_NCHANNELS: u32 = 64;
+/// Default channel count on the CPU target (each channel is a host thread per rank).
+pub const CPU_DEFAULT_NCHANNELS: u32 = 2;
+
+/// One rank of a communicator (NCCL's `ncclComm`). Collectives are queued on the caller's stream
+/// and return at once; completion is observed by synchronizing that stream.
+pub struct Comm {
+    rank: usize,
+    nranks: usize,
+    device: Device,
+    params: Params,
+    selection: Selection,
+    nchannels: u32,
+    dev_comm: u64,
+    res: Res,
+    inflight: Arc<AtomicUsize>,
+    last: Mutex<Option<Choice>>,
+    /// The double binary tree's connections, when the communicator spans several nodes and they
+    /// were set up (`init_rank` ranks on two or more hosts unless `NCCL_ALGO` excludes the tree
+    /// on some rank; `init_all` with `OXCCL_TEST_NODES`); `None` otherwise.
+    trees: Option<CommTrees>,
+    /// Every channel's ring (NCCL's `channel->ring`), shared by the ranks of one `init_all`.
+    rings: Arc<ChannelRings>,
+    /// Set by [`Comm::finalize`]: later collectives are refused.
+    finalized: std::sync::atomic::AtomicBool,
+    /// What the rings run over, for the tuning model (the same on every rank).
+    fabric: crate::tuning::Fabric,
+    /// Bytes of this rank's connection memory (laid out for at least `nchannels` channels).
+    conn_bytes: u64,
+    /// Whether the ring connections have pointer exchanges ([`Comm::direct_pointer`]).
+    direct: bool,
+}
+
+enum Res {
+    Cuda(CudaRes),
+    Cpu(CpuRes),
+}
+
+struct CudaRes {
+    ctx: Arc<cuda::Context>,
+    group: Arc<CudaGroup>,
+    launch: Arc<LaunchState>,
+    /// `init_all`: the other ranks of the group on this rank's GPU, whose launches this rank's
+    /// next launch waits for ([`wait_launches`]); empty for `init_rank`.
+    sharing: Vec<usize>,
+}
+/// the sender's own kernel has finished), so no rank's memory may go before every rank is done.
+struct CudaGroup {
+    _comm_mem: Vec<cuda::DevAlloc>,
+    _conn_mem: Vec<cuda::DevAlloc>,
+    /// `init_all`: every rank's abort flag (empty for `init_rank`, whose flags live in `mp`).
+    abort: Vec<cuda::HostMapped>,
+    /// `init_all`: every rank's last launch (empty for `init_rank`).
+    launches: Vec<Arc<LaunchState>>,
+    /// `init_rank`: bootstrap, peer mappings, shared abort page.
+    mp: Option<InitRankRes>,
+}
+
+/// The CPU target keeps every rank's memory alive until the last queued operation of any rank is
+/// done: a rank's blocks write into its neighbours' FIFOs.
+struct CpuRes {
+    group: Arc<CpuGroup>,
+    /// This rank's index in the group's `comm_mem`/`abort` (its rank for `init_all`, 0 for
+    /// `init_rank`).
+    slot: usize,
+}
+
+struct CpuGroup {
+    comm_mem: Vec<HostMem>,
+    _conn_mem: Vec<HostMem>,
+    abort: Vec<HostMem>,
+    /// `init_all`: every rank's count of queued operations (empty for `init_rank`).
+    inflight: Vec<Arc<AtomicUsize>>,
+    /// `init_all`: every rank's count of operations whose blocks are running now, a subset of
+    /// `inflight` (empty for `init_rank`). A running CPU kernel whose abort flag is raised ends
+    /// at its next wait, however long its current copy takes.
+    running: Vec<AtomicUsize>,
+    /// `init_rank`: this rank's connection memory, shared with its ring neighbours.
+    _shm: Vec<crate::cpu::ShmSegment>,
+    /// `init_rank`: bootstrap, peer mappings, shared abort page.
+    mp: Option<InitRankRes>,
+}
+
+/// What an `init_rank` communicator holds besides its own memory: the bootstrap, the gathered
+/// peer information, its mappings of ring neighbours' memory and the shared abort page.
+struct InitRankRes {
+    rank: usize,
+    peers: Vec<PeerInfo>,
+    links: Mutex<Vec<PeerLink>>,
+    /// CUDA: this rank's connection memory for SHM and NET neighbours, freed after the teardown
+    /// barrier (declared after `links`: the proxy stops writing into it first).
+    _host_conns: HostConns,
+    /// This rank's tree connection memory (P2P/SHM FIFOs its tree peers write, NET FIFOs and
+    /// staging its proxy uses, its `DevTree` array), freed after the teardown barrier.
+    _tree_mem: Vec<rank_trees::TreeMem>,
+    /// The watch over the host's other rank processes (`crate::liveness`); declared before
+    /// `abort`, whose page it writes, so it stops first. Stopped at teardown
+    /// ([`InitRankRes::sync_teardown`]): once this rank's operations are done, a peer process
+    /// that exits is the normal end of the job, not a failure.
+    watched: Mutex<Option<crate::liveness::Watched>>,
+    abort: SharedAbort,
+    /// Set once the ranks have synchronized for teardown ([`InitRankRes::sync_teardown`]).
+    synced: std::sync::atomic::AtomicBool,
+    bootstrap: crate::bootstrap::Bootstrap,
+}
+
+
+impl Comm {
+    /// This communicator's rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+    /// Number of ranks (NCCL's `ncclCommCount`).
+    pub fn nranks(&self) -> usize {
+        self.nranks
+    }
+    /// The device of this rank.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+    /// Channels set up (the most any call uses).
+    pub fn nchannels(&self) -> u32 {
+        self.nchannels
+    }
+    /// Channel `channel`'s ring as this rank's kernels walk it, starting at this rank: NCCL's
+    /// `channel->ring.userRanks` (`userRanks[k]` is `k` hops downstream; `[1]` is `ring.next`).
+    /// Rank order (`rank, rank + 1, …`) unless the rings follow a topology (see
+    /// [`Comm::init_all`]). `None` for `channel` outside `0..nchannels()`.
+    pub fn ring(&self, channel: usize) -> Option<Vec<usize>> {
+        (channel < self.rings.nchannels()).then(|| self.rings.user_ranks(channel, self.rank))
+    }
+    /// Whether this rank's ring connections write straight into the receiver's output (NCCL's
+    /// "P2P/direct pointer"): the ranks of a `Comm::init_all` share one address space, so a
+    /// Broadcast, AllGather or AllReduce on the Simple protocol stores each hop's data in the
+    /// next rank's output instead of its FIFO, saving the receiver a copy. False for one rank,
+    /// for `Comm::init_rank` and with `NCCL_P2P_DIRECT_DISABLE=1`.
+    ///
+    /// On GPUs the next rank's buffers must be reachable from this rank's device: true of
+    /// `cuMemAlloc`/`cudaMalloc` memory once init_all has enabled peer access, not of `cuMemCreate`
+    /// memory mapped for one device only (set `NCCL_P2P_DIRECT_DISABLE=1` for such buffers, as
+    /// with NCCL).
+    pub fn direct_pointer(&self) -> bool {
+        self.direct
+    }
+    /// The parameters this communicator was created with.
+    pub fn params(&self) -> &Params {
+        &self.params
+    }
+    /// Device memory used by this rank's connections and communicator state, in bytes.
+    pub fn device_memory_bytes(&self) -> u64 {
+        self.conn_bytes
+            + comm_block_bytes(self.nchannels as usize, self.nranks) as u64
+            + self.trees.map_or(0, |t| t.bytes)
+    }
+
+    /// Number of ranks (NCCL's `ncclCommCount`; the same as [`Comm::nranks`]).
+    pub fn count(&self) -> usize {
+        self.nranks
+    }
+
+    /// This rank (NCCL's `ncclCommUserRank`; the same as [`Comm::rank`]).
+    pub fn user_rank(&self) -> usize {
+        self.rank
+    }
+
+    /// The CUDA device ordinal of this rank (NCCL's `ncclCommCuDevice`). Errors: `InvalidUsage`
+    /// for a CPU-target rank.
+    pub fn cu_device(&self) -> Result<usize> {
+        match self.device {
+            Device::Cuda(o) => Ok(o),
+            Device::Cpu(i) => Err(Error::InvalidUsage(format!(
+                "rank {} is on CPU-target device {i}, not on a CUDA device",
+                self.rank
+            ))),
+        }
+    }
+
+    /// True once [`Comm::finalize`] has returned successfully or started its barrier.
+    pub fn is_finalized(&self) -> bool {
+        self.finalized.load(Ordering::Acquire)
+    }
+
+    /// True once [`Comm::abort`] was called (or dropping raised the abort flag).
+    pub fn is_aborted(&self) -> bool {
+        self.flag_state() != 0
+    }
+
+
+    /// The `init_rank` state (bootstrap, peers, shared abort page); `None` for `init_all`.
+    fn init_rank_res(&self) -> Option<&InitRankRes> {
+        match &self.res {
+            Res::Cuda(r) => r.group.mp.as_ref(),
+            Res::Cpu(r) => r.group.mp.as_ref(),
+        }
+    }
+}
+
+impl Drop for CudaGroup {
+    /// `init_rank`: the teardown barrier before any memory is freed (see
+    /// [`InitRankRes::sync_teardown`]); errors are logged there.
+    fn drop(&mut self) {
+        if let Some(mp) = &self.mp {
+            let _ = mp.sync_teardown();
+        }
+    }
+}
+
+impl Drop for CpuGroup {
+    /// As for [`CudaGroup`].
+    fn drop(&mut self) {
+        if let Some(mp) = &self.mp {
+            let _ = mp.sync_teardown();
+        }
+    }
+}
+
+impl std::fmt::Debug for Comm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Comm")
+            .field("rank", &self.rank)
+            .field("nranks", &self.nranks)
+            .field("device", &self.device)
+            .field("nchannels", &self.nchannels)
+            .field("aborted", &self.is_aborted())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for Comm {
+    /// Waits (bounded) for this rank's last queued operation, then raises the abort flag so a
+    /// kernel still waiting for a peer exits, then frees everything. Never panics.
+    fn drop(&mut self) {
+        let start = Instant::now();
+        match &self.res {
+            Res::Cuda(res) => {
+                if !res.launch.launched.load(Ordering::Acquire) {
+                    return;
+                }
+                loop {
+                    match res.launch.last_event.is_complete() {
+                        Ok(true) => return,
+                        Ok(false) if start.elapsed() < DROP_WAIT => {
+                            std::thread::sleep(Duration::from_millis(1))
+                        }
+                        Ok(false) => break,
+                        Err(e) => {
+                            tracing::warn!(target: "oxccl::init", rank = self.rank, "destroy: {e}");
+                            break;
+                        }
+                    }
+                }
+                tracing::warn!(target: "oxccl::init", rank = self.rank, "destroy: operations still running after {DROP_WAIT:?}; aborting them");
+                self.abort_on_drop();
+                if let Err(e) = res.ctx.synchronize() {
+                    tracing::warn!(target: "oxccl::init", rank = self.rank, "destroy: {e}");
+                }
+            }
+            Res::Cpu(_) => {
+                while self.inflight.load(Ordering::Acquire) > 0 {
+                    if start.elapsed() > DROP_WAIT {
+                        tracing::warn!(target: "oxccl::init", rank = self.rank, "destroy: operations still running after {DROP_WAIT:?}; aborting them");
+                        self.abort_on_drop();
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }
+        }
+    }
+}

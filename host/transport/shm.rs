@@ -1,0 +1,62 @@
+//! The SHM transport's memory (NCCL's `transport/shm.cc` with `ncclShmOpen`): a `/dev/shm`
+//! segment mapped in each process of a host, on CUDA registered with the driver so kernels reach
+//! it through its device mapping.
+use crate::cuda;
+use crate::error::Result;
+
+/// Rounds `bytes` up to whole pages (what `cuMemHostRegister` registers).
+pub(crate) fn page_round(bytes: usize) -> usize {
+    // SAFETY: sysconf has no memory effects.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    let page = if page > 0 { page as usize } else { 4096 };
+    bytes.div_ceil(page) * page
+}
+
+/// A `/dev/shm` segment mapped here and registered with CUDA (NCCL's SHM transport:
+/// `ncclShmOpen`, then `cudaHostRegister` with `DEVICEMAP | PORTABLE` and
+/// `cudaHostGetDevicePointer`): the host mapping for this process, the device mapping for its
+/// kernels. Dropping it unregisters, then unmaps (field order); the name is unlinked separately
+/// ([`ShmSegment::unlink`](crate::cpu::ShmSegment::unlink)) once every peer has mapped it.
+pub(crate) struct RegisteredShm {
+    pub(crate) reg: cuda::HostRegistration,
+    pub(crate) seg: crate::cpu::ShmSegment,
+}
+
+impl RegisteredShm {
+    /// Creates `/dev/shm/<name>` of `bytes` (rounded up to whole pages), sets the `u64` counters
+    /// at the offsets `counters` to `initial_step` and registers it. Errors: a `/dev/shm`
+    /// without the room (`System` naming the bytes needed and the path), driver failures.
+    pub(crate) fn create_with(
+        ctx: &cuda::Context,
+        name: &str,
+        bytes: usize,
+        counters: &[u64],
+        initial_step: u64,
+    ) -> Result<RegisteredShm> {
+        let bytes = page_round(bytes);
+        let seg = crate::cpu::ShmSegment::create(name, bytes)?;
+        for &off in counters {
+            // SAFETY: the counters lie inside our fresh segment; no peer maps it yet.
+            unsafe { ((seg.addr() + off) as *mut u64).write(initial_step) };
+        }
+        Self::register(ctx, seg, bytes)
+    }
+
+    /// Maps and registers a peer's segment `name` of `bytes` (rounded up to whole pages).
+    pub(crate) fn open(ctx: &cuda::Context, name: &str, bytes: usize) -> Result<RegisteredShm> {
+        let bytes = page_round(bytes);
+        Self::register(ctx, crate::cpu::ShmSegment::open(name, bytes)?, bytes)
+    }
+
+    pub(crate) fn register(ctx: &cuda::Context, seg: crate::cpu::ShmSegment, bytes: usize) -> Result<RegisteredShm> {
+        // SAFETY: the mapping is page-aligned, `bytes` long, and outlives the registration (field
+        // order of `RegisteredShm`).
+        let reg = unsafe { cuda::HostRegistration::new(ctx, seg.addr() as *mut u8, bytes)? };
+        Ok(RegisteredShm { reg, seg })
+    }
+
+    /// The address kernels use.
+    pub(crate) fn dev_base(&self) -> u64 {
+        self.reg.dev_ptr()
+    }
+}
