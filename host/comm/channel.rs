@@ -240,7 +240,7 @@ pub(super) fn channel_trees(
 /// The ring graph of one node of a communicator (NCCL's `ncclTopoCompute` for rings, then the
 /// rank's part of `AllGather3`): `node_ranks` are the communicator ranks of the node, `node` its
 /// index. On CUDA (`bus_ids` = each node rank's PCI bus id) the system is the machine's, as
-/// [`p2p_path_type`] builds it (`NCCL_TOPO_FILE` completed by detection), trimmed to the node's
+/// [`GpuPaths`] builds it (`NCCL_TOPO_FILE` completed by detection), trimmed to the node's
 /// GPUs. On the CPU target (`bus_ids` = `None`) this is a test hook: with `NCCL_TOPO_FILE` set to
 /// a topology of exactly as many GPUs as the node has ranks, node rank `i` takes the file's GPU
 /// of rank `i`, so CPU ranks follow that machine's rings; without it, `None`.
@@ -264,7 +264,7 @@ pub(super) fn node_ring_graph(
             Ok(Some(s)) => s,
             Ok(None) => return skip("CPU target without NCCL_TOPO_FILE".into()),
             // A file the user named but that cannot be read, parsed or built fails init (as on
-            // CUDA, where p2p_path_type reads the same file), naming the file and why.
+            // CUDA, where GpuPaths reads the same file), naming the file and why.
             Err(e) => return Err(e),
         },
         Some(_) => {
@@ -702,12 +702,12 @@ pub(super) struct ConnLayout {
     pub(super) nch: u64,
 }
 impl ConnLayout {
-    /// `ll`: whether connections get LL and LL128 buffers (every communicator does today).
-    pub(super) fn new(params: &Params, nch: u32, ll: bool) -> Self {
+    /// Every connection has a Simple, an LL and an LL128 receive buffer of `params`' sizes.
+    pub(super) fn new(params: &Params, nch: u32) -> Self {
         ConnLayout {
             buffsize: params.buffsize,
-            ll_buffsize: if ll { params.ll_buffsize } else { 0 },
-            ll128_buffsize: if ll { params.ll128_buffsize } else { 0 },
+            ll_buffsize: params.ll_buffsize,
+            ll128_buffsize: params.ll128_buffsize,
             nch: nch as u64,
         }
     }
@@ -760,7 +760,7 @@ mod direct_tests {
     #[test]
     fn pointer_exchanges_pair_the_two_ends_of_each_connection() {
         let params = Params::default();
-        let layout = ConnLayout::new(&params, 2, true);
+        let layout = ConnLayout::new(&params, 2);
         let bases = [0x1000_0000_0000u64, 0x2000_0000_0000, 0x3000_0000_0000];
         let rings = ChannelRings::new(vec![vec![0, 1, 2], vec![0, 2, 1]], 3).unwrap();
         let chans = |r: usize, p: &Params| -> Vec<DevChannel> {
@@ -838,7 +838,7 @@ mod direct_tests {
         let nch = choice.nchannels as u64;
         let fifo_zero = |comm: &Comm| {
             let mem = conn_mem(comm, 1);
-            let layout = ConnLayout::new(&comm.params, comm.nchannels, true);
+            let layout = ConnLayout::new(&comm.params, comm.nchannels);
             (0..nch).all(|c| {
                 let at = layout.buff(0, c) as usize;
                 mem[at..at + layout.buffsize as usize].iter().all(|&b| b == 0)
@@ -861,7 +861,7 @@ mod direct_tests {
             "a direct Broadcast wrote rank 1's Simple FIFO"
         );
         // One exchange per channel: rank 0's slot (its head line) holds rank 1's output and count 1.
-        let layout = ConnLayout::new(&comms[0].params, comms[0].nchannels, true);
+        let layout = ConnLayout::new(&comms[0].params, comms[0].nchannels);
         let mem0 = conn_mem(&comms[0], 0);
         for c in 0..nch {
             let at = (layout.head(0, c) + PTR_EXCHANGE_OFFSET) as usize;
@@ -900,7 +900,7 @@ mod comm_block_tests {
         // Channel 1 (rings may differ per channel, so may the transports): the other way round.
         // Peers' blocks as given.
         let params = Params::default();
-        let layout = ConnLayout::new(&params, 2, true);
+        let layout = ConnLayout::new(&params, 2);
         let bases = [0x1000_0000_0000u64, 0, 0x3000_0000_0000];
         let own = [
             [0x7000_0000_0000u64, 0x9000_0000_0000],
@@ -955,7 +955,7 @@ mod comm_block_tests {
         // sends to 2 and receives from 0 on channel 0, sends to 0 and receives from 2 on
         // channel 1; its user ranks are 1 2 0 and 1 0 2, its index (distance from rank 0) 1 and 2.
         let params = Params::default();
-        let layout = ConnLayout::new(&params, 2, true);
+        let layout = ConnLayout::new(&params, 2);
         let bases = [0x1000_0000_0000u64, 0x2000_0000_0000, 0x3000_0000_0000];
         let rings = ChannelRings::new(vec![vec![0, 1, 2], vec![0, 2, 1]], 3).unwrap();
         let block = 0x5000u64;

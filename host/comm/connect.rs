@@ -108,7 +108,7 @@ impl PeerLink {
     /// Connects rank `me` to ring neighbour `peer` over `kind`, the transport [`transport_between`]
     /// chose for the pair (P2P or SHM; NET connections are made by `transport::connect_net`).
     /// Between CUDA devices P2P also follows `p2p_level` (`NCCL_P2P_LEVEL`, see
-    /// [`check_p2p_level`]): a guard, since [`exchange_p2p_denied`] already made pairs that
+    /// [`check_p2p_level`], on this init's topology `paths`): a guard, since [`exchange_p2p_denied`] already made pairs that
     /// either side's level forbids use SHM or NET. CUDA SHM maps the peer's segment ([`PeerInfo::shm_name`]), which must exist.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn connect(
@@ -119,6 +119,7 @@ impl PeerLink {
         ctx: Option<&Arc<cuda::Context>>,
         target: PeerMem<'_>,
         p2p_level: Option<crate::topo::PathType>,
+        paths: &GpuPaths,
     ) -> Result<PeerLink> {
         use crate::transport::TransportKind;
         let (mi, pi) = (&peers[me], &peers[peer]);
@@ -138,7 +139,9 @@ impl PeerLink {
                     "rank {me}: P2P chosen for CPU-target rank {peer}"
                 )));
             }
-            (TransportKind::P2p, Some(_)) => check_p2p_level(me, mi, peer, pi, p2p_level, p2p_path_type)?,
+            (TransportKind::P2p, Some(_)) => {
+                check_p2p_level(me, mi, peer, pi, p2p_level, |a, b| paths.of_peers(a, b))?
+            },
             (TransportKind::Shm, None) => {}
         }
         let context = |e: Error| match e {

@@ -81,7 +81,7 @@ impl Comm {
             .max_nchannels
             .unwrap_or(default_nch)
             .clamp(1, MAX_CHANNELS as u32);
-        let mut layout = ConnLayout::new(&params, nch, true);
+        let mut layout = ConnLayout::new(&params, nch);
         let _span = tracing::debug_span!(target: "oxccl::init", "init_all", nranks, nch).entered();
 
         if devices[0].is_cuda() {
@@ -109,7 +109,7 @@ impl Comm {
                 if nch > cap {
                     tracing::info!(target: "oxccl::init", "{per_gpu} ranks share a GPU: {nch} channels capped to {cap} (SMs per rank)");
                     nch = cap;
-                    layout = ConnLayout::new(&params, nch, true);
+                    layout = ConnLayout::new(&params, nch);
                 }
             }
             // NCCL_TOPO_DUMP_FILE, and this thread near the GPUs' CPUs until init returns.
@@ -133,6 +133,7 @@ impl Comm {
                 nranks,
                 nch,
             )?);
+            let paths = GpuPaths::default();
             for r in 0..nranks {
                 for peer in ring_peers(&rings, r) {
                     if ctxs[peer].ordinal == ctxs[r].ordinal {
@@ -141,7 +142,7 @@ impl Comm {
                     // NCCL_P2P_LEVEL: as for P2P_DISABLE, P2P is init_all's only transport, so
                     // a level that forbids it between two ring neighbours is refused by name.
                     if let Some(lvl) = params.p2p_level {
-                        let path = gpu_path_type(&bus_ids[r], &bus_ids[peer])?;
+                        let path = paths.between(&bus_ids[r], &bus_ids[peer])?;
                         if crate::params::p2p_allowed(Some(lvl), path) == Some(false) {
                             let key = crate::params::env_var("P2P_LEVEL")
                                 .map_or_else(|| "NCCL_P2P_LEVEL".to_string(), |(k, _)| k);
@@ -431,7 +432,7 @@ impl Comm {
             .max_nchannels
             .unwrap_or(default_nch)
             .clamp(1, MAX_CHANNELS as u32);
-        let layout = ConnLayout::new(&params, nch, true);
+        let layout = ConnLayout::new(&params, nch);
         let _span = tracing::debug_span!(target: "oxccl::init", "init_rank", rank, nranks, nch).entered();
         // Names after the id and the creating process: unique among live processes.
         let prefix = format!("oxccl-{:08x}-{}", id_tag(id), std::process::id());
@@ -460,7 +461,9 @@ impl Comm {
             .map(|(r, b)| PeerInfo::decode(r, b))
             .collect::<Result<_>>()?;
         check_peers(rank, &peers)?;
-        exchange_p2p_denied(rank, &mut peers, &bootstrap, p2p_path_type)?;
+        // NCCL_P2P_LEVEL's topology, built once for this init (when a level applies).
+        let paths = GpuPaths::default();
+        exchange_p2p_denied(rank, &mut peers, &bootstrap, |a, b| paths.of_peers(a, b))?;
         phases.mark("connection memory and peer all-gather");
         // The rings (NCCL's AllGather3 + connectRings): each rank's node graph travels in a second
         // all-gather. A rank connects to the next and previous rank of every channel's ring, each
@@ -681,7 +684,7 @@ impl Comm {
                     bytes: layout.bytes() as usize,
                 };
                 let link =
-                    PeerLink::connect(rank, &peers, peer, kind, ctx.as_ref(), target, params.p2p_level)?;
+                    PeerLink::connect(rank, &peers, peer, kind, ctx.as_ref(), target, params.p2p_level, &paths)?;
                 conn_base[peer] = link.base();
                 links.push(link);
             }
@@ -699,6 +702,7 @@ impl Comm {
             wanted: selection.algos.0[Algo::Tree as usize],
             shm_name: peers[rank].tree_shm_name(),
             abort: proxy_abort,
+            paths: &paths,
         })?;
         let (tree_mem, comm_trees, tree_array, tree_host_path) = match trees {
             Some(mut t) => {

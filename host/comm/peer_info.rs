@@ -15,9 +15,8 @@ pub(super) struct PeerInfo {
     pub(super) dev: usize,
     /// PCI bus id of the GPU (CUDA); empty on the CPU target.
     pub(super) bus_id: String,
-    /// Host name (or `OXCCL_HOSTID`), and a hash of it (NCCL's hostHash).
+    /// Host name (or `OXCCL_HOSTID`): ranks with equal names are on one host (NCCL's hostHash).
     pub(super) host: String,
-    pub(super) host_hash: u64,
     pub(super) pid: u32,
     /// Process start time (`/proc/<pid>/stat` field 22, clock ticks): tells a live peer from a
     /// reused pid.
@@ -114,7 +113,6 @@ impl PeerInfo {
                 Some(c) => c.bus_id()?,
                 None => String::new(),
             },
-            host_hash: crate::hash::fnv1a_64(host.as_bytes()),
             host,
             pid,
             start_time: proc_start(pid).map_or(0, |(t, _)| t),
@@ -143,7 +141,6 @@ impl PeerInfo {
             self.dev.to_string(),
             self.bus_id.clone(),
             self.host.clone(),
-            format!("{:x}", self.host_hash),
             self.pid.to_string(),
             self.start_time.to_string(),
             u8::from(self.p2p_disable).to_string(),
@@ -163,11 +160,11 @@ impl PeerInfo {
         let bad = |what: &str| Error::Remote(format!("rank {rank} sent malformed peer information ({what})"));
         let text = std::str::from_utf8(b).map_err(|_| bad("not UTF-8"))?;
         let f: Vec<&str> = text.split('\n').collect();
-        if f.len() != 15 {
-            return Err(bad(&format!("{} fields, expected 15", f.len())));
+        if f.len() != 14 {
+            return Err(bad(&format!("{} fields, expected 14", f.len())));
         }
         let num = |i: usize, what: &str| f[i].parse::<u64>().map_err(|_| bad(what));
-        let conn = ConnDesc::decode(f[10]).ok_or_else(|| bad("connection descriptor"))?;
+        let conn = ConnDesc::decode(f[9]).ok_or_else(|| bad("connection descriptor"))?;
         Ok(PeerInfo {
             cuda: match f[0] {
                 "cuda" => true,
@@ -177,17 +174,16 @@ impl PeerInfo {
             dev: num(1, "device")? as usize,
             bus_id: f[2].to_string(),
             host: f[3].to_string(),
-            host_hash: u64::from_str_radix(f[4], 16).map_err(|_| bad("host hash"))?,
-            pid: num(5, "pid")? as u32,
-            start_time: num(6, "start time")?,
-            p2p_disable: num(7, "P2P flag")? != 0,
-            nch: num(8, "channels")? as u32,
-            conn_bytes: num(9, "connection bytes")?,
+            pid: num(4, "pid")? as u32,
+            start_time: num(5, "start time")?,
+            p2p_disable: num(6, "P2P flag")? != 0,
+            nch: num(7, "channels")? as u32,
+            conn_bytes: num(8, "connection bytes")?,
             conn,
-            abort_page: f[11].to_string(),
-            shm_disable: num(12, "SHM flag")? != 0,
-            shm_name: f[13].to_string(),
-            p2p_level: match f[14] {
+            abort_page: f[10].to_string(),
+            shm_disable: num(11, "SHM flag")? != 0,
+            shm_name: f[12].to_string(),
+            p2p_level: match f[13] {
                 "-" => None,
                 v => Some(crate::params::parse_p2p_level("NCCL_P2P_LEVEL", v).map_err(|_| bad("P2P level"))?),
             },
@@ -274,7 +270,7 @@ pub(super) fn transport_between(peers: &[PeerInfo], a: usize, b: usize) -> crate
 
 /// `NCCL_P2P_LEVEL` between the CUDA ranks of each host (NCCL's `p2pCanConnect` refusing P2P
 /// after `ncclTopoCheckP2p`): when any rank set a level, each CUDA rank finds the ranks of its
-/// host whose GPU path (`path_of`, e.g. [`p2p_path_type`]) exceeds its own level or theirs, and
+/// host whose GPU path (`path_of`, e.g. [`GpuPaths::of_peers`]) exceeds its own level or theirs, and
 /// the lists are all-gathered into every [`PeerInfo::p2p_denied`], so that every rank's
 /// [`transport_between`] agrees (a rank cannot compute another host's paths). Such a pair then uses
 /// SHM, or NET with SHM disabled, as in NCCL. Nothing is exchanged when no rank set a level
@@ -346,35 +342,54 @@ pub(super) fn p2p_denied_by_level(
     Ok(denied)
 }
 
-/// The type of the path between the GPUs of `a` and `b`, two CUDA ranks of one host, as
-/// `NCCL_P2P_LEVEL` compares it: `LOC` for one GPU (same bus id); otherwise the path between their
-/// bus ids in this machine's topology, built as NCCL's `ncclTopoGetSystem` does (the
-/// `NCCL_TOPO_FILE` document if set, completed by detection from NVML and sysfs) and computed
-/// as `ncclTopoComputePaths` does before any P2P-level rerouting: NVLink (direct or through
-/// NVSwitches) gives `NVL`, PCI paths `PIX` / `PXB` / `PHB` / `SYS`. `None` when the topology
-/// lacks either GPU (no NVML and no file entry for it). Errors: an unreadable or malformed
-/// topology file, bad path variables.
-pub(super) fn p2p_path_type(a: &PeerInfo, b: &PeerInfo) -> Result<Option<crate::topo::PathType>> {
-    gpu_path_type(&a.bus_id, &b.bus_id)
+/// The types of the paths between this host's GPUs as `NCCL_P2P_LEVEL` compares them, from one
+/// topology per init, built on first use (NCCL builds its system once per communicator,
+/// `ncclTopoGetSystem`): an init that applies no level never builds it, and one that does builds
+/// it once however many pairs it checks.
+#[derive(Default)]
+pub(super) struct GpuPaths {
+    sys: std::cell::OnceCell<crate::topo::System>,
 }
 
-/// [`p2p_path_type`] between the GPUs at PCI bus ids `a` and `b` of this host.
-pub(super) fn gpu_path_type(a: &str, b: &str) -> Result<Option<crate::topo::PathType>> {
-    use crate::topo::detect;
-    if a == b {
-        return Ok(Some(crate::topo::PathType::Loc));
+impl GpuPaths {
+    /// The type of the path between the GPUs at PCI bus ids `a` and `b` of this host: `LOC` for
+    /// one GPU (same bus id); otherwise the path between them in this machine's topology, built
+    /// as NCCL's `ncclTopoGetSystem` does (the `NCCL_TOPO_FILE` document if set, completed by
+    /// detection from NVML and sysfs) and computed as `ncclTopoComputePaths` does before any
+    /// P2P-level rerouting: NVLink (direct or through NVSwitches) gives `NVL`, PCI paths `PIX` /
+    /// `PXB` / `PHB` / `SYS`. `None` when the topology lacks either GPU (no NVML and no file
+    /// entry for it). Errors: an unreadable or malformed topology file, bad path variables.
+    pub(super) fn between(&self, a: &str, b: &str) -> Result<Option<crate::topo::PathType>> {
+        if a == b {
+            return Ok(Some(crate::topo::PathType::Loc));
+        }
+        if self.sys.get().is_none() {
+            let _ = self.sys.set(Self::build()?);
+        }
+        let Some(sys) = self.sys.get() else {
+            return Err(Error::Internal("the GPU topology was built but is not there".into()));
+        };
+        let path = topo_gpu_path(sys, a, b);
+        tracing::debug!(target: "oxccl::init", from = %a, to = %b, path = ?path.map(|p| p.as_str()), "GPU path type for NCCL_P2P_LEVEL");
+        Ok(path)
     }
-    let mut xml = crate::topo::Xml::from_env()?.unwrap_or_else(crate::topo::Xml::new_system);
-    let nvml = detect::NvmlProbe::shared().map(|n| n as &dyn detect::NvmlSource);
-    detect::detect_into(&mut xml, &detect::DetectOptions::from_env(), nvml, None);
-    let raw = crate::topo::PathOptions {
-        p2p_level: Some(crate::topo::PathType::Sys),
-        ..Default::default()
-    };
-    let sys = crate::topo::System::from_xml_with(xml, raw)?;
-    let path = topo_gpu_path(&sys, a, b);
-    tracing::debug!(target: "oxccl::init", from = %a, to = %b, path = ?path.map(|p| p.as_str()), "GPU path type for NCCL_P2P_LEVEL");
-    Ok(path)
+
+    /// [`GpuPaths::between`] the GPUs of CUDA ranks `a` and `b`.
+    pub(super) fn of_peers(&self, a: &PeerInfo, b: &PeerInfo) -> Result<Option<crate::topo::PathType>> {
+        self.between(&a.bus_id, &b.bus_id)
+    }
+
+    fn build() -> Result<crate::topo::System> {
+        use crate::topo::detect;
+        let mut xml = crate::topo::Xml::from_env()?.unwrap_or_else(crate::topo::Xml::new_system);
+        let nvml = detect::NvmlProbe::shared().map(|n| n as &dyn detect::NvmlSource);
+        detect::detect_into(&mut xml, &detect::DetectOptions::from_env(), nvml, None);
+        let raw = crate::topo::PathOptions {
+            p2p_level: Some(crate::topo::PathType::Sys),
+            ..Default::default()
+        };
+        crate::topo::System::from_xml_with(xml, raw)
+    }
 }
 
 /// The path type from the GPU at `from` to the GPU at `to` (PCI bus ids) in `sys`; `None` when
@@ -385,7 +400,7 @@ pub(super) fn topo_gpu_path(sys: &crate::topo::System, from: &str, to: &str) -> 
 }
 
 /// Applies `NCCL_P2P_LEVEL` (`level`) to CUDA ranks `me` and `peer` (NCCL's `ncclTopoCheckP2p`
-/// within `p2pCanConnect`): P2P only when their path type (`path_of`, e.g. [`p2p_path_type`]) is at
+/// within `p2pCanConnect`): P2P only when their path type (`path_of`, e.g. [`GpuPaths::of_peers`]) is at
 /// most the level, by [`crate::params::p2p_allowed`]. When the path type is unknown (a GPU that
 /// neither NVML nor `NCCL_TOPO_FILE` describes), only `LOC` refuses (two distinct GPUs); other
 /// levels are not applied and a warning says so. `Ok` when P2P may be used; `System` naming both ranks, the level and the path type when it
@@ -525,7 +540,6 @@ mod p2p_level_tests {
             dev: rank,
             bus_id: bus_id.into(),
             host: "h".into(),
-            host_hash: crate::hash::fnv1a_64(b"h"),
             pid: 100 + rank as u32,
             start_time: 1,
             p2p_disable: false,
@@ -615,11 +629,12 @@ mod p2p_level_tests {
         // Bus ids that no machine has: neither NVML nor sysfs describes them, so the path type
         // is unknown (the lib tests never set NCCL_TOPO_FILE).
         let (x, y) = (gpu(0, "00ff:fe:00.0"), gpu(1, "00ff:fe:01.0"));
-        assert_eq!(p2p_path_type(&x, &y).unwrap(), None);
+        let paths = GpuPaths::default();
+        assert_eq!(paths.of_peers(&x, &y).unwrap(), None);
         // One GPU shared by two ranks: LOC, allowed even at level LOC (no topology needed).
         let shared = gpu(1, "0000:11:00.0");
-        assert_eq!(p2p_path_type(&a, &shared).unwrap(), Some(PathType::Loc));
-        check_p2p_level(0, &a, 1, &shared, Some(PathType::Loc), p2p_path_type).unwrap();
+        assert_eq!(paths.of_peers(&a, &shared).unwrap(), Some(PathType::Loc));
+        check_p2p_level(0, &a, 1, &shared, Some(PathType::Loc), |a, b| paths.of_peers(a, b)).unwrap();
         // A failing path lookup (e.g. a malformed NCCL_TOPO_FILE) is returned as is.
         let broken = |_: &PeerInfo, _: &PeerInfo| Err(Error::invalid("NCCL_TOPO_FILE: bad"));
         assert!(check_p2p_level(0, &a, 1, &b, Some(PathType::Nvl), broken).is_err());
@@ -638,7 +653,6 @@ pub(super) mod peer_tests {
             dev: 0,
             bus_id: bus.into(),
             host: host.into(),
-            host_hash: crate::hash::fnv1a_64(host.as_bytes()),
             pid,
             start_time: 77,
             p2p_disable: false,
@@ -726,7 +740,7 @@ pub(super) mod peer_tests {
         let e = PeerInfo::decode(3, b"cuda\n0").unwrap_err();
         assert_eq!(
             e.to_string(),
-            "remote error: rank 3 sent malformed peer information (2 fields, expected 15)"
+            "remote error: rank 3 sent malformed peer information (2 fields, expected 14)"
         );
     }
 

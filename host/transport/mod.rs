@@ -180,7 +180,7 @@ pub fn net_from_env(near: Option<std::net::IpAddr>) -> Result<Arc<dyn Net>> {
 }
 
 /// Addresses of one channel's connection memory inside a rank's connection block (what
-/// `ConnLayout` in `comm.rs` computes): Simple buffer, LL buffer, head and tail counters.
+/// `ConnLayout` in `comm/channel.rs` computes): Simple buffer, LL buffer, head and tail counters.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FifoAddrs {
     /// Simple buffer ([`FIFO_STEPS`] slots).
