@@ -71,7 +71,6 @@ const NVSWITCH_CLASS: &str = "0x068000";
 // Options
 // ------------------------------------------------------------------------------------------
 
-
 /// Where detection reads the machine and what it adds: the roots of sysfs and procfs (a fake
 /// tree in tests), the host hash written into each `<cpu>`, and the network devices.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -138,7 +137,6 @@ pub(crate) fn local_host_name() -> String {
     crate::params::env_var("HOSTID").map_or(host.trim().to_string(), |(_, v)| v)
 }
 
-
 // ------------------------------------------------------------------------------------------
 // Detection
 // ------------------------------------------------------------------------------------------
@@ -156,7 +154,6 @@ pub struct RankGpu {
     /// Compute capability × 10 from CUDA, used when NVML does not give it.
     pub sm: Option<u32>,
 }
-
 
 /// Detects this machine with the environment's options ([`DetectOptions::from_env`]) and NVML
 /// when it loads: every GPU NVML lists (ranks 0.. in NVML order) when `gpus` is `None`, else
@@ -688,7 +685,6 @@ impl Detector<'_> {
         Some((vendor, family, model))
     }
 }
-
 
 // ------------------------------------------------------------------------------------------
 // Communicator hook: NCCL_TOPO_DUMP_FILE and the init thread's affinity

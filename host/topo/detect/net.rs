@@ -14,7 +14,6 @@ const IB_MAXCONN: u32 = 131072;
 /// Speed NCCL's socket network assumes when the interface's speed is unknown, Mb/s.
 const SOCKET_DEFAULT_SPEED: i64 = 10000;
 
-
 /// Which network's devices detection lists as `<net>` elements (NCCL lists the devices of the
 /// network plugin in use).
 #[derive(Clone, Debug, PartialEq, Eq)]

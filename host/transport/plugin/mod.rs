@@ -53,7 +53,8 @@ mod nccl_net;
 pub use adapter::COPY_SLOT_BYTES;
 pub use nccl_net::{
     DebugLogger, MAX_REQUESTS, NCCL_NET_TRAFFIC_CLASS_UNDEF, NCCL_PTR_HOST, NetCommConfigV10, NetDeviceHandleV8,
-    NetPropertiesV8, NetPropertiesV9, NetV8, NetV9, NetV10, NetVDeviceProps, SYMBOL_V8, SYMBOL_V9, SYMBOL_V10,
+    NetPropertiesV8, NetPropertiesV9, NetV8, NetV9, NetV10, NetVDeviceProps, SYMBOL_V8, SYMBOL_V9,
+    SYMBOL_V10,
 };
 use nccl_net::{ConnectV8, ConnectV10, GetPropsV9, IrecvV8, IrecvV9, IrecvV10, IsendV8, IsendV9, IsendV10};
 

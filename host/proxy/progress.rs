@@ -1,45 +1,12 @@
-//! The proxy thread (NCCL's `proxy.cc` with `transport/net.cc`'s `sendProxyProgress` and
-//! `recvProxyProgress`): it moves the NET transport's FIFO steps between this process's memory
-//! and the network, so the kernels keep using the same FIFO protocol as for P2P and SHM.
-//!
-//! **Send side.** The kernel's send connection points at a *staging FIFO* in local memory with the
-//! layout of a receive FIFO (Simple slots + tail, LL lines) and at a local head counter. The proxy
-//! watches it and sends each completed step to the peer's proxy, then returns the slot to the
-//! kernel by advancing the head (the credit):
-//! - a Simple step `s` is complete once the staging tail passes `s`; the whole slot is sent;
-//! - an LL or LL128 step has no tail: its lines are forwarded as soon as a line carries the
-//!   step's flag (both flag words for LL, the last word for LL128), prefix by prefix, and the step
-//!   is complete once as many lines have gone as the kernel announced in the step's tagged
-//!   step-sizes entry (`oxccl_gpu::abi::lines_step_size`, NCCL's LL `connFifo[].size`). The
-//!   order in which lines become visible proves nothing: a GPU's stores to host memory may land
-//!   out of order, so the next step's line 0 can show before this step's last line.
-//!
-//! A Simple step sends only the bytes the kernel filled: before its tail, the kernel stores them
-//! in the connection's step sizes ([`FifoSpec::sizes`], NCCL's `connFifo[].size`); an empty step
-//! (skipped by a slice's alignment, or past a slice's data) sends its header alone. Without step
-//! sizes, a step sends its whole slot.
-//!
-//! **Receive side.** Each message is a 32-byte header (kind, step, lines) then its payload. The
-//! proxy waits for the kernel's credit (`head + FIFO_STEPS > step`) before it takes the payload
-//! into the real receive FIFO, so TCP's own flow control holds the sender back; then it publishes
-//! the step: the tail for Simple, the lines themselves (flag words last) for LL and LL128.
-//!
-//! **Polling.** The thread spins, then yields, between rounds that moved nothing; it sleeps
-//! (at most `IDLE_SLEEP`, 200 µs) only after 2048 such rounds and only while no connection has work in
-//! flight (a message leaving, a payload arriving, a step waiting for a slot).
-//!
-//! **Threads and failures.** One proxy thread per device per process, fed by a crossbeam channel
-//! ([`register`]); it progresses every connection of every communicator in turn and never blocks on
-//! one. A lost peer (end of stream, reset, timeout) fails the communicator: the error is logged
-//! (target `oxccl::proxy`) and kept ([`ProxyHandle::error`]), the communicator's abort flag is
-//! raised so waiting kernels exit, and its other connections are closed so that their peers learn
-//! of it too. A communicator whose abort flag is raised by its owner is closed the same way.
-//! Unregistering (when the communicator is freed) first flushes staged steps and tells each peer
-//! with a close message, so an orderly shutdown is never taken for a failure.
-use crate::error::{Error, Result};
-use crate::mem::Device;
+//! What the proxy thread does to one communicator's NET connections in a round (NCCL's
+//! `sendProxyProgress` and `recvProxyProgress` in `src/transport/net.cc`): finding completed
+//! steps and flag lines in the staging FIFOs and sending them with their headers, receiving
+//! messages into the receive FIFOs once the kernel's credit allows, close messages, and failing
+//! the communicator (abort flags raised) when a peer is lost. See the [module docs](super) for
+//! the protocol.
+use super::{ABORTED_BY_PEER, CHECK_SEND_EVERY, FifoSpec, ProxyComm};
 use crate::transport::net::{Net, RecvComm, Request, SendComm};
-use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TryRecvError, bounded, unbounded};
+use crossbeam_channel::Sender;
 use oxccl_gpu::abi::FIFO_STEPS;
 use oxccl_gpu::abi::lines_of_step_size;
 use oxccl_gpu::proto::ll::ll_flag;
@@ -48,18 +15,13 @@ use oxccl_gpu::proto::ll::ll_flag;
 const fn ll128_flag(step: u64) -> u64 {
     step.wrapping_add(1)
 }
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-/// Abort-flag value the proxy raises: "another rank failed" (the value `Comm` reports as a remote
-/// abort, `ABORTED_BY_PEER` in `comm.rs`).
-pub const ABORTED_BY_PEER: u32 = 2;
 /// Bytes of a message header.
 const HDR_BYTES: usize = 32;
-/// How long unregistering waits for staged steps and close messages to leave.
-const FLUSH_WAIT: Duration = Duration::from_secs(5);
 /// The failure of rank `rank`'s send connection `s` with error `e`: the message `fail` records
 /// (naming the connection) and the peer it blames.
 fn send_failure(rank: usize, s: &SendOp, e: impl std::fmt::Display) -> (String, usize) {
@@ -71,13 +33,6 @@ fn send_failure(rank: usize, s: &SendOp, e: impl std::fmt::Display) -> (String, 
         s.spec.peer,
     )
 }
-
-/// How often an idle communicator's send connections are checked for a vanished receiver
-/// ([`Net::check_send`]).
-const CHECK_SEND_EVERY: Duration = Duration::from_millis(100);
-
-/// Longest sleep of an idle proxy (it wakes at once for (un)registrations).
-const IDLE_SLEEP: Duration = Duration::from_micros(200);
 
 /// Message kinds on a NET connection.
 const KIND_SIMPLE: u32 = 1;
@@ -133,220 +88,10 @@ impl Lines {
 /// target) of memory that stays valid until the communicator is unregistered.
 ///
 /// For a send connection, `simple`, `ll` and `tail` are the staging FIFO the kernel writes and
-/// `head` the counter the proxy advances (the kernel's credit). For a receive connection, they are
-/// the real receive FIFO and tail the proxy fills, and `head` the counter the kernel advances.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct FifoSpec {
-    /// Ring peer of this connection (for messages).
-    pub peer: usize,
-    /// Channel of this connection.
-    pub channel: u32,
-    /// Simple buffer: [`FIFO_STEPS`] slots of `slot_bytes` bytes.
-    pub simple: u64,
-    /// Bytes of one Simple slot (`NCCL_BUFFSIZE / FIFO_STEPS`, rounded down to 16 bytes).
-    pub slot_bytes: u64,
-    /// LL buffer: [`FIFO_STEPS`] slots of `step_lines` 16-byte lines; 0 when there is none.
-    pub ll: u64,
-    /// Lines of one LL slot.
-    pub step_lines: u64,
-    /// LL128 buffer: [`FIFO_STEPS`] slots of `ll128_lines` 128-byte lines; 0 when there is none.
-    pub ll128: u64,
-    /// Lines of one LL128 slot.
-    pub ll128_lines: u64,
-    /// Address of the `u64` head counter.
-    pub head: u64,
-    /// Address of the `u64` tail counter.
-    pub tail: u64,
-    /// Send connections: address of the [`FIFO_STEPS`] `u64` step sizes the kernel writes
-    /// (`ConnInfo::sizes`, NCCL's `connFifo[].size`), so a Simple step sends only the bytes it
-    /// filled; 0: every Simple step sends its whole slot. Unused on receive connections.
-    pub sizes: u64,
-    /// The connection's first step (`OXCCL_TEST_INITIAL_STEP`, else 0).
-    pub step: u64,
-}
-
-/// One communicator's NET connections, handed to the proxy by [`register`].
-pub struct ProxyComm {
-    /// This rank (for messages).
-    pub rank: usize,
-    /// Address of the communicator's `u32` abort flag.
-    pub abort_flag: u64,
-    /// Address of a `u32` where a raised flag names its cause as rank + 1 (`init_rank`'s shared
-    /// abort line); 0 when there is none.
-    pub abort_who: u64,
-    /// The abort lines of the other ranks of this host (`init_rank`'s shared abort page: a `u32`
-    /// flag at the address, a `u32` naming the raiser as rank + 1 four bytes on). A failed
-    /// connection raises them too, naming this rank: a host neighbour reached only by SHM would
-    /// otherwise wait forever for a rank whose kernel has left (e.g. ring 0 -SHM-> 1 -NET-> 2 on
-    /// two hosts: when 2 dies, 1's proxy notices, and 0 must stop waiting for 1's credits).
-    pub host_abort_lines: Vec<u64>,
-    /// The network the connections belong to.
-    pub net: Arc<dyn Net>,
-    /// Send connections with their staging FIFOs.
-    pub sends: Vec<(FifoSpec, SendComm)>,
-    /// Receive connections with their receive FIFOs.
-    pub recvs: Vec<(FifoSpec, RecvComm)>,
-}
-
-enum Msg {
-    Add(u64, Box<ProxyComm>, Arc<Mutex<Option<String>>>),
-    Remove(u64, Sender<()>),
-}
-
-/// A registration with a proxy thread: dropping it flushes and closes the communicator's
-/// connections, and returns only once the proxy no longer touches its memory.
-pub struct ProxyHandle {
-    id: u64,
-    tx: Sender<Msg>,
-    error: Arc<Mutex<Option<String>>>,
-}
-
-impl ProxyHandle {
-    /// The first failure the proxy met on this communicator's connections (NCCL's async error),
-    /// as [`Error::Remote`]; `None` while all is well.
-    pub fn error(&self) -> Option<Error> {
-        self.error
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
-            .map(Error::Remote)
-    }
-}
-
-impl Drop for ProxyHandle {
-    fn drop(&mut self) {
-        let (ack_tx, ack_rx) = bounded(1);
-        if self.tx.send(Msg::Remove(self.id, ack_tx)).is_ok() {
-            // The proxy answers within FLUSH_WAIT plus one round; it never blocks. Waiting
-            // without a bound is what keeps the proxy from touching freed memory.
-            let _ = ack_rx.recv();
-        }
-    }
-}
-
-type Registry = Mutex<HashMap<Device, Sender<Msg>>>;
-
-fn registry() -> &'static Registry {
-    static R: std::sync::OnceLock<Registry> = std::sync::OnceLock::new();
-    R.get_or_init(|| Mutex::new(HashMap::new()))
-}
-
-/// Hands `comm`'s connections to the proxy thread of `device` (started on first use: one per
-/// device per process, NCCL's `ncclProxyCreate`).
-///
-/// # Safety
-/// Every address in `comm` (FIFOs, counters, the abort flag, the host abort lines) stays valid until the returned
-/// handle is dropped; no one but the proxy writes the receive FIFOs and tails, and the staging
-/// FIFOs are written only by the kernel under the FIFO protocol.
-///
-/// Errors: `System` when the thread cannot be started.
-pub unsafe fn register(device: Device, comm: ProxyComm) -> Result<ProxyHandle> {
-    static NEXT_ID: AtomicU64 = AtomicU64::new(1);
-    let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
-    let error = Arc::new(Mutex::new(None));
-    let mut reg = registry().lock().unwrap_or_else(|p| p.into_inner());
-    let mut msg = Msg::Add(id, Box::new(comm), error.clone());
-    if let Some(tx) = reg.get(&device) {
-        match tx.send(msg) {
-            Ok(()) => {
-                return Ok(ProxyHandle {
-                    id,
-                    tx: tx.clone(),
-                    error,
-                });
-            }
-            // The thread is gone (it never exits while registered; be safe anyway): restart.
-            Err(e) => msg = e.into_inner(),
-        }
-    }
-    let (tx, rx) = unbounded();
-    let name = match device {
-        Device::Cuda(o) => format!("oxccl-proxy-cuda{o}"),
-        Device::Cpu(i) => format!("oxccl-proxy-cpu{i}"),
-    };
-    std::thread::Builder::new()
-        .name(name)
-        .spawn(move || run(rx))
-        .map_err(|e| Error::System(format!("starting the proxy thread of {device:?}: {e}")))?;
-    tx.send(msg)
-        .map_err(|_| Error::Internal("the new proxy thread exited at once".into()))?;
-    reg.insert(device, tx.clone());
-    Ok(ProxyHandle { id, tx, error })
-}
-
-/// The proxy thread's loop (NCCL's `ncclProxyProgress`).
-fn run(rx: Receiver<Msg>) {
-    let mut comms: Vec<CommOps> = Vec::new();
-    let mut idle = 0u32;
-    loop {
-        let msg = if comms.is_empty() {
-            match rx.recv() {
-                Ok(m) => Some(m),
-                Err(_) => return,
-            }
-        } else if idle > 2048 {
-            let wait = IDLE_SLEEP.min(Duration::from_micros(10 * (idle as u64 - 2048) + 10));
-            match rx.recv_timeout(wait) {
-                Ok(m) => Some(m),
-                Err(RecvTimeoutError::Timeout) => None,
-                Err(RecvTimeoutError::Disconnected) => return,
-            }
-        } else {
-            match rx.try_recv() {
-                Ok(m) => Some(m),
-                Err(TryRecvError::Empty) => None,
-                Err(TryRecvError::Disconnected) => return,
-            }
-        };
-        match msg {
-            Some(Msg::Add(id, c, error)) => {
-                comms.push(CommOps::new(id, *c, error));
-                idle = 0;
-            }
-            Some(Msg::Remove(id, ack)) => {
-                match comms.iter_mut().find(|c| c.id == id) {
-                    Some(c) => c.closing = Some((Instant::now() + FLUSH_WAIT, ack, false)),
-                    None => {
-                        let _ = ack.send(());
-                    }
-                }
-                idle = 0;
-            }
-            None => {}
-        }
-        let mut progressed = false;
-        let mut busy = false;
-        for c in &mut comms {
-            progressed |= c.progress();
-            busy |= c.busy();
-        }
-        comms.retain_mut(|c| !c.finish_if_closed());
-        if progressed {
-            idle = 0;
-        } else if busy {
-            // Work in flight (messages leaving, payloads arriving or waiting for a slot): keep
-            // polling, yielding the core between rounds, but never sleep.
-            idle = idle.saturating_add(1).min(2048);
-            if idle < 64 {
-                std::hint::spin_loop();
-            } else {
-                std::thread::yield_now();
-            }
-        } else {
-            idle = idle.saturating_add(1);
-            if idle < 64 {
-                std::hint::spin_loop();
-            } else if idle <= 2048 {
-                std::thread::yield_now();
-            }
-        }
-    }
-}
-
 /// Reads a `u64` counter.
 ///
 /// # Safety
-/// `addr` is a valid, 8-byte aligned counter ([`register`]'s contract).
+/// `addr` is a valid, 8-byte aligned counter ([`register`](super::register)'s contract).
 unsafe fn load(addr: u64) -> u64 {
     // SAFETY: caller's contract; counters are only accessed atomically while shared.
     unsafe { AtomicU64::from_ptr(addr as *mut u64).load(Ordering::Acquire) }
@@ -787,8 +532,8 @@ impl RecvOp {
 }
 
 /// One registered communicator in the proxy.
-struct CommOps {
-    id: u64,
+pub(super) struct CommOps {
+    pub(super) id: u64,
     rank: usize,
     abort_flag: u64,
     abort_who: u64,
@@ -800,13 +545,13 @@ struct CommOps {
     /// Connections are closed (failure or abort): nothing is progressed any more.
     failed: bool,
     /// Unregistering: (deadline, ack, close messages queued).
-    closing: Option<(Instant, Sender<()>, bool)>,
+    pub(super) closing: Option<(Instant, Sender<()>, bool)>,
     /// When idle send connections were last asked whether their receiver is still there.
     last_check: Instant,
 }
 
 impl CommOps {
-    fn new(id: u64, c: ProxyComm, error: Arc<Mutex<Option<String>>>) -> CommOps {
+    pub(super) fn new(id: u64, c: ProxyComm, error: Arc<Mutex<Option<String>>>) -> CommOps {
         let sends = c
             .sends
             .into_iter()
@@ -918,7 +663,7 @@ impl CommOps {
 
     /// Whether a connection has work in flight: queued outgoing messages, or a received header
     /// whose payload is awaited or waits for the kernel's credit.
-    fn busy(&self) -> bool {
+    pub(super) fn busy(&self) -> bool {
         !self.failed
             && (self.sends.iter().any(|s| !s.out.is_empty())
                 || self
@@ -928,7 +673,7 @@ impl CommOps {
     }
 
     /// One round over every connection; whether anything moved.
-    fn progress(&mut self) -> bool {
+    pub(super) fn progress(&mut self) -> bool {
         if self.failed {
             return false;
         }
@@ -997,7 +742,7 @@ impl CommOps {
 
     /// While unregistering: queues close messages once everything staged has left; returns
     /// `true` (and acknowledges) once the communicator can go.
-    fn finish_if_closed(&mut self) -> bool {
+    pub(super) fn finish_if_closed(&mut self) -> bool {
         let Some((deadline, _, queued)) = &mut self.closing else {
             return false;
         };
@@ -1041,6 +786,10 @@ impl CommOps {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::Result;
+    use crate::mem::Device;
+    use crate::proxy::{ProxyHandle, register};
+    use std::time::Duration;
 
     #[test]
     fn headers_round_trip() {
