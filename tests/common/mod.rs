@@ -2,12 +2,12 @@
 //! ([`run_collective`]: nccl-tests-style data and exact checking from `oxccl::perf::check`, guard
 //! bytes around every buffer, in-place and out-of-place, each protocol forced through
 //! `NCCL_PROTO`), GPU skip reporting, a stall watchdog so a hung collective fails the test
-//! instead of blocking CI, and child ranks as processes of the test binary ([`child`]).
-#![allow(dead_code)]
-
-pub mod child;
-pub mod env;
-pub mod topo;
+//! instead of blocking CI, the one lock over environment variables ([`env`]), child processes of
+//! the test binary ([`child`]) and the topology fixtures ([`topo`]).
+//!
+//! Each test binary is a directory `tests/<subject>/` whose `main.rs` declares
+//! `#[macro_use] #[path = "../common/mod.rs"] mod common;` before its modules.
+#![allow(dead_code, unused_macros)]
 
 /// Prints past libtest's output capture, so every run shows why a test skipped.
 macro_rules! skipped {
@@ -16,6 +16,12 @@ macro_rules! skipped {
         let _ = writeln!(std::io::stderr(), $($t)*);
     }};
 }
+
+#[macro_use]
+pub mod child;
+pub mod env;
+pub mod pattern;
+pub mod topo;
 
 use oxccl::perf::check;
 use oxccl::{Comm, DataType, DevSlice, Device, DeviceBuffer, Func, RedOp, Stream};
@@ -69,14 +75,12 @@ pub fn gpus_or_skip(test: &str, n: usize) -> Option<Vec<Device>> {
 /// Two GPU ranks: GPUs 0 and 1, or GPU 0 twice (`OXCCL_ALLOW_SHARED_DEVICE=1` is then set for
 /// the rest of the process) when it is the only one; `None` after printing why without a GPU.
 pub fn two_ranks_or_skip(test: &str) -> Option<Vec<Device>> {
-    let _env = env_lock();
     gpus_or_skip(test, 1)?;
     if Device::cuda_count() >= 2 {
         return Some(vec![Device::Cuda(0), Device::Cuda(1)]);
     }
-    // SAFETY: under the env lock, which serialises every environment access of the test binary;
-    // set once and never removed, before any communicator of this binary reads it.
-    unsafe { std::env::set_var("OXCCL_ALLOW_SHARED_DEVICE", "1") };
+    // Set once and never removed, before any communicator of this binary reads it.
+    env::set_for_the_process("OXCCL_ALLOW_SHARED_DEVICE", "1");
     Some(vec![Device::Cuda(0), Device::Cuda(0)])
 }
 
@@ -242,31 +246,53 @@ pub fn protos() -> Vec<&'static str> {
     }
 }
 
-/// Serializes changes of the process environment inside one test binary. The variables the
-/// matrices set (`NCCL_PROTO`, `NCCL_ALGO`) are read by `Comm::init_all` only, so only the
-/// initialisation holds this lock and the collectives themselves run in parallel.
-pub fn env_lock() -> std::sync::MutexGuard<'static, ()> {
-    static LOCK: Mutex<()> = Mutex::new(());
-    LOCK.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 /// Communicators over `devices`. With `proto`, they are created with exactly `NCCL_PROTO=proto`
 /// set (the `OXCCL_` spellings and `NCCL_ALGO` cleared) and the environment is restored
-/// afterwards; without, the environment is left alone.
+/// afterwards; without, under the environment as it is (held shared meanwhile).
 pub fn init_comms(devices: &[Device], proto: Option<&str>) -> Vec<Comm> {
     let init = || {
         Comm::init_all(devices)
             .unwrap_or_else(|e| panic!("init_all({devices:?}) with NCCL_PROTO={proto:?}: {e}"))
     };
     match proto {
-        None => init(),
+        None => {
+            let _env = env::shared();
+            init()
+        }
         Some(p) => {
-            let _lock = env_lock();
             let env = env::Env::clean(&["PROTO", "ALGO"]);
             env.set(&[("NCCL_PROTO", p)]);
             init()
         }
     }
+}
+
+/// `Comm::init_all(devices)` under the environment as it is (held shared meanwhile: see [`env`]).
+pub fn init_all(devices: &[Device]) -> oxccl::Result<Vec<Comm>> {
+    let _env = env::shared();
+    Comm::init_all(devices)
+}
+
+/// A new stream per communicator, on its device.
+pub fn streams(comms: &[Comm]) -> Vec<Stream> {
+    comms.iter().map(|c| c.device().new_stream().unwrap()).collect()
+}
+
+/// Synchronizes every rank's stream, panicking with `what` and the rank on an error.
+pub fn sync_all(streams: &[Stream], what: &str) {
+    for (r, s) in streams.iter().enumerate() {
+        s.synchronize()
+            .unwrap_or_else(|e| panic!("{what}: rank {r}: synchronize: {e}"));
+    }
+}
+
+/// Runs `f(rank)` on `n` scoped threads and returns the results by rank.
+pub fn on_threads<T: Send>(n: usize, f: impl Fn(usize) -> T + Sync) -> Vec<T> {
+    std::thread::scope(|s| {
+        let f = &f;
+        let hs: Vec<_> = (0..n).map(|r| s.spawn(move || f(r))).collect();
+        hs.into_iter().map(|h| h.join().expect("rank thread")).collect()
+    })
 }
 
 /// One collective's correctness matrix (see [`run_collective`]).
@@ -963,4 +989,42 @@ pub fn all_reduce_f32(comms: &[Comm], count: usize, in_place: bool) -> Vec<oxccl
         }
     }
     comms.iter().map(|c| c.last_choice().unwrap()).collect()
+}
+
+/// The `oxccl` command-line binary of this package, without inherited `NCCL_*` / `OXCCL_*`
+/// variables (the test sets the ones it wants).
+pub fn oxccl_command() -> std::process::Command {
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_oxccl"));
+    child::remove_nccl_env(&mut cmd);
+    cmd
+}
+
+/// Whether this machine lets a test create network namespaces (root and iproute2); prints
+/// `SKIPPED: <test>: ...` with the reason when not.
+pub fn namespaces_allowed(test: &str) -> bool {
+    static PROBES: AtomicU64 = AtomicU64::new(0);
+    let k = PROBES.fetch_add(1, Ordering::Relaxed);
+    let name = format!("oxprobe{}x{k}", std::process::id());
+    match std::process::Command::new("ip")
+        .args(["netns", "add", &name])
+        .output()
+    {
+        Ok(o) if o.status.success() => {
+            let _ = std::process::Command::new("ip")
+                .args(["netns", "del", &name])
+                .status();
+            true
+        }
+        other => {
+            skipped!("SKIPPED: {test}: cannot create a network namespace ({other:?})");
+            false
+        }
+    }
+}
+
+/// A fresh bootstrap unique id (`get_unique_id`, which reads the bootstrap's variables), taken
+/// holding the environment lock shared.
+pub fn unique_id() -> oxccl::bootstrap::UniqueId {
+    let _env = env::shared();
+    oxccl::bootstrap::get_unique_id().expect("unique id")
 }

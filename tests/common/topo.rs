@@ -1,5 +1,5 @@
-//! Topology fixtures shared by tests/topo.rs and tests/graph.rs: the files in tests/topo/ and
-//! what detection would add on the Azure VMs, whose files are PCI-only (GPUs, NVLinks, NICs).
+//! Topology fixtures: the files in tests/topo/, what detection would add on the Azure VMs, whose
+//! files are PCI-only (GPUs, NVLinks, NICs), and the rings the graph search finds in them.
 use oxccl::topo::{GpuFill, NetFill, NvLinkFill, Xml, xml::bus_id_to_int};
 use std::path::PathBuf;
 
@@ -9,7 +9,7 @@ pub fn fixture(name: &str) -> PathBuf {
         .join(name)
 }
 /// The searched rings of `nvlink-mesh-4gpu-topo.xml` (4 GPUs in an NVLink mesh of unequal link
-/// counts), from `oxccl topo` (the graph search of tests/graph.rs): 6 channels, not all in rank
+/// counts), from `oxccl topo` (the graph search of tests/topology/graph.rs): 6 channels, not all in rank
 /// order; communicators with more channels repeat them (channel c uses ring c % 6).
 pub const MESH_RINGS: [[usize; 4]; 6] = [
     [0, 1, 2, 3],
@@ -19,6 +19,12 @@ pub const MESH_RINGS: [[usize; 4]; 6] = [
     [0, 3, 2, 1],
     [0, 2, 3, 1],
 ];
+
+/// `ring` rotated to start at `rank`: the user ranks NCCL's `setupChannel` gives `rank`.
+pub fn rotate(ring: &[usize], rank: usize) -> Vec<usize> {
+    let i = ring.iter().position(|&r| r == rank).unwrap();
+    ring[i..].iter().chain(&ring[..i]).copied().collect()
+}
 
 pub fn close(a: f64, b: f64) -> bool {
     (a - b).abs() < 1e-9 * b.abs().max(1.0)
@@ -109,7 +115,7 @@ pub fn load(name: &str) -> oxccl::topo::System {
         .unwrap_or_else(|e| panic!("{name}: {e}"))
 }
 
-/// Fixtures written for the graph search (tests/graph.rs), with what they model:
+/// Fixtures written for the graph search (tests/topology/graph.rs), with what they model:
 /// - `dgx-h100-topo.xml`: DGX-H100-like, 8 × H100 (sm90) with 18 NVLinks each to 4 NVSwitches
 ///   (5 + 4 + 4 + 5 links, NCCL merges them into one NVS node), 4 PCIe Gen5 switches of 2 GPUs,
 ///   2 Sapphire Rapids sockets, no compute NICs.

@@ -1,0 +1,108 @@
+//! The `oxccl` command line as a user meets it, on the CPU target: output piped into a reader
+//! that stops early (`oxccl perf ... | head`), flags with bad values named as flags, and size
+//! steps that would loop forever or do nothing refused.
+use crate::common::oxccl_command as oxccl;
+use std::io::{BufRead, BufReader};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+/// Runs `args` with the reader of stdout gone after its first line (`| head -1`); returns the
+/// exit status, stderr and how long the command took. Killed after 30 s.
+fn head_1(args: &[&str]) -> (std::process::ExitStatus, String, Duration) {
+    let t = Instant::now();
+    let mut child = oxccl()
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run oxccl");
+    let mut first = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut first)
+        .unwrap();
+    // The reader is dropped here: stdout's pipe has no reader any more.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            break child.wait().unwrap();
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    assert!(!first.is_empty(), "no first line");
+    (status, err, t.elapsed())
+}
+
+/// `oxccl perf ... | head -1` ends at once like other tools (SIGPIPE), without a panic — also
+/// with one process per rank, where the panicking rank 0 used to leave rank 1 waiting for two
+/// minutes at teardown.
+#[test]
+fn a_closed_stdout_ends_the_command_quietly() {
+    use std::os::unix::process::ExitStatusExt;
+    for args in [
+        &["perf", "all-reduce", "--backend", "cpu", "-b", "1K", "-e", "64M"][..],
+        &[
+            "perf",
+            "all-reduce",
+            "--backend",
+            "cpu",
+            "--procs",
+            "2",
+            "-b",
+            "1K",
+            "-e",
+            "64M",
+        ][..],
+        &["info"][..],
+    ] {
+        let (status, err, took) = head_1(args);
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+        assert!(took < Duration::from_secs(20), "{args:?} took {took:?}");
+        // Single process: killed by SIGPIPE (or done, when it wrote everything before the
+        // reader left); with --procs the parent names rank 0's SIGPIPE.
+        if args.contains(&"--procs") {
+            assert!(
+                err.contains("SIGPIPE") || status.success(),
+                "{args:?}: {status}: {err}"
+            );
+        } else {
+            assert!(
+                status.signal() == Some(libc::SIGPIPE) || status.success(),
+                "{args:?}: {status}: {err}"
+            );
+        }
+    }
+}
+
+/// A bad `--proto` / `--algo` is named as the flag (not as the variable it is passed on in), and
+/// `-f` below 2 (a sweep that would never grow) or `-i 0` is refused, all with exit code 2.
+#[test]
+fn bad_flags_are_named_as_flags() {
+    for (args, want) in [
+        (
+            &["perf", "all-reduce", "--proto", "bogus"][..],
+            "oxccl: invalid argument: --proto=\"bogus\": \"bogus\" is not a known name (accepted: LL, LL128, Simple; a leading ^ excludes)",
+        ),
+        (
+            &["perf", "all-reduce", "--algo", "ring,bogus"][..],
+            "oxccl: invalid argument: --algo=\"ring,bogus\": \"bogus\" is not a known name (accepted: tree, ring; a leading ^ excludes)",
+        ),
+        (
+            &["perf", "all-reduce", "-b", "1K", "-e", "1M", "-f", "1"][..],
+            "oxccl: -f 1 is out of range (accepted: 2 or more; or a fixed step with -i BYTES)",
+        ),
+        (
+            &["perf", "all-reduce", "-b", "1K", "-e", "1M", "-i", "0"][..],
+            "oxccl: -i 0 is out of range (accepted: 1 byte or more)",
+        ),
+    ] {
+        let out = oxccl().args(args).output().expect("run oxccl");
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        assert_eq!(String::from_utf8_lossy(&out.stderr).trim(), want, "{args:?}");
+    }
+}

@@ -1,0 +1,31 @@
+//! The collectives, checked exactly on the CPU target (every run) and on GPUs (skipped with the
+//! reason printed without them): the correctness matrix of every collective × protocol × dtype ×
+//! op (`matrix`, `all_reduce`, `block_threads`), the tree AllReduce (`tree`, and on LL and LL128:
+//! `tree_protocols`), the LL protocol's flag wrap (`ll_protocol`), PreMulSum (`premulsum`), rings
+//! that follow the topology (`ring_order`), direct writes into peers' outputs (`direct`), the
+//! field cases of CASES.md (`cases`), half and bfloat16 arithmetic (`half_math`), the embedded PTX
+//! (`kernels`), and the GPU runs (`gpu_all_reduce`, `gpu_collectives`, `gpu_direct`, `gpu_tree`).
+//!
+//! Tests that set environment variables hold `common::env::Env`; the others create their
+//! communicators holding the environment lock shared (`common::init_all`, `common::init_comms`).
+//! GPU tests take `common::gpu_lock` before the environment lock.
+#[macro_use]
+#[path = "../common/mod.rs"]
+mod common;
+
+mod all_reduce;
+mod block_threads;
+mod cases;
+mod direct;
+mod gpu_all_reduce;
+mod gpu_collectives;
+mod gpu_direct;
+mod gpu_tree;
+mod half_math;
+mod kernels;
+mod ll_protocol;
+mod matrix;
+mod premulsum;
+mod ring_order;
+mod tree;
+mod tree_protocols;
