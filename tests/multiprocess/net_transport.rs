@@ -461,7 +461,7 @@ fn p2p_level_loc_and_shm_disabled_use_net_on_one_host() {
     // off, so NCCL uses NET; init once chose NET there while its NET setup chose again from its
     // own peer info (without the level) and found them disagreeing. CPU-target ranks never use
     // P2P, so here the level changes nothing: the test pins the outcome the GPU case must share.
-    let id = get_unique_id().expect("unique id");
+    let id = unique_id();
     let envs: Vec<Vec<(&str, String)>> = (0..2)
         .map(|_| {
             vec![
