@@ -515,7 +515,7 @@ const UNROLL: usize = match option_env!("OXCCL_BUILD_UNROLL") {
 
 /// How the Simple protocol's receiving side synchronises on the GPU, a build-time knob
 /// (`OXCCL_BUILD_SIMPLE_SYNC=fence|volatile cargo build`; default `volatile`, measured 2–5 %
-/// faster at ≥ 64 MiB and 14 % at 8 B on 2×H200, docs/benchmarks.md session 6):
+/// faster at ≥ 64 MiB and 14 % at 8 B on 2×H200, docs/benchmarks.md, the 2026-11-30 tree AllReduce entry):
 /// - `fence`: thread 0 fences (`fence.acq_rel.sys`) after it sees the peer's counter, and before
 ///   every post; data loads are plain `ld.global`.
 /// - `volatile`: NCCL's way (`prims_simple.h`: "volatile is faster than acquire"): no fence after
