@@ -1,19 +1,58 @@
 //! # oxccl
 //!
 //! Collective communication for NVIDIA GPUs, written in Rust with its GPU kernels, on NCCL's
-//! design: rings over channels, FIFO connections with head/tail steps, the Simple protocol (LL and
-//! LL128 to come), P2P transport between GPUs, and the same collective code running on a CPU
-//! target for testing anywhere.
+//! design: rings and trees over channels, FIFO connections with head/tail steps, the LL, LL128
+//! and Simple protocols, P2P, SHM and NET transports with a proxy thread, and the same kernel code
+//! running on a CPU target (blocks of host fibers with real barriers) for testing anywhere.
 //!
 //! | layer | host module | mirrors in NCCL |
 //! |---|---|---|
-//! | public API | [`Comm`], [`Device`], [`DeviceBuffer`], [`Stream`] | `nccl.h` |
-//! | collectives, planning, launch | [`comm`] | `enqueue.cc`, `init.cc`, `channel.cc` |
-//! | parameters | [`params`] | `NCCL_PARAM` |
+//! | public API | [`Comm`], [`Device`], [`DeviceBuffer`], [`Stream`], [`CommHandle`] ([`handle`]) | `nccl.h` |
+//! | communicator: type, resources, `Drop` | [`comm`] (`comm/mod.rs`) | `comm.h` |
+//! | init, peer info, transport connections | `comm/init.rs`, `comm/peer_info.rs`, `comm/connect.rs` | `init.cc` |
+//! | channels, rings and trees on the device | `comm/channel.rs`, `comm/rank_trees.rs` | `channel.cc`, `devCommSetup` |
+//! | the calls and their argument checks | `comm/collectives.rs` | `collectives.cc`, `argcheck.cc` |
+//! | plan and launch of a call | `comm/enqueue.rs` | `enqueue.cc` |
+//! | abort, async errors, finalize, destroy | `comm/abort.rs`, `liveness.rs` (peer processes) | `init.cc`'s abort path |
+//! | algorithm and protocol choice | [`tuning`] | `tuning.cc` |
+//! | transport choice and connection | [`transport`] (P2P → SHM → NET per pair), `transport/{shm,net,net_socket}.rs`, `transport/plugin/` | `transport.cc`, `transport/{p2p,shm,net,net_socket}.cc`, `plugin/net.cc` |
+//! | proxy thread (NET steps) | [`proxy`] | `proxy.cc`, `net.cc`'s progress |
+//! | bootstrap network, unique id | [`bootstrap`] | `bootstrap.cc`, `misc/socket.cc` |
+//! | topology: XML, detection, paths | [`topo`] | `graph/topo.cc`, `graph/xml.cc`, `graph/paths.cc` |
+//! | rings and trees of a node and across nodes | [`graph`] | `graph/search.cc`, `graph/connect.cc`, `graph/trees.cc` |
+//! | parameters (`NCCL_*` variables) | [`params`] | `NCCL_PARAM` |
+//! | reduction operators, PreMulSum | [`redop`] | `ncclRedOpCreatePreMulSum` |
+//! | errors | [`error`] | `ncclResult_t` |
 //! | CUDA driver | [`cuda`] | `cudawrap.cc` |
-//! | CPU target | [`cpu`] | — |
-//! | kernels (device code) | [`oxccl_gpu`] | `src/device/` |
-//! | benchmarks | [`perf`], [`nccl`] | nccl-tests |
+//! | CPU target: host memory, streams | [`cpu`], [`mem`] | — |
+//! | kernels (device code, built for nvptx and the host) | [`oxccl_gpu`], [`kernels`] (the embedded PTX) | `src/device/` |
+//! | benchmarks, the system NCCL for comparison | [`perf`], [`nccl`] | nccl-tests |
+//!
+//! ## One `all_reduce`, from the call to the kernel
+//!
+//! 1. [`Comm::all_reduce`] (`comm/collectives.rs`) passes the buffers, count, type and operator to
+//!    `safe_call`, which checks the root, buffer sizes (elements × type size, per rank), device,
+//!    alignment and overlap (NCCL's `argcheck.cc`), then `collective_raw`: NULL buffers, the
+//!    operator and its PreMulSum scalar (`check_op`), the stream's backend, the communicator's
+//!    abort and finalize state. Count 0 returns here; one rank copies (or runs the one-rank
+//!    PreMulSum kernel).
+//! 2. `Comm::plan` (`comm/enqueue.rs`) asks [`tuning`]'s cost model, within `NCCL_ALGO` /
+//!    `NCCL_PROTO` and the communicator's channels and trees, for (algorithm, protocol, channels)
+//!    and sets the chunk and slice sizes; the result is a [`Choice`] (`Comm::last_choice`).
+//! 3. `collective_raw` fills the work element (`oxccl_gpu::abi::WorkColl`, `#[repr(C)]`, shared
+//!    with the kernels) and `Comm::launch` (`comm/enqueue.rs`) launches it with the device
+//!    communicator block built at init (`comm/channel.rs`: per channel its ring, tree and
+//!    connection FIFOs). On a GPU it names the kernel entry of (collective, algorithm, protocol,
+//!    type, `sum` or `any` operator) ([`oxccl_gpu::abi::kernel_name_for`]), waits until the ranks
+//!    sharing its GPU launched their previous call, loads the module on first use, launches one
+//!    block per channel on the caller's stream and records an untimed completion marker. On the
+//!    CPU target `launch_cpu` queues the same block function (`oxccl_gpu::dispatch::run_block`) on
+//!    the CPU stream, one host thread of fibers per channel.
+//! 4. In the kernel (`gpu/src/kernels.rs` → `gpu/src/dispatch.rs::run_kernel`) each block reads its
+//!    channel's ring, the algorithm (`gpu/src/coll/all_reduce.rs`, `coll/tree.rs`) walks the
+//!    chunks and calls the protocol's verbs (`gpu/src/proto/{ll,ll128,simple}.rs`), which move
+//!    data through the FIFOs the transports connected: direct peer pointers (P2P), shared host
+//!    memory (SHM) or proxy-driven network steps (NET, [`proxy`]).
 //!
 //! ```no_run
 //! use oxccl::{Comm, DataType, Device, RedOp};
