@@ -9,6 +9,7 @@
 //! |---|---|---|
 //! | public API | [`Comm`], [`Device`], [`DeviceBuffer`], [`Stream`] | `nccl.h` |
 //! | collectives, planning, launch | [`comm`] | `enqueue.cc`, `init.cc`, `channel.cc` |
+//! | transports (P2P, SHM, NET) | [`transport`], [`proxy`] | `transport.cc`, `transport/*.cc`, `proxy.cc` |
 //! | parameters | [`params`] | `NCCL_PARAM` |
 //! | CUDA driver | [`cuda`] | `cudawrap.cc` |
 //! | CPU target | [`cpu`] | — |
