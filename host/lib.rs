@@ -9,13 +9,13 @@
 //! |---|---|---|
 //! | public API | [`Comm`], [`Device`], [`DeviceBuffer`], [`Stream`], [`CommHandle`] ([`handle`]) | `nccl.h` |
 //! | communicator: type, resources, `Drop` | [`comm`] (`comm/mod.rs`) | `comm.h` |
-//! | init, peer info, transport connections | `comm/init.rs`, `comm/peer_info.rs`, `comm/connect.rs` | `init.cc` |
+//! | init, peer info exchange, connecting the channels | `comm/init.rs`, `comm/peer_info.rs`, `comm/connect.rs` | `init.cc` |
 //! | channels, rings and trees on the device | `comm/channel.rs`, `comm/rank_trees.rs` | `channel.cc`, `devCommSetup` |
 //! | the calls and their argument checks | `comm/collectives.rs` | `collectives.cc`, `argcheck.cc` |
 //! | plan and launch of a call | `comm/enqueue.rs` | `enqueue.cc` |
 //! | abort, async errors, finalize, destroy | `comm/abort.rs`, `liveness.rs` (peer processes) | `init.cc`'s abort path |
 //! | algorithm and protocol choice | [`tuning`] | `tuning.cc` |
-//! | transport choice and connection | [`transport`] (P2P → SHM → NET per pair), `transport/{shm,net,net_socket}.rs`, `transport/plugin/` | `transport.cc`, `transport/{p2p,shm,net,net_socket}.cc`, `plugin/net.cc` |
+//! | transport choice and connection | [`transport`] (P2P → SHM → NET per pair, peer info), `transport/{p2p,shm,net,net_socket}.rs`, `transport/plugin/` | `transport.cc`, `transport/{p2p,shm,net,net_socket}.cc`, `plugin/net.cc` |
 //! | proxy thread (NET steps) | [`proxy`] | `proxy.cc`, `net.cc`'s progress |
 //! | bootstrap network, unique id | [`bootstrap`] | `bootstrap.cc`, `misc/socket.cc` |
 //! | topology: XML, detection, paths | [`topo`] | `graph/topo.cc`, `graph/xml.cc`, `graph/paths.cc` |

@@ -47,6 +47,9 @@ use std::time::{Duration, Instant};
 pub const MAX_MESSAGE_BYTES: u64 = 1 << 30;
 /// Largest nranks the bootstrap accepts (2^20 ranks).
 pub const MAX_NRANKS: usize = 1 << 20;
+/// Prefix of a rank's record in [`Bootstrap::allgather_checked`] when that rank failed (its
+/// error follows).
+const FAILED_PREFIX: &str = "ERR ";
 /// Default of [`BootstrapConfig::timeout`]: 120 s.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(120);
 /// Largest accepted `OXCCL_BOOTSTRAP_TIMEOUT`, in seconds (about 11.6 days).
@@ -529,6 +532,36 @@ impl Bootstrap {
             out[recv_idx] = got;
         }
         Ok(out)
+    }
+
+    /// An [`allgather`](Bootstrap::allgather) after a step that may fail on some ranks: each rank
+    /// sends `record(&value)` of its result `mine`, or its error, so every rank learns of a
+    /// failure at the same step and fails at once, naming the rank (rather than one rank leaving
+    /// and the others waiting out the bootstrap timeout). Returns this rank's value and every
+    /// rank's record.
+    ///
+    /// Errors: this rank's own error as it is; else `Remote` "rank {rank}: rank {r} {what}:
+    /// {error}" for the first rank `r` that failed; bootstrap errors.
+    pub(crate) fn allgather_checked<T>(
+        &self,
+        mine: Result<T>,
+        record: impl FnOnce(&T) -> String,
+        what: &str,
+    ) -> Result<(T, Vec<Vec<u8>>)> {
+        let sent = match &mine {
+            Ok(v) => record(v),
+            Err(e) => format!("{FAILED_PREFIX}{e}"),
+        };
+        let all = self.allgather(sent.as_bytes())?;
+        let value = mine?;
+        if let Some((r, e)) = all.iter().enumerate().find_map(|(r, b)| {
+            String::from_utf8_lossy(b)
+                .strip_prefix(FAILED_PREFIX)
+                .map(|e| (r, e.to_string()))
+        }) {
+            return Err(Error::Remote(format!("rank {}: rank {r} {what}: {e}", self.rank)));
+        }
+        Ok((value, all))
     }
 
     /// Returns once every rank has called `barrier` (NCCL's `bootstrapBarrier`): an

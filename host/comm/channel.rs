@@ -603,14 +603,12 @@ pub(super) fn setup_cuda_trees(
                 if ctxs[peer].ordinal == ctxs[r].ordinal {
                     continue;
                 }
-                if !ctxs[r].can_access_peer(&ctxs[peer])? {
-                    return Err(Error::System(format!(
-                        "no transport can connect tree neighbours rank {r} (CUDA device {}) and rank {peer} \
-                         (CUDA device {}): peer access is not supported between them",
+                p2p::enable_peer_access(&ctxs[r], &ctxs[peer], || {
+                    format!(
+                        "tree neighbours rank {r} (CUDA device {}) and rank {peer} (CUDA device {})",
                         ctxs[r].ordinal, ctxs[peer].ordinal
-                    )));
-                }
-                ctxs[r].enable_peer_access(&ctxs[peer])?;
+                    )
+                })?;
             }
         }
     }

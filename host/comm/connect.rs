@@ -1,7 +1,7 @@
 //! How a rank reaches each ring or tree neighbour's connection memory once the transport of the
-//! pair is chosen (NCCL's per-peer `ncclTransportP2pSetup`): its own connection memory
-//! ([`OwnConn`], [`HostConns`]) and its links to the peers' ([`PeerLink`]: P2P by direct pointer
-//! or CUDA IPC, SHM by `/dev/shm`, NET through `transport::connect_net`).
+//! pair is chosen (NCCL's per-peer `ncclTransportP2pSetup` in `transport.cc`): its own connection
+//! memory ([`OwnConn`], [`HostConns`]) and its links to the peers' ([`PeerLink`]: P2P through
+//! [`crate::transport::p2p`], SHM by `/dev/shm`, NET through `transport::connect_net`).
 use super::*;
 use crate::transport::shm::RegisteredShm;
 
@@ -97,19 +97,17 @@ pub(super) enum PeerLink {
     /// CUDA, neighbour of this host reached through SHM: its `/dev/shm` segment, mapped here and
     /// registered with CUDA (unregistered and unmapped before this rank's teardown barrier).
     ShmMapped(RegisteredShm),
-    /// CUDA, neighbour in this process: its device pointer, used over peer access (P2P).
-    P2pDirect(u64),
-    /// CUDA, neighbour in another process of this host: its memory opened through CUDA IPC
-    /// (P2P/IPC), closed before this rank's teardown barrier.
-    P2pIpc(cuda::IpcMapping),
+    /// CUDA, neighbour of this host reached through P2P: its device pointer (same process) or
+    /// its memory opened through CUDA IPC (closed before this rank's teardown barrier).
+    P2p(p2p::P2pConn),
 }
 
 impl PeerLink {
-    /// Connects rank `me` to ring neighbour `peer` over `kind`, the transport [`transport_between`]
-    /// chose for the pair (P2P or SHM; NET connections are made by `transport::connect_net`).
-    /// Between CUDA devices P2P also follows `p2p_level` (`NCCL_P2P_LEVEL`, see
-    /// [`check_p2p_level`], on this init's topology `paths`): a guard, since [`exchange_p2p_denied`] already made pairs that
-    /// either side's level forbids use SHM or NET. CUDA SHM maps the peer's segment ([`PeerInfo::shm_name`]), which must exist.
+    /// Connects rank `me` to ring or tree neighbour `peer` over `kind`, the transport
+    /// [`select_transport`] chose for the pair (P2P or SHM; NET connections are made by
+    /// `transport::connect_net`): P2P by [`p2p::connect`] (which applies `p2p_level`,
+    /// `NCCL_P2P_LEVEL`, on this init's topology `paths`); CUDA SHM maps the peer's segment
+    /// ([`PeerMem::shm_name`]), which must exist; CPU SHM maps its [`ConnDesc::Shm`] segment.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn connect(
         me: usize,
@@ -122,81 +120,33 @@ impl PeerLink {
         paths: &GpuPaths,
     ) -> Result<PeerLink> {
         use crate::transport::TransportKind;
-        let (mi, pi) = (&peers[me], &peers[peer]);
         match (kind, ctx) {
-            (TransportKind::Net, _) => {
-                return Err(Error::Internal(format!(
-                    "rank {me}: the NET connection to rank {peer} was not made by connect_net"
-                )));
-            }
+            (TransportKind::Net, _) => Err(Error::Internal(format!(
+                "rank {me}: the NET connection to rank {peer} was not made by connect_net"
+            ))),
             (TransportKind::Shm, Some(ctx)) => {
                 let m = RegisteredShm::open(ctx, target.shm_name, target.bytes)?;
                 tracing::debug!(target: "oxccl::init", rank = me, peer, "SHM (registered with CUDA)");
-                return Ok(PeerLink::ShmMapped(m));
+                Ok(PeerLink::ShmMapped(m))
             }
-            (TransportKind::P2p, None) => {
-                return Err(Error::Internal(format!(
-                    "rank {me}: P2P chosen for CPU-target rank {peer}"
-                )));
-            }
-            (TransportKind::P2p, Some(_)) => {
-                check_p2p_level(me, mi, peer, pi, p2p_level, |a, b| paths.of_peers(a, b))?
+            (TransportKind::Shm, None) => match target.desc {
+                ConnDesc::Shm(name) => Ok(PeerLink::Shm(crate::cpu::ShmSegment::open(name, target.bytes)?)),
+                ConnDesc::Ipc { .. } => Err(Error::Internal(format!(
+                    "rank {peer}'s connection descriptor does not match rank {me}'s device kind"
+                ))),
             },
-            (TransportKind::Shm, None) => {}
-        }
-        let context = |e: Error| match e {
-            Error::Cuda {
-                call,
-                code,
-                name,
-                msg,
-            } => Error::Cuda {
-                call,
-                code,
-                name,
-                msg: format!("{msg} (rank {me} connecting to rank {peer}'s connection memory)"),
-            },
-            e => e,
-        };
-        match (target.desc, ctx) {
-            (ConnDesc::Shm(name), None) => {
-                Ok(PeerLink::Shm(crate::cpu::ShmSegment::open(name, target.bytes)?))
-            }
-            (ConnDesc::Ipc { ptr: 0, .. }, Some(_)) => Err(Error::Internal(format!(
-                "rank {peer} offers no device memory for rank {me}'s P2P connection"
+            (TransportKind::P2p, None) => Err(Error::Internal(format!(
+                "rank {me}: P2P chosen for CPU-target rank {peer}"
             ))),
-            (ConnDesc::Ipc { ptr, handle }, Some(ctx)) => {
-                let no_peer_access = || {
-                    Error::System(format!(
-                        "no transport can connect rank {me} ({}) and rank {peer} ({}): peer access is not supported between them",
-                        mi.describe_device(),
-                        pi.describe_device()
-                    ))
-                };
-                if pi.pid == mi.pid && pi.host == mi.host {
-                    if pi.dev != mi.dev {
-                        let pctx = cuda::Context::get(pi.dev)?;
-                        if !ctx.can_access_peer(&pctx)? {
-                            return Err(no_peer_access());
-                        }
-                        ctx.enable_peer_access(&pctx)?;
-                    }
-                    tracing::debug!(target: "oxccl::init", rank = me, peer, "P2P (same process)");
-                    return Ok(PeerLink::P2pDirect(*ptr));
-                }
-                if pi.bus_id != mi.bus_id
-                    && let Some(o) = cuda::device_by_bus_id(&pi.bus_id)?
-                    && !ctx.can_access_peer(&*cuda::Context::get(o)?)?
-                {
-                    return Err(no_peer_access());
-                }
-                let m = cuda::IpcMapping::open(ctx, handle).map_err(context)?;
-                tracing::debug!(target: "oxccl::init", rank = me, peer, "P2P/IPC");
-                Ok(PeerLink::P2pIpc(m))
-            }
-            _ => Err(Error::Internal(format!(
-                "rank {peer}'s connection descriptor does not match rank {me}'s device kind"
-            ))),
+            (TransportKind::P2p, Some(ctx)) => Ok(PeerLink::P2p(p2p::connect(
+                me,
+                peers,
+                peer,
+                ctx,
+                target.desc,
+                p2p_level,
+                paths,
+            )?)),
         }
     }
 
@@ -204,8 +154,7 @@ impl PeerLink {
         match self {
             PeerLink::Shm(s) => s.addr(),
             PeerLink::ShmMapped(m) => m.dev_base(),
-            PeerLink::P2pDirect(p) => *p,
-            PeerLink::P2pIpc(m) => m.ptr(),
+            PeerLink::P2p(c) => c.base(),
             PeerLink::Net { .. } => 0,
         }
     }

@@ -1,9 +1,9 @@
 //! Communicator creation (NCCL's `init.cc`): [`Comm::init_all`] for the devices of one process,
 //! [`Comm::init_rank`] for one rank of a communicator that meets through a bootstrap, and
 //! [`Comm::from_env`] for launchers, and the timing of `init_rank`'s phases. What the ranks
-//! exchange on the way (peer info, the settings every rank must share) is in `peer_info.rs`; the
-//! channels and the communicator block in `channel.rs`; the links to each neighbour in
-//! `connect.rs`.
+//! exchange on the way is [`crate::transport::PeerInfo`], checked in `peer_info.rs` with the
+//! settings every rank must share; the channels and the communicator block are in `channel.rs`;
+//! the links to each neighbour in `connect.rs` (P2P in [`crate::transport::p2p`]).
 use super::*;
 
 pub(super) fn check_devices(devices: &[Device]) -> Result<()> {
@@ -159,14 +159,12 @@ impl Comm {
                             )));
                         }
                     }
-                    if !ctxs[r].can_access_peer(&ctxs[peer])? {
-                        return Err(Error::System(format!(
-                            "no transport can connect rank {r} (CUDA device {}) and rank {peer} (CUDA device {}): \
-                             peer access is not supported between them",
+                    p2p::enable_peer_access(&ctxs[r], &ctxs[peer], || {
+                        format!(
+                            "rank {r} (CUDA device {}) and rank {peer} (CUDA device {})",
                             ctxs[r].ordinal, ctxs[peer].ordinal
-                        )));
-                    }
-                    ctxs[r].enable_peer_access(&ctxs[peer])?;
+                        )
+                    })?;
                 }
             }
             let mut conn = Vec::with_capacity(nranks);
@@ -339,7 +337,7 @@ impl Comm {
     /// Peer information (rank, device, PCI bus id, host, process, connection memory) is exchanged
     /// in one bootstrap allgather like the seed's `fillInfo` + AllGather1, then each rank connects
     /// to its two ring neighbours with the transport chosen per peer, P2P then SHM then NET
-    /// (`transport_between`, honouring `NCCL_P2P_DISABLE` / `NCCL_SHM_DISABLE`): P2P between CUDA
+    /// (`select_transport`, honouring `NCCL_P2P_DISABLE` / `NCCL_SHM_DISABLE`): P2P between CUDA
     /// devices of one host — the neighbour's pointer over peer access when it lives in this
     /// process, CUDA IPC (`cuIpcOpenMemHandle`) when it lives in another process; SHM on one host
     /// — the receiver's `/dev/shm` segment, on CUDA registered with the driver in both processes
@@ -415,9 +413,7 @@ impl Comm {
         phases.mark("settings, device context and topology hook");
         let bootstrap = crate::bootstrap::Bootstrap::init(id, rank, nranks)?;
         phases.mark("bootstrap ring");
-        let ((params, mut selection, ctx, _near), all) = allgather_checked(
-            &bootstrap,
-            rank,
+        let ((params, mut selection, ctx, _near), all) = bootstrap.allgather_checked(
             local,
             |(p, s, _, _)| plan_settings(p, s),
             "cannot initialize (its settings or device)",
@@ -463,7 +459,7 @@ impl Comm {
         check_peers(rank, &peers)?;
         // NCCL_P2P_LEVEL's topology, built once for this init (when a level applies).
         let paths = GpuPaths::default();
-        exchange_p2p_denied(rank, &mut peers, &bootstrap, |a, b| paths.of_peers(a, b))?;
+        p2p::exchange_p2p_denied(rank, &mut peers, &bootstrap, |a, b| paths.of_peers(a, b))?;
         phases.mark("connection memory and peer all-gather");
         // The rings (NCCL's AllGather3 + connectRings): each rank's node graph travels in a second
         // all-gather. A rank connects to the next and previous rank of every channel's ring, each
@@ -485,9 +481,7 @@ impl Comm {
             let bus: Vec<String> = node_ranks.iter().map(|&r| peers[r].bus_id.clone()).collect();
             // A rank whose topology file fails sends its error instead, so every rank fails
             // naming it (rather than waiting in this all-gather for the bootstrap timeout).
-            let (_, all) = allgather_checked(
-                &bootstrap,
-                rank,
+            let (_, all) = bootstrap.allgather_checked(
                 node_ring_graph(&node_ranks, is_cuda.then_some(bus.as_slice()), node),
                 |m| m.as_ref().map_or(String::new(), |i| i.encode()),
                 "cannot build its ring graph from its topology",
@@ -508,7 +502,7 @@ impl Comm {
             crate::tuning::Fabric::of_gpu_rings(
                 (0..rings.nchannels())
                     .flat_map(|c| (0..nranks).map(move |a| (c, a)))
-                    .map(|(c, a)| transport_between(&peers, a, rings.next(c, a))),
+                    .map(|(c, a)| select_transport(&peers, a, rings.next(c, a))),
             )
         } else {
             crate::tuning::Fabric::Host
@@ -550,8 +544,8 @@ impl Comm {
         let chan_kinds: Vec<[TransportKind; 2]> = (0..nch as usize)
             .map(|c| {
                 [
-                    transport_between(&peers, rank, rings.next(c, rank)),
-                    transport_between(&peers, rank, rings.prev(c, rank)),
+                    select_transport(&peers, rank, rings.next(c, rank)),
+                    select_transport(&peers, rank, rings.prev(c, rank)),
                 ]
             })
             .collect();
@@ -603,7 +597,7 @@ impl Comm {
                     rank,
                     nranks,
                     ring: &|c, q| (rings.next(c as usize, q), rings.prev(c as usize, q)),
-                    transport: &|a, b| transport_between(&peers, a, b),
+                    transport: &|a, b| select_transport(&peers, a, b),
                     device,
                     ctx: ctx.as_deref(),
                     nch,
@@ -648,7 +642,7 @@ impl Comm {
         if (0..nranks).any(|a| {
             peers[a].cuda
                 && (0..nch as usize)
-                    .any(|c| transport_between(&peers, a, rings.next(c, a)) == TransportKind::Shm)
+                    .any(|c| select_transport(&peers, a, rings.next(c, a)) == TransportKind::Shm)
         }) {
             let made = match &ctx {
                 Some(ctx) if kinds.contains(&TransportKind::Shm) => {
@@ -672,7 +666,7 @@ impl Comm {
         for c in 0..nch as usize {
             for peer in [rings.next(c, rank), rings.prev(c, rank)] {
                 if !neighbours.iter().any(|&(p, _)| p == peer) {
-                    neighbours.push((peer, transport_between(&peers, rank, peer)));
+                    neighbours.push((peer, select_transport(&peers, rank, peer)));
                 }
             }
         }
@@ -747,7 +741,7 @@ impl Comm {
             || (0..nranks).any(|a| {
                 peers[a].cuda
                     && (0..nch as usize)
-                        .any(|c| transport_between(&peers, a, rings.next(c, a)) != TransportKind::P2p)
+                        .any(|c| select_transport(&peers, a, rings.next(c, a)) != TransportKind::P2p)
             });
         if host_path && selection.protos.0[Proto::Ll128 as usize] {
             let mut protos = selection.protos.0;

@@ -8,7 +8,7 @@
 //! | file | what | NCCL |
 //! |---|---|---|
 //! | `init.rs` | [`Comm::init_all`], [`Comm::init_rank`], [`Comm::from_env`] | `init.cc` |
-//! | `peer_info.rs` | what ranks tell each other at init, P2P-level checks | `init.cc`, `p2p.cc` |
+//! | `peer_info.rs` | checks of what ranks tell each other at init, settings every rank must share | `init.cc` |
 //! | `channel.rs` | channels, connection layout, the communicator block | `channel.cc` |
 //! | `connect.rs` | a rank's connection memory, its links to each neighbour's | `transport.cc` |
 //! | `rank_trees.rs` | the trees of `init_rank` communicators spanning hosts | `connectTrees` |
@@ -16,7 +16,8 @@
 //! | `enqueue.rs` | plan and launch of one call | `enqueue.cc` |
 //! | `abort.rs` | abort, async errors, finalize, destroy, teardown order | `init.cc` |
 //!
-//! The transports themselves (selection, NET, the SHM segment) are in [`crate::transport`].
+//! The transports themselves (peer information, the selection per pair, P2P with its
+//! `NCCL_P2P_LEVEL` rules and peer access, SHM, NET) are in [`crate::transport`].
 //!
 //! `Comm::init_all(devices)` creates one communicator per device in one process (NCCL's
 //! `ncclCommInitAll`). Each channel's ring follows the topology's searched ring order (NCCL's
@@ -57,7 +58,9 @@ use connect::*;
 use peer_info::*;
 pub use enqueue::Choice;
 use enqueue::*;
+use crate::transport::p2p::{self, GpuPaths};
 use crate::transport::shm::RegisteredShm;
+use crate::transport::{ConnDesc, PeerInfo, select_transport};
 
 /// Default channel count on CUDA devices (overridable with `NCCL_MAX_NCHANNELS`).
 pub const CUDA_DEFAULT_NCHANNELS: u32 = 64;

@@ -184,7 +184,7 @@ pub(super) fn setup(s: &TreeSetup<'_>) -> Result<Option<RankTrees>> {
     if chains.len() < 2 || !s.wanted {
         return Ok(None);
     }
-    let kind = |a: usize, b: usize| transport_between(s.peers, a, b);
+    let kind = |a: usize, b: usize| select_transport(s.peers, a, b);
     let step = s.params.initial_step;
     let layout_of = |trees: &[Vec<crate::graph::Tree>], r: usize, k: TransportKind| {
         TreeLayout::for_peers(s.params, trees, r, |p| kind(r, p) == k)
@@ -263,9 +263,7 @@ pub(super) fn setup(s: &TreeSetup<'_>) -> Result<Option<RankTrees>> {
         })
     })();
     let record = |o: &Offer| o.desc.encode();
-    let (offer, all) = allgather_checked(
-        s.bootstrap,
-        me,
+    let (offer, all) = s.bootstrap.allgather_checked(
         offer,
         record,
         "cannot set up its tree connections",
@@ -488,7 +486,7 @@ mod tests {
     use super::*;
 
     fn peer(host: &str) -> PeerInfo {
-        super::super::peer_info::peer_tests::cuda_peer("0000:01:00.0", host, 1)
+        crate::transport::test_peers::cuda_peer("0000:01:00.0", host, 1)
     }
 
     #[test]

@@ -1,13 +1,20 @@
-//! Transports: how a rank's ring connections reach its neighbours (NCCL's `transport.cc`,
-//! `transport/{p2p,shm,net}.cc`).
+//! Transports: how a rank's ring and tree connections reach its neighbours (NCCL's
+//! `transport.cc`, `transport/{p2p,shm,net}.cc`).
+//!
+//! | file | what | NCCL |
+//! |---|---|---|
+//! | `mod.rs` | what ranks tell each other ([`PeerInfo`]), the one selection per pair ([`select_transport`]), the NET setup of ring neighbours ([`connect_net`]) | `transport.h`, `transport.cc`, `net.cc` setup |
+//! | `p2p.rs` | P2P: can-connect rules, `NCCL_P2P_LEVEL` and its exchange, peer access, direct pointers and CUDA IPC | `transport/p2p.cc` |
+//! | `shm.rs` | SHM: can-connect rule, `/dev/shm` segments registered with CUDA | `transport/shm.cc` |
+//! | `net.rs`, `net_socket.rs`, `plugin/` | the network interface, the socket network, NCCL net plugins | `net.h`, `transport/net_socket.cc`, `plugin/net/` |
 //!
 //! For every ring neighbour the first transport that can connect the pair is used, in NCCL's order
 //! ([`select_transport`]):
 //!
 //! | transport | can connect when | the kernel's pointers point at |
 //! |---|---|---|
-//! | P2P | both ranks are CUDA devices of one host, `NCCL_P2P_DISABLE` unset on both | the peer's device memory |
-//! | SHM | both ranks are on one host, `NCCL_SHM_DISABLE` unset on both | the peer's `/dev/shm` segment (on CUDA registered with the driver: its device mapping) |
+//! | P2P ([`p2p::can_connect`]) | both ranks are CUDA devices of one host, `NCCL_P2P_DISABLE` unset on both | the peer's device memory |
+//! | SHM ([`shm::can_connect`]) | both ranks are on one host, `NCCL_SHM_DISABLE` unset on both | the peer's `/dev/shm` segment (on CUDA registered with the driver: its device mapping) |
 //! | NET | always | a local staging FIFO that the proxy thread ([`crate::proxy`]) sends over the network (on CUDA pinned, device-mapped host memory) |
 //!
 //! "One host" means equal host ids: the host name, or `OXCCL_HOSTID` when set (so tests can make
@@ -22,12 +29,15 @@
 //! Connection handles are exchanged through the bootstrap (NCCL's `ncclTransportP2pSetup`).
 pub mod net;
 pub mod net_socket;
+pub(crate) mod p2p;
 pub mod plugin;
 pub(crate) mod shm;
 
 use crate::bootstrap::Bootstrap;
 use crate::cpu::HostMem;
 use crate::error::{Error, Result};
+use crate::cuda;
+use crate::liveness::proc_start;
 use crate::mem::Device;
 use crate::proxy::{FifoSpec, ProxyComm, ProxyHandle};
 use net::{NET_HANDLE_BYTES, Net, NetHandle};
@@ -56,17 +66,205 @@ impl std::fmt::Display for TransportKind {
     }
 }
 
-/// What transport selection knows about one rank (NCCL's `ncclPeerInfo`, the parts that matter).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct PeerInfo {
-    /// A CUDA device (else a CPU-target device).
-    pub cuda: bool,
-    /// Host id: host name or `OXCCL_HOSTID` (NCCL's `hostHash`).
-    pub host: String,
-    /// `NCCL_P2P_DISABLE=1` on this rank.
-    pub p2p_disable: bool,
-    /// `NCCL_SHM_DISABLE=1` on this rank.
-    pub shm_disable: bool,
+/// What one rank tells the others at init (NCCL's `ncclPeerInfo` of `transport.h`, filled by
+/// `fillInfo` and gathered by AllGather1 in `init.cc`): what transport selection decides on
+/// (host, process, device, the `NCCL_P2P_DISABLE` / `NCCL_SHM_DISABLE` / `NCCL_P2P_LEVEL`
+/// settings), how to reach its connection memory, and what init checks agree.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct PeerInfo {
+    pub(crate) cuda: bool,
+    /// CUDA ordinal in the rank's own process, or CPU-target device index.
+    pub(crate) dev: usize,
+    /// PCI bus id of the GPU (CUDA); empty on the CPU target.
+    pub(crate) bus_id: String,
+    /// Host name (or `OXCCL_HOSTID`): ranks with equal names are on one host (NCCL's hostHash).
+    pub(crate) host: String,
+    pub(crate) pid: u32,
+    /// Process start time (`/proc/<pid>/stat` field 22, clock ticks): tells a live peer from a
+    /// reused pid.
+    pub(crate) start_time: u64,
+    /// `NCCL_P2P_DISABLE=1` in the rank's environment.
+    pub(crate) p2p_disable: bool,
+    /// `NCCL_SHM_DISABLE=1` in the rank's environment.
+    pub(crate) shm_disable: bool,
+    /// `NCCL_P2P_LEVEL` in the rank's environment (`None`: unset).
+    pub(crate) p2p_level: Option<crate::topo::PathType>,
+    /// Ranks of this rank's host with which `NCCL_P2P_LEVEL` (either side's) forbids P2P, so
+    /// their pair uses SHM (or NET) as NCCL's `p2pCanConnect` refusal does; filled after the
+    /// peer all-gather by [`p2p::exchange_p2p_denied`], not part of [`PeerInfo::encode`].
+    pub(crate) p2p_denied: Vec<usize>,
+    /// Name of the `/dev/shm` segment of its SHM connection memory (CUDA ranks create it only
+    /// when a ring neighbour uses SHM; CPU-target ranks always, as [`ConnDesc::Shm`]).
+    pub(crate) shm_name: String,
+    /// Channels and connection-memory bytes per rank: every rank must agree.
+    pub(crate) nch: u32,
+    pub(crate) conn_bytes: u64,
+    pub(crate) conn: ConnDesc,
+    /// Name of the shared abort page this rank offers (the ranks of a host use their lowest
+    /// rank's).
+    pub(crate) abort_page: String,
+}
+
+/// How peers reach a rank's connection memory.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) enum ConnDesc {
+    /// CPU target: a `/dev/shm` segment name.
+    Shm(String),
+    /// CUDA: the device pointer in the owner's process and its IPC handle.
+    Ipc {
+        ptr: u64,
+        handle: [u8; cuda::IPC_HANDLE_BYTES],
+    },
+}
+
+impl ConnDesc {
+    /// `shm NAME` or `ipc PTR HANDLE` (hex), one line.
+    pub(crate) fn encode(&self) -> String {
+        match self {
+            ConnDesc::Shm(name) => format!("shm {name}"),
+            ConnDesc::Ipc { ptr, handle } => format!(
+                "ipc {ptr:x} {}",
+                handle.iter().map(|b| format!("{b:02x}")).collect::<String>()
+            ),
+        }
+    }
+
+    /// Parses [`ConnDesc::encode`]; `None` when malformed.
+    pub(crate) fn decode(s: &str) -> Option<ConnDesc> {
+        match s.split(' ').collect::<Vec<_>>()[..] {
+            ["shm", name] => Some(ConnDesc::Shm(name.to_string())),
+            ["ipc", ptr, hex] if hex.len() == 2 * cuda::IPC_HANDLE_BYTES => {
+                let mut handle = [0u8; cuda::IPC_HANDLE_BYTES];
+                for (i, h) in handle.iter_mut().enumerate() {
+                    *h = u8::from_str_radix(hex.get(2 * i..2 * i + 2)?, 16).ok()?;
+                }
+                Some(ConnDesc::Ipc {
+                    ptr: u64::from_str_radix(ptr, 16).ok()?,
+                    handle,
+                })
+            }
+            _ => None,
+        }
+    }
+}
+
+
+impl PeerInfo {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn local(
+        device: Device,
+        ctx: Option<&cuda::Context>,
+        nch: u32,
+        conn_bytes: u64,
+        conn: ConnDesc,
+        shm_name: String,
+        abort_page: String,
+        p2p_level: Option<crate::topo::PathType>,
+    ) -> Result<PeerInfo> {
+        let host = crate::topo::detect::local_host_name();
+        let pid = std::process::id();
+        let (cuda, dev) = match device {
+            Device::Cuda(o) => (true, o),
+            Device::Cpu(i) => (false, i),
+        };
+        Ok(PeerInfo {
+            cuda,
+            dev,
+            bus_id: match ctx {
+                Some(c) => c.bus_id()?,
+                None => String::new(),
+            },
+            host,
+            pid,
+            start_time: proc_start(pid).map_or(0, |(t, _)| t),
+            p2p_disable: crate::params::env_var("P2P_DISABLE").is_some_and(|(_, v)| v.trim() == "1"),
+            // Read leniently here: a bad value fails every rank alike in `connect_net`.
+            shm_disable: crate::params::env_var("SHM_DISABLE").is_some_and(|(_, v)| v.trim() == "1"),
+            p2p_level,
+            p2p_denied: Vec::new(),
+            shm_name,
+            nch,
+            conn_bytes,
+            conn,
+            abort_page,
+        })
+    }
+
+    pub(crate) fn kind(&self) -> &'static str {
+        if self.cuda { "cuda" } else { "cpu" }
+    }
+
+    /// One line per field; byte strings in hex.
+    pub(crate) fn encode(&self) -> String {
+        let conn = self.conn.encode();
+        [
+            self.kind().to_string(),
+            self.dev.to_string(),
+            self.bus_id.clone(),
+            self.host.clone(),
+            self.pid.to_string(),
+            self.start_time.to_string(),
+            u8::from(self.p2p_disable).to_string(),
+            self.nch.to_string(),
+            self.conn_bytes.to_string(),
+            conn,
+            self.abort_page.clone(),
+            u8::from(self.shm_disable).to_string(),
+            self.shm_name.clone(),
+            self.p2p_level.map_or("-", |l| l.as_str()).to_string(),
+        ]
+        .join("\n")
+    }
+
+    /// Parses rank `rank`'s [`PeerInfo::encode`]; `Remote` naming the rank when malformed.
+    pub(crate) fn decode(rank: usize, b: &[u8]) -> Result<PeerInfo> {
+        let bad = |what: &str| Error::Remote(format!("rank {rank} sent malformed peer information ({what})"));
+        let text = std::str::from_utf8(b).map_err(|_| bad("not UTF-8"))?;
+        let f: Vec<&str> = text.split('\n').collect();
+        if f.len() != 14 {
+            return Err(bad(&format!("{} fields, expected 14", f.len())));
+        }
+        let num = |i: usize, what: &str| f[i].parse::<u64>().map_err(|_| bad(what));
+        let conn = ConnDesc::decode(f[9]).ok_or_else(|| bad("connection descriptor"))?;
+        Ok(PeerInfo {
+            cuda: match f[0] {
+                "cuda" => true,
+                "cpu" => false,
+                _ => return Err(bad("device kind")),
+            },
+            dev: num(1, "device")? as usize,
+            bus_id: f[2].to_string(),
+            host: f[3].to_string(),
+            pid: num(4, "pid")? as u32,
+            start_time: num(5, "start time")?,
+            p2p_disable: num(6, "P2P flag")? != 0,
+            nch: num(7, "channels")? as u32,
+            conn_bytes: num(8, "connection bytes")?,
+            conn,
+            abort_page: f[10].to_string(),
+            shm_disable: num(11, "SHM flag")? != 0,
+            shm_name: f[12].to_string(),
+            p2p_level: match f[13] {
+                "-" => None,
+                v => Some(crate::params::parse_p2p_level("NCCL_P2P_LEVEL", v).map_err(|_| bad("P2P level"))?),
+            },
+            p2p_denied: Vec::new(),
+        })
+    }
+
+    /// Name of the `/dev/shm` segment of the rank's tree connection memory for SHM tree peers.
+    pub(crate) fn tree_shm_name(&self) -> String {
+        format!("{}-tree", self.shm_name)
+    }
+
+    /// The device as messages name it: `cpu device 1`, `cuda device 0 (bus id 0000:18:00.0)`.
+    pub(crate) fn describe_device(&self) -> String {
+        if self.cuda {
+            format!("cuda device {} (bus id {})", self.dev, self.bus_id)
+        } else {
+            format!("cpu device {}", self.dev)
+        }
+    }
 }
 
 /// Reads a 0/1 switch `OXCCL_<name>` / `NCCL_<name>` (unset: off). Errors name the variable and
@@ -122,13 +320,22 @@ fn check_settings() -> Result<()> {
     Ok(())
 }
 
-/// The transport between ranks `a` and `b`: the first of P2P, SHM, NET that can connect them
-/// (NCCL's `selectTransport` over `canConnect`). Symmetric in `a` and `b`.
-pub fn select_transport(a: &PeerInfo, b: &PeerInfo) -> TransportKind {
-    let same_host = a.host == b.host;
-    if same_host && a.cuda && b.cuda && !a.p2p_disable && !b.p2p_disable {
+/// The transport between ranks `a` of `peers` and `b` (NCCL's `selectTransport`): the first of
+/// P2P ([`p2p::can_connect`]), SHM ([`shm::can_connect`]), NET that can connect them, decided
+/// from both ranks' information so the two ends agree (symmetric in `a` and `b`). This is the one
+/// choice per pair of an `init_rank` communicator: its ring connections, its trees, the NET setup
+/// ([`connect_net`]) and the LL128 and tuning decisions all follow it. A rank is its own
+/// neighbour only in a 1-rank communicator, which uses its own memory (reported as P2P).
+pub(crate) fn select_transport(peers: &[PeerInfo], a: usize, b: usize) -> TransportKind {
+    if a == b {
+        return TransportKind::P2p;
+    }
+    let (pa, pb) = (&peers[a], &peers[b]);
+    // NCCL_P2P_LEVEL forbidding P2P for the pair counts as P2P disabled for it.
+    let denied = pa.p2p_denied.contains(&b) || pb.p2p_denied.contains(&a);
+    if p2p::can_connect(pa, pb, denied) {
         TransportKind::P2p
-    } else if same_host && !a.shm_disable && !b.shm_disable {
+    } else if shm::can_connect(pa, pb) {
         TransportKind::Shm
     } else {
         TransportKind::Net
@@ -674,13 +881,14 @@ pub fn fifo_spec(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use test_peers::{cuda_peer, four_peers};
 
     fn info(cuda: bool, host: &str, p2p_disable: bool, shm_disable: bool) -> PeerInfo {
         PeerInfo {
             cuda,
-            host: host.into(),
             p2p_disable,
             shm_disable,
+            ..test_peers::cuda_peer("0000:01:00.0", host, 1)
         }
     }
 
@@ -718,9 +926,67 @@ mod tests {
             ),
         ];
         for (a, b, want) in cases {
-            assert_eq!(select_transport(&a, &b), want, "{a:?} {b:?}");
-            assert_eq!(select_transport(&b, &a), want, "{b:?} {a:?}");
+            let pair = [a, b];
+            assert_eq!(select_transport(&pair, 0, 1), want, "{pair:?}");
+            assert_eq!(select_transport(&pair, 1, 0), want, "{pair:?}");
         }
+    }
+
+    #[test]
+    fn peer_info_round_trips() {
+        let mut p = cuda_peer("0000:18:00.0", "node a", 4242);
+        p.abort_page = "oxccl-1-2-abort".into();
+        p.shm_disable = true;
+        p.p2p_level = Some(crate::topo::PathType::Pxb);
+        assert_eq!(PeerInfo::decode(0, p.encode().as_bytes()).unwrap(), p);
+        let q = PeerInfo {
+            cuda: false,
+            bus_id: String::new(),
+            conn: ConnDesc::Shm("oxccl-1-2-r1".into()),
+            p2p_level: None,
+            ..p
+        };
+        assert_eq!(PeerInfo::decode(1, q.encode().as_bytes()).unwrap(), q);
+        let e = PeerInfo::decode(3, b"cuda\n0").unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "remote error: rank 3 sent malformed peer information (2 fields, expected 14)"
+        );
+    }
+
+    #[test]
+    fn ring_transports_follow_p2p_shm_net() {
+        use TransportKind::{Net, P2p, Shm};
+        // Ranks 0-2 on host h, rank 3 on host k; rank 1 has NCCL_P2P_DISABLE=1, rank 2
+        // NCCL_SHM_DISABLE=1. Pairs: 0-1 SHM (P2P off on 1), 1-2 NET (P2P off on 1, SHM off on 2),
+        // 2-3 and 3-0 NET (other host); 0-0 (a 1-rank ring) its own memory, reported as P2P.
+        let mut p = four_peers();
+        assert_eq!(select_transport(&p, 0, 1), P2p);
+        p[1].p2p_disable = true;
+        p[2].shm_disable = true;
+        let want = [
+            (0, 1, Shm),
+            (1, 2, Net),
+            (2, 3, Net),
+            (3, 0, Net),
+            (0, 2, P2p),
+            (0, 0, P2p),
+        ];
+        for (a, b, k) in want {
+            assert_eq!(
+                (select_transport(&p, a, b), select_transport(&p, b, a)),
+                (k, k),
+                "{a}-{b}"
+            );
+        }
+        // CPU-target ranks never use P2P: SHM on one host (0-2 also with P2P allowed on both),
+        // still NET where one side disabled SHM.
+        for q in &mut p {
+            q.cuda = false;
+        }
+        assert_eq!((select_transport(&p, 0, 1), select_transport(&p, 1, 2)), (Shm, Net));
+        p[2].shm_disable = false;
+        assert_eq!(select_transport(&p, 0, 2), Shm);
     }
 
     #[test]
@@ -801,5 +1067,47 @@ mod tests {
                 }
             });
         }
+    }
+}
+
+/// Peer information for tests: CUDA ranks on made-up hosts and GPUs.
+#[cfg(test)]
+pub(crate) mod test_peers {
+    use super::*;
+
+    pub(crate) fn cuda_peer(bus: &str, host: &str, pid: u32) -> PeerInfo {
+        PeerInfo {
+            cuda: true,
+            dev: 0,
+            bus_id: bus.into(),
+            host: host.into(),
+            pid,
+            start_time: 77,
+            p2p_disable: false,
+            shm_disable: false,
+            p2p_level: None,
+            p2p_denied: Vec::new(),
+            shm_name: format!("oxccl-1-{pid}-r0"),
+            nch: 4,
+            conn_bytes: 1 << 20,
+            conn: ConnDesc::Ipc {
+                ptr: 0x7f00_0000_0000,
+                handle: std::array::from_fn(|i| i as u8 * 3),
+            },
+            abort_page: String::new(),
+        }
+    }
+
+    /// CUDA ranks 0-2 on host h (bus ids 0000:0r:00.0), rank 3 on host k.
+    pub(crate) fn four_peers() -> Vec<PeerInfo> {
+        (0..4)
+            .map(|r| {
+                cuda_peer(
+                    &format!("0000:{r:02x}:00.0"),
+                    if r == 3 { "k" } else { "h" },
+                    r as u32,
+                )
+            })
+            .collect()
     }
 }

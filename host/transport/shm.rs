@@ -1,8 +1,15 @@
-//! The SHM transport's memory (NCCL's `transport/shm.cc` with `ncclShmOpen`): a `/dev/shm`
-//! segment mapped in each process of a host, on CUDA registered with the driver so kernels reach
-//! it through its device mapping.
+//! The SHM transport (NCCL's `transport/shm.cc` with `ncclShmOpen`): when it can connect two
+//! ranks ([`can_connect`]), and its memory, a `/dev/shm` segment mapped in each process of a
+//! host, on CUDA registered with the driver so kernels reach it through its device mapping.
+use super::PeerInfo;
 use crate::cuda;
 use crate::error::Result;
+
+/// Whether the SHM transport can connect ranks `a` and `b` (NCCL's `shmCanConnect`): both on one
+/// host, `NCCL_SHM_DISABLE` unset on both.
+pub(crate) fn can_connect(a: &PeerInfo, b: &PeerInfo) -> bool {
+    a.host == b.host && !a.shm_disable && !b.shm_disable
+}
 
 /// Rounds `bytes` up to whole pages (what `cuMemHostRegister` registers).
 pub(crate) fn page_round(bytes: usize) -> usize {
