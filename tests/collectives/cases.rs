@@ -858,7 +858,7 @@ fn c05_in_place_offsets(devices: &[Device]) {
     // One collective on every rank, then a synchronize, then the next: a rank that queued a
     // second collective whose kernel module is not loaded yet, while its first kernel waits for
     // the other ranks, deadlocks in the module load when the ranks share a GPU (seen on one
-    // H200, session 10; the loading is lazy, per kernel).
+    // H200; the loading is lazy, per kernel).
     let d = |r: usize| bufs[r].slice(0, COUNT * 4).unwrap();
     for (r, c) in comms.iter().enumerate() {
         c.all_reduce(d(r), d(r), COUNT, DataType::F32, RedOp::Sum, &streams[r])

@@ -445,8 +445,8 @@ fn aligned_barrier_detection() {
 /// instantiations (bfloat16, 1-byte types, LL128 fans, float ReduceScatter and Reduce) were
 /// outlined into `.func`s whose protocol state lived in local memory: 496 bytes of local memory
 /// per thread in `oxccl_reducescatter_float_sum` against 136 inlined, and on one H200 the LL128
-/// Reduce and ReduceScatter at 4–16 MiB ran 1.24–1.36× faster once inlined (docs/benchmarks.md,
-/// session 9). Only core's panic handlers (unreachable in practice) may be called.
+/// Reduce and ReduceScatter at 4–16 MiB ran 1.24–1.36× faster once inlined (docs/benchmarks.md).
+/// Only core's panic handlers (unreachable in practice) may be called.
 #[test]
 fn kernels_call_nothing_but_panic_handlers() {
     let modules = oxccl::kernels::all();

@@ -17,8 +17,8 @@
 //! bad `OXCCL_TEST_NODES` fails init naming it; without forcing, the cost model picks the tree
 //! for a mid-size AllReduce over 4 nodes and the ring elsewhere; trees and rings interleave on the
 //! same communicator; an abort releases a tree AllReduce stuck on a rank that never called; each
-//! tree peer costs one FIFO. The environment is process-global, so every test holds `common::env::Env`
-//! (one at a time in this binary).
+//! tree peer costs one FIFO. The environment is process-global, so every test holds
+//! `common::env::Env` (one at a time).
 use crate::common;
 
 use common::env::Env;

@@ -15,7 +15,7 @@
 //! Inputs are small integers chosen per operator so that every reduction is exact in any order
 //! (see [`value`]); every rank's output must equal the expected bytes bit for bit (so the ranks
 //! agree bitwise too). The environment is process-global: every test holds `common::env::Env`
-//! (one at a time in this binary); each test also runs under a stall watchdog.
+//! (one at a time); each test also runs under a stall watchdog.
 use crate::common;
 
 use common::env::Env;
