@@ -1,5 +1,5 @@
 //! `oxccl init-bench`: how long communicator creation takes, one rank per process, as an
-//! application sees it (issue 4's target: 2 ranks in 2 processes on 2×H200, no slower than NCCL).
+//! application sees it (the target: 2 ranks in 2 processes on 2×H200, no slower than NCCL).
 //!
 //! The command starts N processes of the running binary ([`super::procs::spawn`], as `oxccl perf
 //! --procs N` does), each told its rank and a *control* unique id through environment variables ([`ENV_RANK`],
