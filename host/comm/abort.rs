@@ -8,9 +8,10 @@
 //! connections close, then its memory is freed (field order of [`InitRankRes`] and the groups).
 use super::*;
 
-/// Abort-flag values: this rank called abort, or another rank of its process group did.
+/// Abort-flag values: this rank called abort, or another rank of its process group did (the value
+/// the proxy and the liveness watch raise too).
 pub(super) const ABORTED_HERE: u32 = 1;
-pub(super) const ABORTED_BY_PEER: u32 = 2;
+pub(super) use crate::proxy::ABORTED_BY_PEER;
 /// How long [`Comm::abort`] waits for in-flight operations to exit.
 pub(super) const ABORT_WAIT: Duration = Duration::from_secs(5);
 /// How long [`Comm::abort`] waits for the other ranks of its `init_all` group when they may write

@@ -239,9 +239,9 @@ pub(super) fn channel_trees(
 
 /// The ring graph of one node of a communicator (NCCL's `ncclTopoCompute` for rings, then the
 /// rank's part of `AllGather3`): `node_ranks` are the communicator ranks of the node, `node` its
-/// index. On CUDA (`bus_ids` = each node rank's PCI bus id) the system is the machine's, as
-/// [`GpuPaths`] builds it (`NCCL_TOPO_FILE` completed by detection), trimmed to the node's
-/// GPUs. On the CPU target (`bus_ids` = `None`) this is a test hook: with `NCCL_TOPO_FILE` set to
+/// index. On CUDA (`bus_ids` = each node rank's PCI bus id) the system is the machine's, this
+/// init's `topo` (`NCCL_TOPO_FILE` completed by detection, built once per init), trimmed to the
+/// node's GPUs. On the CPU target (`bus_ids` = `None`) this is a test hook: with `NCCL_TOPO_FILE` set to
 /// a topology of exactly as many GPUs as the node has ranks, node rank `i` takes the file's GPU
 /// of rank `i`, so CPU ranks follow that machine's rings; without it, `None`.
 ///
@@ -254,6 +254,7 @@ pub(super) fn node_ring_graph(
     node_ranks: &[usize],
     bus_ids: Option<&[String]>,
     node: usize,
+    topo: &LocalTopo,
 ) -> Result<Option<RankGraphInfo>> {
     let skip = |why: String| {
         tracing::debug!(target: "oxccl::init", node, "rings in rank order: {why}");
@@ -264,20 +265,14 @@ pub(super) fn node_ring_graph(
             Ok(Some(s)) => s,
             Ok(None) => return skip("CPU target without NCCL_TOPO_FILE".into()),
             // A file the user named but that cannot be read, parsed or built fails init (as on
-            // CUDA, where GpuPaths reads the same file), naming the file and why.
+            // CUDA, where LocalTopo reads the same file), naming the file and why.
             Err(e) => return Err(e),
         },
         Some(_) => {
-            let mut xml = crate::topo::Xml::from_env()?.unwrap_or_else(crate::topo::Xml::new_system);
-            let nvml =
-                crate::topo::detect::NvmlProbe::shared().map(|n| n as &dyn crate::topo::detect::NvmlSource);
-            crate::topo::detect::detect_into(
-                &mut xml,
-                &crate::topo::detect::DetectOptions::from_env(),
-                nvml,
-                None,
-            );
-            match crate::topo::System::from_xml(xml) {
+            // A file the user named but that cannot be read fails init; one that is not a valid
+            // topology leaves the rings in rank order.
+            topo.xml()?;
+            match topo.system() {
                 Ok(s) => s,
                 Err(e) => return skip(format!("topology: {e}")),
             }

@@ -106,7 +106,7 @@ impl PeerLink {
     /// Connects rank `me` to ring or tree neighbour `peer` over `kind`, the transport
     /// [`select_transport`] chose for the pair (P2P or SHM; NET connections are made by
     /// `transport::connect_net`): P2P by [`p2p::connect`] (which applies `p2p_level`,
-    /// `NCCL_P2P_LEVEL`, on this init's topology `paths`); CUDA SHM maps the peer's segment
+    /// `NCCL_P2P_LEVEL`, on this init's topology `topo`); CUDA SHM maps the peer's segment
     /// ([`PeerMem::shm_name`]), which must exist; CPU SHM maps its [`ConnDesc::Shm`] segment.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn connect(
@@ -117,7 +117,7 @@ impl PeerLink {
         ctx: Option<&Arc<cuda::Context>>,
         target: PeerMem<'_>,
         p2p_level: Option<crate::topo::PathType>,
-        paths: &GpuPaths,
+        topo: &LocalTopo,
     ) -> Result<PeerLink> {
         use crate::transport::TransportKind;
         match (kind, ctx) {
@@ -145,7 +145,7 @@ impl PeerLink {
                 ctx,
                 target.desc,
                 p2p_level,
-                paths,
+                topo,
             )?)),
         }
     }

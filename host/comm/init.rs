@@ -125,15 +125,16 @@ impl Comm {
                      GPU: use Comm::init_rank, e.g. `oxccl perf --procs N`), so it cannot run without P2P"
                 )));
             }
-            // Every channel's ring from the machine's topology (rank order without one).
+            // This machine's topology, built once for this init (ring search, NCCL_P2P_LEVEL),
+            // and every channel's ring from it (rank order without one).
+            let topo = LocalTopo::default();
             let bus_ids: Vec<String> = ctxs.iter().map(|c| c.bus_id()).collect::<Result<_>>()?;
             let all: Vec<usize> = (0..nranks).collect();
             let rings = Arc::new(comm_rings(
-                &vec![node_ring_graph(&all, Some(&bus_ids), 0)?; nranks],
+                &vec![node_ring_graph(&all, Some(&bus_ids), 0, &topo)?; nranks],
                 nranks,
                 nch,
             )?);
-            let paths = GpuPaths::default();
             for r in 0..nranks {
                 for peer in ring_peers(&rings, r) {
                     if ctxs[peer].ordinal == ctxs[r].ordinal {
@@ -142,7 +143,7 @@ impl Comm {
                     // NCCL_P2P_LEVEL: as for P2P_DISABLE, P2P is init_all's only transport, so
                     // a level that forbids it between two ring neighbours is refused by name.
                     if let Some(lvl) = params.p2p_level {
-                        let path = paths.between(&bus_ids[r], &bus_ids[peer])?;
+                        let path = topo.gpu_path(&bus_ids[r], &bus_ids[peer])?;
                         if crate::params::p2p_allowed(Some(lvl), path) == Some(false) {
                             let key = crate::params::env_var("P2P_LEVEL")
                                 .map_or_else(|| "NCCL_P2P_LEVEL".to_string(), |(k, _)| k);
@@ -261,7 +262,7 @@ impl Comm {
             // see node_ring_graph).
             let all: Vec<usize> = (0..nranks).collect();
             let rings = Arc::new(comm_rings(
-                &vec![node_ring_graph(&all, None, 0)?; nranks],
+                &vec![node_ring_graph(&all, None, 0, &LocalTopo::default())?; nranks],
                 nranks,
                 nch,
             )?);
@@ -457,9 +458,10 @@ impl Comm {
             .map(|(r, b)| PeerInfo::decode(r, b))
             .collect::<Result<_>>()?;
         check_peers(rank, &peers)?;
-        // NCCL_P2P_LEVEL's topology, built once for this init (when a level applies).
-        let paths = GpuPaths::default();
-        p2p::exchange_p2p_denied(rank, &mut peers, &bootstrap, |a, b| paths.of_peers(a, b))?;
+        // This machine's topology, built once for this init on first use (NCCL_P2P_LEVEL when a
+        // level applies, the ring search on CUDA).
+        let topo = LocalTopo::default();
+        p2p::exchange_p2p_denied(rank, &mut peers, &bootstrap, |a, b| p2p::path_between(&topo, a, b))?;
         phases.mark("connection memory and peer all-gather");
         // The rings (NCCL's AllGather3 + connectRings): each rank's node graph travels in a second
         // all-gather. A rank connects to the next and previous rank of every channel's ring, each
@@ -482,7 +484,7 @@ impl Comm {
             // A rank whose topology file fails sends its error instead, so every rank fails
             // naming it (rather than waiting in this all-gather for the bootstrap timeout).
             let (_, all) = bootstrap.allgather_checked(
-                node_ring_graph(&node_ranks, is_cuda.then_some(bus.as_slice()), node),
+                node_ring_graph(&node_ranks, is_cuda.then_some(bus.as_slice()), node, &topo),
                 |m| m.as_ref().map_or(String::new(), |i| i.encode()),
                 "cannot build its ring graph from its topology",
             )?;
@@ -678,7 +680,7 @@ impl Comm {
                     bytes: layout.bytes() as usize,
                 };
                 let link =
-                    PeerLink::connect(rank, &peers, peer, kind, ctx.as_ref(), target, params.p2p_level, &paths)?;
+                    PeerLink::connect(rank, &peers, peer, kind, ctx.as_ref(), target, params.p2p_level, &topo)?;
                 conn_base[peer] = link.base();
                 links.push(link);
             }
@@ -696,7 +698,7 @@ impl Comm {
             wanted: selection.algos.0[Algo::Tree as usize],
             shm_name: peers[rank].tree_shm_name(),
             abort: proxy_abort,
-            paths: &paths,
+            topo: &topo,
         })?;
         let (tree_mem, comm_trees, tree_array, tree_host_path) = match trees {
             Some(mut t) => {

@@ -58,7 +58,8 @@ use connect::*;
 use peer_info::*;
 pub use enqueue::Choice;
 use enqueue::*;
-use crate::transport::p2p::{self, GpuPaths};
+use crate::topo::LocalTopo;
+use crate::transport::p2p;
 use crate::transport::shm::RegisteredShm;
 use crate::transport::{ConnDesc, PeerInfo, select_transport};
 

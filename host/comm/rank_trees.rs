@@ -99,8 +99,8 @@ pub(super) struct TreeSetup<'a> {
     pub shm_name: String,
     /// Where the proxy raises a failed NET tree connection.
     pub abort: ProxyAbort,
-    /// This init's GPU paths, for `NCCL_P2P_LEVEL` between P2P tree peers.
-    pub paths: &'a GpuPaths,
+    /// This init's topology, for `NCCL_P2P_LEVEL` between P2P tree peers.
+    pub topo: &'a LocalTopo,
 }
 
 /// A rank's set-up trees.
@@ -299,7 +299,7 @@ pub(super) fn setup(s: &TreeSetup<'_>) -> Result<Option<RankTrees>> {
                 shm_name: &shm_name,
                 bytes: layout_of(&trees, p, k).bytes() as usize,
             };
-            let link = PeerLink::connect(me, s.peers, p, k, s.ctx, target, s.params.p2p_level, s.paths)?;
+            let link = PeerLink::connect(me, s.peers, p, k, s.ctx, target, s.params.p2p_level, s.topo)?;
             peer_base[p] = link.base();
             links.push(link);
         }

@@ -55,7 +55,7 @@ mod progress;
 use progress::CommOps;
 
 /// Abort-flag value the proxy raises: "another rank failed" (the value `Comm` reports as a remote
-/// abort, `ABORTED_BY_PEER` in `comm.rs`).
+/// abort, see `comm/abort.rs`).
 pub const ABORTED_BY_PEER: u32 = 2;
 /// How long unregistering waits for staged steps and close messages to leave.
 const FLUSH_WAIT: Duration = Duration::from_secs(5);

@@ -3,18 +3,18 @@
 //!
 //! | file | what | NCCL |
 //! |---|---|---|
-//! | `mod.rs` | what ranks tell each other ([`PeerInfo`]), the one selection per pair ([`select_transport`]), the NET setup of ring neighbours ([`connect_net`]) | `transport.h`, `transport.cc`, `net.cc` setup |
+//! | `mod.rs` | what ranks tell each other (`PeerInfo`), the one selection per pair (`select_transport`), the NET setup of ring neighbours ([`connect_net`]) | `transport.h`, `transport.cc`, `net.cc` setup |
 //! | `p2p.rs` | P2P: can-connect rules, `NCCL_P2P_LEVEL` and its exchange, peer access, direct pointers and CUDA IPC | `transport/p2p.cc` |
 //! | `shm.rs` | SHM: can-connect rule, `/dev/shm` segments registered with CUDA | `transport/shm.cc` |
 //! | `net.rs`, `net_socket.rs`, `plugin/` | the network interface, the socket network, NCCL net plugins | `net.h`, `transport/net_socket.cc`, `plugin/net/` |
 //!
 //! For every ring neighbour the first transport that can connect the pair is used, in NCCL's order
-//! ([`select_transport`]):
+//! (`select_transport`):
 //!
 //! | transport | can connect when | the kernel's pointers point at |
 //! |---|---|---|
-//! | P2P ([`p2p::can_connect`]) | both ranks are CUDA devices of one host, `NCCL_P2P_DISABLE` unset on both | the peer's device memory |
-//! | SHM ([`shm::can_connect`]) | both ranks are on one host, `NCCL_SHM_DISABLE` unset on both | the peer's `/dev/shm` segment (on CUDA registered with the driver: its device mapping) |
+//! | P2P (`p2p::can_connect`) | both ranks are CUDA devices of one host, `NCCL_P2P_DISABLE` unset on both | the peer's device memory |
+//! | SHM (`shm::can_connect`) | both ranks are on one host, `NCCL_SHM_DISABLE` unset on both | the peer's `/dev/shm` segment (on CUDA registered with the driver: its device mapping) |
 //! | NET | always | a local staging FIFO that the proxy thread ([`crate::proxy`]) sends over the network (on CUDA pinned, device-mapped host memory) |
 //!
 //! "One host" means equal host ids: the host name, or `OXCCL_HOSTID` when set (so tests can make

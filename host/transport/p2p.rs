@@ -13,6 +13,7 @@
 use super::{ConnDesc, PeerInfo};
 use crate::cuda;
 use crate::error::{Error, Result};
+use crate::topo::{LocalTopo, PathType};
 
 /// Whether the P2P transport can connect ranks `a` and `b` (NCCL's `p2pCanConnect`): CUDA
 /// devices of one host, `NCCL_P2P_DISABLE` unset on both, and `denied` false (`NCCL_P2P_LEVEL`
@@ -75,7 +76,7 @@ impl P2pConn {
 /// Connects CUDA rank `me` (on `ctx`) to rank `peer`'s connection memory `desc` over P2P: its
 /// pointer when the peer lives in this process (enabling peer access between two devices), else
 /// its memory opened through CUDA IPC. `p2p_level` (`NCCL_P2P_LEVEL`) is checked again on this
-/// init's GPU `paths` ([`check_p2p_level`]): a guard, since [`exchange_p2p_denied`] already made
+/// init's topology `topo` ([`check_p2p_level`]): a guard, since [`exchange_p2p_denied`] already made
 /// pairs that either side's level forbids use SHM or NET.
 ///
 /// Errors: `System` naming both ranks when the level or the devices refuse P2P; `Internal` for
@@ -87,10 +88,10 @@ pub(crate) fn connect(
     ctx: &std::sync::Arc<cuda::Context>,
     desc: &ConnDesc,
     p2p_level: Option<crate::topo::PathType>,
-    paths: &GpuPaths,
+    topo: &LocalTopo,
 ) -> Result<P2pConn> {
     let (mi, pi) = (&peers[me], &peers[peer]);
-    check_p2p_level(me, mi, peer, pi, p2p_level, |a, b| paths.of_peers(a, b))?;
+    check_p2p_level(me, mi, peer, pi, p2p_level, |a, b| path_between(topo, a, b))?;
     let pair = || {
         format!(
             "rank {me} ({}) and rank {peer} ({})",
@@ -140,9 +141,9 @@ pub(crate) fn connect(
 
 /// `NCCL_P2P_LEVEL` between the CUDA ranks of each host (NCCL's `p2pCanConnect` refusing P2P
 /// after `ncclTopoCheckP2p`): when any rank set a level, each CUDA rank finds the ranks of its
-/// host whose GPU path (`path_of`, e.g. [`GpuPaths::of_peers`]) exceeds its own level or theirs, and
+/// host whose GPU path (`path_of`, e.g. [`path_between`]) exceeds its own level or theirs, and
 /// the lists are all-gathered into every [`PeerInfo::p2p_denied`], so that every rank's
-/// [`select_transport`] agrees (a rank cannot compute another host's paths). Such a pair then uses
+/// [`super::select_transport`] agrees (a rank cannot compute another host's paths). Such a pair then uses
 /// SHM, or NET with SHM disabled, as in NCCL. Nothing is exchanged when no rank set a level
 /// (every rank sees that alike in the gathered peer information). A path of unknown type allows
 /// P2P, with a warning (see [`check_p2p_level`]).
@@ -210,65 +211,14 @@ pub(crate) fn p2p_denied_by_level(
     Ok(denied)
 }
 
-/// The types of the paths between this host's GPUs as `NCCL_P2P_LEVEL` compares them, from one
-/// topology per init, built on first use (NCCL builds its system once per communicator,
-/// `ncclTopoGetSystem`): an init that applies no level never builds it, and one that does builds
-/// it once however many pairs it checks.
-#[derive(Default)]
-pub(crate) struct GpuPaths {
-    sys: std::cell::OnceCell<crate::topo::System>,
-}
-
-impl GpuPaths {
-    /// The type of the path between the GPUs at PCI bus ids `a` and `b` of this host: `LOC` for
-    /// one GPU (same bus id); otherwise the path between them in this machine's topology, built
-    /// as NCCL's `ncclTopoGetSystem` does (the `NCCL_TOPO_FILE` document if set, completed by
-    /// detection from NVML and sysfs) and computed as `ncclTopoComputePaths` does before any
-    /// P2P-level rerouting: NVLink (direct or through NVSwitches) gives `NVL`, PCI paths `PIX` /
-    /// `PXB` / `PHB` / `SYS`. `None` when the topology lacks either GPU (no NVML and no file
-    /// entry for it). Errors: an unreadable or malformed topology file, bad path variables.
-    pub(crate) fn between(&self, a: &str, b: &str) -> Result<Option<crate::topo::PathType>> {
-        if a == b {
-            return Ok(Some(crate::topo::PathType::Loc));
-        }
-        if self.sys.get().is_none() {
-            let _ = self.sys.set(Self::build()?);
-        }
-        let Some(sys) = self.sys.get() else {
-            return Err(Error::Internal("the GPU topology was built but is not there".into()));
-        };
-        let path = topo_gpu_path(sys, a, b);
-        tracing::debug!(target: "oxccl::init", from = %a, to = %b, path = ?path.map(|p| p.as_str()), "GPU path type for NCCL_P2P_LEVEL");
-        Ok(path)
-    }
-
-    /// [`GpuPaths::between`] the GPUs of CUDA ranks `a` and `b`.
-    pub(crate) fn of_peers(&self, a: &PeerInfo, b: &PeerInfo) -> Result<Option<crate::topo::PathType>> {
-        self.between(&a.bus_id, &b.bus_id)
-    }
-
-    fn build() -> Result<crate::topo::System> {
-        use crate::topo::detect;
-        let mut xml = crate::topo::Xml::from_env()?.unwrap_or_else(crate::topo::Xml::new_system);
-        let nvml = detect::NvmlProbe::shared().map(|n| n as &dyn detect::NvmlSource);
-        detect::detect_into(&mut xml, &detect::DetectOptions::from_env(), nvml, None);
-        let raw = crate::topo::PathOptions {
-            p2p_level: Some(crate::topo::PathType::Sys),
-            ..Default::default()
-        };
-        crate::topo::System::from_xml_with(xml, raw)
-    }
-}
-
-/// The path type from the GPU at `from` to the GPU at `to` (PCI bus ids) in `sys`; `None` when
-/// either is not a GPU of `sys`.
-pub(crate) fn topo_gpu_path(sys: &crate::topo::System, from: &str, to: &str) -> Option<crate::topo::PathType> {
-    let gpu = |bus: &str| sys.node_by_bus_id(crate::topo::NodeType::Gpu, bus);
-    Some(sys.paths().kind(gpu(from)?, gpu(to)?))
+/// The type of the path between the GPUs of CUDA ranks `a` and `b` as `NCCL_P2P_LEVEL` compares
+/// it: [`LocalTopo::gpu_path`] of their bus ids, on this init's topology `topo`.
+pub(crate) fn path_between(topo: &LocalTopo, a: &PeerInfo, b: &PeerInfo) -> Result<Option<PathType>> {
+    topo.gpu_path(&a.bus_id, &b.bus_id)
 }
 
 /// Applies `NCCL_P2P_LEVEL` (`level`) to CUDA ranks `me` and `peer` (NCCL's `ncclTopoCheckP2p`
-/// within `p2pCanConnect`): P2P only when their path type (`path_of`, e.g. [`GpuPaths::of_peers`]) is at
+/// within `p2pCanConnect`): P2P only when their path type (`path_of`, e.g. [`path_between`]) is at
 /// most the level, by [`crate::params::p2p_allowed`]. When the path type is unknown (a GPU that
 /// neither NVML nor `NCCL_TOPO_FILE` describes), only `LOC` refuses (two distinct GPUs); other
 /// levels are not applied and a warning says so. `Ok` when P2P may be used; `System` naming both ranks, the level and the path type when it
@@ -334,46 +284,6 @@ mod tests {
         }
     }
 
-    fn topo(file: &str) -> crate::topo::System {
-        let path = format!("{}/tests/topo/{file}", env!("CARGO_MANIFEST_DIR"));
-        let raw = crate::topo::PathOptions {
-            p2p_level: Some(PathType::Sys),
-            ..Default::default()
-        };
-        crate::topo::System::from_xml_with(crate::topo::Xml::from_file(&path).unwrap(), raw).unwrap()
-    }
-
-    #[test]
-    fn path_types_from_the_topology() {
-        // The 2xH200 machine (NCCL's own dump): both GPUs on the NVSwitch -> NVL.
-        let h200 = topo("h200x2-nccl-topo.xml");
-        assert_eq!(
-            topo_gpu_path(&h200, "0000:00:06.0", "0000:00:07.0"),
-            Some(PathType::Nvl)
-        );
-        assert_eq!(
-            topo_gpu_path(&h200, "0000:00:06.0", "0000:00:06.0"),
-            Some(PathType::Loc)
-        );
-        assert_eq!(topo_gpu_path(&h200, "0000:00:06.0", "0000:99:00.0"), None);
-        // 8 PCIe GPUs, two per PCI switch, two switches per socket: GPUs 0 (11:00.0) and 1
-        // (13:00.0) share switch 10:00.0 -> PIX; GPU 2 (31:00.0) is under another switch of the
-        // same CPU -> PHB; GPU 4 (51:00.0) is on the other socket -> SYS.
-        let pcie = topo("pcie-8gpu-2socket-topo.xml");
-        assert_eq!(
-            topo_gpu_path(&pcie, "0000:11:00.0", "0000:13:00.0"),
-            Some(PathType::Pix)
-        );
-        assert_eq!(
-            topo_gpu_path(&pcie, "0000:11:00.0", "0000:31:00.0"),
-            Some(PathType::Phb)
-        );
-        assert_eq!(
-            topo_gpu_path(&pcie, "0000:11:00.0", "0000:51:00.0"),
-            Some(PathType::Sys)
-        );
-    }
-
     #[test]
     fn level_rule_at_connect() {
         let (a, b) = (gpu(0, "0000:11:00.0"), gpu(1, "0000:13:00.0"));
@@ -406,12 +316,12 @@ mod tests {
         // Bus ids that no machine has: neither NVML nor sysfs describes them, so the path type
         // is unknown (the lib tests never set NCCL_TOPO_FILE).
         let (x, y) = (gpu(0, "00ff:fe:00.0"), gpu(1, "00ff:fe:01.0"));
-        let paths = GpuPaths::default();
-        assert_eq!(paths.of_peers(&x, &y).unwrap(), None);
+        let topo = LocalTopo::default();
+        assert_eq!(path_between(&topo, &x, &y).unwrap(), None);
         // One GPU shared by two ranks: LOC, allowed even at level LOC (no topology needed).
         let shared = gpu(1, "0000:11:00.0");
-        assert_eq!(paths.of_peers(&a, &shared).unwrap(), Some(PathType::Loc));
-        check_p2p_level(0, &a, 1, &shared, Some(PathType::Loc), |a, b| paths.of_peers(a, b)).unwrap();
+        assert_eq!(path_between(&topo, &a, &shared).unwrap(), Some(PathType::Loc));
+        check_p2p_level(0, &a, 1, &shared, Some(PathType::Loc), |a, b| path_between(&topo, a, b)).unwrap();
         // A failing path lookup (e.g. a malformed NCCL_TOPO_FILE) is returned as is.
         let broken = |_: &PeerInfo, _: &PeerInfo| Err(Error::invalid("NCCL_TOPO_FILE: bad"));
         assert!(check_p2p_level(0, &a, 1, &b, Some(PathType::Nvl), broken).is_err());

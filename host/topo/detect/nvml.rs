@@ -72,7 +72,8 @@ impl NvmlSource for Vec<NvmlGpu> {
 /// Answers are remembered for the life of the probe: a GPU's NVLinks, C2C links and compute
 /// capability do not change while a process runs, and querying them (one NVML call per link and
 /// field, 18 links per H200) cost tens of milliseconds at every communicator init, which
-/// detects the topology up to three times (affinity, `NCCL_P2P_LEVEL` paths, ring search).
+/// detects the topology twice (the affinity hook, then the init's `LocalTopo` for
+/// `NCCL_P2P_LEVEL` paths and the ring search).
 pub struct NvmlProbe {
     nvml: nvml_wrapper::Nvml,
     /// [`NvmlSource::devices`], once asked.

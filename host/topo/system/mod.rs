@@ -532,6 +532,13 @@ impl System {
         Ok(())
     }
 
+    /// Sets the path options and recomputes the paths with them.
+    pub(crate) fn set_path_options(&mut self, options: PathOptions) -> Result<()> {
+        self.options = options;
+        self.paths = super::paths::compute(self, &self.options)?;
+        Ok(())
+    }
+
     /// Removes nodes and every link to them, keeping the others' order (NCCL's
     /// `ncclTopoRemoveNode`). Paths must be recomputed afterwards.
     pub(crate) fn remove_nodes(&mut self, remove: &[NodeId]) {
