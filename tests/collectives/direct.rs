@@ -1,7 +1,8 @@
-//! Direct writes (NCCL's "P2P/direct pointer"): on the Simple protocol, the ranks of one `Comm::init_all` write each hop of a Broadcast, AllGather
-//! or AllReduce's gather phase straight into the next rank's output, whose address the receiver
-//! publishes per kernel in a pointer-exchange slot of the sender's head counter line. CPU target
-//! (ranks are host threads of this process):
+//! Direct writes (NCCL's "P2P/direct pointer"): on the Simple protocol, the ranks of one
+//! `Comm::init_all` write each hop of a Broadcast, AllGather or AllReduce's gather phase straight
+//! into the next rank's output, whose address the receiver publishes per kernel in a
+//! pointer-exchange slot of the sender's head counter line. CPU target (ranks are host threads of
+//! this process):
 //! 1. forced Simple Broadcast (every root), AllGather and AllReduce on 2..5 ranks, in place and
 //!    out of place, counts 1, 3, 4097 and 2^20+5, every rank's buffers at a different odd element
 //!    offset (so the peer output a sender writes is misaligned against its 16-byte packs, and
@@ -1282,14 +1283,14 @@ fn fifo_path_leaves_receiver_output_alone_after_its_abort() {
     assert_eq!(bytes_written_after_receiver_abort("1"), 0);
 }
 
-/// Guards against a fault of the first direct writes: a peer wrote into a rank's user buffer
-/// after that rank's `Comm::abort()` returned and its stream finished. Rank 0's Broadcast kernel, started on the aborted communicator (queued behind
-/// another communicator's call), found rank 1's published output in the pointer exchange and FIFO
-/// credits free, so its spin loops never polled the abort flag (`Simple::spin` checks it only
-/// while waiting) and it copied the first FIFO window of data (several MiB) straight into rank
-/// 1's output — after a one-rank abort a use of freed memory once rank 1 drops the buffer. Now the
-/// Simple kernel reads its abort flag before its first direct write, and rank 1's abort waits (at
-/// most a second) for the group's other ranks.
+/// Guards against a fault of the first direct writes: a peer wrote into a rank's user buffer after
+/// that rank's `Comm::abort()` returned and its stream finished. Rank 0's Broadcast kernel, started
+/// on the aborted communicator (queued behind another communicator's call), found rank 1's
+/// published output in the pointer exchange and FIFO credits free, so its spin loops never polled
+/// the abort flag (`Simple::spin` checks it only while waiting) and it copied the first FIFO window
+/// of data (several MiB) straight into rank 1's output — after a one-rank abort a use of freed
+/// memory once rank 1 drops the buffer. Now the Simple kernel reads its abort flag before its first
+/// direct write, and rank 1's abort waits (at most a second) for the group's other ranks.
 #[test]
 fn peer_never_writes_receiver_output_after_its_abort_returned() {
     let _dog = common::Watchdog::new(

@@ -1,4 +1,4 @@
-//! The AllReduce correctness matrix of `cpu_all_reduce.rs` on local GPUs: every DataType × every
+//! The AllReduce correctness matrix of the `all_reduce` tests on local GPUs: every DataType × every
 //! RedOp × counts {0, 1, 2, 3, 7, 1023, 1025, 2^20+3} × out-of-place/in-place, on 1..=N GPUs
 //! (N = `Device::cuda_count()`), with guard bytes before and after every buffer, poisoned
 //! outputs, exact checks on every rank and bitwise agreement across ranks.

@@ -1,13 +1,13 @@
-//! The correctness matrix of the `matrix` tests on local GPUs:
-//! Broadcast (every root), Reduce (every root; non-root ranks pass no receive buffer), AllGather,
-//! ReduceScatter and AllReduce × every protocol of `common::PROTOS` (forced with `NCCL_PROTO`; each
-//! call's `Comm::last_choice` must show it) × every DataType × every RedOp (the reducing
-//! collectives) × out-of-place/in-place × the full count set {0, 1, 2, 3, 7, 1023, 1025, 65536+3,
-//! 2^20+3} for every dtype × op, on 1 and 2 GPUs (and on all of them when more than 2 are
-//! visible), and on 2 ranks sharing the GPU when only one is visible. Checks as in `common::run_collective`: exact expected values from
+//! The correctness matrix of the `matrix` tests on local GPUs: Broadcast (every root), Reduce
+//! (every root; non-root ranks pass no receive buffer), AllGather, ReduceScatter and AllReduce ×
+//! every protocol of `common::PROTOS` (forced with `NCCL_PROTO`; each call's `Comm::last_choice`
+//! must show it) × every DataType × every RedOp (the reducing collectives) × out-of-place/in-place
+//! × the full count set {0, 1, 2, 3, 7, 1023, 1025, 65536+3, 2^20+3} for every dtype × op, on 1 and
+//! 2 GPUs (and on all of them when more than 2 are visible), and on 2 ranks sharing the GPU when
+//! only one is visible. Checks as in `common::run_collective`: exact expected values from
 //! `oxccl::perf::check`, guard bytes around every buffer, poisoned outputs, unchanged inputs and
-//! non-root outputs, AllReduce results bitwise identical on every rank. On one GPU every
-//! collective is a copy and no protocol runs, so the 1-GPU matrices run once, unforced.
+//! non-root outputs, AllReduce results bitwise identical on every rank. On one GPU every collective
+//! is a copy and no protocol runs, so the 1-GPU matrices run once, unforced.
 //!
 //! Without enough GPUs (CI), each test prints `SKIPPED: <test>: <reason>` to stderr and returns.
 //! GPU tests in this binary take a lock so two communicators never spin on the same GPUs at once.
@@ -421,10 +421,10 @@ fn calls_back_to_back(devices: &[Device]) {
     });
 }
 
-/// The child process of [`calls_complete_with_every_stream_on_one_hardware_queue_gpu`]: runs [`calls_queued_back_to_back`] on 2 ranks sharing
-/// GPU 0 (first, so its kernel modules load lazily), then [`small_calls_in_lockstep`] with both
-/// stream uses and [`calls_back_to_back`] on 3 ranks sharing GPU 0, and on GPUs 0 and 1 when
-/// there are two.
+/// The child process of [`calls_complete_with_every_stream_on_one_hardware_queue_gpu`]: runs
+/// [`calls_queued_back_to_back`] on 2 ranks sharing GPU 0 (first, so its kernel modules load
+/// lazily), then [`small_calls_in_lockstep`] with both stream uses and [`calls_back_to_back`] on 3
+/// ranks sharing GPU 0, and on GPUs 0 and 1 when there are two.
 #[test]
 #[ignore = "child process of calls_complete_with_every_stream_on_one_hardware_queue_gpu"]
 fn child_one_hardware_queue() {

@@ -3,9 +3,10 @@
 //! protocol of `common::PROTOS` (forced with `NCCL_PROTO`, and each call's `Comm::last_choice` must
 //! show it) × every DataType × every RedOp (the reducing collectives) × out-of-place/in-place, on
 //! 2, 3 and 4 ranks, and on 1 rank (every collective is a copy there and no protocol runs:
-//! unforced, as the `gpu_collectives` tests on 1 GPU). The checks are `common::run_collective`'s: exact expected values from `oxccl::perf::check`, guard bytes around
-//! every buffer, poisoned outputs, unchanged inputs and non-root outputs, AllReduce results
-//! bitwise identical on every rank.
+//! unforced, as the `gpu_collectives` tests on 1 GPU). The checks are `common::run_collective`'s:
+//! exact expected values from `oxccl::perf::check`, guard bytes around every buffer, poisoned
+//! outputs, unchanged inputs and non-root outputs, AllReduce results bitwise identical on every
+//! rank.
 //!
 //! Counts (elements per call, the `count` argument): `COUNTS` = {0, 1, 2, 3, 7, 1023, 1025,
 //! 65536+3} for every dtype × op. 0 is the no-op, 1..7 are shorter than one 16-byte pack or LL

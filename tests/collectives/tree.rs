@@ -1,6 +1,7 @@
 //! Tree AllReduce on the CPU target over simulated multi-node topologies: `OXCCL_TEST_NODES=N`
-//! splits `Comm::init_all`'s ranks into N equal nodes of consecutive ranks, which sets up the double binary tree across the nodes with a chain inside each node
-//! (tree 0 on even channels, tree 1 on odd ones), and `NCCL_ALGO=tree` forces it.
+//! splits `Comm::init_all`'s ranks into N equal nodes of consecutive ranks, which sets up the
+//! double binary tree across the nodes with a chain inside each node (tree 0 on even channels,
+//! tree 1 on odd ones), and `NCCL_ALGO=tree` forces it.
 //!
 //! The matrix (`common::run_collective`) runs every DataType × every RedOp × counts {0, 1, 2, 3,
 //! 7, 1023, 1025, 65539} × out-of-place/in-place on 2, 3 and 4 nodes of 1 and 2 ranks: exact

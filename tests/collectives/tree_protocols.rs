@@ -434,16 +434,17 @@ fn smallest_fifos_one_step_per_chunk() {
     }
 }
 
-/// Guards against overlapping chunks: a FIFO of an odd number of lines per step (accepted: `NCCL_LL_BUFFSIZE` is any multiple of FIFO_STEPS × 16 = 128 bytes from 8192;
+/// Guards against overlapping chunks: a FIFO of an odd number of lines per step (accepted:
+/// `NCCL_LL_BUFFSIZE` is any multiple of FIFO_STEPS × 16 = 128 bytes from 8192;
 /// `NCCL_LL128_BUFFSIZE` any multiple of 1024 from 8192) gave a chunk that is no whole number of
-/// 16-byte packs: LL 8320 bytes = 65 lines × 8 data bytes = 520 bytes = 130 floats per chunk;
-/// LL128 9216 bytes = 9 lines × 120 = 1080 bytes = 270 floats. The grid loops (`TreeCtx::chunk`,
+/// 16-byte packs: LL 8320 bytes = 65 lines × 8 data bytes = 520 bytes = 130 floats per chunk; LL128
+/// 9216 bytes = 9 lines × 120 = 1080 bytes = 270 floats. The grid loops (`TreeCtx::chunk`,
 /// `channel_chunks`, the ring AllReduce) rounded each channel's chunk UP to whole packs (132 / 272
 /// floats) but advance by `nchannels × chunk_elems`, so consecutive chunks overlapped and the
-/// overlapping elements were reduced twice; in place the second pass read inputs that the first
-/// had already overwritten. Observed before the fix (2 ranks, 1 channel, in-place float Sum of
-/// 2000 elements, rank r's element i = (7i + 3r) mod 9 − 4): tree LL 26 wrong (element 131: got 0,
-/// want 2), ring LL 26 wrong, tree LL128 14 wrong, ring LL128 9 wrong.
+/// overlapping elements were reduced twice; in place the second pass read inputs that the first had
+/// already overwritten. Observed before the fix (2 ranks, 1 channel, in-place float Sum of 2000
+/// elements, rank r's element i = (7i + 3r) mod 9 − 4): tree LL 26 wrong (element 131: got 0, want
+/// 2), ring LL 26 wrong, tree LL128 14 wrong, ring LL128 9 wrong.
 ///
 /// Fixed twice over: `plan()` makes LL/LL128 chunks whole packs (128 / 268 floats here), and the
 /// loops never let a rounded chunk exceed `chunk_elems` (`coll::loop_chunk`).

@@ -329,7 +329,7 @@ pub fn buffer_elems(func: Func, nranks: usize, count: usize) -> (usize, usize) {
     }
 }
 
-/// The AllReduce matrix of `cpu_all_reduce.rs` / `gpu_all_reduce.rs`: every dtype × op × `counts`
+/// The AllReduce matrix of the `all_reduce` / `gpu_all_reduce` tests: every dtype × op × `counts`
 /// × out-of-place/in-place, unforced protocol (see [`run_collective`]).
 pub fn run_matrix(test: &str, devices: &[Device], counts: &[usize]) {
     run_collective(

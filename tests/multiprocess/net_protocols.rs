@@ -123,12 +123,13 @@ fn counts_by_proto(comm: &Comm) -> oxccl::Result<Vec<(Proto, usize)>> {
     Ok(found)
 }
 
-/// Every NET child rank. `OXCCL_CHILD_SCRIPT` is a `;` list of steps: `ar COUNT` (exact out-of-place AllReduce), `coll COUNT` (the other collectives,
-/// exact), `mix ROUNDS` (AllReduces whose sizes pick LL, Simple, LL128, LL, LL128, Simple in turn,
-/// ROUNDS times, all queued back to back on one stream before one synchronize, each exact),
-/// `wrap CALLS` (CALLS AllReduces cycling over 1, 3, 7 elements and the counts that pick each
-/// protocol, each synchronized and exact). Prints `STEP <step> OK`, `STEP <step> WRONG ...` or
-/// `STEP <step> ERR ...`, and `PROTOS <proto>=<count> ...` (what the sizes pick).
+/// Every NET child rank. `OXCCL_CHILD_SCRIPT` is a `;` list of steps: `ar COUNT` (exact
+/// out-of-place AllReduce), `coll COUNT` (the other collectives, exact), `mix ROUNDS` (AllReduces
+/// whose sizes pick LL, Simple, LL128, LL, LL128, Simple in turn, ROUNDS times, all queued back to
+/// back on one stream before one synchronize, each exact), `wrap CALLS` (CALLS AllReduces cycling
+/// over 1, 3, 7 elements and the counts that pick each protocol, each synchronized and exact).
+/// Prints `STEP <step> OK`, `STEP <step> WRONG ...` or `STEP <step> ERR ...`, and `PROTOS
+/// <proto>=<count> ...` (what the sizes pick).
 #[test]
 #[ignore = "child process of the tests of this module"]
 fn child_net_script() {

@@ -309,8 +309,8 @@ fn tree_with_three_children_and_net_inside_a_host() {
 #[test]
 fn ranks_excluding_the_tree_set_up_none() {
     // Two hosts, NCCL_ALGO=ring on every rank: no trees are set up (no tree FIFOs, no NET tree
-    // connections), the ring runs. (NCCL_ALGO differing across ranks fails init naming it:
-    // tests/lifecycle.rs.)
+    // connections), the ring runs. (NCCL_ALGO differing across ranks fails init naming it: the
+    // `lifecycle` tests.)
     let envs = two_hosts(&[("OXCCL_CHILD_ROLE", "choice"), ("NCCL_ALGO", "ring")]);
     let expect = vec![vec!["CHOICE Some(Ring)".to_string()]; 4];
     let outs = run_ranks(&[], &envs, &expect);

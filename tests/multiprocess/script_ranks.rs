@@ -114,11 +114,11 @@ fn other_collectives_exact(comm: &Comm, count: usize) -> oxccl::Result<Vec<Strin
     Ok(bad)
 }
 
-/// Every child rank. `OXCCL_CHILD_SCRIPT` is a `;` list of steps: `ar COUNT` (exact AllReduce), `coll COUNT` (AllGather, ReduceScatter, Broadcast and
-/// Reduce from every root, exact), `sleep MS`, `async` (get_async_error), `abort`, `destroy`,
-/// `rings` (prints every channel's ring), `loop` (AllReduce until an error). Prints
-/// `STEP <step> OK`, `STEP <step> ERR <code>: <error>` or `STEP <step> WRONG ...`, each with the
-/// milliseconds it took.
+/// Every child rank. `OXCCL_CHILD_SCRIPT` is a `;` list of steps: `ar COUNT` (exact AllReduce),
+/// `coll COUNT` (AllGather, ReduceScatter, Broadcast and Reduce from every root, exact), `sleep
+/// MS`, `async` (get_async_error), `abort`, `destroy`, `rings` (prints every channel's ring),
+/// `loop` (AllReduce until an error). Prints `STEP <step> OK`, `STEP <step> ERR <code>: <error>` or
+/// `STEP <step> WRONG ...`, each with the milliseconds it took.
 #[test]
 #[ignore = "child process of the tests of net_failures and init_rank"]
 fn child_script() {
