@@ -187,11 +187,16 @@ fn calls_queued_back_to_back(devices: &[Device]) {
     let dog = common::Watchdog::new("calls_queued_back_to_back", std::time::Duration::from_secs(60));
     let comms = common::init_comms(devices, None);
     let count = 4099usize;
+    // Every rank allocates and writes its buffers before any rank's first call: those are
+    // context-wide synchronizations, which would wait for a peer's kernel already spinning for
+    // this rank (the rule of `Comm::init_all` for ranks sharing a GPU).
+    let set_up = std::sync::Barrier::new(comms.len());
     let results: Vec<Vec<Vec<u8>>> = std::thread::scope(|s| {
         let handles: Vec<_> = comms
             .iter()
             .map(|c| {
                 let dog = &dog;
+                let set_up = &set_up;
                 s.spawn(move || {
                     let r = c.rank();
                     let dev = c.device();
@@ -205,6 +210,8 @@ fn calls_queued_back_to_back(devices: &[Device]) {
                         )
                         .unwrap();
                     let outs: Vec<_> = (0..5).map(|_| dev.alloc(2 * count * 8).unwrap()).collect();
+                    dog.rank_step(r, "queued: waiting for every rank's buffers");
+                    set_up.wait();
                     if r == 1 {
                         std::thread::sleep(std::time::Duration::from_millis(300));
                     }
@@ -389,9 +396,12 @@ fn calls_back_to_back(devices: &[Device]) {
     let n = comms.len();
     let count = 1000usize;
     let val = |r: usize, i: usize| ((i % 29) + 2 * r) as f32;
+    // Buffers of every rank first: see `calls_queued_back_to_back`.
+    let set_up = std::sync::Barrier::new(n);
     std::thread::scope(|s| {
         for c in &comms {
             let dog = &dog;
+            let set_up = &set_up;
             s.spawn(move || {
                 let r = c.rank();
                 let dev = c.device();
@@ -400,6 +410,7 @@ fn calls_back_to_back(devices: &[Device]) {
                 let recv = dev.alloc(count * 4).unwrap();
                 let bytes: Vec<u8> = (0..count).flat_map(|i| val(r, i).to_le_bytes()).collect();
                 send.write(0, &bytes).unwrap();
+                set_up.wait();
                 if r == 1 {
                     std::thread::sleep(std::time::Duration::from_millis(100));
                 }

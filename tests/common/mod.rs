@@ -128,8 +128,12 @@ impl Watchdog {
                     seen = g;
                     since = Instant::now();
                 } else if since.elapsed() > limit {
+                    // Straight to the process's stderr: libtest captures `eprintln!` of the
+                    // test's threads, and the capture is lost when the process exits here.
+                    use std::io::Write as _;
+                    let mut err = std::io::stderr().lock();
                     let what = s.0.lock().map(|g| g.clone()).unwrap_or_default();
-                    eprintln!("TIMEOUT: {test}: no progress for {limit:?} at step: {what}");
+                    let _ = writeln!(err, "TIMEOUT: {test}: no progress for {limit:?} at step: {what}");
                     for (r, step) in rs
                         .lock()
                         .map(|g| g.clone())
@@ -138,7 +142,7 @@ impl Watchdog {
                         .enumerate()
                     {
                         if !step.is_empty() {
-                            eprintln!("TIMEOUT: {test}: rank {r} was at: {step}");
+                            let _ = writeln!(err, "TIMEOUT: {test}: rank {r} was at: {step}");
                         }
                     }
                     std::process::exit(101);
