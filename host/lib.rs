@@ -9,7 +9,7 @@
 //! |---|---|---|
 //! | public API | [`Comm`], [`Device`], [`DeviceBuffer`], [`Stream`], [`CommHandle`] ([`handle`]) | `nccl.h` |
 //! | communicator: type, resources, `Drop` | [`comm`] (`comm/mod.rs`) | `comm.h` |
-//! | init, peer info exchange, connecting the channels | `comm/init.rs`, `comm/peer_info.rs`, `comm/connect.rs` | `init.cc` |
+//! | init, peer info exchange, connecting the channels | `comm/init.rs`, `comm/peer_info.rs`, `comm/connect.rs` (test hooks: `comm/test_hooks.rs`) | `init.cc` |
 //! | channels, rings and trees on the device | `comm/channel.rs`, `comm/rank_trees.rs` | `channel.cc`, `devCommSetup` |
 //! | the calls and their argument checks | `comm/collectives.rs` | `collectives.cc`, `argcheck.cc` |
 //! | plan and launch of a call | `comm/enqueue.rs` | `enqueue.cc` |

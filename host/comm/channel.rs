@@ -181,47 +181,6 @@ pub(super) struct CommTrees {
     pub(super) bytes: u64,
 }
 
-/// The node count of a [`Comm::init_all`] communicator (CPU target or CUDA) from the test hook
-/// `OXCCL_TEST_NODES=N` (oxccl spelling only): its ranks are split into `N` equal nodes of
-/// consecutive ranks — node `n` holds ranks `n·k .. (n+1)·k` with `k = nranks / N` — as if they ran
-/// on `N` hosts. Rings are unchanged; with `N ≥ 2` the double binary tree's connections are set up
-/// too, so `NCCL_ALGO=tree` can run (and the tuning model may choose the tree for AllReduce).
-/// `None` when unset or 1. Errors: `InvalidArgument` naming the variable unless `N` is a divisor
-/// of `nranks` in `1..=nranks`.
-pub(super) fn test_nodes(nranks: usize) -> Result<Option<usize>> {
-    let Ok(v) = std::env::var("OXCCL_TEST_NODES") else {
-        return Ok(None);
-    };
-    let bad = || {
-        Error::invalid(format!(
-            "OXCCL_TEST_NODES={v:?}: accepted a divisor of the rank count {nranks} in 1..={nranks} \
-             (the ranks split into that many equal nodes)"
-        ))
-    };
-    let n: usize = v.trim().parse().map_err(|_| bad())?;
-    if n == 0 || n > nranks || !nranks.is_multiple_of(n) {
-        return Err(bad());
-    }
-    Ok((n > 1).then_some(n))
-}
-
-/// The tree pattern of an `init_all` communicator split into test nodes, from the test hook
-/// `OXCCL_TEST_TREE_PATTERN` (oxccl spelling only): `balanced` (the default, NCCL's
-/// `NCCL_TOPO_PATTERN_BALANCED_TREE`), `split` or `tree` (`NCCL_TOPO_PATTERN_TREE`: both child
-/// nodes hang from the node's first rank, which then has three children with its chain's next
-/// rank). Errors: `InvalidArgument` naming the variable and the accepted values.
-pub(super) fn test_tree_pattern() -> Result<crate::graph::Pattern> {
-    use crate::graph::Pattern;
-    match std::env::var("OXCCL_TEST_TREE_PATTERN").as_deref() {
-        Err(_) | Ok("balanced") => Ok(Pattern::BalancedTree),
-        Ok("split") => Ok(Pattern::SplitTree),
-        Ok("tree") => Ok(Pattern::Tree),
-        Ok(v) => Err(Error::invalid(format!(
-            "OXCCL_TEST_TREE_PATTERN={v:?}: accepted balanced, split or tree"
-        ))),
-    }
-}
-
 /// Every channel's tree, indexed `[channel][rank]`, for ranks split into `node_chains` (each
 /// node's chain in order): the double binary tree with the child nodes attached by `pattern`
 /// ([`crate::graph::double_binary_tree`]; NCCL's default is the balanced tree); channel `c` runs
@@ -554,7 +513,7 @@ pub(super) fn build_shared_dev_trees(
 }
 
 /// The trees of an `init_all` communicator of `nranks` ranks split into `nnodes` nodes of
-/// consecutive ranks ([`test_nodes`]): every channel's tree (`[channel][rank]`), each rank's tree
+/// consecutive ranks ([`test_nodes`](super::test_hooks::test_nodes)): every channel's tree (`[channel][rank]`), each rank's tree
 /// connection memory layout, and the shape the tuning model sees.
 pub(super) fn test_node_trees(
     nranks: usize,
@@ -574,7 +533,7 @@ pub(super) fn test_node_trees(
 }
 
 /// Sets up the trees of a CUDA `init_all` communicator split into `nnodes` nodes
-/// ([`test_nodes`]), rank `r` on `ctxs[r]`: peer access between tree neighbours on different
+/// ([`test_nodes`](super::test_hooks::test_nodes)), rank `r` on `ctxs[r]`: peer access between tree neighbours on different
 /// devices (NCCL's P2P transport, same-process path, as for ring neighbours), every rank's tree
 /// connection memory in its device's memory (counters at `initial_step`), its [`DevTree`] array in
 /// device memory, and that array's address in the `trees` field of the [`DevComm`] at the start
@@ -635,7 +594,7 @@ pub(super) fn setup_cuda_trees(
 }
 
 /// Sets up the trees of a CPU-target `init_all` communicator of `nranks` ranks split into `nnodes`
-/// nodes ([`test_nodes`]): every rank's tree connection memory (counters at `initial_step`) and
+/// nodes ([`test_nodes`](super::test_hooks::test_nodes)): every rank's tree connection memory (counters at `initial_step`) and
 /// [`DevTree`] array, whose address goes into the `trees` field of its [`DevComm`] in `comm_mem`.
 /// Returns each rank's [`CommTrees`] and the memory, which must outlive every operation.
 pub(super) fn setup_cpu_trees(

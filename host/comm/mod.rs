@@ -15,6 +15,7 @@
 //! | `collectives.rs` | the public calls and their argument checks | `collectives.cc`, `argcheck.cc` |
 //! | `enqueue.rs` | plan and launch of one call | `enqueue.cc` |
 //! | `abort.rs` | abort, async errors, finalize, destroy, teardown order | `init.cc` |
+//! | `test_hooks.rs` | `OXCCL_TEST_NODES`, `OXCCL_TEST_TREE_PATTERN`: several hosts simulated on one | — |
 //!
 //! The transports themselves (peer information, the selection per pair, P2P with its
 //! `NCCL_P2P_LEVEL` rules and peer access, SHM, NET) are in [`crate::transport`].
@@ -52,10 +53,12 @@ mod enqueue;
 mod init;
 mod peer_info;
 mod rank_trees;
+mod test_hooks;
 use abort::*;
 use channel::*;
 use connect::*;
 use peer_info::*;
+use test_hooks::*;
 pub use enqueue::Choice;
 use enqueue::*;
 use crate::topo::LocalTopo;
