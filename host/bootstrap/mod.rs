@@ -22,10 +22,12 @@
 //! dropped and logged (target `oxccl::bootstrap`) without disturbing the others. Lengths are
 //! checked against [`MAX_MESSAGE_BYTES`] before anything is allocated.
 mod ifaces;
+mod local;
 mod root;
 mod socket;
 mod unique_id;
 
+use local::LocalLink;
 pub use ifaces::{IfFilter, Interface, list_interfaces, select as select_interface};
 pub use unique_id::{UNIQUE_ID_BYTES, UniqueId};
 
@@ -226,10 +228,14 @@ pub struct Bootstrap {
     nranks: usize,
     secret: u64,
     timeout: Duration,
-    /// Every rank's listen address, by rank.
+    /// Every rank's listen address, by rank (empty for an in-process bootstrap).
     addrs: Vec<SocketAddr>,
-    ring: Mutex<Ring>,
+    /// The TCP ring (`None` for an in-process bootstrap).
+    ring: Option<Mutex<Ring>>,
+    /// Where this rank's point-to-point messages are filed.
     mailbox: Arc<Mailbox>,
+    /// The ranks of an in-process bootstrap ([`Bootstrap::in_process`]).
+    local: Option<LocalLink>,
     /// Dropping this wakes the listener thread, which then exits.
     wake: Option<UnixStream>,
     listener: Option<JoinHandle<()>>,
@@ -414,12 +420,13 @@ impl Bootstrap {
             secret,
             timeout,
             addrs: Vec::new(),
-            ring: Mutex::new(Ring {
+            ring: Some(Mutex::new(Ring {
                 next: next_s,
                 prev: prev_s,
                 seq: 0,
-            }),
+            })),
             mailbox,
+            local: None,
             wake: partial.wake.take(),
             listener: partial.listener.take(),
         };
@@ -458,9 +465,9 @@ impl Bootstrap {
         self.timeout
     }
 
-    fn ring(&self) -> MutexGuard<'_, Ring> {
-        // The ring is only ever advanced frame by frame; a panic elsewhere cannot corrupt it.
-        self.ring.lock().unwrap_or_else(|p| p.into_inner())
+    /// True for the ranks of [`Bootstrap::in_process`].
+    pub fn is_in_process(&self) -> bool {
+        self.local.is_some()
     }
 
     /// Ring all-gather (NCCL's `bootstrapAllGather`): every rank contributes `mine` (any length
@@ -471,7 +478,13 @@ impl Bootstrap {
     pub fn allgather(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
         check_len("allgather contribution", mine.len())?;
         let (rank, n) = (self.rank, self.nranks);
-        let mut ring = self.ring();
+        let ring = match (&self.ring, &self.local) {
+            (_, Some(l)) => return l.allgather(self, mine),
+            (Some(r), None) => r,
+            (None, None) => return Err(Error::Internal("bootstrap without a ring".into())),
+        };
+        // The ring is only ever advanced frame by frame; a panic elsewhere cannot corrupt it.
+        let mut ring = ring.lock().unwrap_or_else(|p| p.into_inner());
         let seq = ring.seq;
         ring.seq = ring.seq.wrapping_add(1);
         let mut out: Vec<Vec<u8>> = vec![Vec::new(); n];
@@ -582,6 +595,10 @@ impl Bootstrap {
             self.mailbox.push(peer, tag, data.to_vec());
             return Ok(());
         }
+        if let Some(l) = &self.local {
+            l.hub.mailboxes[peer].push(self.rank, tag, data.to_vec());
+            return Ok(());
+        }
         let addr = self.addrs[peer];
         let deadline = Instant::now() + self.timeout;
         let what = format!("rank {} sending tag {tag} to rank {peer} ({addr})", self.rank);
@@ -624,6 +641,15 @@ impl Bootstrap {
             if let Some(why) = &st.failed {
                 return Err(Error::System(format!(
                     "bootstrap: rank {}: listener stopped: {why}",
+                    self.rank
+                )));
+            }
+            if let Some(l) = &self.local
+                && l.hub.left[peer].load(std::sync::atomic::Ordering::Acquire)
+            {
+                return Err(Error::Remote(format!(
+                    "bootstrap: rank {} receiving tag {tag} from rank {peer}: rank {peer} has left \
+                     (its init failed, naming the cause, or it was destroyed)",
                     self.rank
                 )));
             }
@@ -673,6 +699,9 @@ impl Drop for Partial {
 impl Drop for Bootstrap {
     fn drop(&mut self) {
         stop_listener(&mut self.wake, &mut self.listener);
+        if let Some(l) = &self.local {
+            l.hub.leave(self.rank);
+        }
     }
 }
 

@@ -36,14 +36,9 @@ impl Comm {
     /// Results of the interrupted operations are undefined.
     pub fn abort(&self) -> Result<()> {
         self.abort_flag().store(ABORTED_HERE, Ordering::Release);
-        // Ranks of the same process group would otherwise wait for us forever: their kernels exit
+        // The other ranks of this host would otherwise wait for us forever: their kernels exit
         // too, and their later calls report the remote abort (case C28, one rank aborting).
-        for peer in self.group_abort_flags() {
-            let _ = peer.compare_exchange(0, ABORTED_BY_PEER, Ordering::AcqRel, Ordering::Acquire);
-        }
-        if let Some(mp) = self.init_rank_res() {
-            mp.abort.raise_peers();
-        }
+        self.init_rank_res().abort.raise_peers();
         tracing::warn!(target: "oxccl::init", rank = self.rank, "communicator aborted");
         let start = Instant::now();
         while !self.idle()? {
@@ -62,27 +57,26 @@ impl Comm {
         Ok(())
     }
 
-    /// Sets `DevComm::aborted` in every comm block of this rank's `init_all` group (all their
+    /// Sets `DevComm::aborted` in every comm block of this rank's process group (all their
     /// abort flags are raised already), so a kernel of any rank that starts from now on writes
     /// nothing into another rank's output: it reads that word before its first direct write.
     /// Returns once the words have landed (on GPUs through a stream of their own, while kernels
     /// run). Never fails: an error is logged (the kernel's spin loops still see the host flag).
     pub(super) fn mark_group_aborted(&self) {
         let at = std::mem::offset_of!(DevComm, aborted);
-        match &self.res {
-            Res::Cuda(r) => {
-                for (i, block) in r.group._comm_mem.iter().enumerate() {
-                    if let Err(e) = block.write_beside(at, &1u32.to_ne_bytes()) {
+        let Some(process) = &self.process else { return };
+        for (i, m) in process.members() {
+            match m {
+                Member::Cuda { group, .. } => {
+                    if let Err(e) = group._comm_mem.write_beside(at, &1u32.to_ne_bytes()) {
                         tracing::warn!(target: "oxccl::init", rank = self.rank, peer = i, "abort: marking rank {i}'s comm block: {e}");
                     }
                 }
-            }
-            Res::Cpu(r) => {
-                for m in &r.group.comm_mem {
-                    // SAFETY: the comm block lives as long as the group, which `self` keeps
-                    // alive; the word is 4-byte aligned (DevComm is 8-aligned) and kernels only
-                    // load it.
-                    unsafe { AtomicU32::from_ptr((m.addr() as usize + at) as *mut u32) }
+                Member::Cpu { group, .. } => {
+                    // SAFETY: the comm block lives as long as the group, which the process group
+                    // `self` holds keeps alive; the word is 4-byte aligned (DevComm is 8-aligned)
+                    // and kernels only load it.
+                    unsafe { AtomicU32::from_ptr((group.comm_mem.addr() as usize + at) as *mut u32) }
                         .store(1, Ordering::Release);
                 }
             }
@@ -99,35 +93,24 @@ impl Comm {
     /// be asked counts as idle (debug log).
     pub(super) fn wait_peers_after_abort(&self, start: Instant) {
         let me = self.rank;
+        let Some(process) = &self.process else { return };
         let peers_idle = || -> bool {
-            match &self.res {
-                Res::Cuda(r) => r.group.launches.iter().enumerate().filter(|(i, _)| *i != me).all(|(i, l)| {
-                    l.idle().unwrap_or_else(|e| {
-                        tracing::debug!(target: "oxccl::init", rank = me, peer = i, "abort: peer state unknown: {e}");
-                        true
-                    })
+            process.members().filter(|(i, _)| *i != me).all(|(i, m)| match m {
+                Member::Cuda { launch, .. } => launch.idle().unwrap_or_else(|e| {
+                    tracing::debug!(target: "oxccl::init", rank = me, peer = i, "abort: peer state unknown: {e}");
+                    true
                 }),
-                Res::Cpu(r) => r
-                    .group
-                    .inflight
-                    .iter()
-                    .enumerate()
-                    .all(|(i, n)| i == r.slot || n.load(Ordering::Acquire) == 0),
-            }
+                Member::Cpu { inflight, .. } => inflight.load(Ordering::Acquire) == 0,
+            })
         };
         // CPU target: a peer's kernel that is running (not only queued) ends at its next wait,
         // but its current copy may take far longer on host threads than on a GPU (a 128 MiB
         // slice): wait for it too, up to PEER_RUNNING_WAIT.
         let peers_running = || -> bool {
-            match &self.res {
-                Res::Cuda(_) => false,
-                Res::Cpu(r) => r
-                    .group
-                    .running
-                    .iter()
-                    .enumerate()
-                    .any(|(i, n)| i != r.slot && n.load(Ordering::Acquire) != 0),
-            }
+            process.members().filter(|(i, _)| *i != me).any(|(_, m)| match m {
+                Member::Cuda { .. } => false,
+                Member::Cpu { group, .. } => group.running.load(Ordering::Acquire) != 0,
+            })
         };
         let t = Instant::now();
         while !peers_idle() {
@@ -175,10 +158,7 @@ impl Comm {
                 self.rank
             )));
         }
-        match self.init_rank_res() {
-            Some(mp) => mp.sync_teardown(),
-            None => Ok(()),
-        }
+        self.init_rank_res().sync_teardown()
     }
 
     /// Finishes this rank's part of the communicator (NCCL's `ncclCommFinalize`): waits for its
@@ -198,10 +178,7 @@ impl Comm {
             )));
         }
         self.finalized.store(true, Ordering::Release);
-        match self.init_rank_res() {
-            Some(mp) => mp.sync_teardown(),
-            None => Ok(()),
-        }
+        self.init_rank_res().sync_teardown()
     }
 
     /// The error this communicator has met outside any call (NCCL's `ncclCommGetAsyncError`):
@@ -214,7 +191,7 @@ impl Comm {
         match self.flag_state() {
             0 => {}
             ABORTED_BY_PEER => {
-                let who = match self.init_rank_res().and_then(|mp| mp.abort.raised_by_peer()) {
+                let who = match self.init_rank_res().abort.raised_by_peer() {
                     Some(r) => format!("rank {r}"),
                     None => "another rank".to_string(),
                 };
@@ -235,61 +212,28 @@ impl Comm {
         {
             res.launch.last_event.is_complete()?;
         }
-        match self.init_rank_res() {
-            // After teardown (finalize) peers exit when they like.
-            Some(mp) if !mp.synced.load(Ordering::Acquire) => mp.check_peers_alive(),
-            _ => Ok(()),
+        let mp = self.init_rank_res();
+        // After teardown (finalize) peers exit when they like.
+        if mp.synced.load(Ordering::Acquire) {
+            return Ok(());
         }
+        mp.check_peers_alive()
     }
 
     /// The abort state: 0, [`ABORTED_HERE`] or [`ABORTED_BY_PEER`] (also when a peer raised this
     /// rank's shared line while its kernels poll a private flag).
     pub(super) fn flag_state(&self) -> u32 {
         let v = self.abort_flag().load(Ordering::Acquire);
-        if v == 0
-            && let Some(mp) = self.init_rank_res()
-            && mp.abort.raised_by_peer().is_some()
-        {
+        if v == 0 && self.init_rank_res().abort.raised_by_peer().is_some() {
             return ABORTED_BY_PEER;
         }
         v
     }
 
     pub(super) fn abort_flag(&self) -> &AtomicU32 {
-        let p = match (&self.res, self.init_rank_res()) {
-            (_, Some(mp)) => mp.abort.own_flag() as *const u32,
-            (Res::Cuda(r), None) => r.group.abort[self.rank].host_ptr() as *const u32,
-            (Res::Cpu(r), None) => r.group.abort[r.slot].addr() as *const u32,
-        };
+        let p = self.init_rank_res().abort.own_flag() as *const u32;
         // SAFETY: the flag lives in memory owned by `self.res`, 4-byte aligned, accessed atomically.
         unsafe { AtomicU32::from_ptr(p as *mut u32) }
-    }
-
-    /// The abort flags of the other ranks of this process's group (`init_all`); none for
-    /// `init_rank`, whose peers' flags [`SharedAbort::raise_peers`] raises.
-    pub(super) fn group_abort_flags(&self) -> Vec<&AtomicU32> {
-        let ptrs: Vec<*const u32> = match &self.res {
-            Res::Cuda(r) => r
-                .group
-                .abort
-                .iter()
-                .enumerate()
-                .filter(|(i, _)| *i != self.rank)
-                .map(|(_, a)| a.host_ptr() as *const u32)
-                .collect(),
-            Res::Cpu(r) => r
-                .group
-                .abort
-                .iter()
-                .enumerate()
-                .filter(|(i, _)| *i != r.slot)
-                .map(|(_, a)| a.addr() as *const u32)
-                .collect(),
-        };
-        // SAFETY: the flags live in memory owned by the shared group, which `self` keeps alive.
-        ptrs.into_iter()
-            .map(|p| unsafe { AtomicU32::from_ptr(p as *mut u32) })
-            .collect()
     }
 
     /// The abort of a drop whose operations did not finish: this rank's flag (and, across
@@ -304,9 +248,7 @@ impl Comm {
             return;
         }
         self.abort_flag().store(ABORTED_HERE, Ordering::Release);
-        if let Some(mp) = self.init_rank_res() {
-            mp.abort.raise_peers();
-        }
+        self.init_rank_res().abort.raise_peers();
     }
 }
 
@@ -420,7 +362,8 @@ impl InitRankRes {
     /// NET connections. Those stay open across the barrier: a peer that destroys later than this
     /// rank (by more than the proxy's flush wait) would otherwise see its connections end and
     /// take this rank for dead. The barrier is skipped after an abort: the aborting rank raised
-    /// every rank's flag, so no kernel keeps writing, and a peer may never arrive. The caller's
+    /// every rank's flag, so no kernel keeps writing, and a peer may never arrive; and in a
+    /// process group ([`ProcessGroup`]), whose memory lives until its last rank is dropped. The caller's
     /// own operations must be finished.
     pub(super) fn sync_teardown(&self) -> Result<()> {
         if self.synced.swap(true, Ordering::AcqRel) {
@@ -437,7 +380,9 @@ impl InitRankRes {
         // SAFETY: the flag lives in memory owned by `self.abort`.
         let aborted =
             unsafe { AtomicU32::from_ptr(self.abort.own_flag() as *mut u32) }.load(Ordering::Acquire) != 0;
-        if aborted || self.abort.raised_by_peer().is_some() {
+        // The ranks of a process group keep each other's memory until the last of them is gone
+        // (`ProcessGroup`): no barrier, so they can be dropped one by one from one thread.
+        if aborted || self.abort.raised_by_peer().is_some() || self.bootstrap.is_in_process() {
             return Ok(());
         }
         let synced = self.bootstrap.barrier().map_err(|e| {

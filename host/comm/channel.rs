@@ -333,6 +333,7 @@ pub(super) struct TreeLayout {
 }
 
 impl TreeLayout {
+    #[cfg(test)]
     pub(super) fn new(params: &Params, trees: &[Vec<crate::graph::Tree>], rank: usize) -> TreeLayout {
         Self::for_peers(params, trees, rank, |_| true)
     }
@@ -493,155 +494,6 @@ pub(super) fn build_dev_trees(
     Ok(out)
 }
 
-/// [`build_dev_trees`] for ranks that all reach each other's tree memory (`layouts[k]` at
-/// `bases[k]`): an `init_all` communicator.
-pub(super) fn build_shared_dev_trees(
-    r: usize,
-    trees: &[Vec<crate::graph::Tree>],
-    layouts: &[TreeLayout],
-    bases: &[u64],
-    initial_step: u64,
-) -> Result<Vec<DevTree>> {
-    build_dev_trees(r, trees, |c, p, mine, theirs| {
-        Ok(shared_tree_edge(
-            c,
-            (&layouts[r], bases[r], mine),
-            (&layouts[p], bases[p], theirs),
-            initial_step,
-        ))
-    })
-}
-
-/// The trees of an `init_all` communicator of `nranks` ranks split into `nnodes` nodes of
-/// consecutive ranks ([`test_nodes`](super::test_hooks::test_nodes)): every channel's tree (`[channel][rank]`), each rank's tree
-/// connection memory layout, and the shape the tuning model sees.
-pub(super) fn test_node_trees(
-    nranks: usize,
-    nnodes: usize,
-    nch: u32,
-    params: &Params,
-) -> Result<(Vec<Vec<crate::graph::Tree>>, Vec<TreeLayout>, TreeShape)> {
-    let k = nranks / nnodes;
-    let chains: Vec<Vec<usize>> = (0..nnodes).map(|n| (n * k..(n + 1) * k).collect()).collect();
-    let trees = channel_trees(&chains, nch, test_tree_pattern()?)?;
-    let layouts: Vec<TreeLayout> = (0..nranks).map(|r| TreeLayout::new(params, &trees, r)).collect();
-    let shape = TreeShape {
-        nnodes,
-        depth: trees[0][0].depth.max(0) as u32,
-    };
-    Ok((trees, layouts, shape))
-}
-
-/// Sets up the trees of a CUDA `init_all` communicator split into `nnodes` nodes
-/// ([`test_nodes`](super::test_hooks::test_nodes)), rank `r` on `ctxs[r]`: peer access between tree neighbours on different
-/// devices (NCCL's P2P transport, same-process path, as for ring neighbours), every rank's tree
-/// connection memory in its device's memory (counters at `initial_step`), its [`DevTree`] array in
-/// device memory, and that array's address in the `trees` field of the [`DevComm`] at the start
-/// of `block[r]`. Returns each rank's [`CommTrees`] and the allocations, which must outlive every
-/// kernel of every rank. Errors: `System` naming both ranks when two tree neighbours' devices
-/// cannot access each other; `Cuda` for driver failures.
-pub(super) fn setup_cuda_trees(
-    ctxs: &[Arc<cuda::Context>],
-    nnodes: usize,
-    nch: u32,
-    params: &Params,
-    block: &[cuda::DevAlloc],
-) -> Result<(Vec<CommTrees>, Vec<cuda::DevAlloc>)> {
-    let nranks = ctxs.len();
-    let (trees, layouts, shape) = test_node_trees(nranks, nnodes, nch, params)?;
-    // Channels alternate between the two trees, so the first two hold every tree edge.
-    for t in trees.iter().take(2) {
-        for (r, tr) in t.iter().enumerate() {
-            for peer in std::iter::once(tr.up).chain(tr.down) {
-                let Ok(peer) = usize::try_from(peer) else { continue };
-                if ctxs[peer].ordinal == ctxs[r].ordinal {
-                    continue;
-                }
-                p2p::enable_peer_access(&ctxs[r], &ctxs[peer], || {
-                    format!(
-                        "tree neighbours rank {r} (CUDA device {}) and rank {peer} (CUDA device {})",
-                        ctxs[r].ordinal, ctxs[peer].ordinal
-                    )
-                })?;
-            }
-        }
-    }
-    let mut mem: Vec<cuda::DevAlloc> = layouts
-        .iter()
-        .zip(ctxs)
-        .map(|(l, ctx)| cuda::DevAlloc::zeroed(ctx, l.bytes() as usize))
-        .collect::<Result<_>>()?;
-    let bases: Vec<u64> = mem.iter().map(|m| m.ptr).collect();
-    let mut out = Vec::with_capacity(nranks);
-    for r in 0..nranks {
-        let l = &layouts[r];
-        if params.initial_step != 0 {
-            mem[r].write(l.counters_at as usize, &l.counters(params.initial_step))?;
-        }
-        let dev = build_shared_dev_trees(r, &trees, &layouts, &bases, params.initial_step)?;
-        let bytes: &[u8] = bytemuck::cast_slice(&dev);
-        let arr = cuda::DevAlloc::zeroed(&ctxs[r], bytes.len())?;
-        arr.write(0, bytes)?;
-        block[r].write(std::mem::offset_of!(DevComm, trees), &arr.ptr.to_ne_bytes())?;
-        out.push(CommTrees {
-            shape,
-            bytes: l.bytes() + bytes.len() as u64,
-        });
-        mem.push(arr);
-    }
-    tracing::debug!(target: "oxccl::init", nranks, nnodes, nch, depth = shape.depth, "CUDA trees ready");
-    Ok((out, mem))
-}
-
-/// Sets up the trees of a CPU-target `init_all` communicator of `nranks` ranks split into `nnodes`
-/// nodes ([`test_nodes`](super::test_hooks::test_nodes)): every rank's tree connection memory (counters at `initial_step`) and
-/// [`DevTree`] array, whose address goes into the `trees` field of its [`DevComm`] in `comm_mem`.
-/// Returns each rank's [`CommTrees`] and the memory, which must outlive every operation.
-pub(super) fn setup_cpu_trees(
-    nranks: usize,
-    nnodes: usize,
-    nch: u32,
-    params: &Params,
-    comm_mem: &[HostMem],
-) -> Result<(Vec<CommTrees>, Vec<HostMem>)> {
-    let (trees, layouts, shape) = test_node_trees(nranks, nnodes, nch, params)?;
-    let mut mem: Vec<HostMem> = layouts
-        .iter()
-        .map(|l| HostMem::zeroed(l.bytes() as usize))
-        .collect::<Result<_>>()?;
-    let bases: Vec<u64> = mem.iter().map(|m| m.addr()).collect();
-    let mut out = Vec::with_capacity(nranks);
-    for r in 0..nranks {
-        for c in 0..nch as usize {
-            for peer in 0..TREE_PEERS {
-                for at in [
-                    layouts[r].head(bases[r], c, peer),
-                    layouts[r].tail(bases[r], c, peer),
-                ] {
-                    // SAFETY: the counters lie inside rank r's fresh tree memory, unused so far.
-                    unsafe { (at as *mut u64).write(params.initial_step) };
-                }
-            }
-        }
-        let dev = build_shared_dev_trees(r, &trees, &layouts, &bases, params.initial_step)?;
-        let bytes: &[u8] = bytemuck::cast_slice(&dev);
-        let block = HostMem::zeroed(bytes.len())?;
-        // SAFETY: `block` was allocated with exactly this size and the DevComm lies at the start
-        // of rank r's communicator block (8-byte aligned); no operation runs yet.
-        unsafe {
-            std::ptr::copy_nonoverlapping(bytes.as_ptr(), block.addr() as *mut u8, bytes.len());
-            (*(comm_mem[r].addr() as *mut DevComm)).trees = block.addr();
-        }
-        out.push(CommTrees {
-            shape,
-            bytes: layouts[r].bytes() + bytes.len() as u64,
-        });
-        mem.push(block);
-    }
-    tracing::debug!(target: "oxccl::init", nranks, nnodes, nch, depth = shape.depth, "CPU trees ready");
-    Ok((out, mem))
-}
-
 /// Bytes reserved per channel for the two step counters (head, tail), each on its own 128-byte line.
 pub(super) const COUNTERS_BYTES: u64 = 256;
 
@@ -699,12 +551,14 @@ pub(super) fn comm_block_bytes(nch: usize, nranks: usize) -> usize {
 mod direct_tests {
     use super::*;
 
-    /// Rank `r`'s connection memory of a CPU `init_all` group, as bytes.
-    fn conn_mem(comm: &Comm, r: usize) -> &[u8] {
+    /// A CPU `init_all` rank's own connection memory, as bytes.
+    fn conn_mem(comm: &Comm) -> &[u8] {
         let Res::Cpu(res) = &comm.res else {
             panic!("CPU communicator expected")
         };
-        let m = &res.group._conn_mem[r];
+        let OwnConn::Host(m) = &res.group._own else {
+            panic!("in-process host connection memory expected")
+        };
         // SAFETY: the block is alive while `comm` is; the test reads it between calls only.
         unsafe { std::slice::from_raw_parts(m.addr() as *const u8, m.len()) }
     }
@@ -789,7 +643,7 @@ mod direct_tests {
         assert_eq!(choice.proto, Proto::Simple, "{choice:?}");
         let nch = choice.nchannels as u64;
         let fifo_zero = |comm: &Comm| {
-            let mem = conn_mem(comm, 1);
+            let mem = conn_mem(comm);
             let layout = ConnLayout::new(&comm.params, comm.nchannels);
             (0..nch).all(|c| {
                 let at = layout.buff(0, c) as usize;
@@ -809,12 +663,12 @@ mod direct_tests {
         });
         assert_eq!(recv[1].to_vec().unwrap(), want, "rank 1's output");
         assert!(
-            fifo_zero(&comms[0]),
+            fifo_zero(&comms[1]),
             "a direct Broadcast wrote rank 1's Simple FIFO"
         );
         // One exchange per channel: rank 0's slot (its head line) holds rank 1's output and count 1.
         let layout = ConnLayout::new(&comms[0].params, comms[0].nchannels);
-        let mem0 = conn_mem(&comms[0], 0);
+        let mem0 = conn_mem(&comms[0]);
         for c in 0..nch {
             let at = (layout.head(0, c) + PTR_EXCHANGE_OFFSET) as usize;
             let slot: [u64; 2] = bytemuck::pod_read_unaligned(&mem0[at..at + 16]);
@@ -834,7 +688,7 @@ mod direct_tests {
         });
         assert_eq!(comms[0].last_choice().map(|c| c.proto), Some(Proto::Simple));
         assert!(
-            !fifo_zero(&comms[0]),
+            !fifo_zero(&comms[1]),
             "a Reduce to rank 1 left its FIFOs untouched"
         );
     }
@@ -940,6 +794,25 @@ mod comm_block_tests {
 #[cfg(test)]
 mod tree_tests {
     use super::*;
+
+/// [`build_dev_trees`] for ranks that all reach each other's tree memory (`layouts[k]` at
+/// `bases[k]`): ranks of one process.
+fn build_shared_dev_trees(
+    r: usize,
+    trees: &[Vec<crate::graph::Tree>],
+    layouts: &[TreeLayout],
+    bases: &[u64],
+    initial_step: u64,
+) -> Result<Vec<DevTree>> {
+    build_dev_trees(r, trees, |c, p, mine, theirs| {
+        Ok(shared_tree_edge(
+            c,
+            (&layouts[r], bases[r], mine),
+            (&layouts[p], bases[p], theirs),
+            initial_step,
+        ))
+    })
+}
 
     #[test]
     fn tree_connections_pair_up_across_ranks() {

@@ -21,19 +21,37 @@ pub(super) struct HostConns {
 pub(super) enum OwnConn {
     /// CPU target: a `/dev/shm` segment its neighbours map.
     Shm(crate::cpu::ShmSegment),
+    /// CPU target, ranks of one in-process bootstrap with P2P allowed: private host memory its
+    /// neighbours (threads of this process) write directly.
+    Host(HostMem),
     /// CUDA: `cuMemAlloc` memory its neighbours open through CUDA IPC (or use directly).
     Dev(cuda::DevAlloc),
 }
 
 impl OwnConn {
+    /// Allocates it: on CUDA device memory; on the CPU target host memory when `in_process`
+    /// (the ranks of `Comm::init_all`) and `NCCL_P2P_DISABLE` is not set, else the `/dev/shm`
+    /// segment `name`. Every step counter starts at `initial_step`.
     pub(super) fn alloc(
         ctx: Option<&Arc<cuda::Context>>,
         layout: &ConnLayout,
         name: &str,
         initial_step: u64,
+        in_process: bool,
     ) -> Result<OwnConn> {
         let bytes = layout.bytes() as usize;
+        let p2p_disabled = crate::params::env_var("P2P_DISABLE").is_some_and(|(_, v)| v.trim() == "1");
         Ok(match ctx {
+            None if in_process && !p2p_disabled => {
+                let mem = HostMem::zeroed(bytes)?;
+                for c in 0..layout.nch {
+                    for at in [layout.head(mem.addr(), c), layout.tail(mem.addr(), c)] {
+                        // SAFETY: the counters lie inside the fresh block; no peer knows it yet.
+                        unsafe { (at as *mut u64).write(initial_step) };
+                    }
+                }
+                OwnConn::Host(mem)
+            }
             None => {
                 let seg = crate::cpu::ShmSegment::create(name, bytes)?;
                 for c in 0..layout.nch {
@@ -61,6 +79,7 @@ impl OwnConn {
     pub(super) fn base(&self) -> u64 {
         match self {
             OwnConn::Shm(s) => s.addr(),
+            OwnConn::Host(m) => m.addr(),
             OwnConn::Dev(m) => m.ptr,
         }
     }
@@ -68,6 +87,7 @@ impl OwnConn {
     pub(super) fn desc(&self, name: &str) -> Result<ConnDesc> {
         Ok(match self {
             OwnConn::Shm(_) => ConnDesc::Shm(name.to_string()),
+            OwnConn::Host(m) => ConnDesc::Local(m.addr()),
             OwnConn::Dev(m) => ConnDesc::Ipc {
                 ptr: m.ptr,
                 handle: m.ipc_handle()?,
@@ -94,6 +114,9 @@ pub(super) enum PeerLink {
     Net { _held: crate::transport::NetResources },
     /// CPU target: the neighbour's `/dev/shm` segment, mapped here (the seed's SHM transport).
     Shm(crate::cpu::ShmSegment),
+    /// CPU target, neighbour in this process reached through P2P: the address of its memory
+    /// (kept alive by the process group, `Comm::init_all`).
+    Local(u64),
     /// CUDA, neighbour of this host reached through SHM: its `/dev/shm` segment, mapped here and
     /// registered with CUDA (unregistered and unmapped before this rank's teardown barrier).
     ShmMapped(RegisteredShm),
@@ -131,13 +154,19 @@ impl PeerLink {
             }
             (TransportKind::Shm, None) => match target.desc {
                 ConnDesc::Shm(name) => Ok(PeerLink::Shm(crate::cpu::ShmSegment::open(name, target.bytes)?)),
-                ConnDesc::Ipc { .. } => Err(Error::Internal(format!(
+                _ => Err(Error::Internal(format!(
                     "rank {peer}'s connection descriptor does not match rank {me}'s device kind"
                 ))),
             },
-            (TransportKind::P2p, None) => Err(Error::Internal(format!(
-                "rank {me}: P2P chosen for CPU-target rank {peer}"
-            ))),
+            (TransportKind::P2p, None) => match target.desc {
+                ConnDesc::Local(addr) if peers[peer].pid == peers[me].pid => {
+                    tracing::debug!(target: "oxccl::init", rank = me, peer, "P2P (same process, host memory)");
+                    Ok(PeerLink::Local(*addr))
+                }
+                _ => Err(Error::Internal(format!(
+                    "rank {me}: P2P chosen for CPU-target rank {peer}, whose memory is not in this process"
+                ))),
+            },
             (TransportKind::P2p, Some(ctx)) => Ok(PeerLink::P2p(p2p::connect(
                 me,
                 peers,
@@ -153,6 +182,7 @@ impl PeerLink {
     pub(super) fn base(&self) -> u64 {
         match self {
             PeerLink::Shm(s) => s.addr(),
+            PeerLink::Local(a) => *a,
             PeerLink::ShmMapped(m) => m.dev_base(),
             PeerLink::P2p(c) => c.base(),
             PeerLink::Net { .. } => 0,

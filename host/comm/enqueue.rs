@@ -216,12 +216,13 @@ impl Comm {
                 };
                 let name = oxccl_gpu::abi::kernel_name_for(func, algo, proto, dtype, op);
                 let issued = res.launch.issued.load(Ordering::Acquire);
-                let counter = |p: usize| (p, &res.group.launches[p].issued);
+                let process = self.process.as_deref();
+                let counter = |p: usize| process.and_then(|g| g.launch(p)).map(|l| (p, &l.issued));
                 if !res.sharing.is_empty() {
                     // This kernel waits in its stream for this rank's previous one; on a hardware
                     // queue shared with a rank of this GPU it would hold back that rank's kernel
                     // of the previous call, which ours is waiting for (module docs).
-                    let peers: Vec<_> = res.sharing.iter().map(|&p| counter(p)).collect();
+                    let peers: Vec<_> = res.sharing.iter().filter_map(|&p| counter(p)).collect();
                     wait_launches(&peers, issued, self.abort_flag(), self.rank, &|| {
                         "before launching its next one on the GPU they share".into()
                     })?;
@@ -232,7 +233,7 @@ impl Comm {
                         // Loading may wait for every kernel of the context: first let every rank
                         // of the group launch what came before, so none of their kernels waits
                         // for one of ours that the load holds back.
-                        let peers: Vec<_> = (0..res.group.launches.len()).map(counter).collect();
+                        let peers: Vec<_> = (0..self.nranks).filter_map(counter).collect();
                         wait_launches(&peers, issued, self.abort_flag(), self.rank, &|| {
                             format!("before loading kernel {}", name.as_str())
                         })?;
@@ -255,7 +256,7 @@ impl Comm {
                         oxccl_gpu::abi::kernel_name_for(func, algo, proto, dtype, op).as_str(),
                     ));
                 }
-                launch_cpu(args, self.params.cpu_nthreads, self.params.cpu_team, res.group.clone(), self.rank, res.slot, s, &self.inflight)
+                launch_cpu(args, self.params.cpu_nthreads, self.params.cpu_team, res.group.clone(), self.process.clone(), self.rank, s, &self.inflight)
             }
             _ => Err(Error::invalid(
                 "stream and communicator are of different backends",
@@ -267,25 +268,23 @@ impl Comm {
 /// Runs one collective on the CPU target: per channel a host thread running a block of
 /// `nthreads` threads (`OXCCL_CPU_NTHREADS`; fibers of it or host threads of their own, `team`),
 /// each running the same `run_block` the GPU kernel's threads run, with the block's shared memory
-/// and real barriers; queued on the CPU stream.
+/// and real barriers; queued on the CPU stream. `group` (this rank's memory) and `process` (its
+/// process group's, whose memory its blocks write into) are kept until the operation ends.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn launch_cpu(
     args: KernelArgs,
     nthreads: u32,
     team: oxccl_gpu::arch::TeamKind,
     group: Arc<CpuGroup>,
+    process: Option<Arc<ProcessGroup>>,
     rank: usize,
-    slot: usize,
     stream: &CpuStream,
     inflight: &Arc<AtomicUsize>,
 ) -> Result<()> {
     inflight.fetch_add(1, Ordering::AcqRel);
     let inflight = inflight.clone();
     stream.enqueue(move || {
-        let running = group.running.get(slot);
-        if let Some(n) = running {
-            n.fetch_add(1, Ordering::AcqRel);
-        }
+        group.running.fetch_add(1, Ordering::AcqRel);
         let nch = args.work.nchannels as u32;
         let result = std::thread::scope(|s| {
             let handles: Vec<_> = (0..nch)
@@ -311,10 +310,9 @@ pub(super) fn launch_cpu(
             }
             ok
         });
-        if let Some(n) = running {
-            n.fetch_sub(1, Ordering::AcqRel);
-        }
+        group.running.fetch_sub(1, Ordering::AcqRel);
         drop(group);
+        drop(process);
         inflight.fetch_sub(1, Ordering::AcqRel);
         if result {
             Ok(())

@@ -32,7 +32,18 @@ pub(super) fn check_devices(devices: &[Device]) -> Result<()> {
 
 impl Comm {
     /// Creates one communicator per device, rank `i` on `devices[i]`, all in this process (NCCL's
-    /// `ncclCommInitAll`). Devices must all be CUDA or all CPU-target, each used once.
+    /// `ncclCommInitAll`, a group of `ncclCommInitRank`). Devices must all be CUDA or all
+    /// CPU-target, each used once (unless `OXCCL_ALLOW_SHARED_DEVICE=1`).
+    ///
+    /// Every rank runs the setup of [`Comm::init_rank`] on a thread of its own; the ranks meet
+    /// through an in-process bootstrap instead of TCP, so they differ from ranks in separate
+    /// processes only in what the transport decides for each pair: P2P by device pointer over
+    /// peer access (CUDA) or by plain address (CPU target) where `NCCL_P2P_DISABLE` /
+    /// `NCCL_P2P_LEVEL` allow it, else SHM, else NET — NCCL's order. When every ring pair uses
+    /// P2P, ring connections also exchange pointers ([`Comm::direct_pointer`]). The ranks of one
+    /// `init_all` form a process group: their memory lives until the last of them is dropped, so
+    /// they may be dropped one by one from one thread (no teardown barrier), and an abort of one
+    /// reaches every rank's kernels.
     ///
     /// Rings: on CUDA, each channel's ring is the ring graph searched on this machine's topology
     /// (`NCCL_TOPO_FILE` completed by detection) over the ranks' GPUs, channel `c` on searched
@@ -45,290 +56,67 @@ impl Comm {
     /// Test hook: `OXCCL_TEST_NODES=N` (a divisor of the rank count) splits the ranks into `N`
     /// equal nodes of consecutive ranks, as if on `N` hosts, and sets up the double binary tree
     /// across them (a chain inside each node; channel `c` on tree `c % 2`), so AllReduce may run
-    /// (or, with `NCCL_ALGO=tree`, must run) as a tree. Rings are unchanged. On CUDA devices the
-    /// tree connections live in device memory and tree neighbours reach each other over peer
-    /// access, like ring neighbours (`System` error when it is not supported).
+    /// (or, with `NCCL_ALGO=tree`, must run) as a tree. Rings and transports are unchanged.
     ///
-    /// Ranks sharing a GPU (`OXCCL_ALLOW_SHARED_DEVICE=1`, for testing on one GPU): each rank's
-    /// kernel spins until the others' kernels of the same call run, on one GPU whose hardware
-    /// queues their streams share. A rank therefore launches call `n + 1` only once every rank
-    /// on its GPU has launched call `n`; issue the calls from a thread per rank, or call `n` on
-    /// every rank before call `n + 1` on any (NCCL's rule for one thread driving several devices).
-    /// Until every rank on the GPU has issued a call, queue nothing else behind it on any of their
-    /// streams, and do not allocate, free or copy synchronously on the device: a context-wide
-    /// synchronization (which [`DeviceBuffer`](crate::DeviceBuffer)'s allocation and writes do) waits
-    /// for the kernel that is waiting for this thread.
+    /// Ranks sharing a GPU (`OXCCL_ALLOW_SHARED_DEVICE=1`, for testing on one GPU) get at most
+    /// SMs / ranks-per-GPU channels each (their spinning blocks must all be resident at once).
+    /// Each rank's kernel spins until the others' kernels of the same call run, on one GPU whose
+    /// hardware queues their streams share. A rank therefore launches call `n + 1` only once every
+    /// rank on its GPU has launched call `n`; issue the calls from a thread per rank, or call `n`
+    /// on every rank before call `n + 1` on any (NCCL's rule for one thread driving several
+    /// devices). Until every rank on the GPU has issued a call, queue nothing else behind it on
+    /// any of their streams, and do not allocate, free or copy synchronously on the device: a
+    /// context-wide synchronization (which [`DeviceBuffer`](crate::DeviceBuffer)'s allocation and
+    /// writes do) waits for the kernel that is waiting for this thread.
     ///
     /// Errors: `InvalidArgument` for an empty or mixed list or a bad environment value
-    /// (`NCCL_BUFFSIZE`, `NCCL_NTHREADS`, `NCCL_MAX_NCHANNELS`, `OXCCL_TEST_NODES`, ...), `InvalidUsage` for a
-    /// repeated device, `NoCuda`/`Cuda` for driver failures, `System` when ring neighbours cannot
-    /// reach each other's memory.
+    /// (`NCCL_BUFFSIZE`, `NCCL_NTHREADS`, `NCCL_MAX_NCHANNELS`, `OXCCL_TEST_NODES`, ...),
+    /// `InvalidUsage` for a repeated device, `NoCuda`/`Cuda` for driver failures, `System` when
+    /// no transport can connect two ranks; otherwise those of [`Comm::init_rank`], the error of
+    /// the rank where setup failed first (the others' `Remote` errors name it).
     pub fn init_all(devices: &[Device]) -> Result<Vec<Comm>> {
         check_devices(devices)?;
-        let mut params = Params::from_env()?;
-        if devices[0].is_cuda() && params.nthreads > cuda::MAX_JIT_THREADS {
-            tracing::warn!(target: "oxccl::init", "NCCL_NTHREADS={} rounded down to {} (the most threads per block the kernels are built for)", params.nthreads, cuda::MAX_JIT_THREADS);
-            params.nthreads = cuda::MAX_JIT_THREADS;
-        }
-        let selection = Selection::from_env()?;
         let nranks = devices.len();
-        let default_nch = if devices[0].is_cuda() {
-            CUDA_DEFAULT_NCHANNELS
-        } else {
-            CPU_DEFAULT_NCHANNELS
-        };
-        let mut nch = params
-            .max_nchannels
-            .unwrap_or(default_nch)
-            .clamp(1, MAX_CHANNELS as u32);
-        let mut layout = ConnLayout::new(&params, nch);
-        let _span = tracing::debug_span!(target: "oxccl::init", "init_all", nranks, nch).entered();
-
-        if devices[0].is_cuda() {
-            let ctxs: Vec<Arc<cuda::Context>> = devices
-                .iter()
-                .map(|d| match d {
-                    Device::Cuda(o) => cuda::Context::get(*o),
-                    Device::Cpu(_) => Err(Error::Internal("CPU device in a CUDA communicator".into())),
+        let timeout = crate::bootstrap::BootstrapConfig::from_env()?.timeout;
+        let bootstraps = crate::bootstrap::Bootstrap::in_process(nranks, timeout)?;
+        let process = Arc::new(ProcessGroup::new(nranks));
+        let tag = local_tag();
+        let _span = tracing::debug_span!(target: "oxccl::init", "init_all", nranks).entered();
+        let results: Vec<Result<Comm>> = std::thread::scope(|s| {
+            let handles: Vec<_> = bootstraps
+                .into_iter()
+                .enumerate()
+                .map(|(r, bootstrap)| {
+                    let process = process.clone();
+                    let device = devices[r];
+                    std::thread::Builder::new()
+                        .name(format!("oxccl-init-{r}"))
+                        .spawn_scoped(s, move || {
+                            Comm::init_rank_with(nranks, Join::InProcess { bootstrap, process, tag }, r, device)
+                        })
                 })
-                .collect::<Result<_>>()?;
-            // Ranks sharing a GPU (OXCCL_ALLOW_SHARED_DEVICE=1) spin in kernels that must all be
-            // resident at once: at most SMs / ranks-per-GPU channels (one block each) per rank, or
-            // blocks waiting for an SM would wait forever for peers that cannot finish.
-            let per_gpu = devices
-                .iter()
-                .map(|d| devices.iter().filter(|e| *e == d).count())
-                .max()
-                .unwrap_or(1);
-            if per_gpu > 1 {
-                let sms = ctxs
-                    .iter()
-                    .map(|c| c.multiprocessor_count())
-                    .collect::<Result<Vec<_>>>()?;
-                let cap = (sms.into_iter().min().unwrap_or(1) / per_gpu as u32).max(1);
-                if nch > cap {
-                    tracing::info!(target: "oxccl::init", "{per_gpu} ranks share a GPU: {nch} channels capped to {cap} (SMs per rank)");
-                    nch = cap;
-                    layout = ConnLayout::new(&params, nch);
-                }
-            }
-            // NCCL_TOPO_DUMP_FILE, and this thread near the GPUs' CPUs until init returns.
-            let _near = crate::topo::detect::on_cuda_init(0, &ctxs)?;
-            // P2P transport, same-process path: every rank writes into its ring neighbours. It is
-            // the only transport init_all sets up between GPUs, so a request to avoid P2P cannot
-            // be honoured here: refuse it rather than ignore it.
-            if nranks > 1
-                && let Some((key, v)) = crate::params::env_var("P2P_DISABLE").filter(|(_, v)| v.trim() == "1")
-            {
-                return Err(Error::InvalidUsage(format!(
-                    "{key}={v}: Comm::init_all connects GPUs only by P2P (SHM and NET need one process per \
-                     GPU: use Comm::init_rank, e.g. `oxccl perf --procs N`), so it cannot run without P2P"
-                )));
-            }
-            // This machine's topology, built once for this init (ring search, NCCL_P2P_LEVEL),
-            // and every channel's ring from it (rank order without one).
-            let topo = LocalTopo::default();
-            let bus_ids: Vec<String> = ctxs.iter().map(|c| c.bus_id()).collect::<Result<_>>()?;
-            let all: Vec<usize> = (0..nranks).collect();
-            let rings = Arc::new(comm_rings(
-                &vec![node_ring_graph(&all, Some(&bus_ids), 0, &topo)?; nranks],
-                nranks,
-                nch,
-            )?);
-            for r in 0..nranks {
-                for peer in ring_peers(&rings, r) {
-                    if ctxs[peer].ordinal == ctxs[r].ordinal {
-                        continue;
-                    }
-                    // NCCL_P2P_LEVEL: as for P2P_DISABLE, P2P is init_all's only transport, so
-                    // a level that forbids it between two ring neighbours is refused by name.
-                    if let Some(lvl) = params.p2p_level {
-                        let path = topo.gpu_path(&bus_ids[r], &bus_ids[peer])?;
-                        if crate::params::p2p_allowed(Some(lvl), path) == Some(false) {
-                            let key = crate::params::env_var("P2P_LEVEL")
-                                .map_or_else(|| "NCCL_P2P_LEVEL".to_string(), |(k, _)| k);
-                            return Err(Error::InvalidUsage(format!(
-                                "{key}={lvl} allows P2P up to {lvl} paths, but rank {r} (CUDA device {}, {}) and \
-                                 rank {peer} (CUDA device {}, {}) are {} apart and Comm::init_all connects GPUs \
-                                 only by P2P (SHM and NET need one process per GPU: use Comm::init_rank, e.g. \
-                                 `oxccl perf --procs N`)",
-                                ctxs[r].ordinal,
-                                bus_ids[r],
-                                ctxs[peer].ordinal,
-                                bus_ids[peer],
-                                path.map_or("?", |p| p.as_str()),
-                            )));
-                        }
-                    }
-                    p2p::enable_peer_access(&ctxs[r], &ctxs[peer], || {
-                        format!(
-                            "rank {r} (CUDA device {}) and rank {peer} (CUDA device {})",
-                            ctxs[r].ordinal, ctxs[peer].ordinal
-                        )
-                    })?;
-                }
-            }
-            let mut conn = Vec::with_capacity(nranks);
-            let mut block = Vec::with_capacity(nranks);
-            let mut abort = Vec::with_capacity(nranks);
-            for ctx in &ctxs {
-                conn.push(cuda::DevAlloc::zeroed(ctx, layout.bytes() as usize)?);
-                block.push(cuda::DevAlloc::zeroed(
-                    ctx,
-                    comm_block_bytes(nch as usize, nranks),
-                )?);
-                abort.push(cuda::HostMapped::zeroed(ctx, 64)?);
-            }
-            let conn_base: Vec<u64> = conn.iter().map(|a| a.ptr).collect();
-            for r in 0..nranks {
-                let bytes = build_comm_block(
-                    r,
-                    nranks,
-                    nch,
-                    &layout,
-                    &conn_base,
-                    block[r].ptr,
-                    abort[r].dev_ptr,
-                    &params,
-                    &rings,
-                );
-                let bytes = direct_pointers(bytes, nch, nranks, &params);
-                block[r].write(0, &bytes)?;
-                if params.initial_step != 0 {
-                    for c in 0..nch as u64 {
-                        for at in [layout.head(conn_base[r], c), layout.tail(conn_base[r], c)] {
-                            conn[r]
-                                .write((at - conn_base[r]) as usize, &params.initial_step.to_ne_bytes())?;
-                        }
-                    }
-                }
-            }
-            // Trees across the test nodes, in device memory; freed with the ring connections.
-            let (trees, tree_mem) = match test_nodes(nranks)? {
-                Some(nnodes) => setup_cuda_trees(&ctxs, nnodes, nch, &params, &block)?,
-                None => (Vec::new(), Vec::new()),
-            };
-            let dev_comms: Vec<u64> = block.iter().map(|b| b.ptr).collect();
-            let launches: Vec<Arc<LaunchState>> =
-                ctxs.iter().map(|c| LaunchState::new(c)).collect::<Result<_>>()?;
-            let group = Arc::new(CudaGroup {
-                _comm_mem: block,
-                _conn_mem: conn.into_iter().chain(tree_mem).collect(),
-                abort,
-                launches: launches.clone(),
-                mp: None,
-            });
-            let mut comms = Vec::with_capacity(nranks);
-            for (r, (dev_comm, launch)) in dev_comms.into_iter().zip(launches).enumerate() {
-                let ctx = ctxs[r].clone();
-                comms.push(Comm {
-                    rank: r,
-                    nranks,
-                    device: devices[r],
-                    params: params.clone(),
-                    selection,
-                    nchannels: nch,
-                    dev_comm,
-                    res: Res::Cuda(CudaRes {
-                        ctx,
-                        group: group.clone(),
-                        launch,
-                        sharing: (0..nranks)
-                            .filter(|&p| p != r && devices[p] == devices[r])
-                            .collect(),
-                    }),
-                    inflight: Arc::new(AtomicUsize::new(0)),
-                    last: Mutex::new(None),
-                    trees: trees.get(r).copied(),
-                    rings: rings.clone(),
-                    finalized: false.into(),
-                    fabric: crate::tuning::Fabric::NvLink,
-                    conn_bytes: layout.bytes(),
-                    direct: params.p2p_direct && nranks > 1,
-                });
-            }
-            tracing::debug!(target: "oxccl::init", nranks, nch, "CUDA communicators ready");
-            Ok(comms)
-        } else {
-            let conn: Vec<HostMem> = (0..nranks)
-                .map(|_| HostMem::zeroed(layout.bytes() as usize))
-                .collect::<Result<_>>()?;
-            let comm_mem: Vec<HostMem> = (0..nranks)
-                .map(|_| HostMem::zeroed(comm_block_bytes(nch as usize, nranks)))
-                .collect::<Result<_>>()?;
-            let abort: Vec<HostMem> = (0..nranks).map(|_| HostMem::zeroed(64)).collect::<Result<_>>()?;
-            let conn_base: Vec<u64> = conn.iter().map(|a| a.addr()).collect();
-            // Every channel's ring: rank order, or the rings of NCCL_TOPO_FILE's GPUs (test hook,
-            // see node_ring_graph).
-            let all: Vec<usize> = (0..nranks).collect();
-            let rings = Arc::new(comm_rings(
-                &vec![node_ring_graph(&all, None, 0, &LocalTopo::default())?; nranks],
-                nranks,
-                nch,
-            )?);
-            for r in 0..nranks {
-                let bytes = build_comm_block(
-                    r,
-                    nranks,
-                    nch,
-                    &layout,
-                    &conn_base,
-                    comm_mem[r].addr(),
-                    abort[r].addr(),
-                    &params,
-                    &rings,
-                );
-                let bytes = direct_pointers(bytes, nch, nranks, &params);
-                // SAFETY: the block was allocated with exactly this size; nothing else uses it yet.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(bytes.as_ptr(), comm_mem[r].addr() as *mut u8, bytes.len())
-                };
-                for c in 0..nch as u64 {
-                    for at in [layout.head(conn_base[r], c), layout.tail(conn_base[r], c)] {
-                        // SAFETY: the counters lie inside rank r's connection memory, unused so far.
-                        unsafe { (at as *mut u64).write(params.initial_step) };
-                    }
-                }
-            }
-            // Trees across the test nodes: their connection memory and DevTree arrays live as long
-            // as the ring connections.
-            let (trees, tree_mem) = match test_nodes(nranks)? {
-                Some(nnodes) => setup_cpu_trees(nranks, nnodes, nch, &params, &comm_mem)?,
-                None => (Vec::new(), Vec::new()),
-            };
-            let group = Arc::new(CpuGroup {
-                comm_mem,
-                _conn_mem: conn.into_iter().chain(tree_mem).collect(),
-                abort,
-                inflight: (0..nranks).map(|_| Arc::new(AtomicUsize::new(0))).collect(),
-                running: (0..nranks).map(|_| AtomicUsize::new(0)).collect(),
-                _shm: Vec::new(),
-                mp: None,
-            });
-            Ok((0..nranks)
-                .map(|r| Comm {
-                    rank: r,
-                    nranks,
-                    device: devices[r],
-                    params: params.clone(),
-                    selection,
-                    nchannels: nch,
-                    dev_comm: group.comm_mem[r].addr(),
-                    res: Res::Cpu(CpuRes {
-                        group: group.clone(),
-                        slot: r,
-                    }),
-                    inflight: group.inflight[r].clone(),
-                    last: Mutex::new(None),
-                    trees: trees.get(r).copied(),
-                    rings: rings.clone(),
-                    finalized: false.into(),
-                    fabric: crate::tuning::Fabric::Host,
-                    conn_bytes: layout.bytes(),
-                    direct: params.p2p_direct && nranks > 1,
+                .collect();
+            handles
+                .into_iter()
+                .enumerate()
+                .map(|(r, h)| match h {
+                    Ok(h) => h
+                        .join()
+                        .unwrap_or_else(|_| Err(Error::Internal(format!("init_all: rank {r}'s init thread panicked")))),
+                    Err(e) => Err(Error::System(format!("init_all: cannot start rank {r}'s init thread: {e}"))),
                 })
-                .collect())
+                .collect()
+        });
+        if results.iter().all(|r| r.is_ok()) {
+            return results.into_iter().collect();
         }
+        // The cause: the first rank's own error (the others report it as Remote).
+        let mut errors: Vec<Error> = results.into_iter().filter_map(|r| r.err()).collect();
+        let at = errors
+            .iter()
+            .position(|e| !matches!(e, Error::Remote(_)))
+            .unwrap_or(0);
+        Err(errors.swap_remove(at))
     }
 
     /// Creates this process's rank `rank` of an `nranks`-rank communicator whose ranks meet through
@@ -368,10 +156,21 @@ impl Comm {
         rank: usize,
         device: Device,
     ) -> Result<Comm> {
-        let result = Self::init_rank_inner(nranks, id, rank, device);
+        Self::init_rank_with(nranks, Join::Id(id), rank, device)
+    }
+
+    /// The setup of every rank ([`Comm::init_rank`], and each rank of [`Comm::init_all`]):
+    /// `join` says how the ranks meet. On failure the `/dev/shm` names this rank created and had
+    /// not unlinked yet are removed.
+    pub(super) fn init_rank_with(nranks: usize, join: Join<'_>, rank: usize, device: Device) -> Result<Comm> {
+        let tag = match &join {
+            Join::Id(id) => id_tag(id),
+            Join::InProcess { tag, .. } => *tag,
+        };
+        let result = Self::init_rank_inner(nranks, join, tag, rank, device);
         if result.is_err() {
             // Names this rank created and had not unlinked yet (absent ones are fine).
-            let prefix = format!("/dev/shm/oxccl-{:08x}-{}", id_tag(id), std::process::id());
+            let prefix = format!("/dev/shm/oxccl-{tag:08x}-{}", std::process::id());
             let _ = std::fs::remove_file(format!("{prefix}-r{rank}"));
             let _ = std::fs::remove_file(format!("{prefix}-r{rank}-abort"));
             let _ = std::fs::remove_file(format!("{prefix}-r{rank}-tree"));
@@ -379,12 +178,7 @@ impl Comm {
         result
     }
 
-    pub(super) fn init_rank_inner(
-        nranks: usize,
-        id: &crate::bootstrap::UniqueId,
-        rank: usize,
-        device: Device,
-    ) -> Result<Comm> {
+    fn init_rank_inner(nranks: usize, join: Join<'_>, tag: u64, rank: usize, device: Device) -> Result<Comm> {
         if nranks == 0 || rank >= nranks {
             return Err(Error::invalid(format!(
                 "rank {rank} is out of range for nranks {nranks} (accepted: 0..{nranks})"
@@ -412,7 +206,11 @@ impl Comm {
             Ok((params, selection, ctx, near))
         })();
         phases.mark("settings, device context and topology hook");
-        let bootstrap = crate::bootstrap::Bootstrap::init(id, rank, nranks)?;
+        let (bootstrap, process) = match join {
+            Join::Id(id) => (crate::bootstrap::Bootstrap::init(id, rank, nranks)?, None),
+            Join::InProcess { bootstrap, process, .. } => (bootstrap, Some(process)),
+        };
+        let in_process = process.is_some();
         phases.mark("bootstrap ring");
         let ((params, mut selection, ctx, _near), all) = bootstrap.allgather_checked(
             local,
@@ -431,10 +229,11 @@ impl Comm {
             .clamp(1, MAX_CHANNELS as u32);
         let layout = ConnLayout::new(&params, nch);
         let _span = tracing::debug_span!(target: "oxccl::init", "init_rank", rank, nranks, nch).entered();
-        // Names after the id and the creating process: unique among live processes.
-        let prefix = format!("oxccl-{:08x}-{}", id_tag(id), std::process::id());
+        // Names after the id (or the process group) and the creating process: unique among live
+        // processes.
+        let prefix = format!("oxccl-{tag:08x}-{}", std::process::id());
         let own_name = format!("{prefix}-r{rank}");
-        let own = OwnConn::alloc(ctx.as_ref(), &layout, &own_name, params.initial_step)?;
+        let own = OwnConn::alloc(ctx.as_ref(), &layout, &own_name, params.initial_step, in_process)?;
         // The shared abort page is per host (a rank cannot map another host's /dev/shm): every
         // rank offers one, and the ranks of a host use that of its lowest rank (the others drop
         // theirs once the peers are known).
@@ -512,7 +311,25 @@ impl Comm {
         // Channels no call would use are not connected (over NET each costs two proxied socket
         // connections with their threads). The connection memory keeps its layout of
         // `layout.nch` channels; only the first `nch` are set up and used.
-        let nch = crate::tuning::Model::for_fabric(fabric).connected_channels(nch, params.min_nchannels);
+        let mut nch = crate::tuning::Model::for_fabric(fabric).connected_channels(nch, params.min_nchannels);
+        // Ranks sharing a GPU (OXCCL_ALLOW_SHARED_DEVICE=1) spin in kernels that must all be
+        // resident at once: at most SMs / ranks-per-GPU channels (one block each) per rank, or
+        // blocks waiting for an SM would wait forever for peers that cannot finish. Decided from
+        // every rank's information, so all agree.
+        let same_gpu = |a: &PeerInfo, b: &PeerInfo| a.cuda && b.cuda && a.host == b.host && a.bus_id == b.bus_id;
+        let per_gpu = peers
+            .iter()
+            .map(|a| peers.iter().filter(|b| same_gpu(a, b)).count())
+            .max()
+            .unwrap_or(1);
+        if per_gpu > 1 {
+            let sms = peers.iter().filter(|p| p.cuda).map(|p| p.sms).min().unwrap_or(1);
+            let cap = (sms / per_gpu as u32).max(1);
+            if nch > cap {
+                tracing::info!(target: "oxccl::init", rank, "{per_gpu} ranks share a GPU: {nch} channels capped to {cap} (SMs per rank)");
+                nch = cap;
+            }
+        }
         let rings = Arc::new(rings.first_channels(nch as usize));
         phases.mark("ring search and all-gather");
         let leader = peers
@@ -696,6 +513,7 @@ impl Comm {
             ctx: ctx.as_ref(),
             device,
             wanted: selection.algos.0[Algo::Tree as usize],
+            test_nodes: if in_process { test_nodes(nranks)? } else { None },
             shm_name: peers[rank].tree_shm_name(),
             abort: proxy_abort,
             topo: &topo,
@@ -717,7 +535,7 @@ impl Comm {
         for (split, ck) in own_split.iter_mut().zip(&chan_kinds) {
             for (at, &kind) in split.iter_mut().zip(ck) {
                 *at = match (&own, kind) {
-                    (OwnConn::Shm(s), _) => s.addr(),
+                    (OwnConn::Shm(_) | OwnConn::Host(_), _) => own.base(),
                     (OwnConn::Dev(m), TransportKind::P2p) => m.ptr,
                     (OwnConn::Dev(_), TransportKind::Shm) => {
                         host_conns.shm.as_ref().map_or(0, |m| m.dev_base())
@@ -769,7 +587,7 @@ impl Comm {
         bootstrap.barrier()?;
         let unlinked = match &own {
             OwnConn::Shm(s) => s.unlink(),
-            OwnConn::Dev(_) => Ok(()),
+            OwnConn::Host(_) | OwnConn::Dev(_) => Ok(()),
         }
         .and(host_conns.shm.as_ref().map_or(Ok(()), |m| m.seg.unlink()))
         .and(rank_trees::unlink(&tree_mem));
@@ -810,9 +628,26 @@ impl Comm {
             synced: std::sync::atomic::AtomicBool::new(false),
             bootstrap,
         };
+        // Direct pointers (NCCL's P2P/direct): the ranks of a process group share one address
+        // space; when every ring pair is P2P, a Simple step goes straight into the receiver's
+        // output. Decided from every pair, so both ends of each connection agree.
+        let direct = in_process
+            && nranks > 1
+            && params.p2p_direct
+            && (0..nranks).all(|a| {
+                (0..nch as usize).all(|c| select_transport(&mp.peers, a, rings.next(c, a)) == TransportKind::P2p)
+            });
+        // The ranks of this process group on this rank's GPU (their launches go in step).
+        let sharing: Vec<usize> = match &process {
+            Some(_) if is_cuda => (0..nranks)
+                .filter(|&p| p != rank && mp.peers[p].pid == mp.peers[rank].pid && mp.peers[p].dev == device_index(device))
+                .collect(),
+            _ => Vec::new(),
+        };
         let block_bytes = comm_block_bytes(nch as usize, nranks);
-        let (dev_comm, res) = match (own, ctx) {
-            (OwnConn::Shm(seg), None) => {
+        let inflight = Arc::new(AtomicUsize::new(0));
+        let (dev_comm, res, member) = match (own, ctx) {
+            (own @ (OwnConn::Shm(_) | OwnConn::Host(_)), None) => {
                 let comm_mem = HostMem::zeroed(block_bytes)?;
                 let mut bytes = build_comm_block(
                     rank,
@@ -827,21 +662,25 @@ impl Comm {
                 );
                 net_step_sizes(&mut bytes, &layout, &net_staging);
                 set_trees(&mut bytes, tree_array);
+                if direct {
+                    bytes = direct_pointers(bytes, nch, nranks, &params);
+                }
                 // SAFETY: the block was allocated with exactly this size; nothing else uses it yet.
                 unsafe {
                     std::ptr::copy_nonoverlapping(bytes.as_ptr(), comm_mem.addr() as *mut u8, bytes.len())
                 };
                 let dev_comm = comm_mem.addr();
                 let group = Arc::new(CpuGroup {
-                    comm_mem: vec![comm_mem],
-                    _conn_mem: Vec::new(),
-                    abort: Vec::new(),
-                    inflight: Vec::new(),
-                    running: Vec::new(),
-                    _shm: vec![seg],
-                    mp: Some(mp),
+                    comm_mem,
+                    running: AtomicUsize::new(0),
+                    _own: own,
+                    mp,
                 });
-                (dev_comm, Res::Cpu(CpuRes { group, slot: 0 }))
+                let member = Member::Cpu {
+                    group: group.clone(),
+                    inflight: inflight.clone(),
+                };
+                (dev_comm, Res::Cpu(CpuRes { group }), member)
             }
             (OwnConn::Dev(mem), Some(ctx)) => {
                 let block = cuda::DevAlloc::zeroed(&ctx, block_bytes)?;
@@ -850,31 +689,46 @@ impl Comm {
                 );
                 net_step_sizes(&mut bytes, &layout, &net_staging);
                 set_trees(&mut bytes, tree_array);
+                if direct {
+                    bytes = direct_pointers(bytes, nch, nranks, &params);
+                }
                 block.write(0, &bytes)?;
                 let dev_comm = block.ptr;
                 let launch = LaunchState::new(&ctx)?;
                 let group = Arc::new(CudaGroup {
-                    _comm_mem: vec![block],
+                    _comm_mem: block,
                     // Without a P2P neighbour no one maps the device block: freed now.
                     _conn_mem: if uses_dev { vec![mem] } else { Vec::new() },
-                    abort: Vec::new(),
-                    launches: Vec::new(),
-                    mp: Some(mp),
+                    mp,
                 });
-                (
-                    dev_comm,
-                    Res::Cuda(CudaRes {
-                        ctx,
-                        group,
-                        launch,
-                        sharing: Vec::new(),
-                    }),
-                )
+                let member = Member::Cuda {
+                    group: group.clone(),
+                    launch: launch.clone(),
+                };
+                let res = Res::Cuda(CudaRes {
+                    ctx,
+                    group,
+                    launch,
+                    sharing,
+                });
+                (dev_comm, res, member)
             }
             _ => return Err(Error::Internal("connection memory of the wrong kind".into())),
         };
+        // A process group: every rank is registered before any returns (so an abort or a
+        // launch sees them all).
+        if let Some(process) = &process {
+            if process.members[rank].set(member).is_err() {
+                return Err(Error::Internal(format!("rank {rank} registered twice in its process group")));
+            }
+            let bootstrap = match &res {
+                Res::Cuda(r) => &r.group.mp.bootstrap,
+                Res::Cpu(r) => &r.group.mp.bootstrap,
+            };
+            bootstrap.barrier()?;
+        }
         phases.mark("barrier and device block");
-        tracing::debug!(target: "oxccl::init", rank, nranks, nch, cuda = is_cuda, total_ms = phases.total_ms(), "init_rank communicator ready");
+        tracing::debug!(target: "oxccl::init", rank, nranks, nch, cuda = is_cuda, in_process, direct, total_ms = phases.total_ms(), "communicator ready");
         Ok(Comm {
             rank,
             nranks,
@@ -884,14 +738,15 @@ impl Comm {
             nchannels: nch,
             dev_comm,
             res,
-            inflight: Arc::new(AtomicUsize::new(0)),
+            inflight,
             last: Mutex::new(None),
             trees: comm_trees,
             rings,
             finalized: std::sync::atomic::AtomicBool::new(false),
             fabric,
             conn_bytes: layout.bytes(),
-            direct: false,
+            direct,
+            process,
         })
     }
 
@@ -970,4 +825,30 @@ impl InitPhases {
 /// A short tag of a unique id, so segment names of different communicators never collide.
 pub(super) fn id_tag(id: &crate::bootstrap::UniqueId) -> u64 {
     crate::hash::fnv1a_64(&id.to_bytes()) & 0xffff_ffff
+}
+
+/// How the ranks of a communicator meet: through the bootstrap of a unique id (TCP,
+/// [`Comm::init_rank`]) or through an in-process bootstrap with the other ranks of one
+/// [`Comm::init_all`] (`tag` names their `/dev/shm` segments).
+pub(super) enum Join<'a> {
+    Id(&'a crate::bootstrap::UniqueId),
+    InProcess {
+        bootstrap: crate::bootstrap::Bootstrap,
+        process: Arc<ProcessGroup>,
+        tag: u64,
+    },
+}
+
+/// A tag for the `/dev/shm` names of one `init_all` (unique within this process's lifetime;
+/// the names also carry the process id).
+fn local_tag() -> u64 {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    (NEXT.fetch_add(1, Ordering::Relaxed) as u64 | 0x8000_0000) & 0xffff_ffff
+}
+
+/// The device index of `device` (CUDA ordinal or CPU-target index), as [`PeerInfo::dev`].
+fn device_index(device: Device) -> usize {
+    match device {
+        Device::Cuda(o) | Device::Cpu(o) => o,
+    }
 }

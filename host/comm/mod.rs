@@ -98,6 +98,8 @@ pub struct Comm {
     conn_bytes: u64,
     /// Whether the ring connections have pointer exchanges ([`Comm::direct_pointer`]).
     direct: bool,
+    /// The ranks of this rank's [`Comm::init_all`]; `None` for [`Comm::init_rank`].
+    process: Option<Arc<ProcessGroup>>,
 }
 
 enum Res {
@@ -109,49 +111,86 @@ struct CudaRes {
     ctx: Arc<cuda::Context>,
     group: Arc<CudaGroup>,
     launch: Arc<LaunchState>,
-    /// `init_all`: the other ranks of the group on this rank's GPU, whose launches this rank's
-    /// next launch waits for ([`wait_launches`]); empty for `init_rank`.
+    /// The other ranks of this rank's process group on its GPU, whose launches this rank's next
+    /// launch waits for ([`wait_launches`]); empty outside a process group.
     sharing: Vec<usize>,
 }
-/// the sender's own kernel has finished), so no rank's memory may go before every rank is done.
+
+/// A CUDA rank's memory and its links to its peers. Peers' kernels write into this memory, and
+/// with direct pointers into the caller's buffers, so it is freed only after the teardown
+/// barrier (across processes) or once every rank of its process group is gone.
 struct CudaGroup {
-    _comm_mem: Vec<cuda::DevAlloc>,
+    _comm_mem: cuda::DevAlloc,
     _conn_mem: Vec<cuda::DevAlloc>,
-    /// `init_all`: every rank's abort flag (empty for `init_rank`, whose flags live in `mp`).
-    abort: Vec<cuda::HostMapped>,
-    /// `init_all`: every rank's last launch (empty for `init_rank`).
-    launches: Vec<Arc<LaunchState>>,
-    /// `init_rank`: bootstrap, peer mappings, shared abort page.
-    mp: Option<InitRankRes>,
+    /// Bootstrap, peer mappings, shared abort page.
+    mp: InitRankRes,
 }
 
-/// The CPU target keeps every rank's memory alive until the last queued operation of any rank is
-/// done: a rank's blocks write into its neighbours' FIFOs.
+/// The CPU target keeps a rank's memory alive until its last queued operation is done (and, in
+/// a process group, until every rank of the group is: a rank's blocks write into its
+/// neighbours' FIFOs).
 struct CpuRes {
     group: Arc<CpuGroup>,
-    /// This rank's index in the group's `comm_mem`/`abort` (its rank for `init_all`, 0 for
-    /// `init_rank`).
-    slot: usize,
 }
 
 struct CpuGroup {
-    comm_mem: Vec<HostMem>,
-    _conn_mem: Vec<HostMem>,
-    abort: Vec<HostMem>,
-    /// `init_all`: every rank's count of queued operations (empty for `init_rank`).
-    inflight: Vec<Arc<AtomicUsize>>,
-    /// `init_all`: every rank's count of operations whose blocks are running now, a subset of
-    /// `inflight` (empty for `init_rank`). A running CPU kernel whose abort flag is raised ends
-    /// at its next wait, however long its current copy takes.
-    running: Vec<AtomicUsize>,
-    /// `init_rank`: this rank's connection memory, shared with its ring neighbours.
-    _shm: Vec<crate::cpu::ShmSegment>,
-    /// `init_rank`: bootstrap, peer mappings, shared abort page.
-    mp: Option<InitRankRes>,
+    comm_mem: HostMem,
+    /// This rank's count of operations whose blocks are running now, a subset of its queued
+    /// ones. A running CPU kernel whose abort flag is raised ends at its next wait, however long
+    /// its current copy takes.
+    running: AtomicUsize,
+    /// This rank's connection memory, shared with its ring neighbours.
+    _own: OwnConn,
+    /// Bootstrap, peer mappings, shared abort page.
+    mp: InitRankRes,
 }
 
-/// What an `init_rank` communicator holds besides its own memory: the bootstrap, the gathered
-/// peer information, its mappings of ring neighbours' memory and the shared abort page.
+/// The ranks of one [`Comm::init_all`] (NCCL's `ncclCommInitAll`: a group of `ncclCommInitRank`
+/// in one process, met through an in-process bootstrap): what each rank needs of the others of
+/// its process beyond its connections — their launches (ranks sharing a GPU launch in step),
+/// their queued operations and communicator blocks (an abort with direct pointers waits for
+/// them and marks them) — and every rank's memory, kept until the last rank of the group is
+/// dropped (their kernels write into each other's memory, with direct pointers into the
+/// caller's buffers).
+pub(super) struct ProcessGroup {
+    members: Vec<std::sync::OnceLock<Member>>,
+}
+
+/// One rank of a [`ProcessGroup`].
+enum Member {
+    Cuda {
+        group: Arc<CudaGroup>,
+        launch: Arc<LaunchState>,
+    },
+    Cpu {
+        group: Arc<CpuGroup>,
+        inflight: Arc<AtomicUsize>,
+    },
+}
+
+impl ProcessGroup {
+    fn new(nranks: usize) -> ProcessGroup {
+        ProcessGroup {
+            members: (0..nranks).map(|_| std::sync::OnceLock::new()).collect(),
+        }
+    }
+
+    /// The members registered so far, by rank (every rank once init has returned).
+    fn members(&self) -> impl Iterator<Item = (usize, &Member)> {
+        self.members.iter().enumerate().filter_map(|(r, m)| m.get().map(|m| (r, m)))
+    }
+
+    /// Rank `r`'s launch state (CUDA ranks).
+    fn launch(&self, r: usize) -> Option<&Arc<LaunchState>> {
+        match self.members.get(r)?.get()? {
+            Member::Cuda { launch, .. } => Some(launch),
+            Member::Cpu { .. } => None,
+        }
+    }
+}
+
+/// What a communicator holds besides its own memory: the bootstrap, the gathered peer
+/// information, its mappings of its neighbours' memory and the shared abort page.
 struct InitRankRes {
     rank: usize,
     peers: Vec<PeerInfo>,
@@ -172,7 +211,6 @@ struct InitRankRes {
     synced: std::sync::atomic::AtomicBool,
     bootstrap: crate::bootstrap::Bootstrap,
 }
-
 
 impl Comm {
     /// This communicator's rank.
@@ -210,6 +248,13 @@ impl Comm {
     /// with NCCL).
     pub fn direct_pointer(&self) -> bool {
         self.direct
+    }
+    /// The transport this rank's connections to `peer` use (NCCL's "via P2P/SHM/NET" of its
+    /// `Channel` log lines): the one choice per pair ([`crate::transport`]), the same on both
+    /// ends, for rings and trees alike; P2P for `peer == rank`. `None` for `peer` outside
+    /// `0..nranks()`.
+    pub fn transport_to(&self, peer: usize) -> Option<crate::transport::TransportKind> {
+        (peer < self.nranks).then(|| select_transport(&self.init_rank_res().peers, self.rank, peer))
     }
     /// The parameters this communicator was created with.
     pub fn params(&self) -> &Params {
@@ -255,31 +300,27 @@ impl Comm {
     }
 
 
-    /// The `init_rank` state (bootstrap, peers, shared abort page); `None` for `init_all`.
-    fn init_rank_res(&self) -> Option<&InitRankRes> {
+    /// The bootstrap, peers, links and shared abort page of this rank.
+    fn init_rank_res(&self) -> &InitRankRes {
         match &self.res {
-            Res::Cuda(r) => r.group.mp.as_ref(),
-            Res::Cpu(r) => r.group.mp.as_ref(),
+            Res::Cuda(r) => &r.group.mp,
+            Res::Cpu(r) => &r.group.mp,
         }
     }
 }
 
 impl Drop for CudaGroup {
-    /// `init_rank`: the teardown barrier before any memory is freed (see
-    /// [`InitRankRes::sync_teardown`]); errors are logged there.
+    /// The teardown barrier before any memory is freed (see [`InitRankRes::sync_teardown`]);
+    /// errors are logged there.
     fn drop(&mut self) {
-        if let Some(mp) = &self.mp {
-            let _ = mp.sync_teardown();
-        }
+        let _ = self.mp.sync_teardown();
     }
 }
 
 impl Drop for CpuGroup {
     /// As for [`CudaGroup`].
     fn drop(&mut self) {
-        if let Some(mp) = &self.mp {
-            let _ = mp.sync_teardown();
-        }
+        let _ = self.mp.sync_teardown();
     }
 }
 

@@ -1,4 +1,4 @@
-//! The trees of [`Comm::init_rank`] communicators that span several hosts (NCCL's
+//! The trees of communicators that span several hosts (or test nodes) (NCCL's
 //! `connectTrees`, then `ncclTransportP2pSetup` for the tree peers): the double binary tree
 //! across the hosts with a chain inside each, connected over whatever transport each tree edge
 //! needs — P2P or SHM inside a host, NET between hosts.
@@ -95,6 +95,9 @@ pub(super) struct TreeSetup<'a> {
     pub device: Device,
     /// `NCCL_ALGO` allows the tree (the same on every rank: `init_rank` checks it first).
     pub wanted: bool,
+    /// Test hook `OXCCL_TEST_NODES` ([`test_nodes`]): the ranks split into this many nodes of
+    /// consecutive ranks instead of by host (transports unchanged).
+    pub test_nodes: Option<usize>,
     /// Name of this rank's `/dev/shm` segment for SHM tree peers.
     pub shm_name: String,
     /// Where the proxy raises a failed NET tree connection.
@@ -170,8 +173,9 @@ struct Offer {
     desc: ConnDesc,
 }
 
-/// Sets up the trees of an `init_rank` communicator whose ranks are on two or more hosts; `None`
-/// (on every rank alike) for one host or when `NCCL_ALGO` excludes the tree. Every rank calls it
+/// Sets up the trees of a communicator whose ranks are on two or more hosts (or test nodes,
+/// [`TreeSetup::test_nodes`]); `None` (on every rank alike) for one host or when `NCCL_ALGO`
+/// excludes the tree. Every rank calls it
 /// at the same point of init (it all-gathers through the bootstrap).
 ///
 /// Errors: a tree pattern hook that is not valid, memory that cannot be allocated, a network
@@ -180,7 +184,13 @@ struct Offer {
 /// connections ([`crate::transport::connect_planned`]).
 pub(super) fn setup(s: &TreeSetup<'_>) -> Result<Option<RankTrees>> {
     let (me, nranks) = (s.rank, s.peers.len());
-    let chains = host_chains(s.peers, s.rings);
+    let chains = match s.test_nodes {
+        Some(nnodes) => {
+            let k = nranks / nnodes;
+            (0..nnodes).map(|n| (n * k..(n + 1) * k).collect()).collect()
+        }
+        None => host_chains(s.peers, s.rings),
+    };
     if chains.len() < 2 || !s.wanted {
         return Ok(None);
     }
@@ -225,9 +235,14 @@ pub(super) fn setup(s: &TreeSetup<'_>) -> Result<Option<RankTrees>> {
                     TreeMem::Dev(m)
                 }
                 (TransportKind::P2p, None) => {
-                    return Err(Error::Internal(format!(
-                        "rank {me}: P2P chosen between CPU-target ranks"
-                    )));
+                    // CPU-target ranks of one process (P2P only between those).
+                    let m = HostMem::zeroed(bytes)?;
+                    for &off in &counters {
+                        // SAFETY: the counters lie inside the fresh block; no peer knows it yet.
+                        unsafe { ((m.addr() + off) as *mut u64).write(step) };
+                    }
+                    desc = ConnDesc::Local(m.addr());
+                    TreeMem::Host(m)
                 }
                 (TransportKind::Shm, None) => {
                     let seg = crate::cpu::ShmSegment::create(&s.shm_name, bytes)?;

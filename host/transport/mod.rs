@@ -77,6 +77,8 @@ pub(crate) struct PeerInfo {
     pub(crate) dev: usize,
     /// PCI bus id of the GPU (CUDA); empty on the CPU target.
     pub(crate) bus_id: String,
+    /// Multiprocessors of the GPU (CUDA; 0 on the CPU target): ranks sharing a GPU split them.
+    pub(crate) sms: u32,
     /// Host name (or `OXCCL_HOSTID`): ranks with equal names are on one host (NCCL's hostHash).
     pub(crate) host: String,
     pub(crate) pid: u32,
@@ -110,6 +112,9 @@ pub(crate) struct PeerInfo {
 pub(crate) enum ConnDesc {
     /// CPU target: a `/dev/shm` segment name.
     Shm(String),
+    /// CPU target, ranks of one in-process bootstrap (`Comm::init_all`): the address of the
+    /// owner's memory, valid in this process only.
+    Local(u64),
     /// CUDA: the device pointer in the owner's process and its IPC handle.
     Ipc {
         ptr: u64,
@@ -118,10 +123,11 @@ pub(crate) enum ConnDesc {
 }
 
 impl ConnDesc {
-    /// `shm NAME` or `ipc PTR HANDLE` (hex), one line.
+    /// `shm NAME`, `local ADDR` or `ipc PTR HANDLE` (hex), one line.
     pub(crate) fn encode(&self) -> String {
         match self {
             ConnDesc::Shm(name) => format!("shm {name}"),
+            ConnDesc::Local(addr) => format!("local {addr:x}"),
             ConnDesc::Ipc { ptr, handle } => format!(
                 "ipc {ptr:x} {}",
                 handle.iter().map(|b| format!("{b:02x}")).collect::<String>()
@@ -133,6 +139,7 @@ impl ConnDesc {
     pub(crate) fn decode(s: &str) -> Option<ConnDesc> {
         match s.split(' ').collect::<Vec<_>>()[..] {
             ["shm", name] => Some(ConnDesc::Shm(name.to_string())),
+            ["local", addr] => Some(ConnDesc::Local(u64::from_str_radix(addr, 16).ok()?)),
             ["ipc", ptr, hex] if hex.len() == 2 * cuda::IPC_HANDLE_BYTES => {
                 let mut handle = [0u8; cuda::IPC_HANDLE_BYTES];
                 for (i, h) in handle.iter_mut().enumerate() {
@@ -174,6 +181,10 @@ impl PeerInfo {
                 Some(c) => c.bus_id()?,
                 None => String::new(),
             },
+            sms: match ctx {
+                Some(c) => c.multiprocessor_count()?,
+                None => 0,
+            },
             host,
             pid,
             start_time: proc_start(pid).map_or(0, |(t, _)| t),
@@ -212,6 +223,7 @@ impl PeerInfo {
             u8::from(self.shm_disable).to_string(),
             self.shm_name.clone(),
             self.p2p_level.map_or("-", |l| l.as_str()).to_string(),
+            self.sms.to_string(),
         ]
         .join("\n")
     }
@@ -221,8 +233,8 @@ impl PeerInfo {
         let bad = |what: &str| Error::Remote(format!("rank {rank} sent malformed peer information ({what})"));
         let text = std::str::from_utf8(b).map_err(|_| bad("not UTF-8"))?;
         let f: Vec<&str> = text.split('\n').collect();
-        if f.len() != 14 {
-            return Err(bad(&format!("{} fields, expected 14", f.len())));
+        if f.len() != 15 {
+            return Err(bad(&format!("{} fields, expected 15", f.len())));
         }
         let num = |i: usize, what: &str| f[i].parse::<u64>().map_err(|_| bad(what));
         let conn = ConnDesc::decode(f[9]).ok_or_else(|| bad("connection descriptor"))?;
@@ -249,6 +261,7 @@ impl PeerInfo {
                 v => Some(crate::params::parse_p2p_level("NCCL_P2P_LEVEL", v).map_err(|_| bad("P2P level"))?),
             },
             p2p_denied: Vec::new(),
+            sms: num(14, "multiprocessors")? as u32,
         })
     }
 
@@ -933,24 +946,57 @@ mod tests {
     }
 
     #[test]
+    fn cpu_ranks_of_one_process_use_p2p_only_with_in_process_memory() {
+        use TransportKind::*;
+        let cpu = |pid: u32, conn: ConnDesc, p2p_disable: bool| PeerInfo {
+            cuda: false,
+            bus_id: String::new(),
+            conn,
+            p2p_disable,
+            ..cuda_peer("", "h", pid)
+        };
+        let local = |a| ConnDesc::Local(a);
+        let shm = |n: &str| ConnDesc::Shm(n.into());
+        let cases = [
+            (cpu(7, local(0x1000), false), cpu(7, local(0x2000), false), P2p),
+            // init_rank ranks of one process (segments), other processes, P2P disabled: SHM.
+            (cpu(7, shm("a"), false), cpu(7, shm("b"), false), Shm),
+            (cpu(7, local(0x1000), false), cpu(8, local(0x2000), false), Shm),
+            (cpu(7, local(0x1000), true), cpu(7, local(0x2000), false), Shm),
+        ];
+        for (a, b, want) in cases {
+            let pair = [a, b];
+            assert_eq!(select_transport(&pair, 0, 1), want, "{:?} / {:?}", pair[0].conn, pair[1].conn);
+            assert_eq!(select_transport(&pair, 1, 0), want);
+        }
+    }
+
+    #[test]
     fn peer_info_round_trips() {
         let mut p = cuda_peer("0000:18:00.0", "node a", 4242);
         p.abort_page = "oxccl-1-2-abort".into();
         p.shm_disable = true;
         p.p2p_level = Some(crate::topo::PathType::Pxb);
+        p.sms = 132;
         assert_eq!(PeerInfo::decode(0, p.encode().as_bytes()).unwrap(), p);
         let q = PeerInfo {
             cuda: false,
             bus_id: String::new(),
+            sms: 0,
             conn: ConnDesc::Shm("oxccl-1-2-r1".into()),
             p2p_level: None,
-            ..p
+            ..p.clone()
         };
         assert_eq!(PeerInfo::decode(1, q.encode().as_bytes()).unwrap(), q);
+        let l = PeerInfo {
+            conn: ConnDesc::Local(0x7f00_1234_5000),
+            ..q
+        };
+        assert_eq!(PeerInfo::decode(2, l.encode().as_bytes()).unwrap(), l);
         let e = PeerInfo::decode(3, b"cuda\n0").unwrap_err();
         assert_eq!(
             e.to_string(),
-            "remote error: rank 3 sent malformed peer information (2 fields, expected 14)"
+            "remote error: rank 3 sent malformed peer information (2 fields, expected 15)"
         );
     }
 
@@ -1087,6 +1133,7 @@ pub(crate) mod test_peers {
             shm_disable: false,
             p2p_level: None,
             p2p_denied: Vec::new(),
+            sms: 0,
             shm_name: format!("oxccl-1-{pid}-r0"),
             nch: 4,
             conn_bytes: 1 << 20,

@@ -2,7 +2,8 @@
 //! device memory.
 //!
 //! - Can connect ([`can_connect`], NCCL's `p2pCanConnect`): both ranks are CUDA devices of one
-//!   host, neither set `NCCL_P2P_DISABLE=1`, and `NCCL_P2P_LEVEL` (either rank's) allows the
+//!   host (or CPU-target ranks of one in-process bootstrap, whose memory is plain host memory of
+//!   one address space), neither set `NCCL_P2P_DISABLE=1`, and `NCCL_P2P_LEVEL` (either rank's) allows the
 //!   path between their GPUs. The level is applied with every rank's view: each rank finds the
 //!   pairs of its host that its level or theirs forbids, and the lists are all-gathered
 //!   ([`exchange_p2p_denied`]) so both ends of a pair decide alike.
@@ -16,10 +17,18 @@ use crate::error::{Error, Result};
 use crate::topo::{LocalTopo, PathType};
 
 /// Whether the P2P transport can connect ranks `a` and `b` (NCCL's `p2pCanConnect`): CUDA
-/// devices of one host, `NCCL_P2P_DISABLE` unset on both, and `denied` false (`NCCL_P2P_LEVEL`
-/// forbids P2P for the pair, see [`exchange_p2p_denied`]).
+/// devices of one host — or CPU-target ranks of one process whose connection memory is in that
+/// process ([`ConnDesc::Local`], the ranks of `Comm::init_all`) —, `NCCL_P2P_DISABLE` unset on
+/// both, and `denied` false (`NCCL_P2P_LEVEL` forbids P2P for the pair, see
+/// [`exchange_p2p_denied`]).
 pub(crate) fn can_connect(a: &PeerInfo, b: &PeerInfo, denied: bool) -> bool {
-    a.host == b.host && a.cuda && b.cuda && !a.p2p_disable && !b.p2p_disable && !denied
+    let devices = (a.cuda && b.cuda)
+        || (!a.cuda
+            && !b.cuda
+            && a.pid == b.pid
+            && matches!(a.conn, ConnDesc::Local(_))
+            && matches!(b.conn, ConnDesc::Local(_)));
+    a.host == b.host && devices && !a.p2p_disable && !b.p2p_disable && !denied
 }
 
 /// Fails with `System` "no transport can connect {pair}: peer access is not supported between
@@ -133,7 +142,7 @@ pub(crate) fn connect(
             tracing::debug!(target: "oxccl::init", rank = me, peer, "P2P/IPC");
             Ok(P2pConn::Ipc(m))
         }
-        ConnDesc::Shm(_) => Err(Error::Internal(format!(
+        ConnDesc::Shm(_) | ConnDesc::Local(_) => Err(Error::Internal(format!(
             "rank {peer}'s connection descriptor does not match rank {me}'s device kind"
         ))),
     }
@@ -273,6 +282,7 @@ mod tests {
             shm_disable: false,
             p2p_level: None,
             p2p_denied: Vec::new(),
+            sms: 0,
             shm_name: String::new(),
             nch: 1,
             conn_bytes: 64,

@@ -13,7 +13,8 @@
 //! GPU tests in this binary take a lock so two communicators never spin on the same GPUs at once.
 use crate::common;
 
-use oxccl::{Device, Func};
+use oxccl::transport::TransportKind;
+use oxccl::{Device, Func, Proto};
 
 /// Every count of the CPU matrix, the large one for every dtype × op.
 const COUNTS: &[usize] = &[0, 1, 2, 3, 7, 1023, 1025, (1 << 16) + 3, (1 << 20) + 3];
@@ -100,51 +101,72 @@ gpu_tests! {
     AllReduce: all_reduce_1_gpu, all_reduce_2_gpus, all_reduce_2_ranks_1_gpu, all_reduce_all_gpus;
 }
 
-/// `NCCL_P2P_DISABLE=1` cannot be honoured by `init_all` (P2P is the only transport it sets up
-/// between GPUs): a 2-GPU `init_all` refuses it with `InvalidUsage` naming the variable and the
-/// way out (`init_rank`), instead of silently using P2P. One GPU is unaffected (no neighbour).
+/// `NCCL_P2P_DISABLE=1` on `init_all`: every pair of ranks uses SHM (connection memory in
+/// `/dev/shm`, registered with CUDA), as ranks in separate processes would, without direct
+/// pointers; LL128 is off (128-byte lines can arrive torn through host memory), so
+/// `NCCL_PROTO=LL128` is refused naming it, and every collective is exact on LL and Simple (the
+/// `run_collective` checks). 2 GPUs, or 2 ranks sharing GPU 0.
 #[test]
-fn init_all_refuses_p2p_disable() {
-    let Some(devices) = common::gpus_or_skip("init_all_refuses_p2p_disable", 2) else {
+fn init_all_with_p2p_disabled_uses_shm() {
+    let test = "init_all_with_p2p_disabled_uses_shm";
+    let Some(devices) = common::two_ranks_or_skip(test) else {
         return;
     };
-    let env = common::env::Env::clean(&["P2P_DISABLE", "PROTO", "ALGO"]);
+    // The GPU lock first, then the environment's (the order every GPU test takes them in).
+    let _gpu = common::gpu_lock();
+    let env = common::env::Env::clean(&["P2P_DISABLE", "P2P_LEVEL", "SHM_DISABLE", "PROTO", "ALGO"]);
     env.set(&[("NCCL_P2P_DISABLE", "1")]);
-    let e = common::init_all(&devices[..2])
-        .err()
-        .expect("init_all must refuse NCCL_P2P_DISABLE=1");
-    let m = e.to_string();
-    assert!(matches!(e, oxccl::Error::InvalidUsage(_)), "{m}");
-    assert!(m.contains("NCCL_P2P_DISABLE=1") && m.contains("init_rank"), "{m}");
-    let one = common::init_all(&devices[..1]).expect("one GPU needs no P2P");
-    assert_eq!(one.len(), 1);
+    let comms = common::init_all(&devices).expect("NCCL_P2P_DISABLE=1: SHM between the ranks");
+    for c in &comms {
+        assert_eq!(c.transport_to(1 - c.rank()), Some(TransportKind::Shm), "rank {}", c.rank());
+        assert!(!c.direct_pointer(), "rank {}: no direct pointers over SHM", c.rank());
+    }
+    for count in [1, 1025, 1 << 20] {
+        for in_place in [false, true] {
+            for c in common::all_reduce_f32(&comms, count, in_place) {
+                assert_ne!(c.proto, Proto::Ll128, "count {count}: LL128 through host memory");
+            }
+        }
+    }
+    drop(comms);
+    env.set(&[("NCCL_P2P_DISABLE", "1"), ("NCCL_PROTO", "LL128")]);
+    let e = common::init_all(&devices).err().expect("LL128 alone cannot run over SHM");
+    assert!(matches!(e, oxccl::Error::InvalidArgument(_)), "{e}");
+    assert!(e.to_string().contains("LL128 cannot run on this communicator"), "{e}");
+    env.set(&[("NCCL_P2P_DISABLE", "1")]);
+    for func in [Func::Broadcast, Func::Reduce, Func::AllGather, Func::ReduceScatter, Func::AllReduce] {
+        common::run_collective(
+            &format!("{test} {func:?}"),
+            &devices,
+            &common::Matrix {
+                func,
+                counts: &[0, 1, 3, 1025, (1 << 16) + 3, (1 << 20) + 3],
+                extra_counts: &[],
+                extra_pairs: &[],
+                protos: Some(&["LL", "Simple"]),
+            },
+        );
+    }
 }
 
-/// `NCCL_P2P_LEVEL` on `init_all`: `LOC` (P2P only within one GPU) cannot be honoured between two
-/// GPUs, so a 2-GPU `init_all` refuses it with `InvalidUsage` naming the variable, both devices
-/// and the way out; `SYS` (any path) allows P2P and the communicators run an exact AllReduce.
+/// `NCCL_P2P_LEVEL` on `init_all` between two GPUs: `LOC` (P2P only within one GPU) forbids
+/// P2P, so the pair uses SHM (as NCCL's `p2pCanConnect` refusal); `SYS` (any path) allows it.
+/// AllReduce exact both ways.
 #[test]
 fn init_all_honours_p2p_level() {
     let Some(devices) = common::gpus_or_skip("init_all_honours_p2p_level", 2) else {
         return;
     };
-    // The GPU lock first, then the environment's (the order every GPU test takes them in).
     let _gpu = common::gpu_lock();
-    let env = common::env::Env::clean(&["P2P_LEVEL", "P2P_DISABLE", "PROTO", "ALGO"]);
-    env.set(&[("NCCL_P2P_LEVEL", "LOC")]);
-    let e = common::init_all(&devices[..2])
-        .err()
-        .expect("init_all must refuse NCCL_P2P_LEVEL=LOC between two GPUs");
-    let m = e.to_string();
-    assert!(matches!(e, oxccl::Error::InvalidUsage(_)), "{m}");
-    assert!(
-        m.contains("NCCL_P2P_LEVEL=LOC") && m.contains("CUDA device 0") && m.contains("init_rank"),
-        "{m}"
-    );
-    env.set(&[("NCCL_P2P_LEVEL", "SYS")]);
-    let comms = common::init_all(&devices[..2]).expect("NCCL_P2P_LEVEL=SYS allows P2P");
-    for in_place in [false, true] {
-        common::all_reduce_f32(&comms, 1000, in_place);
+    let env = common::env::Env::clean(&["P2P_LEVEL", "P2P_DISABLE", "SHM_DISABLE", "PROTO", "ALGO"]);
+    for (level, want) in [("LOC", TransportKind::Shm), ("SYS", TransportKind::P2p)] {
+        env.set(&[("NCCL_P2P_LEVEL", level)]);
+        let comms = common::init_all(&devices[..2]).expect("init_all under NCCL_P2P_LEVEL");
+        assert_eq!(comms[0].transport_to(1), Some(want), "NCCL_P2P_LEVEL={level}");
+        assert_eq!(comms[1].transport_to(0), Some(want), "NCCL_P2P_LEVEL={level}");
+        for in_place in [false, true] {
+            common::all_reduce_f32(&comms, 1000, in_place);
+        }
     }
 }
 

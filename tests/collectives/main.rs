@@ -2,7 +2,8 @@
 //! reason printed without them): the correctness matrix of every collective × protocol × dtype ×
 //! op (`matrix`, `all_reduce`, `block_threads`), the tree AllReduce (`tree`, and on LL and LL128:
 //! `tree_protocols`), the LL protocol's flag wrap (`ll_protocol`), PreMulSum (`premulsum`), rings
-//! that follow the topology (`ring_order`), direct writes into peers' outputs (`direct`), the
+//! that follow the topology (`ring_order`), direct writes into peers' outputs (`direct`), the transports between the ranks of
+//! one `init_all` (`in_process`), the
 //! field cases of CASES.md (`cases`), half and bfloat16 arithmetic (`half_math`), the embedded PTX
 //! (`kernels`), and the GPU runs (`gpu_all_reduce`, `gpu_collectives`, `gpu_direct`, `gpu_tree`).
 //!
@@ -22,6 +23,7 @@ mod gpu_collectives;
 mod gpu_direct;
 mod gpu_tree;
 mod half_math;
+mod in_process;
 mod kernels;
 mod ll_protocol;
 mod matrix;
