@@ -9,7 +9,7 @@
 //! |---|---|---|
 //! | public API | [`Comm`], [`Device`], [`DeviceBuffer`], [`Stream`], [`CommHandle`] ([`handle`]) | `nccl.h` |
 //! | communicator: type, resources, `Drop` | [`comm`] (`comm/mod.rs`) | `comm.h` |
-//! | init, peer info exchange, connecting the channels | `comm/init.rs`, `comm/peer_info.rs`, `comm/connect.rs` (test hooks: `comm/test_hooks.rs`) | `init.cc` |
+//! | init: one per-rank setup for `init_rank` and `init_all` (a group of it, in-process bootstrap), peer info exchange, connecting the channels | `comm/init.rs`, `comm/peer_info.rs`, `comm/connect.rs` (test hooks: `comm/test_hooks.rs`) | `init.cc` (`ncclCommInitRank`, `ncclCommInitAll`), `transport.cc` |
 //! | channels, rings and trees on the device | `comm/channel.rs`, `comm/rank_trees.rs` | `channel.cc`, `devCommSetup` |
 //! | the calls and their argument checks | `comm/collectives.rs` | `collectives.cc`, `argcheck.cc` |
 //! | plan and launch of a call | `comm/enqueue.rs` | `enqueue.cc` |
@@ -17,7 +17,7 @@
 //! | algorithm and protocol choice | [`tuning`] | `tuning.cc` |
 //! | transport choice and connection | [`transport`] (P2P → SHM → NET per pair, peer info), `transport/{p2p,shm,net,net_socket}.rs`, `transport/plugin/` | `transport.cc`, `transport/{p2p,shm,net,net_socket}.cc`, `plugin/net.cc` |
 //! | proxy thread (NET steps) | [`proxy`] | `proxy.cc`, `net.cc`'s progress |
-//! | bootstrap network, unique id | [`bootstrap`] | `bootstrap.cc`, `misc/socket.cc` |
+//! | bootstrap network, unique id; the in-process bootstrap of `init_all` | [`bootstrap`] | `bootstrap.cc`, `misc/socket.cc` |
 //! | topology: XML, detection, paths | [`topo`] | `graph/topo.cc`, `graph/xml.cc`, `graph/paths.cc` |
 //! | rings and trees of a node and across nodes | [`graph`] | `graph/search.cc`, `graph/connect.cc`, `graph/trees.cc` |
 //! | parameters (`NCCL_*` variables) | [`params`] | `NCCL_PARAM` |

@@ -52,7 +52,8 @@ pub struct Params {
     pub p2p_level: Option<PathType>,
     /// Whether same-process P2P ring connections write straight into the receiver's output
     /// (NCCL's "P2P/direct pointer"); `NCCL_P2P_DIRECT_DISABLE=1` / `OXCCL_P2P_DIRECT_DISABLE=1`
-    /// turns it off (0 or 1 accepted). Only `Comm::init_all` has such connections.
+    /// turns it off (0 or 1 accepted). Only `Comm::init_all` has such connections (when every ring
+    /// pair uses P2P).
     pub p2p_direct: bool,
     /// Threads per block on the CPU target (`OXCCL_CPU_NTHREADS`, oxccl spelling only): whole
     /// warps, a multiple of 32 in [32, 1024]; default [`DEFAULT_CPU_NTHREADS`]. A block's

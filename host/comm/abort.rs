@@ -14,7 +14,7 @@ pub(super) const ABORTED_HERE: u32 = 1;
 pub(super) use crate::proxy::ABORTED_BY_PEER;
 /// How long [`Comm::abort`] waits for in-flight operations to exit.
 pub(super) const ABORT_WAIT: Duration = Duration::from_secs(5);
-/// How long [`Comm::abort`] waits for the other ranks of its `init_all` group when they may write
+/// How long [`Comm::abort`] waits for the other ranks of its process group when they may write
 /// into its buffers directly: a running kernel stops within microseconds of its flag; only one
 /// queued behind other work takes longer, and that one checks the flag before writing.
 pub(super) const PEER_ABORT_WAIT: Duration = Duration::from_secs(1);
@@ -237,7 +237,7 @@ impl Comm {
     }
 
     /// The abort of a drop whose operations did not finish: this rank's flag (and, across
-    /// processes, the peers' through the shared page). With direct writes the whole `init_all`
+    /// processes, the peers' through the shared page). With direct writes the whole process
     /// group is aborted instead ([`Comm::abort`]): a peer's kernel may still be writing into this
     /// rank's buffers, which the caller frees once the drop returns.
     pub(super) fn abort_on_drop(&self) {
@@ -320,8 +320,7 @@ impl SharedAbort {
         }
     }
 
-    /// Raised in this rank's line by another rank: `Some(that rank)` (or `Some(None)` when the
-    /// flag was raised by an `init_all` peer).
+    /// Raised in this rank's line by another rank: `Some(that rank)`.
     pub(super) fn raised_by_peer(&self) -> Option<usize> {
         // SAFETY: the line lies in the mapped page, 4-byte aligned, accessed atomically.
         let (flag, who) = unsafe {

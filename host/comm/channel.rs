@@ -53,7 +53,7 @@ pub(super) fn net_step_sizes(block: &mut [u8], layout: &ConnLayout, staging: &[O
 }
 
 /// Gives both ring connections of each channel in `block` (a [`build_comm_block`] result of
-/// `Comm::init_all`, whose ranks share this process's address space) a pointer-exchange slot,
+/// a process group whose ring pairs all use P2P: its ranks share this process's address space) a pointer-exchange slot,
 /// [`PTR_EXCHANGE_OFFSET`] bytes past the connection's head counter (in the sender's memory), so
 /// the Simple protocol's direct verbs write into the receiver's output (NCCL's "P2P/direct
 /// pointer"). Unchanged for one rank or with `NCCL_P2P_DIRECT_DISABLE=1`. Every rank applies the

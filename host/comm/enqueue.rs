@@ -9,7 +9,7 @@
 //! that this kernel needs. Two places can:
 //!
 //! - **A kernel module load** may wait for every kernel running in the context (CUDA's "lazy
-//!   loading" caveat): before a rank loads one, every rank of its `init_all` group must have
+//!   loading" caveat): before a rank loads one, every rank of its process group must have
 //!   launched its earlier calls.
 //! - **A GPU's hardware queues.** Streams share the GPU's hardware queues
 //!   (`CUDA_DEVICE_MAX_CONNECTIONS`, 8 by default; fresh streams often land on the queue of a
@@ -96,7 +96,7 @@ pub struct Choice {
 
 
 /// A CUDA rank's last launch: an event recorded after its latest kernel, and whether it ever
-/// launched. Shared with its `init_all` group, so an abort can wait for the peers' kernels
+/// launched. Shared with its process group (`Comm::init_all`), so an abort can wait for the peers' kernels
 /// (direct writes land in user buffers, see [`Comm::abort`]).
 pub(super) struct LaunchState {
     pub(super) last_event: cuda::Event,
@@ -118,9 +118,6 @@ impl LaunchState {
         Ok(!self.launched.load(Ordering::Acquire) || self.last_event.is_complete()?)
     }
 }
-
-/// Every rank's device memory of one `init_all`, freed when the last rank is dropped: a rank's
-/// kernel writes into its neighbours' FIFOs and counters (the receiver's head credit can land after
 
 impl Comm {
     /// Algorithm, protocol, channels, chunk and slice for a call of `bytes` bytes (the seed's

@@ -1,6 +1,8 @@
-//! Communicator creation (NCCL's `init.cc`): [`Comm::init_all`] for the devices of one process,
-//! [`Comm::init_rank`] for one rank of a communicator that meets through a bootstrap, and
-//! [`Comm::from_env`] for launchers, and the timing of `init_rank`'s phases. What the ranks
+//! Communicator creation (NCCL's `init.cc`): one setup per rank (`init_rank_with`), reached by
+//! [`Comm::init_rank`] for one rank of a communicator that meets through a TCP bootstrap, by
+//! [`Comm::init_all`] for the devices of one process (a thread per rank, an in-process
+//! bootstrap: NCCL's `ncclCommInitAll` as a group of `ncclCommInitRank`), and by
+//! [`Comm::from_env`] for launchers; and the timing of the setup's phases. What the ranks
 //! exchange on the way is [`crate::transport::PeerInfo`], checked in `peer_info.rs` with the
 //! settings every rank must share; the channels and the communicator block are in `channel.rs`;
 //! the links to each neighbour in `connect.rs` (P2P in [`crate::transport::p2p`]).

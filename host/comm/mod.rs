@@ -20,13 +20,16 @@
 //! The transports themselves (peer information, the selection per pair, P2P with its
 //! `NCCL_P2P_LEVEL` rules and peer access, SHM, NET) are in [`crate::transport`].
 //!
-//! `Comm::init_all(devices)` creates one communicator per device in one process (NCCL's
-//! `ncclCommInitAll`). Each channel's ring follows the topology's searched ring order (NCCL's
-//! graph search, `AllGather3` merge and `setupChannel`: [`crate::graph::connect`]), or rank order
-//! where no topology applies. Each rank owns, per channel, a receive buffer of
-//! `NCCL_BUFFSIZE` bytes and two step counters (its send connection's head, its receive
-//! connection's tail); its ring neighbours write into them directly (P2P write over peer access on
-//! CUDA, plain host memory on the CPU target).
+//! Every communicator is built by one per-rank setup: `Comm::init_rank` (ranks meet through a TCP
+//! bootstrap) and `Comm::init_all(devices)` (a thread per device, an in-process bootstrap: NCCL's
+//! `ncclCommInitAll` as a group of `ncclCommInitRank`) differ only in how the ranks meet and in
+//! what the transport decides per pair. Each channel's ring follows the topology's searched ring
+//! order (NCCL's graph search, `AllGather3` merge and `setupChannel`: [`crate::graph::connect`]),
+//! or rank order where no topology applies. Each rank owns, per channel, a receive buffer of
+//! `NCCL_BUFFSIZE` bytes per protocol and two step counters (its send connection's head, its
+//! receive connection's tail); its ring neighbours write into them through the pair's transport
+//! (P2P: device pointer, CUDA IPC or, on the CPU target in one process, plain address; SHM; NET
+//! through the proxy). The ranks of one `init_all` also form a [`ProcessGroup`].
 use crate::cpu::{CpuStream, HostMem};
 use crate::cuda;
 use crate::error::{Error, Result};
@@ -85,10 +88,10 @@ pub struct Comm {
     inflight: Arc<AtomicUsize>,
     last: Mutex<Option<Choice>>,
     /// The double binary tree's connections, when the communicator spans several nodes and they
-    /// were set up (`init_rank` ranks on two or more hosts unless `NCCL_ALGO` excludes the tree
-    /// on some rank; `init_all` with `OXCCL_TEST_NODES`); `None` otherwise.
+    /// were set up (ranks on two or more hosts, or `init_all` with `OXCCL_TEST_NODES`, unless
+    /// `NCCL_ALGO` excludes the tree); `None` otherwise.
     trees: Option<CommTrees>,
-    /// Every channel's ring (NCCL's `channel->ring`), shared by the ranks of one `init_all`.
+    /// Every channel's ring (NCCL's `channel->ring`).
     rings: Arc<ChannelRings>,
     /// Set by [`Comm::finalize`]: later collectives are refused.
     finalized: std::sync::atomic::AtomicBool,
@@ -237,10 +240,11 @@ impl Comm {
         (channel < self.rings.nchannels()).then(|| self.rings.user_ranks(channel, self.rank))
     }
     /// Whether this rank's ring connections write straight into the receiver's output (NCCL's
-    /// "P2P/direct pointer"): the ranks of a `Comm::init_all` share one address space, so a
-    /// Broadcast, AllGather or AllReduce on the Simple protocol stores each hop's data in the
-    /// next rank's output instead of its FIFO, saving the receiver a copy. False for one rank,
-    /// for `Comm::init_rank` and with `NCCL_P2P_DIRECT_DISABLE=1`.
+    /// "P2P/direct pointer"): the ranks of a `Comm::init_all` share one address space, so when
+    /// every ring pair uses P2P a Broadcast, AllGather or AllReduce on the Simple protocol stores
+    /// each hop's data in the next rank's output instead of its FIFO, saving the receiver a
+    /// copy. False for one rank, for `Comm::init_rank`, when a ring pair uses SHM or NET, and
+    /// with `NCCL_P2P_DIRECT_DISABLE=1`.
     ///
     /// On GPUs the next rank's buffers must be reachable from this rank's device: true of
     /// `cuMemAlloc`/`cudaMalloc` memory once init_all has enabled peer access, not of `cuMemCreate`

@@ -8,7 +8,8 @@ use super::*;
 /// The node count of a [`Comm::init_all`] communicator (CPU target or CUDA) from the test hook
 /// `OXCCL_TEST_NODES=N` (oxccl spelling only): its ranks are split into `N` equal nodes of
 /// consecutive ranks — node `n` holds ranks `n·k .. (n+1)·k` with `k = nranks / N` — as if they ran
-/// on `N` hosts. Rings are unchanged; with `N ≥ 2` the double binary tree's connections are set up
+/// on `N` hosts, for the trees only (`rank_trees::setup` takes these nodes instead of the hosts).
+/// Rings and transports are unchanged; with `N ≥ 2` the double binary tree's connections are set up
 /// too, so `NCCL_ALGO=tree` can run (and the tuning model may choose the tree for AllReduce).
 /// `None` when unset or 1. Errors: `InvalidArgument` naming the variable unless `N` is a divisor
 /// of `nranks` in `1..=nranks`.
