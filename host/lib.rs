@@ -9,7 +9,7 @@
 //! |---|---|---|
 //! | public API | [`Comm`], [`Device`], [`DeviceBuffer`], [`Stream`], [`CommHandle`] ([`handle`]) | `nccl.h` |
 //! | communicator: type, resources, `Drop` | [`comm`] (`comm/mod.rs`) | `comm.h` |
-//! | init: one per-rank setup for `init_rank` and `init_all` (a group of it, in-process bootstrap), peer info exchange, connecting the channels | `comm/init.rs`, `comm/peer_info.rs`, `comm/connect.rs` (test hooks: `comm/test_hooks.rs`) | `init.cc` (`ncclCommInitRank`, `ncclCommInitAll`), `transport.cc` |
+//! | init: one per-rank setup for `init_rank` and `init_all` (a group of it, in-process bootstrap), peer info exchange, connecting the channels | `comm/init.rs`, `comm/peer_info.rs`, `transport/link.rs` (test hooks: `comm/test_hooks.rs`) | `init.cc` (`ncclCommInitRank`, `ncclCommInitAll`), `transport.cc` |
 //! | channels, rings and trees on the device | `comm/channel.rs`, `comm/rank_trees.rs` | `channel.cc`, `devCommSetup` |
 //! | the calls and their argument checks | `comm/collectives.rs` | `collectives.cc`, `argcheck.cc` |
 //! | plan and launch of a call | `comm/enqueue.rs` | `enqueue.cc` |

@@ -533,6 +533,13 @@ impl ConnLayout {
     pub(super) fn ll128(&self, base: u64, c: u64) -> u64 {
         self.ll(base, c) + self.ll_buffsize
     }
+    /// Offsets of every channel's two step counters (head, tail) from the block's start.
+    pub(super) fn counter_offsets(&self) -> Vec<u64> {
+        (0..self.nch)
+            .flat_map(|c| [self.head(0, c), self.tail(0, c)])
+            .collect()
+    }
+
     pub(super) fn head(&self, base: u64, c: u64) -> u64 {
         base + self.nch * self.per_channel() + c * COUNTERS_BYTES
     }

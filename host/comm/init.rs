@@ -5,7 +5,7 @@
 //! [`Comm::from_env`] for launchers; and the timing of the setup's phases. What the ranks
 //! exchange on the way is [`crate::transport::PeerInfo`], checked in `peer_info.rs` with the
 //! settings every rank must share; the channels and the communicator block are in `channel.rs`;
-//! the links to each neighbour in `connect.rs` (P2P in [`crate::transport::p2p`]).
+//! the links to each neighbour through the pair's transport ([`crate::transport`]).
 use super::*;
 
 pub(super) fn check_devices(devices: &[Device]) -> Result<()> {
@@ -235,7 +235,14 @@ impl Comm {
         // processes.
         let prefix = format!("oxccl-{tag:08x}-{}", std::process::id());
         let own_name = format!("{prefix}-r{rank}");
-        let own = OwnConn::alloc(ctx.as_ref(), &layout, &own_name, params.initial_step, in_process)?;
+        let own = OwnConn::alloc(
+            ctx.as_ref(),
+            layout.bytes() as usize,
+            &layout.counter_offsets(),
+            &own_name,
+            params.initial_step,
+            in_process,
+        )?;
         // The shared abort page is per host (a rank cannot map another host's /dev/shm): every
         // rank offers one, and the ranks of a host use that of its lowest rank (the others drop
         // theirs once the peers are known).
@@ -467,7 +474,14 @@ impl Comm {
         }) {
             let made = match &ctx {
                 Some(ctx) if kinds.contains(&TransportKind::Shm) => {
-                    create_shm_conn(ctx, &own_name, &layout, params.initial_step).map(Some)
+                    RegisteredShm::create_with(
+                        ctx,
+                        &own_name,
+                        layout.bytes() as usize,
+                        &layout.counter_offsets(),
+                        params.initial_step,
+                    )
+                    .map(Some)
                 }
                 _ => Ok(None),
             };
@@ -498,8 +512,15 @@ impl Comm {
                     shm_name: &peers[peer].shm_name,
                     bytes: layout.bytes() as usize,
                 };
-                let link =
-                    PeerLink::connect(rank, &peers, peer, kind, ctx.as_ref(), target, params.p2p_level, &topo)?;
+                let link = crate::transport::transport(kind).connect(&ConnectTo {
+                    me: rank,
+                    peers: &peers,
+                    peer,
+                    ctx: ctx.as_ref(),
+                    target,
+                    p2p_level: params.p2p_level,
+                    topo: &topo,
+                })?;
                 conn_base[peer] = link.base();
                 links.push(link);
             }

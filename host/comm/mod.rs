@@ -10,7 +10,6 @@
 //! | `init.rs` | [`Comm::init_all`], [`Comm::init_rank`], [`Comm::from_env`] | `init.cc` |
 //! | `peer_info.rs` | checks of what ranks tell each other at init, settings every rank must share | `init.cc` |
 //! | `channel.rs` | channels, connection layout, the communicator block | `channel.cc` |
-//! | `connect.rs` | a rank's connection memory, its links to each neighbour's | `transport.cc` |
 //! | `rank_trees.rs` | the trees of `init_rank` communicators spanning hosts | `connectTrees` |
 //! | `collectives.rs` | the public calls and their argument checks | `collectives.cc`, `argcheck.cc` |
 //! | `enqueue.rs` | plan and launch of one call | `enqueue.cc` |
@@ -51,7 +50,6 @@ use std::time::{Duration, Instant};
 mod abort;
 mod channel;
 mod collectives;
-mod connect;
 mod enqueue;
 mod init;
 mod peer_info;
@@ -59,7 +57,6 @@ mod rank_trees;
 mod test_hooks;
 use abort::*;
 use channel::*;
-use connect::*;
 use peer_info::*;
 use test_hooks::*;
 pub use enqueue::Choice;
@@ -67,7 +64,7 @@ use enqueue::*;
 use crate::topo::LocalTopo;
 use crate::transport::p2p;
 use crate::transport::shm::RegisteredShm;
-use crate::transport::{ConnDesc, PeerInfo, select_transport};
+use crate::transport::{ConnDesc, ConnectTo, HostConns, OwnConn, PeerInfo, PeerLink, PeerMem, select_transport};
 
 /// Default channel count on CUDA devices (overridable with `NCCL_MAX_NCHANNELS`).
 pub const CUDA_DEFAULT_NCHANNELS: u32 = 64;

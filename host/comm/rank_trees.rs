@@ -314,7 +314,15 @@ pub(super) fn setup(s: &TreeSetup<'_>) -> Result<Option<RankTrees>> {
                 shm_name: &shm_name,
                 bytes: layout_of(&trees, p, k).bytes() as usize,
             };
-            let link = PeerLink::connect(me, s.peers, p, k, s.ctx, target, s.params.p2p_level, s.topo)?;
+            let link = crate::transport::transport(k).connect(&ConnectTo {
+                me,
+                peers: s.peers,
+                peer: p,
+                ctx: s.ctx,
+                target,
+                p2p_level: s.params.p2p_level,
+                topo: s.topo,
+            })?;
             peer_base[p] = link.base();
             links.push(link);
         }

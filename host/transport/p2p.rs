@@ -31,6 +31,34 @@ pub(crate) fn can_connect(a: &PeerInfo, b: &PeerInfo, denied: bool) -> bool {
     a.host == b.host && devices && !a.p2p_disable && !b.p2p_disable && !denied
 }
 
+/// The P2P transport ([`super::Transport`]): [`can_connect`], then [`connect`] between CUDA
+/// ranks, a plain address between CPU-target ranks of one process.
+pub(crate) struct P2pTransport;
+
+impl super::Transport for P2pTransport {
+    fn kind(&self) -> super::TransportKind {
+        super::TransportKind::P2p
+    }
+    fn can_connect(&self, a: &PeerInfo, b: &PeerInfo, denied: bool) -> bool {
+        can_connect(a, b, denied)
+    }
+    fn connect(&self, to: &super::ConnectTo<'_>) -> Result<super::PeerLink> {
+        let (me, peer) = (to.me, to.peer);
+        match (to.ctx, to.target.desc) {
+            (Some(ctx), desc) => Ok(super::PeerLink::P2p(connect(
+                me, to.peers, peer, ctx, desc, to.p2p_level, to.topo,
+            )?)),
+            (None, ConnDesc::Local(addr)) if to.peers[peer].pid == to.peers[me].pid => {
+                tracing::debug!(target: "oxccl::init", rank = me, peer, "P2P (same process, host memory)");
+                Ok(super::PeerLink::Local(*addr))
+            }
+            (None, _) => Err(Error::Internal(format!(
+                "rank {me}: P2P chosen for CPU-target rank {peer}, whose memory is not in this process"
+            ))),
+        }
+    }
+}
+
 /// Fails with `System` "no transport can connect {pair}: peer access is not supported between
 /// them" when kernels in `ctx` cannot access the memory of `peer`'s device
 /// (`cuDeviceCanAccessPeer`); `pair` names the two ranks.

@@ -11,6 +11,36 @@ pub(crate) fn can_connect(a: &PeerInfo, b: &PeerInfo) -> bool {
     a.host == b.host && !a.shm_disable && !b.shm_disable
 }
 
+/// The SHM transport ([`super::Transport`]): [`can_connect`], then a neighbour's `/dev/shm`
+/// segment mapped here (on CUDA registered with the driver; the segment must exist).
+pub(crate) struct ShmTransport;
+
+impl super::Transport for ShmTransport {
+    fn kind(&self) -> super::TransportKind {
+        super::TransportKind::Shm
+    }
+    fn can_connect(&self, a: &PeerInfo, b: &PeerInfo, _denied: bool) -> bool {
+        can_connect(a, b)
+    }
+    fn connect(&self, to: &super::ConnectTo<'_>) -> Result<super::PeerLink> {
+        let t = &to.target;
+        match (to.ctx, t.desc) {
+            (Some(ctx), _) => {
+                let m = RegisteredShm::open(ctx, t.shm_name, t.bytes)?;
+                tracing::debug!(target: "oxccl::init", rank = to.me, peer = to.peer, "SHM (registered with CUDA)");
+                Ok(super::PeerLink::ShmMapped(m))
+            }
+            (None, super::ConnDesc::Shm(name)) => {
+                Ok(super::PeerLink::Shm(crate::cpu::ShmSegment::open(name, t.bytes)?))
+            }
+            (None, _) => Err(crate::error::Error::Internal(format!(
+                "rank {}'s connection descriptor does not match rank {}'s device kind",
+                to.peer, to.me
+            ))),
+        }
+    }
+}
+
 /// Rounds `bytes` up to whole pages (what `cuMemHostRegister` registers).
 pub(crate) fn page_round(bytes: usize) -> usize {
     // SAFETY: sysconf has no memory effects.
