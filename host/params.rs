@@ -64,7 +64,15 @@ pub struct Params {
     /// of one host thread (the default: cheap on few cores) or `threads`, a host thread each
     /// (preemptive and parallel, so timing-dependent bugs of a block's threads can show).
     pub cpu_team: TeamKind,
+    /// How long a call may make no progress before it times out (`OXCCL_TIMEOUT` /
+    /// `NCCL_TIMEOUT`, seconds, fractions allowed, up to 10^6; `0` turns timeouts off), see
+    /// `comm/timeout.rs`; default 600 s.
+    pub timeout: Option<std::time::Duration>,
 }
+
+/// Default of [`Params::timeout`]: a call that makes no progress for 10 minutes times out (a
+/// progressing call never does, however long it takes).
+pub const DEFAULT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(600);
 
 /// Default threads per CPU-target block: two warps, as fibers of one host thread.
 pub const DEFAULT_CPU_NTHREADS: u32 = 64;
@@ -83,6 +91,7 @@ impl Default for Params {
             p2p_direct: true,
             cpu_nthreads: DEFAULT_CPU_NTHREADS,
             cpu_team: TeamKind::Fibers,
+            timeout: Some(DEFAULT_TIMEOUT),
         }
     }
 }
@@ -120,6 +129,19 @@ impl Params {
     /// As [`Params::from_env`], with the variables given by `get` (tests use this).
     pub fn from_lookup(get: impl Fn(&str) -> Option<(String, String)>) -> Result<Self> {
         let mut p = Params::default();
+        if let Some((key, v)) = get("TIMEOUT") {
+            let s: f64 = v
+                .trim()
+                .parse()
+                .ok()
+                .filter(|s: &f64| s.is_finite() && (0.0..=1e6).contains(s))
+                .ok_or_else(|| {
+                    Error::invalid(format!(
+                        "{key}={v:?} is not a number of seconds (accepted: 0 to 1000000; 0 turns call timeouts off)"
+                    ))
+                })?;
+            p.timeout = (s > 0.0).then(|| std::time::Duration::from_secs_f64(s));
+        }
         if let Some((key, v)) = get("BUFFSIZE") {
             let n = parse_int(&key, &v, MIN_BUFFSIZE as i64, MAX_BUFFSIZE as i64)? as u64;
             let unit = FIFO_STEPS * PACK_BYTES;

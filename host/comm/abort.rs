@@ -24,9 +24,12 @@ pub(super) const PEER_RUNNING_WAIT: Duration = Duration::from_secs(10);
 /// How long dropping a communicator waits for its last operation before it raises the abort flag.
 pub(super) const DROP_WAIT: Duration = Duration::from_secs(10);
 
-/// Bytes of one rank's line in the shared abort page: the flag its kernels poll (u32 at +0) and
-/// which rank raised it, plus one (u32 at +4).
+/// Bytes of one rank's line in the shared abort page: the flag its kernels poll (u32 at +0),
+/// which rank raised it, plus one (u32 at +4), and how many calls the rank has issued (u64 at
+/// [`ISSUED_AT`], for the timeout's message: `comm/timeout.rs`).
 pub(super) const ABORT_LINE_BYTES: usize = 64;
+/// Offset of a rank's issued-calls counter in its line of the shared abort page.
+pub(super) const ISSUED_AT: u64 = 8;
 
 impl Comm {
     /// Aborts this rank (NCCL's `ncclCommAbort`): raises the abort flag that every kernel spin
@@ -184,12 +187,19 @@ impl Comm {
     /// The error this communicator has met outside any call (NCCL's `ncclCommGetAsyncError`):
     /// `Ok(())` while healthy; `Remote` once another rank aborted (naming it when known) or, for
     /// [`Comm::init_rank`], once a peer process of this host has exited before teardown
-    /// ([`Comm::finalize`]); `InvalidUsage` after this rank's own abort; `Cuda` when a kernel of
+    /// ([`Comm::finalize`]); `Timeout` once a call made no progress for `OXCCL_TIMEOUT`
+    /// (naming the call and the ranks it waits for; the rank's kernels have exited, abort or
+    /// destroy the communicator); `InvalidUsage` after this rank's own abort; `Cuda` when a kernel of
     /// this rank failed. Cheap enough to poll while waiting for a stream. After an error,
     /// [`abort`](Comm::abort) the communicator.
     pub fn get_async_error(&self) -> Result<()> {
         match self.flag_state() {
             0 => {}
+            timeout::TIMED_OUT => {
+                return Err(Error::Timeout(self.watch.error().unwrap_or_else(|| {
+                    format!("rank {}: a call made no progress for OXCCL_TIMEOUT", self.rank)
+                })));
+            }
             ABORTED_BY_PEER => {
                 let who = match self.init_rank_res().abort.raised_by_peer() {
                     Some(r) => format!("rank {r}"),

@@ -346,7 +346,8 @@ impl Comm {
         let (dev_op, redop_arg, redop_flags) = self.check_op(func, &op, dtype)?;
         self.check_stream(stream)?;
         if self.flag_state() != 0 {
-            // Remote (another rank aborted) or InvalidUsage (this rank did).
+            // Remote (another rank aborted), Timeout (a call of this rank timed out) or
+            // InvalidUsage (this rank aborted).
             return self.get_async_error();
         }
         if self.finalized.load(Ordering::Acquire) {
@@ -417,6 +418,15 @@ impl Comm {
         if let Ok(mut last) = self.last.lock() {
             *last = Some(choice);
         }
+        self.watch.begin(timeout::CallRecord {
+            seq: 0,
+            func,
+            count,
+            dtype,
+            op: op.to_string(),
+            root,
+            choice: Some(choice),
+        });
         self.launch(
             KernelArgs {
                 comm: self.dev_comm,

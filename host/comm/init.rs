@@ -541,16 +541,16 @@ impl Comm {
             abort: proxy_abort,
             topo: &topo,
         })?;
-        let (tree_mem, comm_trees, tree_array, tree_host_path) = match trees {
+        let (tree_mem, comm_trees, tree_array, tree_host_path, tree_counters) = match trees {
             Some(mut t) => {
                 links.append(&mut t.links);
                 let ct = CommTrees {
                     shape: t.shape,
                     bytes: t.bytes,
                 };
-                (t.mem, Some(ct), t.array, t.host_path)
+                (t.mem, Some(ct), t.array, t.host_path, t.counters)
             }
-            None => (Vec::new(), None, 0, false),
+            None => (Vec::new(), None, 0, false, Vec::new()),
         };
         // This rank's own connection memory as its kernels address it, per direction (send: the
         // head counters next writes; receive: the FIFOs prev writes).
@@ -619,6 +619,40 @@ impl Comm {
         }
         let abort = SharedAbort::new(page, rank, nranks, ctx.as_ref())?;
         let abort_dev = abort.dev_flag;
+        // What the timeout watch samples (comm/timeout.rs): every distinct block of this rank's
+        // ring counters (by direction: P2P, SHM and NET neighbours' blocks may differ), then its
+        // tree counters; and the host's issued-call counters.
+        let mut regions: Vec<timeout::Region> = Vec::new();
+        let region_at = |base: u64, regions: &mut Vec<timeout::Region>| -> usize {
+            let addr = layout.head(base, 0);
+            let mut at = 0;
+            for r in regions.iter() {
+                if r.addr == addr {
+                    return at;
+                }
+                at += r.bytes;
+            }
+            regions.push(timeout::Region {
+                addr,
+                bytes: nch as usize * COUNTERS_BYTES as usize,
+            });
+            at
+        };
+        let ring_counters: Vec<timeout::RingCounters> = (0..nch as usize)
+            .map(|c| timeout::RingCounters {
+                channel: c,
+                head_at: region_at(own_split[c][0], &mut regions) + c * COUNTERS_BYTES as usize,
+                tail_at: region_at(own_split[c][1], &mut regions) + c * COUNTERS_BYTES as usize + 128,
+                next: rings.next(c, rank),
+                prev: rings.prev(c, rank),
+            })
+            .collect();
+        regions.extend(tree_counters.into_iter().map(|(addr, bytes)| timeout::Region { addr, bytes }));
+        let issued: Vec<(usize, u64)> = (0..nranks)
+            .filter(|&r| peers[r].host == peers[rank].host)
+            .map(|r| (r, abort.line(r) + ISSUED_AT))
+            .collect();
+        let watch_flag = abort.own_flag();
         let uses_dev = kinds.contains(&TransportKind::P2p);
         // Per channel, the kernel's address of the NET staging block its send connection writes.
         let net_staging: Vec<Option<u64>> = (0..nch as usize)
@@ -738,6 +772,15 @@ impl Comm {
             }
             _ => return Err(Error::Internal("connection memory of the wrong kind".into())),
         };
+        let busy = match &res {
+            Res::Cuda(r) => timeout::Busy::Cuda(r.launch.clone(), r.ctx.clone()),
+            Res::Cpu(_) => timeout::Busy::Cpu(inflight.clone()),
+        };
+        // SAFETY: the regions, the flag and the issued-call counters lie in memory that `res`
+        // owns (this rank's connection and tree memory, the host's abort page it maps), which
+        // lives until after `Comm`'s drop has retired the watch.
+        let watch =
+            unsafe { timeout::Watch::new(rank, params.timeout, busy, regions, ring_counters, watch_flag, issued) };
         // A process group: every rank is registered before any returns (so an abort or a
         // launch sees them all).
         if let Some(process) = &process {
@@ -770,6 +813,7 @@ impl Comm {
             conn_bytes: layout.bytes(),
             direct,
             process,
+            watch,
         })
     }
 

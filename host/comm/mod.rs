@@ -14,6 +14,7 @@
 //! | `collectives.rs` | the public calls and their argument checks | `collectives.cc`, `argcheck.cc` |
 //! | `enqueue.rs` | plan and launch of one call | `enqueue.cc` |
 //! | `abort.rs` | abort, async errors, finalize, destroy, teardown order | `init.cc` |
+//! | `timeout.rs` | calls that make no progress for `OXCCL_TIMEOUT` time out, naming who they wait for | (NCCL 2.30's `ncclTimeout`) |
 //! | `test_hooks.rs` | `OXCCL_TEST_NODES`, `OXCCL_TEST_TREE_PATTERN`: several hosts simulated on one | — |
 //!
 //! The transports themselves (peer information, the selection per pair, P2P with its
@@ -43,7 +44,7 @@ use oxccl_gpu::abi::{
     FIFO_STEPS, Func, KernelArgs, MAX_CHANNELS, MAX_TREE_ARITY, PACK_BYTES, PTR_EXCHANGE_OFFSET, Proto,
     REDOP_SCALAR_DEVICE, RedOp, WorkColl,
 };
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -55,6 +56,7 @@ mod init;
 mod peer_info;
 mod rank_trees;
 mod test_hooks;
+mod timeout;
 use abort::*;
 use channel::*;
 use peer_info::*;
@@ -100,6 +102,9 @@ pub struct Comm {
     direct: bool,
     /// The ranks of this rank's [`Comm::init_all`]; `None` for [`Comm::init_rank`].
     process: Option<Arc<ProcessGroup>>,
+    /// The calls issued and, with `OXCCL_TIMEOUT`, the watch that times them out
+    /// (`comm/timeout.rs`); retired first when the communicator is dropped.
+    watch: Arc<timeout::Watch>,
 }
 
 enum Res {
@@ -341,6 +346,7 @@ impl Drop for Comm {
     /// Waits (bounded) for this rank's last queued operation, then raises the abort flag so a
     /// kernel still waiting for a peer exits, then frees everything. Never panics.
     fn drop(&mut self) {
+        self.watch.retire();
         let start = Instant::now();
         match &self.res {
             Res::Cuda(res) => {

@@ -123,6 +123,9 @@ pub(super) struct RankTrees {
     /// Some tree edge between GPUs goes through host memory (SHM or NET): LL128 is then off, as
     /// for such rings.
     pub host_path: bool,
+    /// The step counters in this rank's tree memory (kernel address, bytes), which its tree
+    /// peers and its proxy advance: the progress the timeout watch samples.
+    pub counters: Vec<(u64, usize)>,
 }
 
 /// Unlinks the name of this rank's SHM tree segment in `mem` once every peer has mapped it.
@@ -457,6 +460,16 @@ pub(super) fn setup(s: &TreeSetup<'_>) -> Result<Option<RankTrees>> {
         depth: trees[0][0].depth.max(0) as u32,
     };
     let array_addr = array.kernel();
+    let mut counters: Vec<(u64, usize)> = mem
+        .iter()
+        .map(|(k, m)| {
+            let l = layout_of(&trees, me, *k);
+            (m.kernel() + l.counters_at, (l.bytes() - l.counters_at) as usize)
+        })
+        .collect();
+    if let Some(st) = &staging {
+        counters.push((st.kernel() + net_layout.counters_at, (net_layout.bytes() - net_layout.counters_at) as usize));
+    }
     let mut owned: Vec<TreeMem> = mem.into_iter().map(|(_, m)| m).collect();
     owned.extend(staging);
     owned.push(array);
@@ -468,6 +481,7 @@ pub(super) fn setup(s: &TreeSetup<'_>) -> Result<Option<RankTrees>> {
         links,
         mem: owned,
         host_path,
+        counters,
     }))
 }
 

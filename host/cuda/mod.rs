@@ -363,6 +363,22 @@ pub fn copy_htod_beside(ctx: &Arc<Context>, dst: u64, src: &[u8]) -> Result<()> 
     s.synchronize()
 }
 
+/// Device→host copy of a few control bytes on a stream of its own, returning once they have
+/// arrived: like [`copy_htod_beside`], it does not wait for work queued on other streams (used by
+/// the timeout watch to read step counters while kernels spin). `src` must be an address of
+/// `ctx`'s address space (device memory, or device-mapped host memory) valid for `dst.len()`
+/// bytes.
+pub fn copy_dtoh_beside(ctx: &Arc<Context>, dst: &mut [u8], src: u64) -> Result<()> {
+    let s = Stream::new(ctx)?;
+    cu!(cuMemcpyDtoHAsync_v2(
+        dst.as_mut_ptr() as *mut c_void,
+        src,
+        dst.len(),
+        s.raw
+    ))?;
+    s.synchronize()
+}
+
 /// Synchronous device→host copy. `src` must be device memory of `ctx` valid for `dst.len()` bytes.
 pub fn copy_dtoh(ctx: &Context, dst: &mut [u8], src: u64) -> Result<()> {
     ctx.bind()?;

@@ -1,7 +1,7 @@
 //! Communicator lifecycle on the CPU target (GPU parts skip with the reason printed): init and
 //! its errors, with the accessors and error strings (`init`); abort, from any thread or rank, and
 //! the async errors it and a dead peer leave (`abort`); finalize and destroy, the handle layer's
-//! double-destroy checks (`teardown`); 200 init/destroy cycles back to the baseline of threads,
+//! double-destroy checks (`teardown`); calls that make no progress time out (`timeout`); 200 init/destroy cycles back to the baseline of threads,
 //! descriptors and GPU memory (`cycles`); and CPU-target device memory whose free waits for the
 //! work queued before it (`buffers`).
 #[macro_use]
@@ -13,6 +13,7 @@ mod buffers;
 mod cycles;
 mod init;
 mod teardown;
+mod timeout;
 
 use common::child;
 use oxccl::{Comm, DataType, RedOp};

@@ -6,7 +6,7 @@
 //! teardown (`net_failures`, scripted ranks of `script_ranks`); trees across hosts (`rank_trees`,
 //! and with `host_ranks`' ranks: `host_trees`, `host_rings`, `host_failures`); CUDA ranks in
 //! processes (`gpu_multiprocess`, `gpu_transports`: skipped with the reason printed without
-//! GPUs).
+//! GPUs); a call that times out naming the rank process that never called (`timeout`).
 #[macro_use]
 #[path = "../common/mod.rs"]
 mod common;
@@ -24,3 +24,4 @@ mod net_protocols;
 mod net_transport;
 mod rank_trees;
 mod script_ranks;
+mod timeout;

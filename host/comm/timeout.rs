@@ -1,0 +1,350 @@
+//! Call timeouts (beyond NCCL, whose 2.30 `ncclTimeout` result this returns): a rank whose
+//! collective makes no progress for `OXCCL_TIMEOUT` seconds ([`Params::timeout`], default
+//! [`crate::params::DEFAULT_TIMEOUT`], 10 minutes; `0`: never) stops waiting — its kernels exit as on an abort — and reports `Timeout`
+//! from [`Comm::get_async_error`] and from every later call, naming the call and who it waits for.
+//!
+//! Progress is read where the kernels already publish it, at no cost to them: the step counters
+//! of this rank's connections (the heads its ring and tree neighbours advance when they free a
+//! slot, the tails they advance when they fill one, the pointer-exchange slots), sampled by one
+//! watch thread per process while a call of the communicator is queued or running. A call whose
+//! counters did not change for the limit has timed out. So does a call queued behind other work
+//! on its stream that long (a stream blocked by another kernel for the whole limit).
+//!
+//! Who it waits for: every rank records how many calls it has issued in its line of the host's
+//! shared abort page, so a rank that times out names the ranks of its host that have not issued
+//! the call (the usual cause: a rank skipped a call or stopped); otherwise it names the channel,
+//! the steps reached and the ring neighbours the channel exchanges data and credits with.
+use super::*;
+use std::sync::Weak;
+
+/// Abort-flag value of a rank whose call timed out (its kernels exit as on an abort).
+pub(super) const TIMED_OUT: u32 = 3;
+
+/// One call of a communicator as the watch describes it.
+#[derive(Clone, Debug)]
+pub(super) struct CallRecord {
+    /// 1 for the communicator's first call.
+    pub(super) seq: u64,
+    pub(super) func: Func,
+    pub(super) count: usize,
+    pub(super) dtype: DataType,
+    pub(super) op: String,
+    pub(super) root: usize,
+    pub(super) choice: Option<Choice>,
+}
+
+impl std::fmt::Display for CallRecord {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} call #{} ({} × {}", self.func, self.seq, self.count, self.dtype)?;
+        if matches!(self.func, Func::Reduce | Func::ReduceScatter | Func::AllReduce) {
+            write!(f, ", op {}", self.op)?;
+        }
+        if matches!(self.func, Func::Broadcast | Func::Reduce) {
+            write!(f, ", root {}", self.root)?;
+        }
+        if let Some(c) = &self.choice {
+            let s = if c.nchannels == 1 { "" } else { "s" };
+            write!(f, "; {}/{} on {} channel{s}", c.algo.name(), c.proto.name(), c.nchannels)?;
+        }
+        write!(f, ")")
+    }
+}
+
+/// Memory holding step counters, as this rank's kernels address it.
+pub(super) struct Region {
+    pub(super) addr: u64,
+    pub(super) bytes: usize,
+}
+
+/// What queued or running work of the rank looks like.
+pub(super) enum Busy {
+    Cuda(Arc<LaunchState>, Arc<cuda::Context>),
+    Cpu(Arc<AtomicUsize>),
+}
+
+/// A ring channel's counters inside the sampled bytes: its send connection's head (credits from
+/// `next`) and its receive connection's tail (data from `prev`).
+pub(super) struct RingCounters {
+    pub(super) channel: usize,
+    pub(super) head_at: usize,
+    pub(super) tail_at: usize,
+    pub(super) next: usize,
+    pub(super) prev: usize,
+}
+
+/// The watch over one communicator: registered with the process's watch thread, retired by the
+/// communicator's drop before its memory goes.
+pub(super) struct Watch {
+    rank: usize,
+    /// `None`: timeouts off (the watch still records calls and counts them).
+    limit: Option<Duration>,
+    busy: Busy,
+    regions: Vec<Region>,
+    ring: Vec<RingCounters>,
+    /// Addresses in the host's shared abort page: this rank's flag, and each rank of the host's
+    /// issued-calls counter (rank, address).
+    flag: u64,
+    issued: Vec<(usize, u64)>,
+    state: Mutex<State>,
+}
+
+struct State {
+    /// False once the communicator is dropped: nothing is read any more.
+    alive: bool,
+    call: Option<CallRecord>,
+    sample: Vec<u8>,
+    last_change: Instant,
+    last_sample: Option<Instant>,
+    error: Option<String>,
+}
+
+impl Watch {
+    /// A watch over rank `rank`'s calls with `limit` (polled by the process's watch thread unless
+    /// `None`); `regions` hold its connections' counters
+    /// (kernel addresses: device memory or device-mapped host memory on CUDA, host memory on the
+    /// CPU target), `ring` where channels' counters lie in their concatenation, `flag` its abort
+    /// flag and `issued` the issued-call counters of its host's ranks.
+    ///
+    /// # Safety
+    /// Every address stays valid until [`Watch::retire`] returns.
+    pub(super) unsafe fn new(
+        rank: usize,
+        limit: Option<Duration>,
+        busy: Busy,
+        regions: Vec<Region>,
+        ring: Vec<RingCounters>,
+        flag: u64,
+        issued: Vec<(usize, u64)>,
+    ) -> Arc<Watch> {
+        let w = Arc::new(Watch {
+            rank,
+            limit,
+            busy,
+            regions,
+            ring,
+            flag,
+            issued,
+            state: Mutex::new(State {
+                alive: true,
+                call: None,
+                sample: Vec::new(),
+                last_change: Instant::now(),
+                last_sample: None,
+                error: None,
+            }),
+        });
+        if limit.is_some() {
+            register(&w);
+        }
+        w
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Stops reading the communicator's memory (its drop calls this first).
+    pub(super) fn retire(&self) {
+        self.state().alive = false;
+    }
+
+    /// Records the call about to be launched and counts it in this rank's issued-calls counter.
+    pub(super) fn begin(&self, mut call: CallRecord) {
+        let issued = self.counter(self.rank);
+        let mut st = self.state();
+        if let Some(n) = issued {
+            call.seq = n.fetch_add(1, Ordering::AcqRel) + 1;
+        }
+        st.call = Some(call);
+        st.last_change = Instant::now();
+        st.last_sample = None;
+    }
+
+    /// The message of the timeout, once one happened.
+    pub(super) fn error(&self) -> Option<String> {
+        self.state().error.clone()
+    }
+
+    fn counter(&self, r: usize) -> Option<&AtomicU64> {
+        let &(_, at) = self.issued.iter().find(|(q, _)| *q == r)?;
+        // SAFETY: the counter lies in the shared abort page (8-aligned, past the flag and the
+        // rank that raised it), valid until `retire` (`new`'s contract); accessed atomically.
+        Some(unsafe { AtomicU64::from_ptr(at as *mut u64) })
+    }
+
+    fn flag(&self) -> &AtomicU32 {
+        // SAFETY: as in `counter`.
+        unsafe { AtomicU32::from_ptr(self.flag as *mut u32) }
+    }
+
+    fn busy(&self) -> bool {
+        match &self.busy {
+            Busy::Cuda(l, _) => !l.idle().unwrap_or(true),
+            Busy::Cpu(n) => n.load(Ordering::Acquire) > 0,
+        }
+    }
+
+    /// Every region's bytes now.
+    fn read(&self) -> Result<Vec<u8>> {
+        let mut out = Vec::with_capacity(self.regions.iter().map(|r| r.bytes).sum());
+        for r in &self.regions {
+            let at = out.len();
+            out.resize(at + r.bytes, 0);
+            match &self.busy {
+                Busy::Cuda(_, ctx) => cuda::copy_dtoh_beside(ctx, &mut out[at..], r.addr)?,
+                Busy::Cpu(_) => {
+                    for (i, b) in out[at..].chunks_exact_mut(8).enumerate() {
+                        // SAFETY: the region is host memory valid until `retire` (`new`'s
+                        // contract), 8-aligned counters that peers write atomically.
+                        let v = unsafe { AtomicU64::from_ptr((r.addr + 8 * i as u64) as *mut u64) }
+                            .load(Ordering::Acquire);
+                        b.copy_from_slice(&v.to_ne_bytes());
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// One look: samples the counters when due; on `limit` without a change while busy, times
+    /// the call out. Returns whether the watch is still alive.
+    fn poll(&self, now: Instant) -> bool {
+        let mut st = self.state();
+        let Some(limit) = self.limit.filter(|_| st.alive) else {
+            return false;
+        };
+        if st.error.is_some() || self.flag().load(Ordering::Acquire) != 0 {
+            return true;
+        }
+        if !self.busy() {
+            st.last_change = now;
+            st.last_sample = None;
+            return true;
+        }
+        let every = (limit / 8).clamp(Duration::from_millis(10), Duration::from_secs(1));
+        if st.last_sample.is_some_and(|t| now - t < every) {
+            return true;
+        }
+        st.last_sample = Some(now);
+        match self.read() {
+            Ok(sample) if sample != st.sample => {
+                st.sample = sample;
+                st.last_change = now;
+            }
+            Ok(_) => {}
+            Err(e) => {
+                tracing::debug!(target: "oxccl::timeout", rank = self.rank, "reading progress counters: {e}");
+                return true;
+            }
+        }
+        if now - st.last_change >= limit {
+            let msg = self.describe(&st, limit);
+            tracing::error!(target: "oxccl::timeout", rank = self.rank, "{msg}");
+            st.error = Some(msg);
+            let _ = self.flag().compare_exchange(0, TIMED_OUT, Ordering::AcqRel, Ordering::Acquire);
+        }
+        true
+    }
+
+    /// The timeout's message: the call, then the ranks of this host that have not issued it, or
+    /// else where its first channel stopped.
+    fn describe(&self, st: &State, limit: Duration) -> String {
+        let call = st.call.as_ref().map_or_else(|| "a call".to_string(), |c| c.to_string());
+        let seq = st.call.as_ref().map_or(0, |c| c.seq);
+        let mut msg = format!(
+            "rank {}: {call} made no progress for {:.1} s (OXCCL_TIMEOUT)",
+            self.rank,
+            limit.as_secs_f64()
+        );
+        let behind: Vec<String> = self
+            .issued
+            .iter()
+            .filter(|(r, _)| *r != self.rank)
+            .filter_map(|&(r, _)| {
+                let n = self.counter(r)?.load(Ordering::Acquire);
+                (n < seq).then(|| format!("rank {r} has issued {n} calls"))
+            })
+            .collect();
+        if !behind.is_empty() {
+            msg += &format!(": waiting for ranks that have not issued it ({})", behind.join(", "));
+            return msg;
+        }
+        let nch = st.call.as_ref().and_then(|c| c.choice).map_or(1, |c| c.nchannels as usize);
+        let word = |at: usize| {
+            st.sample
+                .get(at..at + 8)
+                .map_or(0, |b| u64::from_ne_bytes(b.try_into().unwrap_or([0; 8])))
+        };
+        let chans: Vec<String> = self
+            .ring
+            .iter()
+            .take(nch.max(1))
+            .take(2)
+            .map(|c| {
+                format!(
+                    "channel {} received step {} from rank {} and was credited step {} by rank {}",
+                    c.channel,
+                    word(c.tail_at),
+                    c.prev,
+                    word(c.head_at),
+                    c.next
+                )
+            })
+            .collect();
+        if !chans.is_empty() {
+            msg += &format!(": {}", chans.join("; "));
+        }
+        msg
+    }
+}
+
+/// The watches of this process and the thread that polls them.
+struct Registry {
+    watches: Vec<Weak<Watch>>,
+    running: bool,
+}
+
+fn registry() -> std::sync::MutexGuard<'static, Registry> {
+    static REG: Mutex<Registry> = Mutex::new(Registry {
+        watches: Vec::new(),
+        running: false,
+    });
+    REG.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn register(w: &Arc<Watch>) {
+    let mut reg = registry();
+    reg.watches.push(Arc::downgrade(w));
+    if !reg.running {
+        match std::thread::Builder::new()
+            .name("oxccl-timeout".into())
+            .stack_size(256 << 10)
+            .spawn(run)
+        {
+            Ok(_) => reg.running = true,
+            Err(e) => {
+                tracing::warn!(target: "oxccl::timeout", "cannot start the timeout thread ({e}): calls will not time out");
+            }
+        }
+    }
+}
+
+/// The watch thread: every 5 ms polls each live watch; exits when none is left.
+fn run() {
+    loop {
+        std::thread::sleep(Duration::from_millis(5));
+        let watches: Vec<Arc<Watch>> = {
+            let mut reg = registry();
+            reg.watches.retain(|w| w.strong_count() > 0);
+            if reg.watches.is_empty() {
+                reg.running = false;
+                return;
+            }
+            reg.watches.iter().filter_map(Weak::upgrade).collect()
+        };
+        let now = Instant::now();
+        for w in watches {
+            w.poll(now);
+        }
+    }
+}

@@ -1,0 +1,154 @@
+//! Call timeouts (`OXCCL_TIMEOUT`, seconds): a call that makes no progress for the limit ends
+//! on every waiting rank — its stream drains, `get_async_error` and every later call return
+//! `Timeout` naming the call and the ranks it waits for — while a slow call that progresses
+//! never times out. CPU target (every run) and 2 GPU ranks (2 GPUs, or 2 ranks sharing GPU 0).
+use crate::common;
+
+use common::env::Env;
+use oxccl::{Comm, DataType, Device, Error, Func, RedOp};
+use std::time::{Duration, Instant};
+
+/// Every variable a test here may set: cleared (both spellings) around each init.
+const VARS: &[&str] = &["TIMEOUT", "PROTO", "ALGO", "P2P_DIRECT_DISABLE"];
+
+/// Communicators over `devices` created with `OXCCL_TIMEOUT=limit` (and nothing else of
+/// [`VARS`]).
+fn init(devices: &[Device], limit: &str) -> Vec<Comm> {
+    let env = Env::clean(VARS);
+    env.set(&[("OXCCL_TIMEOUT", limit)]);
+    common::init_all(devices).unwrap()
+}
+
+/// Every rank but `skip` calls an AllReduce of 1025 floats; `skip` never does. Each caller's
+/// stream drains within seconds and its error names the call and `skip`; `skip` sees nothing;
+/// later calls report the same timeout; abort and drop work.
+fn skipped_rank(devices: &[Device], skip: usize) {
+    let comms = init(devices, "1");
+    let n = comms.len();
+    let streams = common::streams(&comms);
+    let bufs: Vec<_> = comms.iter().map(|c| c.device().alloc(1025 * 4).unwrap()).collect();
+    let t = Instant::now();
+    for r in (0..n).filter(|&r| r != skip) {
+        comms[r]
+            .all_reduce(&bufs[r], &bufs[r], 1025, DataType::F32, RedOp::Sum, &streams[r])
+            .unwrap();
+    }
+    for r in (0..n).filter(|&r| r != skip) {
+        streams[r].synchronize().unwrap();
+        assert!(t.elapsed() < Duration::from_secs(20), "rank {r}: {:?}", t.elapsed());
+        let e = comms[r].get_async_error().unwrap_err();
+        assert!(matches!(e, Error::Timeout(_)), "rank {r}: {e}");
+        let m = e.to_string();
+        assert!(m.starts_with(&format!("timeout: rank {r}: allreduce call #1 (1025 × float, op sum; ring/")), "{m}");
+        assert!(
+            m.ends_with(&format!(
+                "made no progress for 1.0 s (OXCCL_TIMEOUT): waiting for ranks that have not issued it \
+                 (rank {skip} has issued 0 calls)"
+            )),
+            "{m}"
+        );
+        // The communicator stays timed out: a later call returns the same error at once.
+        let again = comms[r]
+            .all_reduce(&bufs[r], &bufs[r], 1, DataType::F32, RedOp::Sum, &streams[r])
+            .unwrap_err();
+        assert_eq!(again.to_string(), m);
+    }
+    assert!(comms[skip].get_async_error().is_ok(), "the rank that never called waits for nothing");
+    for c in &comms {
+        c.abort().unwrap();
+    }
+    drop(comms);
+}
+
+#[test]
+fn a_rank_that_never_calls_times_out_its_peers_naming_it() {
+    skipped_rank(&Device::cpus(2), 1);
+    skipped_rank(&Device::cpus(3), 2);
+    skipped_rank(&Device::cpus(4), 0);
+}
+
+#[test]
+fn a_rank_that_never_calls_times_out_its_peers_naming_it_gpu() {
+    let Some(devices) = common::two_ranks_or_skip("a_rank_that_never_calls_times_out_its_peers_naming_it_gpu") else {
+        return;
+    };
+    let _gpu = common::gpu_lock();
+    skipped_rank(&devices, 1);
+}
+
+/// One rank calls AllReduce, the other AllGather of the same count (case of a diverged host
+/// program): no rank hangs; a rank left waiting times out naming its call and where its first
+/// channel stopped.
+#[test]
+fn mismatched_collectives_time_out_instead_of_hanging() {
+    let comms = init(&Device::cpus(2), "1");
+    let streams = common::streams(&comms);
+    let count = 4096;
+    let send: Vec<_> = comms.iter().map(|c| c.device().alloc(count * 4).unwrap()).collect();
+    let recv: Vec<_> = comms.iter().map(|c| c.device().alloc(2 * count * 4).unwrap()).collect();
+    let t = Instant::now();
+    comms[0]
+        .all_reduce(&send[0], &recv[0], count, DataType::F32, RedOp::Sum, &streams[0])
+        .unwrap();
+    comms[1]
+        .all_gather(&send[1], &recv[1], count, DataType::F32, &streams[1])
+        .unwrap();
+    let mut timed_out = 0;
+    for (r, func) in [(0, Func::AllReduce), (1, Func::AllGather)] {
+        streams[r].synchronize().unwrap();
+        assert!(t.elapsed() < Duration::from_secs(20), "rank {r}: {:?}", t.elapsed());
+        if let Err(e) = comms[r].get_async_error() {
+            let m = e.to_string();
+            assert!(matches!(e, Error::Timeout(_)), "rank {r}: {m}");
+            assert!(m.starts_with(&format!("timeout: rank {r}: {func} call #1 ({count} × float")), "{m}");
+            assert!(m.contains("made no progress for 1.0 s (OXCCL_TIMEOUT): channel 0 received step "), "{m}");
+            assert!(m.contains(&format!("from rank {}", 1 - r)), "{m}");
+            timed_out += 1;
+        }
+    }
+    assert!(timed_out > 0, "one of the two calls cannot complete");
+    for c in &comms {
+        c.abort().unwrap();
+    }
+}
+
+/// A call that takes several times the limit but progresses all the time completes, exact.
+#[test]
+fn a_slow_call_that_progresses_does_not_time_out() {
+    // Simple steps of 512 KiB: each moves the counters well within 0.3 s.
+    let comms = init(&Device::cpus(2), "0.3");
+    let t = Instant::now();
+    for in_place in [false, true] {
+        common::all_reduce_f32(&comms, 1 << 23, in_place);
+    }
+    eprintln!("two 32 MiB AllReduces on the CPU target took {:?}", t.elapsed());
+    for c in &comms {
+        assert!(c.get_async_error().is_ok(), "rank {}: {:?}", c.rank(), c.get_async_error());
+    }
+}
+
+#[test]
+fn timeout_values_are_checked() {
+    let env = Env::clean(VARS);
+    for bad in ["abc", "-1", "1e7", "nan"] {
+        env.set(&[("OXCCL_TIMEOUT", bad)]);
+        let e = common::init_all(&Device::cpus(2)).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "invalid argument: OXCCL_TIMEOUT={bad:?} is not a number of seconds (accepted: 0 to 1000000; 0 turns call timeouts off)"
+            )
+        );
+    }
+    // 0: off. The rank waits for its peer as long as it takes: here until it is aborted.
+    env.set(&[("OXCCL_TIMEOUT", "0")]);
+    let comms = common::init_all(&Device::cpus(2)).unwrap();
+    drop(env);
+    let s = comms[0].device().new_stream().unwrap();
+    let b = comms[0].device().alloc(4).unwrap();
+    comms[0].all_reduce(&b, &b, 1, DataType::F32, RedOp::Sum, &s).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(comms[0].get_async_error().is_ok());
+    comms[0].abort().unwrap();
+    s.synchronize().unwrap();
+}
