@@ -24,12 +24,16 @@ pub(super) const PEER_RUNNING_WAIT: Duration = Duration::from_secs(10);
 /// How long dropping a communicator waits for its last operation before it raises the abort flag.
 pub(super) const DROP_WAIT: Duration = Duration::from_secs(10);
 
-/// Bytes of one rank's line in the shared abort page: the flag its kernels poll (u32 at +0),
-/// which rank raised it, plus one (u32 at +4), and how many calls the rank has issued (u64 at
-/// [`ISSUED_AT`], for the timeout's message: `comm/timeout.rs`).
+/// Bytes of one rank's line in the shared abort page: the flag its kernels poll (u32 at +0) and
+/// which rank raised it, plus one (u32 at +4). After every rank's line, each rank has a second
+/// line holding how many calls it has issued (u64 at +0, for the timeout's message:
+/// `comm/timeout.rs`), apart from the flag its GPU kernels read all the time.
 pub(super) const ABORT_LINE_BYTES: usize = 64;
-/// Offset of a rank's issued-calls counter in its line of the shared abort page.
-pub(super) const ISSUED_AT: u64 = 8;
+
+/// Bytes of the shared abort page of `nranks` ranks: the flag lines, then the issued-call lines.
+pub(super) fn abort_page_bytes(nranks: usize) -> usize {
+    2 * nranks * ABORT_LINE_BYTES
+}
 
 impl Comm {
     /// Aborts this rank (NCCL's `ncclCommAbort`): raises the abort flag that every kernel spin
@@ -320,6 +324,11 @@ impl SharedAbort {
     /// Host address of rank `r`'s line.
     pub(super) fn line(&self, r: usize) -> u64 {
         self.page.addr() + (r * ABORT_LINE_BYTES) as u64
+    }
+
+    /// Host address of rank `r`'s issued-calls counter.
+    pub(super) fn issued(&self, r: usize) -> u64 {
+        self.page.addr() + ((self.nranks + r) * ABORT_LINE_BYTES) as u64
     }
 
     /// Host address of the flag this rank's kernels poll.

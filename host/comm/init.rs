@@ -246,7 +246,7 @@ impl Comm {
         // The shared abort page is per host (a rank cannot map another host's /dev/shm): every
         // rank offers one, and the ranks of a host use that of its lowest rank (the others drop
         // theirs once the peers are known).
-        let page_bytes = nranks * ABORT_LINE_BYTES;
+        let page_bytes = abort_page_bytes(nranks);
         let page_name = format!("{own_name}-abort");
         let created_page = crate::cpu::ShmSegment::create(&page_name, page_bytes)?;
         let me = PeerInfo::local(
@@ -650,7 +650,7 @@ impl Comm {
         regions.extend(tree_counters.into_iter().map(|(addr, bytes)| timeout::Region { addr, bytes }));
         let issued: Vec<(usize, u64)> = (0..nranks)
             .filter(|&r| peers[r].host == peers[rank].host)
-            .map(|r| (r, abort.line(r) + ISSUED_AT))
+            .map(|r| (r, abort.issued(r)))
             .collect();
         let watch_flag = abort.own_flag();
         let uses_dev = kinds.contains(&TransportKind::P2p);

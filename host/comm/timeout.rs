@@ -10,8 +10,8 @@
 //! counters did not change for the limit has timed out. So does a call queued behind other work
 //! on its stream that long (a stream blocked by another kernel for the whole limit).
 //!
-//! Who it waits for: every rank records how many calls it has issued in its line of the host's
-//! shared abort page, so a rank that times out names the ranks of its host that have not issued
+//! Who it waits for: every rank records how many calls it has issued in the host's shared abort
+//! page (a line of its own, away from the abort flags the kernels poll), so a rank that times out names the ranks of its host that have not issued
 //! the call (the usual cause: a rank skipped a call or stopped); otherwise it names the channel,
 //! the steps reached and the ring neighbours the channel exchanges data and credits with.
 use super::*;
@@ -172,6 +172,14 @@ impl Watch {
         Some(unsafe { AtomicU64::from_ptr(at as *mut u64) })
     }
 
+    /// How often the watch thread looks at this watch: a sixteenth of the limit, within
+    /// [1 ms, 100 ms] (the counters are sampled every eighth, within [10 ms, 1 s]).
+    fn tick(&self) -> Duration {
+        self.limit
+            .map_or(Duration::from_millis(100), |l| l / 16)
+            .clamp(Duration::from_millis(1), Duration::from_millis(100))
+    }
+
     fn flag(&self) -> &AtomicU32 {
         // SAFETY: as in `counter`.
         unsafe { AtomicU32::from_ptr(self.flag as *mut u32) }
@@ -329,10 +337,12 @@ fn register(w: &Arc<Watch>) {
     }
 }
 
-/// The watch thread: every 5 ms polls each live watch; exits when none is left.
+/// The watch thread: polls each live watch at the shortest of their ticks; exits when none is
+/// left.
 fn run() {
+    let mut tick = Duration::from_millis(1);
     loop {
-        std::thread::sleep(Duration::from_millis(5));
+        std::thread::sleep(tick);
         let watches: Vec<Arc<Watch>> = {
             let mut reg = registry();
             reg.watches.retain(|w| w.strong_count() > 0);
@@ -343,6 +353,7 @@ fn run() {
             reg.watches.iter().filter_map(Weak::upgrade).collect()
         };
         let now = Instant::now();
+        tick = watches.iter().map(|w| w.tick()).min().unwrap_or(Duration::from_millis(100));
         for w in watches {
             w.poll(now);
         }
