@@ -68,6 +68,13 @@ pub struct Params {
     /// `NCCL_TIMEOUT`, seconds, fractions allowed, up to 10^6; `0` turns timeouts off), see
     /// `comm/timeout.rs`; default 600 s.
     pub timeout: Option<std::time::Duration>,
+    /// Calls the flight recorder keeps per communicator (`OXCCL_FLIGHT_RECORDER_SIZE`, 0 to
+    /// 1000000; 0 keeps none), see `comm/flight_recorder.rs`; default 64.
+    pub flight_recorder_size: usize,
+    /// Where a rank whose call timed out dumps its flight recorder
+    /// (`OXCCL_FLIGHT_RECORDER_DUMP`, a path prefix: `<prefix>.<comm>.<rank>.json`); `None`:
+    /// no dump.
+    pub flight_recorder_dump: Option<String>,
 }
 
 /// Default of [`Params::timeout`]: a call that makes no progress for 10 minutes times out (a
@@ -92,6 +99,8 @@ impl Default for Params {
             cpu_nthreads: DEFAULT_CPU_NTHREADS,
             cpu_team: TeamKind::Fibers,
             timeout: Some(DEFAULT_TIMEOUT),
+            flight_recorder_size: 64,
+            flight_recorder_dump: None,
         }
     }
 }
@@ -141,6 +150,12 @@ impl Params {
                     ))
                 })?;
             p.timeout = (s > 0.0).then(|| std::time::Duration::from_secs_f64(s));
+        }
+        if let Some((key, v)) = get("FLIGHT_RECORDER_SIZE") {
+            p.flight_recorder_size = parse_int(&key, &v, 0, 1_000_000)? as usize;
+        }
+        if let Some((_, v)) = get("FLIGHT_RECORDER_DUMP") {
+            p.flight_recorder_dump = (!v.trim().is_empty()).then(|| v.trim().to_string());
         }
         if let Some((key, v)) = get("BUFFSIZE") {
             let n = parse_int(&key, &v, MIN_BUFFSIZE as i64, MAX_BUFFSIZE as i64)? as u64;

@@ -31,6 +31,27 @@ enum Cmd {
     /// Time communicator creation (Comm::init_rank, and NCCL's ncclCommInitRank with --compare
     /// nccl), one rank per process: median/min/max over the iterations.
     InitBench(InitBenchArgs),
+    /// Read flight-recorder dumps (OXCCL_FLIGHT_RECORDER_DUMP on a timeout, Comm::flight_record)
+    /// of a communicator's ranks: which rank is behind and at which call, which ranks disagree on
+    /// a call, where a timed-out call stopped.
+    Trace(TraceArgs),
+}
+
+#[derive(clap::Args)]
+struct TraceArgs {
+    /// Dump files (JSON, one per rank; several communicators may be mixed).
+    #[arg(required = true, value_name = "DUMP")]
+    dumps: Vec<std::path::PathBuf>,
+}
+
+fn trace(a: TraceArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
+    let mut dumps = Vec::with_capacity(a.dumps.len());
+    for p in &a.dumps {
+        let text = std::fs::read_to_string(p).map_err(|e| format!("{}: {e}", p.display()))?;
+        dumps.push((p.display().to_string(), text));
+    }
+    print!("{}", oxccl::comm::flight_recorder::analyze(&dumps)?);
+    Ok(ExitCode::SUCCESS)
 }
 
 #[derive(clap::Args)]
@@ -253,6 +274,7 @@ fn main() -> ExitCode {
         Cmd::Info(a) => info(a),
         Cmd::Topo(t) => topo(t),
         Cmd::InitBench(a) => init_bench(a),
+        Cmd::Trace(a) => trace(a),
     };
     match r {
         Ok(code) => code,

@@ -779,8 +779,21 @@ impl Comm {
         // SAFETY: the regions, the flag and the issued-call counters lie in memory that `res`
         // owns (this rank's connection and tree memory, the host's abort page it maps), which
         // lives until after `Comm`'s drop has retired the watch.
-        let watch =
-            unsafe { timeout::Watch::new(rank, params.timeout, busy, regions, ring_counters, watch_flag, issued) };
+        let watch = unsafe {
+            timeout::Watch::new(timeout::WatchSetup {
+                rank,
+                nranks,
+                comm: tag,
+                limit: params.timeout,
+                busy,
+                regions,
+                ring: ring_counters,
+                flag: watch_flag,
+                issued,
+                recorder_size: params.flight_recorder_size,
+                dump_prefix: params.flight_recorder_dump.clone(),
+            })
+        };
         // A process group: every rank is registered before any returns (so an abort or a
         // launch sees them all).
         if let Some(process) = &process {

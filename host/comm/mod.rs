@@ -15,6 +15,7 @@
 //! | `enqueue.rs` | plan and launch of one call | `enqueue.cc` |
 //! | `abort.rs` | abort, async errors, finalize, destroy, teardown order | `init.cc` |
 //! | `timeout.rs` | calls that make no progress for `OXCCL_TIMEOUT` time out, naming who they wait for | (NCCL 2.30's `ncclTimeout`) |
+//! | `flight_recorder.rs` | each communicator's last calls, dumped as JSON; `analyze` (`oxccl trace`) | (PyTorch's flight recorder) |
 //! | `test_hooks.rs` | `OXCCL_TEST_NODES`, `OXCCL_TEST_TREE_PATTERN`: several hosts simulated on one | — |
 //!
 //! The transports themselves (peer information, the selection per pair, P2P with its
@@ -57,6 +58,7 @@ mod peer_info;
 mod rank_trees;
 mod test_hooks;
 mod timeout;
+pub mod flight_recorder;
 use abort::*;
 use channel::*;
 use peer_info::*;
@@ -254,6 +256,15 @@ impl Comm {
     /// with NCCL).
     pub fn direct_pointer(&self) -> bool {
         self.direct
+    }
+    /// The flight recorder's dump of this rank (`comm/flight_recorder.rs`): one JSON object
+    /// with the communicator's id, this rank, the calls it issued, its last
+    /// `OXCCL_FLIGHT_RECORDER_SIZE` calls (sequence number, collective, count, type, operator,
+    /// root, algorithm/protocol/channels, issue time), a timeout's message and its ring
+    /// channels' step counters. Feed the dumps of every rank to `oxccl trace` (or
+    /// [`flight_recorder::analyze`]) to see which rank is behind or disagrees.
+    pub fn flight_record(&self) -> String {
+        self.watch.dump().to_string()
     }
     /// The transport this rank's connections to `peer` use (NCCL's "via P2P/SHM/NET" of its
     /// `Channel` log lines): the one choice per pair ([`crate::transport`]), the same on both

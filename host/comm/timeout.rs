@@ -72,10 +72,30 @@ pub(super) struct RingCounters {
     pub(super) prev: usize,
 }
 
+/// What a [`Watch`] is made of (see [`Watch::new`]).
+pub(super) struct WatchSetup {
+    pub(super) rank: usize,
+    pub(super) nranks: usize,
+    /// The communicator's id in dumps and their file names.
+    pub(super) comm: u64,
+    pub(super) limit: Option<Duration>,
+    pub(super) busy: Busy,
+    pub(super) regions: Vec<Region>,
+    pub(super) ring: Vec<RingCounters>,
+    pub(super) flag: u64,
+    pub(super) issued: Vec<(usize, u64)>,
+    /// Calls the flight recorder keeps, and where it dumps them on a timeout.
+    pub(super) recorder_size: usize,
+    pub(super) dump_prefix: Option<String>,
+}
+
 /// The watch over one communicator: registered with the process's watch thread, retired by the
 /// communicator's drop before its memory goes.
 pub(super) struct Watch {
     rank: usize,
+    nranks: usize,
+    comm: u64,
+    dump_prefix: Option<String>,
     /// `None`: timeouts off (the watch still records calls and counts them).
     limit: Option<Duration>,
     busy: Busy,
@@ -96,34 +116,31 @@ struct State {
     last_change: Instant,
     last_sample: Option<Instant>,
     error: Option<String>,
+    recorder: flight_recorder::Recorder,
 }
 
 impl Watch {
     /// A watch over rank `rank`'s calls with `limit` (polled by the process's watch thread unless
-    /// `None`); `regions` hold its connections' counters
-    /// (kernel addresses: device memory or device-mapped host memory on CUDA, host memory on the
-    /// CPU target), `ring` where channels' counters lie in their concatenation, `flag` its abort
-    /// flag and `issued` the issued-call counters of its host's ranks.
+    /// `None`); `regions` hold its connections' counters (kernel addresses: device memory or
+    /// device-mapped host memory on CUDA, host memory on the CPU target), `ring` where channels'
+    /// counters lie in their concatenation, `flag` its abort flag and `issued` the issued-call
+    /// counters of its host's ranks.
     ///
     /// # Safety
     /// Every address stays valid until [`Watch::retire`] returns.
-    pub(super) unsafe fn new(
-        rank: usize,
-        limit: Option<Duration>,
-        busy: Busy,
-        regions: Vec<Region>,
-        ring: Vec<RingCounters>,
-        flag: u64,
-        issued: Vec<(usize, u64)>,
-    ) -> Arc<Watch> {
+    pub(super) unsafe fn new(s: WatchSetup) -> Arc<Watch> {
+        let limit = s.limit;
         let w = Arc::new(Watch {
-            rank,
+            rank: s.rank,
+            nranks: s.nranks,
+            comm: s.comm,
+            dump_prefix: s.dump_prefix,
             limit,
-            busy,
-            regions,
-            ring,
-            flag,
-            issued,
+            busy: s.busy,
+            regions: s.regions,
+            ring: s.ring,
+            flag: s.flag,
+            issued: s.issued,
             state: Mutex::new(State {
                 alive: true,
                 call: None,
@@ -131,6 +148,7 @@ impl Watch {
                 last_change: Instant::now(),
                 last_sample: None,
                 error: None,
+                recorder: flight_recorder::Recorder::new(s.recorder_size),
             }),
         });
         if limit.is_some() {
@@ -155,6 +173,7 @@ impl Watch {
         if let Some(n) = issued {
             call.seq = n.fetch_add(1, Ordering::AcqRel) + 1;
         }
+        st.recorder.push(&call);
         st.call = Some(call);
         st.last_change = Instant::now();
         st.last_sample = None;
@@ -250,8 +269,46 @@ impl Watch {
             tracing::error!(target: "oxccl::timeout", rank = self.rank, "{msg}");
             st.error = Some(msg);
             let _ = self.flag().compare_exchange(0, TIMED_OUT, Ordering::AcqRel, Ordering::Acquire);
+            if let Some(prefix) = &self.dump_prefix {
+                let path = format!("{prefix}.{:08x}.{}.json", self.comm, self.rank);
+                match std::fs::write(&path, self.dump_of(&st).to_string()) {
+                    Ok(()) => tracing::error!(target: "oxccl::timeout", rank = self.rank, "flight recorder dumped to {path}"),
+                    Err(e) => tracing::warn!(target: "oxccl::timeout", rank = self.rank, "writing the flight recorder dump {path}: {e}"),
+                }
+            }
         }
         true
+    }
+
+    /// The flight recorder's dump ([`flight_recorder`]): the calls, the issued count, the
+    /// timeout's message and the ring channels' counters as last sampled (read now when no
+    /// call is being watched).
+    pub(super) fn dump(&self) -> serde_json::Value {
+        let mut st = self.state();
+        if st.alive && st.sample.is_empty() && !self.regions.is_empty() {
+            if let Ok(s) = self.read() {
+                st.sample = s;
+            }
+        }
+        self.dump_of(&st)
+    }
+
+    fn dump_of(&self, st: &State) -> serde_json::Value {
+        let issued = self.counter(self.rank).map_or(0, |n| n.load(Ordering::Acquire));
+        let progress = self
+            .ring
+            .iter()
+            .map(|c| {
+                serde_json::json!({
+                    "channel": c.channel,
+                    "received_step": word(&st.sample, c.tail_at),
+                    "from": c.prev,
+                    "credited_step": word(&st.sample, c.head_at),
+                    "by": c.next,
+                })
+            })
+            .collect();
+        st.recorder.dump(self.comm, self.rank, self.nranks, issued, st.error.as_deref(), progress)
     }
 
     /// The timeout's message: the call, then the ranks of this host that have not issued it, or
@@ -278,11 +335,7 @@ impl Watch {
             return msg;
         }
         let nch = st.call.as_ref().and_then(|c| c.choice).map_or(1, |c| c.nchannels as usize);
-        let word = |at: usize| {
-            st.sample
-                .get(at..at + 8)
-                .map_or(0, |b| u64::from_ne_bytes(b.try_into().unwrap_or([0; 8])))
-        };
+        let word = |at: usize| word(&st.sample, at);
         let chans: Vec<String> = self
             .ring
             .iter()
@@ -304,6 +357,13 @@ impl Watch {
         }
         msg
     }
+}
+
+/// The `u64` at byte `at` of a sample (0 past its end).
+fn word(sample: &[u8], at: usize) -> u64 {
+    sample
+        .get(at..at + 8)
+        .map_or(0, |b| u64::from_ne_bytes(b.try_into().unwrap_or([0; 8])))
 }
 
 /// The watches of this process and the thread that polls them.

@@ -152,3 +152,59 @@ fn timeout_values_are_checked() {
     comms[0].abort().unwrap();
     s.synchronize().unwrap();
 }
+
+/// With `OXCCL_FLIGHT_RECORDER_DUMP`, the rank whose call timed out dumps its flight recorder;
+/// with the other rank's `Comm::flight_record`, `oxccl trace` (and `flight_recorder::analyze`)
+/// names the rank behind, the call it has not issued, and where the timed-out call stopped.
+#[test]
+fn a_timeout_dumps_the_flight_recorder_and_trace_names_the_rank_behind() {
+    let dir = std::env::temp_dir().join(format!("oxccl-flight-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let prefix = dir.join("fr").to_string_lossy().into_owned();
+    let comms = {
+        let env = Env::clean(&["TIMEOUT", "FLIGHT_RECORDER_DUMP", "FLIGHT_RECORDER_SIZE", "PROTO", "ALGO"]);
+        env.set(&[("OXCCL_TIMEOUT", "1"), ("OXCCL_FLIGHT_RECORDER_DUMP", &prefix)]);
+        common::init_all(&Device::cpus(2)).unwrap()
+    };
+    // Call #1 on both ranks (exact), call #2 on rank 0 only.
+    common::all_reduce_f32(&comms, 7, false);
+    let s = comms[0].device().new_stream().unwrap();
+    let b = comms[0].device().alloc(1025 * 4).unwrap();
+    comms[0].all_reduce(&b, &b, 1025, DataType::F32, RedOp::Sum, &s).unwrap();
+    s.synchronize().unwrap();
+    assert!(matches!(comms[0].get_async_error(), Err(Error::Timeout(_))));
+    let dumped: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.to_string_lossy().ends_with(".0.json"))
+        .collect();
+    assert_eq!(dumped.len(), 1, "{dumped:?}");
+    let f1 = dir.join("rank1.json");
+    std::fs::write(&f1, comms[1].flight_record()).unwrap();
+    let report = oxccl::comm::flight_recorder::analyze(&[
+        ("0".into(), std::fs::read_to_string(&dumped[0]).unwrap()),
+        ("1".into(), std::fs::read_to_string(&f1).unwrap()),
+    ])
+    .unwrap();
+    assert!(
+        report.contains(
+            "  rank 1 is behind: it issued 1 calls, rank 0 issued 2; it has not issued call #2: allreduce 1025 × float op sum (ring/"
+        ),
+        "{report}"
+    );
+    assert!(report.contains("  rank 0 timed out: rank 0: allreduce call #2 (1025 × float, op sum; ring/"), "{report}");
+    assert!(report.contains("    channel 0 received step "), "{report}");
+    assert!(!report.contains("disagree"), "{report}");
+    // The CLI prints the same report.
+    let out = common::oxccl_command().arg("trace").arg(&dumped[0]).arg(&f1).output().unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let printed = String::from_utf8_lossy(&out.stdout);
+    assert!(printed.contains("rank 1 is behind: it issued 1 calls"), "{printed}");
+    let bad = common::oxccl_command().arg("trace").arg(dir.join("missing.json")).output().unwrap();
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("missing.json"), "{bad:?}");
+    for c in &comms {
+        c.abort().unwrap();
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
