@@ -423,7 +423,7 @@ impl Comm {
             func,
             count,
             dtype,
-            op: op.to_string(),
+            op: dev_op,
             root,
             choice: Some(choice),
         });

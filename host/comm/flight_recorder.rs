@@ -30,7 +30,7 @@ impl Entry {
             "func": c.func.name(),
             "count": c.count,
             "dtype": c.dtype.name(),
-            "op": c.op,
+            "op": c.op.name(),
             "root": c.root,
             "algo": c.choice.map(|x| x.algo.name()),
             "proto": c.choice.map(|x| x.proto.name()),
@@ -284,7 +284,7 @@ mod tests {
                 func: Func::AllReduce,
                 count: 4,
                 dtype: DataType::F32,
-                op: "sum".into(),
+                op: DevRedOp::Sum,
                 root: 0,
                 choice: None,
             });

@@ -28,7 +28,7 @@ pub(super) struct CallRecord {
     pub(super) func: Func,
     pub(super) count: usize,
     pub(super) dtype: DataType,
-    pub(super) op: String,
+    pub(super) op: DevRedOp,
     pub(super) root: usize,
     pub(super) choice: Option<Choice>,
 }
@@ -37,7 +37,7 @@ impl std::fmt::Display for CallRecord {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{} call #{} ({} × {}", self.func, self.seq, self.count, self.dtype)?;
         if matches!(self.func, Func::Reduce | Func::ReduceScatter | Func::AllReduce) {
-            write!(f, ", op {}", self.op)?;
+            write!(f, ", op {}", self.op.name())?;
         }
         if matches!(self.func, Func::Broadcast | Func::Reduce) {
             write!(f, ", root {}", self.root)?;
@@ -108,6 +108,9 @@ pub(super) struct Watch {
     state: Mutex<State>,
 }
 
+/// The stream a CUDA watch reads its counters on, made on first use and kept.
+struct Reader(Option<cuda::Stream>);
+
 struct State {
     /// False once the communicator is dropped: nothing is read any more.
     alive: bool,
@@ -117,6 +120,7 @@ struct State {
     last_sample: Option<Instant>,
     error: Option<String>,
     recorder: flight_recorder::Recorder,
+    reader: Reader,
 }
 
 impl Watch {
@@ -149,6 +153,7 @@ impl Watch {
                 last_sample: None,
                 error: None,
                 recorder: flight_recorder::Recorder::new(s.recorder_size),
+                reader: Reader(None),
             }),
         });
         if limit.is_some() {
@@ -211,14 +216,21 @@ impl Watch {
         }
     }
 
-    /// Every region's bytes now.
-    fn read(&self) -> Result<Vec<u8>> {
+    /// Every region's bytes now (on CUDA through `reader`'s stream).
+    fn read(&self, reader: &mut Reader) -> Result<Vec<u8>> {
         let mut out = Vec::with_capacity(self.regions.iter().map(|r| r.bytes).sum());
         for r in &self.regions {
             let at = out.len();
             out.resize(at + r.bytes, 0);
             match &self.busy {
-                Busy::Cuda(_, ctx) => cuda::copy_dtoh_beside(ctx, &mut out[at..], r.addr)?,
+                Busy::Cuda(_, ctx) => {
+                    if reader.0.is_none() {
+                        reader.0 = Some(cuda::Stream::new(ctx)?);
+                    }
+                    if let Some(s) = &reader.0 {
+                        cuda::copy_dtoh_on(s, &mut out[at..], r.addr)?;
+                    }
+                }
                 Busy::Cpu(_) => {
                     for (i, b) in out[at..].chunks_exact_mut(8).enumerate() {
                         // SAFETY: the region is host memory valid until `retire` (`new`'s
@@ -253,7 +265,8 @@ impl Watch {
             return true;
         }
         st.last_sample = Some(now);
-        match self.read() {
+        let st = &mut *st;
+        match self.read(&mut st.reader) {
             Ok(sample) if sample != st.sample => {
                 st.sample = sample;
                 st.last_change = now;
@@ -286,7 +299,8 @@ impl Watch {
     pub(super) fn dump(&self) -> serde_json::Value {
         let mut st = self.state();
         if st.alive && st.sample.is_empty() && !self.regions.is_empty() {
-            if let Ok(s) = self.read() {
+            let st = &mut *st;
+            if let Ok(s) = self.read(&mut st.reader) {
                 st.sample = s;
             }
         }

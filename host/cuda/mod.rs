@@ -363,13 +363,13 @@ pub fn copy_htod_beside(ctx: &Arc<Context>, dst: u64, src: &[u8]) -> Result<()> 
     s.synchronize()
 }
 
-/// Device→host copy of a few control bytes on a stream of its own, returning once they have
-/// arrived: like [`copy_htod_beside`], it does not wait for work queued on other streams (used by
-/// the timeout watch to read step counters while kernels spin). `src` must be an address of
-/// `ctx`'s address space (device memory, or device-mapped host memory) valid for `dst.len()`
-/// bytes.
-pub fn copy_dtoh_beside(ctx: &Arc<Context>, dst: &mut [u8], src: u64) -> Result<()> {
-    let s = Stream::new(ctx)?;
+/// Device→host copy of a few control bytes on `s`, a non-blocking stream of [`Stream::new`] the
+/// caller keeps, returning once they have arrived: like [`copy_htod_beside`], it does not wait
+/// for work queued on other streams (used by the timeout watch to read step counters while
+/// kernels spin). `src` must be an address of the stream's context (device memory, or
+/// device-mapped host memory) valid for `dst.len()` bytes.
+pub fn copy_dtoh_on(s: &Stream, dst: &mut [u8], src: u64) -> Result<()> {
+    s.ctx.bind()?;
     cu!(cuMemcpyDtoHAsync_v2(
         dst.as_mut_ptr() as *mut c_void,
         src,
