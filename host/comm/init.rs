@@ -919,11 +919,16 @@ pub(super) enum Join<'a> {
     },
 }
 
-/// A tag for the `/dev/shm` names of one `init_all` (unique within this process's lifetime;
-/// the names also carry the process id).
+/// A tag for one `init_all`: its `/dev/shm` names (which also carry the process id) and its
+/// communicator id in flight-recorder dumps. From the process id, its start time and a counter,
+/// so groups of different processes get different ids.
 fn local_tag() -> u64 {
     static NEXT: AtomicUsize = AtomicUsize::new(0);
-    (NEXT.fetch_add(1, Ordering::Relaxed) as u64 | 0x8000_0000) & 0xffff_ffff
+    let pid = std::process::id();
+    let start = crate::liveness::proc_start(pid).map_or(0, |(t, _)| t);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed) as u64;
+    let bytes: Vec<u8> = [u64::from(pid), start, n].iter().flat_map(|v| v.to_le_bytes()).collect();
+    crate::hash::fnv1a_64(&bytes) & 0xffff_ffff
 }
 
 /// The device index of `device` (CUDA ordinal or CPU-target index), as [`PeerInfo::dev`].
