@@ -13,7 +13,7 @@
 //! | channels, rings and trees on the device | `comm/channel.rs`, `comm/rank_trees.rs` | `channel.cc`, `devCommSetup` |
 //! | the calls and their argument checks | `comm/collectives.rs` | `collectives.cc`, `argcheck.cc` |
 //! | plan and launch of a call | `comm/enqueue.rs` | `enqueue.cc` |
-//! | abort, async errors, finalize, destroy; call timeouts | `comm/abort.rs`, `liveness.rs` (peer processes), `comm/timeout.rs` | `init.cc`'s abort path; NCCL 2.30's `ncclTimeout` |
+//! | abort, async errors, finalize, destroy; call timeouts and the flight recorder | `comm/abort.rs`, `liveness.rs` (peer processes), `comm/timeout.rs`, `comm/flight_recorder.rs` (`oxccl trace`) | `init.cc`'s abort path; NCCL 2.30's `ncclTimeout`; PyTorch's flight recorder |
 //! | algorithm and protocol choice | [`tuning`] | `tuning.cc` |
 //! | transport choice and connection | [`transport`] (P2P → SHM → NET per pair, peer info), `transport/{p2p,shm,net,net_socket}.rs`, `transport/plugin/` | `transport.cc`, `transport/{p2p,shm,net,net_socket}.cc`, `plugin/net.cc` |
 //! | proxy thread (NET steps) | [`proxy`] | `proxy.cc`, `net.cc`'s progress |
