@@ -8,6 +8,16 @@ use oxccl::perf::{report, table};
 use oxccl::{Comm, DataType, Device, Func, RedOp};
 use std::process::ExitCode;
 
+#[path = "oxccl/info.rs"]
+mod info;
+#[path = "oxccl/topo.rs"]
+mod topo;
+#[path = "oxccl/trace.rs"]
+mod trace;
+use info::{InfoArgs, info};
+use topo::{TopoArgs, topo};
+use trace::{TraceArgs, trace};
+
 #[derive(Parser)]
 #[command(
     name = "oxccl",
@@ -38,38 +48,6 @@ enum Cmd {
 }
 
 #[derive(clap::Args)]
-struct TraceArgs {
-    /// Dump files (JSON, one per rank; several communicators may be mixed).
-    #[arg(required = true, value_name = "DUMP")]
-    dumps: Vec<std::path::PathBuf>,
-}
-
-fn trace(a: TraceArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
-    let mut dumps = Vec::with_capacity(a.dumps.len());
-    for p in &a.dumps {
-        let text = std::fs::read_to_string(p).map_err(|e| format!("{}: {e}", p.display()))?;
-        dumps.push((p.display().to_string(), text));
-    }
-    print!("{}", oxccl::comm::flight_recorder::analyze(&dumps)?);
-    Ok(ExitCode::SUCCESS)
-}
-
-#[derive(clap::Args)]
-struct InfoArgs {
-    /// Also list the kernel modules: PTX bytes each, and on GPU 0 (when there is one) the JIT
-    /// time, registers per thread and local memory per thread of each, loaded now. An optional
-    /// substring keeps only the modules whose name contains it (e.g. `--kernels allreduce_float`).
-    #[arg(long, value_name = "FILTER", num_args = 0..=1, default_missing_value = "")]
-    kernels: Option<String>,
-    /// Time a cold start in this process instead: communicator creation and the first 8-byte
-    /// float-sum AllReduce (its kernel module loaded, JIT-compiled on an empty JIT cache), for
-    /// `oxccl` (2 GPUs, or 2 ranks sharing GPU 0 with OXCCL_ALLOW_SHARED_DEVICE=1) or `nccl` (2
-    /// GPUs, or 1 rank: NCCL refuses two ranks on one GPU). Run each in a fresh process.
-    #[arg(long, value_name = "LIBRARY", value_parser = ["oxccl", "nccl"])]
-    first_call: Option<String>,
-}
-
-#[derive(clap::Args)]
 struct InitBenchArgs {
     /// Number of ranks, one process each (rank r on GPU r, or on CPU-target device r).
     #[arg(long, value_name = "N", default_value_t = 2)]
@@ -83,22 +61,6 @@ struct InitBenchArgs {
     /// Where to run: auto (GPUs when visible), cuda or cpu (for NCCL, add --compare nccl).
     #[arg(long, value_enum, default_value_t = BackendArg::Auto)]
     backend: BackendArg,
-}
-
-#[derive(clap::Args)]
-struct TopoArgs {
-    /// NCCL-format topology XML to load (default: NCCL_TOPO_FILE, else this machine as detected
-    /// from NVML and sysfs: every GPU NVML lists, ranks in NVML order).
-    #[arg(long, value_name = "FILE")]
-    topo_file: Option<std::path::PathBuf>,
-    /// Write the topology back as NCCL-format XML to this file (for a detected machine: what
-    /// NCCL_TOPO_DUMP_FILE would hold).
-    #[arg(long, value_name = "FILE")]
-    dump: Option<std::path::PathBuf>,
-    /// Simulate a job over this many identical nodes (ranks of node k offset by k × GPUs per
-    /// node): the search then goes through the file's NETs and the trees join the nodes.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=4096))]
-    nodes: u32,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -693,266 +655,4 @@ fn init_bench(a: InitBenchArgs) -> Result<ExitCode, Box<dyn std::error::Error>> 
             Ok(ExitCode::from(status.code().map_or(1, |c| c.clamp(1, 255) as u8)))
         }
     }
-}
-
-fn topo(t: TopoArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
-    let system = match &t.topo_file {
-        Some(path) => oxccl::topo::System::from_xml_file(path)?,
-        None => match oxccl::topo::System::from_env()? {
-            Some(s) => s,
-            None => {
-                println!(
-                    "# detected from NVML and sysfs (pass --topo-file FILE or set NCCL_TOPO_FILE to load one)"
-                );
-                oxccl::topo::detect::detect_system()?
-            }
-        },
-    };
-    print!("{}", system.describe());
-    if let Some(path) = &t.dump {
-        std::fs::write(path, system.to_xml_string())
-            .map_err(|e| format!("--dump {}: {e}", path.display()))?;
-        println!("# wrote {}", path.display());
-    }
-    if system.count(oxccl::topo::NodeType::Gpu) == 0 {
-        println!("\n# no GPU in this topology: no ring or tree to search");
-        return Ok(ExitCode::SUCCESS);
-    }
-    print_graphs(&system, t.nodes as usize)?;
-    Ok(ExitCode::SUCCESS)
-}
-
-/// The ring and tree graphs the search builds for `nodes` copies of `system`, and the trees of
-/// channel 0 (for every rank: parent and children in tree 0 and tree 1).
-fn print_graphs(system: &oxccl::topo::System, nodes: usize) -> Result<(), Box<dyn std::error::Error>> {
-    use oxccl::graph::{GraphRequest, double_binary_tree, search_graph, search_trees};
-    let inter = nodes > 1 && system.count(oxccl::topo::NodeType::Net) > 0;
-    if nodes > 1 && !inter {
-        println!("\n# the file has no NET: each node's channels stay within it");
-    }
-    let print_graph = |what: &str, g: &oxccl::graph::Graph| {
-        println!(
-            "\n{what} graph ({}): {} channels at {} GB/s intra / {} GB/s inter, paths up to {} / {}",
-            g.pattern, g.nchannels, g.speed_intra, g.speed_inter, g.type_intra, g.type_inter
-        );
-        for (c, order) in g.intra.iter().enumerate() {
-            let mut parts: Vec<String> = order.iter().map(|r| r.to_string()).collect();
-            if let Some([a, b]) = g.inter.get(c) {
-                parts.insert(0, format!("NET/{a}"));
-                parts.push(format!("NET/{b}"));
-            } else if g.pattern == oxccl::graph::Pattern::Ring {
-                parts.push(order.first().map_or(String::new(), |r| r.to_string()));
-            }
-            println!("  channel {c:2}: {}", parts.join(" -> "));
-        }
-    };
-    let ring = search_graph(system, &GraphRequest::ring(inter))?;
-    print_graph("Ring", &ring);
-    let tree = search_trees(system, ring.nchannels, inter)?;
-    print_graph("Tree", &tree);
-    let ngpus = tree.intra.first().map_or(0, Vec::len);
-    let base = tree
-        .intra
-        .first()
-        .and_then(|c| c.iter().min().copied())
-        .unwrap_or(0);
-    let chains: Vec<Vec<usize>> = (0..nodes)
-        .map(|k| tree.intra[0].iter().map(|&r| k * ngpus + r - base).collect())
-        .collect();
-    let [t0, t1] = double_binary_tree(&chains, tree.pattern)?;
-    println!(
-        "\nTrees of channel 0 over {nodes} node(s) (channel {} runs tree 1): rank: parent -> [children]",
-        tree.nchannels
-    );
-    let fmt = |t: &oxccl::graph::Tree| {
-        let down: Vec<String> = t.children().map(|d| d.to_string()).collect();
-        format!("{:>3} -> [{}]", t.up, down.join(","))
-    };
-    for r in 0..t0.len() {
-        println!("  rank {r:3}: tree 0 {:<16} tree 1 {}", fmt(&t0[r]), fmt(&t1[r]));
-    }
-    Ok(())
-}
-
-fn info(args: InfoArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
-    if let Some(lib) = args.first_call {
-        first_call(&lib)?;
-        return Ok(ExitCode::SUCCESS);
-    }
-    println!(
-        "oxccl {} (ncclGetVersion-style code {}: major × 10000 + minor × 100 + patch)",
-        env!("CARGO_PKG_VERSION"),
-        oxccl::version()
-    );
-    println!(
-        "PTX: {} bytes linked, split into {} kernel modules, target {}",
-        oxccl::kernels::PTX_BYTES,
-        oxccl::kernels::PTX_MODULES.len(),
-        ptx_target()
-    );
-    match oxccl::cuda::driver() {
-        Err(e) => println!("CUDA: {e}; the CPU target runs every collective (--backend cpu)"),
-        Ok(()) => {
-            println!("CUDA driver {}", oxccl::cuda::driver_version()?);
-            for d in Device::all_cuda() {
-                if let Device::Cuda(o) = d {
-                    let ctx = oxccl::cuda::Context::get(o)?;
-                    let (free, total) = ctx.mem_info()?;
-                    println!(
-                        "  GPU {o}: {} [{}], {:.1} of {:.1} GiB free",
-                        ctx.name()?,
-                        ctx.bus_id()?,
-                        free as f64 / (1u64 << 30) as f64,
-                        total as f64 / (1u64 << 30) as f64
-                    );
-                }
-            }
-        }
-    }
-    match nccl::version() {
-        Ok(v) => println!("NCCL {} (system libnccl.so.2)", nccl::version_string(v)),
-        Err(e) => println!("NCCL: {e}"),
-    }
-    if let Some(filter) = args.kernels {
-        kernel_table(&filter)?;
-    }
-    Ok(ExitCode::SUCCESS)
-}
-
-/// `oxccl info --first-call LIB`: wall times of driver load + context creation, communicator
-/// creation, and the first AllReduce (launch to completion), in this process.
-fn first_call(lib: &str) -> Result<(), Box<dyn std::error::Error>> {
-    let t0 = std::time::Instant::now();
-    let ms = |t: std::time::Instant| t.elapsed().as_secs_f64() * 1e3;
-    oxccl::cuda::driver()?;
-    let ngpus = Device::all_cuda().len();
-    if ngpus == 0 {
-        return Err("--first-call needs a GPU".into());
-    }
-    let ctx = oxccl::cuda::Context::get(0)?;
-    ctx.bind()?;
-    let t_ctx = ms(t0);
-    let t1 = std::time::Instant::now();
-    let (init, call, ranks) = if lib == "nccl" {
-        let ordinals: Vec<usize> = (0..ngpus.min(2)).collect();
-        let comms = nccl::NcclComms::init_all(&ordinals)?;
-        let init = ms(t1);
-        let bufs: Vec<_> = ordinals
-            .iter()
-            .map(|&o| Device::Cuda(o).alloc(8))
-            .collect::<Result<_, _>>()?;
-        let streams: Vec<_> = ordinals
-            .iter()
-            .map(|&o| oxccl::cuda::Stream::new(&oxccl::cuda::Context::get(o)?))
-            .collect::<Result<_, _>>()?;
-        let t2 = std::time::Instant::now();
-        nccl::NcclComms::group_start()?;
-        for (r, (b, st)) in bufs.iter().zip(&streams).enumerate() {
-            let a = b.as_slice().addr();
-            // SAFETY: `a` is an 8-byte allocation of rank r's GPU, alive until the sync below.
-            unsafe {
-                comms.collective(
-                    r,
-                    oxccl::Func::AllReduce,
-                    a,
-                    a,
-                    2,
-                    oxccl::DataType::F32,
-                    oxccl::RedOp::Sum,
-                    0,
-                    st,
-                )?
-            };
-        }
-        nccl::NcclComms::group_end()?;
-        for st in &streams {
-            st.synchronize()?;
-        }
-        (init, ms(t2), ordinals.len())
-    } else {
-        let devices = if ngpus >= 2 {
-            vec![Device::Cuda(0), Device::Cuda(1)]
-        } else {
-            vec![Device::Cuda(0), Device::Cuda(0)]
-        };
-        let comms = oxccl::Comm::init_all(&devices)?;
-        let init = ms(t1);
-        let bufs: Vec<_> = devices.iter().map(|d| d.alloc(8)).collect::<Result<_, _>>()?;
-        let streams: Vec<_> = devices.iter().map(|d| d.new_stream()).collect::<Result<_, _>>()?;
-        let t2 = std::time::Instant::now();
-        for ((c, b), st) in comms.iter().zip(&bufs).zip(&streams) {
-            c.all_reduce(b, b, 2, oxccl::DataType::F32, oxccl::RedOp::Sum, st)?;
-        }
-        for st in &streams {
-            st.synchronize()?;
-        }
-        (init, ms(t2), devices.len())
-    };
-    println!(
-        "first-call {lib}: {ranks} ranks on {} GPU(s): driver + context {t_ctx:.1} ms, init {init:.1} ms, \
-         first AllReduce {call:.1} ms, total {:.1} ms",
-        ngpus.min(2),
-        ms(t0)
-    );
-    Ok(())
-}
-
-/// `oxccl info --kernels`: one line per module whose name contains `filter`: PTX bytes, and on
-/// GPU 0 the cold-or-cached JIT time, registers and local memory per thread.
-fn kernel_table(filter: &str) -> Result<(), Box<dyn std::error::Error>> {
-    let ctx = match oxccl::cuda::driver() {
-        Ok(()) if !Device::all_cuda().is_empty() => Some(oxccl::cuda::Context::get(0)?),
-        _ => None,
-    };
-    println!(
-        "\n# {:<40} {:>10} {:>10} {:>6} {:>8}",
-        "kernel module", "PTX bytes", "JIT ms", "regs", "local B"
-    );
-    let (mut n, mut bytes, mut jit) = (0usize, 0usize, 0.0f64);
-    for (name, _) in oxccl::kernels::PTX_MODULES
-        .iter()
-        .filter(|(n, _)| n.contains(filter))
-    {
-        let ptx = oxccl::kernels::module(name).map_or(0, |m| m.len());
-        n += 1;
-        bytes += ptx;
-        match &ctx {
-            Some(ctx) => {
-                let m = ctx.kernel(name)?;
-                jit += m.load_seconds;
-                println!(
-                    "  {name:<40} {ptx:>10} {:>10.1} {:>6} {:>8}",
-                    m.load_seconds * 1e3,
-                    m.num_regs,
-                    m.local_bytes
-                );
-            }
-            None => println!("  {name:<40} {ptx:>10} {:>10} {:>6} {:>8}", "-", "-", "-"),
-        }
-    }
-    println!(
-        "# {n} modules, {bytes} PTX bytes{}",
-        if ctx.is_some() {
-            format!(
-                ", {:.2} s JIT in all (GPU 0; the driver's JIT cache makes a second run fast)",
-                jit
-            )
-        } else {
-            " (no GPU: JIT time, registers and local memory need one)".into()
-        }
-    );
-    Ok(())
-}
-
-fn ptx_target() -> String {
-    let first = oxccl::kernels::PTX_MODULES
-        .first()
-        .and_then(|(n, _)| oxccl::kernels::module(n));
-    first
-        .and_then(|ptx| {
-            ptx.lines()
-                .find(|l| l.starts_with(".target"))
-                .map(|l| l.trim_start_matches(".target").trim().to_string())
-        })
-        .unwrap_or_else(|| "none".into())
 }
