@@ -21,7 +21,7 @@ fn oxccl(args: &[&str], env: &[(&str, &str)]) -> Output {
 }
 
 /// Namespaces a run of process `pid` would have left (`oxh<pid>s`, `oxh<pid>h<k>`).
-fn leftover_namespaces(pid: u32) -> Vec<String> {
+pub(crate) fn leftover_namespaces(pid: u32) -> Vec<String> {
     let out = Command::new("ip")
         .args(["netns", "list"])
         .output()
