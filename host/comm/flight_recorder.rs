@@ -3,7 +3,9 @@
 //! default 64; `0` keeps none) — sequence number, collective, count, type, operator, root,
 //! algorithm/protocol/channels, when it was issued — and dumps them as one JSON object per rank:
 //! on request ([`Comm::flight_record`]) and, with `OXCCL_FLIGHT_RECORDER_DUMP=<prefix>`, when a
-//! call times out (to `<prefix>.<comm>.<rank>.json`, `comm/timeout.rs`). [`analyze`] (the CLI's
+//! call times out and when the process receives `SIGUSR1` (to `<prefix>.<comm>.<rank>.json`,
+//! written by the watch thread of `comm/timeout.rs` within 100 ms; the handler is installed only
+//! when the variable is set). [`analyze`] (the CLI's
 //! `oxccl trace DUMP...`) reads the dumps of a communicator's ranks and says which rank is
 //! behind and at which call, which ranks disagree on a call, and where a timed-out call stopped.
 //!
@@ -14,6 +16,38 @@
 use super::*;
 use serde_json::{Value, json};
 use std::collections::VecDeque;
+
+/// Set by the `SIGUSR1` handler, taken by the watch thread ([`dump_requested`]).
+static DUMP_REQUESTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+extern "C" fn on_sigusr1(_: libc::c_int) {
+    // Async-signal-safe: one atomic store; the watch thread writes the dumps.
+    DUMP_REQUESTED.store(true, Ordering::Release);
+}
+
+/// Installs the `SIGUSR1` handler that asks for every communicator's dump (once per process).
+pub(super) fn dump_on_signal() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // SAFETY: a zeroed sigaction with a handler that only stores to an atomic, and an empty
+        // mask; SA_RESTART keeps interrupted system calls of the application going.
+        let rc = unsafe {
+            let mut sa: libc::sigaction = std::mem::zeroed();
+            sa.sa_sigaction = on_sigusr1 as *const () as usize;
+            sa.sa_flags = libc::SA_RESTART;
+            libc::sigemptyset(&mut sa.sa_mask);
+            libc::sigaction(libc::SIGUSR1, &sa, std::ptr::null_mut())
+        };
+        if rc != 0 {
+            tracing::warn!(target: "oxccl::timeout", "cannot install the SIGUSR1 handler of the flight recorder: {}", std::io::Error::last_os_error());
+        }
+    });
+}
+
+/// Whether a dump was asked for since the last call (and clears the request).
+pub(super) fn dump_requested() -> bool {
+    DUMP_REQUESTED.swap(false, Ordering::AcqRel)
+}
 
 /// One recorded call.
 #[derive(Clone, Debug)]

@@ -156,7 +156,10 @@ impl Watch {
                 reader: Reader(None),
             }),
         });
-        if limit.is_some() {
+        if limit.is_some() || w.dump_prefix.is_some() {
+            if w.dump_prefix.is_some() {
+                flight_recorder::dump_on_signal();
+            }
             register(&w);
         }
         w
@@ -164,6 +167,17 @@ impl Watch {
 
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Writes the flight recorder's dump to `<prefix>.<comm>.<rank>.json` when a dump prefix is
+    /// set (on a timeout, or on `SIGUSR1`); errors are logged.
+    fn write_dump(&self, st: &State) {
+        let Some(prefix) = &self.dump_prefix else { return };
+        let path = format!("{prefix}.{:08x}.{}.json", self.comm, self.rank);
+        match std::fs::write(&path, self.dump_of(st).to_string()) {
+            Ok(()) => tracing::warn!(target: "oxccl::timeout", rank = self.rank, "flight recorder dumped to {path}"),
+            Err(e) => tracing::warn!(target: "oxccl::timeout", rank = self.rank, "writing the flight recorder dump {path}: {e}"),
+        }
     }
 
     /// Stops reading the communicator's memory (its drop calls this first).
@@ -247,10 +261,16 @@ impl Watch {
 
     /// One look: samples the counters when due; on `limit` without a change while busy, times
     /// the call out. Returns whether the watch is still alive.
-    fn poll(&self, now: Instant) -> bool {
+    fn poll(&self, now: Instant, dump: bool) -> bool {
         let mut st = self.state();
-        let Some(limit) = self.limit.filter(|_| st.alive) else {
+        if !st.alive {
             return false;
+        }
+        if dump {
+            self.write_dump(&st);
+        }
+        let Some(limit) = self.limit else {
+            return true;
         };
         if st.error.is_some() || self.flag().load(Ordering::Acquire) != 0 {
             return true;
@@ -282,13 +302,7 @@ impl Watch {
             tracing::error!(target: "oxccl::timeout", rank = self.rank, "{msg}");
             st.error = Some(msg);
             let _ = self.flag().compare_exchange(0, TIMED_OUT, Ordering::AcqRel, Ordering::Acquire);
-            if let Some(prefix) = &self.dump_prefix {
-                let path = format!("{prefix}.{:08x}.{}.json", self.comm, self.rank);
-                match std::fs::write(&path, self.dump_of(&st).to_string()) {
-                    Ok(()) => tracing::error!(target: "oxccl::timeout", rank = self.rank, "flight recorder dumped to {path}"),
-                    Err(e) => tracing::warn!(target: "oxccl::timeout", rank = self.rank, "writing the flight recorder dump {path}: {e}"),
-                }
-            }
+            self.write_dump(&st);
         }
         true
     }
@@ -428,8 +442,9 @@ fn run() {
         };
         let now = Instant::now();
         tick = watches.iter().map(|w| w.tick()).min().unwrap_or(Duration::from_millis(100));
+        let dump = flight_recorder::dump_requested();
         for w in watches {
-            w.poll(now);
+            w.poll(now, dump);
         }
     }
 }

@@ -208,3 +208,42 @@ fn a_timeout_dumps_the_flight_recorder_and_trace_names_the_rank_behind() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// With `OXCCL_FLIGHT_RECORDER_DUMP`, `SIGUSR1` makes every rank of every communicator dump its
+/// flight recorder (no timeout needed), and the dumps agree.
+#[test]
+fn sigusr1_dumps_every_rank() {
+    let dir = std::env::temp_dir().join(format!("oxccl-sigusr1-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let prefix = dir.join("fr").to_string_lossy().into_owned();
+    let comms = {
+        let env = Env::clean(&["TIMEOUT", "FLIGHT_RECORDER_DUMP", "FLIGHT_RECORDER_SIZE", "PROTO", "ALGO"]);
+        env.set(&[("OXCCL_TIMEOUT", "0"), ("OXCCL_FLIGHT_RECORDER_DUMP", &prefix)]);
+        common::init_all(&Device::cpus(2)).unwrap()
+    };
+    common::all_reduce_f32(&comms, 7, false);
+    // SAFETY: raise(2) of SIGUSR1, whose handler the init installed (OXCCL_FLIGHT_RECORDER_DUMP).
+    assert_eq!(unsafe { libc::raise(libc::SIGUSR1) }, 0);
+    let t = Instant::now();
+    let dumps = loop {
+        let mut found: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|x| x == "json"))
+            .collect();
+        found.sort();
+        if found.len() == 2 || t.elapsed() > Duration::from_secs(10) {
+            break found;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(dumps.len(), 2, "{dumps:?}");
+    let texts: Vec<(String, String)> = dumps
+        .iter()
+        .map(|p| (p.display().to_string(), std::fs::read_to_string(p).unwrap()))
+        .collect();
+    let report = oxccl::comm::flight_recorder::analyze(&texts).unwrap();
+    assert!(report.ends_with("  every rank issued 1 calls; they agree on every recorded call\n"), "{report}");
+    drop(comms);
+    let _ = std::fs::remove_dir_all(&dir);
+}
