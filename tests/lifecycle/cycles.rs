@@ -1,6 +1,7 @@
 //! 200 init/destroy cycles (`init_all` and `init_rank` with rank threads) leave the thread and
-//! file-descriptor counts at their baseline, and on GPUs every device's free memory too; each
-//! run in a child process, alone, so other tests' threads do not disturb the counts.
+//! file-descriptor counts at their baseline, and on GPUs every device's free memory too; so do
+//! calls that time out (`OXCCL_TIMEOUT`) followed by abort and drop; each run in a child process,
+//! alone, so other tests' threads do not disturb the counts.
 use crate::common::{child, on_threads};
 use crate::{all_reduce_u32, run_child};
 use oxccl::bootstrap::get_unique_id;
@@ -65,6 +66,54 @@ fn child_cycles() {
 fn cycles_return_to_baseline() {
     let (ok, out) = run_child(&child_entry!(child_cycles), &[], Duration::from_secs(300));
     assert!(ok && out.contains("LIFECYCLE-OK"), "{out}");
+}
+
+/// One timed-out call: a 2-rank `init_all` (`OXCCL_TIMEOUT` from the environment) where rank 0
+/// calls an AllReduce and rank 1 never does; rank 0 times out, both abort and are dropped.
+fn one_timeout_cycle() {
+    let comms = Comm::init_all(&Device::cpus(2)).unwrap();
+    let s = comms[0].device().new_stream().unwrap();
+    let b = comms[0].device().alloc(256).unwrap();
+    comms[0]
+        .all_reduce(&b, &b, 64, oxccl::DataType::U32, oxccl::RedOp::Sum, &s)
+        .unwrap();
+    s.synchronize().unwrap();
+    assert!(matches!(comms[0].get_async_error(), Err(oxccl::Error::Timeout(_))));
+    for c in &comms {
+        c.abort().unwrap();
+    }
+}
+
+/// The child process of `timeouts_return_to_baseline`.
+#[test]
+#[ignore = "child process of timeouts_return_to_baseline"]
+fn child_timeout_cycles() {
+    child::enter();
+    one_timeout_cycle();
+    std::thread::sleep(Duration::from_millis(200));
+    let (threads, fds) = (count_dir("task"), count_dir("fd"));
+    for _ in 0..5 {
+        one_timeout_cycle();
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while count_dir("task") != threads && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(count_dir("task"), threads, "threads after 5 timed-out calls");
+    assert_eq!(count_dir("fd"), fds, "open fds after 5 timed-out calls");
+    println!("TIMEOUT-CYCLES-OK");
+}
+
+/// After calls that timed out, abort and drop bring threads and descriptors back to their
+/// baseline (5 cycles with `OXCCL_TIMEOUT=0.2`, in a child process of its own).
+#[test]
+fn timeouts_return_to_baseline() {
+    let (ok, out) = run_child(
+        &child_entry!(child_timeout_cycles),
+        &[("OXCCL_TIMEOUT", "0.2".to_string())],
+        Duration::from_secs(120),
+    );
+    assert!(ok && out.contains("TIMEOUT-CYCLES-OK"), "{out}");
 }
 
 /// Free device memory of every visible GPU in bytes (cuMemGetInfo through the primary context).
