@@ -367,8 +367,7 @@ impl Watch {
         let chans: Vec<String> = self
             .ring
             .iter()
-            .take(nch.max(1))
-            .take(2)
+            .take(nch.clamp(1, 2))
             .map(|c| {
                 format!(
                     "channel {} received step {} from rank {} and was credited step {} by rank {}",

@@ -47,7 +47,7 @@ impl OwnConn {
         initial_step: u64,
         in_process: bool,
     ) -> Result<OwnConn> {
-        let p2p_disabled = crate::params::env_var("P2P_DISABLE").is_some_and(|(_, v)| v.trim() == "1");
+        let p2p_disabled = p2p::disabled_by_env();
         let seed = |base: u64| {
             for &off in counters {
                 // SAFETY: the counters lie inside the fresh block (the caller's layout); no peer

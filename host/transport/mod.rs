@@ -194,7 +194,7 @@ impl PeerInfo {
             host,
             pid,
             start_time: proc_start(pid).map_or(0, |(t, _)| t),
-            p2p_disable: crate::params::env_var("P2P_DISABLE").is_some_and(|(_, v)| v.trim() == "1"),
+            p2p_disable: p2p::disabled_by_env(),
             // Read leniently here: a bad value fails every rank alike in `connect_net`.
             shm_disable: crate::params::env_var("SHM_DISABLE").is_some_and(|(_, v)| v.trim() == "1"),
             p2p_level,

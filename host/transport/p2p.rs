@@ -31,6 +31,12 @@ pub(crate) fn can_connect(a: &PeerInfo, b: &PeerInfo, denied: bool) -> bool {
     a.host == b.host && devices && !a.p2p_disable && !b.p2p_disable && !denied
 }
 
+/// `NCCL_P2P_DISABLE=1` (or `OXCCL_`) in this process's environment, read leniently (a bad
+/// value fails every rank alike in the NET setup's settings check).
+pub(crate) fn disabled_by_env() -> bool {
+    crate::params::env_var("P2P_DISABLE").is_some_and(|(_, v)| v.trim() == "1")
+}
+
 /// The P2P transport ([`super::Transport`]): [`can_connect`], then [`connect`] between CUDA
 /// ranks, a plain address between CPU-target ranks of one process.
 pub(crate) struct P2pTransport;
