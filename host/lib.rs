@@ -75,6 +75,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod error;
 pub mod graph;
+pub mod group;
 pub mod handle;
 mod hash;
 pub(crate) mod liveness;
@@ -90,6 +91,7 @@ pub mod tuning;
 
 pub use comm::{Choice, Comm};
 pub use error::{Error, Result, ResultCode, error_string, error_string_of};
+pub use group::{group, group_end, group_start};
 pub use handle::CommHandle;
 pub use mem::{DevSlice, Device, DeviceBuffer, Stream};
 pub use oxccl_gpu::abi::{Algo, DataType, DevRedOp, Func, Proto, RedOp, kernel_name, kernel_name_for};

@@ -241,6 +241,42 @@ pub enum Stream {
 }
 
 impl Stream {
+    /// Another handle to this stream, which does not destroy it when dropped (a queued
+    /// point-to-point call keeps one until its group ends).
+    pub(crate) fn handle(&self) -> Stream {
+        match self {
+            // SAFETY: the raw stream is this one's, of the same context; callers keep the
+            // stream alive while the handle is used (the group's contract).
+            Stream::Cuda(s) => Stream::Cuda(unsafe { cuda::Stream::from_raw(&s.ctx, s.raw) }),
+            Stream::Cpu(s) => Stream::Cpu(s.clone()),
+        }
+    }
+
+    /// Whether `other` is this stream (or a handle to it).
+    pub(crate) fn same(&self, other: &Stream) -> bool {
+        match (self, other) {
+            (Stream::Cuda(a), Stream::Cuda(b)) => a.raw == b.raw && a.ctx.ordinal == b.ctx.ordinal,
+            (Stream::Cpu(a), Stream::Cpu(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        }
+    }
+
+    /// Queues a copy of `bytes` bytes from `src` to `dst` (device addresses of this stream's
+    /// device, host addresses on the CPU target).
+    ///
+    /// # Safety
+    /// Both ranges are valid for `bytes` bytes until the copy has run, and do not overlap.
+    pub(crate) unsafe fn copy_async(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        match self {
+            Stream::Cuda(s) => s.copy_dtod(dst, src, bytes),
+            Stream::Cpu(s) => s.enqueue(move || {
+                // SAFETY: caller contract.
+                unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, bytes) };
+                Ok(())
+            }),
+        }
+    }
+
     /// The device this stream runs on.
     pub fn device(&self) -> Device {
         match self {

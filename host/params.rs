@@ -75,7 +75,15 @@ pub struct Params {
     /// (`OXCCL_FLIGHT_RECORDER_DUMP`, a path prefix: `<prefix>.<comm>.<rank>.json`); `None`:
     /// no dump.
     pub flight_recorder_dump: Option<String>,
+    /// Channels (thread blocks, each with its own connection to the peer) a send or receive to
+    /// one peer uses (`NCCL_NCHANNELS_PER_PEER` / `OXCCL_NCHANNELS_PER_PEER`, 1 to
+    /// [`MAX_P2P_NCHANNELS_PER_PEER`]); `None` = the backend's default (2 on GPUs, 1 on the CPU
+    /// target). Each is one more connection per peer, set up at init.
+    pub p2p_nchannels_per_peer: Option<u32>,
 }
+
+/// Most channels per peer of a send or receive ([`Params::p2p_nchannels_per_peer`]).
+pub const MAX_P2P_NCHANNELS_PER_PEER: u32 = 8;
 
 /// Default of [`Params::timeout`]: a call that makes no progress for 10 minutes times out (a
 /// progressing call never does, however long it takes).
@@ -101,6 +109,7 @@ impl Default for Params {
             timeout: Some(DEFAULT_TIMEOUT),
             flight_recorder_size: 64,
             flight_recorder_dump: None,
+            p2p_nchannels_per_peer: None,
         }
     }
 }
@@ -207,6 +216,9 @@ impl Params {
         }
         if let Some((key, v)) = get("P2P_LEVEL") {
             p.p2p_level = Some(parse_p2p_level(&key, &v)?);
+        }
+        if let Some((key, v)) = get("NCHANNELS_PER_PEER") {
+            p.p2p_nchannels_per_peer = Some(parse_int(&key, &v, 1, MAX_P2P_NCHANNELS_PER_PEER as i64)? as u32);
         }
         if let Some((key, v)) = get("P2P_DIRECT_DISABLE") {
             p.p2p_direct = parse_int(&key, &v, 0, 1)? == 0;

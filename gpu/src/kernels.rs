@@ -49,6 +49,21 @@ macro_rules! entries {
     )*};
 }
 
+/// Point-to-point kernel ([`crate::abi::P2P_KERNEL_NAME`]): grid = `args.nworks` blocks, block =
+/// `NCCL_NTHREADS` threads; block `b` runs `args.works[b]`.
+///
+/// # Safety
+/// Launched by the host library with a valid [`crate::abi::P2pArgs`] (see
+/// [`crate::coll::send_recv::run_p2p_block`]).
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn oxccl_sendrecv_simple(args: crate::abi::P2pArgs) {
+    // SAFETY: `kernel_shared_mem` is called once in this kernel; the rest is the launch contract.
+    unsafe {
+        let smem = arch::kernel_shared_mem();
+        crate::coll::send_recv::run_p2p_block(&args, arch::block_idx(), arch::thread_idx(), arch::block_dim(), smem);
+    }
+}
+
 include!(concat!(env!("OUT_DIR"), "/kernel_modules.rs"));
 
 #[panic_handler]

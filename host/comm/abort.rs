@@ -197,6 +197,9 @@ impl Comm {
     /// this rank failed. Cheap enough to poll while waiting for a stream. After an error,
     /// [`abort`](Comm::abort) the communicator.
     pub fn get_async_error(&self) -> Result<()> {
+        if let Some(e) = self.p2p_mismatch() {
+            return Err(e);
+        }
         match self.flag_state() {
             0 => {}
             timeout::TIMED_OUT => {

@@ -19,6 +19,7 @@ pub(super) fn build_comm_block(
     abort_addr: u64,
     params: &Params,
     rings: &ChannelRings,
+    peer: PeerChannels,
 ) -> Vec<u8> {
     let own = conn_base[r];
     build_comm_block_split(
@@ -27,12 +28,63 @@ pub(super) fn build_comm_block(
         nch,
         layout,
         conn_base,
-        &vec![[own, own]; nch as usize],
+        &vec![[own, own]; peer.total() as usize],
         block_addr,
         abort_addr,
         params,
         rings,
+        peer,
     )
+}
+
+/// The peer channels of point-to-point work (NCCL's per-peer connections of
+/// `channel->peers[peer]`, which NCCL connects on first use and oxccl at init): after the
+/// `first` ring channels, `per_peer` channels for each distance `k` in `1..nranks`, whose send
+/// connection goes to rank `r + k` and whose receive connection comes from rank `r − k` (mod
+/// `nranks`). A send from `r` to `p` and the receive of `p` from `r` use the same channel index
+/// on both ranks (distance `p − r`), so every rank's connection memory has the same layout.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct PeerChannels {
+    pub(super) first: u32,
+    pub(super) per_peer: u32,
+    pub(super) nranks: u32,
+}
+
+impl PeerChannels {
+    /// Ring channels only (`first` of them).
+    #[cfg(test)]
+    pub(super) fn none(first: u32) -> PeerChannels {
+        PeerChannels {
+            first,
+            per_peer: 0,
+            nranks: 1,
+        }
+    }
+    /// Peer channels in all.
+    pub(super) fn count(&self) -> u32 {
+        self.per_peer * self.nranks.saturating_sub(1)
+    }
+    /// Ring and peer channels.
+    pub(super) fn total(&self) -> u32 {
+        self.first + self.count()
+    }
+    /// The (next, prev) of rank `r` on channel `c`, a peer channel (`c ≥ first`).
+    pub(super) fn neighbours(&self, c: u32, r: usize) -> (usize, usize) {
+        let n = self.nranks as usize;
+        let k = ((c - self.first) / self.per_peer.max(1)) as usize + 1;
+        ((r + k) % n, (r + n - k % n) % n)
+    }
+    /// The peer rank `r` receives from on peer channel `c`.
+    pub(super) fn recv_peer(&self, r: usize, c: u64) -> usize {
+        self.neighbours(c as u32, r).1
+    }
+    /// The channel of part `j` of a send from `r` to `peer` (`send`) or of a receive of `r`
+    /// from `peer`; `peer != r`.
+    pub(super) fn channel(&self, r: usize, peer: usize, j: u32, send: bool) -> u32 {
+        let n = self.nranks as usize;
+        let k = if send { (peer + n - r) % n } else { (r + n - peer) % n };
+        self.first + (k as u32 - 1) * self.per_peer + j
+    }
 }
 
 /// Points the send connection of each channel `c` with `staging[c]` set (the kernel's address
@@ -102,10 +154,11 @@ pub(super) fn build_comm_block_split(
     abort_addr: u64,
     params: &Params,
     rings: &ChannelRings,
+    peer: PeerChannels,
 ) -> Vec<u8> {
     let nchu = nch as usize;
     let channels_off = size_of::<DevComm>();
-    let ranks_off = channels_off + nchu * size_of::<DevChannel>();
+    let ranks_off = channels_off + peer.total() as usize * size_of::<DevChannel>();
     let mut buff_sizes = [0u64; Proto::COUNT];
     buff_sizes[Proto::Simple as usize] = params.buffsize;
     buff_sizes[Proto::Ll as usize] = layout.ll_buffsize;
@@ -119,11 +172,17 @@ pub(super) fn build_comm_block_split(
         buff_sizes,
         ..DevComm::zeroed()
     };
-    let mut out = Vec::with_capacity(comm_block_bytes(nchu, nranks));
+    let mut out = Vec::with_capacity(comm_block_bytes(nchu, nranks, peer));
     out.extend_from_slice(bytemuck::bytes_of(&dc));
-    for c in 0..nch as u64 {
-        // This channel's ring neighbours (rank order unless the topology's rings are used).
-        let (next, prev) = (rings.next(c as usize, r), rings.prev(c as usize, r));
+    for c in 0..peer.total() as u64 {
+        // This channel's ring neighbours (rank order unless the topology's rings are used), or
+        // a peer channel's.
+        let ring_channel = c < nch as u64;
+        let (next, prev) = if ring_channel {
+            (rings.next(c as usize, r), rings.prev(c as usize, r))
+        } else {
+            peer.neighbours(c as u32, r)
+        };
         let [own_send, own_recv] = own[c as usize];
         let mut send = ConnInfo::zeroed();
         send.buffs[Proto::Simple as usize] = layout.buff(conn_base[next], c);
@@ -147,9 +206,13 @@ pub(super) fn build_comm_block_split(
             ring: DevRing {
                 prev: prev as u32,
                 next: next as u32,
-                index: rings.index(c as usize, r) as u32,
+                index: if ring_channel { rings.index(c as usize, r) as u32 } else { 0 },
                 _pad: 0,
-                user_ranks: block_addr + (ranks_off + c as usize * nranks * 4) as u64,
+                user_ranks: if ring_channel {
+                    block_addr + (ranks_off + c as usize * nranks * 4) as u64
+                } else {
+                    0
+                },
             },
             _pad: 0,
             send,
@@ -287,20 +350,6 @@ pub(super) fn node_ring_graph(
         ring: crate::graph::GraphInfo::of(&graph),
         intra,
     }))
-}
-
-/// The distinct ring neighbours (next and prev over every channel) of rank `r`, in first-seen
-/// order; for rank order, `[r + 1, r - 1]` (mod nranks).
-pub(super) fn ring_peers(rings: &ChannelRings, r: usize) -> Vec<usize> {
-    let mut out = Vec::new();
-    for c in 0..rings.nchannels() {
-        for p in [rings.next(c, r), rings.prev(c, r)] {
-            if !out.contains(&p) {
-                out.push(p);
-            }
-        }
-    }
-    out
 }
 
 /// The rings of an `nranks`-rank communicator's `nch` channels from every rank's graph
@@ -548,10 +597,10 @@ impl ConnLayout {
     }
 }
 
-/// Layout of one rank's communicator block: DevComm, channels, then per channel the ring's user
-/// ranks.
-pub(super) fn comm_block_bytes(nch: usize, nranks: usize) -> usize {
-    size_of::<DevComm>() + nch * size_of::<DevChannel>() + nch * nranks * 4
+/// Layout of one rank's communicator block: DevComm, the `nch` ring channels and the peer
+/// channels, then per ring channel the ring's user ranks.
+pub(super) fn comm_block_bytes(nch: usize, nranks: usize, peer: PeerChannels) -> usize {
+    size_of::<DevComm>() + peer.total() as usize * size_of::<DevChannel>() + nch * nranks * 4
 }
 
 #[cfg(test)]
@@ -577,7 +626,7 @@ mod direct_tests {
         let bases = [0x1000_0000_0000u64, 0x2000_0000_0000, 0x3000_0000_0000];
         let rings = ChannelRings::new(vec![vec![0, 1, 2], vec![0, 2, 1]], 3).unwrap();
         let chans = |r: usize, p: &Params| -> Vec<DevChannel> {
-            let b = build_comm_block(r, 3, 2, &layout, &bases, 0x5000, 0x6000, p, &rings);
+            let b = build_comm_block(r, 3, 2, &layout, &bases, 0x5000, 0x6000, p, &rings, PeerChannels::none(2));
             let b = direct_pointers(b, 2, 3, p);
             bytemuck::cast_slice::<u8, DevChannel>(&b[size_of::<DevComm>()..][..2 * size_of::<DevChannel>()])
                 .to_vec()
@@ -611,7 +660,7 @@ mod direct_tests {
                 .all(|ch| ch.send.ptr_exchange == 0 && ch.recv.ptr_exchange == 0)
         );
         let one = direct_pointers(
-            build_comm_block(0, 1, 2, &layout, &bases, 0x5000, 0x6000, &params, &rings),
+            build_comm_block(0, 1, 2, &layout, &bases, 0x5000, 0x6000, &params, &rings, PeerChannels::none(2)),
             2,
             1,
             &params,
@@ -721,7 +770,7 @@ mod comm_block_tests {
         ];
         let rings = ChannelRings::rank_order(3, 2);
         let mut bytes =
-            build_comm_block_split(1, 3, 2, &layout, &bases, &own, 0x5000, 0x6000, &params, &rings);
+            build_comm_block_split(1, 3, 2, &layout, &bases, &own, 0x5000, 0x6000, &params, &rings, PeerChannels::none(2));
         // NET step sizes on channel 1's send connection only (its next is across the network).
         net_step_sizes(&mut bytes, &layout, &[None, Some(0xa000_0000_0000)]);
         let chans: &[DevChannel] =
@@ -746,7 +795,7 @@ mod comm_block_tests {
         // Unsplit: the same as the split with conn_base[r] on both sides.
         let whole = [bases[0], own[0][1], bases[2]];
         assert_eq!(
-            build_comm_block(1, 3, 2, &layout, &whole, 0x5000, 0x6000, &params, &rings),
+            build_comm_block(1, 3, 2, &layout, &whole, 0x5000, 0x6000, &params, &rings, PeerChannels::none(2)),
             build_comm_block_split(
                 1,
                 3,
@@ -772,7 +821,7 @@ mod comm_block_tests {
         let bases = [0x1000_0000_0000u64, 0x2000_0000_0000, 0x3000_0000_0000];
         let rings = ChannelRings::new(vec![vec![0, 1, 2], vec![0, 2, 1]], 3).unwrap();
         let block = 0x5000u64;
-        let bytes = build_comm_block(1, 3, 2, &layout, &bases, block, 0x6000, &params, &rings);
+        let bytes = build_comm_block(1, 3, 2, &layout, &bases, block, 0x6000, &params, &rings, PeerChannels::none(2));
         let chans: &[DevChannel] =
             bytemuck::cast_slice(&bytes[size_of::<DevComm>()..][..2 * size_of::<DevChannel>()]);
         let ranks_off = size_of::<DevComm>() + 2 * size_of::<DevChannel>();

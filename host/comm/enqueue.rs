@@ -194,14 +194,8 @@ impl Comm {
     }
 
     pub(super) fn copy(&self, dst: u64, src: u64, bytes: usize, stream: &Stream) -> Result<()> {
-        match stream {
-            Stream::Cuda(s) => s.copy_dtod(dst, src, bytes),
-            Stream::Cpu(s) => s.enqueue(move || {
-                // SAFETY: the caller of the collective guarantees both ranges (all_reduce_raw).
-                unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, bytes) };
-                Ok(())
-            }),
-        }
+        // SAFETY: the caller of the collective guarantees both ranges (all_reduce_raw).
+        unsafe { stream.copy_async(dst, src, bytes) }
     }
 
     pub(super) fn launch(&self, args: KernelArgs, stream: &Stream) -> Result<()> {
@@ -278,47 +272,91 @@ pub(super) fn launch_cpu(
     stream: &CpuStream,
     inflight: &Arc<AtomicUsize>,
 ) -> Result<()> {
-    inflight.fetch_add(1, Ordering::AcqRel);
-    let inflight = inflight.clone();
-    stream.enqueue(move || {
-        group.running.fetch_add(1, Ordering::AcqRel);
-        let nch = args.work.nchannels as u32;
-        let result = std::thread::scope(|s| {
-            let handles: Vec<_> = (0..nch)
-                .map(|b| {
-                    let args = &args;
-                    s.spawn(move || {
-                        // u64 cells: the shared memory is 8-byte aligned, as on the GPU.
-                        let mut smem = vec![0u64; oxccl_gpu::abi::KERNEL_SMEM_BYTES / 8];
-                        let smem = smem.as_mut_ptr() as usize;
-                        oxccl_gpu::arch::run_block_threads(b, nthreads, team, |tid| {
-                            // SAFETY: `args.comm` is this rank's comm block, kept alive by
-                            // `group`; the buffers are the caller's (all_reduce_raw contract);
-                            // `smem` is this block's, shared by its threads as on the GPU.
-                            // `false` (no entry for the work) cannot happen: `launch` checked it.
-                            unsafe { oxccl_gpu::dispatch::run_block(args, b, tid, nthreads, smem as *mut u32) }
+    let nblocks = args.work.nchannels as u32;
+    let blocks = CpuBlocks {
+        nblocks,
+        nthreads,
+        team,
+        group,
+        process,
+        rank,
+    };
+    blocks.launch(stream, inflight, move |b, tid, smem| {
+        // SAFETY: `args.comm` is this rank's comm block, kept alive by the launch's `group`;
+        // the buffers are the caller's (all_reduce_raw contract); `smem` is this block's,
+        // shared by its threads as on the GPU. `false` (no entry for the work) cannot happen:
+        // `launch` checked it.
+        unsafe { oxccl_gpu::dispatch::run_block(&args, b, tid, nthreads, smem) }
+    }, || Ok(()))
+}
+
+/// A CPU-target launch: `nblocks` blocks of `nthreads` threads (`OXCCL_CPU_NTHREADS`; fibers of
+/// one host thread or host threads of their own, `team`), each block on a host thread of its
+/// own, with the block's shared memory and real barriers. `group` (the rank's memory) and
+/// `process` (its process group's, whose memory its blocks write into) are kept until the
+/// launch ends.
+pub(super) struct CpuBlocks {
+    pub(super) nblocks: u32,
+    pub(super) nthreads: u32,
+    pub(super) team: oxccl_gpu::arch::TeamKind,
+    pub(super) group: Arc<CpuGroup>,
+    pub(super) process: Option<Arc<ProcessGroup>>,
+    pub(super) rank: usize,
+}
+
+impl CpuBlocks {
+    /// Queues the launch on `stream`: every thread `tid` of every block `b` runs
+    /// `run(b, tid, smem)` (`false`: the block trapped); then `after` (its error is the
+    /// launch's, reported at the stream's synchronize).
+    pub(super) fn launch(
+        self,
+        stream: &CpuStream,
+        inflight: &Arc<AtomicUsize>,
+        run: impl Fn(u32, u32, *mut u32) -> bool + Send + Sync + 'static,
+        after: impl FnOnce() -> Result<()> + Send + 'static,
+    ) -> Result<()> {
+        inflight.fetch_add(1, Ordering::AcqRel);
+        let inflight = inflight.clone();
+        let CpuBlocks {
+            nblocks,
+            nthreads,
+            team,
+            group,
+            process,
+            rank,
+        } = self;
+        stream.enqueue(move || {
+            group.running.fetch_add(1, Ordering::AcqRel);
+            let result = std::thread::scope(|s| {
+                let handles: Vec<_> = (0..nblocks)
+                    .map(|b| {
+                        let run = &run;
+                        s.spawn(move || {
+                            // u64 cells: the shared memory is 8-byte aligned, as on the GPU.
+                            let mut smem = vec![0u64; oxccl_gpu::abi::KERNEL_SMEM_BYTES / 8];
+                            let smem = smem.as_mut_ptr() as usize;
+                            oxccl_gpu::arch::run_block_threads(b, nthreads, team, |tid| run(b, tid, smem as *mut u32))
                         })
                     })
-                })
-                .collect();
-            let mut ok = true;
-            for h in handles {
-                ok &= h.join().unwrap_or(false);
+                    .collect();
+                let mut ok = true;
+                for h in handles {
+                    ok &= h.join().unwrap_or(false);
+                }
+                ok
+            });
+            group.running.fetch_sub(1, Ordering::AcqRel);
+            let after = after();
+            drop(group);
+            drop(process);
+            inflight.fetch_sub(1, Ordering::AcqRel);
+            if result {
+                after
+            } else {
+                Err(Error::Internal(format!("rank {rank}: a CPU-target channel trapped")))
             }
-            ok
-        });
-        group.running.fetch_sub(1, Ordering::AcqRel);
-        drop(group);
-        drop(process);
-        inflight.fetch_sub(1, Ordering::AcqRel);
-        if result {
-            Ok(())
-        } else {
-            Err(Error::Internal(format!(
-                "rank {rank}: a CPU-target channel trapped"
-            )))
-        }
-    })
+        })
+    }
 }
 
 /// Whether `NCCL_PROTO` (or `OXCCL_PROTO`) names LL128 in a list of protocols to use (not in an

@@ -229,7 +229,11 @@ impl Comm {
             .max_nchannels
             .unwrap_or(default_nch)
             .clamp(1, MAX_CHANNELS as u32);
-        let layout = ConnLayout::new(&params, nch);
+        // Point-to-point: `per_peer` peer channels for each distance to another rank, after the
+        // ring channels (`PeerChannels`); the connection memory holds them after the most ring
+        // channels a call could use.
+        let per_peer = params.p2p_nchannels_per_peer.unwrap_or(if is_cuda { 2 } else { 1 });
+        let layout = ConnLayout::new(&params, nch + per_peer * (nranks as u32 - 1));
         let _span = tracing::debug_span!(target: "oxccl::init", "init_rank", rank, nranks, nch).entered();
         // Names after the id (or the process group) and the creating process: unique among live
         // processes.
@@ -340,6 +344,20 @@ impl Comm {
             }
         }
         let rings = Arc::new(rings.first_channels(nch as usize));
+        // The ring channels, then the peer channels: channel `c`'s (next, prev) of rank `q`.
+        let peer_ch = PeerChannels {
+            first: nch,
+            per_peer,
+            nranks: nranks as u32,
+        };
+        let nch_all = peer_ch.total() as usize;
+        let link = |c: usize, q: usize| -> (usize, usize) {
+            if c < nch as usize {
+                (rings.next(c, q), rings.prev(c, q))
+            } else {
+                peer_ch.neighbours(c as u32, q)
+            }
+        };
         phases.mark("ring search and all-gather");
         let leader = peers
             .iter()
@@ -369,11 +387,12 @@ impl Comm {
         use crate::transport::TransportKind;
         // Per channel, the transports of the send (next) and receive (prev) neighbours (the rings
         // may differ per channel, and so the transports), and every transport in use here.
-        let chan_kinds: Vec<[TransportKind; 2]> = (0..nch as usize)
+        let chan_kinds: Vec<[TransportKind; 2]> = (0..nch_all)
             .map(|c| {
+                let (next, prev) = link(c, rank);
                 [
-                    select_transport(&peers, rank, rings.next(c, rank)),
-                    select_transport(&peers, rank, rings.prev(c, rank)),
+                    select_transport(&peers, rank, next),
+                    select_transport(&peers, rank, prev),
                 ]
             })
             .collect();
@@ -424,11 +443,11 @@ impl Comm {
                     bootstrap: &bootstrap,
                     rank,
                     nranks,
-                    ring: &|c, q| (rings.next(c as usize, q), rings.prev(c as usize, q)),
+                    ring: &|c, q| link(c as usize, q),
                     transport: &|a, b| select_transport(&peers, a, b),
                     device,
                     ctx: ctx.as_deref(),
-                    nch,
+                    nch: nch_all as u32,
                     block_bytes: layout.bytes() as usize,
                     fifo: &|b, c| crate::transport::FifoAddrs {
                         simple: layout.buff(b, c),
@@ -448,15 +467,18 @@ impl Comm {
                 &mut conn_host,
             )?
         } {
-            for peer in ring_peers(&rings, rank) {
+            for peer in (0..nranks).filter(|&p| p != rank) {
                 if let Some(b) = net.kernel_base(peer) {
                     conn_base[peer] = b;
                 }
             }
             links.push(PeerLink::Net { _held: net });
         }
-        let ring_pairs = (0..nch as usize)
-            .flat_map(|c| [rings.next(c, rank), rings.prev(c, rank)])
+        let ring_pairs = (0..nch_all)
+            .flat_map(|c| {
+                let (next, prev) = link(c, rank);
+                [next, prev]
+            })
             .zip(kinds.iter().copied());
         for (peer, kind) in ring_pairs {
             if peer != rank && (kind == TransportKind::Net) != (conn_base[peer] != 0) {
@@ -469,8 +491,7 @@ impl Comm {
         // whether all of them exist before any maps one (so all fail alike, naming the rank).
         if (0..nranks).any(|a| {
             peers[a].cuda
-                && (0..nch as usize)
-                    .any(|c| select_transport(&peers, a, rings.next(c, a)) == TransportKind::Shm)
+                && (0..nch_all).any(|c| select_transport(&peers, a, link(c, a).0) == TransportKind::Shm)
         }) {
             let made = match &ctx {
                 Some(ctx) if kinds.contains(&TransportKind::Shm) => {
@@ -498,8 +519,9 @@ impl Comm {
         // Every ring neighbour of every channel (one next and one prev unless the rings differ
         // per channel, in which case all use one transport, see above).
         let mut neighbours: Vec<(usize, TransportKind)> = Vec::new();
-        for c in 0..nch as usize {
-            for peer in [rings.next(c, rank), rings.prev(c, rank)] {
+        for c in 0..nch_all {
+            let (next, prev) = link(c, rank);
+            for peer in [next, prev] {
                 if !neighbours.iter().any(|&(p, _)| p == peer) {
                     neighbours.push((peer, select_transport(&peers, rank, peer)));
                 }
@@ -554,7 +576,7 @@ impl Comm {
         };
         // This rank's own connection memory as its kernels address it, per direction (send: the
         // head counters next writes; receive: the FIFOs prev writes).
-        let mut own_split = vec![[0u64; 2]; nch as usize];
+        let mut own_split = vec![[0u64; 2]; nch_all];
         for (split, ck) in own_split.iter_mut().zip(&chan_kinds) {
             for (at, &kind) in split.iter_mut().zip(ck) {
                 *at = match (&own, kind) {
@@ -655,8 +677,8 @@ impl Comm {
         let watch_flag = abort.own_flag();
         let uses_dev = kinds.contains(&TransportKind::P2p);
         // Per channel, the kernel's address of the NET staging block its send connection writes.
-        let net_staging: Vec<Option<u64>> = (0..nch as usize)
-            .map(|c| (chan_kinds[c][0] == TransportKind::Net).then(|| conn_base[rings.next(c, rank)]))
+        let net_staging: Vec<Option<u64>> = (0..nch_all)
+            .map(|c| (chan_kinds[c][0] == TransportKind::Net).then(|| conn_base[link(c, rank).0]))
             .collect();
         // The host's ranks in other processes: their death raises this host's flags.
         let me = &peers[rank];
@@ -701,7 +723,7 @@ impl Comm {
                 .collect(),
             _ => Vec::new(),
         };
-        let block_bytes = comm_block_bytes(nch as usize, nranks);
+        let block_bytes = comm_block_bytes(nch as usize, nranks, peer_ch);
         let inflight = Arc::new(AtomicUsize::new(0));
         let (dev_comm, res, member) = match (own, ctx) {
             (own @ (OwnConn::Shm(_) | OwnConn::Host(_)), None) => {
@@ -716,6 +738,7 @@ impl Comm {
                     abort_dev,
                     &params,
                     &rings,
+                    peer_ch,
                 );
                 net_step_sizes(&mut bytes, &layout, &net_staging);
                 set_trees(&mut bytes, tree_array);
@@ -742,7 +765,7 @@ impl Comm {
             (OwnConn::Dev(mem), Some(ctx)) => {
                 let block = cuda::DevAlloc::zeroed(&ctx, block_bytes)?;
                 let mut bytes = build_comm_block_split(
-                    rank, nranks, nch, &layout, &conn_base, &own_split, block.ptr, abort_dev, &params, &rings,
+                    rank, nranks, nch, &layout, &conn_base, &own_split, block.ptr, abort_dev, &params, &rings, peer_ch,
                 );
                 net_step_sizes(&mut bytes, &layout, &net_staging);
                 set_trees(&mut bytes, tree_array);
@@ -771,6 +794,23 @@ impl Comm {
                 (dev_comm, res, member)
             }
             _ => return Err(Error::Internal("connection memory of the wrong kind".into())),
+        };
+        // Point-to-point: the status record of its receives, and on GPUs its kernel, loaded now:
+        // loading it later, while a peer's kernel spins for this rank, could wait for that
+        // kernel.
+        let p2p_status = Arc::new(send_recv::StatusMem::new(match &res {
+            Res::Cuda(r) => Some(&r.ctx),
+            Res::Cpu(_) => None,
+        })?);
+        let p2p_module = match &res {
+            Res::Cuda(r) if nranks > 1 => match r.ctx.kernel(oxccl_gpu::abi::P2P_KERNEL_NAME) {
+                Ok(m) => Some(m),
+                Err(e) => {
+                    tracing::debug!(target: "oxccl::init", rank, "no point-to-point kernel: {e}");
+                    None
+                }
+            },
+            _ => None,
         };
         let busy = match &res {
             Res::Cuda(r) => timeout::Busy::Cuda(r.launch.clone(), r.ctx.clone()),
@@ -815,6 +855,9 @@ impl Comm {
             params,
             selection,
             nchannels: nch,
+            peer_channels: peer_ch,
+            p2p_module,
+            p2p_status,
             dev_comm,
             res,
             inflight,

@@ -12,6 +12,7 @@
 //! | `channel.rs` | channels, connection layout, the communicator block | `channel.cc` |
 //! | `rank_trees.rs` | the trees of `init_rank` communicators spanning hosts | `connectTrees` |
 //! | `collectives.rs` | the public calls and their argument checks | `collectives.cc`, `argcheck.cc` |
+//! | `send_recv.rs` | send and receive: checks, works over the peer channels, launch | `collectives.cc`, `enqueue.cc` |
 //! | `enqueue.rs` | plan and launch of one call | `enqueue.cc` |
 //! | `abort.rs` | abort, async errors, finalize, destroy, teardown order | `init.cc` |
 //! | `timeout.rs` | calls that make no progress for `OXCCL_TIMEOUT` time out, naming who they wait for | (NCCL 2.30's `ncclTimeout`) |
@@ -56,6 +57,8 @@ mod enqueue;
 mod init;
 mod peer_info;
 mod rank_trees;
+mod send_recv;
+pub(crate) use send_recv::P2pTarget;
 mod test_hooks;
 mod timeout;
 pub mod flight_recorder;
@@ -84,6 +87,13 @@ pub struct Comm {
     params: Params,
     selection: Selection,
     nchannels: u32,
+    /// The peer channels of point-to-point work, after the ring channels.
+    peer_channels: PeerChannels,
+    /// The point-to-point kernel, loaded at init (a load while a peer's kernel spins could
+    /// wait for it); `None` on the CPU target.
+    p2p_module: Option<Arc<cuda::Module>>,
+    /// Where this rank's receives report a size mismatch.
+    p2p_status: Arc<send_recv::StatusMem>,
     dev_comm: u64,
     res: Res,
     inflight: Arc<AtomicUsize>,
@@ -280,7 +290,7 @@ impl Comm {
     /// Device memory used by this rank's connections and communicator state, in bytes.
     pub fn device_memory_bytes(&self) -> u64 {
         self.conn_bytes
-            + comm_block_bytes(self.nchannels as usize, self.nranks) as u64
+            + comm_block_bytes(self.nchannels as usize, self.nranks, self.peer_channels) as u64
             + self.trees.map_or(0, |t| t.bytes)
     }
 

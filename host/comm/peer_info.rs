@@ -69,6 +69,7 @@ pub(super) fn plan_settings(p: &Params, s: &Selection) -> String {
         ("NCCL_MIN_NCHANNELS", opt(p.min_nchannels)),
         ("NCCL_MAX_NCHANNELS", opt(p.max_nchannels)),
         ("NCCL_NTHREADS", p.nthreads.to_string()),
+        ("NCCL_NCHANNELS_PER_PEER", opt(p.p2p_nchannels_per_peer)),
         ("NCCL_BUFFSIZE", p.buffsize.to_string()),
         ("NCCL_LL_BUFFSIZE", p.ll_buffsize.to_string()),
         ("NCCL_LL128_BUFFSIZE", p.ll128_buffsize.to_string()),

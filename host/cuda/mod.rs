@@ -516,12 +516,12 @@ impl Stream {
         cu!(cuMemsetD8Async(dst, byte, bytes, self.raw))
     }
     /// Queues a launch of the collective kernel.
-    pub fn launch(
+    pub fn launch<A: bytemuck::Pod>(
         &self,
         module: &Module,
         grid: u32,
         block: u32,
-        args: &oxccl_gpu::abi::KernelArgs,
+        args: &A,
     ) -> Result<()> {
         self.ctx.bind()?;
         if block > module.max_threads {
@@ -530,7 +530,7 @@ impl Stream {
                 module.max_threads
             )));
         }
-        let mut params = [args as *const oxccl_gpu::abi::KernelArgs as *mut c_void];
+        let mut params = [args as *const A as *mut c_void];
         cu!(cuLaunchKernel(
             module.kernel,
             grid,

@@ -29,5 +29,6 @@ mod ll_protocol;
 mod matrix;
 mod premulsum;
 mod ring_order;
+mod send_recv;
 mod tree;
 mod tree_protocols;

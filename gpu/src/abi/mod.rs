@@ -342,6 +342,89 @@ pub struct KernelArgs {
     pub work: WorkColl,
 }
 
+/// Most point-to-point works (one thread block each) of one launch: every send and receive of
+/// a group that is in flight at once, times the channels each uses. Keeps [`P2pArgs`] within the
+/// 4 KiB every CUDA driver accepts as a kernel parameter.
+pub const MAX_P2P_WORKS: usize = 128;
+
+/// The kernel entry point (and PTX module) of point-to-point work: Simple protocol, bytes.
+pub const P2P_KERNEL_NAME: &str = "oxccl_sendrecv_simple";
+
+/// [`WorkP2p::kind`] of a send.
+pub const P2P_SEND: u8 = 0;
+/// [`WorkP2p::kind`] of a receive.
+pub const P2P_RECV: u8 = 1;
+
+/// One part of one send or receive (NCCL's `ncclDevWorkP2p` half), run by one thread block over
+/// one peer channel. A send of `bytes` bytes is cut into `nparts` parts of whole 16-byte packs
+/// ([`p2p_part`]), part `part` going over this work's channel; the receive of the peer cuts the
+/// same way from the sender's size, which travels in a header step before the data, so the two
+/// ends agree even when the user's counts differ.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]
+pub struct WorkP2p {
+    /// Device address of the user buffer: the input of a send, the output of a receive.
+    pub buff: u64,
+    /// A send: bytes sent (the whole operation, all parts). A receive: bytes the output holds.
+    pub bytes: u64,
+    /// Index of the peer channel in the communicator's [`DevChannel`] array: its send
+    /// connection goes to the peer of a send, its receive connection comes from the peer of a
+    /// receive.
+    pub channel: u32,
+    /// [`P2P_SEND`] or [`P2P_RECV`].
+    pub kind: u8,
+    /// This work's part of the operation, and the parts.
+    pub part: u8,
+    pub nparts: u8,
+    pub _pad: u8,
+}
+
+/// The by-value argument of the point-to-point kernel: block `b < nworks` runs `works[b]`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Pod, Zeroable)]
+pub struct P2pArgs {
+    /// Address of the communicator's [`DevComm`].
+    pub comm: u64,
+    /// Address of a [`P2pStatus`] the receives report a size mismatch in (0: none).
+    pub status: u64,
+    pub nworks: u32,
+    pub _pad: u32,
+    pub works: [WorkP2p; MAX_P2P_WORKS],
+}
+
+impl Default for P2pArgs {
+    fn default() -> Self {
+        Zeroable::zeroed()
+    }
+}
+
+/// Where a receive reports that the peer sent another size than it expected (host-visible
+/// memory of the receiving rank). The first mismatch of a launch wins; the host clears `flag`
+/// once it reported it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]
+pub struct P2pStatus {
+    /// Non-zero once a receive saw a mismatch.
+    pub flag: u64,
+    /// The receive's peer channel.
+    pub channel: u64,
+    /// Bytes the peer sent.
+    pub sent: u64,
+    /// Bytes the receive expected.
+    pub expected: u64,
+}
+
+/// Byte offset and length of part `part` of `nparts` of a `bytes`-byte transfer: equal shares
+/// of whole 16-byte packs, the last ones shorter or empty.
+#[inline(always)]
+pub const fn p2p_part(bytes: u64, part: u64, nparts: u64) -> (u64, u64) {
+    let nparts = if nparts == 0 { 1 } else { nparts };
+    let per = bytes.div_ceil(nparts).div_ceil(PACK_BYTES) * PACK_BYTES;
+    let off = if part * per < bytes { part * per } else { bytes };
+    let len = if bytes - off < per { bytes - off } else { per };
+    (off, len)
+}
+
 /// An LL FIFO line (NCCL's `union ncclLLFifoLine`): two 4-byte data words each followed by its
 /// flag; written with one 16-byte volatile store so a reader that sees both flags sees the data.
 #[repr(C, align(16))]
@@ -378,6 +461,9 @@ const _: () = {
     assert!(offset_of!(WorkColl, root) == 48);
     assert!(offset_of!(WorkColl, nchannels) == 58);
     assert!(size_of::<KernelArgs>() == 80);
+    assert!(size_of::<WorkP2p>() == 24);
+    assert!(size_of::<P2pArgs>() == 24 + 24 * MAX_P2P_WORKS && size_of::<P2pArgs>() <= 4096);
+    assert!(size_of::<P2pStatus>() == 32);
     assert!(size_of::<LlFifoLine>() == 16 && align_of::<LlFifoLine>() == 16);
     assert!(DEFAULT_BUFFSIZE % (FIFO_STEPS * PACK_BYTES) == 0);
 };

@@ -6,6 +6,7 @@ pub mod all_reduce;
 pub mod broadcast;
 pub mod reduce;
 pub mod reduce_scatter;
+pub mod send_recv;
 pub mod tree;
 
 /// What an algorithm needs to know about its ring and channel.

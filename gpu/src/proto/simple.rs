@@ -214,6 +214,104 @@ impl<T: Elem, Op: RedFn<T>> Simple<T, Op> {
         }
     }
 
+    /// [`Self::finish`] for a block that used only one of the channel's two connections (a
+    /// point-to-point send, `send`, or receive): only that connection's step is stored back, as
+    /// another block of the same launch may be using the other one.
+    ///
+    /// # Safety
+    /// As [`Self::finish`].
+    pub unsafe fn finish_one(self, send: bool) {
+        // SAFETY: every thread reaches this barrier; then only thread 0 writes.
+        unsafe {
+            arch::sync_threads();
+            if self.tid == 0 {
+                if send {
+                    (*(ctl_get!(self.send_info) as *mut ConnInfo)).step = self.send.step;
+                } else {
+                    (*(ctl_get!(self.recv_info) as *mut ConnInfo)).step = self.recv.step;
+                }
+            }
+        }
+    }
+
+    /// Point-to-point: sends the two words `(a, b)` as one 16-byte FIFO step of their own (the
+    /// header of a send, which tells the receiver the size before any data).
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
+    pub fn send_header(&mut self, a: u64, b: u64) {
+        if self.aborted {
+            return;
+        }
+        self.send.step = self.send.step.next_multiple_of(u64::from(self.steps_per_slice));
+        let from = self.send.step;
+        if !self.wait::<false, true>(false) {
+            return;
+        }
+        if self.tid == 0 {
+            // SAFETY: the slot is a 16-byte aligned part of the peer's FIFO that `wait` saw
+            // freed; the post below publishes it after the block's barrier and fence.
+            unsafe { arch::store_pair_u64(self.slot(&self.send) as *mut u64, a, b) };
+        }
+        self.publish_sizes(from, 16);
+        self.post::<false, true>();
+    }
+
+    /// Point-to-point: receives a header sent by [`Self::send_header`]; `None` on abort.
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
+    pub fn recv_header(&mut self) -> Option<(u64, u64)> {
+        if self.aborted {
+            return None;
+        }
+        self.recv.step = self.recv.step.next_multiple_of(u64::from(self.steps_per_slice));
+        if !self.wait::<true, false>(false) {
+            return None;
+        }
+        // SAFETY: `wait` saw the step's tail; the slot is 16-byte aligned in our FIFO. Every
+        // thread reads it before the post's barrier frees the slot.
+        let v = unsafe { arch::load_pair_u64(self.slot(&self.recv) as *const u64) };
+        self.post::<true, false>();
+        Some(v)
+    }
+
+    /// Point-to-point: receives `n` elements sent by one `send(_, n)` into output[dst..], but
+    /// writes only the first `keep` (≤ `n`) of them: every step is consumed, so the sender
+    /// finishes, and nothing lands past an output shorter than what was sent.
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
+    pub fn recv_upto(&mut self, dst: u64, n: u64, keep: u64) {
+        if self.aborted {
+            return;
+        }
+        let mut done = 0u64;
+        while done < n {
+            let len = core::cmp::min(u64::from(self.slice_elems), n - done);
+            self.recv.step = self.recv.step.next_multiple_of(u64::from(self.steps_per_slice));
+            if !self.wait::<true, false>(false) {
+                return;
+            }
+            let copy = core::cmp::min(len, keep.saturating_sub(done));
+            if copy > 0 {
+                let out_ptr = self.output.wrapping_add((dst + done) as usize) as *mut u8;
+                // SAFETY: the slot holds `len` ≥ `copy` received elements; the output holds
+                // `keep` elements from `dst` (caller contract).
+                unsafe {
+                    reduce_copy::<T, Op, false, false>(
+                        self.tid,
+                        self.nthreads,
+                        self.slot(&self.recv),
+                        core::ptr::null(),
+                        out_ptr,
+                        core::ptr::null_mut(),
+                        copy,
+                        0,
+                        PreOn::None,
+                        &self.op_args,
+                    )
+                };
+            }
+            self.post::<true, false>();
+            done += len;
+        }
+    }
+
     /// Thread 0's connection state in shared memory.
     #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn ctl(&self) -> *mut Ctl {

@@ -1,0 +1,106 @@
+//! Point-to-point send and receive (NCCL's `sendrecv.h`, `runSend`/`runRecv`): one thread block
+//! per part of an operation, over a peer channel of its own, on the Simple protocol.
+//!
+//! Each part starts with a header step carrying the sender's total size, so the receiver cuts
+//! the transfer into the same parts ([`p2p_part`]) and consumes exactly the steps the sender
+//! sends even when the user's counts differ: it writes at most its own output's size and
+//! reports the mismatch ([`P2pStatus`]) instead of hanging or writing past the output.
+use crate::abi::{DevChannel, DevComm, P2P_SEND, P2pArgs, P2pStatus, Proto, p2p_part};
+use crate::arch;
+use crate::proto::Primitives;
+use crate::proto::simple::Simple;
+use crate::reduce::{FuncSum, OpArgs};
+
+/// Runs block `bid` of a point-to-point launch: work `args.works[bid]` (nothing when `bid` is
+/// past `args.nworks`).
+///
+/// # Safety
+/// `args.comm` points at a set-up [`DevComm`] whose channel array holds every work's channel;
+/// each work's buffer holds its `bytes`; `args.status` is 0 or a valid [`P2pStatus`]; `smem` is
+/// the kernel's shared memory; every thread of the block calls this with the same `args` and
+/// `bid`, `tid` in `0..nthreads`.
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
+#[cfg_attr(not(target_arch = "nvptx64"), inline(never))]
+pub unsafe fn run_p2p_block(args: &P2pArgs, bid: u32, tid: u32, nthreads: u32, smem: *mut u32) {
+    if bid >= args.nworks || bid as usize >= args.works.len() {
+        return;
+    }
+    let w = args.works[bid as usize];
+    // SAFETY: caller contract.
+    let comm = unsafe { &*(args.comm as *const DevComm) };
+    // SAFETY: caller contract: the channel exists.
+    let channel = unsafe { (comm.channels as *mut DevChannel).add(w.channel as usize) };
+    let buff_size = comm.buff_sizes[Proto::Simple as usize];
+    // One FIFO slot per step: the slice size does not depend on the size, which the receiver
+    // learns only from the header.
+    // SAFETY: caller contract; the Simple buffers of the channel are `buff_size` bytes.
+    let mut p = unsafe {
+        Simple::<u8, FuncSum>::new(
+            tid,
+            nthreads,
+            channel,
+            buff_size,
+            w.buff as *const u8,
+            w.buff as *mut u8,
+            comm.abort_flag,
+            &raw const comm.aborted,
+            smem,
+            OpArgs::new(crate::abi::DevRedOp::Sum, 0),
+            0,
+        )
+    };
+    let (part, nparts) = (w.part as u64, w.nparts as u64);
+    if w.kind == P2P_SEND {
+        let (off, len) = p2p_part(w.bytes, part, nparts);
+        p.send_header(w.bytes, len);
+        p.send(off, len);
+        // SAFETY: every thread calls it once, after the last verb.
+        unsafe { p.finish_one(true) };
+        return;
+    }
+    if let Some((sent, _)) = p.recv_header() {
+        let (off, len) = p2p_part(sent, part, nparts);
+        let keep = core::cmp::min(off + len, w.bytes).saturating_sub(off);
+        p.recv_upto(off, len, keep);
+        if sent != w.bytes && tid == 0 && args.status != 0 {
+            let st = args.status as *mut P2pStatus;
+            // SAFETY: a valid status record (caller contract); the flag is stored last, after
+            // a fence, so a host that sees it sees the sizes.
+            unsafe {
+                arch::store_volatile_u64(&raw mut (*st).channel, w.channel as u64);
+                arch::store_volatile_u64(&raw mut (*st).sent, sent);
+                arch::store_volatile_u64(&raw mut (*st).expected, w.bytes);
+                arch::fence_acq_rel_sys();
+                arch::store_volatile_u64(&raw mut (*st).flag, 1);
+            }
+        }
+    }
+    // SAFETY: every thread calls it once, after the last verb.
+    unsafe { p.finish_one(false) };
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::abi::p2p_part;
+
+    #[test]
+    fn parts_are_whole_packs_that_cover_the_transfer_once() {
+        assert_eq!(p2p_part(0, 0, 1), (0, 0));
+        assert_eq!(p2p_part(100, 0, 1), (0, 100));
+        assert_eq!(p2p_part(100, 0, 2), (0, 64));
+        assert_eq!(p2p_part(100, 1, 2), (64, 36));
+        assert_eq!(p2p_part(16, 1, 4), (16, 0));
+        for bytes in [0u64, 1, 15, 16, 17, 1000, 1 << 20, (1 << 20) + 3] {
+            for nparts in 1..=8u64 {
+                let mut next = 0;
+                for part in 0..nparts {
+                    let (off, len) = p2p_part(bytes, part, nparts);
+                    assert_eq!(off, next, "{bytes} {part}/{nparts}");
+                    assert!(off % 16 == 0 || len == 0, "{bytes} {part}/{nparts}");
+                    next = off + len;
+                }
+                assert_eq!(next, bytes, "{bytes} over {nparts}");
+            }
+        }
+    }
+}

@@ -1,0 +1,340 @@
+//! Point-to-point calls (NCCL's `ncclSend`/`ncclRecv` in `collectives.cc`, their scheduling in
+//! `enqueue.cc`'s `scheduleP2pTasksToPlan`): argument checks, the works of one launch over the
+//! peer channels ([`PeerChannels`]), and the launch itself (GPU kernel or CPU-target blocks).
+//! Calls are queued in the calling thread's group ([`crate::group`]) and launched when its
+//! outermost group ends (at once outside a group).
+use super::*;
+use crate::group::{self, P2pOp, Queued};
+use oxccl_gpu::abi::{MAX_P2P_WORKS, P2P_KERNEL_NAME, P2P_RECV, P2P_SEND, P2pArgs, P2pStatus, WorkP2p};
+
+/// Where this rank's receives report a size mismatch: host memory its kernels write (mapped
+/// into the device on GPUs).
+pub(super) enum StatusMem {
+    Cuda(cuda::HostMapped),
+    Cpu(HostMem),
+}
+
+impl StatusMem {
+    pub(super) fn new(ctx: Option<&Arc<cuda::Context>>) -> Result<StatusMem> {
+        let bytes = size_of::<P2pStatus>();
+        Ok(match ctx {
+            Some(ctx) => StatusMem::Cuda(cuda::HostMapped::zeroed(ctx, bytes)?),
+            None => StatusMem::Cpu(HostMem::zeroed(bytes)?),
+        })
+    }
+    /// The address the kernels write.
+    fn kernel_addr(&self) -> u64 {
+        match self {
+            StatusMem::Cuda(m) => m.dev_ptr(),
+            StatusMem::Cpu(m) => m.addr(),
+        }
+    }
+    fn host(&self) -> *mut P2pStatus {
+        match self {
+            StatusMem::Cuda(m) => m.host_ptr() as *mut P2pStatus,
+            StatusMem::Cpu(m) => m.addr() as *mut P2pStatus,
+        }
+    }
+    /// The mismatch a receive reported since the last call, cleared.
+    pub(super) fn take(&self) -> Option<P2pStatus> {
+        let p = self.host();
+        // SAFETY: the record lives as long as `self`; kernels write it with volatile stores,
+        // the flag last (after a fence).
+        unsafe {
+            let flag = AtomicU64::from_ptr(&raw mut (*p).flag);
+            if flag.load(Ordering::Acquire) == 0 {
+                return None;
+            }
+            let st = std::ptr::read_volatile(p);
+            flag.store(0, Ordering::Release);
+            Some(st)
+        }
+    }
+}
+
+// SAFETY: the status record is plain memory shared with the kernels through atomics/volatiles.
+unsafe impl Send for StatusMem {}
+// SAFETY: as above.
+unsafe impl Sync for StatusMem {}
+
+/// What a queued send or receive needs of its communicator when its group ends: the launch
+/// resources, shared (`Arc`) so the call does not borrow the communicator.
+#[derive(Clone)]
+pub(crate) struct P2pTarget {
+    rank: usize,
+    dev_comm: u64,
+    peer: PeerChannels,
+    nthreads: u32,
+    cpu_nthreads: u32,
+    cpu_team: oxccl_gpu::arch::TeamKind,
+    status: Arc<StatusMem>,
+    backend: Backend,
+}
+
+#[derive(Clone)]
+enum Backend {
+    Cuda {
+        launch: Arc<LaunchState>,
+        module: Arc<cuda::Module>,
+        /// Keeps the rank's memory (its kernels' connections) until the launch is queued.
+        _group: Arc<CudaGroup>,
+    },
+    Cpu {
+        group: Arc<CpuGroup>,
+        process: Option<Arc<ProcessGroup>>,
+        inflight: Arc<AtomicUsize>,
+    },
+}
+
+impl P2pTarget {
+    /// The communicator this target launches for (its communicator block's address).
+    pub(crate) fn key(&self) -> u64 {
+        self.dev_comm
+    }
+    pub(crate) fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// The blocks a send or receive of `op` takes: one per peer channel of the pair.
+    pub(crate) fn works_of(&self, op: &P2pOp) -> Vec<WorkP2p> {
+        let nparts = self.peer.per_peer.max(1);
+        (0..nparts)
+            .map(|j| WorkP2p {
+                buff: op.buff,
+                bytes: op.bytes,
+                channel: self.peer.channel(self.rank, op.peer, j, op.send),
+                kind: if op.send { P2P_SEND } else { P2P_RECV },
+                part: j as u8,
+                nparts: nparts as u8,
+                _pad: 0,
+            })
+            .collect()
+    }
+
+    /// The error of a mismatch a receive reported, if any (cleared).
+    pub(crate) fn take_mismatch(&self) -> Option<Error> {
+        self.status
+            .take()
+            .map(|st| mismatch_error(self.rank, self.peer.recv_peer(self.rank, st.channel), &st))
+    }
+
+    /// Launches `works` (at most [`MAX_P2P_WORKS`], each on a peer channel of its own) as one
+    /// kernel on `stream`.
+    pub(crate) fn launch(&self, works: &[WorkP2p], stream: &Stream) -> Result<()> {
+        if works.is_empty() {
+            return Ok(());
+        }
+        if works.len() > MAX_P2P_WORKS {
+            return Err(Error::Internal(format!("{} point-to-point works in one launch", works.len())));
+        }
+        let mut args = P2pArgs {
+            comm: self.dev_comm,
+            status: self.status.kernel_addr(),
+            nworks: works.len() as u32,
+            ..P2pArgs::default()
+        };
+        args.works[..works.len()].copy_from_slice(works);
+        match (&self.backend, stream) {
+            (Backend::Cuda { launch, module, .. }, Stream::Cuda(s)) => {
+                s.launch(module, works.len() as u32, self.nthreads, &args)?;
+                launch.last_event.record(s)?;
+                launch.launched.store(true, Ordering::Release);
+                Ok(())
+            }
+            (Backend::Cpu { group, process, inflight }, Stream::Cpu(s)) => {
+                let nthreads = self.cpu_nthreads;
+                let blocks = CpuBlocks {
+                    nblocks: works.len() as u32,
+                    nthreads,
+                    team: self.cpu_team,
+                    group: group.clone(),
+                    process: process.clone(),
+                    rank: self.rank,
+                };
+                let me = self.clone();
+                blocks.launch(
+                    s,
+                    inflight,
+                    move |b, tid, smem| {
+                        // SAFETY: the communicator block and its channels live as long as the
+                        // launch's `group`; every work's buffer is the caller's, valid for its
+                        // bytes (send_raw/recv_raw contract).
+                        unsafe { oxccl_gpu::coll::send_recv::run_p2p_block(&args, b, tid, nthreads, smem) };
+                        true
+                    },
+                    move || me.take_mismatch().map_or(Ok(()), Err),
+                )
+            }
+            _ => Err(Error::invalid("stream and communicator are of different backends")),
+        }
+    }
+}
+
+/// The error of a receive from `peer` that got another size than it expected.
+fn mismatch_error(rank: usize, peer: usize, st: &P2pStatus) -> Error {
+    Error::invalid(format!(
+        "rank {rank}: a receive from rank {peer} expected {} bytes but rank {peer} sent {} bytes \
+         ({} written; the counts × type sizes of a send and its receive must match)",
+        st.expected,
+        st.sent,
+        st.sent.min(st.expected)
+    ))
+}
+
+impl Comm {
+    /// Sends `count` elements of `dtype` from `send` to rank `peer` (NCCL's `ncclSend`). The
+    /// matching [`Comm::recv`] on `peer` names this rank; sends and receives between two ranks
+    /// in one direction match in the order they are issued. Queued on `stream`; inside a group
+    /// ([`crate::group_start`]) launched when the outermost group ends, with the group's other
+    /// calls (which is what keeps exchanges such as all-to-all from deadlocking), otherwise at
+    /// once. `peer == rank` sends to this rank's own matching receive (a copy). `count == 0` is
+    /// allowed (the receive must expect 0). Errors: `peer` outside `0..nranks`, a buffer shorter
+    /// than `count` elements or on another device, and the errors of [`Comm::all_reduce`]'s
+    /// checks of stream and communicator state.
+    pub fn send<'a>(
+        &self,
+        send: impl Into<DevSlice<'a>>,
+        count: usize,
+        dtype: DataType,
+        peer: usize,
+        stream: &Stream,
+    ) -> Result<()> {
+        let s = send.into();
+        self.check_p2p_buffer("sendbuff", &s, count, dtype)?;
+        // SAFETY: the range was checked against the buffer.
+        unsafe { self.send_raw(s.addr(), count, dtype, peer, stream) }
+    }
+
+    /// Receives `count` elements of `dtype` from rank `peer` into `recv` (NCCL's `ncclRecv`);
+    /// see [`Comm::send`]. A send of another size than `count` elements is an error at the
+    /// stream's synchronize (CPU target) or from [`Comm::get_async_error`] (GPUs), naming both
+    /// sizes; at most `count` elements are written.
+    pub fn recv<'a>(
+        &self,
+        recv: impl Into<DevSlice<'a>>,
+        count: usize,
+        dtype: DataType,
+        peer: usize,
+        stream: &Stream,
+    ) -> Result<()> {
+        let r = recv.into();
+        self.check_p2p_buffer("recvbuff", &r, count, dtype)?;
+        // SAFETY: the range was checked against the buffer.
+        unsafe { self.recv_raw(r.addr(), count, dtype, peer, stream) }
+    }
+
+    /// [`Comm::send`] on a raw address (a `CUdeviceptr`, or a host address on the CPU target).
+    ///
+    /// # Safety
+    /// `buff` is valid for `count × dtype.size()` bytes on this rank's device until the
+    /// operation completes on `stream`; `stream` outlives the end of the current group.
+    pub unsafe fn send_raw(&self, buff: u64, count: usize, dtype: DataType, peer: usize, stream: &Stream) -> Result<()> {
+        // SAFETY: forwarded caller contract.
+        unsafe { self.p2p(true, buff, count, dtype, peer, stream) }
+    }
+
+    /// [`Comm::recv`] on a raw address.
+    ///
+    /// # Safety
+    /// As [`Comm::send_raw`].
+    pub unsafe fn recv_raw(&self, buff: u64, count: usize, dtype: DataType, peer: usize, stream: &Stream) -> Result<()> {
+        // SAFETY: forwarded caller contract.
+        unsafe { self.p2p(false, buff, count, dtype, peer, stream) }
+    }
+
+    fn check_p2p_buffer(&self, name: &str, s: &DevSlice<'_>, count: usize, dtype: DataType) -> Result<()> {
+        let bytes = self.check_bytes(count, dtype)?;
+        if s.device() != self.device {
+            return Err(Error::invalid(format!(
+                "{name} is on {:?} but rank {} is on {:?}",
+                s.device(),
+                self.rank,
+                self.device
+            )));
+        }
+        if (s.len() as u64) < bytes {
+            return Err(Error::invalid(format!(
+                "{name} holds {} bytes but count {count} × {} ({} bytes each) needs {bytes} on rank {}",
+                s.len(),
+                dtype.name(),
+                dtype.size(),
+                self.rank
+            )));
+        }
+        Ok(())
+    }
+
+    /// # Safety
+    /// As [`Comm::send_raw`].
+    unsafe fn p2p(&self, send: bool, buff: u64, count: usize, dtype: DataType, peer: usize, stream: &Stream) -> Result<()> {
+        let call = if send { "send" } else { "recv" };
+        if peer >= self.nranks {
+            return Err(Error::invalid(format!(
+                "peer {peer} of {call} is out of range on rank {} (accepted: 0..={})",
+                self.rank,
+                self.nranks - 1
+            )));
+        }
+        let bytes = self.check_bytes(count, dtype)?;
+        if buff == 0 && bytes > 0 {
+            return Err(Error::invalid(format!(
+                "{} is NULL on rank {} ({call} of {count} elements needs it)",
+                if send { "sendbuff" } else { "recvbuff" },
+                self.rank
+            )));
+        }
+        self.check_stream(stream)?;
+        if self.flag_state() != 0 {
+            return self.get_async_error();
+        }
+        if self.finalized.load(Ordering::Acquire) {
+            return Err(Error::InvalidUsage(format!(
+                "rank {}: the communicator was finalized; only destroy is allowed after finalize",
+                self.rank
+            )));
+        }
+        tracing::debug!(target: "oxccl::coll", rank = self.rank, call, peer, count, %dtype, "enqueue");
+        group::enqueue(Queued {
+            target: self.p2p_target()?,
+            stream: stream.handle(),
+            op: P2pOp { send, peer, buff, bytes },
+        })
+    }
+
+    /// The error of a size mismatch one of this rank's receives reported since the last check
+    /// (cleared).
+    pub(super) fn p2p_mismatch(&self) -> Option<Error> {
+        let st = self.p2p_status.take()?;
+        let peer = PeerChannels::recv_peer(&self.peer_channels, self.rank, st.channel);
+        Some(mismatch_error(self.rank, peer, &st))
+    }
+
+    /// This communicator's launch resources for point-to-point work.
+    fn p2p_target(&self) -> Result<P2pTarget> {
+        let backend = match &self.res {
+            Res::Cuda(r) => Backend::Cuda {
+                launch: r.launch.clone(),
+                module: self
+                    .p2p_module
+                    .clone()
+                    .ok_or_else(|| crate::kernels::not_built(P2P_KERNEL_NAME))?,
+                _group: r.group.clone(),
+            },
+            Res::Cpu(r) => Backend::Cpu {
+                group: r.group.clone(),
+                process: self.process.clone(),
+                inflight: self.inflight.clone(),
+            },
+        };
+        Ok(P2pTarget {
+            rank: self.rank,
+            dev_comm: self.dev_comm,
+            peer: self.peer_channels,
+            nthreads: self.params.nthreads,
+            cpu_nthreads: self.params.cpu_nthreads,
+            cpu_team: self.params.cpu_team,
+            status: self.p2p_status.clone(),
+            backend,
+        })
+    }
+}

@@ -1,0 +1,256 @@
+//! Groups (NCCL's `group.cc`: `ncclGroupStart`/`ncclGroupEnd`): the calling thread's queue of
+//! point-to-point calls, launched together when its outermost group ends.
+//!
+//! A group is per thread and nests: [`group_start`] deepens it, [`group_end`] ends one level,
+//! and the outermost end launches what was queued, so a thread driving several ranks (NCCL's
+//! one thread per process) can issue every rank's calls before any of them runs. Collectives
+//! inside a group launch when called, as outside one; sends and receives are queued and, at
+//! the end, launched after them (NCCL schedules a group's collectives before its
+//! point-to-point work), per communicator:
+//!
+//! - a send and a receive with the rank itself are matched in order and become a copy;
+//! - every other call becomes one thread block per peer channel of its pair; the first call of
+//!   each (peer, direction) goes into the first launch, the second into the second, and so on,
+//!   so each launch holds at most one call per connection and the calls of a pair match in
+//!   order; the launches of every communicator of the group go out round by round;
+//! - a launch holds at most [`MAX_P2P_WORKS`] blocks: a group that would need more fails at its
+//!   end naming the limit, before anything of it is launched.
+//!
+//! A group's calls of one communicator must use one stream. The buffers, streams and
+//! communicators of the queued calls must stay alive until the group ends (and the buffers
+//! until the stream has run the work, as for every call).
+use crate::comm::P2pTarget;
+use crate::error::{Error, Result};
+use crate::mem::Stream;
+use oxccl_gpu::abi::{MAX_P2P_WORKS, WorkP2p};
+use std::cell::RefCell;
+
+/// One send or receive: direction, peer, buffer address and size in bytes (a send: what it
+/// sends; a receive: what its output holds).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct P2pOp {
+    pub(crate) send: bool,
+    pub(crate) peer: usize,
+    pub(crate) buff: u64,
+    pub(crate) bytes: u64,
+}
+
+/// A queued call: its communicator's launch resources, its stream and the operation.
+pub(crate) struct Queued {
+    pub(crate) target: P2pTarget,
+    pub(crate) stream: Stream,
+    pub(crate) op: P2pOp,
+}
+
+#[derive(Default)]
+struct Group {
+    depth: usize,
+    queued: Vec<Queued>,
+}
+
+thread_local! {
+    static GROUP: RefCell<Group> = RefCell::new(Group::default());
+}
+
+/// Starts a group on this thread, or a nested one (NCCL's `ncclGroupStart`). Every call must
+/// be matched by a [`group_end`] on the same thread.
+pub fn group_start() -> Result<()> {
+    GROUP.with(|g| g.borrow_mut().depth += 1);
+    Ok(())
+}
+
+/// Ends the innermost group of this thread (NCCL's `ncclGroupEnd`); the outermost end launches
+/// every queued send and receive (module docs). Errors: InvalidUsage without a matching
+/// [`group_start`]; InvalidUsage when a communicator's calls use several streams, a send or
+/// receive with the rank itself has no match, or a launch would exceed [`MAX_P2P_WORKS`]
+/// blocks (nothing of the group is launched then); InvalidArgument when a matched send and
+/// receive with the rank itself differ in size (the smaller size is copied); launch errors.
+pub fn group_end() -> Result<()> {
+    let queued = GROUP.with(|g| {
+        let mut g = g.borrow_mut();
+        if g.depth == 0 {
+            return Err(Error::InvalidUsage(
+                "group_end without a group_start on this thread".into(),
+            ));
+        }
+        g.depth -= 1;
+        Ok(if g.depth == 0 { std::mem::take(&mut g.queued) } else { Vec::new() })
+    })?;
+    launch(queued)
+}
+
+/// Runs `f` inside a group ([`group_start`] … [`group_end`]): the sends and receives `f` issues
+/// are launched together when it returns. `f`'s result is returned when the group's end
+/// succeeds; otherwise the end's error.
+pub fn group<R>(f: impl FnOnce() -> R) -> Result<R> {
+    group_start()?;
+    let r = f();
+    group_end()?;
+    Ok(r)
+}
+
+/// The depth of this thread's group (0: none).
+pub fn group_depth() -> usize {
+    GROUP.with(|g| g.borrow().depth)
+}
+
+/// Queues `q` in this thread's group, or launches it at once when there is none.
+pub(crate) fn enqueue(q: Queued) -> Result<()> {
+    let alone = GROUP.with(|g| {
+        let mut g = g.borrow_mut();
+        if g.depth == 0 {
+            Some(q)
+        } else {
+            g.queued.push(q);
+            None
+        }
+    });
+    match alone {
+        Some(q) => launch(vec![q]),
+        None => Ok(()),
+    }
+}
+
+/// One communicator's part of a group.
+struct CommPlan {
+    target: P2pTarget,
+    stream: Stream,
+    /// Sends to itself matched with receives from itself: (dst, src, bytes).
+    copies: Vec<(u64, u64, u64)>,
+    /// The blocks of each launch.
+    rounds: Vec<Vec<WorkP2p>>,
+}
+
+fn plan(queued: Vec<Queued>) -> Result<(Vec<CommPlan>, Vec<Error>)> {
+    let mut comms: Vec<(P2pTarget, Stream, Vec<P2pOp>)> = Vec::new();
+    for q in queued {
+        match comms.iter_mut().find(|(t, _, _)| t.key() == q.target.key()) {
+            Some((t, s, ops)) => {
+                if !s.same(&q.stream) {
+                    return Err(Error::InvalidUsage(format!(
+                        "rank {}: the sends and receives of one communicator in a group must use one stream",
+                        t.rank()
+                    )));
+                }
+                ops.push(q.op);
+            }
+            None => comms.push((q.target, q.stream, vec![q.op])),
+        }
+    }
+    let mut plans = Vec::with_capacity(comms.len());
+    let mut mismatches = Vec::new();
+    for (target, stream, ops) in comms {
+        let me = target.rank();
+        let (own, others): (Vec<P2pOp>, Vec<P2pOp>) = ops.into_iter().partition(|o| o.peer == me);
+        let sends: Vec<&P2pOp> = own.iter().filter(|o| o.send).collect();
+        let recvs: Vec<&P2pOp> = own.iter().filter(|o| !o.send).collect();
+        if sends.len() != recvs.len() {
+            return Err(Error::InvalidUsage(format!(
+                "rank {me}: {} send(s) to itself and {} receive(s) from itself in one group; each needs its match in the same group",
+                sends.len(),
+                recvs.len()
+            )));
+        }
+        let mut copies = Vec::new();
+        for (s, r) in sends.iter().zip(&recvs) {
+            if s.bytes != r.bytes {
+                mismatches.push(Error::invalid(format!(
+                    "rank {me}: a receive from rank {me} (itself) expected {} bytes but the send sent {} bytes ({} written)",
+                    r.bytes,
+                    s.bytes,
+                    s.bytes.min(r.bytes)
+                )));
+            }
+            copies.push((r.buff, s.buff, s.bytes.min(r.bytes)));
+        }
+        let mut rounds: Vec<Vec<WorkP2p>> = Vec::new();
+        let mut seen: Vec<(usize, bool, usize)> = Vec::new();
+        for op in &others {
+            let round = match seen.iter_mut().find(|(p, s, _)| (*p, *s) == (op.peer, op.send)) {
+                Some((_, _, n)) => {
+                    *n += 1;
+                    *n - 1
+                }
+                None => {
+                    seen.push((op.peer, op.send, 1));
+                    0
+                }
+            };
+            if rounds.len() <= round {
+                rounds.resize_with(round + 1, Vec::new);
+            }
+            rounds[round].extend(target.works_of(op));
+        }
+        if let Some(r) = rounds.iter().find(|r| r.len() > MAX_P2P_WORKS) {
+            return Err(Error::InvalidUsage(format!(
+                "rank {me}: a group's sends and receives need {} thread blocks in one launch, more than the {MAX_P2P_WORKS} a launch holds \
+                 (one per peer channel of each peer and direction; fewer peers per group, or NCCL_NCHANNELS_PER_PEER=1, fit); nothing was launched",
+                r.len()
+            )));
+        }
+        plans.push(CommPlan {
+            target,
+            stream,
+            copies,
+            rounds,
+        });
+    }
+    Ok((plans, mismatches))
+}
+
+/// Plans every communicator's part, then launches: the copies, then the launches round by
+/// round across communicators.
+fn launch(queued: Vec<Queued>) -> Result<()> {
+    if queued.is_empty() {
+        return Ok(());
+    }
+    let (plans, mismatches) = plan(queued)?;
+    for p in &plans {
+        for &(dst, src, bytes) in &p.copies {
+            if dst != src && bytes > 0 {
+                // SAFETY: the send and receive buffers were checked (or promised, for the raw
+                // calls) for their sizes; `bytes` is the smaller one.
+                unsafe { p.stream.copy_async(dst, src, bytes as usize)? };
+            }
+        }
+    }
+    let nrounds = plans.iter().map(|p| p.rounds.len()).max().unwrap_or(0);
+    for round in 0..nrounds {
+        for p in &plans {
+            if let Some(works) = p.rounds.get(round) {
+                p.target.launch(works, &p.stream)?;
+            }
+        }
+    }
+    match mismatches.into_iter().next() {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn group_end_without_start_is_invalid_usage() {
+        let e = group_end().unwrap_err();
+        assert!(matches!(e, Error::InvalidUsage(_)), "{e:?}");
+        assert!(e.to_string().contains("without a group_start"), "{e}");
+    }
+
+    #[test]
+    fn groups_nest_and_the_closure_form_closes_them() {
+        assert_eq!(group_depth(), 0);
+        group_start().unwrap();
+        group_start().unwrap();
+        assert_eq!(group_depth(), 2);
+        group_end().unwrap();
+        assert_eq!(group_depth(), 1);
+        group_end().unwrap();
+        assert_eq!(group_depth(), 0);
+        let v = group(|| group_depth()).unwrap();
+        assert_eq!(v, 1);
+        assert_eq!(group_depth(), 0);
+    }
+}

@@ -1,0 +1,298 @@
+//! Point-to-point sends and receives and groups, checked exactly on the CPU target (every run):
+//! each rank's received bytes, the guard bytes around every output (poisoned before the call),
+//! out of place and with the receive in the send's buffer, as a thread per rank and as one thread
+//! driving every rank inside one group (NCCL's one thread per process), over every transport
+//! between the ranks of one `init_all` (P2P, SHM, NET); sizes that differ between a send and its
+//! receive; calls matched in issue order; all-to-all-shaped groups; the rank itself as peer; the
+//! argument errors. GPU runs are in `gpu_collectives`.
+use crate::common;
+
+use common::env::Env;
+use common::{BACK, FRONT, sentinel};
+use oxccl::{Comm, DataType, Device, DeviceBuffer, Error, Stream};
+
+const VARS: &[&str] = &["P2P_DISABLE", "SHM_DISABLE", "NCHANNELS_PER_PEER", "BUFFSIZE", "NET"];
+
+/// The byte `i` that rank `from` sends to rank `to` in message `msg`.
+fn byte(from: usize, to: usize, msg: usize, i: usize) -> u8 {
+    ((i as u32).wrapping_mul(131) ^ (from as u32 * 37 + to as u32 * 11 + msg as u32 * 101)) as u8
+}
+
+fn payload(from: usize, to: usize, msg: usize, bytes: usize) -> Vec<u8> {
+    (0..bytes).map(|i| byte(from, to, msg, i)).collect()
+}
+
+/// A buffer of `bytes` data bytes between guards, the guards and data poisoned with `salt`'s
+/// sentinel (`data` written when given).
+fn guarded(dev: Device, bytes: usize, salt: u8, data: Option<&[u8]>) -> DeviceBuffer {
+    let b = dev.alloc(FRONT + bytes + BACK).unwrap();
+    b.write(0, &sentinel(FRONT + bytes + BACK, salt)).unwrap();
+    if let Some(d) = data {
+        b.write(FRONT, d).unwrap();
+    }
+    b
+}
+
+/// Checks `b`'s data against `want` (its first `want.len()` bytes) and every other byte against
+/// the sentinel of `salt`; the message names `what`.
+fn check(b: &DeviceBuffer, bytes: usize, salt: u8, want: &[u8], what: &str) {
+    let got = b.to_vec().unwrap();
+    let poison = sentinel(FRONT + bytes + BACK, salt);
+    let mut wrong = 0;
+    let mut first = None;
+    for (i, (&g, &p)) in got.iter().zip(&poison).enumerate() {
+        let expect = if i >= FRONT && i < FRONT + want.len() { want[i - FRONT] } else { p };
+        if g != expect {
+            wrong += 1;
+            first.get_or_insert(i);
+        }
+    }
+    assert_eq!(wrong, 0, "{what}: {wrong} wrong bytes, first at byte {first:?} (data at {FRONT}..{})", FRONT + want.len());
+}
+
+/// Every rank sends `count` elements of `dtype` to rank + `shift` and receives from rank −
+/// `shift`, inside one group per rank thread; exact results and guards.
+fn shifted_exchange(comms: &[Comm], count: usize, dtype: DataType, shift: usize, what: &str) {
+    let n = comms.len();
+    let bytes = count * dtype.size();
+    common::on_threads(n, |r| {
+        let c = &comms[r];
+        let dev = c.device();
+        let (to, from) = ((r + shift) % n, (r + n - shift % n) % n);
+        let s = guarded(dev, bytes, 1, Some(&payload(r, to, 0, bytes)));
+        let d = guarded(dev, bytes, 2, None);
+        let stream = dev.new_stream().unwrap();
+        oxccl::group(|| -> oxccl::Result<()> {
+            c.send(s.slice(FRONT, bytes)?, count, dtype, to, &stream)?;
+            c.recv(d.slice(FRONT, bytes)?, count, dtype, from, &stream)
+        })
+        .unwrap()
+        .unwrap_or_else(|e| panic!("{what}: rank {r}: {e}"));
+        stream.synchronize().unwrap_or_else(|e| panic!("{what}: rank {r}: {e}"));
+        check(&d, bytes, 2, &payload(from, r, 0, bytes), &format!("{what}: rank {r} from {from}, {count} × {dtype}"));
+        check(&s, bytes, 1, &payload(r, to, 0, bytes), &format!("{what}: rank {r}'s send buffer"));
+    });
+}
+
+/// All-to-all from sends and receives in one group per rank: rank `r` sends block `p` of its
+/// input to rank `p` and receives rank `p`'s block `r` into its block `p`.
+fn all_to_all(comms: &[Comm], block: usize, what: &str) {
+    let n = comms.len();
+    common::on_threads(n, |r| {
+        let c = &comms[r];
+        let dev = c.device();
+        let input: Vec<u8> = (0..n).flat_map(|p| payload(r, p, 0, block)).collect();
+        let s = guarded(dev, n * block, 3, Some(&input));
+        let d = guarded(dev, n * block, 4, None);
+        let stream = dev.new_stream().unwrap();
+        oxccl::group_start().unwrap();
+        for p in 0..n {
+            c.send(s.slice(FRONT + p * block, block).unwrap(), block, DataType::U8, p, &stream).unwrap();
+            c.recv(d.slice(FRONT + p * block, block).unwrap(), block, DataType::U8, p, &stream).unwrap();
+        }
+        oxccl::group_end().unwrap_or_else(|e| panic!("{what}: rank {r}: {e}"));
+        stream.synchronize().unwrap_or_else(|e| panic!("{what}: rank {r}: {e}"));
+        let want: Vec<u8> = (0..n).flat_map(|p| payload(p, r, 0, block)).collect();
+        check(&d, n * block, 4, &want, &format!("{what}: rank {r}, {n} ranks × {block} bytes"));
+    });
+}
+
+#[test]
+fn shifted_exchanges_are_exact_for_every_size_and_rank_count() {
+    let _env = Env::clean(VARS);
+    for n in [2usize, 3, 5] {
+        let comms = common::init_all(&Device::cpus(n)).unwrap();
+        for (count, dtype) in [(0, DataType::F32), (1, DataType::U8), (3, DataType::F16), (1025, DataType::F32), ((1 << 18) + 3, DataType::F64)] {
+            for shift in 1..n {
+                shifted_exchange(&comms, count, dtype, shift, &format!("{n} ranks, shift {shift}"));
+            }
+        }
+    }
+}
+
+#[test]
+fn all_to_all_groups_over_p2p_shm_and_net() {
+    for (vars, name) in [
+        (&[][..], "P2P"),
+        (&[("NCCL_P2P_DISABLE", "1")][..], "SHM"),
+        (&[("NCCL_P2P_DISABLE", "1"), ("NCCL_SHM_DISABLE", "1")][..], "NET"),
+    ] {
+        let env = Env::clean(VARS);
+        env.set(vars);
+        let n = if name == "NET" { 3 } else { 4 };
+        let comms = Comm::init_all(&Device::cpus(n)).unwrap();
+        for block in [0usize, 5, 4096 + 7, 600_000] {
+            all_to_all(&comms, block, name);
+        }
+    }
+}
+
+#[test]
+fn several_channels_per_peer_split_a_transfer_and_keep_it_exact() {
+    let env = Env::clean(VARS);
+    env.set(&[("NCCL_NCHANNELS_PER_PEER", "3")]);
+    let comms = Comm::init_all(&Device::cpus(3)).unwrap();
+    for count in [1usize, 47, 100_003] {
+        shifted_exchange(&comms, count, DataType::U8, 1, "3 channels per peer");
+    }
+    all_to_all(&comms, 33_333, "3 channels per peer");
+}
+
+/// NCCL's one thread per process: one thread issues every rank's calls inside one group; the
+/// launches wait for nothing on the host, so no rank's call can hold back another's.
+#[test]
+fn one_thread_drives_every_rank_inside_one_group() {
+    let _env = Env::clean(VARS);
+    let n = 4;
+    let comms = common::init_all(&Device::cpus(n)).unwrap();
+    let block = 70_001;
+    let streams = common::streams(&comms);
+    let bufs: Vec<_> = (0..n)
+        .map(|r| {
+            let input: Vec<u8> = (0..n).flat_map(|p| payload(r, p, 0, block)).collect();
+            (guarded(Device::Cpu(r), n * block, 5, Some(&input)), guarded(Device::Cpu(r), n * block, 6, None))
+        })
+        .collect();
+    oxccl::group(|| {
+        for (r, c) in comms.iter().enumerate() {
+            for p in 0..n {
+                c.send(bufs[r].0.slice(FRONT + p * block, block).unwrap(), block, DataType::U8, p, &streams[r]).unwrap();
+                c.recv(bufs[r].1.slice(FRONT + p * block, block).unwrap(), block, DataType::U8, p, &streams[r]).unwrap();
+            }
+        }
+    })
+    .unwrap();
+    common::sync_all(&streams, "one thread, all ranks");
+    for r in 0..n {
+        let want: Vec<u8> = (0..n).flat_map(|p| payload(p, r, 0, block)).collect();
+        check(&bufs[r].1, n * block, 6, &want, &format!("rank {r}"));
+    }
+}
+
+/// Sends between one pair in one direction match their receives in issue order, within a
+/// group (several launches) and across calls outside groups.
+#[test]
+fn sends_match_receives_in_issue_order() {
+    let _env = Env::clean(VARS);
+    let comms = common::init_all(&Device::cpus(2)).unwrap();
+    let sizes = [5usize, 70_000, 0, 1];
+    for grouped in [true, false] {
+        common::on_threads(2, |r| {
+            let c = &comms[r];
+            let dev = c.device();
+            let stream = dev.new_stream().unwrap();
+            let peer = 1 - r;
+            let bufs: Vec<DeviceBuffer> = sizes
+                .iter()
+                .enumerate()
+                .map(|(m, &b)| if r == 0 { guarded(dev, b, 7, Some(&payload(0, 1, m, b))) } else { guarded(dev, b, 8, None) })
+                .collect();
+            if grouped {
+                oxccl::group_start().unwrap();
+            }
+            for (b, &bytes) in bufs.iter().zip(&sizes) {
+                let s = b.slice(FRONT, bytes).unwrap();
+                if r == 0 {
+                    c.send(s, bytes, DataType::U8, peer, &stream).unwrap();
+                } else {
+                    c.recv(s, bytes, DataType::U8, peer, &stream).unwrap();
+                }
+            }
+            if grouped {
+                oxccl::group_end().unwrap();
+            }
+            stream.synchronize().unwrap();
+            if r == 1 {
+                for (m, (b, &bytes)) in bufs.iter().zip(&sizes).enumerate() {
+                    check(b, bytes, 8, &payload(0, 1, m, bytes), &format!("message {m}, grouped {grouped}"));
+                }
+            }
+        });
+    }
+}
+
+/// A receive of another size than the send: at most the receive's size is written (guards
+/// intact), the stream's synchronize names both sizes, and the pair stays usable.
+#[test]
+fn a_size_mismatch_is_an_error_naming_both_sizes_and_writes_nothing_past_the_output() {
+    let _env = Env::clean(VARS);
+    let comms = common::init_all(&Device::cpus(2)).unwrap();
+    for (sent, expected) in [(1000usize, 600usize), (600, 1000), (0, 16)] {
+        let errs = common::on_threads(2, |r| {
+            let c = &comms[r];
+            let dev = c.device();
+            let stream = dev.new_stream().unwrap();
+            let (s, d) = (guarded(dev, sent, 9, Some(&payload(0, 1, 0, sent))), guarded(dev, expected, 10, None));
+            if r == 0 {
+                c.send(s.slice(FRONT, sent).unwrap(), sent, DataType::U8, 1, &stream).unwrap();
+            } else {
+                c.recv(d.slice(FRONT, expected).unwrap(), expected, DataType::U8, 0, &stream).unwrap();
+            }
+            let e = stream.synchronize().err();
+            if r == 1 {
+                let n = sent.min(expected);
+                check(&d, expected, 10, &payload(0, 1, 0, sent)[..n], &format!("sent {sent}, expected {expected}"));
+            }
+            e
+        });
+        assert!(errs[0].is_none(), "the sender: {:?}", errs[0]);
+        let e = errs[1].as_ref().unwrap_or_else(|| panic!("sent {sent}, expected {expected}: no error"));
+        let msg = e.to_string();
+        assert!(matches!(e, Error::InvalidArgument(_)), "{e:?}");
+        assert!(
+            msg.contains(&format!("expected {expected} bytes")) && msg.contains(&format!("sent {sent} bytes")) && msg.contains("rank 0"),
+            "{msg}"
+        );
+        shifted_exchange(&comms, 77, DataType::U8, 1, "after a mismatch");
+    }
+}
+
+/// The rank itself as peer: a copy, out of place and in place (send == recv), in a group.
+#[test]
+fn sending_to_itself_copies_also_in_place() {
+    let _env = Env::clean(VARS);
+    let comms = common::init_all(&Device::cpus(2)).unwrap();
+    let c = &comms[0];
+    let stream = c.device().new_stream().unwrap();
+    let bytes = 10_001;
+    let s = guarded(c.device(), bytes, 11, Some(&payload(0, 0, 0, bytes)));
+    let d = guarded(c.device(), bytes, 12, None);
+    oxccl::group(|| {
+        c.send(s.slice(FRONT, bytes).unwrap(), bytes, DataType::U8, 0, &stream).unwrap();
+        c.recv(d.slice(FRONT, bytes).unwrap(), bytes, DataType::U8, 0, &stream).unwrap();
+        c.send(s.slice(FRONT, bytes).unwrap(), bytes, DataType::U8, 0, &stream).unwrap();
+        c.recv(s.slice(FRONT, bytes).unwrap(), bytes, DataType::U8, 0, &stream).unwrap();
+    })
+    .unwrap();
+    stream.synchronize().unwrap();
+    check(&d, bytes, 12, &payload(0, 0, 0, bytes), "out of place");
+    check(&s, bytes, 11, &payload(0, 0, 0, bytes), "in place");
+    // Without its receive in the same group, a send to itself could never complete.
+    let e = c.send(s.slice(FRONT, bytes).unwrap(), bytes, DataType::U8, 0, &stream).unwrap_err();
+    assert!(matches!(e, Error::InvalidUsage(_)) && e.to_string().contains("receive(s) from itself"), "{e}");
+}
+
+#[test]
+fn bad_peers_counts_and_groups_are_refused_naming_the_argument() {
+    let _env = Env::clean(VARS);
+    let comms = common::init_all(&Device::cpus(2)).unwrap();
+    let c = &comms[1];
+    let stream: Stream = c.device().new_stream().unwrap();
+    let b = c.device().alloc(64).unwrap();
+    let e = c.send(&b, 4, DataType::F32, 2, &stream).unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument(_)) && e.to_string().contains("peer 2") && e.to_string().contains("0..=1"), "{e}");
+    let e = c.recv(&b, 17, DataType::F32, 0, &stream).unwrap_err();
+    assert!(e.to_string().contains("recvbuff holds 64 bytes") && e.to_string().contains("needs 68"), "{e}");
+    let other = Device::Cpu(0).alloc(64).unwrap();
+    let e = c.send(&other, 1, DataType::U8, 0, &stream).unwrap_err();
+    assert!(e.to_string().contains("sendbuff is on"), "{e}");
+    let e = oxccl::group_end().unwrap_err();
+    assert!(matches!(e, Error::InvalidUsage(_)), "{e}");
+    // An unmatched send to itself fails the group at its end, before anything is launched.
+    oxccl::group_start().unwrap();
+    c.recv(&b, 1, DataType::U8, 0, &stream).unwrap();
+    c.send(&b, 1, DataType::U8, 1, &stream).unwrap();
+    let e = oxccl::group_end().unwrap_err();
+    assert!(e.to_string().contains("send(s) to itself"), "{e}");
+    assert_eq!(oxccl::group::group_depth(), 0);
+}
