@@ -338,3 +338,217 @@ impl Comm {
         })
     }
 }
+
+/// The calls NCCL 2.28 builds from grouped sends and receives (`ncclAlltoAll`, `ncclGather`,
+/// `ncclScatter`), and their variable-size forms, which NCCL leaves to its users.
+impl Comm {
+    /// Every rank sends block `p` of `send` (`count` elements of `dtype`, at element `p × count`)
+    /// to rank `p`, and receives rank `p`'s block into block `p` of `recv` (NCCL's
+    /// `ncclAlltoAll`). Both buffers hold `nranks × count` elements and must not overlap (no
+    /// in-place form, as in NCCL). Launched as one group (inside the caller's group, if any).
+    pub fn all_to_all<'a>(
+        &self,
+        send: impl Into<DevSlice<'a>>,
+        recv: impl Into<DevSlice<'a>>,
+        count: usize,
+        dtype: DataType,
+        stream: &Stream,
+    ) -> Result<()> {
+        let n = self.nranks;
+        let counts = vec![count; n];
+        let displs: Vec<usize> = (0..n).map(|p| p * count).collect();
+        self.all_to_all_v(send, &counts, &displs, recv, &counts, &displs, dtype, stream)
+    }
+
+    /// All-to-all with per-peer sizes (beyond NCCL; MPI's `Alltoallv`): this rank sends
+    /// `send_counts[p]` elements from element `send_displs[p]` of `send` to rank `p`, and
+    /// receives `recv_counts[p]` elements from rank `p` at element `recv_displs[p]` of `recv`.
+    /// Every slice lies in its buffer; each rank's `recv_counts[p]` equals rank `p`'s
+    /// `send_counts[this rank]` (else the receive reports a size mismatch). The received slices
+    /// must not overlap the sent ones.
+    #[allow(clippy::too_many_arguments)]
+    pub fn all_to_all_v<'a>(
+        &self,
+        send: impl Into<DevSlice<'a>>,
+        send_counts: &[usize],
+        send_displs: &[usize],
+        recv: impl Into<DevSlice<'a>>,
+        recv_counts: &[usize],
+        recv_displs: &[usize],
+        dtype: DataType,
+        stream: &Stream,
+    ) -> Result<()> {
+        let (s, r) = (send.into(), recv.into());
+        let sends = self.slices("sendbuff", &s, send_counts, send_displs, dtype)?;
+        let recvs = self.slices("recvbuff", &r, recv_counts, recv_displs, dtype)?;
+        for &(ra, rb) in &recvs {
+            if rb > 0 && sends.iter().any(|&(sa, sb)| sb > 0 && sa < ra + rb && ra < sa + sb) {
+                return Err(Error::invalid(format!(
+                    "rank {}: a received slice of all_to_all overlaps a sent one (sendbuff and recvbuff must be disjoint)",
+                    self.rank
+                )));
+            }
+        }
+        self.grouped(|| {
+            for p in 0..self.nranks {
+                // SAFETY: every slice was checked against its buffer.
+                unsafe {
+                    self.send_raw(sends[p].0, send_counts[p], dtype, p, stream)?;
+                    self.recv_raw(recvs[p].0, recv_counts[p], dtype, p, stream)?;
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// Every rank sends `count` elements of `send` to rank `root`, which receives rank `p`'s into
+    /// elements `p × count ..` of `recv` (NCCL's `ncclGather`; `recv` is read on the root only,
+    /// others may pass `None`). In place on the root: `send` is `recv`'s block `root`.
+    pub fn gather<'a>(
+        &self,
+        send: impl Into<DevSlice<'a>>,
+        recv: Option<DevSlice<'a>>,
+        count: usize,
+        dtype: DataType,
+        root: usize,
+        stream: &Stream,
+    ) -> Result<()> {
+        self.check_root_of("gather", root)?;
+        let s = send.into();
+        self.check_p2p_buffer("sendbuff", &s, count, dtype)?;
+        let recvs = self.rooted("recvbuff", recv, count, dtype, root)?;
+        self.grouped(|| {
+            // SAFETY: the slices were checked against their buffers.
+            unsafe {
+                self.send_raw(s.addr(), count, dtype, root, stream)?;
+                for (p, &a) in recvs.iter().enumerate() {
+                    self.recv_raw(a, count, dtype, p, stream)?;
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// Rank `root` sends elements `p × count ..` of `send` to rank `p`; every rank receives
+    /// `count` elements into `recv` (NCCL's `ncclScatter`; `send` is read on the root only). In
+    /// place on the root: `recv` is `send`'s block `root`.
+    pub fn scatter<'a>(
+        &self,
+        send: Option<DevSlice<'a>>,
+        recv: impl Into<DevSlice<'a>>,
+        count: usize,
+        dtype: DataType,
+        root: usize,
+        stream: &Stream,
+    ) -> Result<()> {
+        self.check_root_of("scatter", root)?;
+        let r = recv.into();
+        self.check_p2p_buffer("recvbuff", &r, count, dtype)?;
+        let sends = self.rooted("sendbuff", send, count, dtype, root)?;
+        self.grouped(|| {
+            // SAFETY: the slices were checked against their buffers.
+            unsafe {
+                for (p, &a) in sends.iter().enumerate() {
+                    self.send_raw(a, count, dtype, p, stream)?;
+                }
+                self.recv_raw(r.addr(), count, dtype, root, stream)?;
+            }
+            Ok(())
+        })
+    }
+
+    /// AllGather with per-rank sizes (beyond NCCL; MPI's `Allgatherv`): this rank's
+    /// `counts[rank]` elements of `send` go to every rank, which stores rank `p`'s at element
+    /// `displs[p]` of `recv`. In place: `send` is `recv`'s slice of this rank.
+    pub fn all_gather_v<'a>(
+        &self,
+        send: impl Into<DevSlice<'a>>,
+        recv: impl Into<DevSlice<'a>>,
+        counts: &[usize],
+        displs: &[usize],
+        dtype: DataType,
+        stream: &Stream,
+    ) -> Result<()> {
+        let (s, r) = (send.into(), recv.into());
+        let recvs = self.slices("recvbuff", &r, counts, displs, dtype)?;
+        let mine = counts[self.rank];
+        self.check_p2p_buffer("sendbuff", &s, mine, dtype)?;
+        self.grouped(|| {
+            for p in 0..self.nranks {
+                // SAFETY: the slices were checked against their buffers.
+                unsafe {
+                    self.send_raw(s.addr(), mine, dtype, p, stream)?;
+                    self.recv_raw(recvs[p].0, counts[p], dtype, p, stream)?;
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// Runs `f`'s calls as one group (nested in the caller's group, if any); the first error of
+    /// `f` or of the group's end.
+    fn grouped(&self, f: impl FnOnce() -> Result<()>) -> Result<()> {
+        group::group_start()?;
+        let r = f();
+        let end = group::group_end();
+        r.and(end)
+    }
+
+    fn check_root_of(&self, call: &str, root: usize) -> Result<()> {
+        if root >= self.nranks {
+            return Err(Error::invalid(format!(
+                "root {root} is out of range for {call} (accepted: 0..={})",
+                self.nranks - 1
+            )));
+        }
+        Ok(())
+    }
+
+    /// The addresses and byte sizes of the slices `counts[p]` elements from element `displs[p]`
+    /// of `buf`, one per rank, each checked to lie in `buf`.
+    fn slices(&self, name: &str, buf: &DevSlice<'_>, counts: &[usize], displs: &[usize], dtype: DataType) -> Result<Vec<(u64, u64)>> {
+        let n = self.nranks;
+        if counts.len() != n || displs.len() != n {
+            return Err(Error::invalid(format!(
+                "the counts and displacements of {name} hold {} and {} entries; {n} (one per rank) are needed",
+                counts.len(),
+                displs.len()
+            )));
+        }
+        if buf.device() != self.device {
+            return Err(Error::invalid(format!("{name} is on {:?} but rank {} is on {:?}", buf.device(), self.rank, self.device)));
+        }
+        let esize = dtype.size() as u64;
+        (0..n)
+            .map(|p| {
+                let bytes = self.check_bytes(counts[p], dtype)?;
+                let start = (displs[p] as u64).checked_mul(esize);
+                match start.and_then(|s| s.checked_add(bytes)) {
+                    Some(end) if end <= buf.len() as u64 => Ok((buf.addr() + displs[p] as u64 * esize, bytes)),
+                    _ => Err(Error::invalid(format!(
+                        "{name} holds {} bytes but rank {p}'s slice ({} elements at element {}, {} bytes each) ends past it on rank {}",
+                        buf.len(),
+                        counts[p],
+                        displs[p],
+                        esize,
+                        self.rank
+                    ))),
+                }
+            })
+            .collect()
+    }
+
+    /// The root's `nranks` blocks of `count` elements of `buf` (required there, ignored
+    /// elsewhere: empty).
+    fn rooted(&self, name: &str, buf: Option<DevSlice<'_>>, count: usize, dtype: DataType, root: usize) -> Result<Vec<u64>> {
+        if self.rank != root {
+            return Ok(Vec::new());
+        }
+        let Some(b) = buf else {
+            return Err(Error::invalid(format!("{name} is missing on the root, rank {root}")));
+        };
+        let counts = vec![count; self.nranks];
+        let displs: Vec<usize> = (0..self.nranks).map(|p| p * count).collect();
+        Ok(self.slices(name, &b, &counts, &displs, dtype)?.into_iter().map(|(a, _)| a).collect())
+    }
+}

@@ -55,6 +55,9 @@ fn check(b: &DeviceBuffer, bytes: usize, salt: u8, want: &[u8], what: &str) {
 fn shifted_exchange(comms: &[Comm], count: usize, dtype: DataType, shift: usize, what: &str) {
     let n = comms.len();
     let bytes = count * dtype.size();
+    // Every rank sets up its buffers before any launches (ranks sharing a GPU: an allocation or
+    // a synchronous copy waits for the kernels of the whole device, a peer's spinning one too).
+    let ready = std::sync::Barrier::new(n);
     common::on_threads(n, |r| {
         let c = &comms[r];
         let dev = c.device();
@@ -62,6 +65,7 @@ fn shifted_exchange(comms: &[Comm], count: usize, dtype: DataType, shift: usize,
         let s = guarded(dev, bytes, 1, Some(&payload(r, to, 0, bytes)));
         let d = guarded(dev, bytes, 2, None);
         let stream = dev.new_stream().unwrap();
+        ready.wait();
         oxccl::group(|| -> oxccl::Result<()> {
             c.send(s.slice(FRONT, bytes)?, count, dtype, to, &stream)?;
             c.recv(d.slice(FRONT, bytes)?, count, dtype, from, &stream)
@@ -78,6 +82,7 @@ fn shifted_exchange(comms: &[Comm], count: usize, dtype: DataType, shift: usize,
 /// input to rank `p` and receives rank `p`'s block `r` into its block `p`.
 fn all_to_all(comms: &[Comm], block: usize, what: &str) {
     let n = comms.len();
+    let ready = std::sync::Barrier::new(n);
     common::on_threads(n, |r| {
         let c = &comms[r];
         let dev = c.device();
@@ -85,6 +90,7 @@ fn all_to_all(comms: &[Comm], block: usize, what: &str) {
         let s = guarded(dev, n * block, 3, Some(&input));
         let d = guarded(dev, n * block, 4, None);
         let stream = dev.new_stream().unwrap();
+        ready.wait();
         oxccl::group_start().unwrap();
         for p in 0..n {
             c.send(s.slice(FRONT + p * block, block).unwrap(), block, DataType::U8, p, &stream).unwrap();
@@ -295,4 +301,147 @@ fn bad_peers_counts_and_groups_are_refused_naming_the_argument() {
     let e = oxccl::group_end().unwrap_err();
     assert!(e.to_string().contains("send(s) to itself"), "{e}");
     assert_eq!(oxccl::group::group_depth(), 0);
+}
+
+/// On GPUs (two, or one shared by two ranks): shifted exchanges and all-to-all over P2P and SHM,
+/// and a size mismatch reported by `get_async_error` naming both sizes.
+#[test]
+fn gpu_send_recv_and_all_to_all_over_p2p_and_shm() {
+    let test = "gpu_send_recv_and_all_to_all_over_p2p_and_shm";
+    let Some(devices) = common::two_ranks_or_skip(test) else {
+        return;
+    };
+    let _gpu = common::gpu_lock();
+    let dog = common::Watchdog::new(test, std::time::Duration::from_secs(60));
+    for (vars, name) in [(&[][..], "P2P"), (&[("NCCL_P2P_DISABLE", "1")][..], "SHM")] {
+        let env = Env::clean(VARS);
+        env.set(vars);
+        let comms = Comm::init_all(&devices).unwrap_or_else(|e| panic!("{name}: {e}"));
+        drop(env);
+        for (count, dtype) in [(0, DataType::F32), (1, DataType::U8), (3, DataType::F16), (1025, DataType::F32), ((1 << 22) + 3, DataType::F32)] {
+            dog.step(format!("{name}: shifted exchange of {count} × {dtype}"));
+            shifted_exchange(&comms, count, dtype, 1, name);
+        }
+        for block in [0usize, 5, 4096 + 7, 3_000_000] {
+            dog.step(format!("{name}: all-to-all of {block} bytes"));
+            all_to_all(&comms, block, name);
+        }
+        dog.step(format!("{name}: size mismatch"));
+        let ready = std::sync::Barrier::new(2);
+        let errs = common::on_threads(2, |r| {
+            let c = &comms[r];
+            let dev = c.device();
+            let stream = dev.new_stream().unwrap();
+            let (sent, expected) = (1000usize, 4000usize);
+            let (s, d) = (guarded(dev, sent, 9, Some(&payload(0, 1, 0, sent))), guarded(dev, expected, 10, None));
+            ready.wait();
+            if r == 0 {
+                c.send(s.slice(FRONT, sent).unwrap(), sent, DataType::U8, 1, &stream).unwrap();
+            } else {
+                c.recv(d.slice(FRONT, expected).unwrap(), expected, DataType::U8, 0, &stream).unwrap();
+            }
+            stream.synchronize().unwrap();
+            if r == 1 {
+                check(&d, expected, 10, &payload(0, 1, 0, sent), &format!("{name}: sent {sent}, expected {expected}"));
+            }
+            c.get_async_error().err()
+        });
+        assert!(errs[0].is_none(), "{name}: the sender: {:?}", errs[0]);
+        let msg = errs[1].as_ref().map(|e| e.to_string()).unwrap_or_default();
+        assert!(msg.contains("expected 4000 bytes") && msg.contains("sent 1000 bytes"), "{name}: {msg:?}");
+        assert!(comms[1].get_async_error().is_ok(), "{name}: reported once");
+    }
+    drop(dog);
+}
+
+/// `all_to_all`, `all_to_all_v`, `gather`, `scatter` and `all_gather_v` (built from grouped
+/// sends and receives) on 1 to 4 ranks: exact blocks, guards intact, in place where allowed.
+#[test]
+fn all_to_all_gather_scatter_and_v_variants_are_exact() {
+    let _env = Env::clean(VARS);
+    for n in 1..=4usize {
+        let comms = common::init_all(&Device::cpus(n)).unwrap();
+        let count = 1001usize;
+        let dt = DataType::F32;
+        let b = count * dt.size();
+        // AllToAll.
+        common::on_threads(n, |r| {
+            let c = &comms[r];
+            let dev = c.device();
+            let input: Vec<u8> = (0..n).flat_map(|p| payload(r, p, 1, b)).collect();
+            let (s, d) = (guarded(dev, n * b, 13, Some(&input)), guarded(dev, n * b, 14, None));
+            let stream = dev.new_stream().unwrap();
+            c.all_to_all(s.slice(FRONT, n * b).unwrap(), d.slice(FRONT, n * b).unwrap(), count, dt, &stream).unwrap();
+            stream.synchronize().unwrap();
+            let want: Vec<u8> = (0..n).flat_map(|p| payload(p, r, 1, b)).collect();
+            check(&d, n * b, 14, &want, &format!("all_to_all, rank {r} of {n}"));
+            let e = c.all_to_all(s.slice(FRONT, n * b).unwrap(), s.slice(FRONT, n * b).unwrap(), count, dt, &stream).unwrap_err();
+            assert!(e.to_string().contains("overlaps"), "{e}");
+        });
+        // AllToAllV: rank r sends (r + p + 1) × 10 bytes to p, packed.
+        let size = |from: usize, to: usize| (from + to + 1) * 10;
+        common::on_threads(n, |r| {
+            let c = &comms[r];
+            let dev = c.device();
+            let scounts: Vec<usize> = (0..n).map(|p| size(r, p)).collect();
+            let rcounts: Vec<usize> = (0..n).map(|p| size(p, r)).collect();
+            let disp = |v: &[usize]| v.iter().scan(0, |a, &x| { let d = *a; *a += x; Some(d) }).collect::<Vec<_>>();
+            let (sd, rd) = (disp(&scounts), disp(&rcounts));
+            let (st, rt) = (scounts.iter().sum::<usize>(), rcounts.iter().sum::<usize>());
+            let input: Vec<u8> = (0..n).flat_map(|p| payload(r, p, 2, size(r, p))).collect();
+            let (s, d) = (guarded(dev, st, 15, Some(&input)), guarded(dev, rt, 16, None));
+            let stream = dev.new_stream().unwrap();
+            c.all_to_all_v(s.slice(FRONT, st).unwrap(), &scounts, &sd, d.slice(FRONT, rt).unwrap(), &rcounts, &rd, DataType::U8, &stream)
+                .unwrap();
+            stream.synchronize().unwrap();
+            let want: Vec<u8> = (0..n).flat_map(|p| payload(p, r, 2, size(p, r))).collect();
+            check(&d, rt, 16, &want, &format!("all_to_all_v, rank {r} of {n}"));
+        });
+        for root in [0, n - 1] {
+            // Gather, in place on the root.
+            common::on_threads(n, |r| {
+                let c = &comms[r];
+                let dev = c.device();
+                let d = guarded(dev, n * b, 17, (r == root).then(|| payload(r, root, 3, n * b)).as_deref());
+                let mine = payload(r, root, 4, b);
+                d.write(FRONT + r * b, &mine).unwrap();
+                let stream = dev.new_stream().unwrap();
+                let recv = (r == root).then(|| d.slice(FRONT, n * b).unwrap());
+                c.gather(d.slice(FRONT + r * b, b).unwrap(), recv, count, dt, root, &stream).unwrap();
+                stream.synchronize().unwrap();
+                if r == root {
+                    let want: Vec<u8> = (0..n).flat_map(|p| payload(p, root, 4, b)).collect();
+                    check(&d, n * b, 17, &want, &format!("gather to {root}, {n} ranks"));
+                }
+            });
+            // Scatter, out of place.
+            common::on_threads(n, |r| {
+                let c = &comms[r];
+                let dev = c.device();
+                let input: Vec<u8> = (0..n).flat_map(|p| payload(root, p, 5, b)).collect();
+                let s = guarded(dev, n * b, 18, Some(&input));
+                let d = guarded(dev, b, 19, None);
+                let stream = dev.new_stream().unwrap();
+                let send = (r == root).then(|| s.slice(FRONT, n * b).unwrap());
+                c.scatter(send, d.slice(FRONT, b).unwrap(), count, dt, root, &stream).unwrap();
+                stream.synchronize().unwrap();
+                check(&d, b, 19, &payload(root, r, 5, b), &format!("scatter from {root}, rank {r} of {n}"));
+            });
+        }
+        // AllGatherV: rank p contributes (p + 1) × 7 bytes.
+        common::on_threads(n, |r| {
+            let c = &comms[r];
+            let dev = c.device();
+            let counts: Vec<usize> = (0..n).map(|p| (p + 1) * 7).collect();
+            let displs: Vec<usize> = (0..n).map(|p| counts[..p].iter().sum()).collect();
+            let total: usize = counts.iter().sum();
+            let s = guarded(dev, counts[r], 20, Some(&payload(r, 0, 6, counts[r])));
+            let d = guarded(dev, total, 21, None);
+            let stream = dev.new_stream().unwrap();
+            c.all_gather_v(s.slice(FRONT, counts[r]).unwrap(), d.slice(FRONT, total).unwrap(), &counts, &displs, DataType::U8, &stream).unwrap();
+            stream.synchronize().unwrap();
+            let want: Vec<u8> = (0..n).flat_map(|p| payload(p, 0, 6, counts[p])).collect();
+            check(&d, total, 21, &want, &format!("all_gather_v, rank {r} of {n}"));
+        });
+    }
 }
