@@ -24,4 +24,5 @@ mod net_protocols;
 mod net_transport;
 mod rank_trees;
 mod script_ranks;
+mod send_recv;
 mod timeout;

@@ -114,8 +114,45 @@ fn other_collectives_exact(comm: &Comm, count: usize) -> oxccl::Result<Vec<Strin
     Ok(bad)
 }
 
+/// The byte `i` rank `from` sends rank `to` in the point-to-point steps.
+fn p2p_byte(from: usize, to: usize, i: usize) -> u8 {
+    ((i as u32).wrapping_mul(131) ^ (from as u32 * 37 + to as u32 * 11)) as u8
+}
+
+/// Point-to-point, exact: a send to rank + 1 and a receive from rank − 1 of `count` bytes in
+/// one group, then an all-to-all of `count` bytes per peer. `Ok(list of wrong results)`.
+fn p2p_exact(comm: &Comm, count: usize) -> oxccl::Result<Vec<String>> {
+    let (r, n) = (comm.rank(), comm.nranks());
+    let dev = comm.device();
+    let stream = dev.new_stream()?;
+    let mut bad = Vec::new();
+    let (to, from) = ((r + 1) % n, (r + n - 1) % n);
+    let send = dev.alloc(count.max(1) * n)?;
+    send.write(0, &(0..count).map(|i| p2p_byte(r, to, i)).collect::<Vec<_>>())?;
+    let recv = dev.alloc(count.max(1) * n)?;
+    recv.fill(0x5a)?;
+    oxccl::group_start()?;
+    comm.send(send.slice(0, count)?, count, DataType::U8, to, &stream)?;
+    comm.recv(recv.slice(0, count)?, count, DataType::U8, from, &stream)?;
+    oxccl::group_end()?;
+    stream.synchronize()?;
+    if recv.to_vec()?[..count] != (0..count).map(|i| p2p_byte(from, r, i)).collect::<Vec<_>>()[..] {
+        bad.push(format!("send/recv {count}"));
+    }
+    send.write(0, &(0..n).flat_map(|p| (0..count).map(move |i| p2p_byte(r, p, i))).collect::<Vec<_>>())?;
+    recv.fill(0x5a)?;
+    comm.all_to_all(send.slice(0, n * count)?, recv.slice(0, n * count)?, count, DataType::U8, &stream)?;
+    stream.synchronize()?;
+    let want: Vec<u8> = (0..n).flat_map(|p| (0..count).map(move |i| p2p_byte(p, r, i))).collect();
+    if recv.to_vec()?[..n * count] != want[..] {
+        bad.push(format!("all_to_all {count}"));
+    }
+    Ok(bad)
+}
+
 /// Every child rank. `OXCCL_CHILD_SCRIPT` is a `;` list of steps: `ar COUNT` (exact AllReduce),
-/// `coll COUNT` (AllGather, ReduceScatter, Broadcast and Reduce from every root, exact), `sleep
+/// `coll COUNT` (AllGather, ReduceScatter, Broadcast and Reduce from every root, exact), `p2p
+/// COUNT` (send/recv around the ring and all-to-all, exact), `sleep
 /// MS`, `async` (get_async_error), `abort`, `destroy`, `rings` (prints every channel's ring),
 /// `loop` (AllReduce until an error). Prints `STEP <step> OK`, `STEP <step> ERR <code>: <error>` or
 /// `STEP <step> WRONG ...`, each with the milliseconds it took.
@@ -147,6 +184,7 @@ fn child_script() {
                 .map(|ok| (!ok).then(|| "result differs".to_string())),
             "coll" => other_collectives_exact(c, arg.parse().unwrap())
                 .map(|b| (!b.is_empty()).then(|| b.join(", "))),
+            "p2p" => p2p_exact(c, arg.parse().unwrap()).map(|b| (!b.is_empty()).then(|| b.join(", "))),
             "sleep" => {
                 std::thread::sleep(Duration::from_millis(arg.parse().unwrap()));
                 Ok(None)

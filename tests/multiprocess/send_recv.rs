@@ -1,0 +1,34 @@
+//! Point-to-point between rank processes (`Comm::init_rank`): send/recv around the ring and
+//! all-to-all, exact, over SHM (ranks of one host), NET (every rank its own simulated host,
+//! `OXCCL_HOSTID`) and a mix of both.
+use crate::script_ranks::{finish, mixed_env, show, start};
+use std::time::Duration;
+
+fn run(n: usize, per_host: usize, tag: &str) {
+    let script = "p2p 0; p2p 1; p2p 4099; p2p 1000003; ar 1025; destroy";
+    let scripts = vec![script; n];
+    let mut ranks = start(&scripts, &mixed_env(n, per_host, tag));
+    let outs = finish(&mut ranks, Duration::from_secs(120));
+    let all = show(&outs);
+    assert!(outs.iter().all(|(ok, _)| *ok), "{all}");
+    for (r, (_, o)) in outs.iter().enumerate() {
+        for step in ["p2p 0", "p2p 1", "p2p 4099", "p2p 1000003", "ar 1025", "destroy"] {
+            assert!(o.contains(&format!("STEP {step} OK")), "rank {r}, {step}:\n{all}");
+        }
+    }
+}
+
+#[test]
+fn send_recv_and_all_to_all_between_processes_over_shm() {
+    run(3, 3, "p2p-shm");
+}
+
+#[test]
+fn send_recv_and_all_to_all_between_processes_over_net() {
+    run(3, 1, "p2p-net");
+}
+
+#[test]
+fn send_recv_and_all_to_all_between_processes_over_shm_and_net() {
+    run(4, 2, "p2p-mix");
+}
