@@ -191,8 +191,13 @@ fn every_all_reduce_kernel_has_a_module() {
         modules.len(),
         "duplicate module names in PTX_MODULES"
     );
-    // The modules are exactly the generated kernel entry table's entries.
-    let entries: BTreeSet<&str> = oxccl_gpu::dispatch::ENTRIES.iter().map(|e| e.name).collect();
+    // The modules are exactly the generated kernel entry table's entries and the
+    // point-to-point kernel.
+    let entries: BTreeSet<&str> = oxccl_gpu::dispatch::ENTRIES
+        .iter()
+        .map(|e| e.name)
+        .chain([oxccl_gpu::abi::P2P_KERNEL_NAME])
+        .collect();
     assert_eq!(names, entries, "PTX modules and kernel entry table differ");
     let mut missing = Vec::new();
     for (&dt, &op, &proto) in DataType::ALL.iter().flat_map(|dt| {
