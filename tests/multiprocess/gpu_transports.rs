@@ -5,7 +5,8 @@
 //! proxy thread over loopback sockets). Every collective — AllReduce, Broadcast, AllGather,
 //! ReduceScatter, Reduce — in place and out of place, into poisoned outputs, with exact results;
 //! under the default protocol choice (which must not pick LL128 through host memory) and forced
-//! LL and Simple. The GPU tests print `SKIPPED` without 2 GPUs.
+//! LL and Simple; then a send/recv pair and an all-to-all. The GPU tests print `SKIPPED` without
+//! 2 GPUs.
 //!
 //! A too-small `/dev/shm` (a private tmpfs of 1 MiB in a mount namespace shared by both ranks) is
 //! an error naming the bytes needed and the path, on the CPU target (every run) and for CUDA SHM.
@@ -249,6 +250,34 @@ fn run_matrix(comm: &Comm, stream: &Stream) -> Vec<String> {
             0,
             want,
         );
+        // Point-to-point: a send to the other rank and a receive from it in one group, then an
+        // all-to-all of `count` elements per rank (every rank's own block is a copy).
+        let peer = 1 - r;
+        let send = send_of(&dev, &input);
+        let recv = dev.alloc(count * 4).unwrap();
+        recv.fill(POISON).unwrap();
+        oxccl::group(|| -> oxccl::Result<()> {
+            comm.send(&send, count, DataType::F32, peer, stream)?;
+            comm.recv(&recv, count, DataType::F32, peer, stream)
+        })
+        .unwrap()
+        .unwrap();
+        stream.synchronize().unwrap();
+        let theirs: Vec<f32> = (0..count).map(|i| val(peer, i)).collect();
+        check(&mut bad, format!("rank {r} send/recv {count}"), &recv, 0, &theirs);
+        let blocks: Vec<f32> = (0..n * count).map(|k| val(r, k) + (k / count) as f32).collect();
+        let send = send_of(&dev, &blocks);
+        let recv = dev.alloc(n * count * 4).unwrap();
+        recv.fill(POISON).unwrap();
+        comm.all_to_all(&send, &recv, count, DataType::F32, stream).unwrap();
+        stream.synchronize().unwrap();
+        let want: Vec<f32> = (0..n * count)
+            .map(|k| {
+                let (p, i) = (k / count, k % count);
+                val(p, r * count + i) + r as f32
+            })
+            .collect();
+        check(&mut bad, format!("rank {r} all_to_all {count}"), &recv, 0, &want);
         if let Err(e) = comm.get_async_error() {
             bad.push(format!("rank {r} count {count}: async error {e}"));
         }
