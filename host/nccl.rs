@@ -1,11 +1,71 @@
 //! The system NCCL (`libnccl.so.2`, loaded at run time through cudarc's `nccl` module), driven in
 //! the same process as oxccl so `oxccl perf --compare nccl` measures both on the same GPUs in the
-//! same run. Only what the benchmarks need: `ncclCommInitAll`, the collectives, groups.
+//! same run. Only what the benchmarks need: `ncclCommInitAll`, the collectives, groups, and the
+//! point-to-point calls (`ncclSend`/`ncclRecv`; `ncclAlltoAll`, `ncclGather` and `ncclScatter`
+//! where the loaded library exports them, NCCL 2.28 and later, else the grouped sends and
+//! receives nccl-tests issues for them). Symbols newer than the collectives are looked up when
+//! first used, so an older `libnccl.so.2` loads and runs what it has.
 use crate::cuda;
 use crate::error::{Error, Result};
 use cudarc::nccl::{result, sys};
 use oxccl_gpu::abi::{DataType, Func, RedOp};
 use std::ffi::c_void;
+use std::sync::OnceLock;
+
+/// An NCCL entry point that older releases lack, looked up once.
+struct Optional {
+    symbol: &'static str,
+    since: &'static str,
+    found: OnceLock<bool>,
+}
+
+impl Optional {
+    const fn new(symbol: &'static str, since: &'static str) -> Optional {
+        Optional {
+            symbol,
+            since,
+            found: OnceLock::new(),
+        }
+    }
+
+    /// Whether the loaded NCCL exports the symbol (false when there is no NCCL).
+    fn present(&self) -> bool {
+        *self.found.get_or_init(|| {
+            if !available() {
+                return false;
+            }
+            // SAFETY: the library loads (checked above), so `culib` returns it rather than
+            // panicking; looking a symbol up runs none of its code.
+            unsafe { sys::culib().get::<unsafe extern "C" fn()>(self.symbol.as_bytes()).is_ok() }
+        })
+    }
+
+    /// `Ok` when present, else a `System` error naming the symbol and the release that added it.
+    fn require(&self) -> Result<()> {
+        if self.present() {
+            return Ok(());
+        }
+        Err(Error::System(format!(
+            "the loaded NCCL{} has no {} (added in NCCL {})",
+            version().map(|v| format!(" {}", version_string(v))).unwrap_or_default(),
+            self.symbol,
+            self.since
+        )))
+    }
+}
+
+static SEND: Optional = Optional::new("ncclSend", "2.7");
+static RECV: Optional = Optional::new("ncclRecv", "2.7");
+static ALL_TO_ALL: Optional = Optional::new("ncclAlltoAll", "2.28");
+static GATHER: Optional = Optional::new("ncclGather", "2.28");
+static SCATTER: Optional = Optional::new("ncclScatter", "2.28");
+
+/// Whether the loaded NCCL has its own `ncclAlltoAll`, `ncclGather` and `ncclScatter` (2.28 and
+/// later); without them [`NcclComms::all_to_all`], [`NcclComms::gather`] and
+/// [`NcclComms::scatter`] issue grouped `ncclSend`/`ncclRecv` calls, as nccl-tests does.
+pub fn has_native_all_to_all() -> bool {
+    ALL_TO_ALL.present() && GATHER.present() && SCATTER.present()
+}
 
 /// Whether `libnccl.so.2` can be loaded.
 pub fn available() -> bool {
@@ -117,6 +177,25 @@ impl NcclComms {
         self.comms.len()
     }
 
+    /// The communicator of local slot `rank`.
+    fn comm(&self, rank: usize) -> Result<sys::ncclComm_t> {
+        self.comms
+            .get(rank)
+            .copied()
+            .ok_or_else(|| Error::invalid(format!("rank {rank} out of range")))
+    }
+
+    /// (this rank, ranks) of the communicator of local slot `rank` (`ncclCommUserRank`,
+    /// `ncclCommCount`).
+    fn rank_and_size(&self, rank: usize) -> Result<(usize, usize)> {
+        let comm = self.comm(rank)?;
+        // SAFETY: both only read the live communicator.
+        let me = unsafe { result::comm_user_rank(comm) }.map_err(|e| nccl_err("ncclCommUserRank", e))?;
+        // SAFETY: as above.
+        let n = unsafe { result::comm_count(comm) }.map_err(|e| nccl_err("ncclCommCount", e))?;
+        Ok((me as usize, n as usize))
+    }
+
     /// `ncclGroupStart`.
     pub fn group_start() -> Result<()> {
         result::group_start()
@@ -169,6 +248,181 @@ impl NcclComms {
         };
         res.map(|_| ()).map_err(|e| nccl_err(func.name(), e))
     }
+
+    /// `ncclSend`: `count` elements of `dt` from `send` to rank `peer`, for local slot `rank` on
+    /// `stream`. `System` error when the loaded NCCL lacks it.
+    ///
+    /// # Safety
+    /// `send` is a device address on the rank's GPU valid for `count` elements until the
+    /// operation completes; `stream` is on the rank's GPU.
+    pub unsafe fn send(
+        &self,
+        rank: usize,
+        send: u64,
+        count: usize,
+        dt: DataType,
+        peer: usize,
+        stream: &cuda::Stream,
+    ) -> Result<()> {
+        SEND.require()?;
+        let (comm, st) = (self.comm(rank)?, stream.raw as sys::cudaStream_t);
+        // SAFETY: forwarded caller contract; the communicator is live and the symbol exists.
+        let r = unsafe { sys::ncclSend(send as *const c_void, count, dtype(dt), peer as i32, comm, st) };
+        checked("ncclSend", r)
+    }
+
+    /// `ncclRecv`: `count` elements of `dt` from rank `peer` into `recv`; see [`NcclComms::send`].
+    ///
+    /// # Safety
+    /// As [`NcclComms::send`], for `recv`.
+    pub unsafe fn recv(
+        &self,
+        rank: usize,
+        recv: u64,
+        count: usize,
+        dt: DataType,
+        peer: usize,
+        stream: &cuda::Stream,
+    ) -> Result<()> {
+        RECV.require()?;
+        let (comm, st) = (self.comm(rank)?, stream.raw as sys::cudaStream_t);
+        // SAFETY: forwarded caller contract; the communicator is live and the symbol exists.
+        let r = unsafe { sys::ncclRecv(recv as *mut c_void, count, dtype(dt), peer as i32, comm, st) };
+        checked("ncclRecv", r)
+    }
+
+    /// Runs `f` between `ncclGroupStart` and `ncclGroupEnd`: `f`'s error, else the end's.
+    fn grouped(f: impl FnOnce() -> Result<()>) -> Result<()> {
+        NcclComms::group_start()?;
+        let r = f();
+        let end = NcclComms::group_end();
+        r.and(end)
+    }
+
+    /// `ncclAlltoAll` for local slot `rank`: block `p` (`count` elements of `dt`) of `send` to
+    /// rank `p`, rank `p`'s block into block `p` of `recv`; both hold `nranks × count` elements.
+    /// Without `ncclAlltoAll` (NCCL before 2.28) a group of `ncclSend`/`ncclRecv` per peer.
+    ///
+    /// # Safety
+    /// `send` and `recv` are device addresses on the rank's GPU, each valid for `nranks × count`
+    /// elements until the operation completes; `stream` is on the rank's GPU.
+    pub unsafe fn all_to_all(
+        &self,
+        rank: usize,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dt: DataType,
+        stream: &cuda::Stream,
+    ) -> Result<()> {
+        let (comm, st) = (self.comm(rank)?, stream.raw as sys::cudaStream_t);
+        let (s, r) = (send as *const c_void, recv as *mut c_void);
+        if ALL_TO_ALL.present() {
+            // SAFETY: forwarded caller contract; the communicator is live and the symbol exists.
+            return checked("ncclAlltoAll", unsafe { sys::ncclAlltoAll(s, r, count, dtype(dt), comm, st) });
+        }
+        let block = (count * dt.size()) as u64;
+        let (_, n) = self.rank_and_size(rank)?;
+        NcclComms::grouped(|| {
+            for p in 0..n {
+                let off = p as u64 * block;
+                // SAFETY: block p of each buffer lies in its nranks × count elements.
+                unsafe {
+                    self.send(rank, send + off, count, dt, p, stream)?;
+                    self.recv(rank, recv + off, count, dt, p, stream)?;
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// `ncclGather` for local slot `rank`: `count` elements of `send` to rank `root`, which
+    /// stores rank `p`'s at element `p × count` of `recv` (`nranks × count` elements, read on the
+    /// root only). Without `ncclGather` (NCCL before 2.28) a group of `ncclSend`/`ncclRecv`.
+    ///
+    /// # Safety
+    /// `send` is valid for `count` elements and, on the root, `recv` for `nranks × count`, on the
+    /// rank's GPU until the operation completes; `stream` is on the rank's GPU.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn gather(
+        &self,
+        rank: usize,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dt: DataType,
+        root: usize,
+        stream: &cuda::Stream,
+    ) -> Result<()> {
+        let (comm, st) = (self.comm(rank)?, stream.raw as sys::cudaStream_t);
+        let (s, r) = (send as *const c_void, recv as *mut c_void);
+        if GATHER.present() {
+            // SAFETY: forwarded caller contract; the communicator is live and the symbol exists.
+            let res = unsafe { sys::ncclGather(s, r, count, dtype(dt), root as i32, comm, st) };
+            return checked("ncclGather", res);
+        }
+        let block = (count * dt.size()) as u64;
+        let (me, n) = self.rank_and_size(rank)?;
+        NcclComms::grouped(|| {
+            // SAFETY: forwarded caller contract; block p of `recv` lies in its nranks × count
+            // elements on the root.
+            unsafe {
+                if me == root {
+                    for p in 0..n {
+                        self.recv(rank, recv + p as u64 * block, count, dt, p, stream)?;
+                    }
+                }
+                self.send(rank, send, count, dt, root, stream)
+            }
+        })
+    }
+
+    /// `ncclScatter` for local slot `rank`: rank `root` sends elements `p × count ..` of `send`
+    /// (`nranks × count` elements, read on the root only) to rank `p`, which receives `count`
+    /// elements into `recv`. Without `ncclScatter` (NCCL before 2.28) a group of
+    /// `ncclSend`/`ncclRecv`.
+    ///
+    /// # Safety
+    /// `recv` is valid for `count` elements and, on the root, `send` for `nranks × count`, on the
+    /// rank's GPU until the operation completes; `stream` is on the rank's GPU.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn scatter(
+        &self,
+        rank: usize,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dt: DataType,
+        root: usize,
+        stream: &cuda::Stream,
+    ) -> Result<()> {
+        let (comm, st) = (self.comm(rank)?, stream.raw as sys::cudaStream_t);
+        let (s, r) = (send as *const c_void, recv as *mut c_void);
+        if SCATTER.present() {
+            // SAFETY: forwarded caller contract; the communicator is live and the symbol exists.
+            let res = unsafe { sys::ncclScatter(s, r, count, dtype(dt), root as i32, comm, st) };
+            return checked("ncclScatter", res);
+        }
+        let block = (count * dt.size()) as u64;
+        let (me, n) = self.rank_and_size(rank)?;
+        NcclComms::grouped(|| {
+            // SAFETY: forwarded caller contract; block p of `send` lies in its nranks × count
+            // elements on the root.
+            unsafe {
+                if me == root {
+                    for p in 0..n {
+                        self.send(rank, send + p as u64 * block, count, dt, p, stream)?;
+                    }
+                }
+                self.recv(rank, recv, count, dt, root, stream)
+            }
+        })
+    }
+}
+
+/// `Ok` for NCCL's success codes, else a `System` error naming `call`.
+fn checked(call: &str, r: sys::ncclResult_t) -> Result<()> {
+    r.result().map(|_| ()).map_err(|e| nccl_err(call, e))
 }
 
 impl Drop for NcclComms {

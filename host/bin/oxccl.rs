@@ -1,8 +1,9 @@
-//! `oxccl`: the command-line front end. `oxccl perf <collective>` runs nccl-tests-style sweeps on
-//! oxccl (GPU or CPU target), on the system NCCL, or both side by side; `oxccl info` describes the
-//! machine.
+//! `oxccl`: the command-line front end. `oxccl perf <operation>` runs nccl-tests-style sweeps of a
+//! collective or a point-to-point operation on oxccl (GPU or CPU target), on the system NCCL, or
+//! both side by side; `oxccl info` describes the machine.
 use clap::{Parser, Subcommand, ValueEnum};
 use oxccl::nccl::{self, NcclComms};
+use oxccl::perf::p2p::{self, P2pConfig, P2pFunc};
 use oxccl::perf::run::{Backend, Bench, PerfConfig, sweep};
 use oxccl::perf::{report, table};
 use oxccl::{Comm, DataType, Device, Func, RedOp};
@@ -31,7 +32,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Benchmark a collective like nccl-tests (size, time, algbw, busbw, #wrong).
+    /// Benchmark a collective or a point-to-point operation like nccl-tests (size, time, algbw,
+    /// busbw, #wrong).
     Perf(PerfArgs),
     /// Print the version, the devices and the kernel module.
     Info(InfoArgs),
@@ -70,25 +72,57 @@ enum Collective {
     Reduce,
     AllGather,
     ReduceScatter,
-    /// The five collectives, one after the other.
+    /// Every rank sends to rank + 1 and receives from rank − 1 in one group (busbw = algbw).
+    SendRecv,
+    /// Every rank sends a block to each rank (no in-place form: those columns print N/A).
+    AllToAll,
+    /// Every rank's block to rank 0.
+    Gather,
+    /// Rank 0's blocks, one to each rank.
+    Scatter,
+    /// The five collectives, one after the other (not the point-to-point operations).
     All,
 }
 
-impl Collective {
-    fn funcs(self) -> Vec<Func> {
+/// One sweep of `oxccl perf`: a collective or a point-to-point operation.
+#[derive(Clone, Copy)]
+enum Op {
+    Coll(Func),
+    P2p(P2pFunc),
+}
+
+impl Op {
+    /// The name nccl-tests' benchmark has (`allreduce`, `sendrecv`).
+    fn name(self) -> &'static str {
         match self {
-            Collective::AllReduce => vec![Func::AllReduce],
-            Collective::Broadcast => vec![Func::Broadcast],
-            Collective::Reduce => vec![Func::Reduce],
-            Collective::AllGather => vec![Func::AllGather],
-            Collective::ReduceScatter => vec![Func::ReduceScatter],
-            Collective::All => vec![
+            Op::Coll(f) => f.name(),
+            Op::P2p(f) => f.name(),
+        }
+    }
+}
+
+impl Collective {
+    fn ops(self) -> Vec<Op> {
+        match self {
+            Collective::AllReduce => vec![Op::Coll(Func::AllReduce)],
+            Collective::Broadcast => vec![Op::Coll(Func::Broadcast)],
+            Collective::Reduce => vec![Op::Coll(Func::Reduce)],
+            Collective::AllGather => vec![Op::Coll(Func::AllGather)],
+            Collective::ReduceScatter => vec![Op::Coll(Func::ReduceScatter)],
+            Collective::SendRecv => vec![Op::P2p(P2pFunc::SendRecv)],
+            Collective::AllToAll => vec![Op::P2p(P2pFunc::AllToAll)],
+            Collective::Gather => vec![Op::P2p(P2pFunc::Gather)],
+            Collective::Scatter => vec![Op::P2p(P2pFunc::Scatter)],
+            Collective::All => [
                 Func::AllReduce,
                 Func::AllGather,
                 Func::ReduceScatter,
                 Func::Broadcast,
                 Func::Reduce,
-            ],
+            ]
+            .into_iter()
+            .map(Op::Coll)
+            .collect(),
         }
     }
 }
@@ -113,7 +147,7 @@ enum CompareArg {
 
 #[derive(clap::Args)]
 struct PerfArgs {
-    /// Collective to run.
+    /// Collective or point-to-point operation to run.
     collective: Collective,
     /// Smallest message size (bytes; K, M, G suffixes are powers of 1024).
     #[arg(short = 'b', long = "minbytes", default_value = "32M", value_parser = size_arg)]
@@ -139,7 +173,7 @@ struct PerfArgs {
     /// Element type (float, half, bfloat16, double, int8, uint8, int32, uint32, int64, uint64; also f32, f16, bf16, ...).
     #[arg(short = 'd', long = "dtype", default_value = "float", value_parser = dtype_arg)]
     dtype: DataType,
-    /// Reduction operator (sum, prod, min, max, avg).
+    /// Reduction operator (sum, prod, min, max, avg; ignored by the point-to-point operations).
     #[arg(short = 'o', long = "op", default_value = "sum", value_parser = op_arg)]
     op: RedOp,
     /// Number of ranks (CPU target; on GPUs at most the visible count, default all).
@@ -515,42 +549,59 @@ fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         );
     }
     let mut wrong = 0;
-    let mut all_rows: Vec<(Func, Vec<table::Row>)> = Vec::new();
-    for func in a.collective.funcs() {
-        let cfg = PerfConfig {
-            func,
-            dtype: a.dtype,
-            op: a.op,
-            sizes: sizes.clone(),
-            warmup: a.warmup,
-            iters: a.iters,
-            check: a.check,
-        };
-        println!("#\n# {func}");
+    let mut all_rows: Vec<(Op, Vec<table::Row>)> = Vec::new();
+    let ops = a.collective.ops();
+    for op in ops.iter().copied() {
+        println!("#\n# {}", op.name());
         print!("{}", table::header(compare));
-        let rows = sweep(&bench, &main, reference.as_ref(), &cfg, |row| {
-            println!("{}", table::format_row(row));
-        })?;
+        let print_row = |row: &table::Row| println!("{}", table::format_row(row));
+        let rows = match op {
+            Op::Coll(func) => {
+                let cfg = PerfConfig {
+                    func,
+                    dtype: a.dtype,
+                    op: a.op,
+                    sizes: sizes.clone(),
+                    warmup: a.warmup,
+                    iters: a.iters,
+                    check: a.check,
+                };
+                sweep(&bench, &main, reference.as_ref(), &cfg, print_row)?
+            }
+            Op::P2p(func) => {
+                let cfg = P2pConfig {
+                    func,
+                    dtype: a.dtype,
+                    sizes: sizes.clone(),
+                    warmup: a.warmup,
+                    iters: a.iters,
+                    check: a.check,
+                };
+                p2p::sweep(&bench, &main, reference.as_ref(), &cfg, print_row)?
+            }
+        };
         print!("{}", table::footer(&rows));
         if let Some(line) = table::choices_line(&rows) {
             print!("{line}");
         }
         wrong += table::total_wrong(&rows);
-        all_rows.push((func, rows));
         if let (Backend::Oxccl(_), Some(Device::Cuda(o))) = (&main, devices.first()) {
-            // The kernel module of each (algorithm, protocol) the sweep ran.
-            let used: std::collections::BTreeSet<(oxccl::Algo, oxccl::Proto)> = all_rows
-                .last()
-                .map(|(_, rows)| {
-                    rows.iter()
-                        .filter_map(|r| r.choice.map(|c| (c.algo, c.proto)))
-                        .collect()
-                })
-                .unwrap_or_default();
-            for (algo, proto) in used {
-                let name = oxccl::kernel_name_for(func, algo, proto, cfg.dtype, cfg.op)
-                    .as_str()
-                    .to_string();
+            // The kernel module of each (algorithm, protocol) a collective's sweep ran; the
+            // point-to-point kernel (loaded at init when there are peers) for the others.
+            let names: Vec<String> = match op {
+                Op::Coll(func) => rows
+                    .iter()
+                    .filter_map(|r| r.choice.map(|c| (c.algo, c.proto)))
+                    .collect::<std::collections::BTreeSet<_>>()
+                    .into_iter()
+                    .map(|(algo, proto)| {
+                        oxccl::kernel_name_for(func, algo, proto, a.dtype, a.op).as_str().to_string()
+                    })
+                    .collect(),
+                Op::P2p(_) if nranks > 1 => vec![oxccl_gpu::abi::P2P_KERNEL_NAME.to_string()],
+                Op::P2p(_) => Vec::new(),
+            };
+            for name in names {
                 let m = oxccl::cuda::Context::get(*o)?.kernel(&name)?;
                 println!(
                     "# kernel {name}: PTX {} bytes, JIT {:.1} ms, {} registers, {} bytes local memory per thread",
@@ -561,6 +612,7 @@ fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
                 );
             }
         }
+        all_rows.push((op, rows));
     }
     if let (Some(a0), Some(a1), Some(a2), Some(a3), Some(a4)) =
         (free_start, free_main, free_ref, free_bench, free())
@@ -581,10 +633,13 @@ fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     }
     let sweeps: Vec<report::Sweep<'_>> = all_rows
         .iter()
-        .map(|(f, r)| report::Sweep { func: *f, rows: r })
+        .map(|(op, r)| report::Sweep {
+            name: op.name(),
+            rows: r,
+        })
         .collect();
     let describe = format!(
-        "{name}{} on {} x {}, {} {}",
+        "{name}{} on {} x {}, {}{}",
         if compare { " vs NCCL" } else { "" },
         nranks,
         match devices[0] {
@@ -592,7 +647,12 @@ fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
             Device::Cpu(_) => "CPU-target rank".into(),
         },
         a.dtype,
-        a.op
+        // The operator only where a collective reduces.
+        if ops.iter().any(|o| matches!(o, Op::Coll(_))) {
+            format!(" {}", a.op)
+        } else {
+            String::new()
+        }
     );
     if let Some(path) = &a.json {
         let meta = serde_json::json!({

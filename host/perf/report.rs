@@ -1,39 +1,46 @@
 //! Machine-readable and graphical reports of a sweep: `oxccl perf --json FILE` and
 //! `--plot FILE` (an SVG of busbw against message size, one curve per collective and backend).
 use super::table::{Measure, Row};
-use oxccl_gpu::abi::Func;
 use serde_json::{Value, json};
 
-/// The rows of one collective's sweep.
+/// The rows of one operation's sweep.
 pub struct Sweep<'a> {
-    pub func: Func,
+    /// The operation as nccl-tests names its benchmark: a collective's `Func::name()`
+    /// (`allreduce`) or a point-to-point operation's `P2pFunc::name()` (`sendrecv`).
+    pub name: &'a str,
     pub rows: &'a [Row],
 }
 
-fn measure(m: &Measure) -> Value {
-    json!({ "time_us": m.time_us, "algbw_gbs": m.algbw, "busbw_gbs": m.busbw, "wrong": m.wrong })
+fn measure(m: Option<&Measure>) -> Value {
+    match m {
+        Some(m) => {
+            json!({ "time_us": m.time_us, "algbw_gbs": m.algbw, "busbw_gbs": m.busbw, "wrong": m.wrong })
+        }
+        None => Value::Null,
+    }
 }
 
-/// The JSON document of `--json`: `meta` (free-form run description) and, per collective, every
+/// The JSON document of `--json`: `meta` (free-form run description) and, per operation, every
 /// row with out-of-place and in-place measurements (times in µs, bandwidths in GB/s of 1e9 B,
-/// `wrong` null when unchecked) and NCCL's when compared.
+/// `wrong` null when unchecked, `in_place` null where the operation has no in-place form) and
+/// NCCL's when compared.
 pub fn to_json(meta: Value, sweeps: &[Sweep<'_>]) -> String {
     let results: Vec<Value> = sweeps
         .iter()
         .flat_map(|s| {
             s.rows.iter().map(move |r| {
                 json!({
-                    "collective": s.func.name(),
+                    "collective": s.name,
                     "size_bytes": r.bytes,
                     "count": r.count,
                     "dtype": r.dtype.name(),
                     "redop": r.redop.map(|o| o.name()),
                     "root": r.root,
-                    "out_of_place": measure(&r.out_of_place),
-                    "in_place": measure(&r.in_place),
+                    "out_of_place": measure(Some(&r.out_of_place)),
+                    "in_place": measure(r.in_place.as_ref()),
                     "nccl": r.nccl.map(|n| json!({
                         "out_of_place": { "time_us": n.out_of_place.time_us, "busbw_gbs": n.out_of_place.busbw },
-                        "in_place": { "time_us": n.in_place.time_us, "busbw_gbs": n.in_place.busbw },
+                        "in_place": n.in_place.map(|t| json!({ "time_us": t.time_us, "busbw_gbs": t.busbw })),
                     })),
                     "ratio_busbw_out_of_place": r.ratio(),
                     "choice": r.choice.map(|c| json!({
@@ -159,7 +166,7 @@ pub fn svg_plot(title: &str, sweeps: &[Sweep<'_>]) -> String {
                 w - mr + 40.0,
                 w - mr + 46.0,
                 legend_y + 4.0,
-                sw.func.name()
+                xml_escape(sw.name)
             );
             legend_y += 18.0;
         }
@@ -192,17 +199,17 @@ mod tests {
             redop: Some(RedOp::Sum),
             root: -1,
             out_of_place: m,
-            in_place: m,
+            in_place: Some(m),
             choice: None,
             nccl: nccl.map(|b| NcclCols {
                 out_of_place: RefTiming {
                     time_us: 12.0,
                     busbw: b,
                 },
-                in_place: RefTiming {
+                in_place: Some(RefTiming {
                     time_us: 12.0,
                     busbw: b,
-                },
+                }),
             }),
         }
     }
@@ -213,7 +220,7 @@ mod tests {
         let text = to_json(
             json!({"nranks": 2}),
             &[Sweep {
-                func: Func::AllReduce,
+                name: "allreduce",
                 rows: &rows,
             }],
         );
@@ -226,6 +233,19 @@ mod tests {
         assert_eq!(r["nccl"]["out_of_place"]["busbw_gbs"], 80.0);
         assert_eq!(r["ratio_busbw_out_of_place"], 1.25);
         assert_eq!(v["results"].as_array().unwrap().len(), 2);
+        // No in-place form (AlltoAll): null, not a zero measurement.
+        let mut r = rows[0];
+        r.in_place = None;
+        r.nccl.as_mut().unwrap().in_place = None;
+        let sweep = Sweep {
+            name: "alltoall",
+            rows: &[r],
+        };
+        let v: Value = serde_json::from_str(&to_json(json!({}), &[sweep])).unwrap();
+        assert_eq!(v["results"][0]["collective"], "alltoall");
+        assert!(v["results"][0]["in_place"].is_null());
+        assert!(v["results"][0]["nccl"]["in_place"].is_null());
+        assert_eq!(v["results"][0]["out_of_place"]["wrong"], 0);
     }
 
     #[test]
@@ -238,7 +258,7 @@ mod tests {
         let svg = svg_plot(
             "t <x>",
             &[Sweep {
-                func: Func::AllGather,
+                name: "allgather",
                 rows: &rows,
             }],
         );

@@ -223,14 +223,14 @@ impl Bench {
     }
 
     /// True when other processes hold some of the ranks.
-    fn spread(&self) -> bool {
+    pub(super) fn spread(&self) -> bool {
         self.ranks.len() < self.nranks
     }
 
     /// Combines `v` over every process's ranks with `op` (an AllReduce of one u64 over the
     /// backend's own communicator, as nccl-tests combines results over MPI); `v` itself when this
     /// process holds every rank.
-    fn across_ranks(&self, b: &Backend, v: u64, op: RedOp) -> Result<u64> {
+    pub(super) fn across_ranks(&self, b: &Backend, v: u64, op: RedOp) -> Result<u64> {
         if !self.spread() {
             return Ok(v);
         }
@@ -271,7 +271,8 @@ impl Bench {
         Ok(out)
     }
 
-    fn sync(&self) -> Result<()> {
+    /// Waits for every local rank's stream.
+    pub(super) fn sync(&self) -> Result<()> {
         for s in &self.streams {
             s.synchronize()?;
         }
@@ -280,19 +281,35 @@ impl Bench {
 
     /// Seconds per iteration of `iters` back-to-back collectives on every rank, after `warmup`.
     pub fn time(&self, b: &Backend, cfg: &PerfConfig, count: usize, in_place: bool) -> Result<f64> {
-        for _ in 0..cfg.warmup {
-            b.launch_all(&self.bufs, &self.streams, &self.ranks, cfg, count, in_place)?;
+        self.time_launches(b, cfg.warmup, cfg.iters, || {
+            b.launch_all(&self.bufs, &self.streams, &self.ranks, cfg, count, in_place)
+        })
+    }
+
+    /// Seconds per iteration of `iters` (at least 1) back-to-back calls of `launch` (which queues
+    /// one operation on every local rank of `b`), after `warmup` untimed ones: host wall clock
+    /// from the first timed launch to the synchronize after the last, the slowest rank's when
+    /// other processes hold ranks.
+    pub(super) fn time_launches(
+        &self,
+        b: &Backend,
+        warmup: usize,
+        iters: usize,
+        mut launch: impl FnMut() -> Result<()>,
+    ) -> Result<f64> {
+        for _ in 0..warmup {
+            launch()?;
         }
         self.sync()?;
         let t = Instant::now();
-        for _ in 0..cfg.iters.max(1) {
-            b.launch_all(&self.bufs, &self.streams, &self.ranks, cfg, count, in_place)?;
+        for _ in 0..iters.max(1) {
+            launch()?;
         }
         self.sync()?;
         let ns = (t.elapsed().as_secs_f64() * 1e9) as u64;
-        // The slowest rank's time, as every rank's collective is only done when all are.
+        // The slowest rank's time, as every rank's operation is only done when all are.
         let ns = self.across_ranks(b, ns, RedOp::Max)?;
-        Ok(ns as f64 * 1e-9 / cfg.iters.max(1) as f64)
+        Ok(ns as f64 * 1e-9 / iters.max(1) as f64)
     }
 
     /// Runs the collective once per check repetition with exact inputs and poisoned outputs and
@@ -385,10 +402,10 @@ pub fn sweep(
                         time_us: roop.time_us,
                         busbw: roop.busbw,
                     },
-                    in_place: RefTiming {
+                    in_place: Some(RefTiming {
                         time_us: rip.time_us,
                         busbw: rip.busbw,
-                    },
+                    }),
                 })
             }
             None => None,
@@ -404,7 +421,7 @@ pub fn sweep(
                 -1
             },
             out_of_place: oop,
-            in_place: ip,
+            in_place: Some(ip),
             nccl,
             // Asked of the communicator rather than read from its last call: with --procs the
             // last call is the small AllReduce that combines the ranks' timings.

@@ -138,11 +138,17 @@ impl Measure {
     /// A measurement of `func` on `nranks` ranks moving `bytes` ([`data_bytes`]) in `time_us`
     /// microseconds; computes `algbw` and `busbw`.
     pub fn new(func: Func, nranks: usize, bytes: u64, time_us: f64, wrong: Option<u64>) -> Self {
+        Measure::with_factor(bus_factor(func, nranks), bytes, time_us, wrong)
+    }
+
+    /// A measurement moving `bytes` (nccl-tests' S) in `time_us` microseconds, whose busbw is
+    /// its algbw times `factor` (the operation's bus-bandwidth factor).
+    pub fn with_factor(factor: f64, bytes: u64, time_us: f64, wrong: Option<u64>) -> Self {
         let algbw = algbw(bytes, time_us);
         Measure {
             time_us,
             algbw,
-            busbw: algbw * bus_factor(func, nranks),
+            busbw: algbw * factor,
             wrong,
         }
     }
@@ -162,8 +168,8 @@ pub struct RefTiming {
 pub struct NcclCols {
     /// NCCL out-of-place.
     pub out_of_place: RefTiming,
-    /// NCCL in-place.
-    pub in_place: RefTiming,
+    /// NCCL in-place; `None` where the operation has no in-place form (printed `N/A`).
+    pub in_place: Option<RefTiming>,
 }
 
 /// One line of the result table (one message size).
@@ -181,8 +187,9 @@ pub struct Row {
     pub root: i32,
     /// Out-of-place result (`sendbuff != recvbuff`).
     pub out_of_place: Measure,
-    /// In-place result.
-    pub in_place: Measure,
+    /// In-place result; `None` where the operation has no in-place form (AlltoAll: every
+    /// in-place column printed `N/A`).
+    pub in_place: Option<Measure>,
     /// NCCL's results for comparison; when `Some` the row gets the comparison columns.
     pub nccl: Option<NcclCols>,
     /// What oxccl planned for this size (algorithm, protocol, channels), when known: listed by
@@ -251,19 +258,27 @@ pub fn format_row(row: &Row) -> String {
         redop,
         row.root
     );
-    for m in [&row.out_of_place, &row.in_place] {
-        let wrong = m.wrong.map_or_else(|| "N/A".to_string(), |w| fmt_g(w as f64));
-        s += &format!(
-            "  {:>7}  {:>6.2}  {:>6.2}  {:>5}",
-            time_str(m.time_us),
-            m.algbw,
-            m.busbw,
-            wrong
-        );
+    for m in [Some(&row.out_of_place), row.in_place.as_ref()] {
+        match m {
+            Some(m) => {
+                let wrong = m.wrong.map_or_else(|| "N/A".to_string(), |w| fmt_g(w as f64));
+                s += &format!(
+                    "  {:>7}  {:>6.2}  {:>6.2}  {:>5}",
+                    time_str(m.time_us),
+                    m.algbw,
+                    m.busbw,
+                    wrong
+                );
+            }
+            None => s += &format!("  {:>7}  {:>6}  {:>6}  {:>5}", "N/A", "N/A", "N/A", "N/A"),
+        }
     }
     if let Some(n) = &row.nccl {
-        for t in [&n.out_of_place, &n.in_place] {
-            s += &format!("  {:>7}  {:>6.2}", time_str(t.time_us), t.busbw);
+        for t in [Some(&n.out_of_place), n.in_place.as_ref()] {
+            match t {
+                Some(t) => s += &format!("  {:>7}  {:>6.2}", time_str(t.time_us), t.busbw),
+                None => s += &format!("  {:>7}  {:>6}", "N/A", "N/A"),
+            }
         }
         match row.ratio() {
             Some(r) => s += &format!("  {r:>6.2}"),
@@ -273,16 +288,21 @@ pub fn format_row(row: &Row) -> String {
     s
 }
 
+/// The busbw of `row`'s measurements: out-of-place, then in-place where it ran.
+fn busbws(row: &Row) -> impl Iterator<Item = f64> + '_ {
+    std::iter::once(row.out_of_place.busbw).chain(row.in_place.map(|m| m.busbw))
+}
+
 /// Mean of out-of-place and in-place busbw over `rows` (nccl-tests' "Avg bus bandwidth"), GB/s;
-/// `0.0` for no rows.
+/// in-place runs that do not exist are left out; `0.0` for no rows.
 pub fn avg_busbw(rows: &[Row]) -> f64 {
-    mean(rows.iter().flat_map(|r| [r.out_of_place.busbw, r.in_place.busbw]))
+    mean(rows.iter().flat_map(busbws))
 }
 
 /// Total wrong elements over all rows, out-of-place and in-place (unchecked measurements count 0).
 pub fn total_wrong(rows: &[Row]) -> u64 {
     rows.iter()
-        .map(|r| r.out_of_place.wrong.unwrap_or(0) + r.in_place.wrong.unwrap_or(0))
+        .map(|r| r.out_of_place.wrong.unwrap_or(0) + r.in_place.and_then(|m| m.wrong).unwrap_or(0))
         .sum()
 }
 
@@ -303,9 +323,9 @@ pub fn footer(rows: &[Row]) -> String {
         let nccl = mean(
             cmp.iter()
                 .filter_map(|r| r.nccl)
-                .flat_map(|n| [n.out_of_place.busbw, n.in_place.busbw]),
+                .flat_map(|n| std::iter::once(n.out_of_place.busbw).chain(n.in_place.map(|t| t.busbw))),
         );
-        let ours = mean(cmp.iter().flat_map(|r| [r.out_of_place.busbw, r.in_place.busbw]));
+        let ours = mean(cmp.iter().flat_map(|r| busbws(r)));
         s += &format!("# Avg NCCL bandwidth   : {}\n", fmt_g(nccl));
         if nccl > 0.0 {
             s += &format!("# Avg busbw ratio      : {:.2}\n", ours / nccl);
@@ -406,7 +426,7 @@ mod tests {
             redop: Some(RedOp::Sum),
             root: -1,
             out_of_place: Measure::new(Func::AllReduce, n, b, oop_us, Some(0)),
-            in_place: Measure::new(Func::AllReduce, n, b, ip_us, Some(0)),
+            in_place: Some(Measure::new(Func::AllReduce, n, b, ip_us, Some(0))),
             nccl: None,
             choice: None,
         }
@@ -532,7 +552,7 @@ mod tests {
         // 1 GiB AllReduce on 8 ranks in 10000 us: algbw 107.37 GB/s, busbw ×1.75 = 187.90; in-place
         // in 5000 us: 214.75 and 375.81.
         let mut r = row(1 << 30, 10000.0, 5000.0, 8);
-        r.in_place.wrong = Some(3);
+        r.in_place.as_mut().unwrap().wrong = Some(3);
         r.out_of_place.wrong = None;
         let line = format_row(&r);
         let cols: Vec<&str> = line.split_whitespace().collect();
@@ -564,10 +584,10 @@ mod tests {
                 time_us: 10500.0,
                 busbw: 182.43,
             },
-            in_place: RefTiming {
+            in_place: Some(RefTiming {
                 time_us: 99.5,
                 busbw: 17.0,
-            },
+            }),
         });
         let line = format_row(&r);
         let cols: Vec<&str> = line.split_whitespace().collect();
@@ -599,17 +619,17 @@ mod tests {
             "# Out of bounds values : 0 OK\n# Avg bus bandwidth    : 39.8459\n"
         );
         let mut c = b;
-        c.in_place.wrong = Some(2);
+        c.in_place.as_mut().unwrap().wrong = Some(2);
         c.out_of_place.wrong = Some(1);
         c.nccl = Some(NcclCols {
             out_of_place: RefTiming {
                 time_us: 900.0,
                 busbw: 2.0,
             },
-            in_place: RefTiming {
+            in_place: Some(RefTiming {
                 time_us: 900.0,
                 busbw: 1.0,
-            },
+            }),
         });
         let f = footer(&[a, c]);
         let lines: Vec<&str> = f.lines().collect();
@@ -620,6 +640,35 @@ mod tests {
             footer(&[]),
             "# Out of bounds values : 0 OK\n# Avg bus bandwidth    : 0\n"
         );
+    }
+
+    #[test]
+    fn missing_in_place_prints_na_and_leaves_the_averages() {
+        // An operation without an in-place form (AlltoAll): every in-place column N/A, in the
+        // same widths; the averages and #wrong come from the out-of-place runs alone.
+        let mut r = row(1 << 20, 10.0, 20.0, 2); // out-of-place busbw 104.8576
+        r.in_place = None;
+        r.out_of_place.wrong = Some(4);
+        let line = format_row(&r);
+        let full = format_row(&row(1 << 20, 10.0, 20.0, 2));
+        assert_eq!(line.len(), full.len());
+        let cols: Vec<&str> = line.split_whitespace().collect();
+        assert_eq!(&cols[5..], ["10.00", "104.86", "104.86", "4", "N/A", "N/A", "N/A", "N/A"]);
+        assert_eq!(total_wrong(&[r]), 4);
+        assert_eq!(
+            footer(&[r]),
+            "# Out of bounds values : 4 FAILED\n# Avg bus bandwidth    : 104.858\n"
+        );
+        r.nccl = Some(NcclCols {
+            out_of_place: RefTiming {
+                time_us: 20.0,
+                busbw: 52.0,
+            },
+            in_place: None,
+        });
+        let cols: Vec<String> = format_row(&r).split_whitespace().map(str::to_string).collect();
+        assert_eq!(&cols[13..], ["20.00", "52.00", "N/A", "N/A", "2.02"]);
+        assert!(footer(&[r]).contains("# Avg NCCL bandwidth   : 52\n"));
     }
 
     #[test]
