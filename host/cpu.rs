@@ -283,7 +283,7 @@ impl ShmSegment {
             }
             return Err(Error::System(format!(
                 "/dev/shm has too little space: {bytes} bytes were needed for {} ({}); enlarge /dev/shm \
-                 (e.g. docker --shm-size) or lower NCCL_BUFFSIZE / NCCL_MAX_NCHANNELS",
+                 (e.g. docker --shm-size) or lower NCCL_BUFFSIZE / NCCL_MAX_NCHANNELS / NCCL_NCHANNELS_PER_PEER",
                 path.display(),
                 std::io::Error::from_raw_os_error(r)
             )));

@@ -700,7 +700,7 @@ mod direct_tests {
         let nch = choice.nchannels as u64;
         let fifo_zero = |comm: &Comm| {
             let mem = conn_mem(comm);
-            let layout = ConnLayout::new(&comm.params, comm.nchannels);
+            let layout = ConnLayout::new(&comm.params, comm.nchannels + comm.peer_channels.count());
             (0..nch).all(|c| {
                 let at = layout.buff(0, c) as usize;
                 mem[at..at + layout.buffsize as usize].iter().all(|&b| b == 0)
@@ -723,7 +723,7 @@ mod direct_tests {
             "a direct Broadcast wrote rank 1's Simple FIFO"
         );
         // One exchange per channel: rank 0's slot (its head line) holds rank 1's output and count 1.
-        let layout = ConnLayout::new(&comms[0].params, comms[0].nchannels);
+        let layout = ConnLayout::new(&comms[0].params, comms[0].nchannels + comms[0].peer_channels.count());
         let mem0 = conn_mem(&comms[0]);
         for c in 0..nch {
             let at = (layout.head(0, c) + PTR_EXCHANGE_OFFSET) as usize;
@@ -806,9 +806,50 @@ mod comm_block_tests {
                 0x5000,
                 0x6000,
                 &params,
-                &rings
+                &rings,
+                PeerChannels::none(2)
             )
         );
+    }
+
+    #[test]
+    fn peer_channels_pair_each_send_with_the_peers_receive() {
+        // 4 ranks, 2 ring channels, 2 channels per peer: channels 2..8, distance k on
+        // 2 + 2(k − 1) and 3 + 2(k − 1).
+        let pc = PeerChannels {
+            first: 2,
+            per_peer: 2,
+            nranks: 4,
+        };
+        assert_eq!((pc.count(), pc.total()), (6, 8));
+        for r in 0..4usize {
+            for p in (0..4usize).filter(|&p| p != r) {
+                for j in 0..2 {
+                    let c = pc.channel(r, p, j, true);
+                    // The send goes to `p` on that channel, and `p` receives from `r` on it.
+                    assert_eq!(pc.neighbours(c, r).0, p, "send {r} → {p} part {j}");
+                    assert_eq!(pc.channel(p, r, j, false), c, "recv of {p} from {r} part {j}");
+                    assert_eq!(pc.recv_peer(p, c as u64), r);
+                    assert!((2..8).contains(&c));
+                }
+            }
+        }
+        // The block: the peer channels follow the ring channels, with the shift's neighbours
+        // and no user ranks.
+        let params = Params::default();
+        let layout = ConnLayout::new(&params, pc.total());
+        let bases = [0x1000_0000_0000u64, 0x2000_0000_0000, 0x3000_0000_0000, 0x4000_0000_0000];
+        let rings = ChannelRings::rank_order(4, 2);
+        let b = build_comm_block(1, 4, 2, &layout, &bases, 0x5000, 0x6000, &params, &rings, pc);
+        assert_eq!(b.len(), comm_block_bytes(2, 4, pc));
+        let chans: &[DevChannel] = bytemuck::cast_slice(&b[size_of::<DevComm>()..][..8 * size_of::<DevChannel>()]);
+        for (c, ch) in chans.iter().enumerate().skip(2) {
+            let k = (c - 2) / 2 + 1;
+            let (next, prev) = ((1 + k) % 4, (1 + 4 - k) % 4);
+            assert_eq!((ch.ring.next as usize, ch.ring.prev as usize, ch.ring.user_ranks), (next, prev, 0), "channel {c}");
+            assert_eq!(ch.send.buffs[Proto::Simple as usize], layout.buff(bases[next], c as u64));
+            assert_eq!(ch.recv.head, layout.head(bases[prev], c as u64));
+        }
     }
 
     #[test]

@@ -656,7 +656,7 @@ impl Comm {
             }
             regions.push(timeout::Region {
                 addr,
-                bytes: nch as usize * COUNTERS_BYTES as usize,
+                bytes: nch_all * COUNTERS_BYTES as usize,
             });
             at
         };
@@ -669,6 +669,12 @@ impl Comm {
                 prev: rings.prev(c, rank),
             })
             .collect();
+        // The peer channels' counters too (in the same blocks, after the ring channels'), so
+        // sends and receives that progress are seen as progress.
+        for own in &own_split[nch as usize..] {
+            region_at(own[0], &mut regions);
+            region_at(own[1], &mut regions);
+        }
         regions.extend(tree_counters.into_iter().map(|(addr, bytes)| timeout::Region { addr, bytes }));
         let issued: Vec<(usize, u64)> = (0..nranks)
             .filter(|&r| peers[r].host == peers[rank].host)

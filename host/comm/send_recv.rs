@@ -68,6 +68,7 @@ pub(crate) struct P2pTarget {
     cpu_nthreads: u32,
     cpu_team: oxccl_gpu::arch::TeamKind,
     status: Arc<StatusMem>,
+    watch: Arc<timeout::Watch>,
     backend: Backend,
 }
 
@@ -111,6 +112,24 @@ impl P2pTarget {
             .collect()
     }
 
+    /// What a launch of `works` does, for a timeout's message: "sends/receives (send of B
+    /// bytes to rank p, …)".
+    fn describe(&self, works: &[WorkP2p]) -> String {
+        let ops: Vec<String> = works
+            .iter()
+            .filter(|w| w.part == 0)
+            .map(|w| {
+                let (to, from) = self.peer.neighbours(w.channel, self.rank);
+                if w.kind == P2P_SEND {
+                    format!("send of {} bytes to rank {to}", w.bytes)
+                } else {
+                    format!("receive of {} bytes from rank {from}", w.bytes)
+                }
+            })
+            .collect();
+        format!("sends/receives ({})", ops.join(", "))
+    }
+
     /// The error of a mismatch a receive reported, if any (cleared).
     pub(crate) fn take_mismatch(&self) -> Option<Error> {
         self.status
@@ -134,6 +153,7 @@ impl P2pTarget {
             ..P2pArgs::default()
         };
         args.works[..works.len()].copy_from_slice(works);
+        self.watch.begin_p2p(self.describe(works));
         match (&self.backend, stream) {
             (Backend::Cuda { launch, module, .. }, Stream::Cuda(s)) => {
                 s.launch(module, works.len() as u32, self.nthreads, &args)?;
@@ -334,6 +354,7 @@ impl Comm {
             cpu_nthreads: self.params.cpu_nthreads,
             cpu_team: self.params.cpu_team,
             status: self.p2p_status.clone(),
+            watch: self.watch.clone(),
             backend,
         })
     }

@@ -115,6 +115,8 @@ struct State {
     /// False once the communicator is dropped: nothing is read any more.
     alive: bool,
     call: Option<CallRecord>,
+    /// The point-to-point launch being watched (its description), when it came after `call`.
+    p2p: Option<String>,
     sample: Vec<u8>,
     last_change: Instant,
     last_sample: Option<Instant>,
@@ -148,6 +150,7 @@ impl Watch {
             state: Mutex::new(State {
                 alive: true,
                 call: None,
+                p2p: None,
                 sample: Vec::new(),
                 last_change: Instant::now(),
                 last_sample: None,
@@ -194,6 +197,17 @@ impl Watch {
         }
         st.recorder.push(&call);
         st.call = Some(call);
+        st.p2p = None;
+        st.last_change = Instant::now();
+        st.last_sample = None;
+    }
+
+    /// Records a point-to-point launch about to be queued (`what` names its sends and receives
+    /// and their peers). Not counted as an issued call: ranks issue different sends and
+    /// receives, so counts say nothing about who is behind.
+    pub(super) fn begin_p2p(&self, what: String) {
+        let mut st = self.state();
+        st.p2p = Some(what);
         st.last_change = Instant::now();
         st.last_sample = None;
     }
@@ -342,6 +356,13 @@ impl Watch {
     /// The timeout's message: the call, then the ranks of this host that have not issued it, or
     /// else where its first channel stopped.
     fn describe(&self, st: &State, limit: Duration) -> String {
+        if let Some(p2p) = &st.p2p {
+            return format!(
+                "rank {}: {p2p} made no progress for {:.1} s (OXCCL_TIMEOUT): waiting for those peers to post the matching receives and sends",
+                self.rank,
+                limit.as_secs_f64()
+            );
+        }
         let call = st.call.as_ref().map_or_else(|| "a call".to_string(), |c| c.to_string());
         let seq = st.call.as_ref().map_or(0, |c| c.seq);
         let mut msg = format!(

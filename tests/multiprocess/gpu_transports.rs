@@ -498,10 +498,10 @@ fn assert_too_small(test: &str, out: &str, bytes: usize) {
 #[test]
 fn too_small_dev_shm_names_bytes_and_path_cpu() {
     let test = "too_small_dev_shm_names_bytes_and_path_cpu";
-    // CPU target, default 2 channels: 2 × 5,767,424 = 11,534,848 bytes of connection memory,
-    // more than the 1 MiB tmpfs holds.
+    // CPU target, default 2 ring channels and 1 peer channel (1 per peer, 1 peer): 3 ×
+    // 5,767,424 = 17,302,272 bytes of connection memory, more than the 1 MiB tmpfs holds.
     if let Some(out) = run_pair_with_tiny_dev_shm(test, true, &[]) {
-        assert_too_small(test, &out, conn_bytes(2));
+        assert_too_small(test, &out, conn_bytes(3));
     }
 }
 
@@ -511,12 +511,13 @@ fn too_small_dev_shm_names_bytes_and_path_gpu_shm() {
     if skip_without_gpus(test) {
         return;
     }
-    // CUDA through SHM, 4 channels: 4 × 5,767,424 = 23,069,696 bytes (a whole number of pages).
+    // CUDA through SHM, 4 ring channels and 2 peer channels (2 per peer on GPUs, 1 peer):
+    // 6 × 5,767,424 = 34,604,544 bytes (a whole number of pages).
     if let Some(out) = run_pair_with_tiny_dev_shm(
         test,
         false,
         &[("NCCL_P2P_DISABLE", "1"), ("NCCL_MAX_NCHANNELS", "4")],
     ) {
-        assert_too_small(test, &out, conn_bytes(4));
+        assert_too_small(test, &out, conn_bytes(6));
     }
 }
