@@ -247,3 +247,90 @@ fn sigusr1_dumps_every_rank() {
     drop(comms);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A send whose receive is never posted, and a receive whose send never comes: each times out
+/// naming its sends and receives and their peers instead of hanging.
+fn unmatched_send_and_recv(devices: &[Device]) {
+    let comms = init(devices, "1");
+    let streams = common::streams(&comms);
+    let bytes = 8 << 20;
+    let bufs: Vec<_> = comms.iter().map(|c| c.device().alloc(bytes).unwrap()).collect();
+    let t = Instant::now();
+    // Rank 0 sends 8 MiB to rank 1 (more than a connection's FIFO holds); rank 1 never receives.
+    // Rank 2 (when there is one) receives from rank 0, which never sends to it.
+    comms[0].send(&bufs[0], bytes, DataType::U8, 1, &streams[0]).unwrap();
+    if comms.len() > 2 {
+        comms[2].recv(&bufs[2], bytes, DataType::U8, 0, &streams[2]).unwrap();
+    }
+    for (r, want) in [(0, "send of 8388608 bytes to rank 1"), (2, "receive of 8388608 bytes from rank 0")] {
+        if r >= comms.len() {
+            continue;
+        }
+        streams[r].synchronize().unwrap();
+        assert!(t.elapsed() < Duration::from_secs(20), "rank {r}: {:?}", t.elapsed());
+        let e = comms[r].get_async_error().unwrap_err();
+        assert!(matches!(e, Error::Timeout(_)), "rank {r}: {e}");
+        let m = e.to_string();
+        assert!(
+            m.contains(&format!("rank {r}: sends/receives ({want}) made no progress for 1.0 s (OXCCL_TIMEOUT)")),
+            "{m}"
+        );
+    }
+    assert!(comms[1].get_async_error().is_ok(), "rank 1 waits for nothing");
+    for c in &comms {
+        c.abort().unwrap();
+    }
+}
+
+#[test]
+fn unmatched_sends_and_receives_time_out_naming_their_peers() {
+    unmatched_send_and_recv(&Device::cpus(3));
+}
+
+#[test]
+fn unmatched_sends_and_receives_time_out_naming_their_peers_gpu() {
+    let Some(devices) = common::two_ranks_or_skip("unmatched_sends_and_receives_time_out_naming_their_peers_gpu") else {
+        return;
+    };
+    let _gpu = common::gpu_lock();
+    unmatched_send_and_recv(&devices);
+}
+
+/// A send/recv exchange that takes several times the limit but progresses all the time (its
+/// progress is on the peer channels, which the ring channels never see) completes, exact.
+#[test]
+fn a_slow_exchange_that_progresses_does_not_time_out() {
+    let env = Env::clean(&["TIMEOUT", "BUFFSIZE"]);
+    // 2 KiB FIFO slots: 16,384 steps per 32 MiB, each moving the counters.
+    env.set(&[("OXCCL_TIMEOUT", "0.3"), ("NCCL_BUFFSIZE", "16384")]);
+    let comms = Comm::init_all(&Device::cpus(2)).unwrap();
+    drop(env);
+    let streams = common::streams(&comms);
+    let half = 32 << 20;
+    let want = |r: usize| -> Vec<u8> { (0..half).map(|i| (i as u32).wrapping_mul(7).wrapping_add(r as u32) as u8).collect() };
+    let bufs: Vec<_> = comms
+        .iter()
+        .map(|c| {
+            let b = c.device().alloc(2 * half).unwrap();
+            b.write(0, &want(c.rank())).unwrap();
+            b
+        })
+        .collect();
+    let t = Instant::now();
+    common::on_threads(2, |r| {
+        let peer = 1 - r;
+        oxccl::group(|| {
+            comms[r].send(bufs[r].slice(0, half).unwrap(), half, DataType::U8, peer, &streams[r]).unwrap();
+            comms[r].recv(bufs[r].slice(half, half).unwrap(), half, DataType::U8, peer, &streams[r]).unwrap();
+        })
+        .unwrap();
+        streams[r].synchronize().unwrap();
+    });
+    eprintln!("a 32 MiB exchange through 2 KiB slots took {:?}", t.elapsed());
+    for (r, c) in comms.iter().enumerate() {
+        assert!(c.get_async_error().is_ok(), "rank {r}: {:?}", c.get_async_error());
+        let mut got = vec![0u8; half];
+        bufs[r].read(half, &mut got).unwrap();
+        assert!(got == want(1 - r), "rank {r}: the received half differs");
+    }
+}
