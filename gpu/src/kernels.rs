@@ -57,10 +57,65 @@ macro_rules! entries {
 /// [`crate::coll::send_recv::run_p2p_block`]).
 #[unsafe(no_mangle)]
 pub unsafe extern "ptx-kernel" fn oxccl_sendrecv_simple(args: crate::abi::P2pArgs) {
-    // SAFETY: `kernel_shared_mem` is called once in this kernel; the rest is the launch contract.
+    let bid = arch::block_idx();
+    // Constant offsets: read from the parameter space as they are.
+    let (comm, status, nworks) = (args.comm, args.status, args.nworks);
+    if bid >= nworks || bid as usize >= crate::abi::MAX_P2P_WORKS {
+        return;
+    }
+    // SAFETY: `bid` < `nworks` ≤ MAX_P2P_WORKS: the work lies in this kernel's parameter;
+    // `kernel_shared_mem` is called once in this kernel; the rest is the launch contract.
     unsafe {
+        let w = p2p_param_work(bid);
         let smem = arch::kernel_shared_mem();
-        crate::coll::send_recv::run_p2p_block(&args, arch::block_idx(), arch::thread_idx(), arch::block_dim(), smem);
+        crate::coll::send_recv::run_p2p_work(comm, status, w, arch::thread_idx(), arch::block_dim(), smem);
+    }
+}
+
+/// Work `bid` of [`oxccl_sendrecv_simple`]'s parameter, read with `ld.param` at a computed
+/// offset of the parameter's address (PTX lets a kernel take its parameters' addresses with
+/// `mov`). Indexing the parameter in Rust instead makes LLVM copy all 3 KiB of it into every
+/// thread's local memory first.
+///
+/// # Safety
+/// Only in [`oxccl_sendrecv_simple`] (the asm names its parameter), with `bid <
+/// MAX_P2P_WORKS`.
+#[inline(always)]
+unsafe fn p2p_param_work(bid: u32) -> crate::abi::WorkP2p {
+    use crate::abi::{P2pArgs, WorkP2p};
+    use core::mem::offset_of;
+    const _: () = assert!(
+        offset_of!(WorkP2p, bytes) == 8 && offset_of!(WorkP2p, channel) == 16 && offset_of!(WorkP2p, kind) == 20
+            && offset_of!(WorkP2p, part) == 21 && offset_of!(WorkP2p, nparts) == 22
+    );
+    let off = offset_of!(P2pArgs, works) as u64 + bid as u64 * core::mem::size_of::<WorkP2p>() as u64;
+    let (buff, bytes, rest): (u64, u64, u64);
+    // SAFETY: the three loads lie inside the kernel's parameter (caller contract); registers only.
+    unsafe {
+        core::arch::asm!(
+            "{{",
+            ".reg .u64 %p2p_at;",
+            "mov.u64 %p2p_at, oxccl_sendrecv_simple_param_0;",
+            "add.u64 %p2p_at, %p2p_at, {off};",
+            "ld.param.u64 {a}, [%p2p_at];",
+            "ld.param.u64 {b}, [%p2p_at+8];",
+            "ld.param.u64 {c}, [%p2p_at+16];",
+            "}}",
+            off = in(reg64) off,
+            a = out(reg64) buff,
+            b = out(reg64) bytes,
+            c = out(reg64) rest,
+            options(nostack, readonly, pure)
+        );
+    }
+    WorkP2p {
+        buff,
+        bytes,
+        channel: rest as u32,
+        kind: (rest >> 32) as u8,
+        part: (rest >> 40) as u8,
+        nparts: (rest >> 48) as u8,
+        _pad: 0,
     }
 }
 

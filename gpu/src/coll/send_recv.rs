@@ -5,29 +5,39 @@
 //! the transfer into the same parts ([`p2p_part`]) and consumes exactly the steps the sender
 //! sends even when the user's counts differ: it writes at most its own output's size and
 //! reports the mismatch ([`P2pStatus`]) instead of hanging or writing past the output.
-use crate::abi::{DevChannel, DevComm, P2P_SEND, P2pArgs, P2pStatus, Proto, p2p_part};
+use crate::abi::{DevChannel, DevComm, P2P_SEND, P2pArgs, P2pStatus, Proto, WorkP2p, p2p_part};
 use crate::arch;
 use crate::proto::Primitives;
 use crate::proto::simple::Simple;
 use crate::reduce::{FuncSum, OpArgs};
 
 /// Runs block `bid` of a point-to-point launch: work `args.works[bid]` (nothing when `bid` is
-/// past `args.nworks`).
+/// past `args.nworks`). The CPU target's entry; the GPU kernel reads its work straight from its
+/// parameter space and calls [`run_p2p_work`].
 ///
 /// # Safety
-/// `args.comm` points at a set-up [`DevComm`] whose channel array holds every work's channel;
-/// each work's buffer holds its `bytes`; `args.status` is 0 or a valid [`P2pStatus`]; `smem` is
-/// the kernel's shared memory; every thread of the block calls this with the same `args` and
-/// `bid`, `tid` in `0..nthreads`.
+/// As [`run_p2p_work`] for every work of `args`.
 #[cfg_attr(target_arch = "nvptx64", inline(always))]
 #[cfg_attr(not(target_arch = "nvptx64"), inline(never))]
 pub unsafe fn run_p2p_block(args: &P2pArgs, bid: u32, tid: u32, nthreads: u32, smem: *mut u32) {
     if bid >= args.nworks || bid as usize >= args.works.len() {
         return;
     }
-    let w = args.works[bid as usize];
+    // SAFETY: forwarded caller contract.
+    unsafe { run_p2p_work(args.comm, args.status, args.works[bid as usize], tid, nthreads, smem) }
+}
+
+/// Runs one work of a point-to-point launch on this block.
+///
+/// # Safety
+/// `comm` points at a set-up [`DevComm`] whose channel array holds the work's channel; the
+/// work's buffer holds its `bytes`; `status` is 0 or a valid [`P2pStatus`]; `smem` is the
+/// kernel's shared memory; every thread of the block calls this with the same arguments, `tid`
+/// in `0..nthreads`.
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
+pub unsafe fn run_p2p_work(comm: u64, status: u64, w: WorkP2p, tid: u32, nthreads: u32, smem: *mut u32) {
     // SAFETY: caller contract.
-    let comm = unsafe { &*(args.comm as *const DevComm) };
+    let comm = unsafe { &*(comm as *const DevComm) };
     // SAFETY: caller contract: the channel exists.
     let channel = unsafe { (comm.channels as *mut DevChannel).add(w.channel as usize) };
     let buff_size = comm.buff_sizes[Proto::Simple as usize];
@@ -62,8 +72,8 @@ pub unsafe fn run_p2p_block(args: &P2pArgs, bid: u32, tid: u32, nthreads: u32, s
         let (off, len) = p2p_part(sent, part, nparts);
         let keep = core::cmp::min(off + len, w.bytes).saturating_sub(off);
         p.recv_upto(off, len, keep);
-        if sent != w.bytes && tid == 0 && args.status != 0 {
-            let st = args.status as *mut P2pStatus;
+        if sent != w.bytes && tid == 0 && status != 0 {
+            let st = status as *mut P2pStatus;
             // SAFETY: a valid status record (caller contract); the flag is stored last, after
             // a fence, so a host that sees it sees the sizes.
             unsafe {
