@@ -445,3 +445,52 @@ fn all_to_all_gather_scatter_and_v_variants_are_exact() {
         });
     }
 }
+
+/// A count above 2^31 elements (2 GiB + 17 bytes of u8) between two GPU ranks, exact at both
+/// ends and at the boundary.
+#[test]
+fn gpu_send_recv_of_more_than_2_pow_31_elements() {
+    let test = "gpu_send_recv_of_more_than_2_pow_31_elements";
+    let Some(devices) = common::two_ranks_or_skip(test) else {
+        return;
+    };
+    let _gpu = common::gpu_lock();
+    let _dog = common::Watchdog::new(test, std::time::Duration::from_secs(120));
+    let env = Env::clean(VARS);
+    let comms = Comm::init_all(&devices).unwrap();
+    drop(env);
+    let count = (1usize << 31) + 17;
+    let pattern = |i: usize| (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15).rotate_left(17) as u8;
+    let chunk = 1 << 26;
+    let bufs: Vec<DeviceBuffer> = comms
+        .iter()
+        .map(|c| {
+            let b = c.device().alloc(count).unwrap();
+            if c.rank() == 0 {
+                for at in (0..count).step_by(chunk) {
+                    let n = chunk.min(count - at);
+                    b.write(at, &(at..at + n).map(pattern).collect::<Vec<_>>()).unwrap();
+                }
+            } else {
+                b.fill(0).unwrap();
+            }
+            b
+        })
+        .collect();
+    let streams = common::streams(&comms);
+    oxccl::group(|| {
+        comms[0].send(&bufs[0], count, DataType::U8, 1, &streams[0]).unwrap();
+        comms[1].recv(&bufs[1], count, DataType::U8, 0, &streams[1]).unwrap();
+    })
+    .unwrap();
+    common::sync_all(&streams, test);
+    let mut wrong = 0usize;
+    let mut got = vec![0u8; chunk];
+    for at in (0..count).step_by(chunk) {
+        let n = chunk.min(count - at);
+        bufs[1].read(at, &mut got[..n]).unwrap();
+        wrong += (0..n).filter(|&i| got[i] != pattern(at + i)).count();
+    }
+    assert_eq!(wrong, 0, "{wrong} of {count} bytes wrong");
+    assert!(comms[1].get_async_error().is_ok());
+}
