@@ -426,6 +426,7 @@ nccl_api! {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::ffi::c_uint;
 
     fn read(c: &ncclConfig_t) -> Result<Config> {
         // SAFETY: a whole config.

@@ -45,7 +45,7 @@
 /// [`errors::call`], or by [`errors::guard`] for a function that returns something other than
 /// `ncclResult_t`), and `ncclX` forwarding to it.
 ///
-/// ```ignore
+/// ```text
 /// nccl_api! {
 ///     /// Doc.
 ///     fn ncclGetVersion / pncclGetVersion(version: *mut c_int) {
