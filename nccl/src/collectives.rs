@@ -6,7 +6,9 @@
 //! arguments (handle, type, operator value, negative ranks) first.
 use crate::cuda::KeepCurrent;
 use crate::handles::{self, Live};
-use crate::types::{Use, builtin_op, data_type, ncclComm_t, ncclDataType_t, ncclNumOps, ncclRedOp_t, non_negative, premul_index};
+use crate::types::{
+    Use, builtin_op, data_type, ncclComm_t, ncclDataType_t, ncclNumOps, ncclRedOp_t, non_negative, premul_index,
+};
 use oxccl::{DataType, Error, Func, ReduceOp, Result};
 use std::ffi::{c_int, c_void};
 
@@ -101,7 +103,9 @@ fn block(base: u64, p: usize, bytes: u64) -> Result<u64> {
     (p as u64)
         .checked_mul(bytes)
         .and_then(|o| base.checked_add(o))
-        .ok_or_else(|| Error::InvalidArgument(format!("block {p} of {bytes} bytes from {base:#x} overflows the address space")))
+        .ok_or_else(|| {
+            Error::InvalidArgument(format!("block {p} of {bytes} bytes from {base:#x} overflows the address space"))
+        })
 }
 
 nccl_api! {
@@ -287,7 +291,9 @@ nccl_api! {
         let (n, me) = (live.comm.count(), live.comm.user_rank());
         let root = non_negative("root", root)?;
         if root >= n {
-            return Err(Error::InvalidArgument(format!("root {root} is out of range for ncclGather (accepted: 0..{n})")));
+            return Err(Error::InvalidArgument(format!(
+                "root {root} is out of range for ncclGather (accepted: 0..{n})"
+            )));
         }
         let bytes = bytes_of(count, dtype)?;
         let (send, recv) = (sendbuff as u64, recvbuff as u64);
@@ -329,7 +335,9 @@ nccl_api! {
         let (n, me) = (live.comm.count(), live.comm.user_rank());
         let root = non_negative("root", root)?;
         if root >= n {
-            return Err(Error::InvalidArgument(format!("root {root} is out of range for ncclScatter (accepted: 0..{n})")));
+            return Err(Error::InvalidArgument(format!(
+                "root {root} is out of range for ncclScatter (accepted: 0..{n})"
+            )));
         }
         let bytes = bytes_of(count, dtype)?;
         let (send, recv) = (sendbuff as u64, recvbuff as u64);

@@ -9,7 +9,7 @@
 //! (`WARN`, `INFO`, `TRACE`; `VERSION` prints the version line only) or `OXCCL_LOG` (a `tracing`
 //! filter, which wins) is set, and none otherwise. Every failed call logs its message as a
 //! warning.
-use crate::types::{ncclInternalError, ncclResult_t, ncclSuccess};
+use crate::types::{ncclComm_t, ncclInternalError, ncclResult_t, ncclSuccess};
 use oxccl::{Error, Result};
 use std::cell::RefCell;
 use std::ffi::{CString, c_char};
@@ -134,7 +134,7 @@ nccl_api! {
     /// The message of the calling thread's last failed call, naming the function and what was
     /// wrong ("" when none failed). `comm` is accepted and not used (NCCL's message is global
     /// too). The text stays valid until the thread's next failed call.
-    fn ncclGetLastError / pncclGetLastError(comm: crate::types::ncclComm_t) -> *const c_char [panic: std::ptr::null()] {
+    fn ncclGetLastError / pncclGetLastError(comm: ncclComm_t) -> *const c_char [panic: std::ptr::null()] {
         let _ = comm;
         LAST_ERROR.with(|l| l.borrow().as_ptr())
     }

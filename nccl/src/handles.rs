@@ -377,7 +377,9 @@ impl Clique {
                 .into_iter()
                 .map(|(id, kind, keep, h)| {
                     let r = match h {
-                        Ok(h) => h.join().unwrap_or_else(|_| Err(Error::Internal("a teardown thread panicked".into()))),
+                        Ok(h) => h
+                            .join()
+                            .unwrap_or_else(|_| Err(Error::Internal("a teardown thread panicked".into()))),
                         Err(e) => Err(Error::System(format!("cannot start a teardown thread: {e}"))),
                     };
                     if let (Some(live), Err(e)) = (&keep, &r)
@@ -458,7 +460,10 @@ pub(crate) fn teardown(live: Arc<Live>, kind: Teardown) -> Result<()> {
         Clique::ready_batch(&mut members)
     };
     if batch.is_empty() {
-        tracing::debug!(target: "oxccl::nccl", "comm {id:#x}: {kind:?} deferred until the other ranks of this process ask for theirs");
+        tracing::debug!(
+            target: "oxccl::nccl",
+            "comm {id:#x}: {kind:?} deferred until the other ranks of this process ask for theirs"
+        );
         return Ok(());
     }
     clique.run_batch(batch, Some(id))

@@ -69,7 +69,8 @@ pub(crate) unsafe fn read_config(config: *const ncclConfig_t) -> Result<Config> 
         c.blocking = d.blocking;
     }
     if v < nccl_version(2, 17, 0) {
-        (c.cga_cluster_size, c.min_ctas, c.max_ctas, c.net_name) = (d.cga_cluster_size, d.min_ctas, d.max_ctas, d.net_name);
+        (c.cga_cluster_size, c.min_ctas, c.max_ctas, c.net_name) =
+            (d.cga_cluster_size, d.min_ctas, d.max_ctas, d.net_name);
     }
     if v < nccl_version(2, 25, 0) {
         c.traffic_class = d.traffic_class;
@@ -115,7 +116,10 @@ pub(crate) unsafe fn read_config(config: *const ncclConfig_t) -> Result<Config> 
     check("nvlinkCentricSched", c.nvlink_centric_sched, bool_like(c.nvlink_centric_sched), "0 or 1")?;
     let blocking = c.blocking != 0;
     if !blocking {
-        tracing::debug!(target: "oxccl::nccl", "config->blocking = 0 accepted: oxccl's calls return once done or queued (never ncclInProgress)");
+        tracing::debug!(
+            target: "oxccl::nccl",
+            "config->blocking = 0 accepted: oxccl's calls return once done or queued (never ncclInProgress)"
+        );
     }
     Ok(Config { blocking })
 }
@@ -196,7 +200,12 @@ nccl_api! {
 
     /// Rank `rank` of `nranks` on the current CUDA device, with the default config (see
     /// `ncclCommInitRankConfig`).
-    fn ncclCommInitRank / pncclCommInitRank(comm: *mut ncclComm_t, nranks: c_int, comm_id: ncclUniqueId, rank: c_int) {
+    fn ncclCommInitRank / pncclCommInitRank(
+        comm: *mut ncclComm_t,
+        nranks: c_int,
+        comm_id: ncclUniqueId,
+        rank: c_int,
+    ) {
         // SAFETY: the caller's contract; no config.
         unsafe { init_rank_config(comm, nranks, &comm_id, rank, std::ptr::null()) }
     }

@@ -68,7 +68,12 @@ nccl_api! {
     /// Records `size` bytes at `buff` as registered with `comm`; `*handle` is for
     /// `ncclCommDeregister`. oxccl's kernels use any device buffer as it is, so nothing else
     /// changes.
-    fn ncclCommRegister / pncclCommRegister(comm: ncclComm_t, buff: *mut c_void, size: usize, handle: *mut *mut c_void) {
+    fn ncclCommRegister / pncclCommRegister(
+        comm: ncclComm_t,
+        buff: *mut c_void,
+        size: usize,
+        handle: *mut *mut c_void,
+    ) {
         non_null("buff", buff)?;
         non_null("handle", handle)?;
         let live = handles::get(comm)?;

@@ -91,7 +91,9 @@ nccl_api! {
     fn ncclRedOpDestroy / pncclRedOpDestroy(op: ncclRedOp_t, comm: ncclComm_t) {
         let live = handles::get(comm)?;
         if builtin_op(op).is_some() {
-            return Err(Error::InvalidArgument(format!("op {op} is a built-in operator; only PreMulSum operators are destroyed")));
+            return Err(Error::InvalidArgument(format!(
+                "op {op} is a built-in operator; only PreMulSum operators are destroyed"
+            )));
         }
         let mut ops = live.redops();
         let slot = premul_index(op).and_then(|i| ops.get_mut(i));

@@ -175,7 +175,9 @@ pub fn data_type(d: ncclDataType_t, usage: Use) -> Result<DataType> {
     u8::try_from(d)
         .ok()
         .and_then(DataType::from_u8)
-        .ok_or_else(|| Error::InvalidArgument(format!("datatype {d} is not an ncclDataType_t (accepted: 0..{ncclNumTypes})")))
+        .ok_or_else(|| {
+            Error::InvalidArgument(format!("datatype {d} is not an ncclDataType_t (accepted: 0..{ncclNumTypes})"))
+        })
 }
 
 /// The built-in operator `op` (`0..ncclNumOps`), or `None` for a PreMulSum handle value.
