@@ -83,6 +83,12 @@ static void to_host(float* host, const float* dev, size_t n) {
   CUDACHECK(cudaMemcpy(host, dev, n * sizeof(float), cudaMemcpyDeviceToHost));
 }
 
+/* Progress, so that a run that hangs shows where. */
+static void step(const char* what) {
+  printf("... %s\n", what);
+  fflush(stdout);
+}
+
 static void sync_all(cudaStream_t* streams) {
   for (int r = 0; r < NRANKS; r++) CUDACHECK(cudaStreamSynchronize(streams[r]));
 }
@@ -114,6 +120,7 @@ int main(void) {
     NCCLCHECK(ncclCommInitRank(&comms[r], NRANKS, id, r));
   }
   NCCLCHECK(ncclGroupEnd());
+  step("2 ranks created on GPU 0 (ncclGroupStart, 2 x ncclCommInitRank, ncclGroupEnd)");
 
   for (int r = 0; r < NRANKS; r++) {
     int count = -1, rank = -1, dev = -1;
@@ -168,6 +175,7 @@ int main(void) {
     NCCLCHECK(ncclAllReduce(ar_inplace[r], ar_inplace[r], AR_COUNT, ncclFloat, ncclSum, comms[r], streams[r]));
   NCCLCHECK(ncclGroupEnd());
   sync_all(streams);
+  step("ncclAllReduce done");
   for (int r = 0; r < NRANKS; r++) {
     for (size_t i = 0; i < AR_COUNT; i++) want[i] = (float)(3 * (int)(i % 1000));
     to_host(host, ar_recv[r], AR_COUNT);
@@ -186,6 +194,7 @@ int main(void) {
   }
   NCCLCHECK(ncclGroupEnd());
   sync_all(streams);
+  step("ncclSend/ncclRecv done");
   for (int r = 0; r < NRANKS; r++) {
     int peer = 1 - r;
     for (size_t i = 0; i < P2P_COUNT; i++) want[i] = (float)(10000 * (peer + 1) + (int)(i % 5000));
@@ -199,6 +208,7 @@ int main(void) {
     NCCLCHECK(ncclAlltoAll(a2a_send[r], a2a_recv[r], A2A_COUNT, ncclFloat, comms[r], streams[r]));
   NCCLCHECK(ncclGroupEnd());
   sync_all(streams);
+  step("ncclAlltoAll done");
   for (int r = 0; r < NRANKS; r++) {
     for (int p = 0; p < NRANKS; p++)
       for (size_t i = 0; i < A2A_COUNT; i++) want[p * A2A_COUNT + i] = (float)(100 * p + 10 * r + (int)(i % 7));
@@ -217,6 +227,7 @@ int main(void) {
   }
 
   for (int r = 0; r < NRANKS; r++) NCCLCHECK(ncclCommDestroy(comms[r]));
+  step("communicators destroyed");
   for (int r = 0; r < NRANKS; r++) {
     CUDACHECK(cudaFree(ar_send[r]));
     CUDACHECK(cudaFree(ar_recv[r]));
