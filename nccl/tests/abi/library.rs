@@ -3,52 +3,103 @@
 use crate::common::*;
 use std::ffi::{CStr, c_int};
 
-/// The DT_SONAME of the ELF64 little-endian shared library `bytes`, read from its dynamic
-/// section (found through the section headers) and the string table it names.
-fn soname(bytes: &[u8]) -> Result<String, String> {
-    let u16_at = |o: usize| bytes.get(o..o + 2).map(|b| u16::from_le_bytes([b[0], b[1]])).ok_or("truncated");
-    let u32_at = |o: usize| bytes.get(o..o + 4).map(|b| u32::from_le_bytes(b.try_into().unwrap())).ok_or("truncated");
-    let u64_at = |o: usize| bytes.get(o..o + 8).map(|b| u64::from_le_bytes(b.try_into().unwrap())).ok_or("truncated");
+/// The sections of the ELF64 little-endian file `bytes`: (type, offset, size, link).
+fn sections(bytes: &[u8]) -> Result<Vec<(u32, usize, usize, usize)>, String> {
     if bytes.get(0..4) != Some(b"\x7fELF") || bytes.get(4) != Some(&2) || bytes.get(5) != Some(&1) {
         return Err("not an ELF64 little-endian file".into());
     }
-    let shoff = u64_at(0x28)? as usize;
-    let shentsize = u16_at(0x3a)? as usize;
-    let shnum = u16_at(0x3c)? as usize;
-    let section = |i: usize| -> Result<(u32, u64, u64, u32), String> {
-        let s = shoff + i * shentsize;
-        // (type, offset, size, link)
-        Ok((u32_at(s + 4)?, u64_at(s + 0x18)?, u64_at(s + 0x20)?, u32_at(s + 0x28)?))
-    };
+    let shoff = u64_at(bytes, 0x28)? as usize;
+    let shentsize = u16_at(bytes, 0x3a)? as usize;
+    let shnum = u16_at(bytes, 0x3c)? as usize;
+    (0..shnum)
+        .map(|i| {
+            let s = shoff + i * shentsize;
+            Ok((
+                u32_at(bytes, s + 4)?,
+                u64_at(bytes, s + 0x18)? as usize,
+                u64_at(bytes, s + 0x20)? as usize,
+                u32_at(bytes, s + 0x28)? as usize,
+            ))
+        })
+        .collect()
+}
+
+fn u16_at(b: &[u8], o: usize) -> Result<u16, String> {
+    b.get(o..o + 2).map(|b| u16::from_le_bytes([b[0], b[1]])).ok_or_else(|| "truncated".into())
+}
+
+fn u32_at(b: &[u8], o: usize) -> Result<u32, String> {
+    b.get(o..o + 4).map(|b| u32::from_le_bytes(b.try_into().unwrap())).ok_or_else(|| "truncated".into())
+}
+
+fn u64_at(b: &[u8], o: usize) -> Result<u64, String> {
+    b.get(o..o + 8).map(|b| u64::from_le_bytes(b.try_into().unwrap())).ok_or_else(|| "truncated".into())
+}
+
+/// The NUL-terminated string at `at` of `bytes`.
+fn c_str(bytes: &[u8], at: usize) -> Result<String, String> {
+    let tail = bytes.get(at..).ok_or("string past the end")?;
+    let end = tail.iter().position(|&b| b == 0).ok_or("unterminated string")?;
+    Ok(String::from_utf8_lossy(&tail[..end]).into_owned())
+}
+
+/// The DT_SONAME of the shared library `bytes`, from its dynamic section and the string table
+/// that section links to.
+fn soname(bytes: &[u8]) -> Result<String, String> {
     const SHT_DYNAMIC: u32 = 6;
     const DT_SONAME: u64 = 14;
-    for i in 0..shnum {
-        let (ty, off, size, link) = section(i)?;
-        if ty != SHT_DYNAMIC {
-            continue;
+    let secs = sections(bytes)?;
+    let &(_, off, size, link) = secs.iter().find(|s| s.0 == SHT_DYNAMIC).ok_or("no dynamic section")?;
+    let strtab = secs.get(link).ok_or("bad string table link")?.1;
+    for e in (off..off + size).step_by(16) {
+        match (u64_at(bytes, e)?, u64_at(bytes, e + 8)?) {
+            (0, _) => break,
+            (DT_SONAME, val) => return c_str(bytes, strtab + val as usize),
+            _ => {}
         }
-        let (_, stroff, _, _) = section(link as usize)?;
-        for e in (off..off + size).step_by(16) {
-            let (tag, val) = (u64_at(e as usize)?, u64_at(e as usize + 8)?);
-            if tag == 0 {
-                break;
-            }
-            if tag == DT_SONAME {
-                let start = (stroff + val) as usize;
-                let end = bytes[start..].iter().position(|&b| b == 0).ok_or("unterminated name")?;
-                return Ok(String::from_utf8_lossy(&bytes[start..start + end]).into_owned());
-            }
-        }
-        return Err("no DT_SONAME in the dynamic section".into());
     }
-    Err("no dynamic section".into())
+    Err("no DT_SONAME in the dynamic section".into())
+}
+
+/// The names of the functions and objects the shared library `bytes` defines and exports
+/// (`.dynsym` entries with a section, global or weak binding).
+fn exported(bytes: &[u8]) -> Result<Vec<String>, String> {
+    const SHT_DYNSYM: u32 = 11;
+    let secs = sections(bytes)?;
+    let &(_, off, size, link) = secs.iter().find(|s| s.0 == SHT_DYNSYM).ok_or("no .dynsym")?;
+    let strtab = secs.get(link).ok_or("bad string table link")?.1;
+    let mut names = Vec::new();
+    for e in (off..off + size).step_by(24) {
+        let (name, info, shndx) = (u32_at(bytes, e)?, bytes[e + 4], u16_at(bytes, e + 6)?);
+        let binding = info >> 4; // 1 global, 2 weak
+        if shndx != 0 && (binding == 1 || binding == 2) {
+            names.push(c_str(bytes, strtab + name as usize)?);
+        }
+    }
+    Ok(names)
+}
+
+fn library_bytes() -> Vec<u8> {
+    let path = lib_path();
+    std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
 #[test]
 fn soname_is_libnccl_so_2() {
-    let path = lib_path();
-    let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    assert_eq!(soname(&bytes).unwrap(), "libnccl.so.2");
+    assert_eq!(soname(&library_bytes()).unwrap(), "libnccl.so.2");
+}
+
+/// Only NCCL's names leave the library (NCCL's version script: `nccl*` and `pnccl*`), so
+/// nothing of Rust's or oxccl's can clash with the program's own symbols.
+#[test]
+fn only_nccl_names_are_exported() {
+    let names = exported(&library_bytes()).unwrap();
+    let foreign: Vec<&String> = names.iter().filter(|n| !n.starts_with("nccl") && !n.starts_with("pnccl")).collect();
+    assert!(foreign.is_empty(), "exported besides nccl*/pnccl*: {foreign:?}");
+    for f in FUNCTIONS {
+        assert!(names.contains(&format!("nccl{f}")) && names.contains(&format!("pnccl{f}")), "{f}");
+    }
+    assert_eq!(names.len(), 2 * FUNCTIONS.len(), "exactly the listed functions, each twice");
 }
 
 /// Every function of NCCL 2.28's host ABI that oxccl exports.
