@@ -1,0 +1,482 @@
+//! What an `ncclComm_t` names (NCCL's `struct ncclComm`, and `init.cc`'s `commReclaim` for the
+//! ranks of one process).
+//!
+//! A handle is a number, not an address: a per-process tag in the high 32 bits and a serial in
+//! the low ones (as `oxccl::CommHandle`), never reused, so a call on a destroyed or foreign
+//! handle is `InvalidArgument` saying which, never a use after free. It names a [`Slot`]:
+//!
+//! - `Pending`: an init issued inside a group, carried out at the outermost `ncclGroupEnd`
+//!   (`group.rs`); calls on it are `InvalidUsage` until then.
+//! - `Ready`: a communicator ([`Live`]).
+//! - `Failed`: an init that failed at its group's end; calls report that failure until the
+//!   handle is destroyed or aborted.
+//!
+//! **Teardown of ranks sharing a process.** oxccl's `init_rank` communicators meet at a
+//! bootstrap barrier when finalized or destroyed, so one thread cannot finalize or destroy
+//! several ranks of one communicator one after another (NCCL can: the last local rank frees
+//! them all). The ranks of one process created from the same unique id form a [`Clique`]: a
+//! rank's finalize or destroy is recorded, and carried out — each rank on a thread of its own,
+//! together — once every rank of the clique in this process has asked for its own (or was
+//! aborted); the call that completes the set returns its own rank's result, the earlier ones
+//! returned success. A deferred finalize's failure is reported by that rank's
+//! `ncclCommGetAsyncError`. Ranks of an `init_all` (`ncclCommInitAll`, or a group holding every
+//! rank of an id) have no barrier and need no clique.
+use crate::types::{ncclComm, ncclComm_t, ncclResult_t};
+use oxccl::cpu::CpuStream;
+use oxccl::{Comm, DataType, Device, Error, Result, Scalar, Stream};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
+use std::time::{Duration, Instant};
+
+/// Where a rank's work runs: its device's context, or (test hook) a CPU-target stream of its own.
+pub(crate) enum Target {
+    Cuda(Arc<oxccl::cuda::Context>),
+    Cpu(Arc<CpuStream>),
+}
+
+impl Target {
+    /// The target of a rank on `device`.
+    pub(crate) fn of(device: Device) -> Result<Target> {
+        Ok(match device {
+            Device::Cuda(o) => Target::Cuda(oxccl::cuda::Context::get(o)?),
+            Device::Cpu(_) => match device.new_stream()? {
+                Stream::Cpu(s) => Target::Cpu(s),
+                Stream::Cuda(_) => return Err(Error::Internal("a CPU-target device gave a CUDA stream".into())),
+            },
+        })
+    }
+}
+
+/// A PreMulSum operator of a communicator (`redop.rs`).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct PreMul {
+    pub(crate) dtype: DataType,
+    pub(crate) scalar: Scalar,
+}
+
+/// A communicator behind a handle.
+pub(crate) struct Live {
+    pub(crate) id: u64,
+    pub(crate) comm: Comm,
+    pub(crate) target: Target,
+    /// PreMulSum operators: operator `ncclNumOps + i` is entry `i` (`None` once destroyed).
+    pub(crate) redops: Mutex<Vec<Option<PreMul>>>,
+    /// The ranks of this process sharing this rank's teardown barrier, if any (module docs).
+    pub(crate) clique: Option<Arc<Clique>>,
+    /// Set when finalize was asked for: later collectives are refused.
+    pub(crate) finalizing: AtomicBool,
+    /// A deferred finalize's failure, for `ncclCommGetAsyncError`: (code, message).
+    pub(crate) deferred_error: Mutex<Option<(ncclResult_t, String)>>,
+}
+
+impl Live {
+    pub(crate) fn new(id: u64, comm: Comm, target: Target, clique: Option<Arc<Clique>>) -> Live {
+        Live {
+            id,
+            comm,
+            target,
+            redops: Mutex::new(Vec::new()),
+            clique,
+            finalizing: AtomicBool::new(false),
+            deferred_error: Mutex::new(None),
+        }
+    }
+
+    /// The stream of a call: the caller's `cudaStream_t` on the rank's device (NULL: the
+    /// legacy default stream), or the rank's own CPU stream (the argument is ignored there).
+    ///
+    /// # Safety
+    /// `raw` is NULL or a stream of the rank's device, valid until the work queued on it with
+    /// the returned value was launched (for sends and receives in a group: the group's end).
+    pub(crate) unsafe fn stream(&self, raw: *mut std::ffi::c_void) -> Stream {
+        match &self.target {
+            // SAFETY: the caller's contract.
+            Target::Cuda(ctx) => Stream::Cuda(unsafe { oxccl::cuda::Stream::from_raw(ctx, raw.cast()) }),
+            Target::Cpu(s) => Stream::Cpu(s.clone()),
+        }
+    }
+
+    /// `InvalidUsage` once finalize was asked for.
+    pub(crate) fn check_not_finalizing(&self) -> Result<()> {
+        if self.finalizing.load(Ordering::Acquire) {
+            return Err(Error::InvalidUsage(format!(
+                "rank {}: ncclCommFinalize was called on this communicator; only ncclCommDestroy is allowed after it",
+                self.comm.rank()
+            )));
+        }
+        Ok(())
+    }
+
+    pub(crate) fn redops(&self) -> MutexGuard<'_, Vec<Option<PreMul>>> {
+        self.redops.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// What a handle names (module docs).
+enum Slot {
+    Pending,
+    Ready(Arc<Live>),
+    Failed { code: ncclResult_t, msg: String },
+}
+
+struct Registry {
+    tag: u64,
+    next: AtomicU64,
+    slots: Mutex<HashMap<u64, Slot>>,
+}
+
+fn registry() -> &'static Registry {
+    static REG: OnceLock<Registry> = OnceLock::new();
+    REG.get_or_init(|| {
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        // Nonzero (so no handle is NULL), and different for each process with high probability.
+        let tag = ((t ^ (std::process::id() as u64).rotate_left(17)) as u32 | 1) as u64;
+        Registry {
+            tag,
+            next: AtomicU64::new(1),
+            slots: Mutex::new(HashMap::new()),
+        }
+    })
+}
+
+impl Registry {
+    fn slots(&self) -> MutexGuard<'_, HashMap<u64, Slot>> {
+        // Only inserted into and removed from: a panic elsewhere leaves it consistent.
+        self.slots.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// The `ncclComm_t` of handle `id`.
+pub(crate) fn to_comm(id: u64) -> ncclComm_t {
+    std::ptr::without_provenance_mut::<ncclComm>(id as usize)
+}
+
+fn id_of(comm: ncclComm_t) -> Result<u64> {
+    if comm.is_null() {
+        return Err(Error::InvalidArgument("comm is NULL".into()));
+    }
+    Ok(comm.addr() as u64)
+}
+
+/// `InvalidArgument` saying why `id` names nothing.
+fn dead(id: u64) -> Error {
+    let reg = registry();
+    let (tag, serial) = (id >> 32, id & 0xffff_ffff);
+    if tag == reg.tag && serial > 0 && serial < reg.next.load(Ordering::Relaxed) {
+        Error::InvalidArgument(format!(
+            "comm {id:#x} was already destroyed (a second ncclCommDestroy, or a call after ncclCommDestroy or ncclCommAbort)"
+        ))
+    } else {
+        Error::InvalidArgument(format!("comm {id:#x} is not a communicator of this process (never created here)"))
+    }
+}
+
+/// A new handle naming a pending init.
+pub(crate) fn new_pending() -> u64 {
+    let reg = registry();
+    let id = (reg.tag << 32) | (reg.next.fetch_add(1, Ordering::Relaxed) & 0xffff_ffff);
+    reg.slots().insert(id, Slot::Pending);
+    id
+}
+
+/// A new handle's number, before its communicator exists (for [`Live::id`]); [`publish`] it.
+pub(crate) fn reserve() -> u64 {
+    let reg = registry();
+    (reg.tag << 32) | (reg.next.fetch_add(1, Ordering::Relaxed) & 0xffff_ffff)
+}
+
+/// Makes handle `id` name `live` (a reserved or pending handle); joins its clique.
+pub(crate) fn publish(live: Live) {
+    let id = live.id;
+    if let Some(c) = &live.clique {
+        c.join(id);
+    }
+    registry().slots().insert(id, Slot::Ready(Arc::new(live)));
+}
+
+/// Makes pending handle `id` report the failure of its init.
+pub(crate) fn fail_pending(id: u64, e: &Error) {
+    registry().slots().insert(
+        id,
+        Slot::Failed {
+            code: e.code() as ncclResult_t,
+            msg: e.to_string(),
+        },
+    );
+}
+
+/// The state `ncclCommGetAsyncError` reports for a handle that names no communicator yet.
+pub(crate) enum NotReady {
+    Pending,
+    Failed(ncclResult_t, String),
+}
+
+/// The communicator of `comm`, or why there is none: `Err(Ok(..))` for a pending or failed
+/// init, `Err(Err(..))` for a NULL, destroyed or foreign handle.
+pub(crate) fn lookup(comm: ncclComm_t) -> std::result::Result<Arc<Live>, std::result::Result<NotReady, Error>> {
+    let id = id_of(comm).map_err(Err)?;
+    match registry().slots().get(&id) {
+        Some(Slot::Ready(l)) => Ok(l.clone()),
+        Some(Slot::Pending) => Err(Ok(NotReady::Pending)),
+        Some(Slot::Failed { code, msg }) => Err(Ok(NotReady::Failed(*code, msg.clone()))),
+        None => Err(Err(dead(id))),
+    }
+}
+
+/// The communicator of `comm`. Errors: `InvalidArgument` for a NULL, destroyed or foreign
+/// handle; `InvalidUsage` for an init still waiting for its group's end, or one that failed.
+pub(crate) fn get(comm: ncclComm_t) -> Result<Arc<Live>> {
+    lookup(comm).map_err(|e| match e {
+        Err(e) => e,
+        Ok(NotReady::Pending) => Error::InvalidUsage(format!(
+            "comm {:#x} is created at the end of the group it was initialized in (ncclGroupEnd); call ncclGroupEnd first",
+            comm.addr()
+        )),
+        Ok(NotReady::Failed(code, msg)) => Error::InvalidUsage(format!(
+            "comm {:#x}: its init failed at ncclGroupEnd ({}): {msg}; destroy or abort it",
+            comm.addr(),
+            oxccl::error_string_of(code)
+        )),
+    })
+}
+
+/// Removes handle `comm` (destroy, abort): its communicator, or `None` for an init that failed.
+/// Errors: as [`get`], and `InvalidUsage` for a pending init (kept).
+pub(crate) fn remove(comm: ncclComm_t) -> Result<Option<Arc<Live>>> {
+    let id = id_of(comm)?;
+    let mut slots = registry().slots();
+    match slots.remove(&id) {
+        Some(Slot::Ready(l)) => Ok(Some(l)),
+        Some(Slot::Failed { .. }) => Ok(None),
+        Some(Slot::Pending) => {
+            slots.insert(id, Slot::Pending);
+            Err(Error::InvalidUsage(format!(
+                "comm {id:#x} is created at the end of the group it was initialized in; call ncclGroupEnd before destroying or aborting it"
+            )))
+        }
+        None => Err(dead(id)),
+    }
+}
+
+/// How long a destroy waits for calls still running on the communicator in other threads.
+const IN_USE_WAIT: Duration = Duration::from_secs(10);
+
+/// `live` once no other thread holds it (a call in progress); `InvalidUsage` after 10 s (the
+/// last holder's drop then frees it).
+fn take(mut live: Arc<Live>) -> Result<Live> {
+    let start = Instant::now();
+    loop {
+        match Arc::try_unwrap(live) {
+            Ok(l) => return Ok(l),
+            Err(shared) if start.elapsed() < IN_USE_WAIT => {
+                live = shared;
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Err(shared) => {
+                return Err(Error::InvalidUsage(format!(
+                    "comm {:#x}: destroyed while another thread kept using it for {IN_USE_WAIT:?}; it is freed when that call returns",
+                    shared.id
+                )));
+            }
+        }
+    }
+}
+
+/// A finalize or a destroy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Teardown {
+    Finalize,
+    Destroy,
+}
+
+/// Carries out `kind` on `live` now.
+fn run(live: Arc<Live>, kind: Teardown) -> Result<()> {
+    match kind {
+        Teardown::Finalize => live.comm.finalize(),
+        Teardown::Destroy => take(live)?.comm.destroy(),
+    }
+}
+
+/// The state of one rank of a [`Clique`].
+enum Member {
+    /// Neither finalize nor destroy asked for.
+    Live,
+    /// Asked for, waiting for the others.
+    Asked(Arc<Live>, Teardown),
+    /// Being carried out.
+    Running,
+    /// Finalized: its destroy is local.
+    Finalized,
+    /// Destroyed or aborted.
+    Gone,
+}
+
+/// The ranks of this process created from one unique id by `init_rank` (module docs).
+pub(crate) struct Clique {
+    members: Mutex<Vec<(u64, Member)>>,
+}
+
+impl Clique {
+    /// The clique of unique id `id` (created on first use).
+    pub(crate) fn of(id: &[u8; 128]) -> Arc<Clique> {
+        static CLIQUES: Mutex<Vec<([u8; 128], Weak<Clique>)>> = Mutex::new(Vec::new());
+        let mut all = CLIQUES.lock().unwrap_or_else(|p| p.into_inner());
+        all.retain(|(_, w)| w.strong_count() > 0);
+        if let Some(c) = all.iter().find(|(k, _)| k == id).and_then(|(_, w)| w.upgrade()) {
+            return c;
+        }
+        let c = Arc::new(Clique {
+            members: Mutex::new(Vec::new()),
+        });
+        all.push((*id, Arc::downgrade(&c)));
+        c
+    }
+
+    fn members(&self) -> MutexGuard<'_, Vec<(u64, Member)>> {
+        self.members.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn join(&self, id: u64) {
+        self.members().push((id, Member::Live));
+    }
+
+    /// Once no rank is `Live`: every rank that asked, now `Running`.
+    fn ready_batch(members: &mut [(u64, Member)]) -> Vec<(Arc<Live>, Teardown)> {
+        if members.iter().any(|(_, m)| matches!(m, Member::Live)) {
+            return Vec::new();
+        }
+        members
+            .iter_mut()
+            .filter(|(_, m)| matches!(m, Member::Asked(..)))
+            .filter_map(|(_, m)| match std::mem::replace(m, Member::Running) {
+                Member::Asked(l, k) => Some((l, k)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Carries out `batch` together, a thread each; returns rank `mine`'s result (the others'
+    /// failures are logged, a finalize's kept for its `ncclCommGetAsyncError`).
+    fn run_batch(&self, batch: Vec<(Arc<Live>, Teardown)>, mine: Option<u64>) -> Result<()> {
+        let results: Vec<(u64, Teardown, Result<()>)> = std::thread::scope(|s| {
+            let handles: Vec<_> = batch
+                .into_iter()
+                .map(|(live, kind)| {
+                    let id = live.id;
+                    let keep = (kind == Teardown::Finalize).then(|| live.clone());
+                    let h = std::thread::Builder::new()
+                        .name("oxccl-nccl-teardown".into())
+                        .spawn_scoped(s, move || run(live, kind));
+                    (id, kind, keep, h)
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|(id, kind, keep, h)| {
+                    let r = match h {
+                        Ok(h) => h
+                            .join()
+                            .unwrap_or_else(|_| Err(Error::Internal("a teardown thread panicked".into()))),
+                        Err(e) => Err(Error::System(format!("cannot start a teardown thread: {e}"))),
+                    };
+                    if let (Some(live), Err(e)) = (&keep, &r)
+                        && Some(id) != mine
+                    {
+                        *live.deferred_error.lock().unwrap_or_else(|p| p.into_inner()) =
+                            Some((e.code() as ncclResult_t, format!("deferred ncclCommFinalize: {e}")));
+                    }
+                    (id, kind, r)
+                })
+                .collect()
+        });
+        let mut members = self.members();
+        let mut own = Ok(());
+        for (id, kind, r) in results {
+            if let Some((_, m)) = members.iter_mut().find(|(i, _)| *i == id) {
+                *m = match kind {
+                    Teardown::Finalize => Member::Finalized,
+                    Teardown::Destroy => Member::Gone,
+                };
+            }
+            if Some(id) == mine {
+                own = r;
+            } else if let Err(e) = r {
+                tracing::warn!(target: "oxccl::nccl", "deferred {kind:?} of comm {id:#x}: {e}");
+            }
+        }
+        own
+    }
+
+    /// Marks rank `id` gone (aborted), and carries out what the others asked for if it was the
+    /// last one they waited for.
+    pub(crate) fn gone(&self, id: u64) {
+        let batch = {
+            let mut m = self.members();
+            if let Some((_, s)) = m.iter_mut().find(|(i, _)| *i == id) {
+                *s = Member::Gone;
+            }
+            Self::ready_batch(&mut m)
+        };
+        if !batch.is_empty() {
+            let _ = self.run_batch(batch, None);
+        }
+    }
+}
+
+/// Finalizes or destroys `live` (a destroyed one was removed from the registry already): at
+/// once, or as its clique allows (module docs).
+pub(crate) fn teardown(live: Arc<Live>, kind: Teardown) -> Result<()> {
+    if kind == Teardown::Finalize {
+        live.finalizing.store(true, Ordering::Release);
+    }
+    let Some(clique) = live.clique.clone() else {
+        return run(live, kind);
+    };
+    let id = live.id;
+    let batch = {
+        let mut members = clique.members();
+        let Some(i) = members.iter().position(|(m, _)| *m == id) else {
+            drop(members);
+            return run(live, kind);
+        };
+        match (&members[i].1, kind) {
+            (Member::Finalized, Teardown::Finalize) => return Ok(()),
+            (Member::Finalized, Teardown::Destroy) => {
+                members[i].1 = Member::Gone;
+                drop(members);
+                return run(live, kind);
+            }
+            (Member::Asked(_, Teardown::Finalize), Teardown::Finalize) => return Ok(()),
+            (Member::Live | Member::Asked(..), _) => members[i].1 = Member::Asked(live, kind),
+            (Member::Running, _) | (Member::Gone, _) => {
+                return Err(Error::InvalidUsage(format!(
+                    "comm {id:#x}: {kind:?} while its finalize or destroy is being carried out"
+                )));
+            }
+        }
+        Clique::ready_batch(&mut members)
+    };
+    if batch.is_empty() {
+        tracing::debug!(
+            target: "oxccl::nccl",
+            "comm {id:#x}: {kind:?} deferred until the other ranks of this process ask for theirs"
+        );
+        return Ok(());
+    }
+    clique.run_batch(batch, Some(id))
+}
+
+/// Aborts `live` (removed from the registry already) and frees it; the other ranks of its clique
+/// stop waiting for it.
+pub(crate) fn abort(live: Arc<Live>) -> Result<()> {
+    let r = live.comm.abort();
+    if let Some(c) = live.clique.clone() {
+        c.gone(live.id);
+    }
+    // Freed here, or by the last call still using it in another thread.
+    let freed = take(live).map(drop);
+    r.and(freed)
+}

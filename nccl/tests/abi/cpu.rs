@@ -1,0 +1,336 @@
+//! The C ABI end to end on oxccl's CPU target (`OXCCL_NCCL_TARGET=cpu`: ranks on host threads,
+//! buffers in host memory, each rank's work on a stream of its own; `ncclCommFinalize` waits for
+//! it): every collective with exact results, grouped inits, ranks created in threads and torn
+//! down from one thread, a C rank meeting a Rust rank, `ncclCommInitAll`, abort.
+use crate::common::*;
+use std::ffi::c_int;
+use std::ptr::null_mut;
+use std::time::{Duration, Instant};
+
+/// `n` ranks of one id, initialized inside one group by this thread; checks the pending
+/// handles before the group's end.
+fn group_init(n: usize) -> Vec<Comm> {
+    let api = nccl();
+    let id = unique_id();
+    let mut comms = vec![null_mut(); n];
+    let mut x: c_int = 0;
+    // SAFETY: writable handles; the pending ones are only queried.
+    unsafe {
+        expect((api.group_start)(), SUCCESS, &[]);
+        for (r, c) in comms.iter_mut().enumerate() {
+            expect((api.init_rank)(c, n as c_int, id, r as c_int), SUCCESS, &[]);
+            assert!(!c.is_null(), "the handle is handed out inside the group");
+        }
+        expect((api.count)(comms[0], &mut x), INVALID_USAGE, &["ncclCommCount", "ncclGroupEnd"]);
+        expect((api.get_async_error)(comms[0], &mut x), SUCCESS, &[]);
+        assert_eq!(x, IN_PROGRESS);
+        expect((api.group_end)(), SUCCESS, &[]);
+    }
+    comms
+}
+
+fn finalize(c: Comm) {
+    // SAFETY: a live handle.
+    expect(unsafe { (nccl().finalize)(c) }, SUCCESS, &[]);
+}
+
+fn seq(n: usize, f: impl Fn(usize) -> f32) -> Vec<f32> {
+    (0..n).map(f).collect()
+}
+
+#[test]
+fn a_grouped_init_runs_every_collective_exactly() {
+    let api = nccl();
+    let comms = group_init(2);
+    let (c0, c1) = (comms[0], comms[1]);
+    let ranks = [0usize, 1];
+    let null = std::ptr::null::<std::ffi::c_void>();
+    // Inputs and outputs per rank (host memory: the CPU target's device memory).
+    let ar_send: Vec<Vec<f32>> = ranks.iter().map(|&r| seq(8, |i| ((r + 1) * i) as f32)).collect();
+    let mut ar_recv = vec![vec![-1f32; 8]; 2];
+    let mut ar_inplace: Vec<Vec<f32>> = ranks.iter().map(|&r| seq(8, |i| (r + i) as f32)).collect();
+    let bc_send = seq(8, |i| (100 + i) as f32);
+    let mut bc_recv = vec![vec![-1f32; 8]; 2];
+    let mut bcast: Vec<Vec<f32>> = vec![seq(8, |i| (7 * i) as f32), vec![-1.0; 8]];
+    let red_send: Vec<Vec<f32>> = vec![seq(8, |i| i as f32), seq(8, |i| (8 - i) as f32)];
+    let mut red_recv = vec![-1f32; 8];
+    let ag_send: Vec<Vec<f32>> = ranks.iter().map(|&r| seq(4, |i| (10 * r + i) as f32)).collect();
+    let mut ag_recv = vec![vec![-1f32; 8]; 2];
+    let rs_send: Vec<Vec<f32>> = ranks.iter().map(|&r| seq(8, |j| (r + j) as f32)).collect();
+    let mut rs_recv = vec![vec![-1f32; 4]; 2];
+    let p2p_send: Vec<Vec<f32>> = ranks.iter().map(|&r| seq(4, |i| (1000 * (r + 1) + i) as f32)).collect();
+    let mut p2p_recv = vec![vec![-1f32; 4]; 2];
+    let a2a_send: Vec<Vec<f32>> = ranks.iter().map(|&r| seq(8, |j| (100 * r + 10 * (j / 4) + j % 4) as f32)).collect();
+    let mut a2a_recv = vec![vec![-1f32; 8]; 2];
+    let ga_send: Vec<Vec<f32>> = ranks.iter().map(|&r| seq(4, |i| (50 * r + i) as f32)).collect();
+    let mut ga_recv = vec![-1f32; 8];
+    let sc_send = seq(8, |j| (60 + j) as f32);
+    let mut sc_recv = vec![vec![-1f32; 4]; 2];
+    let pm_send: Vec<Vec<f32>> = ranks.iter().map(|&r| seq(8, |i| (i + r) as f32)).collect();
+    let mut pm_recv = vec![vec![-1f32; 8]; 2];
+    let f8_send: Vec<Vec<u8>> = ranks.iter().map(|&r| (0..4).map(|i| (16 * r + i) as u8).collect()).collect();
+    let mut f8_recv = vec![vec![0u8; 8]; 2];
+    let mut ops = [0 as c_int; 2];
+    // SAFETY (every call): host buffers of the sizes each call needs, alive until the
+    // communicators are finalized below; NULL streams (ignored on the CPU target).
+    unsafe {
+        for r in 0..2 {
+            let c = comms[r];
+            expect((api.all_reduce)(ptr(&ar_send[r]), mptr(&mut ar_recv[r]), 8, FLOAT, SUM, c, null_mut()), SUCCESS, &[]);
+        }
+        for r in 0..2 {
+            let p = mptr(&mut ar_inplace[r]);
+            expect((api.all_reduce)(p, p, 8, FLOAT, SUM, comms[r], null_mut()), SUCCESS, &[]);
+        }
+        for r in 0..2 {
+            let send = if r == 1 { ptr(&bc_send) } else { null };
+            expect((api.broadcast)(send, mptr(&mut bc_recv[r]), 8, FLOAT, 1, comms[r], null_mut()), SUCCESS, &[]);
+        }
+        for r in 0..2 {
+            expect((api.bcast)(mptr(&mut bcast[r]), 8, FLOAT, 0, comms[r], null_mut()), SUCCESS, &[]);
+        }
+        expect((api.reduce)(ptr(&red_send[0]), mptr(&mut red_recv), 8, FLOAT, MAX, 0, c0, null_mut()), SUCCESS, &[]);
+        expect((api.reduce)(ptr(&red_send[1]), null_mut(), 8, FLOAT, MAX, 0, c1, null_mut()), SUCCESS, &[]);
+        for r in 0..2 {
+            expect((api.all_gather)(ptr(&ag_send[r]), mptr(&mut ag_recv[r]), 4, FLOAT, comms[r], null_mut()), SUCCESS, &[]);
+        }
+        for r in 0..2 {
+            let (s, d) = (ptr(&rs_send[r]), mptr(&mut rs_recv[r]));
+            expect((api.reduce_scatter)(s, d, 4, FLOAT, SUM, comms[r], null_mut()), SUCCESS, &[]);
+        }
+        expect((api.group_start)(), SUCCESS, &[]);
+        for r in 0..2 {
+            let peer = 1 - r as c_int;
+            expect((api.send)(ptr(&p2p_send[r]), 4, FLOAT, peer, comms[r], null_mut()), SUCCESS, &[]);
+            expect((api.recv)(mptr(&mut p2p_recv[r]), 4, FLOAT, peer, comms[r], null_mut()), SUCCESS, &[]);
+        }
+        expect((api.group_end)(), SUCCESS, &[]);
+        for r in 0..2 {
+            expect((api.all_to_all)(ptr(&a2a_send[r]), mptr(&mut a2a_recv[r]), 4, FLOAT, comms[r], null_mut()), SUCCESS, &[]);
+        }
+        expect((api.gather)(ptr(&ga_send[0]), null_mut(), 4, FLOAT, 1, c0, null_mut()), SUCCESS, &[]);
+        expect((api.gather)(ptr(&ga_send[1]), mptr(&mut ga_recv), 4, FLOAT, 1, c1, null_mut()), SUCCESS, &[]);
+        expect((api.scatter)(ptr(&sc_send), mptr(&mut sc_recv[0]), 4, FLOAT, 0, c0, null_mut()), SUCCESS, &[]);
+        expect((api.scatter)(null, mptr(&mut sc_recv[1]), 4, FLOAT, 0, c1, null_mut()), SUCCESS, &[]);
+        for r in 0..2 {
+            let mut scalar = (r + 2) as f32;
+            expect((api.redop_create)(&mut ops[r], (&raw mut scalar).cast(), FLOAT, 1, comms[r]), SUCCESS, &[]);
+            assert!(ops[r] >= 5, "PreMulSum operators follow the built-in ones: {}", ops[r]);
+        }
+        for r in 0..2 {
+            let (s, d) = (ptr(&pm_send[r]), mptr(&mut pm_recv[r]));
+            expect((api.all_reduce)(s, d, 8, FLOAT, ops[r], comms[r], null_mut()), SUCCESS, &[]);
+        }
+        // The operator may be destroyed once the calls using it have returned.
+        for r in 0..2 {
+            expect((api.redop_destroy)(ops[r], comms[r]), SUCCESS, &[]);
+        }
+        let (s, d) = (ptr(&pm_send[0]), mptr(&mut pm_recv[0]));
+        expect((api.all_reduce)(s, d, 8, FLOAT, ops[0], c0, null_mut()), INVALID_ARGUMENT, &["PreMulSum", "not destroyed"]);
+        expect((api.redop_destroy)(SUM, c0), INVALID_ARGUMENT, &["built-in"]);
+        // 8-bit floats move but do not reduce.
+        let (s, d) = (ptr(&f8_send[0]), mptr(&mut f8_recv[0]));
+        expect((api.all_reduce)(s, d, 4, FLOAT8E4M3, SUM, c0, null_mut()), INVALID_USAGE, &["8-bit floats"]);
+        for r in 0..2 {
+            let (s, d) = (ptr(&f8_send[r]), mptr(&mut f8_recv[r]));
+            expect((api.all_gather)(s, d, 4, FLOAT8E4M3, comms[r], null_mut()), SUCCESS, &[]);
+        }
+        expect((api.all_reduce)(s, d, 4, 12, SUM, c0, null_mut()), INVALID_ARGUMENT, &["datatype 12"]);
+        expect((api.all_reduce)(s, d, 4, INT8, 99, c0, null_mut()), INVALID_ARGUMENT, &["op 99"]);
+        expect((api.broadcast)(s, d, 4, INT8, -1, c0, null_mut()), INVALID_ARGUMENT, &["root is -1"]);
+        expect((api.broadcast)(s, d, 4, INT8, 2, c0, null_mut()), INVALID_ARGUMENT, &["root 2"]);
+        let mut x: c_int = -1;
+        for r in 0..2 {
+            expect((api.count)(comms[r], &mut x), SUCCESS, &[]);
+            assert_eq!(x, 2);
+            expect((api.user_rank)(comms[r], &mut x), SUCCESS, &[]);
+            assert_eq!(x, r as c_int);
+            expect((api.get_async_error)(comms[r], &mut x), SUCCESS, &[]);
+            assert_eq!(x, SUCCESS);
+        }
+        expect((api.cu_device)(c0, &mut x), INVALID_USAGE, &["ncclCommCuDevice", "CPU-target"]);
+    }
+    for &c in &comms {
+        finalize(c);
+    }
+    for r in 0..2 {
+        assert_eq!(ar_recv[r], seq(8, |i| (3 * i) as f32), "AllReduce, rank {r}");
+        assert_eq!(ar_inplace[r], seq(8, |i| (1 + 2 * i) as f32), "in-place AllReduce, rank {r}");
+        assert_eq!(bc_recv[r], bc_send, "Broadcast, rank {r}");
+        assert_eq!(bcast[r], seq(8, |i| (7 * i) as f32), "Bcast, rank {r}");
+        assert_eq!(ag_recv[r], [0., 1., 2., 3., 10., 11., 12., 13.], "AllGather, rank {r}");
+        assert_eq!(rs_recv[r], seq(4, |i| (1 + 2 * (4 * r + i)) as f32), "ReduceScatter, rank {r}");
+        assert_eq!(p2p_recv[r], p2p_send[1 - r], "Send/Recv, rank {r}");
+        assert_eq!(a2a_recv[r], seq(8, |j| (100 * (j / 4) + 10 * r + j % 4) as f32), "AlltoAll, rank {r}");
+        assert_eq!(sc_recv[r], seq(4, |i| (60 + 4 * r + i) as f32), "Scatter, rank {r}");
+        assert_eq!(pm_recv[r], seq(8, |i| (5 * i + 3) as f32), "PreMulSum AllReduce, rank {r}");
+        assert_eq!(f8_recv[r], [0, 1, 2, 3, 16, 17, 18, 19], "8-bit float AllGather, rank {r}");
+    }
+    assert_eq!(red_recv, seq(8, |i| i.max(8 - i) as f32), "Reduce (max) on the root");
+    assert_eq!(ga_recv, [0., 1., 2., 3., 50., 51., 52., 53.], "Gather on the root");
+    let mut buf = [0f32; 4];
+    // SAFETY: a finalized handle, refused before any buffer is used.
+    unsafe {
+        let p = mptr(&mut buf);
+        expect((api.all_reduce)(p, p, 4, FLOAT, SUM, c0, null_mut()), INVALID_USAGE, &["ncclCommFinalize"]);
+    }
+    for c in comms {
+        destroy(c);
+    }
+}
+
+/// Ranks created by a thread each, then used and torn down from one thread: each rank's
+/// finalize or destroy waits for the others of this process (as NCCL's), instead of blocking
+/// at the teardown barrier.
+#[test]
+fn ranks_from_threads_are_torn_down_from_one_thread() {
+    let api = nccl();
+    for finalize_first in [true, false] {
+        let id = unique_id();
+        let comms: Vec<Comm> = (0..2)
+            .map(|r| {
+                std::thread::spawn(move || {
+                    let mut c: Comm = null_mut();
+                    // SAFETY: a writable handle.
+                    expect(unsafe { (nccl().init_rank)(&mut c, 2, id, r) }, SUCCESS, &[]);
+                    Handle::of(c)
+                })
+            })
+            .collect::<Vec<_>>()
+            .into_iter()
+            .map(|h| h.join().unwrap().comm())
+            .collect();
+        let send: Vec<Vec<f32>> = (0..2).map(|r| seq(16, |i| (i * (r + 1)) as f32)).collect();
+        let mut recv = vec![vec![0f32; 16]; 2];
+        // SAFETY: host buffers alive until the teardown below.
+        unsafe {
+            for r in 0..2 {
+                expect((api.all_reduce)(ptr(&send[r]), mptr(&mut recv[r]), 16, FLOAT, SUM, comms[r], null_mut()), SUCCESS, &[]);
+            }
+        }
+        let start = Instant::now();
+        if finalize_first {
+            finalize(comms[0]);
+            finalize(comms[1]);
+        }
+        destroy(comms[0]);
+        destroy(comms[1]);
+        assert!(start.elapsed() < Duration::from_secs(20), "teardown took {:?}", start.elapsed());
+        for r in 0..2 {
+            assert_eq!(recv[r], seq(16, |i| (3 * i) as f32), "rank {r} (finalize first: {finalize_first})");
+        }
+    }
+}
+
+/// A group holding some ranks of an id inits them through the bootstrap, meeting a rank
+/// created outside any group in another thread.
+#[test]
+fn a_group_with_some_of_the_ranks_meets_the_others() {
+    let id = unique_id();
+    let grouped = std::thread::spawn(move || {
+        let api = nccl();
+        let mut c: Comm = null_mut();
+        // SAFETY: a writable handle.
+        unsafe {
+            expect((api.group_start)(), SUCCESS, &[]);
+            expect((api.init_rank)(&mut c, 2, id, 0), SUCCESS, &[]);
+            expect((api.group_end)(), SUCCESS, &[]);
+        }
+        Handle::of(c)
+    });
+    let alone = std::thread::spawn(move || {
+        let mut c: Comm = null_mut();
+        // SAFETY: a writable handle.
+        expect(unsafe { (nccl().init_rank)(&mut c, 2, id, 1) }, SUCCESS, &[]);
+        Handle::of(c)
+    });
+    let comms = [grouped.join().unwrap().comm(), alone.join().unwrap().comm()];
+    let mut bufs: Vec<Vec<i32>> = (0..2).map(|r| vec![r as i32 + 1; 5]).collect();
+    // SAFETY: host buffers alive until finalize.
+    unsafe {
+        for r in 0..2 {
+            let p = mptr(&mut bufs[r]);
+            expect((nccl().all_reduce)(p, p, 5, INT32, SUM, comms[r], null_mut()), SUCCESS, &[]);
+        }
+    }
+    finalize(comms[0]);
+    finalize(comms[1]);
+    assert_eq!(bufs, [[3; 5], [3; 5]]);
+    destroy(comms[1]);
+    destroy(comms[0]);
+}
+
+/// A rank created through the C ABI and one through oxccl's Rust API meet with the C unique id.
+#[test]
+fn a_c_rank_and_a_rust_rank_share_a_communicator() {
+    let id = unique_id();
+    let rust = std::thread::spawn(move || {
+        let uid = oxccl::bootstrap::UniqueId::from_bytes(&id.internal).unwrap();
+        let comm = oxccl::Comm::init_rank(2, &uid, 1, oxccl::Device::Cpu(1)).unwrap();
+        let stream = oxccl::Device::Cpu(1).new_stream().unwrap();
+        let buf = vec![10f32; 6];
+        // SAFETY: a host buffer alive until the stream is synchronized.
+        unsafe {
+            let p = buf.as_ptr() as u64;
+            comm.all_reduce_raw(p, p, 6, oxccl::DataType::F32, oxccl::RedOp::Sum, &stream).unwrap();
+        }
+        stream.synchronize().unwrap();
+        comm.destroy().unwrap();
+        buf
+    });
+    let c = {
+        let mut c: Comm = null_mut();
+        // SAFETY: a writable handle.
+        expect(unsafe { (nccl().init_rank)(&mut c, 2, id, 0) }, SUCCESS, &[]);
+        c
+    };
+    let mut buf = vec![1f32; 6];
+    // SAFETY: a host buffer alive until finalize.
+    unsafe {
+        let p = mptr(&mut buf);
+        expect((nccl().all_reduce)(p, p, 6, FLOAT, SUM, c, null_mut()), SUCCESS, &[]);
+    }
+    finalize(c);
+    destroy(c);
+    assert_eq!(buf, [11.0; 6]);
+    assert_eq!(rust.join().unwrap(), [11.0; 6]);
+}
+
+#[test]
+fn init_all_and_abort() {
+    let api = nccl();
+    let mut comms = [null_mut(); 3];
+    // SAFETY: writable handles; devlist NULL.
+    unsafe {
+        expect((api.init_all)(comms.as_mut_ptr(), -1, std::ptr::null()), INVALID_ARGUMENT, &["ndev is -1"]);
+        expect((api.init_all)(comms.as_mut_ptr(), 3, std::ptr::null()), SUCCESS, &[]);
+    }
+    let mut bufs: Vec<Vec<i32>> = (0..3).map(|r| vec![1 << r; 3]).collect();
+    // SAFETY: host buffers alive until finalize.
+    unsafe {
+        for r in 0..3 {
+            let p = mptr(&mut bufs[r]);
+            expect((api.all_reduce)(p, p, 3, INT32, SUM, comms[r], null_mut()), SUCCESS, &[]);
+        }
+    }
+    for &c in &comms {
+        finalize(c);
+    }
+    assert_eq!(bufs, [[7; 3], [7; 3], [7; 3]]);
+    for c in comms {
+        destroy(c);
+    }
+    // Abort: the rank is freed, the others learn of it.
+    let mut comms = [null_mut(); 2];
+    let devs = [0 as c_int, 1];
+    let mut e: c_int = -1;
+    // SAFETY: writable handles and a devlist of two.
+    unsafe {
+        expect((api.init_all)(comms.as_mut_ptr(), 2, devs.as_ptr()), SUCCESS, &[]);
+        expect((api.abort)(comms[0]), SUCCESS, &[]);
+        expect((api.count)(comms[0], &mut e), INVALID_ARGUMENT, &["already destroyed"]);
+        expect((api.get_async_error)(comms[1], &mut e), SUCCESS, &[]);
+        assert_eq!(e, 6, "the other rank sees ncclRemoteError: {}", last_error());
+        expect((api.abort)(comms[1]), SUCCESS, &[]);
+    }
+}
