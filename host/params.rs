@@ -77,8 +77,9 @@ pub struct Params {
     pub flight_recorder_dump: Option<String>,
     /// Channels (thread blocks, each with its own connection to the peer) a send or receive to
     /// one peer uses (`NCCL_NCHANNELS_PER_PEER` / `OXCCL_NCHANNELS_PER_PEER`, 1 to
-    /// [`MAX_P2P_NCHANNELS_PER_PEER`]); `None` = the backend's default (2 on GPUs, 1 on the CPU
-    /// target). Each is one more connection per peer, set up at init.
+    /// [`MAX_P2P_NCHANNELS_PER_PEER`]); `None` = the backend's default (on GPUs 8 channels split
+    /// over the peers: 8 for 2 ranks, 4 for 3, 2 for 4 or 5, then 1; 1 on the CPU target). Each is
+    /// one more connection per peer, set up at init.
     pub p2p_nchannels_per_peer: Option<u32>,
 }
 

@@ -232,7 +232,9 @@ impl Comm {
         // Point-to-point: `per_peer` peer channels for each distance to another rank, after the
         // ring channels (`PeerChannels`); the connection memory holds them after the most ring
         // channels a call could use.
-        let per_peer = params.p2p_nchannels_per_peer.unwrap_or(if is_cuda { 2 } else { 1 });
+        let per_peer = params
+            .p2p_nchannels_per_peer
+            .unwrap_or(if is_cuda { default_per_peer(nranks) } else { 1 });
         let layout = ConnLayout::new(&params, nch + per_peer * (nranks as u32 - 1));
         let _span = tracing::debug_span!(target: "oxccl::init", "init_rank", rank, nranks, nch).entered();
         // Names after the id (or the process group) and the creating process: unique among live
@@ -952,6 +954,16 @@ impl InitPhases {
 
 
 /// A short tag of a unique id, so segment names of different communicators never collide.
+/// Channels per peer of a GPU communicator of `nranks` ranks when `NCCL_NCHANNELS_PER_PEER` is
+/// unset: 8 peer channels in all, split over the peers (a power of two, at least 1 per peer), as
+/// NCCL spreads its point-to-point channels over the peers. Measured on one H200 shared by 2
+/// ranks (docs/benchmarks.md): a 128 MiB send/recv moves 80, 156 and 275 GB/s over 2, 4 and 8
+/// channels, each ≈ 5.5 MiB of connection memory per rank.
+fn default_per_peer(nranks: usize) -> u32 {
+    let per = (8 / nranks.saturating_sub(1).max(1)).max(1) as u32;
+    1 << (31 - per.leading_zeros())
+}
+
 pub(super) fn id_tag(id: &crate::bootstrap::UniqueId) -> u64 {
     crate::hash::fnv1a_64(&id.to_bytes()) & 0xffff_ffff
 }
@@ -984,5 +996,16 @@ fn local_tag() -> u64 {
 fn device_index(device: Device) -> usize {
     match device {
         Device::Cuda(o) | Device::Cpu(o) => o,
+    }
+}
+
+#[cfg(test)]
+mod per_peer_tests {
+    use super::default_per_peer;
+
+    #[test]
+    fn gpu_peer_channels_are_eight_split_over_the_peers() {
+        let got: Vec<u32> = [1usize, 2, 3, 4, 5, 6, 9, 64].iter().map(|&n| default_per_peer(n)).collect();
+        assert_eq!(got, [8, 8, 4, 2, 2, 1, 1, 1]);
     }
 }

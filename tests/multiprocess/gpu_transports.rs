@@ -511,13 +511,13 @@ fn too_small_dev_shm_names_bytes_and_path_gpu_shm() {
     if skip_without_gpus(test) {
         return;
     }
-    // CUDA through SHM, 4 ring channels and 2 peer channels (2 per peer on GPUs, 1 peer):
-    // 6 × 5,767,424 = 34,604,544 bytes (a whole number of pages).
+    // CUDA through SHM, 4 ring channels and 8 peer channels (8 per peer for 2 GPU ranks):
+    // 12 × 5,767,424 = 69,209,088 bytes (a whole number of pages).
     if let Some(out) = run_pair_with_tiny_dev_shm(
         test,
         false,
         &[("NCCL_P2P_DISABLE", "1"), ("NCCL_MAX_NCHANNELS", "4")],
     ) {
-        assert_too_small(test, &out, conn_bytes(6));
+        assert_too_small(test, &out, conn_bytes(12));
     }
 }
