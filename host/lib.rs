@@ -91,7 +91,7 @@ pub mod topo;
 pub mod transport;
 pub mod tuning;
 
-pub use comm::{Choice, Comm};
+pub use comm::{Choice, Comm, SPLIT_NOCOLOR};
 pub use error::{Error, Result, ResultCode, error_string, error_string_of};
 pub use group::{group, group_end, group_start};
 pub use handle::CommHandle;

@@ -12,6 +12,7 @@
 //! | `channel.rs` | channels, connection layout, the communicator block | `channel.cc` |
 //! | `rank_trees.rs` | the trees of `init_rank` communicators spanning hosts | `connectTrees` |
 //! | `collectives.rs` | the public calls and their argument checks | `collectives.cc`, `argcheck.cc` |
+//! | `split.rs` | [`Comm::split`]: colour and key, a new communicator per colour | `init.cc` (`ncclCommSplit`) |
 //! | `send_recv.rs` | send and receive: checks, works over the peer channels, launch | `collectives.cc`, `enqueue.cc` |
 //! | `enqueue.rs` | plan and launch of one call | `enqueue.cc` |
 //! | `abort.rs` | abort, async errors, finalize, destroy, teardown order | `init.cc` |
@@ -58,6 +59,8 @@ mod init;
 mod peer_info;
 mod rank_trees;
 mod send_recv;
+mod split;
+pub use split::SPLIT_NOCOLOR;
 pub(crate) use send_recv::P2pTarget;
 mod test_hooks;
 mod timeout;

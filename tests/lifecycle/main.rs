@@ -12,6 +12,7 @@ mod abort;
 mod buffers;
 mod cycles;
 mod init;
+mod split;
 mod teardown;
 mod timeout;
 

@@ -1,0 +1,79 @@
+//! `Comm::split` (NCCL's `ncclCommSplit`), CPU target: the ranks of one colour form a new
+//! communicator ordered by key (ties by parent rank) that runs collectives and sends exactly; a
+//! rank with `SPLIT_NOCOLOR` gets none; a split communicator splits again; a bad colour fails on
+//! every rank naming it; parent and children are dropped in either order.
+use crate::common;
+
+use oxccl::{Comm, DataType, Device, Error, SPLIT_NOCOLOR};
+
+/// Splits `parent` (every rank on a thread of its own) with `color(r)` / `key(r)`; the new
+/// communicators by parent rank.
+fn split_all(parent: &[Comm], color: impl Fn(usize) -> i32 + Sync, key: impl Fn(usize) -> i32 + Sync) -> Vec<Option<Comm>> {
+    common::on_threads(parent.len(), |r| parent[r].split(color(r), key(r)).unwrap_or_else(|e| panic!("rank {r}: {e}")))
+}
+
+#[test]
+fn ranks_of_one_colour_form_a_communicator_ordered_by_key() {
+    let parent = common::init_all(&Device::cpus(5)).unwrap();
+    // Colours: even ranks 0, odd ranks 1, rank 4 none. Keys reverse the order in colour 0, and
+    // tie in colour 1 (parent rank decides).
+    let kids = split_all(&parent, |r| if r == 4 { SPLIT_NOCOLOR } else { (r % 2) as i32 }, |r| if r % 2 == 0 { -(r as i32) } else { 7 });
+    assert!(kids[4].is_none(), "NOCOLOR gets no communicator");
+    let want = [(0usize, 1usize, 2usize), (1, 0, 2), (2, 0, 2), (3, 1, 2)];
+    for (r, (c, rank, n)) in want.iter().enumerate() {
+        let k = kids[r].as_ref().unwrap_or_else(|| panic!("rank {r}: no communicator"));
+        assert_eq!((k.rank(), k.nranks(), k.device()), (*rank, *n, Device::Cpu(r)), "parent rank {r} (colour {c})");
+    }
+    // Each new communicator runs collectives (exact AllReduce) and sends, by its own ranks.
+    let mut kids: Vec<Option<Comm>> = kids;
+    for colour in [0usize, 1] {
+        let mut group: Vec<Comm> = (0..4).filter(|r| r % 2 == colour).map(|r| kids[r].take().unwrap()).collect();
+        group.sort_by_key(Comm::rank);
+        common::all_reduce_f32(&group, 1025, false);
+        let streams = common::streams(&group);
+        let bufs: Vec<_> = group.iter().map(|c| c.device().alloc(64).unwrap()).collect();
+        bufs[0].write(0, &[colour as u8 + 1; 64]).unwrap();
+        oxccl::group(|| {
+            group[0].send(&bufs[0], 64, DataType::U8, 1, &streams[0]).unwrap();
+            group[1].recv(&bufs[1], 64, DataType::U8, 0, &streams[1]).unwrap();
+        })
+        .unwrap();
+        common::sync_all(&streams, "send in the split communicator");
+        assert_eq!(bufs[1].to_vec().unwrap(), vec![colour as u8 + 1; 64]);
+        // A split communicator splits again (every rank alone), and outlives its parent.
+        let singles = split_all(&group, |r| r as i32, |_| 0);
+        drop_on_threads(group);
+        for s in singles.iter().map(|s| s.as_ref().unwrap()) {
+            assert_eq!((s.rank(), s.nranks()), (0, 1));
+            let (stream, b) = (s.device().new_stream().unwrap(), s.device().alloc(68).unwrap());
+            b.write(0, &[3; 68]).unwrap();
+            s.all_reduce(&b, &b, 17, DataType::F32, oxccl::RedOp::Sum, &stream).unwrap();
+            stream.synchronize().unwrap();
+            assert_eq!(b.to_vec().unwrap(), vec![3; 68], "one rank: the input");
+        }
+    }
+    drop(parent);
+}
+
+/// Drops the ranks of an `init_rank` communicator on a thread each (they meet at a teardown
+/// barrier, so one thread dropping them in turn would wait for itself).
+fn drop_on_threads(comms: Vec<Comm>) {
+    std::thread::scope(|s| {
+        for c in comms {
+            s.spawn(move || drop(c));
+        }
+    });
+}
+
+#[test]
+fn a_bad_colour_fails_the_split_on_every_rank_naming_it() {
+    let parent = common::init_all(&Device::cpus(3)).unwrap();
+    let errs = common::on_threads(3, |r| parent[r].split(if r == 1 { -5 } else { 0 }, 0).err());
+    for (r, e) in errs.iter().enumerate() {
+        let e = e.as_ref().unwrap_or_else(|| panic!("rank {r}: the split succeeded"));
+        assert!(matches!(e, Error::InvalidArgument(_)), "rank {r}: {e:?}");
+        assert!(e.to_string().contains("color -5 of rank 1 is invalid"), "rank {r}: {e}");
+    }
+    // The parent is unharmed.
+    common::all_reduce_f32(&parent, 33, false);
+}
