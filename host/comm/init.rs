@@ -863,6 +863,7 @@ impl Comm {
             params,
             selection,
             nchannels: nch,
+            comm_tag: tag,
             peer_channels: peer_ch,
             p2p_module,
             p2p_status,

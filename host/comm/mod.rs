@@ -90,6 +90,8 @@ pub struct Comm {
     params: Params,
     selection: Selection,
     nchannels: u32,
+    /// The communicator's id ([`Comm::comm_id`]).
+    comm_tag: u64,
     /// The peer channels of point-to-point work, after the ring channels.
     peer_channels: PeerChannels,
     /// The point-to-point kernel, loaded at init (a load while a peer's kernel spins could
@@ -234,6 +236,13 @@ struct InitRankRes {
 
 impl Comm {
     /// This communicator's rank.
+    /// The communicator's id: the same on every rank of it, different for every communicator
+    /// (a hash of its unique id, or of its `init_all` group; NCCL's `commHash`). Names the
+    /// communicator in logs, flight-recorder dumps and `/dev/shm` names.
+    pub fn comm_id(&self) -> u64 {
+        self.comm_tag
+    }
+
     pub fn rank(&self) -> usize {
         self.rank
     }

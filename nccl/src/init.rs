@@ -330,8 +330,11 @@ nccl_api! {
         Err(Error::InvalidUsage("ncclCommRevoke is not supported yet by oxccl; use ncclCommAbort".into()))
     }
 
-    /// Not supported yet: `ncclInvalidUsage` (`*newcomm` is NULL). Create the new communicator
-    /// with `ncclGetUniqueId` and `ncclCommInitRank` instead.
+    /// Splits `comm` (oxccl's `Comm::split`): every rank of it calls this, from a thread of its
+    /// own (a split inside a group is not supported yet: `ncclInvalidUsage`); the ranks of one
+    /// `color` form `*newcomm`, ordered by `key`; `NCCL_SPLIT_NOCOLOR` gives NULL. `config` may
+    /// be NULL; it is read and checked as for `ncclCommInitRankConfig`. The new communicator is
+    /// on the same device as `comm` and independent of it.
     fn ncclCommSplit / pncclCommSplit(
         comm: ncclComm_t,
         color: c_int,
@@ -342,11 +345,29 @@ nccl_api! {
         non_null("newcomm", newcomm)?;
         // SAFETY: non-NULL; NCCL's contract.
         unsafe { newcomm.write(std::ptr::null_mut()) };
-        handles::get(comm)?;
-        let _ = (color, key, config);
-        Err(Error::InvalidUsage(
-            "ncclCommSplit is not supported yet by oxccl; create the new communicator with ncclGetUniqueId and ncclCommInitRank".into(),
-        ))
+        let live = handles::get(comm)?;
+        // SAFETY: the caller's contract.
+        let _config = unsafe { read_config(config) }?;
+        if oxccl::group::group_depth() > 0 {
+            return Err(Error::InvalidUsage(
+                "ncclCommSplit inside a group is not supported yet by oxccl; call it outside the group, from a thread per rank".into(),
+            ));
+        }
+        let _keep = KeepCurrent::new();
+        let Some(child) = live.comm.split(color, key)? else {
+            return Ok(());
+        };
+        let target = Target::of(child.device())?;
+        // The ranks of the new communicator in this process tear down together (as the ranks
+        // of one unique id do): its id, the same on all of them, keys the clique.
+        let mut key_bytes = [0u8; 128];
+        key_bytes[..8].copy_from_slice(&child.comm_id().to_le_bytes());
+        key_bytes[8..16].copy_from_slice(b"oxsplit\0");
+        let handle = handles::reserve();
+        handles::publish(Live::new(handle, child, target, Some(Clique::of(&key_bytes))));
+        // SAFETY: non-NULL (checked above).
+        unsafe { newcomm.write(handles::to_comm(handle)) };
+        Ok(())
     }
 
     /// Not supported yet: `ncclInvalidUsage` (`*newcomm` is NULL).

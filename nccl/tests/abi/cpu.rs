@@ -1,7 +1,7 @@
 //! The C ABI end to end on oxccl's CPU target (`OXCCL_NCCL_TARGET=cpu`: ranks on host threads,
 //! buffers in host memory, each rank's work on a stream of its own; `ncclCommFinalize` waits for
 //! it): every collective with exact results, grouped inits, ranks created in threads and torn
-//! down from one thread, a C rank meeting a Rust rank, `ncclCommInitAll`, abort.
+//! down from one thread, a C rank meeting a Rust rank, `ncclCommInitAll`, abort, `ncclCommSplit`.
 use crate::common::*;
 use std::ffi::c_int;
 use std::ptr::null_mut;
@@ -332,5 +332,66 @@ fn init_all_and_abort() {
         expect((api.get_async_error)(comms[1], &mut e), SUCCESS, &[]);
         assert_eq!(e, 6, "the other rank sees ncclRemoteError: {}", last_error());
         expect((api.abort)(comms[1]), SUCCESS, &[]);
+    }
+}
+
+/// `ncclCommSplit` from a thread per rank: even ranks and odd ranks form two communicators
+/// ordered by descending key; `NCCL_SPLIT_NOCOLOR` gives NULL; the new communicators reduce
+/// exactly and are torn down from one thread, before their parent.
+#[test]
+fn split_by_colour_and_key() {
+    let api = nccl();
+    let parents = group_init(5);
+    let handles: Vec<Handle> = parents.iter().map(|&c| Handle::of(c)).collect();
+    let kids: Vec<Handle> = handles
+        .iter()
+        .enumerate()
+        .map(|(r, &h)| {
+            std::thread::spawn(move || {
+                let mut out: Comm = std::ptr::without_provenance_mut(0xdead);
+                let color = if r == 4 { -1 } else { (r % 2) as c_int };
+                // SAFETY: a live handle and a writable output.
+                expect(unsafe { (nccl().split)(h.comm(), color, -(r as c_int), &mut out, null_mut()) }, SUCCESS, &[]);
+                Handle::of(out)
+            })
+        })
+        .collect::<Vec<_>>()
+        .into_iter()
+        .map(|t| t.join().unwrap())
+        .collect();
+    assert!(kids[4].comm().is_null(), "NOCOLOR: NULL");
+    let (mut rank, mut count): (c_int, c_int) = (0, 0);
+    for (r, want) in [(0, 1), (1, 1), (2, 0), (3, 0)] {
+        // SAFETY: live handles and writable ints.
+        unsafe {
+            expect((api.user_rank)(kids[r].comm(), &mut rank), SUCCESS, &[]);
+            expect((api.count)(kids[r].comm(), &mut count), SUCCESS, &[]);
+        }
+        assert_eq!((rank, count), (want, 2), "parent rank {r}");
+    }
+    let send: Vec<Vec<f32>> = (0..4).map(|r| seq(16, |i| (i * (r + 1)) as f32)).collect();
+    let mut recv = vec![vec![0f32; 16]; 4];
+    // SAFETY: host buffers alive until the teardown below.
+    unsafe {
+        for r in 0..4 {
+            expect((api.all_reduce)(ptr(&send[r]), mptr(&mut recv[r]), 16, FLOAT, SUM, kids[r].comm(), null_mut()), SUCCESS, &[]);
+        }
+    }
+    for k in &kids[..4] {
+        finalize(k.comm());
+    }
+    for k in &kids[..4] {
+        destroy(k.comm());
+    }
+    for r in 0..4 {
+        // Even ranks 0 and 2 sum (1 + 3) i; odd ranks 1 and 3 sum (2 + 4) i.
+        let f = if r % 2 == 0 { 4 } else { 6 };
+        assert_eq!(recv[r], seq(16, |i| (f * i) as f32), "parent rank {r}");
+    }
+    for &c in &parents {
+        finalize(c);
+    }
+    for &c in &parents {
+        destroy(c);
     }
 }
