@@ -5,7 +5,7 @@
  * header run on oxccl and programs built against this header run on NCCL 2.28.
  *
  * What oxccl does differently is said next to each declaration; in short:
- *  - ncclCommSplit, ncclCommShrink, ncclCommWindowRegister/Deregister, ncclGroupSimulateEnd,
+ *  - ncclCommSplit inside a group, ncclCommShrink, ncclCommWindowRegister/Deregister, ncclGroupSimulateEnd,
  *    ncclRedOpCreatePreMulSum with ncclScalarDevice and the device API's host calls
  *    (ncclDevCommCreate, ...) return ncclInvalidUsage ("not supported yet", see ncclGetLastError).
  *  - Non-blocking communicators (config.blocking = 0) are accepted and behave as blocking ones:
