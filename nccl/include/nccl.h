@@ -196,7 +196,8 @@ ncclResult_t pncclCommDestroy(ncclComm_t comm);
 ncclResult_t  ncclCommAbort(ncclComm_t comm);
 ncclResult_t pncclCommAbort(ncclComm_t comm);
 
-/* Not supported yet: ncclInvalidUsage. */
+/* Every rank calls it from a thread of its own; inside a group: ncclInvalidUsage (not supported
+ * yet). NCCL_SPLIT_NOCOLOR gives *newcomm = NULL. */
 ncclResult_t  ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* newcomm, ncclConfig_t* config);
 ncclResult_t pncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* newcomm, ncclConfig_t* config);
 ncclResult_t  ncclCommShrink(ncclComm_t comm, int* excludeRanksList, int excludeRanksCount,
