@@ -8,8 +8,10 @@
  *  - ncclCommSplit inside a group, ncclCommShrink, ncclCommWindowRegister/Deregister, ncclGroupSimulateEnd,
  *    ncclRedOpCreatePreMulSum with ncclScalarDevice and the device API's host calls
  *    (ncclDevCommCreate, ...) return ncclInvalidUsage ("not supported yet", see ncclGetLastError).
- *  - Non-blocking communicators (config.blocking = 0) are accepted and behave as blocking ones:
- *    every call returns once its work is done or queued, never ncclInProgress.
+ *  - Non-blocking communicators (config.blocking = 0): ncclCommInitRankConfig and
+ *    ncclCommInitRankScalable return ncclInProgress and the init completes in the background
+ *    (poll ncclCommGetAsyncError); the communicator's calls return once their work is queued,
+ *    never ncclInProgress.
  *  - A call that made no progress for OXCCL_TIMEOUT seconds fails with 8 (NCCL 2.30's
  *    ncclTimeout; ncclGetErrorString(8) says "operation timed out").
  *

@@ -33,8 +33,8 @@ pub(crate) fn device_for(rank: usize) -> Result<Device> {
 /// What oxccl takes from an `ncclConfig_t`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Config {
-    /// `blocking` (1 when undefined). 0 is accepted and behaves as 1: oxccl's calls return once
-    /// their work is done or queued, never `ncclInProgress`.
+    /// `blocking` (1 when undefined). 0: the init returns `ncclInProgress` and completes in the
+    /// background; the calls still return once their work is queued, never `ncclInProgress`.
     pub(crate) blocking: bool,
 }
 
@@ -118,7 +118,7 @@ pub(crate) unsafe fn read_config(config: *const ncclConfig_t) -> Result<Config> 
     if !blocking {
         tracing::debug!(
             target: "oxccl::nccl",
-            "config->blocking = 0 accepted: oxccl's calls return once done or queued (never ncclInProgress)"
+            "config->blocking = 0: the init completes in the background (ncclInProgress); calls return once queued"
         );
     }
     Ok(Config { blocking })
@@ -155,27 +155,62 @@ unsafe fn init_rank_config(
     id: &ncclUniqueId,
     rank: c_int,
     config: *const ncclConfig_t,
-) -> Result<()> {
+) -> Result<bool> {
     non_null("comm", comm)?;
     // SAFETY: non-NULL, and NCCL's contract: a writable ncclComm_t.
     unsafe { comm.write(std::ptr::null_mut()) };
     // SAFETY: the caller's contract.
-    let _config = unsafe { read_config(config) }?;
+    let config = unsafe { read_config(config) }?;
     let (nranks, rank) = check_ranks(nranks, rank)?;
     let bytes = id.bytes();
     UniqueId::from_bytes(&bytes)?;
     let _keep = KeepCurrent::new();
     let device = device_for(rank)?;
-    let handle = if oxccl::group::group_depth() > 0 {
+    let (handle, in_progress) = if oxccl::group::group_depth() > 0 {
         let handle = handles::new_pending();
         crate::group::defer_init(handle, nranks, rank, bytes, device);
-        handle
+        (handle, !config.blocking)
+    } else if !config.blocking {
+        (init_rank_in_background(nranks, bytes, rank, device)?, true)
     } else {
-        init_rank_now(nranks, bytes, rank, device)?
+        (init_rank_now(nranks, bytes, rank, device)?, false)
     };
     // SAFETY: as above.
     unsafe { comm.write(handles::to_comm(handle)) };
-    Ok(())
+    Ok(in_progress)
+}
+
+/// A non-blocking init (`config->blocking = 0`, NCCL's `ncclInProgress` path): the handle at
+/// once, pending until a thread of its own has run [`init_rank_now`]'s work (its
+/// `ncclCommGetAsyncError` says `ncclInProgress` meanwhile, then `ncclSuccess` or the init's
+/// error).
+fn init_rank_in_background(nranks: usize, id: [u8; 128], rank: usize, device: Device) -> Result<u64> {
+    let handle = handles::new_pending();
+    std::thread::Builder::new()
+        .name(format!("oxccl-init-r{rank}"))
+        .spawn(move || {
+            let made = UniqueId::from_bytes(&id).and_then(|uid| {
+                let target = Target::of(device)?;
+                Ok((Comm::init_rank(nranks, &uid, rank, device)?, target))
+            });
+            match made {
+                Ok((comm, target)) => handles::publish(Live::new(handle, comm, target, Some(Clique::of(&id)))),
+                Err(e) => handles::fail_pending(handle, &e),
+            }
+        })
+        .map_err(|e| Error::System(format!("cannot start the thread of a non-blocking init: {e}")))?;
+    Ok(handle)
+}
+
+/// The result code of an init that `init_rank_config` ran as `f`: `ncclInProgress` when it
+/// completes in the background (a non-blocking config), else `ncclSuccess` or the error.
+fn init_code(name: &str, f: impl FnOnce() -> Result<bool>) -> ncclResult_t {
+    let mut in_progress = false;
+    let code = crate::errors::call(name, || {
+        in_progress = f()?;
+        Ok(())
+    });
+    if code == ncclSuccess && in_progress { ncclInProgress } else { code }
 }
 
 nccl_api! {
@@ -206,25 +241,27 @@ nccl_api! {
         comm_id: ncclUniqueId,
         rank: c_int,
     ) {
-        // SAFETY: the caller's contract; no config.
-        unsafe { init_rank_config(comm, nranks, &comm_id, rank, std::ptr::null()) }
+        // SAFETY: the caller's contract; no config (blocking).
+        unsafe { init_rank_config(comm, nranks, &comm_id, rank, std::ptr::null()) }.map(|_| ())
     }
 
-    /// Rank `rank` of `nranks` on the current CUDA device. Outside a group it returns once
-    /// every rank has joined; inside one, `*comm` is set at once and the communicator created
-    /// at the outermost `ncclGroupEnd` (`group.rs`). `config` may be NULL; it is read and
-    /// checked as NCCL does ([`read_config`]); `blocking = 0` is accepted and behaves as a
-    /// blocking communicator (the calls return `ncclSuccess` once done, never
-    /// `ncclInProgress`). On failure `*comm` is NULL.
+    /// Rank `rank` of `nranks` on the current CUDA device. Outside a group a blocking config
+    /// (NULL, or `blocking` = 1) returns once every rank has joined; a non-blocking one
+    /// (`blocking = 0`) returns `ncclInProgress` with `*comm` set at once, the init running on
+    /// a thread of its own until `ncclCommGetAsyncError(*comm)` says `ncclSuccess` (or the
+    /// init's error). Inside a group `*comm` is set at once and the communicator created at the
+    /// outermost `ncclGroupEnd` (`group.rs`; `ncclInProgress` for a non-blocking config). The
+    /// config is read and checked as NCCL does ([`read_config`]). The calls of a communicator
+    /// return once their work is queued, never `ncclInProgress`. On failure `*comm` is NULL.
     fn ncclCommInitRankConfig / pncclCommInitRankConfig(
         comm: *mut ncclComm_t,
         nranks: c_int,
         comm_id: ncclUniqueId,
         rank: c_int,
         config: *mut ncclConfig_t,
-    ) {
+    ) -> ncclResult_t [panic: ncclInternalError] {
         // SAFETY: the caller's contract.
-        unsafe { init_rank_config(comm, nranks, &comm_id, rank, config) }
+        init_code("ncclCommInitRankConfig", || unsafe { init_rank_config(comm, nranks, &comm_id, rank, config) })
     }
 
     /// As `ncclCommInitRankConfig` with the first of the `n_id` ids (every rank passes the same
@@ -236,18 +273,20 @@ nccl_api! {
         n_id: c_int,
         comm_ids: *mut ncclUniqueId,
         config: *mut ncclConfig_t,
-    ) {
-        non_null("newcomm", newcomm)?;
-        // SAFETY: non-NULL; NCCL's contract.
-        unsafe { newcomm.write(std::ptr::null_mut()) };
-        non_null("commIds", comm_ids)?;
-        if n_id < 1 || n_id > nranks.max(1) {
-            return Err(Error::InvalidArgument(format!("nId is {n_id}; it must be in 1..=nranks ({nranks})")));
-        }
-        // SAFETY: non-NULL; NCCL's contract: `n_id` ids, and `n_id` ≥ 1.
-        let id = unsafe { comm_ids.read_unaligned() };
-        // SAFETY: the caller's contract.
-        unsafe { init_rank_config(newcomm, nranks, &id, myrank, config) }
+    ) -> ncclResult_t [panic: ncclInternalError] {
+        init_code("ncclCommInitRankScalable", || {
+            non_null("newcomm", newcomm)?;
+            // SAFETY: non-NULL; NCCL's contract.
+            unsafe { newcomm.write(std::ptr::null_mut()) };
+            non_null("commIds", comm_ids)?;
+            if n_id < 1 || n_id > nranks.max(1) {
+                return Err(Error::InvalidArgument(format!("nId is {n_id}; it must be in 1..=nranks ({nranks})")));
+            }
+            // SAFETY: non-NULL; NCCL's contract: `n_id` ids, and `n_id` ≥ 1.
+            let id = unsafe { comm_ids.read_unaligned() };
+            // SAFETY: the caller's contract.
+            unsafe { init_rank_config(newcomm, nranks, &id, myrank, config) }
+        })
     }
 
     /// One communicator of `ndev` ranks in this process, rank `i` on `devlist[i]` (devices

@@ -1,6 +1,6 @@
 //! `ncclCommInitRankConfig`'s config, read as NCCL reads it: `size` bytes copied (at most 80), the
-//! magic checked, fields newer than `version` reset, each value checked; `blocking = 0`
-//! accepted (and behaving as blocking).
+//! magic checked, fields newer than `version` reset, each value checked; `blocking = 0`: the
+//! init returns `ncclInProgress` and completes in the background.
 use crate::common::*;
 use std::ffi::c_int;
 use std::ptr::null_mut;
@@ -32,11 +32,53 @@ fn default_and_null_configs_are_accepted() {
     expect(init_with(Some(&mut Config::initializer())), SUCCESS, &[]);
 }
 
+/// Two ranks with `blocking = 0`, from one thread (a blocking init would wait for the other
+/// rank forever): each init returns `ncclInProgress` with its handle set; polling
+/// `ncclCommGetAsyncError` sees `ncclInProgress` until both are up, then `ncclSuccess`; the
+/// communicator then reduces exactly.
 #[test]
-fn non_blocking_is_accepted_and_blocks() {
-    let mut c = Config::initializer();
-    c.blocking = 0;
-    expect(init_with(Some(&mut c)), SUCCESS, &[]);
+fn non_blocking_inits_complete_in_the_background() {
+    let n = nccl();
+    let id = unique_id();
+    let mut cfg = Config::initializer();
+    cfg.blocking = 0;
+    let mut comms: Vec<Comm> = vec![std::ptr::without_provenance_mut(0xdead); 2];
+    for (r, c) in comms.iter_mut().enumerate() {
+        // SAFETY: a writable handle and a valid config.
+        expect(unsafe { (n.init_rank_config)(c, 2, id, r as c_int, &mut cfg) }, IN_PROGRESS, &[]);
+        assert!(!c.is_null(), "rank {r}: the handle is set at once");
+    }
+    let start = std::time::Instant::now();
+    for (r, &c) in comms.iter().enumerate() {
+        loop {
+            let mut e: c_int = -1;
+            // SAFETY: a live (pending) handle.
+            expect(unsafe { (n.get_async_error)(c, &mut e) }, SUCCESS, &[]);
+            if e == SUCCESS {
+                break;
+            }
+            assert_eq!(e, IN_PROGRESS, "rank {r}");
+            assert!(start.elapsed() < std::time::Duration::from_secs(60), "rank {r}: still in progress");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+    }
+    let send: Vec<Vec<f32>> = (0..2).map(|r| (0..8).map(|i| (i * (r + 1)) as f32).collect()).collect();
+    let mut recv = vec![vec![0f32; 8]; 2];
+    // SAFETY: host buffers (CPU target) alive until the finalize below.
+    unsafe {
+        for r in 0..2 {
+            expect((n.all_reduce)(ptr(&send[r]), mptr(&mut recv[r]), 8, FLOAT, SUM, comms[r], null_mut()), SUCCESS, &[]);
+        }
+        for &c in &comms {
+            expect((n.finalize)(c), SUCCESS, &[]);
+        }
+    }
+    for &c in &comms {
+        destroy(c);
+    }
+    for r in 0..2 {
+        assert_eq!(recv[r], (0..8).map(|i| (3 * i) as f32).collect::<Vec<_>>(), "rank {r}");
+    }
 }
 
 #[test]
