@@ -4,8 +4,9 @@
 //!
 //! C01 covers every collective that exists with count 0: AllReduce (also with NULL pointers
 //! through the raw call), Broadcast, Reduce (every root, with and without the optional buffers
-//! of non-roots), AllGather, ReduceScatter; grouped Send/Recv with count 0 comes when Send/Recv
-//! exist. C03 covers avg, sum and max (PreMulSum on one rank: the `premulsum` tests). The
+//! of non-roots), AllGather, ReduceScatter, and Send/Recv with count 0 and NULL buffers inside
+//! a group on both sides (every rank sends to and receives from every rank, itself included;
+//! the kind of each call is what it was called as, never inferred from a NULL pointer). C03 covers avg, sum and max (PreMulSum on one rank: the `premulsum` tests). The
 //! matrices and C08 are AllReduce only. C05: in-place offsets and refused overlaps; C25: rooted
 //! collectives with the buffers non-roots may omit, NULL root buffers, roots out of range. C07
 //! (PreMulSum's scalar width) is in the `premulsum` tests.
@@ -163,6 +164,23 @@ fn c01_zero_count(devices: &[Device]) {
             }
             sync_all(&streams, &format!("C01 {dtype} {op} (NULL)"));
         }
+        // Send/Recv of 0 elements with NULL buffers, in one group with every peer (one thread
+        // issues every rank's calls, as one process driving its ranks does).
+        oxccl::group(|| {
+            for (r, c) in comms.iter().enumerate() {
+                for peer in 0..n {
+                    // SAFETY: zero bytes are accessed through the null pointers.
+                    unsafe {
+                        c.recv_raw(0, 0, dtype, peer, &streams[r])
+                            .unwrap_or_else(|e| panic!("C01 nranks={n} {dtype} recv count=0 NULL from {peer}: rank {r}: {e}"));
+                        c.send_raw(0, 0, dtype, peer, &streams[r])
+                            .unwrap_or_else(|e| panic!("C01 nranks={n} {dtype} send count=0 NULL to {peer}: rank {r}: {e}"));
+                    }
+                }
+            }
+        })
+        .unwrap_or_else(|e| panic!("C01 nranks={n} {dtype}: the group of count-0 sends and receives: {e}"));
+        sync_all(&streams, &format!("C01 {dtype} send/recv (NULL)"));
     }
     for (r, b) in bufs.iter().enumerate() {
         assert_eq!(
