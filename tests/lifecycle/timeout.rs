@@ -253,16 +253,18 @@ fn sigusr1_dumps_every_rank() {
 fn unmatched_send_and_recv(devices: &[Device]) {
     let comms = init(devices, "1");
     let streams = common::streams(&comms);
-    let bytes = 8 << 20;
+    // More than every peer channel's FIFO holds together (a send that fits completes without
+    // its receive, as in NCCL): up to 8 channels of 4 MiB.
+    let bytes = 64 << 20;
     let bufs: Vec<_> = comms.iter().map(|c| c.device().alloc(bytes).unwrap()).collect();
     let t = Instant::now();
-    // Rank 0 sends 8 MiB to rank 1 (more than a connection's FIFO holds); rank 1 never receives.
+    // Rank 0 sends 64 MiB to rank 1; rank 1 never receives.
     // Rank 2 (when there is one) receives from rank 0, which never sends to it.
     comms[0].send(&bufs[0], bytes, DataType::U8, 1, &streams[0]).unwrap();
     if comms.len() > 2 {
         comms[2].recv(&bufs[2], bytes, DataType::U8, 0, &streams[2]).unwrap();
     }
-    for (r, want) in [(0, "send of 8388608 bytes to rank 1"), (2, "receive of 8388608 bytes from rank 0")] {
+    for (r, want) in [(0, "send of 67108864 bytes to rank 1"), (2, "receive of 67108864 bytes from rank 0")] {
         if r >= comms.len() {
             continue;
         }
