@@ -303,8 +303,10 @@ fn unmatched_sends_and_receives_time_out_naming_their_peers_gpu() {
 #[test]
 fn a_slow_exchange_that_progresses_does_not_time_out() {
     let env = Env::clean(&["TIMEOUT", "BUFFSIZE"]);
-    // 2 KiB FIFO slots: 16,384 steps per 32 MiB, each moving the counters.
-    env.set(&[("OXCCL_TIMEOUT", "0.3"), ("NCCL_BUFFSIZE", "16384")]);
+    // 2 KiB FIFO slots: 16,384 steps per 32 MiB, each moving the counters (about 2.7 s on the
+    // 2-core machine, well past the 1 s limit; a limit shorter than a busy machine's longest
+    // pause would make the test flaky).
+    env.set(&[("OXCCL_TIMEOUT", "1"), ("NCCL_BUFFSIZE", "16384")]);
     let comms = Comm::init_all(&Device::cpus(2)).unwrap();
     drop(env);
     let streams = common::streams(&comms);
