@@ -361,7 +361,8 @@ impl Comm {
 }
 
 /// The calls NCCL 2.28 builds from grouped sends and receives (`ncclAlltoAll`, `ncclGather`,
-/// `ncclScatter`), and their variable-size forms, which NCCL leaves to its users.
+/// `ncclScatter`), and the variable-size forms NCCL leaves to its users (`reduce_scatter_v` from
+/// rooted Reduces).
 impl Comm {
     /// Every rank sends block `p` of `send` (`count` elements of `dtype`, at element `p × count`)
     /// to rank `p`, and receives rank `p`'s block into block `p` of `recv` (NCCL's
@@ -506,6 +507,48 @@ impl Comm {
         })
     }
 
+    /// ReduceScatter with per-rank sizes (beyond NCCL; MPI's `Reduce_scatter`): the elements
+    /// `displs[p] .. displs[p] + counts[p]` of every rank's `send` are reduced (`op`) into rank
+    /// `p`'s `recv` (which holds at least `counts[p]` elements). Every rank passes the same
+    /// `counts` and `displs`. Runs as one Reduce per rank, rooted at it, so it moves each slice
+    /// once around the ring (NCCL's ring ReduceScatter moves `(n − 1) / n` of the data per rank;
+    /// this moves all of it). `recv` must not overlap the slices of `send` other ranks reduce.
+    #[allow(clippy::too_many_arguments)]
+    pub fn reduce_scatter_v<'a>(
+        &self,
+        send: impl Into<DevSlice<'a>>,
+        recv: impl Into<DevSlice<'a>>,
+        counts: &[usize],
+        displs: &[usize],
+        dtype: DataType,
+        op: impl Into<crate::redop::ReduceOp<'a>>,
+        stream: &Stream,
+    ) -> Result<()> {
+        let (s, r) = (send.into(), recv.into());
+        let op = op.into();
+        let sends = self.slices("sendbuff", &s, counts, displs, dtype)?;
+        self.check_p2p_buffer("recvbuff", &r, counts[self.rank], dtype)?;
+        for (p, &(addr, bytes)) in sends.iter().enumerate() {
+            let out = (p == self.rank).then(|| r.addr());
+            if let Some(o) = out
+                && bytes > 0
+                && o != addr
+                && o < addr + bytes
+                && addr < o + bytes
+            {
+                return Err(Error::invalid(format!(
+                    "rank {}: recvbuff of reduce_scatter_v partly overlaps its own slice of sendbuff (in place means recvbuff == sendbuff + displs[rank] elements)",
+                    self.rank
+                )));
+            }
+            // SAFETY: the slice was checked against `send`, the output against `recv`.
+            unsafe {
+                self.collective_raw(Func::Reduce, addr, out.unwrap_or(0), counts[p], dtype, op, p, stream)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Runs `f`'s calls as one group (nested in the caller's group, if any); the first error of
     /// `f` or of the group's end.
     fn grouped(&self, f: impl FnOnce() -> Result<()>) -> Result<()> {
@@ -527,7 +570,7 @@ impl Comm {
 
     /// The addresses and byte sizes of the slices `counts[p]` elements from element `displs[p]`
     /// of `buf`, one per rank, each checked to lie in `buf`.
-    fn slices(&self, name: &str, buf: &DevSlice<'_>, counts: &[usize], displs: &[usize], dtype: DataType) -> Result<Vec<(u64, u64)>> {
+    pub(super) fn slices(&self, name: &str, buf: &DevSlice<'_>, counts: &[usize], displs: &[usize], dtype: DataType) -> Result<Vec<(u64, u64)>> {
         let n = self.nranks;
         if counts.len() != n || displs.len() != n {
             return Err(Error::invalid(format!(

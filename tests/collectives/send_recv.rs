@@ -494,3 +494,41 @@ fn gpu_send_recv_of_more_than_2_pow_31_elements() {
     assert_eq!(wrong, 0, "{wrong} of {count} bytes wrong");
     assert!(comms[1].get_async_error().is_ok());
 }
+
+/// `reduce_scatter_v`: rank `p` gets the sum over ranks of everyone's slice `p` (slices of
+/// different sizes, one empty), out of place and in place (its own slice of its input), 1 to 4
+/// ranks; guards intact.
+#[test]
+fn reduce_scatter_v_sums_each_ranks_slice() {
+    let _env = Env::clean(VARS);
+    for n in 1..=4usize {
+        let comms = common::init_all(&Device::cpus(n)).unwrap();
+        let counts: Vec<usize> = (0..n).map(|p| if p == 1 { 0 } else { 1000 * p + 7 }).collect();
+        let displs: Vec<usize> = (0..n).map(|p| counts[..p].iter().sum()).collect();
+        let total: usize = counts.iter().sum();
+        let f32s = |v: &[f32]| v.iter().flat_map(|x| x.to_ne_bytes()).collect::<Vec<u8>>();
+        for in_place in [false, true] {
+            common::on_threads(n, |r| {
+                let c = &comms[r];
+                let dev = c.device();
+                let input: Vec<f32> = (0..total).map(|k| ((r + 1) * (k % 1000 + 1)) as f32).collect();
+                let s = guarded(dev, total * 4, 22, Some(&f32s(&input)));
+                let d = guarded(dev, counts[r] * 4, 23, None);
+                let stream = dev.new_stream().unwrap();
+                let out = if in_place { s.slice(FRONT + displs[r] * 4, counts[r] * 4).unwrap() } else { d.slice(FRONT, counts[r] * 4).unwrap() };
+                c.reduce_scatter_v(s.slice(FRONT, total * 4).unwrap(), out, &counts, &displs, DataType::F32, oxccl::RedOp::Sum, &stream)
+                    .unwrap();
+                stream.synchronize().unwrap();
+                let sum = (n * (n + 1) / 2) as f32;
+                let want: Vec<f32> = (0..counts[r]).map(|i| sum * (((displs[r] + i) % 1000) + 1) as f32).collect();
+                if in_place {
+                    let mut all = input.clone();
+                    all[displs[r]..displs[r] + counts[r]].copy_from_slice(&want);
+                    check(&s, total * 4, 22, &f32s(&all), &format!("reduce_scatter_v in place, rank {r} of {n}"));
+                } else {
+                    check(&d, counts[r] * 4, 23, &f32s(&want), &format!("reduce_scatter_v, rank {r} of {n}"));
+                }
+            });
+        }
+    }
+}
