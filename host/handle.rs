@@ -24,19 +24,25 @@ struct Registry {
     live: Mutex<HashMap<u64, Arc<Comm>>>,
 }
 
-fn registry() -> &'static Registry {
-    static REG: OnceLock<Registry> = OnceLock::new();
-    REG.get_or_init(|| {
+/// This process's handle tag: nonzero (so no handle is NULL), the same for the whole process,
+/// and different for each process with high probability. Handles carry it in their high 32 bits,
+/// so a handle of another process (or a stale integer) is recognized as foreign.
+pub fn process_tag() -> u64 {
+    static TAG: OnceLock<u64> = OnceLock::new();
+    *TAG.get_or_init(|| {
         let t = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64);
-        // Nonzero, and different for each process with high probability.
-        let tag = ((t ^ (std::process::id() as u64).rotate_left(17)) as u32 | 1) as u64;
-        Registry {
-            tag,
-            next: AtomicU64::new(1),
-            live: Mutex::new(HashMap::new()),
-        }
+        ((t ^ (std::process::id() as u64).rotate_left(17)) as u32 | 1) as u64
+    })
+}
+
+fn registry() -> &'static Registry {
+    static REG: OnceLock<Registry> = OnceLock::new();
+    REG.get_or_init(|| Registry {
+        tag: process_tag(),
+        next: AtomicU64::new(1),
+        live: Mutex::new(HashMap::new()),
     })
 }
 

@@ -52,11 +52,6 @@ impl StatusMem {
     }
 }
 
-// SAFETY: the status record is plain memory shared with the kernels through atomics/volatiles.
-unsafe impl Send for StatusMem {}
-// SAFETY: as above.
-unsafe impl Sync for StatusMem {}
-
 /// What a queued send or receive needs of its communicator when its group ends: the launch
 /// resources, shared (`Arc`) so the call does not borrow the communicator.
 #[derive(Clone)]

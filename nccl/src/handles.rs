@@ -128,17 +128,11 @@ struct Registry {
 
 fn registry() -> &'static Registry {
     static REG: OnceLock<Registry> = OnceLock::new();
-    REG.get_or_init(|| {
-        let t = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos() as u64);
-        // Nonzero (so no handle is NULL), and different for each process with high probability.
-        let tag = ((t ^ (std::process::id() as u64).rotate_left(17)) as u32 | 1) as u64;
-        Registry {
-            tag,
-            next: AtomicU64::new(1),
-            slots: Mutex::new(HashMap::new()),
-        }
+    REG.get_or_init(|| Registry {
+        // Handles of the Rust `CommHandle` registry carry the same tag; the serials differ.
+        tag: oxccl::handle::process_tag(),
+        next: AtomicU64::new(1),
+        slots: Mutex::new(HashMap::new()),
     })
 }
 
