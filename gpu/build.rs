@@ -24,7 +24,7 @@
 use std::fmt::Write as _;
 
 /// (ABI variant, NCCL name, Rust type, short name).
-const DTYPES: [(&str, &str, &str, &str); 10] = [
+const DTYPES: [(&str, &str, &str, &str); 12] = [
     ("I8", "int8", "i8", "i8"),
     ("U8", "uint8", "u8", "u8"),
     ("I32", "int32", "i32", "i32"),
@@ -35,6 +35,8 @@ const DTYPES: [(&str, &str, &str, &str); 10] = [
     ("F32", "float", "f32", "f32"),
     ("F64", "double", "f64", "f64"),
     ("Bf16", "bfloat16", "bf16", "bf16"),
+    ("F8E4M3", "f8e4m3", "F8E4M3", "e4m3"),
+    ("F8E5M2", "f8e5m2", "F8E5M2", "e5m2"),
 ];
 /// (`KernelOp` variant, name, operator type, the call operators the entry runs).
 const OPS: [(&str, &str, &str, &[&str]); 2] = [

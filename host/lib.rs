@@ -98,6 +98,7 @@ pub use handle::CommHandle;
 pub use mem::{DevSlice, Device, DeviceBuffer, Stream};
 pub use oxccl_gpu::abi::{Algo, DataType, DevRedOp, Func, Proto, RedOp, kernel_name, kernel_name_for};
 pub use redop::{ReduceOp, Scalar};
+pub use oxccl_gpu::fp8::{F8E4M3, F8E5M2};
 
 /// The embedded kernels: `PTX_MODULES` lists (kernel entry point, deflated PTX module) pairs, one
 /// module per entry point, split by build.rs from the PTX built from `gpu/` (empty when built with

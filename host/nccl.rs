@@ -105,6 +105,8 @@ fn dtype(d: DataType) -> sys::ncclDataType_t {
         DataType::F32 => T::ncclFloat32,
         DataType::F64 => T::ncclFloat64,
         DataType::Bf16 => T::ncclBfloat16,
+        DataType::F8E4M3 => T::ncclFloat8e4m3,
+        DataType::F8E5M2 => T::ncclFloat8e5m2,
     }
 }
 

@@ -12,6 +12,7 @@
 use crate::mem::DevSlice;
 use half::{bf16, f16};
 use oxccl_gpu::abi::{DataType, DevRedOp, RedOp};
+use oxccl_gpu::fp8::{F8E4M3, F8E5M2};
 
 /// One value of one of the element types: a host-immediate PreMulSum scalar.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -26,6 +27,8 @@ pub enum Scalar {
     F32(f32),
     F64(f64),
     Bf16(bf16),
+    F8E4M3(F8E4M3),
+    F8E5M2(F8E5M2),
 }
 
 impl Scalar {
@@ -42,6 +45,8 @@ impl Scalar {
             Scalar::F32(_) => DataType::F32,
             Scalar::F64(_) => DataType::F64,
             Scalar::Bf16(_) => DataType::Bf16,
+            Scalar::F8E4M3(_) => DataType::F8E4M3,
+            Scalar::F8E5M2(_) => DataType::F8E5M2,
         }
     }
 
@@ -58,6 +63,8 @@ impl Scalar {
             Scalar::F32(v) => v.to_bits() as u64,
             Scalar::F64(v) => v.to_bits(),
             Scalar::Bf16(v) => v.to_bits() as u64,
+            Scalar::F8E4M3(v) => v.0 as u64,
+            Scalar::F8E5M2(v) => v.0 as u64,
         }
     }
 
@@ -75,6 +82,8 @@ impl Scalar {
             DataType::F32 => Scalar::F32(x as f32),
             DataType::F64 => Scalar::F64(x),
             DataType::Bf16 => Scalar::Bf16(bf16::from_f64(x)),
+            DataType::F8E4M3 => Scalar::F8E4M3(F8E4M3::from_f64(x)),
+            DataType::F8E5M2 => Scalar::F8E5M2(F8E5M2::from_f64(x)),
         }
     }
 }
@@ -89,7 +98,7 @@ macro_rules! scalar_from {
     )*};
 }
 scalar_from!(i8 => I8, u8 => U8, i32 => I32, u32 => U32, i64 => I64, u64 => U64, f16 => F16,
-    f32 => F32, f64 => F64, bf16 => Bf16);
+    f32 => F32, f64 => F64, bf16 => Bf16, F8E4M3 => F8E4M3, F8E5M2 => F8E5M2);
 
 /// The reduction operator of a call. Every built-in [`RedOp`] converts into it, so
 /// `comm.all_reduce(.., RedOp::Sum, ..)` reads as before.
@@ -155,6 +164,8 @@ mod tests {
             Scalar::Bf16(bf16::from_f32(0.25))
         );
         assert_eq!(Scalar::from_f64(3.9, DataType::I32), Scalar::I32(3));
+        assert_eq!(Scalar::from_f64(0.5, DataType::F8E4M3).to_bits(), 0x30);
+        assert_eq!(Scalar::from_f64(0.5, DataType::F8E5M2).to_bits(), 0x38);
         for &d in DataType::ALL {
             assert_eq!(Scalar::from_f64(1.0, d).dtype(), d);
         }

@@ -8,8 +8,8 @@
 //! (an outlined verb keeps its state in local memory); on the host each entry's protocol bodies
 //! stay separate functions, so the CPU target builds in parallel code units of reasonable size.
 //! The host also compiles one body per (collective, algorithm, protocol, type) rather than per
-//! row: the call's operator is applied at run time by [`crate::reduce::FuncAny`] (144 bodies for
-//! the 264 rows), through the same per-type reduction functions the GPU's operators use.
+//! row: the call's operator is applied at run time by [`crate::reduce::FuncAny`] (168 bodies for
+//! the 312 rows), through the same per-type reduction functions the GPU's operators use.
 use crate::abi::{
     Algo, DataType, DevChannel, DevComm, DevRedOp, Func, KernelArgs, KernelOp, Proto, REDOP_SCALAR_DEVICE,
     WorkColl,
@@ -22,6 +22,8 @@ use crate::proto::ll128::Ll128;
 use crate::proto::simple::Simple;
 #[allow(unused_imports)] // a filtered table (OXCCL_ONLY_FUNCS) may use few of them
 use crate::reduce::{Elem, FuncAny, FuncSum, OpArgs, RedFn};
+#[allow(unused_imports)]
+use crate::fp8::{F8E4M3, F8E5M2};
 #[allow(unused_imports)]
 use half::{bf16, f16};
 
@@ -500,10 +502,10 @@ mod tests {
             }
         }
         assert_eq!(used.len(), ENTRIES.len(), "entries no call uses");
-        // 3 protocols × (4 reducing (collective, algorithm) pairs × 10 types × 2 operator
+        // 3 protocols × (4 reducing (collective, algorithm) pairs × 12 types × 2 operator
         // entries (Sum, which Avg runs too, and Any), and Broadcast and AllGather × 4 element
         // sizes).
-        assert_eq!(ENTRIES.len(), 3 * (4 * 10 * 2 + 2 * 4));
+        assert_eq!(ENTRIES.len(), 3 * (4 * 12 * 2 + 2 * 4));
         let names: std::collections::BTreeSet<_> = ENTRIES.iter().map(|e| e.name).collect();
         assert_eq!(names.len(), ENTRIES.len(), "duplicate entry names");
     }

@@ -12,6 +12,8 @@ use crate::arch;
 #[allow(unused_imports)] // a filtered table (OXCCL_ONLY_FUNCS) may use few of them
 use crate::reduce::{FuncAny, FuncSum};
 #[allow(unused_imports)]
+use crate::fp8::{F8E4M3, F8E5M2};
+#[allow(unused_imports)]
 use half::{bf16, f16};
 
 /// One `extern "ptx-kernel"` entry point per row of the generated table (gpu/build.rs).

@@ -25,6 +25,7 @@ pub mod abi;
 pub mod arch;
 pub mod coll;
 pub mod dispatch;
+pub mod fp8;
 pub mod proto;
 pub mod reduce;
 

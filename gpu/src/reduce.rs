@@ -10,6 +10,7 @@
 //! `nranks` on the final value (integers truncate toward zero, floats round to nearest).
 use crate::abi::DevRedOp;
 use crate::arch::{self, Pack};
+use crate::fp8::{self, F8E4M3, F8E5M2};
 use half::{bf16, f16};
 
 /// An element type the kernels can move and reduce.
@@ -228,6 +229,97 @@ half_elem!(f16, arch::f16x2_add, arch::f16x2_mul);
 half_elem!(bf16, |a, b| <bf16 as Half16>::map2(a, b, |x, y| x + y), |a, b| {
     <bf16 as Half16>::map2(a, b, |x, y| x * y)
 });
+
+/// `f` over the four fp8 lanes of two words, lanes paired into binary16x2 words.
+#[inline(always)]
+fn fp8_map4<T: fp8::Fp8>(a: u32, b: u32, f: impl Fn(u32, u32) -> u32) -> u32 {
+    let (alo, ahi) = fp8::widen4::<T>(a);
+    let (blo, bhi) = fp8::widen4::<T>(b);
+    fp8::narrow4::<T>(f(alo, blo), f(ahi, bhi))
+}
+
+/// Per fp8 lane, `b`'s bits where `take_b(a, b)` holds (compared in f32), else `a`'s.
+#[inline(always)]
+fn fp8_pick4<T: fp8::Fp8>(a: u32, b: u32, take_b: impl Fn(f32, f32) -> bool) -> u32 {
+    let mut r = 0;
+    let mut s = 0;
+    while s < 32 {
+        let (x, y) = ((a >> s) & 0xff, (b >> s) & 0xff);
+        let fx = arch::f16_to_f32(T::widen(x) as u16);
+        let fy = arch::f16_to_f32(T::widen(y) as u16);
+        r |= if take_b(fx, fy) { y } else { x } << s;
+        s += 8;
+    }
+    r
+}
+
+/// Each fp8 lane divided by `n`: in f32, rounded to binary16, then to fp8.
+#[inline(always)]
+fn fp8_div4<T: fp8::Fp8>(a: u32, n: u32) -> u32 {
+    let n = n as f32;
+    let d = |h: u32| {
+        let lo = arch::f32_to_f16(arch::f16_to_f32(h as u16) / n) as u32;
+        let hi = arch::f32_to_f16(arch::f16_to_f32((h >> 16) as u16) / n) as u32;
+        lo | hi << 16
+    };
+    let (lo, hi) = fp8::widen4::<T>(a);
+    fp8::narrow4::<T>(d(lo), d(hi))
+}
+
+/// The fp8 types (NCCL's reductions of `__nv_fp8_e4m3` / `__nv_fp8_e5m2`): each lane widens to
+/// binary16, the operation rounds once in binary16 (packed `add.rn.f16x2` / `mul.rn.f16x2` on the
+/// GPU, as `__hadd2` / `__hmul2`), and the result narrows back, nearest even and satfinite
+/// ([`crate::fp8`]). Min and max pick one operand's bits (compared as f32, as the 16-bit types).
+/// Avg's division runs in f32 and rounds to binary16, then to fp8.
+macro_rules! fp8_elem {
+    ($t:ty) => {
+        impl Elem for $t {
+            #[inline(always)]
+            fn sum(a: Self, b: Self) -> Self {
+                Self(fp8_map4::<Self>(a.0.into(), b.0.into(), arch::f16x2_add) as u8)
+            }
+            #[inline(always)]
+            fn prod(a: Self, b: Self) -> Self {
+                Self(fp8_map4::<Self>(a.0.into(), b.0.into(), arch::f16x2_mul) as u8)
+            }
+            #[inline(always)]
+            fn min(a: Self, b: Self) -> Self {
+                Self(fp8_pick4::<Self>(a.0.into(), b.0.into(), |x, y| y < x) as u8)
+            }
+            #[inline(always)]
+            fn max(a: Self, b: Self) -> Self {
+                Self(fp8_pick4::<Self>(a.0.into(), b.0.into(), |x, y| y > x) as u8)
+            }
+            #[inline(always)]
+            fn div(a: Self, n: u32) -> Self {
+                Self(fp8_div4::<Self>(a.0.into(), n) as u8)
+            }
+            #[inline(always)]
+            fn sum_pack(a: Pack, b: Pack) -> Pack {
+                Pack(core::array::from_fn(|i| fp8_map4::<Self>(a.0[i], b.0[i], arch::f16x2_add)))
+            }
+            #[inline(always)]
+            fn prod_pack(a: Pack, b: Pack) -> Pack {
+                Pack(core::array::from_fn(|i| fp8_map4::<Self>(a.0[i], b.0[i], arch::f16x2_mul)))
+            }
+            #[inline(always)]
+            fn min_pack(a: Pack, b: Pack) -> Pack {
+                Pack(core::array::from_fn(|i| fp8_pick4::<Self>(a.0[i], b.0[i], |x, y| y < x)))
+            }
+            #[inline(always)]
+            fn max_pack(a: Pack, b: Pack) -> Pack {
+                Pack(core::array::from_fn(|i| fp8_pick4::<Self>(a.0[i], b.0[i], |x, y| y > x)))
+            }
+            #[inline(always)]
+            fn div_pack(a: Pack, n: u32) -> Pack {
+                Pack(core::array::from_fn(|i| fp8_div4::<Self>(a.0[i], n)))
+            }
+        }
+    };
+}
+
+fp8_elem!(F8E4M3);
+fp8_elem!(F8E5M2);
 
 /// A binary reduction operator over `T`. Every method takes the call's operands ([`OpArgs`]):
 /// the fixed operators ignore them (their code is a constant, so only it is compiled in), while
@@ -503,9 +595,58 @@ mod tests {
         check::<f64>(0.5, 8.0, pa, pb);
         check::<f16>(f16::from_f32(1.5), f16::from_f32(-4.0), pa, pb);
         check::<bf16>(bf16::from_f32(3.0), bf16::from_f32(0.25), pa, pb);
+        check::<F8E4M3>(F8E4M3(0x38), F8E4M3(0xc4), pa, pb);
+        check::<F8E5M2>(F8E5M2(0x3c), F8E5M2(0x7c), pa, pb);
         // The fixed operators' PreMulSum flag is their constant.
         let args = OpArgs::new(DevRedOp::PreMulSum, 0);
         assert!(<FuncPreMulSum as RedFn<f32>>::pre_mul(&args));
         assert!(!<FuncSum as RedFn<f32>>::pre_mul(&args));
+    }
+
+    /// fp8 reductions as NCCL's: binary16 arithmetic, then nearest-even and satfinite rounding;
+    /// a pack's lanes give each lane's scalar result.
+    #[test]
+    fn fp8_reduce_through_binary16_and_saturate() {
+        let e4 = |x: f64| F8E4M3::from_f64(x);
+        assert_eq!(F8E4M3::sum(e4(16.0), e4(1.0)), e4(16.0)); // 17: a tie, to even
+        assert_eq!(F8E4M3::sum(e4(16.0), e4(3.0)), e4(20.0)); // 19 → 20
+        assert_eq!(F8E4M3::sum(e4(448.0), e4(448.0)), F8E4M3(0x7e)); // satfinite
+        assert_eq!(F8E4M3::sum(e4(-448.0), e4(-32.0)), F8E4M3(0xfe));
+        assert_eq!(F8E4M3::sum(F8E4M3(0x7f), e4(1.0)), F8E4M3(0x7f)); // NaN stays NaN
+        assert_eq!(F8E4M3::prod(e4(-3.0), e4(7.0)), e4(-20.0)); // -21: a tie, to even
+        assert_eq!(F8E4M3::prod(e4(1.0 / 512.0), e4(0.25)), e4(0.0)); // underflow to +0
+        assert_eq!(F8E4M3::max(e4(-2.0), e4(1.5)), e4(1.5));
+        assert_eq!(F8E4M3::min(e4(-2.0), e4(1.5)), e4(-2.0));
+        assert_eq!(F8E4M3::div(e4(7.0), 2), e4(3.5));
+        let e5 = |x: f64| F8E5M2::from_f64(x);
+        assert_eq!(F8E5M2::sum(e5(8.0), e5(1.0)), e5(8.0)); // 9: a tie, to even
+        assert_eq!(F8E5M2::sum(e5(57344.0), e5(57344.0)), F8E5M2(0x7b)); // inf in binary16 → max
+        assert_eq!(F8E5M2::prod(e5(3.0), e5(3.0)), e5(8.0)); // 9 → 8
+        // Pack ops are the scalar ops lane by lane.
+        let bytes: [u8; 32] = core::array::from_fn(|i| (i as u8).wrapping_mul(37).wrapping_add(11));
+        let pack = |b: &[u8]| Pack(core::array::from_fn(|w| u32::from_le_bytes(b[4 * w..4 * w + 4].try_into().unwrap())));
+        let (pa, pb) = (pack(&bytes[..16]), pack(&bytes[16..]));
+        fn lanes_of<T: Elem + Copy>(p: Pack, f: impl Fn(u8) -> T, g: impl Fn(T) -> u8) -> [u8; 16] {
+            let b: [u8; 16] = core::array::from_fn(|i| (p.0[i / 4] >> (8 * (i % 4))) as u8);
+            b.map(|x| g(f(x)))
+        }
+        for (name, fp, fs) in [
+            ("sum", F8E4M3::sum_pack as fn(Pack, Pack) -> Pack, F8E4M3::sum as fn(F8E4M3, F8E4M3) -> F8E4M3),
+            ("prod", F8E4M3::prod_pack, F8E4M3::prod),
+            ("min", F8E4M3::min_pack, F8E4M3::min),
+            ("max", F8E4M3::max_pack, F8E4M3::max),
+        ] {
+            let got = lanes_of(fp(pa, pb), F8E4M3, |x| x.0);
+            let a = lanes_of(pa, F8E4M3, |x| x.0);
+            let b = lanes_of(pb, F8E4M3, |x| x.0);
+            let want: [u8; 16] = core::array::from_fn(|i| fs(F8E4M3(a[i]), F8E4M3(b[i])).0);
+            assert_eq!(got, want, "{name}");
+        }
+        let got = lanes_of(F8E5M2::sum_pack(pa, pb), F8E5M2, |x| x.0);
+        let a = lanes_of(pa, F8E5M2, |x| x.0);
+        let b = lanes_of(pb, F8E5M2, |x| x.0);
+        assert_eq!(got, core::array::from_fn(|i| F8E5M2::sum(F8E5M2(a[i]), F8E5M2(b[i])).0));
+        let got = lanes_of(F8E4M3::div_pack(pa, 3), F8E4M3, |x| x.0);
+        assert_eq!(got, core::array::from_fn(|i| F8E4M3::div(F8E4M3(a[i]), 3).0));
     }
 }

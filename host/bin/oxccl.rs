@@ -226,6 +226,8 @@ fn dtype_arg(s: &str) -> Result<DataType, String> {
         "u32" => "uint32",
         "i64" => "int64",
         "u64" => "uint64",
+        "e4m3" | "fp8e4m3" | "float8e4m3" => "f8e4m3",
+        "e5m2" | "fp8e5m2" | "float8e5m2" => "f8e5m2",
         other => return DataType::from_name(other).ok_or_else(|| bad_value("dtype", s, DataType::ALL)),
     };
     DataType::from_name(alias).ok_or_else(|| bad_value("dtype", s, DataType::ALL))

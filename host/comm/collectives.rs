@@ -445,6 +445,7 @@ impl Comm {
         if matches!(func, Func::Broadcast | Func::AllGather) {
             return Ok((DevRedOp::Sum, 0, 0));
         }
+        check_fp8_reduction(func, dtype, self.min_compute_capability())?;
         match op {
             ReduceOp::Builtin(o) => Ok(((*o).into(), 0, 0)),
             ReduceOp::PreMulSum(s) => {
@@ -480,6 +481,13 @@ impl Comm {
         }
     }
 
+    /// The oldest compute capability (× 10) among the communicator's GPUs (NCCL's
+    /// `minCompCap`); `None` on the CPU target.
+    pub(super) fn min_compute_capability(&self) -> Option<u32> {
+        let peers = &self.init_rank_res().peers;
+        peers.iter().all(|p| p.cuda).then(|| peers.iter().map(|p| p.cc).min().unwrap_or(0))
+    }
+
     pub(super) fn check_bytes(&self, count: usize, dtype: DataType) -> Result<u64> {
         (count as u64)
             .checked_mul(dtype.size() as u64)
@@ -502,5 +510,38 @@ impl Comm {
             )));
         }
         Ok(())
+    }
+}
+
+/// NCCL's rule for the fp8 types: a reduction (AllReduce, Reduce, ReduceScatter) of
+/// [`DataType::F8E4M3`] or [`DataType::F8E5M2`] needs every GPU of the communicator at compute
+/// capability 9.0 or newer (`min_cc`, × 10; `None`, the CPU target, reduces them everywhere).
+/// The same answer on every rank, so every rank fails alike.
+pub(super) fn check_fp8_reduction(func: Func, dtype: DataType, min_cc: Option<u32>) -> Result<()> {
+    match min_cc {
+        Some(cc) if dtype.is_fp8() && cc < 90 => Err(Error::invalid(format!(
+            "{func} of {} needs compute capability 9.0 or newer for fp8 reductions (as NCCL), but this \
+             communicator's oldest GPU is sm_{cc}; Broadcast, AllGather and point-to-point move fp8 on any GPU",
+            dtype.name()
+        ))),
+        _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fp8_reductions_need_sm90_as_in_nccl() {
+        let e = check_fp8_reduction(Func::AllReduce, DataType::F8E4M3, Some(80)).unwrap_err();
+        assert_eq!(e.code(), crate::ResultCode::InvalidArgument);
+        let msg = e.to_string();
+        assert!(msg.contains("AllReduce of f8e4m3") || msg.contains("allreduce of f8e4m3"), "{msg}");
+        assert!(msg.contains("compute capability 9.0") && msg.contains("sm_80"), "{msg}");
+        assert!(check_fp8_reduction(Func::ReduceScatter, DataType::F8E5M2, Some(89)).is_err());
+        assert!(check_fp8_reduction(Func::Reduce, DataType::F8E5M2, Some(90)).is_ok());
+        assert!(check_fp8_reduction(Func::AllReduce, DataType::F8E4M3, None).is_ok());
+        assert!(check_fp8_reduction(Func::AllReduce, DataType::Bf16, Some(70)).is_ok());
     }
 }

@@ -164,6 +164,23 @@ impl Context {
         Ok(v.max(1) as u32)
     }
 
+    /// Compute capability × 10 (`CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR` / `_MINOR`):
+    /// 90 for an H100 or H200.
+    pub fn compute_capability(&self) -> Result<u32> {
+        let (mut major, mut minor) = (0, 0);
+        cu!(cuDeviceGetAttribute(
+            &mut major,
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
+            self.dev
+        ))?;
+        cu!(cuDeviceGetAttribute(
+            &mut minor,
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR,
+            self.dev
+        ))?;
+        Ok((major.max(0) * 10 + minor.max(0)) as u32)
+    }
+
     /// Whether this device can map `peer`'s memory.
     pub fn can_access_peer(&self, peer: &Context) -> Result<bool> {
         let mut v = 0;

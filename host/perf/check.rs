@@ -21,6 +21,7 @@
 
 use half::{bf16, f16};
 use oxccl_gpu::abi::{DataType, Func, RedOp};
+use oxccl_gpu::fp8::{F8E4M3, F8E5M2};
 
 /// Whether [`fill_input`] and [`expected`] implement `func` (only [`Func::AllReduce`] for now).
 pub const fn supports(func: Func) -> bool {
@@ -169,7 +170,7 @@ pub fn format_elem(dtype: DataType, bytes: &[u8]) -> String {
         DataType::U32 => (b as u32).to_string(),
         DataType::I64 => (b as i64).to_string(),
         DataType::U64 => b.to_string(),
-        DataType::F16 | DataType::Bf16 | DataType::F32 | DataType::F64 => {
+        DataType::F16 | DataType::Bf16 | DataType::F32 | DataType::F64 | DataType::F8E4M3 | DataType::F8E5M2 => {
             format!("{} (0x{:0w$x})", float_from_bits(dtype, b), b, w = 2 * size)
         }
     }
@@ -205,6 +206,8 @@ fn elem_hash(key: u64, i: usize) -> u64 {
 /// Largest `L` such that every integer in `[-L, L]` is exact in the float type.
 const fn exact_int_limit(dtype: DataType) -> u64 {
     match dtype {
+        DataType::F8E5M2 => 1 << 3,
+        DataType::F8E4M3 => 1 << 4,
         DataType::Bf16 => 1 << 8,
         DataType::F16 => 1 << 11,
         DataType::F32 => 1 << 24,
@@ -215,7 +218,8 @@ const fn exact_int_limit(dtype: DataType) -> u64 {
 /// Most factors of 2 a product may hold without overflowing the float type.
 const fn max_doublings(dtype: DataType) -> usize {
     match dtype {
-        DataType::F16 => 15,
+        DataType::F8E4M3 => 8,
+        DataType::F16 | DataType::F8E5M2 => 15,
         DataType::Bf16 | DataType::F32 => 127,
         _ => 1023,
     }
@@ -337,6 +341,8 @@ fn float_from_bits(dtype: DataType, b: u64) -> f64 {
     match dtype {
         DataType::F16 => f16::from_bits(b as u16).to_f64(),
         DataType::Bf16 => bf16::from_bits(b as u16).to_f64(),
+        DataType::F8E4M3 => F8E4M3(b as u8).to_f64(),
+        DataType::F8E5M2 => F8E5M2(b as u8).to_f64(),
         DataType::F32 => f32::from_bits(b as u32) as f64,
         _ => f64::from_bits(b),
     }
@@ -347,6 +353,8 @@ fn float_to_bits(dtype: DataType, x: f64) -> u64 {
     match dtype {
         DataType::F16 => f16::from_f64(x).to_bits() as u64,
         DataType::Bf16 => bf16::from_f64(x).to_bits() as u64,
+        DataType::F8E4M3 => F8E4M3::from_f64(x).0 as u64,
+        DataType::F8E5M2 => F8E5M2::from_f64(x).0 as u64,
         DataType::F32 => (x as f32).to_bits() as u64,
         _ => x.to_bits(),
     }
@@ -427,7 +435,9 @@ fn fold_bits(dtype: DataType, op: RedOp, n: usize, vals: impl Iterator<Item = u6
         DataType::U32 => fold_int::<u32>(op, n, vals),
         DataType::I64 => fold_int::<i64>(op, n, vals),
         DataType::U64 => fold_int::<u64>(op, n, vals),
-        DataType::F16 | DataType::Bf16 | DataType::F32 | DataType::F64 => fold_float(dtype, op, n, vals),
+        DataType::F16 | DataType::Bf16 | DataType::F32 | DataType::F64 | DataType::F8E4M3 | DataType::F8E5M2 => {
+            fold_float(dtype, op, n, vals)
+        }
     }
 }
 
@@ -442,11 +452,14 @@ fn tolerance_ulps(dtype: DataType, op: RedOp, nranks: usize) -> u64 {
     }
 }
 
-/// Exponent-field mask and width in bits of a float type.
+/// A float type's non-finite mask (its bits are all set in NaNs and infinities only: the exponent
+/// field, or E4M3's NaN pattern) and width in bits.
 const fn float_layout(dtype: DataType) -> (u64, u32) {
     match dtype {
         DataType::F16 => (0x7C00, 16),
         DataType::Bf16 => (0x7F80, 16),
+        DataType::F8E4M3 => (0x7F, 8),
+        DataType::F8E5M2 => (0x7C, 8),
         DataType::F32 => (0x7F80_0000, 32),
         _ => (0x7FF0_0000_0000_0000, 64),
     }

@@ -85,6 +85,9 @@ pub(crate) struct PeerInfo {
     pub(crate) bus_id: String,
     /// Multiprocessors of the GPU (CUDA; 0 on the CPU target): ranks sharing a GPU split them.
     pub(crate) sms: u32,
+    /// Compute capability × 10 of the GPU (CUDA; 0 on the CPU target): the communicator's
+    /// oldest decides which types it reduces (NCCL's `minCompCap`).
+    pub(crate) cc: u32,
     /// Host name (or `OXCCL_HOSTID`): ranks with equal names are on one host (NCCL's hostHash).
     pub(crate) host: String,
     pub(crate) pid: u32,
@@ -191,6 +194,10 @@ impl PeerInfo {
                 Some(c) => c.multiprocessor_count()?,
                 None => 0,
             },
+            cc: match ctx {
+                Some(c) => c.compute_capability()?,
+                None => 0,
+            },
             host,
             pid,
             start_time: proc_start(pid).map_or(0, |(t, _)| t),
@@ -230,6 +237,7 @@ impl PeerInfo {
             self.shm_name.clone(),
             self.p2p_level.map_or("-", |l| l.as_str()).to_string(),
             self.sms.to_string(),
+            self.cc.to_string(),
         ]
         .join("\n")
     }
@@ -239,8 +247,8 @@ impl PeerInfo {
         let bad = |what: &str| Error::Remote(format!("rank {rank} sent malformed peer information ({what})"));
         let text = std::str::from_utf8(b).map_err(|_| bad("not UTF-8"))?;
         let f: Vec<&str> = text.split('\n').collect();
-        if f.len() != 15 {
-            return Err(bad(&format!("{} fields, expected 15", f.len())));
+        if f.len() != 16 {
+            return Err(bad(&format!("{} fields, expected 16", f.len())));
         }
         let num = |i: usize, what: &str| f[i].parse::<u64>().map_err(|_| bad(what));
         let conn = ConnDesc::decode(f[9]).ok_or_else(|| bad("connection descriptor"))?;
@@ -268,6 +276,7 @@ impl PeerInfo {
             },
             p2p_denied: Vec::new(),
             sms: num(14, "multiprocessors")? as u32,
+            cc: num(15, "compute capability")? as u32,
         })
     }
 
@@ -541,6 +550,7 @@ mod tests {
             cuda: false,
             bus_id: String::new(),
             sms: 0,
+            cc: 0,
             conn: ConnDesc::Shm("oxccl-1-2-r1".into()),
             p2p_level: None,
             ..p.clone()
@@ -692,6 +702,7 @@ pub(crate) mod test_peers {
             p2p_level: None,
             p2p_denied: Vec::new(),
             sms: 0,
+            cc: 0,
             shm_name: format!("oxccl-1-{pid}-r0"),
             nch: 4,
             conn_bytes: 1 << 20,

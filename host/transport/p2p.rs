@@ -317,6 +317,7 @@ mod tests {
             p2p_level: None,
             p2p_denied: Vec::new(),
             sms: 0,
+            cc: 0,
             shm_name: String::new(),
             nch: 1,
             conn_bytes: 64,

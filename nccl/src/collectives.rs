@@ -7,7 +7,7 @@
 use crate::cuda::KeepCurrent;
 use crate::handles::{self, Live};
 use crate::types::{
-    Use, builtin_op, data_type, ncclComm_t, ncclDataType_t, ncclNumOps, ncclRedOp_t, non_negative, premul_index,
+    builtin_op, data_type, ncclComm_t, ncclDataType_t, ncclNumOps, ncclRedOp_t, non_negative, premul_index,
 };
 use oxccl::{DataType, Error, Func, ReduceOp, Result};
 use std::ffi::{c_int, c_void};
@@ -61,7 +61,7 @@ unsafe fn collective(
     stream: cudaStream_t,
 ) -> Result<()> {
     let live = live(comm)?;
-    let dtype = data_type(datatype, if op.is_some() { Use::Reduce } else { Use::Move })?;
+    let dtype = data_type(datatype)?;
     let op = match op {
         Some(op) => reduce_op(&live, op, dtype)?,
         None => oxccl::RedOp::Sum.into(),
@@ -206,7 +206,7 @@ nccl_api! {
         stream: cudaStream_t,
     ) {
         let live = live(comm)?;
-        let dtype = data_type(datatype, Use::Move)?;
+        let dtype = data_type(datatype)?;
         let peer = non_negative("peer", peer)?;
         let _keep = KeepCurrent::new();
         // SAFETY: the caller's contract.
@@ -225,7 +225,7 @@ nccl_api! {
         stream: cudaStream_t,
     ) {
         let live = live(comm)?;
-        let dtype = data_type(datatype, Use::Move)?;
+        let dtype = data_type(datatype)?;
         let peer = non_negative("peer", peer)?;
         let _keep = KeepCurrent::new();
         // SAFETY: the caller's contract.
@@ -246,7 +246,7 @@ nccl_api! {
         stream: cudaStream_t,
     ) {
         let live = live(comm)?;
-        let dtype = data_type(datatype, Use::Move)?;
+        let dtype = data_type(datatype)?;
         let n = live.comm.count();
         let bytes = bytes_of(count, dtype)?;
         let (send, recv) = (sendbuff as u64, recvbuff as u64);
@@ -287,7 +287,7 @@ nccl_api! {
         stream: cudaStream_t,
     ) {
         let live = live(comm)?;
-        let dtype = data_type(datatype, Use::Move)?;
+        let dtype = data_type(datatype)?;
         let (n, me) = (live.comm.count(), live.comm.user_rank());
         let root = non_negative("root", root)?;
         if root >= n {
@@ -331,7 +331,7 @@ nccl_api! {
         stream: cudaStream_t,
     ) {
         let live = live(comm)?;
-        let dtype = data_type(datatype, Use::Move)?;
+        let dtype = data_type(datatype)?;
         let (n, me) = (live.comm.count(), live.comm.user_rank());
         let root = non_negative("root", root)?;
         if root >= n {

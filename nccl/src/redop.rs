@@ -29,6 +29,8 @@ unsafe fn read_scalar(p: *const c_void, dtype: DataType) -> Scalar {
             DataType::F32 => Scalar::F32(p.cast::<f32>().read_unaligned()),
             DataType::F64 => Scalar::F64(p.cast::<f64>().read_unaligned()),
             DataType::Bf16 => Scalar::Bf16(bf16::from_bits(p.cast::<u16>().read_unaligned())),
+            DataType::F8E4M3 => Scalar::F8E4M3(oxccl::F8E4M3(p.cast::<u8>().read())),
+            DataType::F8E5M2 => Scalar::F8E5M2(oxccl::F8E5M2(p.cast::<u8>().read())),
         }
     }
 }
@@ -47,7 +49,7 @@ nccl_api! {
         non_null("op", op)?;
         non_null("scalar", scalar)?;
         let live = handles::get(comm)?;
-        let dtype = data_type(datatype, Use::Reduce)?;
+        let dtype = data_type(datatype)?;
         let scalar = match residence {
             // SAFETY: non-NULL; NCCL's contract: one element of `datatype` in host memory.
             ncclScalarHostImmediate => unsafe { read_scalar(scalar, dtype) },

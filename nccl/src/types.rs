@@ -150,28 +150,9 @@ const _: () = assert!(size_of::<ncclSimInfo_t>() == 24 && offset_of!(ncclSimInfo
 /// `ncclSimInfo_t`'s magic.
 pub const NCCL_SIM_INFO_MAGIC: c_uint = 0x7468_5283;
 
-/// What a call does with its elements, for the data types oxccl moves but does not reduce.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub enum Use {
-    /// Copied only (Broadcast, AllGather, send/receive, all-to-all, gather, scatter).
-    Move,
-    /// Reduced (AllReduce, Reduce, ReduceScatter).
-    Reduce,
-}
-
-/// The oxccl type of `ncclDataType_t` `d`. The 8-bit floats move as bytes (`U8`); reducing them
-/// is `InvalidUsage` (not supported yet); any other value outside `0..ncclNumTypes` is
-/// `InvalidArgument`.
-pub fn data_type(d: ncclDataType_t, usage: Use) -> Result<DataType> {
-    if d == ncclFloat8e4m3 || d == ncclFloat8e5m2 {
-        let name = if d == ncclFloat8e4m3 { "ncclFloat8e4m3" } else { "ncclFloat8e5m2" };
-        return match usage {
-            Use::Move => Ok(DataType::U8),
-            Use::Reduce => Err(Error::InvalidUsage(format!(
-                "datatype {name} ({d}): oxccl does not reduce 8-bit floats yet (they can be moved: broadcast, all-gather, send/receive)"
-            ))),
-        };
-    }
+/// The oxccl type of `ncclDataType_t` `d` (every type of NCCL 2.28, the fp8 ones included);
+/// any other value is `InvalidArgument` naming the accepted range.
+pub fn data_type(d: ncclDataType_t) -> Result<DataType> {
     u8::try_from(d)
         .ok()
         .and_then(DataType::from_u8)
@@ -202,13 +183,13 @@ mod tests {
 
     #[test]
     fn data_types_and_ops_follow_nccl_numbering() {
-        for (d, want) in [(0, DataType::I8), (1, DataType::U8), (7, DataType::F32), (9, DataType::Bf16)] {
-            assert_eq!(data_type(d, Use::Reduce).unwrap(), want);
+        for (d, want) in [(0, DataType::I8), (1, DataType::U8), (7, DataType::F32), (9, DataType::Bf16), (10, DataType::F8E4M3)] {
+            assert_eq!(data_type(d).unwrap(), want);
         }
-        assert_eq!(data_type(10, Use::Move).unwrap(), DataType::U8);
-        assert!(matches!(data_type(11, Use::Reduce), Err(Error::InvalidUsage(_))));
-        assert!(matches!(data_type(12, Use::Move), Err(Error::InvalidArgument(_))));
-        assert!(matches!(data_type(-1, Use::Move), Err(Error::InvalidArgument(_))));
+        assert_eq!(data_type(ncclFloat8e4m3).unwrap(), DataType::F8E4M3);
+        assert_eq!(data_type(ncclFloat8e5m2).unwrap(), DataType::F8E5M2);
+        assert!(matches!(data_type(12), Err(Error::InvalidArgument(_))));
+        assert!(matches!(data_type(-1), Err(Error::InvalidArgument(_))));
         assert_eq!(builtin_op(4), Some(RedOp::Avg));
         assert_eq!(builtin_op(5), None);
         assert_eq!(nccl_version(2, 28, 3), NCCL_VERSION_CODE);

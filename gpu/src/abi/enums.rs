@@ -36,6 +36,10 @@ abi_enum! {
     DataType {
         I8 => "int8", U8 => "uint8", I32 => "int32", U32 => "uint32", I64 => "int64",
         U64 => "uint64", F16 => "half", F32 => "float", F64 => "double", Bf16 => "bfloat16",
+        /// fp8 E4M3 (NCCL 2.24's `ncclFloat8e4m3`; [`crate::fp8::F8E4M3`]).
+        F8E4M3 => "f8e4m3",
+        /// fp8 E5M2 (NCCL 2.24's `ncclFloat8e5m2`; [`crate::fp8::F8E5M2`]).
+        F8E5M2 => "f8e5m2",
     }
 }
 
@@ -43,7 +47,7 @@ impl DataType {
     /// Size of one element in bytes.
     pub const fn size(self) -> usize {
         match self {
-            DataType::I8 | DataType::U8 => 1,
+            DataType::I8 | DataType::U8 | DataType::F8E4M3 | DataType::F8E5M2 => 1,
             DataType::F16 | DataType::Bf16 => 2,
             DataType::I32 | DataType::U32 | DataType::F32 => 4,
             DataType::I64 | DataType::U64 | DataType::F64 => 8,
@@ -53,8 +57,12 @@ impl DataType {
     pub const fn is_float(self) -> bool {
         matches!(
             self,
-            DataType::F16 | DataType::F32 | DataType::F64 | DataType::Bf16
+            DataType::F16 | DataType::F32 | DataType::F64 | DataType::Bf16 | DataType::F8E4M3 | DataType::F8E5M2
         )
+    }
+    /// True for the two fp8 types, whose reductions NCCL runs only on sm_90 and newer.
+    pub const fn is_fp8(self) -> bool {
+        matches!(self, DataType::F8E4M3 | DataType::F8E5M2)
     }
 }
 
