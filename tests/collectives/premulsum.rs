@@ -29,17 +29,24 @@ const POISON: u8 = 0xa5;
 /// Counts of the matrix: empty, below one pack, odd, and (65536+3) past one LL step.
 const COUNTS: &[usize] = &[0, 1, 7, 1001, 65539];
 
-/// Rank `r`'s scalar: 0.5, 2, 1, 4, ... for the float types, r + 2 for the integer types.
+/// Rank `r`'s scalar: 0.5, 2, 1, 4, ... for the float types (1, 2, 1, 2, ... for fp8, whose
+/// 3- or 4-bit significands hold only small sums exactly), r + 2 for the integer types.
 fn scalar_value(dtype: DataType, r: usize) -> f64 {
-    if dtype.is_float() {
+    if dtype.is_fp8() {
+        [1.0, 2.0][r % 2]
+    } else if dtype.is_float() {
         [0.5, 2.0, 1.0, 4.0][r % 4]
     } else {
         (r + 2) as f64
     }
 }
 
-/// Rank `r`'s input element `i`: -5..=5 (0..=10 for the unsigned types).
+/// Rank `r`'s input element `i`: -5..=5 (0..=10 for the unsigned types; -1..=1 for fp8, so every
+/// partial sum of up to 5 ranks is an integer of magnitude at most 8, exact in E5M2 and E4M3).
 fn input_value(dtype: DataType, r: usize, i: usize) -> i64 {
+    if dtype.is_fp8() {
+        return ((i * 7 + r * 3 + 1) % 3) as i64 - 1;
+    }
     let v = ((i * 7 + r * 3 + 1) % 11) as i64;
     if matches!(dtype, DataType::U8 | DataType::U32 | DataType::U64) {
         v
@@ -58,6 +65,8 @@ fn encode(dtype: DataType, v: f64, int: i128) -> Vec<u8> {
         DataType::Bf16 => bf16::from_f64(v).to_bits().to_le_bytes().to_vec(),
         DataType::F32 => (v as f32).to_le_bytes().to_vec(),
         DataType::F64 => v.to_le_bytes().to_vec(),
+        DataType::F8E4M3 => vec![oxccl::F8E4M3::from_f64(v).0],
+        DataType::F8E5M2 => vec![oxccl::F8E5M2::from_f64(v).0],
     }
 }
 

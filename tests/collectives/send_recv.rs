@@ -108,7 +108,7 @@ fn shifted_exchanges_are_exact_for_every_size_and_rank_count() {
     let _env = Env::clean(VARS);
     for n in [2usize, 3, 5] {
         let comms = common::init_all(&Device::cpus(n)).unwrap();
-        for (count, dtype) in [(0, DataType::F32), (1, DataType::U8), (3, DataType::F16), (1025, DataType::F32), ((1 << 18) + 3, DataType::F64)] {
+        for (count, dtype) in [(0, DataType::F32), (1, DataType::U8), (3, DataType::F16), (1025, DataType::F32), (4099, DataType::F8E5M2), ((1 << 18) + 3, DataType::F64)] {
             for shift in 1..n {
                 shifted_exchange(&comms, count, dtype, shift, &format!("{n} ranks, shift {shift}"));
             }
@@ -378,7 +378,7 @@ fn all_to_all_gather_scatter_and_v_variants_are_exact() {
             let e = c.all_to_all(s.slice(FRONT, n * b).unwrap(), s.slice(FRONT, n * b).unwrap(), count, dt, &stream).unwrap_err();
             assert!(e.to_string().contains("overlaps"), "{e}");
         });
-        // AllToAllV: rank r sends (r + p + 1) × 10 bytes to p, packed.
+        // AllToAllV of fp8 E4M3: rank r sends (r + p + 1) × 10 elements (bytes) to p, packed.
         let size = |from: usize, to: usize| (from + to + 1) * 10;
         common::on_threads(n, |r| {
             let c = &comms[r];
@@ -391,7 +391,7 @@ fn all_to_all_gather_scatter_and_v_variants_are_exact() {
             let input: Vec<u8> = (0..n).flat_map(|p| payload(r, p, 2, size(r, p))).collect();
             let (s, d) = (guarded(dev, st, 15, Some(&input)), guarded(dev, rt, 16, None));
             let stream = dev.new_stream().unwrap();
-            c.all_to_all_v(s.slice(FRONT, st).unwrap(), &scounts, &sd, d.slice(FRONT, rt).unwrap(), &rcounts, &rd, DataType::U8, &stream)
+            c.all_to_all_v(s.slice(FRONT, st).unwrap(), &scounts, &sd, d.slice(FRONT, rt).unwrap(), &rcounts, &rd, DataType::F8E4M3, &stream)
                 .unwrap();
             stream.synchronize().unwrap();
             let want: Vec<u8> = (0..n).flat_map(|p| payload(p, r, 2, size(p, r))).collect();
@@ -428,7 +428,7 @@ fn all_to_all_gather_scatter_and_v_variants_are_exact() {
                 check(&d, b, 19, &payload(root, r, 5, b), &format!("scatter from {root}, rank {r} of {n}"));
             });
         }
-        // AllGatherV: rank p contributes (p + 1) × 7 bytes.
+        // AllGatherV of fp8 E5M2: rank p contributes (p + 1) × 7 elements (bytes).
         common::on_threads(n, |r| {
             let c = &comms[r];
             let dev = c.device();
@@ -438,7 +438,7 @@ fn all_to_all_gather_scatter_and_v_variants_are_exact() {
             let s = guarded(dev, counts[r], 20, Some(&payload(r, 0, 6, counts[r])));
             let d = guarded(dev, total, 21, None);
             let stream = dev.new_stream().unwrap();
-            c.all_gather_v(s.slice(FRONT, counts[r]).unwrap(), d.slice(FRONT, total).unwrap(), &counts, &displs, DataType::U8, &stream).unwrap();
+            c.all_gather_v(s.slice(FRONT, counts[r]).unwrap(), d.slice(FRONT, total).unwrap(), &counts, &displs, DataType::F8E5M2, &stream).unwrap();
             stream.synchronize().unwrap();
             let want: Vec<u8> = (0..n).flat_map(|p| payload(p, 0, 6, counts[p])).collect();
             check(&d, total, 21, &want, &format!("all_gather_v, rank {r} of {n}"));

@@ -94,6 +94,8 @@ fn encode(dtype: DataType, v: f64) -> Vec<u8> {
         DataType::Bf16 => bf16::from_f64(v).to_bits().to_le_bytes().to_vec(),
         DataType::F32 => (v as f32).to_le_bytes().to_vec(),
         DataType::F64 => v.to_le_bytes().to_vec(),
+        DataType::F8E4M3 => vec![oxccl::F8E4M3::from_f64(v).0],
+        DataType::F8E5M2 => vec![oxccl::F8E5M2::from_f64(v).0],
     }
 }
 

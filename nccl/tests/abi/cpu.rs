@@ -70,6 +70,10 @@ fn a_grouped_init_runs_every_collective_exactly() {
     let mut pm_recv = vec![vec![-1f32; 8]; 2];
     let f8_send: Vec<Vec<u8>> = ranks.iter().map(|&r| (0..4).map(|i| (16 * r + i) as u8).collect()).collect();
     let mut f8_recv = vec![vec![0u8; 8]; 2];
+    // fp8 E4M3 AllReduce: 1.5, 18, 0 and 448 + 448, which saturates to 448.
+    let e4m3 = |v: &[f64]| v.iter().map(|&x| oxccl::F8E4M3::from_f64(x).0).collect::<Vec<u8>>();
+    let f8r_send = [e4m3(&[1.0, 2.0, 3.0, 448.0]), e4m3(&[0.5, 16.0, -3.0, 448.0])];
+    let mut f8r_recv = vec![vec![0xffu8; 4]; 2];
     let mut ops = [0 as c_int; 2];
     // SAFETY (every call): host buffers of the sizes each call needs, alive until the
     // communicators are finalized below; NULL streams (ignored on the CPU target).
@@ -128,13 +132,16 @@ fn a_grouped_init_runs_every_collective_exactly() {
         let (s, d) = (ptr(&pm_send[0]), mptr(&mut pm_recv[0]));
         expect((api.all_reduce)(s, d, 8, FLOAT, ops[0], c0, null_mut()), INVALID_ARGUMENT, &["PreMulSum", "not destroyed"]);
         expect((api.redop_destroy)(SUM, c0), INVALID_ARGUMENT, &["built-in"]);
-        // 8-bit floats move but do not reduce.
-        let (s, d) = (ptr(&f8_send[0]), mptr(&mut f8_recv[0]));
-        expect((api.all_reduce)(s, d, 4, FLOAT8E4M3, SUM, c0, null_mut()), INVALID_USAGE, &["8-bit floats"]);
+        // 8-bit floats reduce (the CPU target has no compute capability to refuse) and move.
+        for r in 0..2 {
+            let (s, d) = (ptr(&f8r_send[r]), mptr(&mut f8r_recv[r]));
+            expect((api.all_reduce)(s, d, 4, FLOAT8E4M3, SUM, comms[r], null_mut()), SUCCESS, &[]);
+        }
         for r in 0..2 {
             let (s, d) = (ptr(&f8_send[r]), mptr(&mut f8_recv[r]));
             expect((api.all_gather)(s, d, 4, FLOAT8E4M3, comms[r], null_mut()), SUCCESS, &[]);
         }
+        let (s, d) = (ptr(&f8_send[0]), mptr(&mut f8_recv[0]));
         expect((api.all_reduce)(s, d, 4, 12, SUM, c0, null_mut()), INVALID_ARGUMENT, &["datatype 12"]);
         expect((api.all_reduce)(s, d, 4, INT8, 99, c0, null_mut()), INVALID_ARGUMENT, &["op 99"]);
         expect((api.broadcast)(s, d, 4, INT8, -1, c0, null_mut()), INVALID_ARGUMENT, &["root is -1"]);
@@ -165,6 +172,7 @@ fn a_grouped_init_runs_every_collective_exactly() {
         assert_eq!(sc_recv[r], seq(4, |i| (60 + 4 * r + i) as f32), "Scatter, rank {r}");
         assert_eq!(pm_recv[r], seq(8, |i| (5 * i + 3) as f32), "PreMulSum AllReduce, rank {r}");
         assert_eq!(f8_recv[r], [0, 1, 2, 3, 16, 17, 18, 19], "8-bit float AllGather, rank {r}");
+        assert_eq!(f8r_recv[r], e4m3(&[1.5, 18.0, 0.0, 448.0]), "fp8 E4M3 AllReduce, rank {r}");
     }
     assert_eq!(red_recv, seq(8, |i| i.max(8 - i) as f32), "Reduce (max) on the root");
     assert_eq!(ga_recv, [0., 1., 2., 3., 50., 51., 52., 53.], "Gather on the root");
