@@ -27,7 +27,7 @@
 //! 0.
 use super::*;
 use serde_json::{Value, json};
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 
 /// Set by the `SIGUSR1` handler, taken by the watch thread ([`dump_requested`]).
 static DUMP_REQUESTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
@@ -135,7 +135,7 @@ pub(super) struct Recorder {
     /// Calls recorded but not kept: pushed out by newer ones, or every call when `size` is 0.
     dropped: u64,
     /// Sends and receives issued per (peer, send).
-    p2p_issued: Vec<((usize, bool), u64)>,
+    p2p_issued: HashMap<(usize, bool), u64>,
     /// Groups with sends or receives of this communicator, and the last one's id
     /// ([`crate::group::current_group`]).
     groups: u64,
@@ -148,7 +148,7 @@ impl Recorder {
             size,
             entries: VecDeque::with_capacity(size.min(1024)),
             dropped: 0,
-            p2p_issued: Vec::new(),
+            p2p_issued: HashMap::new(),
             groups: 0,
             last_group: None,
         }
@@ -163,17 +163,9 @@ impl Recorder {
     /// [`crate::group::current_group`]) or outside a group: numbers it among the calls with its
     /// peer in its direction, and numbers the group among this communicator's.
     pub(super) fn push_p2p(&mut self, call: &P2pCall, group: Option<u64>) {
-        let key = (call.peer, call.send);
-        let p2p_seq = match self.p2p_issued.iter_mut().find(|(k, _)| *k == key) {
-            Some((_, n)) => {
-                *n += 1;
-                *n
-            }
-            None => {
-                self.p2p_issued.push((key, 1));
-                1
-            }
-        };
+        let n = self.p2p_issued.entry((call.peer, call.send)).or_insert(0);
+        *n += 1;
+        let p2p_seq = *n;
         let group = group.map(|id| {
             if self.last_group != Some(id) {
                 self.last_group = Some(id);
