@@ -24,6 +24,7 @@ use crate::error::{Error, Result};
 use crate::mem::Stream;
 use oxccl_gpu::abi::{MAX_P2P_WORKS, WorkP2p};
 use std::cell::RefCell;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// One send or receive: direction, peer, buffer address and size in bytes (a send: what it
 /// sends; a receive: what its output holds).
@@ -45,8 +46,13 @@ pub(crate) struct Queued {
 #[derive(Default)]
 struct Group {
     depth: usize,
+    /// The outermost group's id ([`current_group`]), while `depth > 0`.
+    id: u64,
     queued: Vec<Queued>,
 }
+
+/// The last id given to an outermost group of any thread.
+static LAST_GROUP_ID: AtomicU64 = AtomicU64::new(0);
 
 thread_local! {
     static GROUP: RefCell<Group> = RefCell::new(Group::default());
@@ -55,7 +61,13 @@ thread_local! {
 /// Starts a group on this thread, or a nested one (NCCL's `ncclGroupStart`). Every call must
 /// be matched by a [`group_end`] on the same thread.
 pub fn group_start() -> Result<()> {
-    GROUP.with(|g| g.borrow_mut().depth += 1);
+    GROUP.with(|g| {
+        let mut g = g.borrow_mut();
+        if g.depth == 0 {
+            g.id = LAST_GROUP_ID.fetch_add(1, Ordering::Relaxed) + 1;
+        }
+        g.depth += 1;
+    });
     Ok(())
 }
 
@@ -92,6 +104,15 @@ pub fn group<R>(f: impl FnOnce() -> R) -> Result<R> {
 /// The depth of this thread's group (0: none).
 pub fn group_depth() -> usize {
     GROUP.with(|g| g.borrow().depth)
+}
+
+/// The id of this thread's outermost group, unique in the process (`None` outside a group):
+/// what the flight recorder tells a communicator's groups apart by.
+pub(crate) fn current_group() -> Option<u64> {
+    GROUP.with(|g| {
+        let g = g.borrow();
+        (g.depth > 0).then_some(g.id)
+    })
 }
 
 /// Queues `q` in this thread's group, or launches it at once when there is none.

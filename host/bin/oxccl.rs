@@ -45,7 +45,8 @@ enum Cmd {
     InitBench(InitBenchArgs),
     /// Read flight-recorder dumps (OXCCL_FLIGHT_RECORDER_DUMP on a timeout, Comm::flight_record)
     /// of a communicator's ranks: which rank is behind and at which call, which ranks disagree on
-    /// a call, where a timed-out call stopped.
+    /// a call, which sends and receives miss their match or differ in size from it, where a
+    /// timed-out call stopped.
     Trace(TraceArgs),
 }
 

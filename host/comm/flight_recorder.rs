@@ -1,21 +1,33 @@
 //! The flight recorder (beyond NCCL; what PyTorch's NCCL flight recorder does for its users):
 //! each communicator keeps its last `OXCCL_FLIGHT_RECORDER_SIZE` calls ([`Params::flight_recorder_size`],
-//! default 64; `0` keeps none) — sequence number, collective, count, type, operator, root,
-//! algorithm/protocol/channels, when it was issued — and dumps them as one JSON object per rank:
+//! default 64; `0` keeps none) — collectives with their sequence number, collective, count,
+//! type, operator, root, algorithm/protocol/channels; sends and receives with their peer, count,
+//! type, size, number among the calls with that peer and group; when each was issued — and
+//! dumps them as one JSON object per rank:
 //! on request ([`Comm::flight_record`]) and, with `OXCCL_FLIGHT_RECORDER_DUMP=<prefix>`, when a
 //! call times out and when the process receives `SIGUSR1` (to `<prefix>.<comm>.<rank>.json`,
 //! written by the watch thread of `comm/timeout.rs` within 100 ms; the handler is installed only
 //! when the variable is set). [`analyze`] (the CLI's
 //! `oxccl trace DUMP...`) reads the dumps of a communicator's ranks and says which rank is
-//! behind and at which call, which ranks disagree on a call, and where a timed-out call stopped.
+//! behind and at which call, which ranks disagree on a call, which sends miss their receive (or
+//! receives their send) or differ in size from it, and where a timed-out call stopped.
 //!
-//! A dump: `{"comm": "<hex id>", "rank", "nranks", "issued": <calls issued>, "error": <the
+//! A dump: `{"comm": "<hex id>", "rank", "nranks", "issued": <collectives issued>, "error": <the
 //! timeout's message or null>, "progress": [per ring channel: {"channel", "received_step",
-//! "from", "credited_step", "by"}], "calls": [oldest first: {"seq", "func", "count", "dtype",
-//! "op", "root", "algo", "proto", "nchannels", "issued_unix_ns"}]}`.
+//! "from", "credited_step", "by"}], "dropped": <calls recorded but no longer kept>, "calls":
+//! [oldest first: {"seq", "func", "count", "dtype", "op", "root", "algo", "proto", "nchannels",
+//! "issued_unix_ns"}]}`. A send or receive (`"func": "send"` or `"recv"`, recorded when issued,
+//! in or outside a group) has the same fields, `seq`, `op`, `root`, `algo`, `proto` and
+//! `nchannels` null (only collectives are numbered by `seq` and counted in `issued`: ranks issue
+//! different sends and receives), and adds `"peer"`, `"bytes"`, `"p2p_seq"` (1 for the rank's
+//! first send to that peer, or first receive from it: a rank's `n`th send to a peer matches the
+//! peer's `n`th receive from it) and `"group"` (the communicator's group the call was issued in,
+//! 1 for its first group with sends or receives — the calls of one group are launched together
+//! at its outermost end — or null outside a group). Dumps without `dropped` (older ones) read as
+//! 0.
 use super::*;
 use serde_json::{Value, json};
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 
 /// Set by the `SIGUSR1` handler, taken by the watch thread ([`dump_requested`]).
 static DUMP_REQUESTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
@@ -49,28 +61,70 @@ pub(super) fn dump_requested() -> bool {
     DUMP_REQUESTED.swap(false, Ordering::AcqRel)
 }
 
+/// One send or receive as the recorder keeps it.
+#[derive(Clone, Debug)]
+pub(super) struct P2pCall {
+    pub(super) send: bool,
+    pub(super) peer: usize,
+    pub(super) count: usize,
+    pub(super) dtype: DataType,
+    /// `count × dtype.size()`.
+    pub(super) bytes: u64,
+}
+
+/// What a recorded entry is.
+#[derive(Clone, Debug)]
+enum Call {
+    Coll(timeout::CallRecord),
+    P2p {
+        call: P2pCall,
+        /// 1 for the communicator's first send to (or receive from) this peer.
+        p2p_seq: u64,
+        /// The communicator's group the call was issued in (1 for its first), `None` outside
+        /// a group.
+        group: Option<u64>,
+    },
+}
+
 /// One recorded call.
 #[derive(Clone, Debug)]
-pub(super) struct Entry {
-    pub(super) call: timeout::CallRecord,
-    pub(super) issued_unix_ns: u128,
+struct Entry {
+    call: Call,
+    issued_unix_ns: u128,
 }
 
 impl Entry {
     fn to_json(&self) -> Value {
-        let c = &self.call;
-        json!({
-            "seq": c.seq,
-            "func": c.func.name(),
-            "count": c.count,
-            "dtype": c.dtype.name(),
-            "op": c.op.name(),
-            "root": c.root,
-            "algo": c.choice.map(|x| x.algo.name()),
-            "proto": c.choice.map(|x| x.proto.name()),
-            "nchannels": c.choice.map(|x| x.nchannels),
-            "issued_unix_ns": self.issued_unix_ns as u64,
-        })
+        match &self.call {
+            Call::Coll(c) => json!({
+                "seq": c.seq,
+                "func": c.func.name(),
+                "count": c.count,
+                "dtype": c.dtype.name(),
+                "op": c.op.name(),
+                "root": c.root,
+                "algo": c.choice.map(|x| x.algo.name()),
+                "proto": c.choice.map(|x| x.proto.name()),
+                "nchannels": c.choice.map(|x| x.nchannels),
+                "issued_unix_ns": self.issued_unix_ns as u64,
+            }),
+            Call::P2p { call, p2p_seq, group } => json!({
+                "seq": null,
+                "func": if call.send { "send" } else { "recv" },
+                "count": call.count,
+                "dtype": call.dtype.name(),
+                "op": null,
+                "root": null,
+                "algo": null,
+                "proto": null,
+                "nchannels": null,
+                "issued_unix_ns": self.issued_unix_ns as u64,
+                "peer": call.peer,
+                "bytes": call.bytes,
+                "p2p_seq": p2p_seq,
+                "group": group,
+            }),
+        }
     }
 }
 
@@ -78,6 +132,14 @@ impl Entry {
 pub(super) struct Recorder {
     size: usize,
     entries: VecDeque<Entry>,
+    /// Calls recorded but not kept: pushed out by newer ones, or every call when `size` is 0.
+    dropped: u64,
+    /// Sends and receives issued per (peer, send).
+    p2p_issued: HashMap<(usize, bool), u64>,
+    /// Groups with sends or receives of this communicator, and the last one's id
+    /// ([`crate::group::current_group`]).
+    groups: u64,
+    last_group: Option<u64>,
 }
 
 impl Recorder {
@@ -85,23 +147,52 @@ impl Recorder {
         Recorder {
             size,
             entries: VecDeque::with_capacity(size.min(1024)),
+            dropped: 0,
+            p2p_issued: HashMap::new(),
+            groups: 0,
+            last_group: None,
         }
     }
 
+    /// Records the collective `call`.
     pub(super) fn push(&mut self, call: &timeout::CallRecord) {
+        self.keep(Call::Coll(call.clone()));
+    }
+
+    /// Records the send or receive `call`, issued in the thread's group `group` (its id,
+    /// [`crate::group::current_group`]) or outside a group: numbers it among the calls with its
+    /// peer in its direction, and numbers the group among this communicator's.
+    pub(super) fn push_p2p(&mut self, call: &P2pCall, group: Option<u64>) {
+        let n = self.p2p_issued.entry((call.peer, call.send)).or_insert(0);
+        *n += 1;
+        let p2p_seq = *n;
+        let group = group.map(|id| {
+            if self.last_group != Some(id) {
+                self.last_group = Some(id);
+                self.groups += 1;
+            }
+            self.groups
+        });
+        self.keep(Call::P2p {
+            call: call.clone(),
+            p2p_seq,
+            group,
+        });
+    }
+
+    fn keep(&mut self, call: Call) {
         if self.size == 0 {
+            self.dropped += 1;
             return;
         }
         if self.entries.len() == self.size {
             self.entries.pop_front();
+            self.dropped += 1;
         }
         let issued_unix_ns = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos());
-        self.entries.push_back(Entry {
-            call: call.clone(),
-            issued_unix_ns,
-        });
+        self.entries.push_back(Entry { call, issued_unix_ns });
     }
 
     /// The dump (module docs) of rank `rank` of `nranks` of communicator `comm`.
@@ -121,6 +212,7 @@ impl Recorder {
             "issued": issued,
             "error": error,
             "progress": progress,
+            "dropped": self.dropped,
             "calls": self.entries.iter().map(Entry::to_json).collect::<Vec<_>>(),
         })
     }
@@ -134,8 +226,41 @@ struct RankDump {
     issued: u64,
     error: Option<String>,
     progress: Vec<String>,
-    /// seq → the call's description and its signature (collective, count, type, op, root).
+    /// Calls recorded but not in the dump (0 in dumps older than the field).
+    dropped: u64,
+    /// The collectives: seq → the call's description and its signature (collective, count,
+    /// type, op, root).
     calls: Vec<(u64, String, String)>,
+    /// The sends and receives, in issue order.
+    p2p: Vec<P2pEntry>,
+}
+
+/// A send or receive of a dump.
+struct P2pEntry {
+    send: bool,
+    peer: usize,
+    /// Its number among the rank's calls with `peer` in its direction (1 for the first).
+    seq: u64,
+    bytes: u64,
+    /// "16 × float = 64 bytes".
+    size: String,
+    /// "group 2" or "no group".
+    group: String,
+}
+
+impl RankDump {
+    /// The sends to (`send`) or receives from `peer` this rank issued, as far as its dump
+    /// tells: `None` when entries it dropped may hold the one numbered `seq` (the count is
+    /// then unknown).
+    fn p2p_issued(&self, send: bool, peer: usize, seq: u64) -> Option<u64> {
+        let mine = self.p2p.iter().filter(|e| e.send == send && e.peer == peer);
+        let (lowest, highest) = mine.fold((None, 0), |(lo, hi): (Option<u64>, u64), e| {
+            (Some(lo.map_or(e.seq, |l| l.min(e.seq))), hi.max(e.seq))
+        });
+        // With nothing dropped the dump holds every call; otherwise an older call of the same
+        // peer and direction still kept means every later one is kept too.
+        (self.dropped == 0 || lowest.is_some_and(|l| l < seq)).then_some(highest)
+    }
 }
 
 fn parse(name: &str, v: &Value) -> Result<RankDump> {
@@ -143,10 +268,25 @@ fn parse(name: &str, v: &Value) -> Result<RankDump> {
     let num = |k: &str| v.get(k).and_then(Value::as_u64).ok_or_else(|| bad(k));
     let calls = v.get("calls").and_then(Value::as_array).ok_or_else(|| bad("calls"))?;
     let mut out = Vec::new();
+    let mut p2p = Vec::new();
     for c in calls {
         let s = |k: &str| c.get(k).map_or(String::new(), |x| x.as_str().map_or(x.to_string(), str::to_string));
-        let seq = c.get("seq").and_then(Value::as_u64).ok_or_else(|| bad("calls[].seq"))?;
         let func = s("func");
+        if matches!(func.as_str(), "send" | "recv") {
+            let n = |k: &str| c.get(k).and_then(Value::as_u64).ok_or_else(|| bad(&format!("calls[].{k}")));
+            let (bytes, group) = (n("bytes")?, c.get("group").and_then(Value::as_u64));
+            let group = group.map_or_else(|| "no group".to_string(), |g| format!("group {g}"));
+            p2p.push(P2pEntry {
+                send: func == "send",
+                peer: n("peer")? as usize,
+                seq: n("p2p_seq")?,
+                bytes,
+                size: format!("{} × {} = {bytes} bytes", s("count"), s("dtype")),
+                group,
+            });
+            continue;
+        }
+        let seq = c.get("seq").and_then(Value::as_u64).ok_or_else(|| bad("calls[].seq"))?;
         let rooted = matches!(func.as_str(), "broadcast" | "reduce");
         let reducing = matches!(func.as_str(), "reduce" | "reducescatter" | "allreduce");
         let mut sig = format!("{func} {} × {}", s("count"), s("dtype"));
@@ -185,16 +325,61 @@ fn parse(name: &str, v: &Value) -> Result<RankDump> {
         issued: num("issued")?,
         error: v.get("error").and_then(Value::as_str).map(str::to_string),
         progress,
+        dropped: v.get("dropped").and_then(Value::as_u64).unwrap_or(0),
         calls: out,
+        p2p,
     })
+}
+
+/// Matches the sends and receives of one communicator's dumps, per (sender, receiver) pair in
+/// issue order (a rank's `n`th send to a peer with the peer's `n`th receive from it): appends a
+/// line per call whose match is missing from a dump that would hold it, and per matched pair
+/// of different sizes. Returns how many pairs matched with equal sizes.
+fn match_p2p(rs: &[&RankDump], out: &mut String) -> usize {
+    let mut matched = 0;
+    for a in rs {
+        for e in &a.p2p {
+            let Some(b) = rs.iter().find(|r| r.rank == e.peer) else {
+                continue; // no dump from the peer: said above
+            };
+            let other = b.p2p.iter().find(|o| o.send != e.send && o.peer == a.rank && o.seq == e.seq);
+            let (mine, theirs) = if e.send { ("send", "receive") } else { ("receive", "send") };
+            let (to, from) = if e.send { ("to", "from") } else { ("from", "to") };
+            match other {
+                // Each pair once: from the sender's side.
+                Some(o) if e.send => {
+                    if o.bytes == e.bytes {
+                        matched += 1;
+                    } else {
+                        *out += &format!(
+                            "  size mismatch: rank {}'s send #{} to rank {} is {} ({}), rank {}'s receive #{} from rank {} is {} ({})\n",
+                            a.rank, e.seq, b.rank, e.size, e.group, b.rank, o.seq, a.rank, o.size, o.group
+                        );
+                    }
+                }
+                Some(_) => {}
+                None => {
+                    if let Some(n) = b.p2p_issued(!e.send, a.rank, e.seq) {
+                        *out += &format!(
+                            "  rank {}'s {mine} #{} {to} rank {} ({}, {}) has no matching {theirs}: rank {} issued {n} {theirs}s {from} rank {}\n",
+                            a.rank, e.seq, b.rank, e.size, e.group, b.rank, a.rank
+                        );
+                    }
+                }
+            }
+        }
+    }
+    matched
 }
 
 /// Reads the dumps (`(name, JSON)`, e.g. file names and their contents) of one or more
 /// communicators and reports, per communicator: the ranks without a dump, the ranks behind the
-/// others (calls issued, and the first call they have not issued as the others recorded it), the
-/// calls on which ranks disagree (collective, count, type, operator or root), and each timed-out
-/// rank's message with its channels' progress. Errors: `InvalidArgument` naming a dump that is
-/// not JSON or not a flight-recorder dump.
+/// others (collectives issued, and the first collective they have not issued as the others
+/// recorded it), the collectives on which ranks disagree (collective, count, type, operator or
+/// root), the sends without their receive and the receives without their send (matched per
+/// pair of ranks in issue order, as the ranks match them), the matched sends and receives of
+/// different sizes, and each timed-out rank's message with its channels' progress. Errors:
+/// `InvalidArgument` naming a dump that is not JSON or not a flight-recorder dump.
 pub fn analyze(dumps: &[(String, String)]) -> Result<String> {
     let mut ranks = Vec::new();
     for (name, text) in dumps {
@@ -211,6 +396,7 @@ pub fn analyze(dumps: &[(String, String)]) -> Result<String> {
         rs.sort_by_key(|r| r.rank);
         let nranks = rs.iter().map(|r| r.nranks).max().unwrap_or(0);
         out += &format!("communicator {comm}: {nranks} ranks, dumps from {}\n", rs.len());
+        let header = out.len();
         let missing: Vec<String> = (0..nranks)
             .filter(|q| !rs.iter().any(|r| r.rank == *q))
             .map(|q| q.to_string())
@@ -244,6 +430,7 @@ pub fn analyze(dumps: &[(String, String)]) -> Result<String> {
                 out += &format!("  call #{s}: ranks disagree: {}\n", list.join(", "));
             }
         }
+        let matched = match_p2p(&rs, &mut out);
         for r in &rs {
             if let Some(e) = &r.error {
                 out += &format!("  rank {} timed out: {e}\n", r.rank);
@@ -252,8 +439,12 @@ pub fn analyze(dumps: &[(String, String)]) -> Result<String> {
                 }
             }
         }
-        if missing.is_empty() && rs.iter().all(|r| r.issued == most && r.error.is_none()) && !out.contains("disagree") {
-            out += &format!("  every rank issued {most} calls; they agree on every recorded call\n");
+        if out.len() == header {
+            out += &format!("  every rank issued {most} calls; they agree on every recorded call");
+            if matched > 0 {
+                out += &format!("; {matched} recorded sends match their receives");
+            }
+            out += "\n";
         }
     }
     Ok(out)
@@ -328,5 +519,196 @@ mod tests {
         assert_eq!(seqs, vec![2, 3]);
         assert_eq!(d["comm"], "000000ab");
         assert!(Recorder::new(0).dump(1, 0, 1, 0, None, Vec::new())["calls"].as_array().unwrap().is_empty());
+    }
+
+    /// A collective entry as a dump holds it.
+    fn coll(seq: u64, count: u64) -> Value {
+        json!({"seq": seq, "func": "allreduce", "count": count, "dtype": "float", "op": "sum",
+               "root": 0, "algo": "ring", "proto": "LL", "nchannels": 1, "issued_unix_ns": 1})
+    }
+
+    /// A send (`"send"`) or receive (`"recv"`) entry as a dump holds it.
+    fn p2p(func: &str, peer: usize, count: u64, p2p_seq: u64, group: Option<u64>) -> Value {
+        json!({"seq": null, "func": func, "count": count, "dtype": "float", "op": null, "root": null,
+               "algo": null, "proto": null, "nchannels": null, "issued_unix_ns": 1,
+               "peer": peer, "bytes": 4 * count, "p2p_seq": p2p_seq, "group": group})
+    }
+
+    /// The dump of rank `rank` of 2 that issued `issued` collectives and dropped `dropped` calls.
+    fn dump2(rank: usize, issued: u64, dropped: u64, calls: Vec<Value>) -> (String, String) {
+        let v = json!({"comm": "0000abcd", "rank": rank, "nranks": 2, "issued": issued, "error": null,
+            "progress": [], "dropped": dropped, "calls": calls});
+        (format!("r{rank}.json"), v.to_string())
+    }
+
+    #[test]
+    fn names_a_send_without_its_receive_and_a_receive_without_its_send() {
+        let dumps = [
+            dump2(0, 1, 0, vec![coll(1, 8), p2p("send", 1, 16, 1, Some(1))]),
+            dump2(
+                1,
+                1,
+                0,
+                vec![coll(1, 8), p2p("recv", 0, 16, 1, None), p2p("recv", 0, 4, 2, Some(3))],
+            ),
+        ];
+        assert_eq!(
+            analyze(&dumps).unwrap(),
+            "communicator 0000abcd: 2 ranks, dumps from 2\n  \
+             rank 1's receive #2 from rank 0 (4 × float = 16 bytes, group 3) has no matching send: rank 0 issued 1 sends to rank 1\n"
+        );
+        let dumps = [
+            dump2(0, 1, 0, vec![coll(1, 8), p2p("send", 1, 16, 1, Some(1))]),
+            dump2(1, 1, 0, vec![coll(1, 8)]),
+        ];
+        assert_eq!(
+            analyze(&dumps).unwrap(),
+            "communicator 0000abcd: 2 ranks, dumps from 2\n  \
+             rank 0's send #1 to rank 1 (16 × float = 64 bytes, group 1) has no matching receive: rank 1 issued 0 receives from rank 0\n"
+        );
+        // Rank 1 dropped calls: its receive may be among them, so nothing is said.
+        let dumps = [
+            dump2(0, 1, 0, vec![coll(1, 8), p2p("send", 1, 16, 1, Some(1))]),
+            dump2(1, 1, 5, vec![coll(1, 8)]),
+        ];
+        assert_eq!(
+            analyze(&dumps).unwrap(),
+            "communicator 0000abcd: 2 ranks, dumps from 2\n  every rank issued 1 calls; they agree on every recorded call\n"
+        );
+        // ... unless it kept an earlier receive from rank 0, after which it kept every call.
+        let dumps = [
+            dump2(0, 0, 0, vec![p2p("send", 1, 16, 1, None), p2p("send", 1, 16, 2, None)]),
+            dump2(1, 0, 5, vec![p2p("recv", 0, 16, 1, None)]),
+        ];
+        assert_eq!(
+            analyze(&dumps).unwrap(),
+            "communicator 0000abcd: 2 ranks, dumps from 2\n  \
+             rank 0's send #2 to rank 1 (16 × float = 64 bytes, no group) has no matching receive: rank 1 issued 1 receives from rank 0\n"
+        );
+        // A send or receive without its peer, size or number is not a dump's.
+        let mut bad = p2p("send", 1, 16, 1, None);
+        bad.as_object_mut().unwrap().remove("p2p_seq");
+        let e = analyze(&[dump2(0, 0, 0, vec![bad])]).unwrap_err();
+        assert_eq!(e.to_string(), "invalid argument: r0.json: not a flight-recorder dump (calls[].p2p_seq)");
+    }
+
+    #[test]
+    fn names_both_ranks_and_sizes_of_a_size_mismatch() {
+        let dumps = [
+            dump2(0, 0, 0, vec![p2p("send", 1, 16, 1, Some(2))]),
+            dump2(1, 0, 0, vec![p2p("recv", 0, 8, 1, Some(2))]),
+        ];
+        assert_eq!(
+            analyze(&dumps).unwrap(),
+            "communicator 0000abcd: 2 ranks, dumps from 2\n  \
+             size mismatch: rank 0's send #1 to rank 1 is 16 × float = 64 bytes (group 2), \
+             rank 1's receive #1 from rank 0 is 8 × float = 32 bytes (group 2)\n"
+        );
+    }
+
+    /// Sends and receives between collectives, in another order on each rank (as a program may
+    /// issue them), leave the collectives aligned by their sequence numbers.
+    #[test]
+    fn interleaved_collectives_and_sends_agree() {
+        let dumps = [
+            dump2(
+                0,
+                2,
+                0,
+                vec![
+                    coll(1, 8),
+                    p2p("send", 1, 16, 1, Some(1)),
+                    p2p("recv", 1, 32, 1, Some(1)),
+                    coll(2, 8),
+                    p2p("send", 1, 4, 2, None),
+                    p2p("send", 0, 2, 1, Some(2)),
+                    p2p("recv", 0, 2, 1, Some(2)),
+                ],
+            ),
+            dump2(
+                1,
+                2,
+                0,
+                vec![
+                    p2p("send", 0, 32, 1, Some(1)),
+                    coll(1, 8),
+                    p2p("recv", 0, 16, 1, Some(1)),
+                    p2p("recv", 0, 4, 2, Some(2)),
+                    coll(2, 8),
+                ],
+            ),
+        ];
+        assert_eq!(
+            analyze(&dumps).unwrap(),
+            "communicator 0000abcd: 2 ranks, dumps from 2\n  \
+             every rank issued 2 calls; they agree on every recorded call; 4 recorded sends match their receives\n"
+        );
+        // A collective that differs is still found among them.
+        let mut other = dumps.clone();
+        other[1] = dump2(
+            1,
+            2,
+            0,
+            vec![
+                p2p("send", 0, 32, 1, Some(1)),
+                coll(1, 8),
+                p2p("recv", 0, 16, 1, Some(1)),
+                p2p("recv", 0, 4, 2, None),
+                coll(2, 9),
+            ],
+        );
+        assert_eq!(
+            analyze(&other).unwrap(),
+            "communicator 0000abcd: 2 ranks, dumps from 2\n  \
+             call #2: ranks disagree: rank 0 allreduce 8 × float op sum, rank 1 allreduce 9 × float op sum\n"
+        );
+    }
+
+    #[test]
+    fn the_recorder_numbers_sends_and_receives_per_peer_and_groups_per_communicator() {
+        let mut rec = Recorder::new(4);
+        let call = |send, peer| P2pCall {
+            send,
+            peer,
+            count: 3,
+            dtype: DataType::F32,
+            bytes: 12,
+        };
+        rec.push_p2p(&call(true, 1), Some(40));
+        rec.push_p2p(&call(false, 1), Some(40));
+        rec.push_p2p(&call(true, 1), None);
+        rec.push_p2p(&call(true, 2), Some(41));
+        rec.push_p2p(&call(true, 1), Some(45));
+        let d = rec.dump(0xab, 0, 3, 0, None, Vec::new());
+        assert_eq!(d["dropped"], 1);
+        let calls = d["calls"].as_array().unwrap();
+        let got: Vec<(String, u64, u64, Value)> = calls
+            .iter()
+            .map(|c| {
+                let n = |k: &str| c[k].as_u64().unwrap();
+                (c["func"].as_str().unwrap().to_string(), n("peer"), n("p2p_seq"), c["group"].clone())
+            })
+            .collect();
+        let want = |f: &str, peer, n, g: Value| (f.to_string(), peer, n, g);
+        assert_eq!(
+            got,
+            vec![
+                want("recv", 1, 1, json!(1)),
+                want("send", 1, 2, Value::Null),
+                want("send", 2, 1, json!(2)),
+                want("send", 1, 3, json!(3)),
+            ]
+        );
+        let mut first = calls[0].clone();
+        first.as_object_mut().unwrap().remove("issued_unix_ns");
+        assert_eq!(
+            first,
+            json!({"seq": null, "func": "recv", "count": 3, "dtype": "float", "op": null, "root": null,
+                   "algo": null, "proto": null, "nchannels": null, "peer": 1, "bytes": 12, "p2p_seq": 1, "group": 1})
+        );
+        // Nothing kept: every call counts as dropped.
+        let mut none = Recorder::new(0);
+        none.push_p2p(&call(true, 1), None);
+        assert_eq!(none.dump(1, 0, 1, 0, None, Vec::new())["dropped"], 1);
     }
 }

@@ -280,11 +280,13 @@ impl Comm {
         self.direct
     }
     /// The flight recorder's dump of this rank (`comm/flight_recorder.rs`): one JSON object
-    /// with the communicator's id, this rank, the calls it issued, its last
-    /// `OXCCL_FLIGHT_RECORDER_SIZE` calls (sequence number, collective, count, type, operator,
-    /// root, algorithm/protocol/channels, issue time), a timeout's message and its ring
-    /// channels' step counters. Feed the dumps of every rank to `oxccl trace` (or
-    /// [`flight_recorder::analyze`]) to see which rank is behind or disagrees.
+    /// with the communicator's id, this rank, the collectives it issued, its last
+    /// `OXCCL_FLIGHT_RECORDER_SIZE` calls (collectives: sequence number, collective, count, type,
+    /// operator, root, algorithm/protocol/channels; sends and receives: peer, count, type, size,
+    /// number among the calls with that peer, group; each with its issue time), a timeout's
+    /// message and its ring channels' step counters. Feed the dumps of every rank to `oxccl
+    /// trace` (or [`flight_recorder::analyze`]) to see which rank is behind or disagrees, and
+    /// which sends and receives miss their match.
     pub fn flight_record(&self) -> String {
         self.watch.dump().to_string()
     }

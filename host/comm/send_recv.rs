@@ -309,6 +309,14 @@ impl Comm {
             )));
         }
         tracing::debug!(target: "oxccl::coll", rank = self.rank, call, peer, count, %dtype, "enqueue");
+        let recorded = flight_recorder::P2pCall {
+            send,
+            peer,
+            count,
+            dtype,
+            bytes,
+        };
+        self.watch.record_p2p(&recorded, group::current_group());
         group::enqueue(Queued {
             target: self.p2p_target()?,
             stream: stream.handle(),

@@ -202,6 +202,13 @@ impl Watch {
         st.last_sample = None;
     }
 
+    /// Records a send or receive in the flight recorder as it is issued (`group`: the id of
+    /// the thread's group, [`crate::group::current_group`]). Not counted as an issued call (see
+    /// [`Watch::begin_p2p`]).
+    pub(super) fn record_p2p(&self, call: &flight_recorder::P2pCall, group: Option<u64>) {
+        self.state().recorder.push_p2p(call, group);
+    }
+
     /// Records a point-to-point launch about to be queued (`what` names its sends and receives
     /// and their peers). Not counted as an issued call: ranks issue different sends and
     /// receives, so counts say nothing about who is behind.
