@@ -16,6 +16,9 @@
     target_arch = "nvptx64",
     feature(abi_ptx, stdarch_nvptx, asm_experimental_arch)
 )]
+// `inline(always)` on the closures the kernels' loops call (a closure LLVM outlines keeps its
+// operands in local memory).
+#![feature(stmt_expr_attributes)]
 #![deny(unsafe_op_in_unsafe_fn)]
 
 #[cfg(not(target_arch = "nvptx64"))]

@@ -564,7 +564,7 @@ mod tests {
         let e = PeerInfo::decode(3, b"cuda\n0").unwrap_err();
         assert_eq!(
             e.to_string(),
-            "remote error: rank 3 sent malformed peer information (2 fields, expected 15)"
+            "remote error: rank 3 sent malformed peer information (2 fields, expected 16)"
         );
     }
 

@@ -327,7 +327,8 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
         if NR > 0 && nrecv > 0 && !self.read_batch(&at(slots[0]), flags[0], active, w) {
             return false;
         }
-        let mut more = |i: usize| {
+        let mut more = #[cfg_attr(target_arch = "nvptx64", inline(always))]
+        |i: usize| {
             let mut w2 = [[0u64; 2 * PARTS]; UNROLL];
             if !self.read_batch(&at(slots[i]), flags[i], active, &mut w2) {
                 return false;

@@ -732,7 +732,8 @@ pub(crate) unsafe fn reduce_copy<T: Elem, Op: RedFn<T>, const TWO_SRC: bool, con
     let stride = nthreads;
     #[cfg(not(target_arch = "nvptx64"))]
     let stride = 1u32;
-    let op = |a: Pack, b: Pack| -> Pack {
+    let op = #[cfg_attr(target_arch = "nvptx64", inline(always))]
+    |a: Pack, b: Pack| -> Pack {
         let a = if pre == PreOn::S0 {
             pre_pack::<T, Op>(a, args)
         } else {
@@ -765,14 +766,17 @@ pub(crate) unsafe fn reduce_copy<T: Elem, Op: RedFn<T>, const TWO_SRC: bool, con
             if TWO_SRC {
                 unrolled::<UNROLL>(|u| w[u] = load_src(ps1.add((i + u as u32 * stride) as usize)));
             }
-            unrolled::<UNROLL>(|u| {
-                let r = op(v[u], w[u]);
-                let k = (i + u as u32 * stride) as usize;
-                arch::store_v4(pd0.add(k), r);
-                if TWO_DST {
-                    arch::store_v4(pd1.add(k), r);
-                }
-            });
+            unrolled::<UNROLL>(
+                #[cfg_attr(target_arch = "nvptx64", inline(always))]
+                |u| {
+                    let r = op(v[u], w[u]);
+                    let k = (i + u as u32 * stride) as usize;
+                    arch::store_v4(pd0.add(k), r);
+                    if TWO_DST {
+                        arch::store_v4(pd1.add(k), r);
+                    }
+                },
+            );
             i += UNROLL as u32 * stride;
         }
         while i < end {
