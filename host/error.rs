@@ -18,7 +18,7 @@ pub enum ResultCode {
 
 /// Every failure of the library. Messages name the argument or variable at fault and, where one
 /// exists, the accepted range.
-#[derive(Debug, thiserror::Error)]
+#[derive(Clone, Debug, thiserror::Error)]
 pub enum Error {
     /// A CUDA driver call failed (`ncclUnhandledCudaError`).
     #[error("CUDA error: {call} returned {name} ({code}): {msg}")]

@@ -93,7 +93,7 @@ pub mod tuning;
 
 pub use comm::{Choice, Comm, SPLIT_NOCOLOR};
 pub use error::{Error, Result, ResultCode, error_string, error_string_of};
-pub use group::{group, group_end, group_start};
+pub use group::{PendingComm, group, group_end, group_start};
 pub use handle::CommHandle;
 pub use mem::{DevSlice, Device, DeviceBuffer, Stream};
 pub use oxccl_gpu::abi::{Algo, DataType, DevRedOp, Func, Proto, RedOp, kernel_name, kernel_name_for};

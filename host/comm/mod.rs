@@ -335,6 +335,14 @@ impl Comm {
         self.finalized.load(Ordering::Acquire)
     }
 
+    /// Whether this rank was created together with every other rank of its communicator in this
+    /// process ([`Comm::init_all`], or a group holding every rank of a unique id: see
+    /// [`crate::group::init_rank`]); such ranks share one process group and meet no peer
+    /// through a bootstrap at teardown.
+    pub fn in_process_group(&self) -> bool {
+        self.process.is_some()
+    }
+
     /// True once [`Comm::abort`] was called (or dropping raised the abort flag).
     pub fn is_aborted(&self) -> bool {
         self.flag_state() != 0

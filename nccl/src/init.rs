@@ -168,7 +168,10 @@ unsafe fn init_rank_config(
     let device = device_for(rank)?;
     let (handle, in_progress) = if oxccl::group::group_depth() > 0 {
         let handle = handles::new_pending();
-        crate::group::defer_init(handle, nranks, rank, bytes, device);
+        if let Err(e) = crate::group::defer_init(handle, nranks, rank, bytes, device) {
+            handles::fail_pending(handle, &e);
+            return Err(e);
+        }
         (handle, !config.blocking)
     } else if !config.blocking {
         (init_rank_in_background(nranks, bytes, rank, device)?, true)

@@ -282,6 +282,16 @@ pub fn streams(comms: &[Comm]) -> Vec<Stream> {
     comms.iter().map(|c| c.device().new_stream().unwrap()).collect()
 }
 
+/// Drops the ranks of an `init_rank` communicator on a thread each (they meet at a teardown
+/// barrier, so one thread dropping them in turn would wait for itself).
+pub fn drop_on_threads(comms: Vec<Comm>) {
+    std::thread::scope(|s| {
+        for c in comms {
+            s.spawn(move || drop(c));
+        }
+    });
+}
+
 /// Synchronizes every rank's stream, panicking with `what` and the rank on an error.
 pub fn sync_all(streams: &[Stream], what: &str) {
     for (r, s) in streams.iter().enumerate() {

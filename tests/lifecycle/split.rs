@@ -42,7 +42,7 @@ fn ranks_of_one_colour_form_a_communicator_ordered_by_key() {
         assert_eq!(bufs[1].to_vec().unwrap(), vec![colour as u8 + 1; 64]);
         // A split communicator splits again (every rank alone), and outlives its parent.
         let singles = split_all(&group, |r| r as i32, |_| 0);
-        drop_on_threads(group);
+        common::drop_on_threads(group);
         for s in singles.iter().map(|s| s.as_ref().unwrap()) {
             assert_eq!((s.rank(), s.nranks()), (0, 1));
             let (stream, b) = (s.device().new_stream().unwrap(), s.device().alloc(68).unwrap());
@@ -53,16 +53,6 @@ fn ranks_of_one_colour_form_a_communicator_ordered_by_key() {
         }
     }
     drop(parent);
-}
-
-/// Drops the ranks of an `init_rank` communicator on a thread each (they meet at a teardown
-/// barrier, so one thread dropping them in turn would wait for itself).
-fn drop_on_threads(comms: Vec<Comm>) {
-    std::thread::scope(|s| {
-        for c in comms {
-            s.spawn(move || drop(c));
-        }
-    });
 }
 
 #[test]

@@ -16,6 +16,10 @@
 //! - a launch holds at most [`MAX_P2P_WORKS`] blocks: a group that would need more fails at its
 //!   end naming the limit, before anything of it is launched.
 //!
+//! Communicators may be created inside a group ([`init_rank`], NCCL's `ncclCommInitRank`
+//! inside a group, how one thread creates several ranks): the outermost end creates them
+//! together, before it launches the group's sends and receives (`init.rs`).
+//!
 //! A group's calls of one communicator must use one stream. The buffers, streams and
 //! communicators of the queued calls must stay alive until the group ends (and the buffers
 //! until the stream has run the work, as for every call).
@@ -25,6 +29,9 @@ use crate::mem::Stream;
 use oxccl_gpu::abi::{MAX_P2P_WORKS, WorkP2p};
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering};
+
+mod init;
+pub use init::{PendingComm, init_rank};
 
 /// One send or receive: direction, peer, buffer address and size in bytes (a send: what it
 /// sends; a receive: what its output holds).
@@ -49,6 +56,8 @@ struct Group {
     /// The outermost group's id ([`current_group`]), while `depth > 0`.
     id: u64,
     queued: Vec<Queued>,
+    /// The communicator inits issued inside the group ([`init_rank`]).
+    inits: Vec<init::Deferred>,
 }
 
 /// The last id given to an outermost group of any thread.
@@ -71,14 +80,16 @@ pub fn group_start() -> Result<()> {
     Ok(())
 }
 
-/// Ends the innermost group of this thread (NCCL's `ncclGroupEnd`); the outermost end launches
-/// every queued send and receive (module docs). Errors: InvalidUsage without a matching
+/// Ends the innermost group of this thread (NCCL's `ncclGroupEnd`); the outermost end creates
+/// the communicators of the group's [`init_rank`] calls, then launches every queued send and
+/// receive (module docs). Errors: the first failed init's (each [`PendingComm`] holds its own);
+/// InvalidUsage without a matching
 /// [`group_start`]; InvalidUsage when a communicator's calls use several streams, a send or
 /// receive with the rank itself has no match, or a launch would exceed [`MAX_P2P_WORKS`]
 /// blocks (nothing of the group is launched then); InvalidArgument when a matched send and
 /// receive with the rank itself differ in size (the smaller size is copied); launch errors.
 pub fn group_end() -> Result<()> {
-    let queued = GROUP.with(|g| {
+    let (inits, queued) = GROUP.with(|g| {
         let mut g = g.borrow_mut();
         if g.depth == 0 {
             return Err(Error::InvalidUsage(
@@ -86,9 +97,20 @@ pub fn group_end() -> Result<()> {
             ));
         }
         g.depth -= 1;
-        Ok(if g.depth == 0 { std::mem::take(&mut g.queued) } else { Vec::new() })
+        Ok(if g.depth == 0 {
+            (std::mem::take(&mut g.inits), std::mem::take(&mut g.queued))
+        } else {
+            (Vec::new(), Vec::new())
+        })
     })?;
-    launch(queued)
+    let inited = init::run(inits);
+    let launched = launch(queued);
+    inited.and(launched)
+}
+
+/// Records an init for the end of this thread's group.
+fn defer_init(d: init::Deferred) {
+    GROUP.with(|g| g.borrow_mut().inits.push(d));
 }
 
 /// Runs `f` inside a group ([`group_start`] … [`group_end`]): the sends and receives `f` issues
