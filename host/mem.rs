@@ -210,6 +210,21 @@ pub struct DevSlice<'a> {
 }
 
 impl<'a> DevSlice<'a> {
+    /// A range of `bytes` bytes at `addr` on `device` that no [`DeviceBuffer`] of this library
+    /// owns (memory the caller allocated: a C caller's `cudaMalloc`, a framework's tensor).
+    ///
+    /// # Safety
+    /// `addr..addr + bytes` is memory of `device` (CPU target: host memory) that stays valid,
+    /// and is not freed, while the slice and any work queued with it are in use.
+    pub unsafe fn from_raw(addr: u64, bytes: usize, device: Device) -> DevSlice<'a> {
+        DevSlice {
+            addr,
+            bytes,
+            device,
+            _buf: PhantomData,
+        }
+    }
+
     /// Start address.
     pub fn addr(&self) -> u64 {
         self.addr

@@ -5,11 +5,11 @@
 //! root, operator and stream of each call and names what is wrong; this layer checks the C
 //! arguments (handle, type, operator value, negative ranks) first.
 use crate::cuda::KeepCurrent;
-use crate::handles::{self, Live};
+use crate::handles::{self, Live, PreMul, PreMulScalar};
 use crate::types::{
     builtin_op, data_type, ncclComm_t, ncclDataType_t, ncclNumOps, ncclRedOp_t, non_negative, premul_index,
 };
-use oxccl::{DataType, Error, Func, ReduceOp, Result};
+use oxccl::{DataType, DevSlice, Error, Func, ReduceOp, Result};
 use std::ffi::{c_int, c_void};
 
 /// `cudaStream_t`: an opaque pointer (`CUstream`); NULL is the legacy default stream.
@@ -23,7 +23,12 @@ fn reduce_op(live: &Live, op: ncclRedOp_t, dtype: DataType) -> Result<ReduceOp<'
     }
     let entry = premul_index(op).and_then(|i| live.redops().get(i).copied().flatten());
     match entry {
-        Some(p) if p.dtype == dtype => Ok(ReduceOp::PreMulSum(p.scalar)),
+        Some(PreMul { dtype: d, scalar: PreMulScalar::Host(s) }) if d == dtype => Ok(ReduceOp::PreMulSum(s)),
+        Some(PreMul { dtype: d, scalar: PreMulScalar::Device(addr) }) if d == dtype => {
+            // SAFETY: NCCL's contract for ncclScalarDevice: one element of the operator's type on
+            // the rank's device, allocated while the operator is used.
+            Ok(ReduceOp::PreMulSumDevice(unsafe { DevSlice::from_raw(addr, d.size(), live.comm.device()) }))
+        }
         Some(p) => Err(Error::InvalidArgument(format!(
             "op {op} is a PreMulSum operator of {} but the call's datatype is {}",
             p.dtype.name(),

@@ -52,7 +52,17 @@ impl Target {
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct PreMul {
     pub(crate) dtype: DataType,
-    pub(crate) scalar: Scalar,
+    pub(crate) scalar: PreMulScalar,
+}
+
+/// Where a PreMulSum operator's scalar is (NCCL's `ncclScalarResidence_t`).
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum PreMulScalar {
+    /// `ncclScalarHostImmediate`: the value, read when the operator was created.
+    Host(Scalar),
+    /// `ncclScalarDevice`: the address of one element on the rank's device, read by each call's
+    /// kernel when it runs.
+    Device(u64),
 }
 
 /// A communicator behind a handle.

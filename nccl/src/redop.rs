@@ -5,7 +5,7 @@
 //! Host-immediate scalars are read when the operator is created, as NCCL does; device-resident
 //! ones (read by the kernel when it runs) are not supported yet through this ABI.
 use crate::errors::non_null;
-use crate::handles::{self, PreMul};
+use crate::handles::{self, PreMul, PreMulScalar};
 use crate::types::*;
 use half::{bf16, f16};
 use oxccl::{DataType, Error, Scalar};
@@ -37,8 +37,10 @@ unsafe fn read_scalar(p: *const c_void, dtype: DataType) -> Scalar {
 
 nccl_api! {
     /// A PreMulSum operator of `comm` for `datatype`: each rank's input times its `*scalar`,
-    /// summed. With `ncclScalarHostImmediate` the scalar is read now; `ncclScalarDevice` is not
-    /// supported yet (`ncclInvalidUsage`).
+    /// summed. With `ncclScalarHostImmediate` the scalar is read now; with `ncclScalarDevice`
+    /// `scalar` is one element on the rank's device, read by each call's kernel when it runs (so
+    /// earlier work on the call's stream may write it), and must stay allocated while the
+    /// operator is used.
     fn ncclRedOpCreatePreMulSum / pncclRedOpCreatePreMulSum(
         op: *mut ncclRedOp_t,
         scalar: *mut c_void,
@@ -52,14 +54,9 @@ nccl_api! {
         let dtype = data_type(datatype)?;
         let scalar = match residence {
             // SAFETY: non-NULL; NCCL's contract: one element of `datatype` in host memory.
-            ncclScalarHostImmediate => unsafe { read_scalar(scalar, dtype) },
-            ncclScalarDevice => {
-                return Err(Error::InvalidUsage(
-                    "residence ncclScalarDevice is not supported yet by oxccl's C ABI; read the scalar to the host and pass \
-                     ncclScalarHostImmediate"
-                        .into(),
-                ));
-            }
+            ncclScalarHostImmediate => PreMulScalar::Host(unsafe { read_scalar(scalar, dtype) }),
+            // The calls check its device and alignment (`Comm::collective_raw`).
+            ncclScalarDevice => PreMulScalar::Device(scalar as u64),
             r => {
                 return Err(Error::InvalidArgument(format!(
                     "residence {r} is not an ncclScalarResidence_t (accepted: 0 ncclScalarDevice, 1 ncclScalarHostImmediate)"

@@ -68,6 +68,11 @@ fn a_grouped_init_runs_every_collective_exactly() {
     let mut sc_recv = vec![vec![-1f32; 4]; 2];
     let pm_send: Vec<Vec<f32>> = ranks.iter().map(|&r| seq(8, |i| (i + r) as f32)).collect();
     let mut pm_recv = vec![vec![-1f32; 8]; 2];
+    // Device-resident PreMulSum scalars (CPU-target device memory is host memory), written after
+    // the operators are created: the kernels read them when they run.
+    let mut dev_scalars = [0f32; 2];
+    let mut pmd_recv = vec![vec![-1f32; 8]; 2];
+    let mut dev_ops = [0 as c_int; 2];
     let f8_send: Vec<Vec<u8>> = ranks.iter().map(|&r| (0..4).map(|i| (16 * r + i) as u8).collect()).collect();
     let mut f8_recv = vec![vec![0u8; 8]; 2];
     // fp8 E4M3 AllReduce: 1.5, 18, 0 and 448 + 448, which saturates to 448.
@@ -125,9 +130,20 @@ fn a_grouped_init_runs_every_collective_exactly() {
             let (s, d) = (ptr(&pm_send[r]), mptr(&mut pm_recv[r]));
             expect((api.all_reduce)(s, d, 8, FLOAT, ops[r], comms[r], null_mut()), SUCCESS, &[]);
         }
+        let dev_at: [*mut f32; 2] = [&raw mut dev_scalars[0], &raw mut dev_scalars[1]];
+        for r in 0..2 {
+            expect((api.redop_create)(&mut dev_ops[r], dev_at[r].cast(), FLOAT, 0, comms[r]), SUCCESS, &[]);
+        }
+        dev_at[0].write(2.0);
+        dev_at[1].write(3.0);
+        for r in 0..2 {
+            let (s, d) = (ptr(&pm_send[r]), mptr(&mut pmd_recv[r]));
+            expect((api.all_reduce)(s, d, 8, FLOAT, dev_ops[r], comms[r], null_mut()), SUCCESS, &[]);
+        }
         // The operator may be destroyed once the calls using it have returned.
         for r in 0..2 {
             expect((api.redop_destroy)(ops[r], comms[r]), SUCCESS, &[]);
+            expect((api.redop_destroy)(dev_ops[r], comms[r]), SUCCESS, &[]);
         }
         let (s, d) = (ptr(&pm_send[0]), mptr(&mut pm_recv[0]));
         expect((api.all_reduce)(s, d, 8, FLOAT, ops[0], c0, null_mut()), INVALID_ARGUMENT, &["PreMulSum", "not destroyed"]);
@@ -171,6 +187,7 @@ fn a_grouped_init_runs_every_collective_exactly() {
         assert_eq!(a2a_recv[r], seq(8, |j| (100 * (j / 4) + 10 * r + j % 4) as f32), "AlltoAll, rank {r}");
         assert_eq!(sc_recv[r], seq(4, |i| (60 + 4 * r + i) as f32), "Scatter, rank {r}");
         assert_eq!(pm_recv[r], seq(8, |i| (5 * i + 3) as f32), "PreMulSum AllReduce, rank {r}");
+        assert_eq!(pmd_recv[r], seq(8, |i| (5 * i + 3) as f32), "PreMulSum AllReduce with device scalars, rank {r}");
         assert_eq!(f8_recv[r], [0, 1, 2, 3, 16, 17, 18, 19], "8-bit float AllGather, rank {r}");
         assert_eq!(f8r_recv[r], e4m3(&[1.5, 18.0, 0.0, 448.0]), "fp8 E4M3 AllReduce, rank {r}");
     }

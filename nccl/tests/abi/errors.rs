@@ -162,13 +162,6 @@ fn unsupported_calls_say_so() {
             &["ncclCommWindowRegister", "not supported yet"],
         );
         expect((n.dev_comm_create)(c, null(), null_mut()), INVALID_USAGE, &["ncclDevCommCreate", "not support"]);
-        let mut op: c_int = 0;
-        let mut scalar = 1.0f32;
-        expect(
-            (n.redop_create)(&mut op, (&raw mut scalar).cast(), FLOAT, 0, c),
-            INVALID_USAGE,
-            &["ncclScalarDevice", "not supported yet"],
-        );
         // Registration is accepted (oxccl needs none) and checked on deregistration.
         let mut h: *mut c_void = null_mut();
         expect((n.register)(c, mptr(&mut buf), 64, &mut h), SUCCESS, &[]);
