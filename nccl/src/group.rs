@@ -9,7 +9,14 @@
 //! `ncclGroupEnd` is oxccl's, which carries the inits out together (every rank of a unique id as
 //! one `Comm::init_all`, any other init on a thread of its own), then launches the group's
 //! sends and receives; each pending handle then names its communicator, or the failure of its
-//! init. A call on a pending handle before the end
+//! init.
+//!
+//! **Splits inside a group.** `ncclCommSplit` inside a group (how XLA splits the communicators
+//! of its local GPUs from one thread) hands out a pending handle at once (NULL for
+//! `NCCL_SPLIT_NOCOLOR`); the outermost `ncclGroupEnd` runs the group's splits together, a
+//! thread each, before the group's inits and sends and receives.
+//!
+//! A call on a pending handle before the end
 //! is `ncclInvalidUsage` (NCCL's users issue them after `ncclGroupEnd`).
 use crate::cuda::KeepCurrent;
 use crate::errors::non_null;
@@ -19,6 +26,8 @@ use oxccl::bootstrap::UniqueId;
 use oxccl::group::PendingComm;
 use oxccl::{Device, Error, Result};
 use std::cell::RefCell;
+use std::ffi::c_int;
+use std::sync::Arc;
 
 /// An init issued inside a group: its handle and oxccl's pending communicator.
 struct Deferred {
@@ -47,6 +56,67 @@ pub(crate) fn defer_init(handle: u64, nranks: usize, rank: usize, id: [u8; 128],
     Ok(())
 }
 
+/// A split issued inside a group: the parent, the colour and key, and the pending handle of
+/// the new communicator (`None` for `NCCL_SPLIT_NOCOLOR`).
+struct DeferredSplit {
+    handle: Option<u64>,
+    parent: Arc<Live>,
+    color: c_int,
+    key: c_int,
+}
+
+thread_local! {
+    static SPLITS: RefCell<Vec<DeferredSplit>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Records a split for the end of this thread's group (`handle`, if any, is pending until then).
+pub(crate) fn defer_split(handle: Option<u64>, parent: Arc<Live>, color: c_int, key: c_int) {
+    SPLITS.with(|d| d.borrow_mut().push(DeferredSplit { handle, parent, color, key }));
+}
+
+/// Carries out a group's splits together, one thread each (a split is a collective call of
+/// every rank of the parent, so one thread cannot run its ranks' splits in turn), and names
+/// each pending handle with its new communicator or its failure. The first failure, preferring
+/// a rank's own error to the `Remote` errors it causes in the others.
+fn run_splits(splits: Vec<DeferredSplit>) -> Result<()> {
+    let results: Vec<Result<()>> = std::thread::scope(|s| {
+        let jobs: Vec<_> = splits
+            .into_iter()
+            .map(|d| {
+                std::thread::Builder::new().name("oxccl-nccl-split".into()).spawn_scoped(s, move || {
+                    let _keep = KeepCurrent::new();
+                    let made = d.parent.comm.split(d.color, d.key);
+                    match (d.handle, made) {
+                        (Some(h), Ok(Some(child))) => crate::init::publish_split(h, child).inspect_err(|e| handles::fail_pending(h, e)),
+                        (Some(h), Ok(None)) => {
+                            let e = Error::Internal("a split with a colour gave no communicator".into());
+                            handles::fail_pending(h, &e);
+                            Err(e)
+                        }
+                        (Some(h), Err(e)) => {
+                            handles::fail_pending(h, &e);
+                            Err(e)
+                        }
+                        (None, made) => made.map(|_| ()),
+                    }
+                })
+            })
+            .collect();
+        jobs.into_iter()
+            .map(|j| match j {
+                Ok(h) => h.join().unwrap_or_else(|_| Err(Error::Internal("a split thread panicked".into()))),
+                Err(e) => Err(Error::System(format!("cannot start a split thread: {e}"))),
+            })
+            .collect()
+    });
+    let mut errors: Vec<Error> = results.into_iter().filter_map(|r| r.err()).collect();
+    if errors.is_empty() {
+        return Ok(());
+    }
+    let at = errors.iter().position(|e| !matches!(e, Error::Remote(_))).unwrap_or(0);
+    Err(errors.swap_remove(at))
+}
+
 /// Names each deferred init's handle with its communicator, or its failure. Ranks created
 /// together with every other rank of their id ([`oxccl::Comm::in_process_group`]) need no
 /// clique.
@@ -73,10 +143,15 @@ fn group_end() -> Result<()> {
         ));
     }
     let _keep = KeepCurrent::new();
-    let inits = if depth == 1 { DEFERRED.with(|d| std::mem::take(&mut *d.borrow_mut())) } else { Vec::new() };
+    let (inits, splits) = if depth == 1 {
+        (DEFERRED.with(|d| std::mem::take(&mut *d.borrow_mut())), SPLITS.with(|d| std::mem::take(&mut *d.borrow_mut())))
+    } else {
+        (Vec::new(), Vec::new())
+    };
+    let split = if splits.is_empty() { Ok(()) } else { run_splits(splits) };
     let ended = oxccl::group_end();
     publish(inits);
-    ended
+    split.and(ended)
 }
 
 nccl_api! {

@@ -205,6 +205,18 @@ fn init_rank_in_background(nranks: usize, id: [u8; 128], rank: usize, device: De
     Ok(handle)
 }
 
+/// Names `handle` (reserved or pending) with `child`, a communicator made by a split. The ranks
+/// of the new communicator in this process tear down together (as the ranks of one unique id
+/// do): its id, the same on all of them, keys the clique.
+pub(crate) fn publish_split(handle: u64, child: Comm) -> Result<()> {
+    let target = Target::of(child.device())?;
+    let mut key_bytes = [0u8; 128];
+    key_bytes[..8].copy_from_slice(&child.comm_id().to_le_bytes());
+    key_bytes[8..16].copy_from_slice(b"oxsplit\0");
+    handles::publish(Live::new(handle, child, target, Some(Clique::of(&key_bytes))));
+    Ok(())
+}
+
 /// The result code of an init that `init_rank_config` ran as `f`: `ncclInProgress` when it
 /// completes in the background (a non-blocking config), else `ncclSuccess` or the error.
 fn init_code(name: &str, f: impl FnOnce() -> Result<bool>) -> ncclResult_t {
@@ -391,22 +403,22 @@ nccl_api! {
         // SAFETY: the caller's contract.
         let _config = unsafe { read_config(config) }?;
         if oxccl::group::group_depth() > 0 {
-            return Err(Error::InvalidUsage(
-                "ncclCommSplit inside a group is not supported yet by oxccl; call it outside the group, from a thread per rank".into(),
-            ));
+            // Carried out at the group's end, with the group's other splits (group.rs);
+            // `NCCL_SPLIT_NOCOLOR` takes part in the exchange there but gets no communicator.
+            let handle = (color != oxccl::SPLIT_NOCOLOR).then(handles::new_pending);
+            crate::group::defer_split(handle, live, color, key);
+            if let Some(handle) = handle {
+                // SAFETY: non-NULL (checked above).
+                unsafe { newcomm.write(handles::to_comm(handle)) };
+            }
+            return Ok(());
         }
         let _keep = KeepCurrent::new();
         let Some(child) = live.comm.split(color, key)? else {
             return Ok(());
         };
-        let target = Target::of(child.device())?;
-        // The ranks of the new communicator in this process tear down together (as the ranks
-        // of one unique id do): its id, the same on all of them, keys the clique.
-        let mut key_bytes = [0u8; 128];
-        key_bytes[..8].copy_from_slice(&child.comm_id().to_le_bytes());
-        key_bytes[8..16].copy_from_slice(b"oxsplit\0");
         let handle = handles::reserve();
-        handles::publish(Live::new(handle, child, target, Some(Clique::of(&key_bytes))));
+        publish_split(handle, child)?;
         // SAFETY: non-NULL (checked above).
         unsafe { newcomm.write(handles::to_comm(handle)) };
         Ok(())

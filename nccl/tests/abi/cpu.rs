@@ -360,6 +360,63 @@ fn init_all_and_abort() {
     }
 }
 
+/// `ncclCommSplit` inside a group, from one thread (as XLA splits its local GPUs'
+/// communicators): pending handles until the group's end (NULL at once for
+/// `NCCL_SPLIT_NOCOLOR`), then two communicators that reduce exactly.
+#[test]
+fn split_inside_a_group_from_one_thread() {
+    let api = nccl();
+    let parents = group_init(4);
+    let mut kids: [Comm; 4] = [std::ptr::without_provenance_mut(0xdead); 4];
+    let mut x: c_int = 0;
+    // SAFETY: live handles and writable outputs.
+    unsafe {
+        expect((api.group_start)(), SUCCESS, &[]);
+        for (r, k) in kids.iter_mut().enumerate() {
+            let color = if r == 3 { -1 } else { (r % 2) as c_int };
+            expect((api.split)(parents[r], color, r as c_int, k, null_mut()), SUCCESS, &[]);
+        }
+        assert!(kids[3].is_null(), "NOCOLOR: NULL at once");
+        expect((api.get_async_error)(kids[0], &mut x), SUCCESS, &[]);
+        assert_eq!(x, IN_PROGRESS, "pending until the group's end");
+        expect((api.group_end)(), SUCCESS, &[]);
+    }
+    let want_ranks = [(0, 2), (0, 1), (1, 2)];
+    for (r, &(rank, count)) in want_ranks.iter().enumerate() {
+        let (mut got_rank, mut got_count) = (0, 0);
+        // SAFETY: live handles and writable ints.
+        unsafe {
+            expect((api.user_rank)(kids[r], &mut got_rank), SUCCESS, &[]);
+            expect((api.count)(kids[r], &mut got_count), SUCCESS, &[]);
+        }
+        assert_eq!((got_rank, got_count), (rank, count), "parent rank {r}");
+    }
+    let send: Vec<Vec<f32>> = (0..3).map(|r| seq(16, |i| (i * (r + 1)) as f32)).collect();
+    let mut recv = vec![vec![0f32; 16]; 3];
+    // SAFETY: host buffers alive until the teardown below.
+    unsafe {
+        for r in 0..3 {
+            expect((api.all_reduce)(ptr(&send[r]), mptr(&mut recv[r]), 16, FLOAT, SUM, kids[r], null_mut()), SUCCESS, &[]);
+        }
+    }
+    for &k in &kids[..3] {
+        finalize(k);
+    }
+    for &k in &kids[..3] {
+        destroy(k);
+    }
+    // Colour 0: parent ranks 0 and 2, (1 + 3) i; colour 1: parent rank 1 alone, 2 i.
+    assert_eq!(recv[0], seq(16, |i| (4 * i) as f32));
+    assert_eq!(recv[2], seq(16, |i| (4 * i) as f32));
+    assert_eq!(recv[1], seq(16, |i| (2 * i) as f32));
+    for &c in &parents {
+        finalize(c);
+    }
+    for &c in &parents {
+        destroy(c);
+    }
+}
+
 /// `ncclCommSplit` from a thread per rank: even ranks and odd ranks form two communicators
 /// ordered by descending key; `NCCL_SPLIT_NOCOLOR` gives NULL; the new communicators reduce
 /// exactly and are torn down from one thread, before their parent.

@@ -142,12 +142,6 @@ fn unsupported_calls_say_so() {
     let mut buf = [0u8; 64];
     // SAFETY: valid pointers.
     unsafe {
-        // A split inside a group is not supported yet (outside one it is: `cpu.rs`).
-        expect((n.group_start)(), SUCCESS, &[]);
-        expect((n.split)(c, 0, 0, &mut out, null_mut()), INVALID_USAGE, &["ncclCommSplit", "inside a group", "not supported yet"]);
-        expect((n.group_end)(), SUCCESS, &[]);
-        assert!(out.is_null(), "a failed split leaves *newcomm NULL");
-        out = std::ptr::without_provenance_mut(0xdead);
         let mut excl = [0 as c_int];
         expect(
             (n.shrink)(c, excl.as_mut_ptr(), 1, &mut out, null_mut(), 0),
