@@ -1,6 +1,8 @@
-//! Splitting a communicator (NCCL's `ncclCommSplit`, in `init.cc`): every rank names a colour
-//! and a key; the ranks of one colour form a new communicator, ordered by key (ties by their
-//! rank in the parent), and a rank with no colour gets none.
+//! Splitting and shrinking a communicator (NCCL's `ncclCommSplit` and `ncclCommShrink`, in
+//! `init.cc`). Split: every rank names a colour and a key; the ranks of one colour form a new
+//! communicator, ordered by key (ties by their rank in the parent), and a rank with no colour
+//! gets none. Shrink: the ranks not excluded form a new communicator, in their parent order,
+//! without the excluded ones taking part (they may have failed).
 //!
 //! The ranks exchange their colour and key over the parent's bootstrap; the first rank of each
 //! new communicator makes its unique id (a bootstrap root of its own, in its process) and sends
@@ -77,6 +79,75 @@ impl Comm {
     }
 }
 
+/// Bootstrap tag of the unique id a shrink's first surviving rank sends to the others.
+const SHRINK_TAG: u32 = 0x5348_0000;
+
+impl Comm {
+    /// Shrinks this communicator (NCCL's `ncclCommShrink`): a collective call of every rank
+    /// *not* in `exclude` (parent ranks, each in `0..nranks`, no duplicates), which form a new
+    /// communicator in their order here (new rank = position among them) on this rank's device,
+    /// with the environment's settings. The excluded ranks take no part: they may have failed.
+    /// With `abort_first` (NCCL's `NCCL_SHRINK_ABORT`) this rank's operations still waiting
+    /// on the parent are aborted first ([`Comm::abort`]; the parent is unusable afterwards);
+    /// otherwise (`NCCL_SHRINK_DEFAULT`) the parent stays usable. Blocks until every surviving
+    /// rank has joined. Errors: InvalidArgument for an excluded rank out of range, a duplicate,
+    /// or this rank itself among them; InvalidUsage on a finalized (or, without `abort_first`,
+    /// aborted) parent; bootstrap and init errors.
+    pub fn shrink(&self, exclude: &[usize], abort_first: bool) -> Result<Comm> {
+        let survivors = shrink_survivors(self.nranks, exclude, self.rank)?;
+        if self.finalized.load(Ordering::Acquire) {
+            return Err(Error::InvalidUsage(format!(
+                "rank {}: the communicator was finalized; only destroy is allowed after finalize",
+                self.rank
+            )));
+        }
+        if abort_first {
+            self.abort()?;
+        } else if self.flag_state() != 0 {
+            self.get_async_error()?;
+        }
+        let me = survivors.iter().position(|&r| r == self.rank).unwrap_or(0);
+        let first = survivors[0];
+        let mp = self.init_rank_res();
+        let id = if me == 0 {
+            let mut cfg = crate::bootstrap::BootstrapConfig::from_env()?;
+            // A fixed root address (NCCL_COMM_ID) may be the parent's.
+            cfg.comm_id = None;
+            let id = crate::bootstrap::get_unique_id_with(&cfg)?;
+            for &peer in &survivors[1..] {
+                mp.bootstrap.send(peer, SHRINK_TAG, &id.to_bytes())?;
+            }
+            id
+        } else {
+            crate::bootstrap::UniqueId::from_bytes(&mp.bootstrap.recv(first, SHRINK_TAG)?)?
+        };
+        tracing::debug!(target: "oxccl::init", rank = self.rank, ?exclude, new_rank = me, nranks = survivors.len(), "shrink");
+        Comm::init_rank(survivors.len(), &id, me, self.device)
+    }
+}
+
+/// The parent ranks that remain after excluding `exclude` from `0..nranks`, checked: every
+/// excluded rank in range, none twice, and not `me` (the caller takes part).
+fn shrink_survivors(nranks: usize, exclude: &[usize], me: usize) -> Result<Vec<usize>> {
+    let mut out = vec![true; nranks];
+    for (i, &r) in exclude.iter().enumerate() {
+        if r >= nranks {
+            return Err(Error::invalid(format!(
+                "excluded rank {r} (entry {i}) is out of range (accepted: 0..{nranks})"
+            )));
+        }
+        if !std::mem::replace(&mut out[r], false) {
+            return Err(Error::invalid(format!("excluded rank {r} is listed twice")));
+        }
+    }
+    if !out[me] {
+        return Err(Error::invalid(format!(
+            "rank {me} is in its own exclude list: only the surviving ranks call shrink"
+        )));
+    }
+    Ok((0..nranks).filter(|&r| out[r]).collect())
+}
+
 /// The parent ranks of colour `color` in their new order (by key, then parent rank), from every
 /// rank's (colour, key, parent rank); empty for [`SPLIT_NOCOLOR`].
 fn split_members(entries: &[(i32, i32, usize)], color: i32) -> Vec<usize> {
@@ -103,5 +174,17 @@ mod tests {
         assert_eq!(split_members(&e, 0), [5, 1]);
         assert!(split_members(&e, SPLIT_NOCOLOR).is_empty());
         assert!(split_members(&e, 7).is_empty());
+    }
+
+    #[test]
+    fn shrink_keeps_the_others_in_order_and_checks_the_list() {
+        assert_eq!(shrink_survivors(5, &[3, 1], 0).unwrap(), [0, 2, 4]);
+        assert_eq!(shrink_survivors(2, &[], 1).unwrap(), [0, 1]);
+        let e = shrink_survivors(4, &[4], 0).unwrap_err().to_string();
+        assert!(e.contains("excluded rank 4 (entry 0) is out of range (accepted: 0..4)"), "{e}");
+        let e = shrink_survivors(4, &[2, 2], 0).unwrap_err().to_string();
+        assert!(e.contains("excluded rank 2 is listed twice"), "{e}");
+        let e = shrink_survivors(4, &[1], 1).unwrap_err().to_string();
+        assert!(e.contains("rank 1 is in its own exclude list"), "{e}");
     }
 }

@@ -5,9 +5,9 @@
  * header run on oxccl and programs built against this header run on NCCL 2.28.
  *
  * What oxccl does differently is said next to each declaration; in short:
- *  - ncclCommSplit inside a group, ncclCommShrink, ncclCommWindowRegister/Deregister, ncclGroupSimulateEnd,
- *    ncclRedOpCreatePreMulSum with ncclScalarDevice and the device API's host calls
- *    (ncclDevCommCreate, ...) return ncclInvalidUsage ("not supported yet", see ncclGetLastError).
+ *  - ncclCommShrink inside a group, ncclCommRevoke, ncclCommWindowRegister/Deregister,
+ *    ncclGroupSimulateEnd and the device API's host calls (ncclDevCommCreate, ...) return
+ *    ncclInvalidUsage ("not supported yet", see ncclGetLastError).
  *  - Non-blocking communicators (config.blocking = 0): ncclCommInitRankConfig and
  *    ncclCommInitRankScalable return ncclInProgress and the init completes in the background
  *    (poll ncclCommGetAsyncError); the communicator's calls return once their work is queued,
@@ -198,8 +198,10 @@ ncclResult_t pncclCommDestroy(ncclComm_t comm);
 ncclResult_t  ncclCommAbort(ncclComm_t comm);
 ncclResult_t pncclCommAbort(ncclComm_t comm);
 
-/* Every rank calls it from a thread of its own; inside a group: ncclInvalidUsage (not supported
- * yet). NCCL_SPLIT_NOCOLOR gives *newcomm = NULL. */
+/* ncclCommSplit: every rank calls it from a thread of its own, or inside a group (one thread may
+ * split several ranks; the communicators are created at the group's end). NCCL_SPLIT_NOCOLOR
+ * gives *newcomm = NULL. ncclCommShrink: every rank not excluded calls it, from a thread of its
+ * own (inside a group: ncclInvalidUsage, not supported yet). */
 ncclResult_t  ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* newcomm, ncclConfig_t* config);
 ncclResult_t pncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* newcomm, ncclConfig_t* config);
 ncclResult_t  ncclCommShrink(ncclComm_t comm, int* excludeRanksList, int excludeRanksCount,
@@ -280,7 +282,7 @@ typedef enum {
 
 /* Where a PreMulSum scalar lives. */
 typedef enum {
-  ncclScalarDevice = 0,        /* device memory, read when the collective runs (not supported yet) */
+  ncclScalarDevice = 0,        /* device memory, read when the collective runs */
   ncclScalarHostImmediate = 1  /* host memory, read before ncclRedOpCreatePreMulSum returns */
 } ncclScalarResidence_t;
 

@@ -87,7 +87,7 @@ fn run_splits(splits: Vec<DeferredSplit>) -> Result<()> {
                     let _keep = KeepCurrent::new();
                     let made = d.parent.comm.split(d.color, d.key);
                     match (d.handle, made) {
-                        (Some(h), Ok(Some(child))) => crate::init::publish_split(h, child).inspect_err(|e| handles::fail_pending(h, e)),
+                        (Some(h), Ok(Some(child))) => crate::init::publish_derived(h, child).inspect_err(|e| handles::fail_pending(h, e)),
                         (Some(h), Ok(None)) => {
                             let e = Error::Internal("a split with a colour gave no communicator".into());
                             handles::fail_pending(h, &e);

@@ -205,10 +205,11 @@ fn init_rank_in_background(nranks: usize, id: [u8; 128], rank: usize, device: De
     Ok(handle)
 }
 
-/// Names `handle` (reserved or pending) with `child`, a communicator made by a split. The ranks
+/// Names `handle` (reserved or pending) with `child`, a communicator made by a split or a
+/// shrink. The ranks
 /// of the new communicator in this process tear down together (as the ranks of one unique id
 /// do): its id, the same on all of them, keys the clique.
-pub(crate) fn publish_split(handle: u64, child: Comm) -> Result<()> {
+pub(crate) fn publish_derived(handle: u64, child: Comm) -> Result<()> {
     let target = Target::of(child.device())?;
     let mut key_bytes = [0u8; 128];
     key_bytes[..8].copy_from_slice(&child.comm_id().to_le_bytes());
@@ -418,13 +419,18 @@ nccl_api! {
             return Ok(());
         };
         let handle = handles::reserve();
-        publish_split(handle, child)?;
+        publish_derived(handle, child)?;
         // SAFETY: non-NULL (checked above).
         unsafe { newcomm.write(handles::to_comm(handle)) };
         Ok(())
     }
 
-    /// Not supported yet: `ncclInvalidUsage` (`*newcomm` is NULL).
+    /// A communicator of the ranks of `comm` not in `excludeRanksList` (`excludeRanksCount`
+    /// entries), in their order (oxccl's `Comm::shrink`): called by every surviving rank, from a
+    /// thread each; the excluded ranks take no part. `shrinkFlags`: `NCCL_SHRINK_DEFAULT` (0,
+    /// the parent stays usable) or `NCCL_SHRINK_ABORT` (1, the parent's pending operations are
+    /// aborted first). Inside a group: not supported yet (`ncclInvalidUsage`). `*newcomm` is
+    /// NULL on failure.
     fn ncclCommShrink / pncclCommShrink(
         comm: ncclComm_t,
         exclude_ranks_list: *mut c_int,
@@ -436,11 +442,41 @@ nccl_api! {
         non_null("newcomm", newcomm)?;
         // SAFETY: non-NULL; NCCL's contract.
         unsafe { newcomm.write(std::ptr::null_mut()) };
-        handles::get(comm)?;
-        let _ = (exclude_ranks_list, exclude_ranks_count, config, shrink_flags);
-        Err(Error::InvalidUsage(
-            "ncclCommShrink is not supported yet by oxccl; create the new communicator with ncclGetUniqueId and ncclCommInitRank".into(),
-        ))
+        let live = handles::get(comm)?;
+        // SAFETY: the caller's contract.
+        let _config = unsafe { read_config(config) }?;
+        let count = non_negative("excludeRanksCount", exclude_ranks_count)?;
+        if count > 0 {
+            non_null("excludeRanksList", exclude_ranks_list)?;
+        }
+        let abort_first = match shrink_flags {
+            NCCL_SHRINK_DEFAULT => false,
+            NCCL_SHRINK_ABORT => true,
+            f => {
+                return Err(Error::InvalidArgument(format!(
+                    "shrinkFlags {f} is not a shrink flag (accepted: 0 NCCL_SHRINK_DEFAULT, 1 NCCL_SHRINK_ABORT)"
+                )));
+            }
+        };
+        let exclude = (0..count)
+            .map(|i| {
+                // SAFETY: non-NULL (checked above); NCCL's contract: `excludeRanksCount` ints.
+                let r = unsafe { exclude_ranks_list.add(i).read() };
+                non_negative("excludeRanksList entry", r)
+            })
+            .collect::<Result<Vec<usize>>>()?;
+        if oxccl::group::group_depth() > 0 {
+            return Err(Error::InvalidUsage(
+                "ncclCommShrink inside a group is not supported yet by oxccl; call it outside the group, from a thread per rank".into(),
+            ));
+        }
+        let _keep = KeepCurrent::new();
+        let child = live.comm.shrink(&exclude, abort_first)?;
+        let handle = handles::reserve();
+        publish_derived(handle, child)?;
+        // SAFETY: non-NULL (checked above).
+        unsafe { newcomm.write(handles::to_comm(handle)) };
+        Ok(())
     }
 
     /// `*async_error`: `ncclSuccess` while healthy, `ncclInProgress` while the communicator's

@@ -29,6 +29,9 @@ pub const ncclFloat8e5m2: ncclDataType_t = 11;
 /// `ncclNumTypes`.
 pub const ncclNumTypes: ncclDataType_t = 12;
 pub const ncclScalarDevice: ncclScalarResidence_t = 0;
+/// `ncclCommShrink` flags.
+pub const NCCL_SHRINK_DEFAULT: c_int = 0;
+pub const NCCL_SHRINK_ABORT: c_int = 1;
 pub const ncclScalarHostImmediate: ncclScalarResidence_t = 1;
 
 /// `NCCL_VERSION_CODE` of the ABI this library implements (2.28.3).

@@ -1,7 +1,9 @@
 //! `Comm::split` (NCCL's `ncclCommSplit`), CPU target: the ranks of one colour form a new
 //! communicator ordered by key (ties by parent rank) that runs collectives and sends exactly; a
 //! rank with `SPLIT_NOCOLOR` gets none; a split communicator splits again; a bad colour fails on
-//! every rank naming it; parent and children are dropped in either order.
+//! every rank naming it; parent and children are dropped in either order. `Comm::shrink`
+//! (NCCL's `ncclCommShrink`): the ranks not excluded form a new communicator in parent order
+//! without the excluded ones calling; the parent stays usable, or is aborted first on request.
 use crate::common;
 
 use oxccl::{Comm, DataType, Device, Error, SPLIT_NOCOLOR};
@@ -66,4 +68,31 @@ fn a_bad_colour_fails_the_split_on_every_rank_naming_it() {
     }
     // The parent is unharmed.
     common::all_reduce_f32(&parent, 33, false);
+}
+
+/// Ranks 0, 1 and 3 of 4 shrink away rank 2, which never calls: a 3-rank communicator in parent
+/// order that reduces exactly, and the parent still runs collectives on all 4. Then ranks 0 and
+/// 1 shrink away rank 3 (and 2) with the abort flag: the parent is aborted, the child works.
+#[test]
+fn shrink_forms_a_communicator_of_the_others_without_them() {
+    let parent = common::init_all(&Device::cpus(4)).unwrap();
+    let kids: Vec<Comm> = std::thread::scope(|s| {
+        let hs: Vec<_> = [0usize, 1, 3].into_iter().map(|r| {
+            let p = &parent[r];
+            s.spawn(move || p.shrink(&[2], false).unwrap_or_else(|e| panic!("rank {r}: {e}")))
+        }).collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (i, (k, parent_rank)) in kids.iter().zip([0usize, 1, 3]).enumerate() {
+        assert_eq!((k.rank(), k.nranks(), k.device()), (i, 3, Device::Cpu(parent_rank)));
+    }
+    common::all_reduce_f32(&kids, 1000, false);
+    common::drop_on_threads(kids);
+    common::all_reduce_f32(&parent, 33, true);
+    let kids: Vec<Comm> = common::on_threads(2, |r| parent[r].shrink(&[3, 2], true).unwrap_or_else(|e| panic!("rank {r}: {e}")));
+    assert!(parent[0].is_aborted() && parent[1].is_aborted());
+    common::all_reduce_f32(&kids, 10, true);
+    common::drop_on_threads(kids);
+    let e = parent[0].shrink(&[0], false).unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument(_)) && e.to_string().contains("own exclude list"), "{e}");
 }

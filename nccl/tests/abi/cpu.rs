@@ -360,6 +360,59 @@ fn init_all_and_abort() {
     }
 }
 
+/// `ncclCommShrink` from a thread per surviving rank: ranks 0 and 2 of 3 exclude rank 1 (which
+/// never calls) and get a 2-rank communicator in parent order that reduces exactly.
+#[test]
+fn shrink_from_the_surviving_ranks() {
+    let api = nccl();
+    let parents = group_init(3);
+    let handles: Vec<Handle> = parents.iter().map(|&c| Handle::of(c)).collect();
+    let kids: Vec<Handle> = [0usize, 2]
+        .into_iter()
+        .map(|r| {
+            let h = handles[r];
+            std::thread::spawn(move || {
+                let mut out: Comm = null_mut();
+                let mut excl = [1 as c_int];
+                // SAFETY: a live handle, a list of one rank and a writable output.
+                let rc = unsafe { (nccl().shrink)(h.comm(), excl.as_mut_ptr(), 1, &mut out, null_mut(), 0) };
+                expect(rc, SUCCESS, &[]);
+                Handle::of(out)
+            })
+        })
+        .collect::<Vec<_>>()
+        .into_iter()
+        .map(|t| t.join().unwrap())
+        .collect();
+    let send: Vec<Vec<f32>> = (0..2).map(|r| seq(8, |i| (i + 10 * r) as f32)).collect();
+    let mut recv = vec![vec![0f32; 8]; 2];
+    for (i, k) in kids.iter().enumerate() {
+        let (mut rank, mut count) = (0, 0);
+        // SAFETY: live handles, host buffers alive until the teardown below.
+        unsafe {
+            expect((api.user_rank)(k.comm(), &mut rank), SUCCESS, &[]);
+            expect((api.count)(k.comm(), &mut count), SUCCESS, &[]);
+            expect((api.all_reduce)(ptr(&send[i]), mptr(&mut recv[i]), 8, FLOAT, SUM, k.comm(), null_mut()), SUCCESS, &[]);
+        }
+        assert_eq!((rank, count), (i as c_int, 2));
+    }
+    for k in &kids {
+        finalize(k.comm());
+    }
+    for k in &kids {
+        destroy(k.comm());
+    }
+    for r in recv {
+        assert_eq!(r, seq(8, |i| (2 * i + 10) as f32));
+    }
+    for &c in &parents {
+        finalize(c);
+    }
+    for &c in &parents {
+        destroy(c);
+    }
+}
+
 /// `ncclCommSplit` inside a group, from one thread (as XLA splits its local GPUs'
 /// communicators): pending handles until the group's end (NULL at once for
 /// `NCCL_SPLIT_NOCOLOR`), then two communicators that reduce exactly.

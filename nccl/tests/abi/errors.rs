@@ -145,10 +145,18 @@ fn unsupported_calls_say_so() {
         let mut excl = [0 as c_int];
         expect(
             (n.shrink)(c, excl.as_mut_ptr(), 1, &mut out, null_mut(), 0),
-            INVALID_USAGE,
-            &["ncclCommShrink", "not supported yet"],
+            INVALID_ARGUMENT,
+            &["ncclCommShrink", "rank 0 is in its own exclude list"],
         );
         assert!(out.is_null());
+        out = std::ptr::without_provenance_mut(0xdead);
+        expect(
+            (n.shrink)(c, excl.as_mut_ptr(), 0, &mut out, null_mut(), 2),
+            INVALID_ARGUMENT,
+            &["shrinkFlags 2", "NCCL_SHRINK_ABORT"],
+        );
+        assert!(out.is_null());
+        expect((n.shrink)(c, null_mut(), 1, &mut out, null_mut(), 0), INVALID_ARGUMENT, &["excludeRanksList"]);
         let mut win: *mut c_void = null_mut();
         expect(
             (n.window_register)(c, mptr(&mut buf), 64, &mut win, 1),
