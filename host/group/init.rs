@@ -83,6 +83,15 @@ impl PendingComm {
 /// may create every rank; outside a group it runs now. Errors: InvalidArgument for `nranks == 0`
 /// or `rank >= nranks` (at once); the init's own errors through [`PendingComm::take`] (and
 /// from `group_end`, which returns the first of them).
+///
+/// ```
+/// # use oxccl::{bootstrap, group, Device};
+/// let id = bootstrap::get_unique_id()?;
+/// let pending = oxccl::group(|| (0..2).map(|r| group::init_rank(2, &id, r, Device::Cpu(r))).collect::<Vec<_>>())?;
+/// let comms = pending.into_iter().map(|p| p?.take()).collect::<oxccl::Result<Vec<_>>>()?;
+/// assert_eq!(comms[1].rank(), 1);
+/// # Ok::<(), oxccl::Error>(())
+/// ```
 pub fn init_rank(nranks: usize, id: &UniqueId, rank: usize, device: Device) -> Result<PendingComm> {
     if nranks == 0 || rank >= nranks {
         return Err(Error::InvalidArgument(format!(
