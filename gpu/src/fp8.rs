@@ -13,6 +13,7 @@
 //! result past the largest finite value, and ±infinity, become ±the largest finite value), NaN
 //! stays NaN (`0x7f`). The kernels do the conversions with integer instructions, so they run on
 //! every architecture; the host refuses reductions on GPUs before sm_90 as NCCL does.
+use crate::arch;
 
 /// An fp8 E4M3 value (NCCL's `ncclFloat8e4m3`) as its bits.
 #[repr(transparent)]
@@ -34,6 +35,8 @@ pub trait Fp8: Copy {
     fn widen(b: u32) -> u32;
     /// The fp8 bits nearest to binary16 bits `h` (ties to even, satfinite, NaN → `0x7f`).
     fn narrow(h: u32) -> u32;
+    /// Whether fp8 bits `b` (in the low byte) are a NaN.
+    fn is_nan(b: u32) -> bool;
     /// Largest finite value.
     const MAX: f64;
 }
@@ -59,7 +62,11 @@ impl Fp8 for F8E4M3 {
             (mag << 7) + (8 << 10)
         } else {
             // Subnormal m × 2^-9 is a binary16 normal: its bits for m = 0..7, four per constant.
-            let t: u64 = if mag < 4 { 0x1e00_1c00_1800_0000 } else { 0x2300_2200_2100_2000 };
+            let t: u64 = if mag < 4 {
+                0x1e00_1c00_1800_0000
+            } else {
+                0x2300_2200_2100_2000
+            };
             ((t >> ((mag & 3) * 16)) & 0xffff) as u32
         };
         sign | h
@@ -68,26 +75,20 @@ impl Fp8 for F8E4M3 {
     fn narrow(h: u32) -> u32 {
         let sign = (h >> 8) & 0x80;
         let a = h & 0x7fff;
-        if a > 0x7c00 {
-            return 0x7f;
-        }
-        // 448 is binary16 0x5f00; everything above it (infinity too) saturates.
-        if a > 0x5f00 {
-            return sign | 0x7e;
-        }
-        let q = if a >= 0x2400 {
-            // Normal in E4M3 (≥ 2^-6): keep 3 of the 10 mantissa bits, then rebias by -8 << 3; a
-            // carry out of the mantissa moves into the exponent.
-            rne(a, 7) - (8 << 3)
-        } else {
-            // Below 2^-6: an E4M3 subnormal, a multiple of 2^-9. A binary16 value is
-            // sig × 2^(e - 25) (sig = 1024 + mantissa, e ≥ 1) or mantissa × 2^-24 (e = 0), so
-            // the multiple is sig >> (16 - e), or mantissa >> 15, rounded.
-            let e = a >> 10;
-            let (sig, shift) = if e == 0 { (a, 15) } else { ((a & 0x3ff) | 0x400, 16 - e) };
-            rne(sig, shift)
-        };
-        sign | q
+        // Normal in E4M3 (≥ 2^-6, binary16 0x2400): keep 3 of the 10 mantissa bits rounded
+        // (a carry moves into the exponent), rebias by -8 << 3, and saturate at 448 (0x7e;
+        // infinity too).
+        let normal = (rne(a, 7).wrapping_sub(8 << 3)).min(0x7e);
+        // Below: a subnormal, the value in units of 2^-9 rounded to an integer (8 is the
+        // smallest normal, 0x08): scaled exactly by 512 in f32 and rounded by adding 2^23, whose
+        // low mantissa bits then hold the integer (nearest even).
+        let sub = (arch::f16_to_f32(a as u16) * 512.0 + 8_388_608.0).to_bits() & 0x7f_ffff;
+        let q = if a >= 0x2400 { normal } else { sub };
+        if a > 0x7c00 { 0x7f } else { sign | q }
+    }
+    #[inline(always)]
+    fn is_nan(b: u32) -> bool {
+        b & 0x7f == 0x7f
     }
 }
 
@@ -109,25 +110,30 @@ impl Fp8 for F8E5M2 {
     fn narrow(h: u32) -> u32 {
         let sign = (h >> 8) & 0x80;
         let a = h & 0x7fff;
-        if a > 0x7c00 {
-            return 0x7f;
-        }
-        // 57344 is binary16 0x7b00; above it (infinity too) saturates.
-        if a > 0x7b00 {
-            return sign | 0x7b;
-        }
-        // The same exponent layout: drop 8 mantissa bits, rounded.
-        sign | rne(a, 8)
+        // The same exponent layout: drop 8 mantissa bits, rounded; saturate at 57344 (0x7b;
+        // infinity too).
+        let q = rne(a, 8).min(0x7b);
+        if a > 0x7c00 { 0x7f } else { sign | q }
+    }
+    #[inline(always)]
+    fn is_nan(b: u32) -> bool {
+        b & 0x7f > 0x7c
     }
 }
 
-/// `x >> shift` rounded to nearest, ties to even (`1 ≤ shift < 32`).
+/// `x >> shift` rounded to nearest, ties to even (`1 ≤ shift < 16`, `x < 2^31`): adding half
+/// less one, plus the kept lowest bit, carries exactly when the dropped bits round up.
 #[inline(always)]
 fn rne(x: u32, shift: u32) -> u32 {
-    let q = x >> shift;
-    let rem = x & ((1 << shift) - 1);
-    let half = 1 << (shift - 1);
-    q + u32::from(rem > half || (rem == half && q & 1 == 1))
+    (x + (1 << (shift - 1)) - 1 + ((x >> shift) & 1)) >> shift
+}
+
+/// The fp8 bits `b` as an integer ordered like their values (sign and magnitude to two's
+/// complement, so ±0 are equal); meaningless for a NaN ([`Fp8::is_nan`]).
+#[inline(always)]
+pub fn order_key(b: u32) -> i32 {
+    let mag = (b & 0x7f) as i32;
+    if b & 0x80 != 0 { -mag } else { mag }
 }
 
 /// The four fp8 lanes of word `w` as two binary16x2 words (lanes 0, 1 and lanes 2, 3).
@@ -163,7 +169,11 @@ pub fn from_f64<T: Fp8>(x: f64, ebits: u32, mbits: u32) -> T {
     // The exponent of `a` (never below the smallest normal's), and `a` in units of the format's
     // quantum at that exponent: a power-of-two scaling, exact in f64.
     let emin = 1 - bias;
-    let e = if a == 0.0 { emin } else { (((a.to_bits() >> 52) & 0x7ff) as i32 - 1023).max(emin) };
+    let e = if a == 0.0 {
+        emin
+    } else {
+        (((a.to_bits() >> 52) & 0x7ff) as i32 - 1023).max(emin)
+    };
     let qexp = e - mbits as i32;
     let n = a * f64::from_bits(((1023 - qexp) as u64) << 52);
     let t = n as u64;
@@ -191,7 +201,11 @@ pub fn to_f64<T: Fp8>(x: T) -> f64 {
     if e == 0x1f {
         return if m == 0.0 { sign * f64::INFINITY } else { f64::NAN };
     }
-    let v = if e == 0 { m / 16_777_216.0 } else { (1024.0 + m) * pow2(e - 25) };
+    let v = if e == 0 {
+        m / 16_777_216.0
+    } else {
+        (1024.0 + m) * pow2(e - 25)
+    };
     sign * v
 }
 
@@ -269,7 +283,15 @@ mod tests {
             let v = to_f64(T::from_bits(b));
             assert!(h == v || (h.is_nan() && v.is_nan()), "widen {b:#04x}: {h} vs {v}");
             if !v.is_nan() {
-                assert_eq!(T::narrow(T::widen(b as u32)) as u8, if v.is_infinite() { (b & 0x80) | T::narrow(0x7c00) as u8 } else { b }, "{b:#04x}");
+                assert_eq!(
+                    T::narrow(T::widen(b as u32)) as u8,
+                    if v.is_infinite() {
+                        (b & 0x80) | T::narrow(0x7c00) as u8
+                    } else {
+                        b
+                    },
+                    "{b:#04x}"
+                );
             }
         }
         for h in 0..=0xffffu32 {

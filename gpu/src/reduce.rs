@@ -238,16 +238,17 @@ fn fp8_map4<T: fp8::Fp8>(a: u32, b: u32, f: impl Fn(u32, u32) -> u32) -> u32 {
     fp8::narrow4::<T>(f(alo, blo), f(ahi, bhi))
 }
 
-/// Per fp8 lane, `b`'s bits where `take_b(a, b)` holds (compared in f32), else `a`'s.
+/// Per fp8 lane, `b`'s bits where `take_b(a, b)` holds for their values, else `a`'s; a NaN on
+/// either side keeps `a` (as an f32 comparison would). Compared as integers
+/// ([`fp8::order_key`]).
 #[inline(always)]
-fn fp8_pick4<T: fp8::Fp8>(a: u32, b: u32, take_b: impl Fn(f32, f32) -> bool) -> u32 {
+fn fp8_pick4<T: fp8::Fp8>(a: u32, b: u32, take_b: impl Fn(i32, i32) -> bool) -> u32 {
     let mut r = 0;
     let mut s = 0;
     while s < 32 {
         let (x, y) = ((a >> s) & 0xff, (b >> s) & 0xff);
-        let fx = arch::f16_to_f32(T::widen(x) as u16);
-        let fy = arch::f16_to_f32(T::widen(y) as u16);
-        r |= if take_b(fx, fy) { y } else { x } << s;
+        let take = !T::is_nan(x) && !T::is_nan(y) && take_b(fp8::order_key(x), fp8::order_key(y));
+        r |= if take { y } else { x } << s;
         s += 8;
     }
     r
@@ -269,7 +270,8 @@ fn fp8_div4<T: fp8::Fp8>(a: u32, n: u32) -> u32 {
 /// The fp8 types (NCCL's reductions of `__nv_fp8_e4m3` / `__nv_fp8_e5m2`): each lane widens to
 /// binary16, the operation rounds once in binary16 (packed `add.rn.f16x2` / `mul.rn.f16x2` on the
 /// GPU, as `__hadd2` / `__hmul2`), and the result narrows back, nearest even and satfinite
-/// ([`crate::fp8`]). Min and max pick one operand's bits (compared as f32, as the 16-bit types).
+/// ([`crate::fp8`]). Min and max pick one operand's bits (a NaN operand keeps the first, as the
+/// 16-bit types' f32 comparisons do).
 /// Avg's division runs in f32 and rounds to binary16, then to fp8.
 macro_rules! fp8_elem {
     ($t:ty) => {

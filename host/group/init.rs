@@ -99,7 +99,10 @@ pub fn init_rank(nranks: usize, id: &UniqueId, rank: usize, device: Device) -> R
         )));
     }
     if super::group_depth() == 0 {
-        return Ok(PendingComm::new(rank, Slot::Done(Comm::init_rank(nranks, id, rank, device))));
+        return Ok(PendingComm::new(
+            rank,
+            Slot::Done(Comm::init_rank(nranks, id, rank, device)),
+        ));
     }
     let pending = PendingComm::new(rank, Slot::Waiting);
     super::defer_init(Deferred {
@@ -183,7 +186,9 @@ pub(super) fn run(inits: Vec<Deferred>) -> Result<()> {
         }
         jobs.into_iter()
             .map(|j| match j {
-                Ok(h) => h.join().unwrap_or_else(|_| Err(Error::Internal("an init thread panicked".into()))),
+                Ok(h) => h
+                    .join()
+                    .unwrap_or_else(|_| Err(Error::Internal("an init thread panicked".into()))),
                 Err(e) => Err(Error::System(format!("cannot start an init thread: {e}"))),
             })
             .collect()
@@ -192,6 +197,9 @@ pub(super) fn run(inits: Vec<Deferred>) -> Result<()> {
     if errors.is_empty() {
         return Ok(());
     }
-    let at = errors.iter().position(|e| !matches!(e, Error::Remote(_))).unwrap_or(0);
+    let at = errors
+        .iter()
+        .position(|e| !matches!(e, Error::Remote(_)))
+        .unwrap_or(0);
     Err(errors.swap_remove(at))
 }

@@ -16,8 +16,9 @@ fn one_thread_creates_every_rank_inside_a_group() {
     let n = 3;
     let id = common::unique_id();
     oxccl::group_start().unwrap();
-    let pending: Vec<PendingComm> =
-        (0..n).map(|r| group::init_rank(n, &id, r, Device::Cpu(r)).unwrap()).collect();
+    let pending: Vec<PendingComm> = (0..n)
+        .map(|r| group::init_rank(n, &id, r, Device::Cpu(r)).unwrap())
+        .collect();
     let e = pending[0].take().unwrap_err();
     assert_eq!(e.code(), ResultCode::InvalidUsage);
     assert!(e.to_string().contains("call take() after group_end"), "{e}");
@@ -25,7 +26,10 @@ fn one_thread_creates_every_rank_inside_a_group() {
     let comms: Vec<oxccl::Comm> = pending.iter().map(|p| p.take().unwrap()).collect();
     for (r, c) in comms.iter().enumerate() {
         assert_eq!((c.rank(), c.nranks(), c.device()), (r, n, Device::Cpu(r)));
-        assert!(c.in_process_group(), "rank {r}: every rank of the id in one group is one process group");
+        assert!(
+            c.in_process_group(),
+            "rank {r}: every rank of the id in one group is one process group"
+        );
     }
     let e = pending[1].take().unwrap_err();
     assert!(e.to_string().contains("taken already"), "{e}");
@@ -40,9 +44,16 @@ fn a_group_with_some_ranks_meets_the_others() {
     let n = 3;
     let id = common::unique_id();
     let comms = std::thread::scope(|s| {
-        let last = s.spawn(|| group::init_rank(n, &id, 2, Device::Cpu(2)).unwrap().take().unwrap());
+        let last = s.spawn(|| {
+            group::init_rank(n, &id, 2, Device::Cpu(2))
+                .unwrap()
+                .take()
+                .unwrap()
+        });
         let firsts = oxccl::group(|| {
-            (0..2).map(|r| group::init_rank(n, &id, r, Device::Cpu(r)).unwrap()).collect::<Vec<_>>()
+            (0..2)
+                .map(|r| group::init_rank(n, &id, r, Device::Cpu(r)).unwrap())
+                .collect::<Vec<_>>()
         })
         .unwrap();
         let mut comms: Vec<oxccl::Comm> = firsts.iter().map(|p| p.take().unwrap()).collect();
@@ -62,7 +73,9 @@ fn a_failing_init_fails_the_group_end_and_each_pending_communicator() {
     env.set(&[("NCCL_PROTO", "Fastest")]);
     let id = common::unique_id();
     oxccl::group_start().unwrap();
-    let pending: Vec<PendingComm> = (0..2).map(|r| group::init_rank(2, &id, r, Device::Cpu(r)).unwrap()).collect();
+    let pending: Vec<PendingComm> = (0..2)
+        .map(|r| group::init_rank(2, &id, r, Device::Cpu(r)).unwrap())
+        .collect();
     let e = oxccl::group_end().unwrap_err();
     assert_eq!(e.code(), ResultCode::InvalidArgument, "{e}");
     assert!(e.to_string().contains("NCCL_PROTO"), "{e}");
