@@ -46,6 +46,7 @@ fn ring(test: &str, func: Func) {
             extra_counts: COUNTS,
             extra_pairs: PAIRS,
             protos: Some(common::PROTOS),
+            only: None,
         },
     );
 }
@@ -108,6 +109,7 @@ fn tree_all_reduce_on_blocks_of_two_warps() {
                 extra_counts: COUNTS,
                 extra_pairs: PAIRS,
                 protos: None,
+                only: None,
             },
         );
     }

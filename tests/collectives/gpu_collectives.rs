@@ -30,6 +30,7 @@ fn run(func: Func, devices: &[Device], test: &str) {
             extra_counts: &[],
             extra_pairs: &[],
             protos: Some(&protos),
+            only: None,
         },
     );
 }
@@ -144,6 +145,7 @@ fn init_all_with_p2p_disabled_uses_shm() {
                 extra_counts: &[],
                 extra_pairs: &[],
                 protos: Some(&["LL", "Simple"]),
+                only: None,
             },
         );
     }

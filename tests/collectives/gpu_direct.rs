@@ -52,6 +52,7 @@ fn matrix(func: Func, test: &str) {
             extra_counts: &[],
             extra_pairs: &[],
             protos: Some(&["Simple"]),
+            only: None,
         },
     );
 }

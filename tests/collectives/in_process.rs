@@ -80,6 +80,7 @@ fn init_all_with_p2p_disabled_uses_shm_and_every_collective_stays_exact() {
                 extra_counts: &[],
                 extra_pairs: &[],
                 protos: Some(&protos),
+                only: None,
             },
         );
     }

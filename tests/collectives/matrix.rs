@@ -53,6 +53,7 @@ fn matrix(func: Func, nranks: usize, test: &str) {
             extra_counts: &[LARGE_COUNT],
             extra_pairs: LARGE,
             protos: Some(&protos),
+            only: None,
         },
     );
 }

@@ -322,6 +322,10 @@ pub struct Matrix<'a> {
     /// communicator's default choice). With one rank no protocol runs (the call is a copy), so
     /// the matrix runs once, unforced.
     pub protos: Option<&'a [&'a str]>,
+    /// Only these (dtype, op) pairs (Broadcast and AllGather: only their dtypes), for tests
+    /// whose subject is orthogonal to the type and operator (ring orders, block sizes); `None`
+    /// runs every dtype ([`dtypes`]) × op.
+    pub only: Option<&'a [(DataType, RedOp)]>,
 }
 
 /// Whether `func` takes a reduction operator.
@@ -355,6 +359,7 @@ pub fn run_matrix(test: &str, devices: &[Device], counts: &[usize]) {
             extra_counts: &[],
             extra_pairs: &[],
             protos: None,
+            only: None,
         },
     );
 }
@@ -542,6 +547,7 @@ pub fn all_reduce_matrix(test: &str, devices: &[Device], counts: &[usize]) {
             extra_counts: &[],
             extra_pairs: &[],
             protos: None,
+            only: None,
         },
     );
 }
@@ -631,8 +637,14 @@ pub fn run_collective(test: &str, devices: &[Device], m: &Matrix) {
         v
     };
     for dtype in dtypes() {
+        if m.only.is_some_and(|only| !only.iter().any(|&(d, _)| d == dtype)) {
+            continue;
+        }
         let td = Instant::now();
         for &op in ops {
+            if has_op(func) && m.only.is_some_and(|only| !only.contains(&(dtype, op))) {
+                continue;
+            }
             let extra = m
                 .extra_pairs
                 .iter()
