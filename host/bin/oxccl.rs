@@ -81,6 +81,9 @@ enum Collective {
     Gather,
     /// Rank 0's blocks, one to each rank.
     Scatter,
+    /// Every rank sends uneven blocks (½ to nearly 2× the average) to each rank: oxccl's
+    /// all_to_all_v; with --compare nccl, NCCL runs the same group of sends and receives.
+    AllToAllV,
     /// The five collectives, one after the other (not the point-to-point operations).
     All,
 }
@@ -114,6 +117,7 @@ impl Collective {
             Collective::AllToAll => vec![Op::P2p(P2pFunc::AllToAll)],
             Collective::Gather => vec![Op::P2p(P2pFunc::Gather)],
             Collective::Scatter => vec![Op::P2p(P2pFunc::Scatter)],
+            Collective::AllToAllV => vec![Op::P2p(P2pFunc::AllToAllV)],
             Collective::All => [
                 Func::AllReduce,
                 Func::AllGather,

@@ -10,6 +10,12 @@
 //! | AlltoAll | sends block `p` of `nranks × count` elements to rank `p`, receives rank `p`'s into block `p` | `nranks × count × size` | (n−1)/n |
 //! | Gather | sends `count` elements to the root, which stores rank `p`'s at block `p` | `nranks × count × size` | (n−1)/n |
 //! | Scatter | receives block `rank` of the root's `nranks × count` elements | `nranks × count × size` | (n−1)/n |
+//! | AlltoAllV | sends `c(rank, p)` elements to each rank `p`, packed, and receives `c(p, rank)` from each (`Comm::all_to_all_v`) | `Σ_p c(rank, p) × size`, the same on every rank | (n−1)/n |
+//!
+//! AlltoAllV (beyond NCCL and nccl-tests, which have no V-variant; NCCL users build it from a group
+//! of `ncclSend`/`ncclRecv`, which is what `--compare nccl` runs) has uneven blocks: `c(r, p)` is
+//! `count × 2k / (n + 1)` elements with `k = 1 + (r + p) mod n`, rounded down to 16 bytes, so each
+//! rank sends blocks from half to nearly twice the average `count` and every rank the same total.
 //!
 //! In-place buffers follow nccl-tests' offsets: SendRecv sends from and receives into one buffer
 //! (the receive may overwrite data before it is sent, so in-place SendRecv is timed but not
@@ -34,12 +40,15 @@ pub enum P2pFunc {
     Gather,
     /// `Comm::scatter` (`ncclScatter`) from rank [`ROOT`].
     Scatter,
+    /// `Comm::all_to_all_v` with uneven blocks ([`v_count`]); NCCL: a group of sends and
+    /// receives.
+    AllToAllV,
 }
 
 impl P2pFunc {
     /// Every operation, in the order `oxccl perf --help` lists them.
     pub const ALL: &'static [P2pFunc] =
-        &[P2pFunc::SendRecv, P2pFunc::AllToAll, P2pFunc::Gather, P2pFunc::Scatter];
+        &[P2pFunc::SendRecv, P2pFunc::AllToAll, P2pFunc::Gather, P2pFunc::Scatter, P2pFunc::AllToAllV];
 
     /// The name nccl-tests' benchmark binary has (`sendrecv` of `sendrecv_perf`).
     pub const fn name(self) -> &'static str {
@@ -48,6 +57,7 @@ impl P2pFunc {
             P2pFunc::AllToAll => "alltoall",
             P2pFunc::Gather => "gather",
             P2pFunc::Scatter => "scatter",
+            P2pFunc::AllToAllV => "alltoallv",
         }
     }
 
@@ -60,7 +70,7 @@ impl P2pFunc {
         let n = nranks as f64;
         match self {
             P2pFunc::SendRecv => 1.0,
-            P2pFunc::AllToAll | P2pFunc::Gather | P2pFunc::Scatter => (n - 1.0) / n,
+            P2pFunc::AllToAll | P2pFunc::Gather | P2pFunc::Scatter | P2pFunc::AllToAllV => (n - 1.0) / n,
         }
     }
 
@@ -71,7 +81,7 @@ impl P2pFunc {
     pub fn count_for(self, bytes: u64, dtype: DataType, nranks: usize) -> usize {
         let func = match self {
             P2pFunc::SendRecv => Func::Broadcast,
-            P2pFunc::AllToAll | P2pFunc::Gather | P2pFunc::Scatter => Func::AllGather,
+            P2pFunc::AllToAll | P2pFunc::Gather | P2pFunc::Scatter | P2pFunc::AllToAllV => Func::AllGather,
         };
         table::count_for(func, bytes, dtype, nranks)
     }
@@ -84,22 +94,44 @@ impl P2pFunc {
         match self {
             P2pFunc::SendRecv => block,
             P2pFunc::AllToAll | P2pFunc::Gather | P2pFunc::Scatter => block * nranks as u64,
+            P2pFunc::AllToAllV => (0..nranks).map(|p| v_count(count, dtype, nranks, 0, p) as u64).sum::<u64>() * dtype.size() as u64,
         }
     }
 
     /// False for AlltoAll, which has no in-place form (oxccl refuses overlapping buffers, as
     /// NCCL leaves them undefined).
     pub const fn has_in_place(self) -> bool {
-        !matches!(self, P2pFunc::AllToAll)
+        !matches!(self, P2pFunc::AllToAll | P2pFunc::AllToAllV)
     }
 
     /// The root rank, for Gather and Scatter.
     pub const fn root(self) -> Option<usize> {
         match self {
             P2pFunc::Gather | P2pFunc::Scatter => Some(ROOT),
-            P2pFunc::SendRecv | P2pFunc::AllToAll => None,
+            P2pFunc::SendRecv | P2pFunc::AllToAll | P2pFunc::AllToAllV => None,
         }
     }
+}
+
+/// AlltoAllV's block from rank `from` to rank `to` (elements) for an average block of `count`
+/// elements (module docs): `count × 2k / (n + 1)` with `k = 1 + (from + to) mod n`, rounded down
+/// to 16 bytes' worth of elements.
+pub fn v_count(count: usize, dtype: DataType, nranks: usize, from: usize, to: usize) -> usize {
+    let n = nranks.max(1);
+    let k = 1 + (from + to) % n;
+    let c = (count as u128 * 2 * k as u128 / (n as u128 + 1)) as usize;
+    let align = (16 / dtype.size()).max(1);
+    c / align * align
+}
+
+/// Rank `rank`'s AlltoAllV counts and packed displacements (elements): (send counts, send
+/// displacements, receive counts, receive displacements).
+fn v_layout(count: usize, dtype: DataType, n: usize, rank: usize) -> [Vec<usize>; 4] {
+    let packed = |c: &[usize]| c.iter().scan(0, |at, &x| Some(std::mem::replace(at, *at + x))).collect();
+    let sc: Vec<usize> = (0..n).map(|p| v_count(count, dtype, n, rank, p)).collect();
+    let rc: Vec<usize> = (0..n).map(|p| v_count(count, dtype, n, p, rank)).collect();
+    let (sd, rd) = (packed(&sc), packed(&rc));
+    [sc, sd, rc, rd]
 }
 
 impl std::fmt::Display for P2pFunc {
@@ -140,7 +172,7 @@ fn placed(
     match func {
         P2pFunc::Gather => (&b.recv, rank * block, &b.recv, 0),
         P2pFunc::Scatter => (&b.recv, 0, &b.recv, rank * block),
-        P2pFunc::SendRecv | P2pFunc::AllToAll => (&b.recv, 0, &b.recv, 0),
+        P2pFunc::SendRecv | P2pFunc::AllToAll | P2pFunc::AllToAllV => (&b.recv, 0, &b.recv, 0),
     }
 }
 
@@ -182,6 +214,12 @@ fn launch_all(bench: &Bench, backend: &Backend, cfg: &P2pConfig, count: usize, i
                             let send = (r == ROOT).then(|| sb.slice(so, whole)).transpose()?;
                             c.scatter(send, rb.slice(ro, block)?, count, dtype, ROOT, st)?;
                         }
+                        P2pFunc::AllToAllV => {
+                            let [sc, sd, rc, rd] = v_layout(count, dtype, n, r);
+                            let total = sc.iter().sum::<usize>() * dtype.size();
+                            let (send, recv) = (sb.slice(so, total)?, rb.slice(ro, total)?);
+                            c.all_to_all_v(send, &sc, &sd, recv, &rc, &rd, dtype, st)?
+                        }
                     }
                 }
                 Ok(())
@@ -211,6 +249,14 @@ fn launch_all(bench: &Bench, backend: &Backend, cfg: &P2pConfig, count: usize, i
                         P2pFunc::AllToAll => nc.all_to_all(i, send, recv, count, dtype, st),
                         P2pFunc::Gather => nc.gather(i, send, recv, count, dtype, ROOT, st),
                         P2pFunc::Scatter => nc.scatter(i, send, recv, count, dtype, ROOT, st),
+                        P2pFunc::AllToAllV => {
+                            let [sc, sd, rc, rd] = v_layout(count, dtype, n, r);
+                            let at = |base: u64, d: usize| base + (d * dtype.size()) as u64;
+                            (0..n).try_for_each(|p| {
+                                nc.send(i, at(send, sd[p]), sc[p], dtype, p, st)?;
+                                nc.recv(i, at(recv, rd[p]), rc[p], dtype, p, st)
+                            })
+                        }
                     }
                 };
                 if res.is_err() {
@@ -274,6 +320,27 @@ pub fn check_data(
             let data = input_of(ROOT, nranks * count)?;
             (0..nranks)
                 .map(|r| (if r == ROOT { data.clone() } else { Vec::new() }, Some(blk(&data, r))))
+                .collect()
+        }
+        P2pFunc::AllToAllV => {
+            let es = dtype.size();
+            let layouts: Vec<[Vec<usize>; 4]> = (0..nranks).map(|r| v_layout(count, dtype, nranks, r)).collect();
+            let inputs: Vec<Vec<u8>> = layouts
+                .iter()
+                .enumerate()
+                .map(|(r, l)| input_of(r, l[0].iter().sum()))
+                .collect::<Result<_>>()?;
+            (0..nranks)
+                .map(|r| {
+                    // From each rank p, its block for r: at p's send displacement for r.
+                    let exp: Vec<u8> = (0..nranks)
+                        .flat_map(|p| {
+                            let (at, len) = (layouts[p][1][r] * es, layouts[p][0][r] * es);
+                            inputs[p][at..at + len].to_vec()
+                        })
+                        .collect();
+                    (inputs[r].clone(), Some(exp))
+                })
                 .collect()
         }
     })
@@ -430,7 +497,21 @@ mod tests {
         assert_eq!(P2pFunc::Gather.root(), Some(ROOT));
         assert_eq!(P2pFunc::SendRecv.root(), None);
         let names: Vec<String> = P2pFunc::ALL.iter().map(|f| f.to_string()).collect();
-        assert_eq!(names, ["sendrecv", "alltoall", "gather", "scatter"]);
+        assert_eq!(names, ["sendrecv", "alltoall", "gather", "scatter", "alltoallv"]);
+        // AlltoAllV on 3 ranks: blocks of count × 2k/4, k = 1 + (from + to) mod 3, 16-byte
+        // aligned; every rank sends the same total, S.
+        let c: Vec<usize> = (0..3).map(|p| v_count(1000, DataType::F32, 3, 0, p)).collect();
+        assert_eq!(c, [500, 1000, 1500]);
+        assert_eq!(v_count(1000, DataType::F32, 3, 2, 2), 1000);
+        assert_eq!(v_count(10, DataType::F32, 3, 0, 0), 4);
+        assert_eq!(P2pFunc::AllToAllV.data_bytes(1000, DataType::F32, 3), 3000 * 4);
+        for r in 0..3 {
+            let [sc, sd, rc, rd] = v_layout(1000, DataType::F32, 3, r);
+            assert_eq!(sc.iter().sum::<usize>(), 3000);
+            assert_eq!(rc.iter().sum::<usize>(), 3000);
+            assert_eq!((sd[1], rd[2]), (sc[0], rc[0] + rc[1]));
+        }
+        assert!(!P2pFunc::AllToAllV.has_in_place());
     }
 
     /// The expected outputs are the right blocks of the right ranks' inputs.
@@ -459,6 +540,17 @@ mod tests {
         for r in 0..n {
             assert_eq!(s[r].1.as_ref().unwrap()[..], s[ROOT].0[r * b..(r + 1) * b]);
             assert_eq!(s[r].0.is_empty(), r != ROOT);
+        }
+        let v = check_data(P2pFunc::AllToAllV, dt, n, 12, 1).unwrap();
+        for r in 0..n {
+            let [sc, _, rc, rd] = v_layout(12, dt, n, r);
+            let exp = v[r].1.as_ref().unwrap();
+            assert_eq!(v[r].0.len(), sc.iter().sum::<usize>() * 4);
+            for p in 0..n {
+                let [psc, psd, _, _] = v_layout(12, dt, n, p);
+                let from_p = &v[p].0[psd[r] * 4..(psd[r] + psc[r]) * 4];
+                assert_eq!(&exp[rd[p] * 4..(rd[p] + rc[p]) * 4], from_p, "rank {r} block {p}");
+            }
         }
         // A different seed gives different data.
         assert_ne!(check_data(P2pFunc::Gather, dt, n, count, 2).unwrap()[0].0, g[0].0);

@@ -1,5 +1,6 @@
-//! `oxccl perf send-recv|all-to-all|gather|scatter` on the CPU target, as nccl-tests'
-//! `sendrecv_perf`, `alltoall_perf`, `gather_perf` and `scatter_perf` print them: every row
+//! `oxccl perf send-recv|all-to-all|gather|scatter|all-to-all-v` on the CPU target, as nccl-tests'
+//! `sendrecv_perf`, `alltoall_perf`, `gather_perf` and `scatter_perf` print them (and the uneven
+//! AlltoAllV, which nccl-tests does not have, in the same form): every row
 //! exact, sizes and counts as nccl-tests computes them, busbw = algbw × the operation's bus
 //! factor (SendRecv 1, the others (n−1)/n) in the printed columns and, at full precision, in
 //! `--json`; AlltoAll's in-place columns and in-place SendRecv's `#wrong` are `N/A`.
@@ -147,11 +148,26 @@ fn perf_gather_and_scatter_are_exact_with_bus_factor_2_3() {
     }
 }
 
+/// AlltoAllV on 3 ranks: the average block as AlltoAll's, S = one rank's uneven blocks
+/// (`perf::p2p::v_count`: ½, 1 and 1½ times the average, 16-byte aligned), busbw = algbw × 2/3,
+/// exact, no in-place form.
+#[test]
+fn perf_all_to_all_v_is_exact_with_uneven_blocks() {
+    use oxccl::perf::p2p::{P2pFunc, v_count};
+    let sizes: Vec<u64> = BLOCKED_COUNTS
+        .iter()
+        .map(|&c| (0..3).map(|p| v_count(c as usize, oxccl::DataType::F32, 3, 0, p) as u64 * 4).sum())
+        .collect();
+    assert_eq!(sizes, [0, 32, 480, 4064, 32736]);
+    assert_eq!(P2pFunc::AllToAllV.data_bytes(340, oxccl::DataType::F32, 3), 4064);
+    check_sweep("all-to-all-v", "alltoallv", 2.0 / 3.0, &sizes, &BLOCKED_COUNTS, "-1", InPlace::Absent);
+}
+
 /// `--compare nccl` on the CPU target is refused at once, naming why, for the point-to-point
 /// operations as for the collectives.
 #[test]
 fn perf_p2p_compare_nccl_needs_gpus() {
-    for op in ["send-recv", "all-to-all", "gather", "scatter"] {
+    for op in ["send-recv", "all-to-all", "gather", "scatter", "all-to-all-v"] {
         let out = oxccl()
             .args(["perf", op, "--backend", "cpu", "--ranks", "2", "--compare", "nccl"])
             .output()
