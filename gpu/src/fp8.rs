@@ -35,8 +35,6 @@ pub trait Fp8: Copy {
     fn widen(b: u32) -> u32;
     /// The fp8 bits nearest to binary16 bits `h` (ties to even, satfinite, NaN → `0x7f`).
     fn narrow(h: u32) -> u32;
-    /// Whether fp8 bits `b` (in the low byte) are a NaN.
-    fn is_nan(b: u32) -> bool;
     /// Largest finite value.
     const MAX: f64;
 }
@@ -86,10 +84,6 @@ impl Fp8 for F8E4M3 {
         let q = if a >= 0x2400 { normal } else { sub };
         if a > 0x7c00 { 0x7f } else { sign | q }
     }
-    #[inline(always)]
-    fn is_nan(b: u32) -> bool {
-        b & 0x7f == 0x7f
-    }
 }
 
 impl Fp8 for F8E5M2 {
@@ -115,10 +109,6 @@ impl Fp8 for F8E5M2 {
         let q = rne(a, 8).min(0x7b);
         if a > 0x7c00 { 0x7f } else { sign | q }
     }
-    #[inline(always)]
-    fn is_nan(b: u32) -> bool {
-        b & 0x7f > 0x7c
-    }
 }
 
 /// `x >> shift` rounded to nearest, ties to even (`1 ≤ shift < 16`, `x < 2^31`): adding half
@@ -126,14 +116,6 @@ impl Fp8 for F8E5M2 {
 #[inline(always)]
 fn rne(x: u32, shift: u32) -> u32 {
     (x + (1 << (shift - 1)) - 1 + ((x >> shift) & 1)) >> shift
-}
-
-/// The fp8 bits `b` as an integer ordered like their values (sign and magnitude to two's
-/// complement, so ±0 are equal); meaningless for a NaN ([`Fp8::is_nan`]).
-#[inline(always)]
-pub fn order_key(b: u32) -> i32 {
-    let mag = (b & 0x7f) as i32;
-    if b & 0x80 != 0 { -mag } else { mag }
 }
 
 /// The four fp8 lanes of word `w` as two binary16x2 words (lanes 0, 1 and lanes 2, 3).

@@ -49,6 +49,18 @@ pub trait Elem: Copy + 'static {
     fn div_pack(a: Pack, n: u32) -> Pack {
         lanes::<Self>(a, a, |x, _| Self::div(x, n))
     }
+    /// The operator `op` (a [`DevRedOp`] value; Avg and PreMulSum combine as Sum) over two
+    /// packs, as [`FuncAny`] applies it: the per-operator pack functions. Types whose operators
+    /// share most of their work override it (fp8 widens and narrows once for any operator).
+    #[inline(always)]
+    fn any_pack(op: u32, a: Pack, b: Pack) -> Pack {
+        match op {
+            OP_PROD => Self::prod_pack(a, b),
+            OP_MAX => Self::max_pack(a, b),
+            OP_MIN => Self::min_pack(a, b),
+            _ => Self::sum_pack(a, b),
+        }
+    }
 }
 
 /// `f` applied lane by lane to the `T` elements of two packs.
@@ -238,20 +250,30 @@ fn fp8_map4<T: fp8::Fp8>(a: u32, b: u32, f: impl Fn(u32, u32) -> u32) -> u32 {
     fp8::narrow4::<T>(f(alo, blo), f(ahi, bhi))
 }
 
-/// Per fp8 lane, `b`'s bits where `take_b(a, b)` holds for their values, else `a`'s; a NaN on
-/// either side keeps `a` (as an f32 comparison would). Compared as integers
-/// ([`fp8::order_key`]).
+/// Per binary16 lane of two words, `b`'s lane where `take_b(a, b)` holds for their values,
+/// else `a`'s; a NaN on either side keeps `a` (as the 16-bit types' f32 comparisons do).
+/// Compared as integers (sign and magnitude to two's complement, so ±0 are equal).
 #[inline(always)]
-fn fp8_pick4<T: fp8::Fp8>(a: u32, b: u32, take_b: impl Fn(i32, i32) -> bool) -> u32 {
-    let mut r = 0;
-    let mut s = 0;
-    while s < 32 {
-        let (x, y) = ((a >> s) & 0xff, (b >> s) & 0xff);
-        let take = !T::is_nan(x) && !T::is_nan(y) && take_b(fp8::order_key(x), fp8::order_key(y));
-        r |= if take { y } else { x } << s;
-        s += 8;
-    }
-    r
+fn h16_pick2(a: u32, b: u32, take_b: impl Fn(i32, i32) -> bool) -> u32 {
+    let nan = |h: u32| h & 0x7fff > 0x7c00;
+    let key = |h: u32| {
+        let m = (h & 0x7fff) as i32;
+        if h & 0x8000 != 0 { -m } else { m }
+    };
+    let pick = |x: u32, y: u32| {
+        if !nan(x) && !nan(y) && take_b(key(x), key(y)) { y } else { x }
+    };
+    pick(a & 0xffff, b & 0xffff) | pick(a >> 16, b >> 16) << 16
+}
+
+#[inline(always)]
+fn h16_min2(a: u32, b: u32) -> u32 {
+    h16_pick2(a, b, |x, y| y < x)
+}
+
+#[inline(always)]
+fn h16_max2(a: u32, b: u32) -> u32 {
+    h16_pick2(a, b, |x, y| y > x)
 }
 
 /// Each fp8 lane divided by `n`: in f32, rounded to binary16, then to fp8.
@@ -270,9 +292,11 @@ fn fp8_div4<T: fp8::Fp8>(a: u32, n: u32) -> u32 {
 /// The fp8 types (NCCL's reductions of `__nv_fp8_e4m3` / `__nv_fp8_e5m2`): each lane widens to
 /// binary16, the operation rounds once in binary16 (packed `add.rn.f16x2` / `mul.rn.f16x2` on the
 /// GPU, as `__hadd2` / `__hmul2`), and the result narrows back, nearest even and satfinite
-/// ([`crate::fp8`]). Min and max pick one operand's bits (a NaN operand keeps the first, as the
-/// 16-bit types' f32 comparisons do).
-/// Avg's division runs in f32 and rounds to binary16, then to fp8.
+/// ([`crate::fp8`]). Min and max pick one operand in binary16 (a NaN operand keeps the first, as
+/// the 16-bit types' comparisons do) and narrow it back as NCCL's `__hmin`/`__hmax` results are:
+/// a value is itself, E5M2's infinity saturates, a NaN becomes `0x7f`. Avg's division runs in f32
+/// and rounds to binary16, then to fp8. [`FuncAny`]'s packs widen and narrow once whatever the
+/// operator ([`Elem::any_pack`]).
 macro_rules! fp8_elem {
     ($t:ty) => {
         impl Elem for $t {
@@ -286,11 +310,11 @@ macro_rules! fp8_elem {
             }
             #[inline(always)]
             fn min(a: Self, b: Self) -> Self {
-                Self(fp8_pick4::<Self>(a.0.into(), b.0.into(), |x, y| y < x) as u8)
+                Self(fp8_map4::<Self>(a.0.into(), b.0.into(), h16_min2) as u8)
             }
             #[inline(always)]
             fn max(a: Self, b: Self) -> Self {
-                Self(fp8_pick4::<Self>(a.0.into(), b.0.into(), |x, y| y > x) as u8)
+                Self(fp8_map4::<Self>(a.0.into(), b.0.into(), h16_max2) as u8)
             }
             #[inline(always)]
             fn div(a: Self, n: u32) -> Self {
@@ -306,15 +330,26 @@ macro_rules! fp8_elem {
             }
             #[inline(always)]
             fn min_pack(a: Pack, b: Pack) -> Pack {
-                Pack(core::array::from_fn(|i| fp8_pick4::<Self>(a.0[i], b.0[i], |x, y| y < x)))
+                Pack(core::array::from_fn(|i| fp8_map4::<Self>(a.0[i], b.0[i], h16_min2)))
             }
             #[inline(always)]
             fn max_pack(a: Pack, b: Pack) -> Pack {
-                Pack(core::array::from_fn(|i| fp8_pick4::<Self>(a.0[i], b.0[i], |x, y| y > x)))
+                Pack(core::array::from_fn(|i| fp8_map4::<Self>(a.0[i], b.0[i], h16_max2)))
             }
             #[inline(always)]
             fn div_pack(a: Pack, n: u32) -> Pack {
                 Pack(core::array::from_fn(|i| fp8_div4::<Self>(a.0[i], n)))
+            }
+            #[inline(always)]
+            fn any_pack(op: u32, a: Pack, b: Pack) -> Pack {
+                Pack(core::array::from_fn(|i| {
+                    fp8_map4::<Self>(a.0[i], b.0[i], |x, y| match op {
+                        OP_PROD => arch::f16x2_mul(x, y),
+                        OP_MAX => h16_max2(x, y),
+                        OP_MIN => h16_min2(x, y),
+                        _ => arch::f16x2_add(x, y),
+                    })
+                }))
             }
         }
     };
@@ -527,12 +562,7 @@ impl<T: Elem> RedFn<T> for FuncAny {
     }
     #[inline(always)]
     fn apply_pack(args: &OpArgs, a: Pack, b: Pack) -> Pack {
-        match args.op {
-            OP_PROD => T::prod_pack(a, b),
-            OP_MAX => T::max_pack(a, b),
-            OP_MIN => T::min_pack(a, b),
-            _ => T::sum_pack(a, b),
-        }
+        T::any_pack(args.op, a, b)
     }
 }
 
@@ -624,6 +654,13 @@ mod tests {
         assert_eq!(F8E5M2::sum(e5(8.0), e5(1.0)), e5(8.0)); // 9: a tie, to even
         assert_eq!(F8E5M2::sum(e5(57344.0), e5(57344.0)), F8E5M2(0x7b)); // inf in binary16 → max
         assert_eq!(F8E5M2::prod(e5(3.0), e5(3.0)), e5(8.0)); // 9 → 8
+        // Min and max narrow their pick as NCCL's `__hmax` results are: infinity saturates, a
+        // NaN operand (kept when first) becomes 0x7f, -0 and +0 compare equal.
+        assert_eq!(F8E5M2::max(F8E5M2(0x7c), e5(1.0)), F8E5M2(0x7b));
+        assert_eq!(F8E5M2::min(F8E5M2(0xfc), e5(1.0)), F8E5M2(0xfb));
+        assert_eq!(F8E4M3::max(F8E4M3(0xff), e4(1.0)), F8E4M3(0x7f));
+        assert_eq!(F8E4M3::max(e4(1.0), F8E4M3(0x7f)), e4(1.0));
+        assert_eq!(F8E4M3::min(F8E4M3(0x80), F8E4M3(0x00)), F8E4M3(0x80));
         // Pack ops are the scalar ops lane by lane.
         let bytes: [u8; 32] = core::array::from_fn(|i| (i as u8).wrapping_mul(37).wrapping_add(11));
         let pack = |b: &[u8]| Pack(core::array::from_fn(|w| u32::from_le_bytes(b[4 * w..4 * w + 4].try_into().unwrap())));
