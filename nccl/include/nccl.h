@@ -5,9 +5,9 @@
  * header run on oxccl and programs built against this header run on NCCL 2.28.
  *
  * What oxccl does differently is said next to each declaration; in short:
- *  - ncclCommShrink inside a group, ncclCommRevoke, ncclCommWindowRegister/Deregister,
- *    ncclGroupSimulateEnd and the device API's host calls (ncclDevCommCreate, ...) return
- *    ncclInvalidUsage ("not supported yet", see ncclGetLastError).
+ *  - ncclCommShrink inside a group, ncclCommRevoke, ncclGroupSimulateEnd and the device API's
+ *    host calls (ncclDevCommCreate, ...) return ncclInvalidUsage ("not supported yet", see
+ *    ncclGetLastError). Buffer registrations and windows are recorded (oxccl needs none).
  *  - Non-blocking communicators (config.blocking = 0): ncclCommInitRankConfig and
  *    ncclCommInitRankScalable return ncclInProgress and the init completes in the background
  *    (poll ncclCommGetAsyncError); the communicator's calls return once their work is queued,
@@ -241,7 +241,8 @@ ncclResult_t pncclCommRegister(const ncclComm_t comm, void* buff, size_t size, v
 ncclResult_t  ncclCommDeregister(const ncclComm_t comm, void* handle);
 ncclResult_t pncclCommDeregister(const ncclComm_t comm, void* handle);
 
-/* Symmetric memory windows: not supported yet (ncclInvalidUsage). */
+/* Symmetric memory windows: recorded (winFlags checked); oxccl has no symmetric kernels, so
+ * collectives on the buffer run as on any buffer. */
 ncclResult_t  ncclCommWindowRegister(ncclComm_t comm, void* buff, size_t size, ncclWindow_t* win, int winFlags);
 ncclResult_t pncclCommWindowRegister(ncclComm_t comm, void* buff, size_t size, ncclWindow_t* win, int winFlags);
 ncclResult_t  ncclCommWindowDeregister(ncclComm_t comm, ncclWindow_t win);

@@ -1,7 +1,7 @@
 //! Memory (NCCL's `allocator.cc` and `register/`): `ncclMemAlloc`/`ncclMemFree` through oxccl's
 //! `cuda::DevAlloc` (`cuMemAlloc` on the calling thread's current device), buffer registration
-//! (accepted and recorded: oxccl's kernels need no registered buffers) and symmetric windows
-//! (not supported yet).
+//! and symmetric windows (accepted and recorded: oxccl's kernels need no registered buffers and
+//! have no symmetric variants).
 use crate::cuda::{self, KeepCurrent};
 use crate::errors::non_null;
 use crate::handles;
@@ -28,6 +28,12 @@ type Registration = (u64, u64, usize);
 fn registrations() -> MutexGuard<'static, HashMap<u64, Registration>> {
     static REGS: LazyLock<Mutex<HashMap<u64, Registration>>> = LazyLock::new(Default::default);
     REGS.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The windows of `ncclCommWindowRegister`, as registrations are kept.
+fn windows() -> MutexGuard<'static, HashMap<u64, Registration>> {
+    static WINS: LazyLock<Mutex<HashMap<u64, Registration>>> = LazyLock::new(Default::default);
+    WINS.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 nccl_api! {
@@ -103,8 +109,11 @@ nccl_api! {
         }
     }
 
-    /// Not supported yet: oxccl has no symmetric memory (`ncclInvalidUsage`, `*win` is NULL).
-    /// Plain buffers work with every collective without a window.
+    /// Registers `size` bytes at `buff` as a window of `comm` (NCCL's symmetric-memory windows,
+    /// which XLA registers inside a group): accepted and recorded, as `ncclCommRegister` is;
+    /// oxccl has no symmetric kernels, so collectives on the buffer run as on any buffer.
+    /// `winFlags`: `NCCL_WIN_DEFAULT` (0) or `NCCL_WIN_COLL_SYMMETRIC` (1), else
+    /// `ncclInvalidArgument`; `*win` is NULL on failure.
     fn ncclCommWindowRegister / pncclCommWindowRegister(
         comm: ncclComm_t,
         buff: *mut c_void,
@@ -115,20 +124,36 @@ nccl_api! {
         non_null("win", win)?;
         // SAFETY: non-NULL; NCCL's contract: a writable ncclWindow_t.
         unsafe { win.write(std::ptr::null_mut()) };
-        handles::get(comm)?;
-        let _ = (buff, size, win_flags);
-        Err(Error::InvalidUsage(
-            "ncclCommWindowRegister is not supported yet by oxccl (no symmetric memory windows); collectives work on the buffer without one"
-                .into(),
-        ))
+        non_null("buff", buff)?;
+        let live = handles::get(comm)?;
+        if !(0..=1).contains(&win_flags) {
+            return Err(Error::InvalidArgument(format!(
+                "winFlags {win_flags:#x} is not a window flag (accepted: 0 NCCL_WIN_DEFAULT, 1 NCCL_WIN_COLL_SYMMETRIC)"
+            )));
+        }
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        // Tagged apart from buffer registrations, never NULL nor a small integer.
+        let token = 0x0cc2_0000_0000_0000 | NEXT.fetch_add(1, Ordering::Relaxed);
+        windows().insert(token, (live.id, buff.addr() as u64, size));
+        // SAFETY: non-NULL (checked above).
+        unsafe { win.write(std::ptr::without_provenance_mut(token as usize)) };
+        Ok(())
     }
 
-    /// Not supported yet (no window is ever registered): `ncclInvalidUsage`.
+    /// Forgets window `win` of `comm` (`ncclInvalidArgument` for a window it does not hold).
     fn ncclCommWindowDeregister / pncclCommWindowDeregister(comm: ncclComm_t, win: ncclWindow_t) {
-        handles::get(comm)?;
+        let live = handles::get(comm)?;
         non_null("win", win)?;
-        Err(Error::InvalidUsage(format!(
-            "ncclCommWindowDeregister: window {win:p} is not a window of oxccl's (symmetric windows are not supported yet)"
-        )))
+        let token = win.addr() as u64;
+        let mut wins = windows();
+        match wins.get(&token) {
+            Some((c, _, _)) if *c == live.id => {
+                wins.remove(&token);
+                Ok(())
+            }
+            _ => Err(Error::InvalidArgument(format!(
+                "window {win:p} is not a window of this communicator (ncclCommWindowRegister), or was deregistered already"
+            ))),
+        }
     }
 }

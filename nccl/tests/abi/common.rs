@@ -142,6 +142,7 @@ api! {
     register = b"ncclCommRegister": fn(Comm, *mut c_void, usize, *mut *mut c_void) -> c_int;
     deregister = b"ncclCommDeregister": fn(Comm, *mut c_void) -> c_int;
     window_register = b"ncclCommWindowRegister": fn(Comm, *mut c_void, usize, *mut *mut c_void, c_int) -> c_int;
+    window_deregister = b"ncclCommWindowDeregister": fn(Comm, *mut c_void) -> c_int;
     mem_alloc = b"ncclMemAlloc": fn(*mut *mut c_void, usize) -> c_int;
     mem_free = b"ncclMemFree": fn(*mut c_void) -> c_int;
     redop_create = b"ncclRedOpCreatePreMulSum": fn(*mut c_int, *mut c_void, c_int, c_int, Comm) -> c_int;

@@ -157,12 +157,15 @@ fn unsupported_calls_say_so() {
         );
         assert!(out.is_null());
         expect((n.shrink)(c, null_mut(), 1, &mut out, null_mut(), 0), INVALID_ARGUMENT, &["excludeRanksList"]);
+        // Windows, as registrations, are accepted (oxccl has no symmetric kernels), their flags
+        // checked, and checked on deregistration.
         let mut win: *mut c_void = null_mut();
-        expect(
-            (n.window_register)(c, mptr(&mut buf), 64, &mut win, 1),
-            INVALID_USAGE,
-            &["ncclCommWindowRegister", "not supported yet"],
-        );
+        expect((n.window_register)(c, mptr(&mut buf), 64, &mut win, 2), INVALID_ARGUMENT, &["winFlags 0x2"]);
+        assert!(win.is_null());
+        expect((n.window_register)(c, mptr(&mut buf), 64, &mut win, 1), SUCCESS, &[]);
+        assert!(!win.is_null());
+        expect((n.window_deregister)(c, win), SUCCESS, &[]);
+        expect((n.window_deregister)(c, win), INVALID_ARGUMENT, &["not a window of this communicator"]);
         expect((n.dev_comm_create)(c, null(), null_mut()), INVALID_USAGE, &["ncclDevCommCreate", "not support"]);
         // Registration is accepted (oxccl needs none) and checked on deregistration.
         let mut h: *mut c_void = null_mut();
