@@ -5,9 +5,8 @@
  * header run on oxccl and programs built against this header run on NCCL 2.28.
  *
  * What oxccl does differently is said next to each declaration; in short:
- *  - ncclCommShrink inside a group, ncclCommRevoke, ncclGroupSimulateEnd and the device API's
- *    host calls (ncclDevCommCreate, ...) return ncclInvalidUsage ("not supported yet", see
- *    ncclGetLastError). Buffer registrations and windows are recorded (oxccl needs none).
+ *  - ncclCommRevoke, ncclGroupSimulateEnd and the device API's host calls (ncclDevCommCreate,
+ *    ...) return ncclInvalidUsage ("not supported yet", see ncclGetLastError). Buffer registrations and windows are recorded (oxccl needs none).
  *  - Non-blocking communicators (config.blocking = 0): ncclCommInitRankConfig and
  *    ncclCommInitRankScalable return ncclInProgress and the init completes in the background
  *    (poll ncclCommGetAsyncError); the communicator's calls return once their work is queued,
@@ -201,7 +200,7 @@ ncclResult_t pncclCommAbort(ncclComm_t comm);
 /* ncclCommSplit: every rank calls it from a thread of its own, or inside a group (one thread may
  * split several ranks; the communicators are created at the group's end). NCCL_SPLIT_NOCOLOR
  * gives *newcomm = NULL. ncclCommShrink: every rank not excluded calls it, from a thread of its
- * own (inside a group: ncclInvalidUsage, not supported yet). */
+ * own or inside a group (created at the group's end, as splits are). */
 ncclResult_t  ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* newcomm, ncclConfig_t* config);
 ncclResult_t pncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* newcomm, ncclConfig_t* config);
 ncclResult_t  ncclCommShrink(ncclComm_t comm, int* excludeRanksList, int excludeRanksCount,

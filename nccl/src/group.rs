@@ -11,10 +11,10 @@
 //! sends and receives; each pending handle then names its communicator, or the failure of its
 //! init.
 //!
-//! **Splits inside a group.** `ncclCommSplit` inside a group (how XLA splits the communicators
-//! of its local GPUs from one thread) hands out a pending handle at once (NULL for
-//! `NCCL_SPLIT_NOCOLOR`); the outermost `ncclGroupEnd` runs the group's splits together, a
-//! thread each, before the group's inits and sends and receives.
+//! **Splits and shrinks inside a group.** `ncclCommSplit` and `ncclCommShrink` inside a group
+//! (how XLA splits the communicators of its local GPUs from one thread) hand out a pending
+//! handle at once (NULL for `NCCL_SPLIT_NOCOLOR`); the outermost `ncclGroupEnd` runs the group's
+//! splits and shrinks together, a thread each, before the group's inits and sends and receives.
 //!
 //! A call on a pending handle before the end
 //! is `ncclInvalidUsage` (NCCL's users issue them after `ncclGroupEnd`).
@@ -56,26 +56,34 @@ pub(crate) fn defer_init(handle: u64, nranks: usize, rank: usize, id: [u8; 128],
     Ok(())
 }
 
-/// A split issued inside a group: the parent, the colour and key, and the pending handle of
-/// the new communicator (`None` for `NCCL_SPLIT_NOCOLOR`).
+/// How a communicator issued inside a group derives from its parent.
+pub(crate) enum Derive {
+    /// `ncclCommSplit` with this colour and key.
+    Split { color: c_int, key: c_int },
+    /// `ncclCommShrink` without these parent ranks, aborting the parent's operations first or not.
+    Shrink { exclude: Vec<usize>, abort_first: bool },
+}
+
+/// A split or shrink issued inside a group: the parent, how, and the pending handle of the new
+/// communicator (`None` for a split with `NCCL_SPLIT_NOCOLOR`).
 struct DeferredSplit {
     handle: Option<u64>,
     parent: Arc<Live>,
-    color: c_int,
-    key: c_int,
+    how: Derive,
 }
 
 thread_local! {
     static SPLITS: RefCell<Vec<DeferredSplit>> = const { RefCell::new(Vec::new()) };
 }
 
-/// Records a split for the end of this thread's group (`handle`, if any, is pending until then).
-pub(crate) fn defer_split(handle: Option<u64>, parent: Arc<Live>, color: c_int, key: c_int) {
-    SPLITS.with(|d| d.borrow_mut().push(DeferredSplit { handle, parent, color, key }));
+/// Records a split or shrink for the end of this thread's group (`handle`, if any, is pending
+/// until then).
+pub(crate) fn defer_split(handle: Option<u64>, parent: Arc<Live>, how: Derive) {
+    SPLITS.with(|d| d.borrow_mut().push(DeferredSplit { handle, parent, how }));
 }
 
-/// Carries out a group's splits together, one thread each (a split is a collective call of
-/// every rank of the parent, so one thread cannot run its ranks' splits in turn), and names
+/// Carries out a group's splits and shrinks together, one thread each (each is a collective call
+/// of the parent's ranks, so one thread cannot run its ranks' calls in turn), and names
 /// each pending handle with its new communicator or its failure. The first failure, preferring
 /// a rank's own error to the `Remote` errors it causes in the others.
 fn run_splits(splits: Vec<DeferredSplit>) -> Result<()> {
@@ -85,7 +93,10 @@ fn run_splits(splits: Vec<DeferredSplit>) -> Result<()> {
             .map(|d| {
                 std::thread::Builder::new().name("oxccl-nccl-split".into()).spawn_scoped(s, move || {
                     let _keep = KeepCurrent::new();
-                    let made = d.parent.comm.split(d.color, d.key);
+                    let made = match &d.how {
+                        Derive::Split { color, key } => d.parent.comm.split(*color, *key),
+                        Derive::Shrink { exclude, abort_first } => d.parent.comm.shrink(exclude, *abort_first).map(Some),
+                    };
                     match (d.handle, made) {
                         (Some(h), Ok(Some(child))) => crate::init::publish_derived(h, child).inspect_err(|e| handles::fail_pending(h, e)),
                         (Some(h), Ok(None)) => {

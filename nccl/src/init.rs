@@ -386,7 +386,8 @@ nccl_api! {
     }
 
     /// Splits `comm` (oxccl's `Comm::split`): every rank of it calls this, from a thread of its
-    /// own (a split inside a group is not supported yet: `ncclInvalidUsage`); the ranks of one
+    /// own, or inside a group (the handle is pending until the group's end, which runs the
+    /// group's splits together; NULL at once for `NCCL_SPLIT_NOCOLOR`); the ranks of one
     /// `color` form `*newcomm`, ordered by `key`; `NCCL_SPLIT_NOCOLOR` gives NULL. `config` may
     /// be NULL; it is read and checked as for `ncclCommInitRankConfig`. The new communicator is
     /// on the same device as `comm` and independent of it.
@@ -407,7 +408,7 @@ nccl_api! {
             // Carried out at the group's end, with the group's other splits (group.rs);
             // `NCCL_SPLIT_NOCOLOR` takes part in the exchange there but gets no communicator.
             let handle = (color != oxccl::SPLIT_NOCOLOR).then(handles::new_pending);
-            crate::group::defer_split(handle, live, color, key);
+            crate::group::defer_split(handle, live, crate::group::Derive::Split { color, key });
             if let Some(handle) = handle {
                 // SAFETY: non-NULL (checked above).
                 unsafe { newcomm.write(handles::to_comm(handle)) };
@@ -429,8 +430,8 @@ nccl_api! {
     /// entries), in their order (oxccl's `Comm::shrink`): called by every surviving rank, from a
     /// thread each; the excluded ranks take no part. `shrinkFlags`: `NCCL_SHRINK_DEFAULT` (0,
     /// the parent stays usable) or `NCCL_SHRINK_ABORT` (1, the parent's pending operations are
-    /// aborted first). Inside a group: not supported yet (`ncclInvalidUsage`). `*newcomm` is
-    /// NULL on failure.
+    /// aborted first). Inside a group the handle is pending until the group's end, which runs the
+    /// group's shrinks and splits together. `*newcomm` is NULL on failure.
     fn ncclCommShrink / pncclCommShrink(
         comm: ncclComm_t,
         exclude_ranks_list: *mut c_int,
@@ -466,9 +467,12 @@ nccl_api! {
             })
             .collect::<Result<Vec<usize>>>()?;
         if oxccl::group::group_depth() > 0 {
-            return Err(Error::InvalidUsage(
-                "ncclCommShrink inside a group is not supported yet by oxccl; call it outside the group, from a thread per rank".into(),
-            ));
+            // Carried out at the group's end, with the group's other splits and shrinks.
+            let handle = handles::new_pending();
+            crate::group::defer_split(Some(handle), live, crate::group::Derive::Shrink { exclude, abort_first });
+            // SAFETY: non-NULL (checked above).
+            unsafe { newcomm.write(handles::to_comm(handle)) };
+            return Ok(());
         }
         let _keep = KeepCurrent::new();
         let child = live.comm.shrink(&exclude, abort_first)?;

@@ -413,6 +413,55 @@ fn shrink_from_the_surviving_ranks() {
     }
 }
 
+/// `ncclCommShrink` inside a group from one thread: ranks 0, 1 and 3 of 4 exclude rank 2; the
+/// handles are pending until the group's end, then a 3-rank communicator that reduces exactly.
+#[test]
+fn shrink_inside_a_group_from_one_thread() {
+    let api = nccl();
+    let parents = group_init(4);
+    let survivors = [0usize, 1, 3];
+    let mut kids: [Comm; 3] = [null_mut(); 3];
+    let mut x: c_int = 0;
+    let mut excl = [2 as c_int];
+    // SAFETY: live handles, a list of one rank and writable outputs.
+    unsafe {
+        expect((api.group_start)(), SUCCESS, &[]);
+        for (k, &r) in kids.iter_mut().zip(&survivors) {
+            expect((api.shrink)(parents[r], excl.as_mut_ptr(), 1, k, null_mut(), 0), SUCCESS, &[]);
+        }
+        expect((api.get_async_error)(kids[0], &mut x), SUCCESS, &[]);
+        assert_eq!(x, IN_PROGRESS, "pending until the group's end");
+        expect((api.group_end)(), SUCCESS, &[]);
+    }
+    let send: Vec<Vec<f32>> = (0..3).map(|i| seq(8, |j| (j + 100 * i) as f32)).collect();
+    let mut recv = vec![vec![0f32; 8]; 3];
+    for (i, &k) in kids.iter().enumerate() {
+        let (mut rank, mut count) = (0, 0);
+        // SAFETY: live handles, host buffers alive until the teardown below.
+        unsafe {
+            expect((api.user_rank)(k, &mut rank), SUCCESS, &[]);
+            expect((api.count)(k, &mut count), SUCCESS, &[]);
+            expect((api.all_reduce)(ptr(&send[i]), mptr(&mut recv[i]), 8, FLOAT, SUM, k, null_mut()), SUCCESS, &[]);
+        }
+        assert_eq!((rank, count), (i as c_int, 3));
+    }
+    for &k in &kids {
+        finalize(k);
+    }
+    for &k in &kids {
+        destroy(k);
+    }
+    for r in recv {
+        assert_eq!(r, seq(8, |j| (3 * j + 300) as f32));
+    }
+    for &c in &parents {
+        finalize(c);
+    }
+    for &c in &parents {
+        destroy(c);
+    }
+}
+
 /// `ncclCommSplit` inside a group, from one thread (as XLA splits its local GPUs'
 /// communicators): pending handles until the group's end (NULL at once for
 /// `NCCL_SPLIT_NOCOLOR`), then two communicators that reduce exactly.
