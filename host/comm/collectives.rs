@@ -447,6 +447,13 @@ impl Comm {
         }
         check_fp8_reduction(func, dtype, self.min_compute_capability())?;
         match op {
+            // NCCL runs a float Avg as PreMulSum by 1/nranks; for fp8 the sum followed by one
+            // division would saturate at the type's largest value on the way (8 ranks of 100 in
+            // E4M3 sum past 448), so each input is scaled first, by 1/nranks in the call's type.
+            ReduceOp::Builtin(RedOp::Avg) if dtype.is_fp8() => {
+                let s = crate::redop::Scalar::from_f64(1.0 / self.nranks as f64, dtype);
+                Ok((DevRedOp::PreMulSum, s.to_bits(), 0))
+            }
             ReduceOp::Builtin(o) => Ok(((*o).into(), 0, 0)),
             ReduceOp::PreMulSum(s) => {
                 if s.dtype() != dtype {

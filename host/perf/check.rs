@@ -405,6 +405,9 @@ fn fold_int<T: Int>(op: RedOp, n: usize, vals: impl Iterator<Item = u64>) -> u64
 }
 
 fn fold_float(dtype: DataType, op: RedOp, n: usize, vals: impl Iterator<Item = u64>) -> u64 {
+    if dtype.is_fp8() && op == RedOp::Avg {
+        return fold_fp8_avg(dtype, n, vals);
+    }
     let mut acc: Option<f64> = None;
     for b in vals {
         let v = float_from_bits(dtype, b);
@@ -424,6 +427,15 @@ fn fold_float(dtype: DataType, op: RedOp, n: usize, vals: impl Iterator<Item = u
         None => 0.0,
     };
     float_to_bits(dtype, r)
+}
+
+/// fp8 Avg as oxccl (and NCCL) run it: PreMulSum by `1/n` in the type, each product rounded to
+/// binary16 then to the type, each partial sum likewise (exact here: the inputs' sums are).
+fn fold_fp8_avg(dtype: DataType, n: usize, vals: impl Iterator<Item = u64>) -> u64 {
+    let s = float_from_bits(dtype, float_to_bits(dtype, 1.0 / n.max(1) as f64));
+    let round = |x: f64| float_from_bits(dtype, float_to_bits(dtype, f16::from_f64(x).to_f64()));
+    let acc = vals.map(|b| round(float_from_bits(dtype, b) * s)).reduce(|a, t| round(a + t));
+    float_to_bits(dtype, acc.unwrap_or(0.0))
 }
 
 /// Reduces the element bit patterns `vals` (one per rank) with `op`; `n` is the divisor for `Avg`.
