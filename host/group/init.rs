@@ -76,6 +76,16 @@ impl PendingComm {
             *slot = Slot::Done(r);
         }
     }
+
+    /// Fails a communicator still waiting (its init never ran); one made or failed already is
+    /// left as it is.
+    fn fail_if_waiting(&self, e: &Error) {
+        if let Ok(mut slot) = self.slot.lock()
+            && matches!(*slot, Slot::Waiting)
+        {
+            *slot = Slot::Done(Err(e.clone()));
+        }
+    }
 }
 
 /// Rank `rank` of `nranks` of unique id `id` on `device` (as [`Comm::init_rank`]). Inside a
@@ -93,9 +103,10 @@ impl PendingComm {
 /// # Ok::<(), oxccl::Error>(())
 /// ```
 pub fn init_rank(nranks: usize, id: &UniqueId, rank: usize, device: Device) -> Result<PendingComm> {
-    if nranks == 0 || rank >= nranks {
+    if nranks == 0 || nranks > crate::bootstrap::MAX_NRANKS || rank >= nranks {
         return Err(Error::InvalidArgument(format!(
-            "rank {rank} of nranks {nranks}: nranks must be 1 or more and rank in 0..nranks"
+            "rank {rank} of nranks {nranks}: nranks must be in 1..={} and rank in 0..nranks",
+            crate::bootstrap::MAX_NRANKS
         )));
     }
     if super::group_depth() == 0 {
@@ -127,9 +138,11 @@ pub(super) struct Deferred {
 /// Whether `set` (the inits of one id) holds each rank `0..nranks` once, all with one `nranks`.
 fn covers_every_rank(set: &[Deferred]) -> bool {
     let n = set[0].nranks;
+    if set.len() != n {
+        return false;
+    }
     let mut seen = vec![false; n];
-    set.len() == n
-        && set
+    set
             .iter()
             .all(|d| d.nranks == n && d.rank < n && !std::mem::replace(&mut seen[d.rank], true))
 }
@@ -172,24 +185,35 @@ pub(super) fn run(inits: Vec<Deferred>) -> Result<()> {
         let thread = || std::thread::Builder::new().name("oxccl-group-init".into());
         for set in sets {
             if covers_every_rank(&set) {
-                jobs.push(thread().spawn_scoped(s, move || init_all(set)));
+                let pending: Vec<PendingComm> = set.iter().map(|d| d.pending.clone()).collect();
+                jobs.push((pending, thread().spawn_scoped(s, move || init_all(set))));
             } else {
                 for d in set {
-                    jobs.push(thread().spawn_scoped(s, move || {
+                    let pending = vec![d.pending.clone()];
+                    jobs.push((pending, thread().spawn_scoped(s, move || {
                         let r = Comm::init_rank(d.nranks, &d.id, d.rank, d.device);
                         let out = r.as_ref().map(|_| ()).map_err(Error::clone);
                         d.pending.fill(r);
                         out
-                    }));
+                    })));
                 }
             }
         }
         jobs.into_iter()
-            .map(|j| match j {
-                Ok(h) => h
-                    .join()
-                    .unwrap_or_else(|_| Err(Error::Internal("an init thread panicked".into()))),
-                Err(e) => Err(Error::System(format!("cannot start an init thread: {e}"))),
+            .map(|(pending, j)| {
+                let r = match j {
+                    Ok(h) => h
+                        .join()
+                        .unwrap_or_else(|_| Err(Error::Internal("an init thread panicked".into()))),
+                    Err(e) => Err(Error::System(format!("cannot start an init thread: {e}"))),
+                };
+                if let Err(e) = &r {
+                    // A thread that never ran (or panicked) left its communicators waiting.
+                    for p in pending {
+                        p.fail_if_waiting(e);
+                    }
+                }
+                r
             })
             .collect()
     });

@@ -26,7 +26,7 @@ fn reduce_op(live: &Live, op: ncclRedOp_t, dtype: DataType) -> Result<ReduceOp<'
         Some(PreMul { dtype: d, scalar: PreMulScalar::Host(s) }) if d == dtype => Ok(ReduceOp::PreMulSum(s)),
         Some(PreMul { dtype: d, scalar: PreMulScalar::Device(addr) }) if d == dtype => {
             // SAFETY: NCCL's contract for ncclScalarDevice: one element of the operator's type on
-            // the rank's device, allocated while the operator is used.
+            // the rank's device, allocated until the work of every call using it has run.
             Ok(ReduceOp::PreMulSumDevice(unsafe { DevSlice::from_raw(addr, d.size(), live.comm.device()) }))
         }
         Some(p) => Err(Error::InvalidArgument(format!(

@@ -82,41 +82,75 @@ pub(crate) fn defer_split(handle: Option<u64>, parent: Arc<Live>, how: Derive) {
     SPLITS.with(|d| d.borrow_mut().push(DeferredSplit { handle, parent, how }));
 }
 
-/// Carries out a group's splits and shrinks together, one thread each (each is a collective call
-/// of the parent's ranks, so one thread cannot run its ranks' calls in turn), and names
-/// each pending handle with its new communicator or its failure. The first failure, preferring
-/// a rank's own error to the `Remote` errors it causes in the others.
+/// Carries out one deferred split or shrink on the calling thread and names its pending handle
+/// with the new communicator or the failure.
+fn run_split(d: DeferredSplit) -> Result<()> {
+    let made = match &d.how {
+        Derive::Split { color, key } => d.parent.comm.split(*color, *key),
+        Derive::Shrink { exclude, abort_first } => d.parent.comm.shrink(exclude, *abort_first).map(Some),
+    };
+    match (d.handle, made) {
+        (Some(h), Ok(Some(child))) => crate::init::publish_derived(h, child).inspect_err(|e| handles::fail_pending(h, e)),
+        (Some(h), Ok(None)) => {
+            let e = Error::Internal("a split with a colour gave no communicator".into());
+            handles::fail_pending(h, &e);
+            Err(e)
+        }
+        (Some(h), Err(e)) => {
+            handles::fail_pending(h, &e);
+            Err(e)
+        }
+        (None, made) => made.map(|_| ()),
+    }
+}
+
+/// Carries out a group's splits and shrinks: one thread per parent rank (each call is a
+/// collective call of the parent's ranks, so one thread cannot run several ranks' calls in
+/// turn), which runs that rank's calls in the order they were issued (two splits of one parent
+/// must meet their peers' in the same order on every rank). Every pending handle is named with
+/// its new communicator or its failure; the first failure is returned, preferring a rank's own
+/// error to the `Remote` errors it causes in the others.
 fn run_splits(splits: Vec<DeferredSplit>) -> Result<()> {
+    let mut by_parent: Vec<Vec<DeferredSplit>> = Vec::new();
+    for d in splits {
+        match by_parent.iter_mut().find(|v| v[0].parent.id == d.parent.id) {
+            Some(v) => v.push(d),
+            None => by_parent.push(vec![d]),
+        }
+    }
     let results: Vec<Result<()>> = std::thread::scope(|s| {
-        let jobs: Vec<_> = splits
-            .into_iter()
-            .map(|d| {
-                std::thread::Builder::new().name("oxccl-nccl-split".into()).spawn_scoped(s, move || {
-                    let _keep = KeepCurrent::new();
-                    let made = match &d.how {
-                        Derive::Split { color, key } => d.parent.comm.split(*color, *key),
-                        Derive::Shrink { exclude, abort_first } => d.parent.comm.shrink(exclude, *abort_first).map(Some),
-                    };
-                    match (d.handle, made) {
-                        (Some(h), Ok(Some(child))) => crate::init::publish_derived(h, child).inspect_err(|e| handles::fail_pending(h, e)),
-                        (Some(h), Ok(None)) => {
-                            let e = Error::Internal("a split with a colour gave no communicator".into());
-                            handles::fail_pending(h, &e);
-                            Err(e)
-                        }
-                        (Some(h), Err(e)) => {
-                            handles::fail_pending(h, &e);
-                            Err(e)
-                        }
-                        (None, made) => made.map(|_| ()),
+        let mut jobs = Vec::new();
+        for calls in by_parent {
+            // The handles, to fail them if the thread cannot run.
+            let handles: Vec<u64> = calls.iter().filter_map(|d| d.handle).collect();
+            let job = std::thread::Builder::new().name("oxccl-nccl-split".into()).spawn_scoped(s, move || {
+                let _keep = KeepCurrent::new();
+                let mut first = Ok(());
+                for d in calls {
+                    let r = run_split(d);
+                    if first.is_ok() {
+                        first = r;
                     }
-                })
-            })
-            .collect();
+                }
+                first
+            });
+            jobs.push((handles, job));
+        }
         jobs.into_iter()
-            .map(|j| match j {
-                Ok(h) => h.join().unwrap_or_else(|_| Err(Error::Internal("a split thread panicked".into()))),
-                Err(e) => Err(Error::System(format!("cannot start a split thread: {e}"))),
+            .map(|(handles, j)| {
+                let r = match j {
+                    Ok(h) => h.join().unwrap_or_else(|_| Err(Error::Internal("a split thread panicked".into()))),
+                    Err(e) => Err(Error::System(format!("cannot start a split thread: {e}"))),
+                };
+                if let Err(e) = &r
+                    && matches!(e, Error::System(_) | Error::Internal(_))
+                {
+                    // A thread that never ran (or panicked) left its handles pending.
+                    for h in handles {
+                        handles::fail_pending_if_waiting(h, e);
+                    }
+                }
+                r
             })
             .collect()
     });

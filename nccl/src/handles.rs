@@ -212,6 +212,18 @@ pub(crate) fn fail_pending(id: u64, e: &Error) {
     );
 }
 
+/// [`fail_pending`] for a handle still pending (one whose init or split never ran); a handle
+/// that names a communicator or a failure already is left as it is.
+pub(crate) fn fail_pending_if_waiting(id: u64, e: &Error) {
+    let mut slots = registry().slots();
+    if let Some(slot @ Slot::Pending) = slots.get_mut(&id) {
+        *slot = Slot::Failed {
+            code: e.code() as ncclResult_t,
+            msg: e.to_string(),
+        };
+    }
+}
+
 /// The state `ncclCommGetAsyncError` reports for a handle that names no communicator yet.
 pub(crate) enum NotReady {
     Pending,

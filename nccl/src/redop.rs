@@ -3,7 +3,7 @@
 //! handle is an index into its communicator's table ([`crate::handles::Live::redops`]):
 //! operator `ncclNumOps + i` is entry `i`, used only with that communicator and its data type.
 //! Host-immediate scalars are read when the operator is created, as NCCL does; device-resident
-//! ones (read by the kernel when it runs) are not supported yet through this ABI.
+//! ones (`oxccl::ReduceOp::PreMulSumDevice`) are read by each call's kernel when it runs.
 use crate::errors::non_null;
 use crate::handles::{self, PreMul, PreMulScalar};
 use crate::types::*;
@@ -55,7 +55,8 @@ nccl_api! {
         let scalar = match residence {
             // SAFETY: non-NULL; NCCL's contract: one element of `datatype` in host memory.
             ncclScalarHostImmediate => PreMulScalar::Host(unsafe { read_scalar(scalar, dtype) }),
-            // The calls check its device and alignment (`Comm::collective_raw`).
+            // The calls check its alignment (`Comm::collective_raw`); that it is memory of the
+            // rank's device is NCCL's contract with the caller, as for the buffers.
             ncclScalarDevice => PreMulScalar::Device(scalar as u64),
             r => {
                 return Err(Error::InvalidArgument(format!(

@@ -413,6 +413,48 @@ fn shrink_from_the_surviving_ranks() {
     }
 }
 
+/// Two splits of one parent inside one group, from one thread (rows and columns of a 2 × 2
+/// grid): each rank's splits meet the other ranks' in the order issued.
+#[test]
+fn two_splits_of_one_parent_inside_a_group() {
+    let api = nccl();
+    let parents = group_init(4);
+    let mut rows: [Comm; 4] = [null_mut(); 4];
+    let mut cols: [Comm; 4] = [null_mut(); 4];
+    // SAFETY: live handles and writable outputs.
+    unsafe {
+        expect((api.group_start)(), SUCCESS, &[]);
+        for r in 0..4 {
+            expect((api.split)(parents[r], (r / 2) as c_int, r as c_int, &mut rows[r], null_mut()), SUCCESS, &[]);
+            expect((api.split)(parents[r], (r % 2) as c_int, r as c_int, &mut cols[r], null_mut()), SUCCESS, &[]);
+        }
+        expect((api.group_end)(), SUCCESS, &[]);
+    }
+    for r in 0..4 {
+        for (k, want) in [(rows[r], r % 2), (cols[r], r / 2)] {
+            let (mut rank, mut count) = (0, 0);
+            // SAFETY: live handles and writable ints.
+            unsafe {
+                expect((api.user_rank)(k, &mut rank), SUCCESS, &[]);
+                expect((api.count)(k, &mut count), SUCCESS, &[]);
+            }
+            assert_eq!((rank, count), (want as c_int, 2), "parent rank {r}");
+        }
+    }
+    for &k in rows.iter().chain(&cols) {
+        finalize(k);
+    }
+    for &k in rows.iter().chain(&cols) {
+        destroy(k);
+    }
+    for &c in &parents {
+        finalize(c);
+    }
+    for &c in &parents {
+        destroy(c);
+    }
+}
+
 /// `ncclCommShrink` inside a group from one thread: ranks 0, 1 and 3 of 4 exclude rank 2; the
 /// handles are pending until the group's end, then a 3-rank communicator that reduces exactly.
 #[test]
