@@ -22,6 +22,7 @@ mod gpu_all_reduce;
 mod gpu_collectives;
 mod gpu_direct;
 mod gpu_tree;
+mod fp8_math;
 mod half_math;
 mod in_process;
 mod kernels;
