@@ -14,7 +14,10 @@ use crate::mem::Device;
 use std::sync::{Arc, Mutex};
 
 /// A communicator whose creation was issued inside a group: it exists once the thread's
-/// outermost group has ended ([`PendingComm::take`]).
+/// outermost group has ended ([`PendingComm::take`]). A group that holds every rank of its id
+/// makes one process group, whose ranks may be dropped from one thread; ranks of a group that
+/// holds only some ranks of an id are `init_rank` communicators, which meet their peers at a
+/// teardown barrier: drop them on a thread each.
 #[derive(Clone)]
 pub struct PendingComm {
     rank: usize,

@@ -16,6 +16,8 @@
 //! of `ncclSend`/`ncclRecv`, which is what `--compare nccl` runs) has uneven blocks: `c(r, p)` is
 //! `count × 2k / (n + 1)` elements with `k = 1 + (r + p) mod n`, rounded down to 16 bytes, so each
 //! rank sends blocks from half to nearly twice the average `count` and every rank the same total.
+//! Its busbw factor is AlltoAll's `(n−1)/n`, nominal here: the block a rank keeps for itself
+//! varies by rank.
 //!
 //! In-place buffers follow nccl-tests' offsets: SendRecv sends from and receives into one buffer
 //! (the receive may overwrite data before it is sent, so in-place SendRecv is timed but not
