@@ -316,9 +316,10 @@ impl Comm {
             dtype,
             bytes,
         };
+        let target = self.p2p_target()?;
         self.watch.record_p2p(&recorded, group::current_group());
         group::enqueue(Queued {
-            target: self.p2p_target()?,
+            target,
             stream: stream.handle(),
             op: P2pOp { send, peer, buff, bytes },
         })
