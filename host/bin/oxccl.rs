@@ -84,6 +84,9 @@ enum Collective {
     /// Every rank sends uneven blocks (½ to nearly 2× the average) to each rank: oxccl's
     /// all_to_all_v; with --compare nccl, NCCL runs the same group of sends and receives.
     AllToAllV,
+    /// Every rank contributes an uneven block (½ to nearly 2× the average) that every rank
+    /// receives: oxccl's all_gather_v; with --compare nccl, the same group of sends and receives.
+    AllGatherV,
     /// The five collectives, one after the other (not the point-to-point operations).
     All,
 }
@@ -118,6 +121,7 @@ impl Collective {
             Collective::Gather => vec![Op::P2p(P2pFunc::Gather)],
             Collective::Scatter => vec![Op::P2p(P2pFunc::Scatter)],
             Collective::AllToAllV => vec![Op::P2p(P2pFunc::AllToAllV)],
+            Collective::AllGatherV => vec![Op::P2p(P2pFunc::AllGatherV)],
             Collective::All => [
                 Func::AllReduce,
                 Func::AllGather,

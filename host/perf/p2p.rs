@@ -11,6 +11,7 @@
 //! | Gather | sends `count` elements to the root, which stores rank `p`'s at block `p` | `nranks × count × size` | (n−1)/n |
 //! | Scatter | receives block `rank` of the root's `nranks × count` elements | `nranks × count × size` | (n−1)/n |
 //! | AlltoAllV | sends `c(rank, p)` elements to each rank `p`, packed, and receives `c(p, rank)` from each (`Comm::all_to_all_v`) | `Σ_p c(rank, p) × size`, the same on every rank | (n−1)/n |
+//! | AllGatherV | sends its `c(rank, 0)` elements to every rank and receives rank `p`'s `c(p, 0)` at block `p`, packed (`Comm::all_gather_v`) | `Σ_p c(p, 0) × size` | (n−1)/n |
 //!
 //! AlltoAllV (beyond NCCL and nccl-tests, which have no V-variant; NCCL users build it from a group
 //! of `ncclSend`/`ncclRecv`, which is what `--compare nccl` runs) has uneven blocks: `c(r, p)` is
@@ -45,12 +46,15 @@ pub enum P2pFunc {
     /// `Comm::all_to_all_v` with uneven blocks ([`v_count`]); NCCL: a group of sends and
     /// receives.
     AllToAllV,
+    /// `Comm::all_gather_v` with uneven contributions ([`v_count`] to rank 0); NCCL: a group of
+    /// sends and receives (each rank's block to every rank, itself included).
+    AllGatherV,
 }
 
 impl P2pFunc {
     /// Every operation, in the order `oxccl perf --help` lists them.
     pub const ALL: &'static [P2pFunc] =
-        &[P2pFunc::SendRecv, P2pFunc::AllToAll, P2pFunc::Gather, P2pFunc::Scatter, P2pFunc::AllToAllV];
+        &[P2pFunc::SendRecv, P2pFunc::AllToAll, P2pFunc::Gather, P2pFunc::Scatter, P2pFunc::AllToAllV, P2pFunc::AllGatherV];
 
     /// The name nccl-tests' benchmark binary has (`sendrecv` of `sendrecv_perf`).
     pub const fn name(self) -> &'static str {
@@ -60,6 +64,7 @@ impl P2pFunc {
             P2pFunc::Gather => "gather",
             P2pFunc::Scatter => "scatter",
             P2pFunc::AllToAllV => "alltoallv",
+            P2pFunc::AllGatherV => "allgatherv",
         }
     }
 
@@ -72,7 +77,9 @@ impl P2pFunc {
         let n = nranks as f64;
         match self {
             P2pFunc::SendRecv => 1.0,
-            P2pFunc::AllToAll | P2pFunc::Gather | P2pFunc::Scatter | P2pFunc::AllToAllV => (n - 1.0) / n,
+            P2pFunc::AllToAll | P2pFunc::Gather | P2pFunc::Scatter | P2pFunc::AllToAllV | P2pFunc::AllGatherV => {
+                (n - 1.0) / n
+            }
         }
     }
 
@@ -83,7 +90,9 @@ impl P2pFunc {
     pub fn count_for(self, bytes: u64, dtype: DataType, nranks: usize) -> usize {
         let func = match self {
             P2pFunc::SendRecv => Func::Broadcast,
-            P2pFunc::AllToAll | P2pFunc::Gather | P2pFunc::Scatter | P2pFunc::AllToAllV => Func::AllGather,
+            P2pFunc::AllToAll | P2pFunc::Gather | P2pFunc::Scatter | P2pFunc::AllToAllV | P2pFunc::AllGatherV => {
+                Func::AllGather
+            }
         };
         table::count_for(func, bytes, dtype, nranks)
     }
@@ -96,21 +105,24 @@ impl P2pFunc {
         match self {
             P2pFunc::SendRecv => block,
             P2pFunc::AllToAll | P2pFunc::Gather | P2pFunc::Scatter => block * nranks as u64,
-            P2pFunc::AllToAllV => (0..nranks).map(|p| v_count(count, dtype, nranks, 0, p) as u64).sum::<u64>() * dtype.size() as u64,
+            // AllGatherV's contributions c(p, 0) are AlltoAllV's row of rank 0, by symmetry.
+            P2pFunc::AllToAllV | P2pFunc::AllGatherV => {
+                (0..nranks).map(|p| v_count(count, dtype, nranks, 0, p) as u64).sum::<u64>() * dtype.size() as u64
+            }
         }
     }
 
     /// False for AlltoAll, which has no in-place form (oxccl refuses overlapping buffers, as
     /// NCCL leaves them undefined).
     pub const fn has_in_place(self) -> bool {
-        !matches!(self, P2pFunc::AllToAll | P2pFunc::AllToAllV)
+        !matches!(self, P2pFunc::AllToAll | P2pFunc::AllToAllV | P2pFunc::AllGatherV)
     }
 
     /// The root rank, for Gather and Scatter.
     pub const fn root(self) -> Option<usize> {
         match self {
             P2pFunc::Gather | P2pFunc::Scatter => Some(ROOT),
-            P2pFunc::SendRecv | P2pFunc::AllToAll | P2pFunc::AllToAllV => None,
+            P2pFunc::SendRecv | P2pFunc::AllToAll | P2pFunc::AllToAllV | P2pFunc::AllGatherV => None,
         }
     }
 }
@@ -124,6 +136,14 @@ pub fn v_count(count: usize, dtype: DataType, nranks: usize, from: usize, to: us
     let c = (count as u128 * 2 * k as u128 / (n as u128 + 1)) as usize;
     let align = (16 / dtype.size()).max(1);
     c / align * align
+}
+
+/// AllGatherV's contributions (rank `p` gives [`v_count`]`(count, dtype, n, p, 0)` elements) and
+/// their packed displacements in every rank's output.
+fn gather_v_layout(count: usize, dtype: DataType, n: usize) -> (Vec<usize>, Vec<usize>) {
+    let counts: Vec<usize> = (0..n).map(|p| v_count(count, dtype, n, p, 0)).collect();
+    let displs = counts.iter().scan(0, |at, &x| Some(std::mem::replace(at, *at + x))).collect();
+    (counts, displs)
 }
 
 /// Rank `rank`'s AlltoAllV counts and packed displacements (elements): (send counts, send
@@ -174,7 +194,7 @@ fn placed(
     match func {
         P2pFunc::Gather => (&b.recv, rank * block, &b.recv, 0),
         P2pFunc::Scatter => (&b.recv, 0, &b.recv, rank * block),
-        P2pFunc::SendRecv | P2pFunc::AllToAll | P2pFunc::AllToAllV => (&b.recv, 0, &b.recv, 0),
+        P2pFunc::SendRecv | P2pFunc::AllToAll | P2pFunc::AllToAllV | P2pFunc::AllGatherV => (&b.recv, 0, &b.recv, 0),
     }
 }
 
@@ -222,6 +242,12 @@ fn launch_all(bench: &Bench, backend: &Backend, cfg: &P2pConfig, count: usize, i
                             let (send, recv) = (sb.slice(so, total)?, rb.slice(ro, total)?);
                             c.all_to_all_v(send, &sc, &sd, recv, &rc, &rd, dtype, st)?
                         }
+                        P2pFunc::AllGatherV => {
+                            let (counts, displs) = gather_v_layout(count, dtype, n);
+                            let total = counts.iter().sum::<usize>() * dtype.size();
+                            let send = sb.slice(so, counts[r] * dtype.size())?;
+                            c.all_gather_v(send, rb.slice(ro, total)?, &counts, &displs, dtype, st)?
+                        }
                     }
                 }
                 Ok(())
@@ -257,6 +283,14 @@ fn launch_all(bench: &Bench, backend: &Backend, cfg: &P2pConfig, count: usize, i
                             (0..n).try_for_each(|p| {
                                 nc.send(i, at(send, sd[p]), sc[p], dtype, p, st)?;
                                 nc.recv(i, at(recv, rd[p]), rc[p], dtype, p, st)
+                            })
+                        }
+                        P2pFunc::AllGatherV => {
+                            let (counts, displs) = gather_v_layout(count, dtype, n);
+                            let at = |d: usize| recv + (d * dtype.size()) as u64;
+                            (0..n).try_for_each(|p| {
+                                nc.send(i, send, counts[r], dtype, p, st)?;
+                                nc.recv(i, at(displs[p]), counts[p], dtype, p, st)
                             })
                         }
                     }
@@ -323,6 +357,12 @@ pub fn check_data(
             (0..nranks)
                 .map(|r| (if r == ROOT { data.clone() } else { Vec::new() }, Some(blk(&data, r))))
                 .collect()
+        }
+        P2pFunc::AllGatherV => {
+            let (counts, _) = gather_v_layout(count, dtype, nranks);
+            let inputs: Vec<Vec<u8>> = (0..nranks).map(|r| input_of(r, counts[r])).collect::<Result<_>>()?;
+            let all = inputs.concat();
+            inputs.into_iter().map(|i| (i, Some(all.clone()))).collect()
         }
         P2pFunc::AllToAllV => {
             let es = dtype.size();
@@ -499,7 +539,11 @@ mod tests {
         assert_eq!(P2pFunc::Gather.root(), Some(ROOT));
         assert_eq!(P2pFunc::SendRecv.root(), None);
         let names: Vec<String> = P2pFunc::ALL.iter().map(|f| f.to_string()).collect();
-        assert_eq!(names, ["sendrecv", "alltoall", "gather", "scatter", "alltoallv"]);
+        assert_eq!(names, ["sendrecv", "alltoall", "gather", "scatter", "alltoallv", "allgatherv"]);
+        // AllGatherV: rank p contributes c(p, 0); the output holds them all, packed.
+        let (counts, displs) = gather_v_layout(1000, DataType::F32, 3);
+        assert_eq!((counts, displs), (vec![500, 1000, 1500], vec![0, 500, 1500]));
+        assert_eq!(P2pFunc::AllGatherV.data_bytes(1000, DataType::F32, 3), 3000 * 4);
         // AlltoAllV on 3 ranks: blocks of count × 2k/4, k = 1 + (from + to) mod 3, 16-byte
         // aligned; every rank sends the same total, S.
         let c: Vec<usize> = (0..3).map(|p| v_count(1000, DataType::F32, 3, 0, p)).collect();

@@ -1,6 +1,6 @@
-//! `oxccl perf send-recv|all-to-all|gather|scatter|all-to-all-v` on the CPU target, as nccl-tests'
+//! `oxccl perf send-recv|all-to-all|gather|scatter|all-to-all-v|all-gather-v` on the CPU target, as nccl-tests'
 //! `sendrecv_perf`, `alltoall_perf`, `gather_perf` and `scatter_perf` print them (and the uneven
-//! AlltoAllV, which nccl-tests does not have, in the same form): every row
+//! AlltoAllV and AllGatherV, which nccl-tests does not have, in the same form): every row
 //! exact, sizes and counts as nccl-tests computes them, busbw = algbw × the operation's bus
 //! factor (SendRecv 1, the others (n−1)/n) in the printed columns and, at full precision, in
 //! `--json`; AlltoAll's in-place columns and in-place SendRecv's `#wrong` are `N/A`.
@@ -163,11 +163,25 @@ fn perf_all_to_all_v_is_exact_with_uneven_blocks() {
     check_sweep("all-to-all-v", "alltoallv", 2.0 / 3.0, &sizes, &BLOCKED_COUNTS, "-1", InPlace::Absent);
 }
 
+/// AllGatherV on 3 ranks: rank p contributes `v_count(count, p, 0)` (½, 1 and 1½ times the
+/// average), S = every contribution, busbw = algbw × 2/3, exact, no in-place form.
+#[test]
+fn perf_all_gather_v_is_exact_with_uneven_contributions() {
+    use oxccl::perf::p2p::{P2pFunc, v_count};
+    let sizes: Vec<u64> = BLOCKED_COUNTS
+        .iter()
+        .map(|&c| (0..3).map(|p| v_count(c as usize, oxccl::DataType::F32, 3, p, 0) as u64 * 4).sum())
+        .collect();
+    assert_eq!(sizes, [0, 32, 480, 4064, 32736]);
+    assert_eq!(P2pFunc::AllGatherV.data_bytes(340, oxccl::DataType::F32, 3), 4064);
+    check_sweep("all-gather-v", "allgatherv", 2.0 / 3.0, &sizes, &BLOCKED_COUNTS, "-1", InPlace::Absent);
+}
+
 /// `--compare nccl` on the CPU target is refused at once, naming why, for the point-to-point
 /// operations as for the collectives.
 #[test]
 fn perf_p2p_compare_nccl_needs_gpus() {
-    for op in ["send-recv", "all-to-all", "gather", "scatter", "all-to-all-v"] {
+    for op in ["send-recv", "all-to-all", "gather", "scatter", "all-to-all-v", "all-gather-v"] {
         let out = oxccl()
             .args(["perf", op, "--backend", "cpu", "--ranks", "2", "--compare", "nccl"])
             .output()
