@@ -87,6 +87,9 @@ enum Collective {
     /// Every rank contributes an uneven block (½ to nearly 2× the average) that every rank
     /// receives: oxccl's all_gather_v; with --compare nccl, the same group of sends and receives.
     AllGatherV,
+    /// The sum of every rank's input, scattered in uneven blocks (½ to nearly 2× the average):
+    /// oxccl's reduce_scatter_v; with --compare nccl, the same group of ncclReduce calls.
+    ReduceScatterV,
     /// The five collectives, one after the other (not the point-to-point operations).
     All,
 }
@@ -122,6 +125,7 @@ impl Collective {
             Collective::Scatter => vec![Op::P2p(P2pFunc::Scatter)],
             Collective::AllToAllV => vec![Op::P2p(P2pFunc::AllToAllV)],
             Collective::AllGatherV => vec![Op::P2p(P2pFunc::AllGatherV)],
+            Collective::ReduceScatterV => vec![Op::P2p(P2pFunc::ReduceScatterV)],
             Collective::All => [
                 Func::AllReduce,
                 Func::AllGather,

@@ -12,6 +12,7 @@
 //! | Scatter | receives block `rank` of the root's `nranks × count` elements | `nranks × count × size` | (n−1)/n |
 //! | AlltoAllV | sends `c(rank, p)` elements to each rank `p`, packed, and receives `c(p, rank)` from each (`Comm::all_to_all_v`) | `Σ_p c(rank, p) × size`, the same on every rank | (n−1)/n |
 //! | AllGatherV | sends its `c(rank, 0)` elements to every rank and receives rank `p`'s `c(p, 0)` at block `p`, packed (`Comm::all_gather_v`) | `Σ_p c(p, 0) × size` | (n−1)/n |
+//! | ReduceScatterV | sums the ranks' inputs of `Σ_p c(p, 0)` elements; receives its block, `c(rank, 0)` elements (`Comm::reduce_scatter_v`, one rooted Reduce per rank) | `Σ_p c(p, 0) × size` | (n−1)/n |
 //!
 //! AlltoAllV (beyond NCCL and nccl-tests, which have no V-variant; NCCL users build it from a group
 //! of `ncclSend`/`ncclRecv`, which is what `--compare nccl` runs) has uneven blocks: `c(r, p)` is
@@ -49,12 +50,15 @@ pub enum P2pFunc {
     /// `Comm::all_gather_v` with uneven contributions ([`v_count`] to rank 0); NCCL: a group of
     /// sends and receives (each rank's block to every rank, itself included).
     AllGatherV,
+    /// `Comm::reduce_scatter_v` (sum) with uneven blocks ([`v_count`] to rank 0); NCCL: a group
+    /// of one `ncclReduce` per rank, as oxccl runs it.
+    ReduceScatterV,
 }
 
 impl P2pFunc {
     /// Every operation, in the order `oxccl perf --help` lists them.
     pub const ALL: &'static [P2pFunc] =
-        &[P2pFunc::SendRecv, P2pFunc::AllToAll, P2pFunc::Gather, P2pFunc::Scatter, P2pFunc::AllToAllV, P2pFunc::AllGatherV];
+        &[P2pFunc::SendRecv, P2pFunc::AllToAll, P2pFunc::Gather, P2pFunc::Scatter, P2pFunc::AllToAllV, P2pFunc::AllGatherV, P2pFunc::ReduceScatterV];
 
     /// The name nccl-tests' benchmark binary has (`sendrecv` of `sendrecv_perf`).
     pub const fn name(self) -> &'static str {
@@ -65,6 +69,7 @@ impl P2pFunc {
             P2pFunc::Scatter => "scatter",
             P2pFunc::AllToAllV => "alltoallv",
             P2pFunc::AllGatherV => "allgatherv",
+            P2pFunc::ReduceScatterV => "reducescatterv",
         }
     }
 
@@ -77,9 +82,12 @@ impl P2pFunc {
         let n = nranks as f64;
         match self {
             P2pFunc::SendRecv => 1.0,
-            P2pFunc::AllToAll | P2pFunc::Gather | P2pFunc::Scatter | P2pFunc::AllToAllV | P2pFunc::AllGatherV => {
-                (n - 1.0) / n
-            }
+            P2pFunc::AllToAll
+            | P2pFunc::Gather
+            | P2pFunc::Scatter
+            | P2pFunc::AllToAllV
+            | P2pFunc::AllGatherV
+            | P2pFunc::ReduceScatterV => (n - 1.0) / n,
         }
     }
 
@@ -90,9 +98,12 @@ impl P2pFunc {
     pub fn count_for(self, bytes: u64, dtype: DataType, nranks: usize) -> usize {
         let func = match self {
             P2pFunc::SendRecv => Func::Broadcast,
-            P2pFunc::AllToAll | P2pFunc::Gather | P2pFunc::Scatter | P2pFunc::AllToAllV | P2pFunc::AllGatherV => {
-                Func::AllGather
-            }
+            P2pFunc::AllToAll
+            | P2pFunc::Gather
+            | P2pFunc::Scatter
+            | P2pFunc::AllToAllV
+            | P2pFunc::AllGatherV
+            | P2pFunc::ReduceScatterV => Func::AllGather,
         };
         table::count_for(func, bytes, dtype, nranks)
     }
@@ -106,7 +117,7 @@ impl P2pFunc {
             P2pFunc::SendRecv => block,
             P2pFunc::AllToAll | P2pFunc::Gather | P2pFunc::Scatter => block * nranks as u64,
             // AllGatherV's contributions c(p, 0) are AlltoAllV's row of rank 0, by symmetry.
-            P2pFunc::AllToAllV | P2pFunc::AllGatherV => {
+            P2pFunc::AllToAllV | P2pFunc::AllGatherV | P2pFunc::ReduceScatterV => {
                 (0..nranks).map(|p| v_count(count, dtype, nranks, 0, p) as u64).sum::<u64>() * dtype.size() as u64
             }
         }
@@ -115,14 +126,16 @@ impl P2pFunc {
     /// False for AlltoAll, which has no in-place form (oxccl refuses overlapping buffers, as
     /// NCCL leaves them undefined).
     pub const fn has_in_place(self) -> bool {
-        !matches!(self, P2pFunc::AllToAll | P2pFunc::AllToAllV | P2pFunc::AllGatherV)
+        !matches!(self, P2pFunc::AllToAll | P2pFunc::AllToAllV | P2pFunc::AllGatherV | P2pFunc::ReduceScatterV)
     }
 
     /// The root rank, for Gather and Scatter.
     pub const fn root(self) -> Option<usize> {
         match self {
             P2pFunc::Gather | P2pFunc::Scatter => Some(ROOT),
-            P2pFunc::SendRecv | P2pFunc::AllToAll | P2pFunc::AllToAllV | P2pFunc::AllGatherV => None,
+            P2pFunc::SendRecv | P2pFunc::AllToAll | P2pFunc::AllToAllV | P2pFunc::AllGatherV | P2pFunc::ReduceScatterV => {
+                None
+            }
         }
     }
 }
@@ -194,7 +207,11 @@ fn placed(
     match func {
         P2pFunc::Gather => (&b.recv, rank * block, &b.recv, 0),
         P2pFunc::Scatter => (&b.recv, 0, &b.recv, rank * block),
-        P2pFunc::SendRecv | P2pFunc::AllToAll | P2pFunc::AllToAllV | P2pFunc::AllGatherV => (&b.recv, 0, &b.recv, 0),
+        P2pFunc::SendRecv
+        | P2pFunc::AllToAll
+        | P2pFunc::AllToAllV
+        | P2pFunc::AllGatherV
+        | P2pFunc::ReduceScatterV => (&b.recv, 0, &b.recv, 0),
     }
 }
 
@@ -248,6 +265,12 @@ fn launch_all(bench: &Bench, backend: &Backend, cfg: &P2pConfig, count: usize, i
                             let send = sb.slice(so, counts[r] * dtype.size())?;
                             c.all_gather_v(send, rb.slice(ro, total)?, &counts, &displs, dtype, st)?
                         }
+                        P2pFunc::ReduceScatterV => {
+                            let (counts, displs) = gather_v_layout(count, dtype, n);
+                            let total = counts.iter().sum::<usize>() * dtype.size();
+                            let recv = rb.slice(ro, counts[r] * dtype.size())?;
+                            c.reduce_scatter_v(sb.slice(so, total)?, recv, &counts, &displs, dtype, RedOp::Sum, st)?
+                        }
                     }
                 }
                 Ok(())
@@ -291,6 +314,14 @@ fn launch_all(bench: &Bench, backend: &Backend, cfg: &P2pConfig, count: usize, i
                             (0..n).try_for_each(|p| {
                                 nc.send(i, send, counts[r], dtype, p, st)?;
                                 nc.recv(i, at(displs[p]), counts[p], dtype, p, st)
+                            })
+                        }
+                        P2pFunc::ReduceScatterV => {
+                            let (counts, displs) = gather_v_layout(count, dtype, n);
+                            (0..n).try_for_each(|p| {
+                                let from = send + (displs[p] * dtype.size()) as u64;
+                                let to = if p == r { recv } else { 0 };
+                                nc.collective(i, Func::Reduce, from, to, counts[p], dtype, RedOp::Sum, p, st)
                             })
                         }
                     }
@@ -357,6 +388,19 @@ pub fn check_data(
             (0..nranks)
                 .map(|r| (if r == ROOT { data.clone() } else { Vec::new() }, Some(blk(&data, r))))
                 .collect()
+        }
+        P2pFunc::ReduceScatterV => {
+            let (counts, displs) = gather_v_layout(count, dtype, nranks);
+            let total: usize = counts.iter().sum();
+            let sum = check::expected(Func::AllReduce, dtype, RedOp::Sum, nranks, seed, total)
+                .ok_or_else(|| Error::Internal("no expected values".into()))?;
+            let es = dtype.size();
+            (0..nranks)
+                .map(|r| {
+                    let exp = sum[displs[r] * es..(displs[r] + counts[r]) * es].to_vec();
+                    Ok((input_of(r, total)?, Some(exp)))
+                })
+                .collect::<Result<_>>()?
         }
         P2pFunc::AllGatherV => {
             let (counts, _) = gather_v_layout(count, dtype, nranks);
@@ -461,8 +505,8 @@ pub fn measure(
 }
 
 /// Runs the whole sweep on `main` (and `reference`, when given), printing each row through `emit`
-/// as it completes; returns the rows (redop `none`, root [`ROOT`] for Gather and Scatter, else
-/// -1).
+/// as it completes; returns the rows (redop `sum` for ReduceScatterV, else `none`; root [`ROOT`]
+/// for Gather and Scatter, else -1).
 pub fn sweep(
     bench: &Bench,
     main: &Backend,
@@ -499,7 +543,7 @@ pub fn sweep(
             bytes: cfg.func.data_bytes(count, cfg.dtype, n),
             count,
             dtype: cfg.dtype,
-            redop: None,
+            redop: (cfg.func == P2pFunc::ReduceScatterV).then_some(RedOp::Sum),
             root: cfg.func.root().map_or(-1, |r| r as i32),
             out_of_place: oop,
             in_place: ip,
@@ -539,11 +583,12 @@ mod tests {
         assert_eq!(P2pFunc::Gather.root(), Some(ROOT));
         assert_eq!(P2pFunc::SendRecv.root(), None);
         let names: Vec<String> = P2pFunc::ALL.iter().map(|f| f.to_string()).collect();
-        assert_eq!(names, ["sendrecv", "alltoall", "gather", "scatter", "alltoallv", "allgatherv"]);
+        assert_eq!(names, ["sendrecv", "alltoall", "gather", "scatter", "alltoallv", "allgatherv", "reducescatterv"]);
         // AllGatherV: rank p contributes c(p, 0); the output holds them all, packed.
         let (counts, displs) = gather_v_layout(1000, DataType::F32, 3);
         assert_eq!((counts, displs), (vec![500, 1000, 1500], vec![0, 500, 1500]));
         assert_eq!(P2pFunc::AllGatherV.data_bytes(1000, DataType::F32, 3), 3000 * 4);
+        assert_eq!(P2pFunc::ReduceScatterV.data_bytes(1000, DataType::F32, 3), 3000 * 4);
         // AlltoAllV on 3 ranks: blocks of count × 2k/4, k = 1 + (from + to) mod 3, 16-byte
         // aligned; every rank sends the same total, S.
         let c: Vec<usize> = (0..3).map(|p| v_count(1000, DataType::F32, 3, 0, p)).collect();

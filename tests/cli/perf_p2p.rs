@@ -73,7 +73,8 @@ fn check_sweep(
     assert_eq!(col(1), counts.iter().map(u64::to_string).collect::<Vec<_>>(), "{stdout}");
     for w in &rows {
         assert_eq!(w.len(), 13, "{stdout}");
-        assert_eq!(&w[2..5], ["float", "none", root], "{stdout}");
+        let redop = if name == "reducescatterv" { "sum" } else { "none" };
+        assert_eq!(&w[2..5], ["float", redop, root], "{stdout}");
         assert_eq!(w[8], "0", "out-of-place values wrong at {} B:\n{stdout}", w[0]);
         // Printed algbw and busbw (2 decimals each) agree with the factor up to their rounding.
         let num = |k: usize| -> f64 { w[k].parse().unwrap_or_else(|_| panic!("column {k} of {w:?}")) };
@@ -177,11 +178,18 @@ fn perf_all_gather_v_is_exact_with_uneven_contributions() {
     check_sweep("all-gather-v", "allgatherv", 2.0 / 3.0, &sizes, &BLOCKED_COUNTS, "-1", InPlace::Absent);
 }
 
+/// ReduceScatterV on 3 ranks: the sum of every rank's input, rank p's block of
+/// `v_count(count, p, 0)` elements to rank p; S = the whole input, exact, no in-place form.
+#[test]
+fn perf_reduce_scatter_v_is_exact_with_uneven_blocks() {
+    check_sweep("reduce-scatter-v", "reducescatterv", 2.0 / 3.0, &[0, 32, 480, 4064, 32736], &BLOCKED_COUNTS, "-1", InPlace::Absent);
+}
+
 /// `--compare nccl` on the CPU target is refused at once, naming why, for the point-to-point
 /// operations as for the collectives.
 #[test]
 fn perf_p2p_compare_nccl_needs_gpus() {
-    for op in ["send-recv", "all-to-all", "gather", "scatter", "all-to-all-v", "all-gather-v"] {
+    for op in ["send-recv", "all-to-all", "gather", "scatter", "all-to-all-v", "all-gather-v", "reduce-scatter-v"] {
         let out = oxccl()
             .args(["perf", op, "--backend", "cpu", "--ranks", "2", "--compare", "nccl"])
             .output()
