@@ -71,6 +71,20 @@ impl Error {
         error_string(self.code())
     }
 
+    /// Of the errors several ranks' calls returned together, the cause: the first that is not
+    /// `Remote` (the other ranks report the failed rank as Remote), else the first; `None` for
+    /// no error.
+    pub fn first_cause(errors: impl IntoIterator<Item = Error>) -> Option<Error> {
+        let mut first = None;
+        for e in errors {
+            if !matches!(e, Error::Remote(_)) {
+                return Some(e);
+            }
+            first.get_or_insert(e);
+        }
+        first
+    }
+
     pub(crate) fn invalid(msg: impl fmt::Display) -> Self {
         Error::InvalidArgument(msg.to_string())
     }
@@ -123,6 +137,14 @@ pub fn error_string_of(code: i32) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_cause_is_the_first_error_that_is_not_remote() {
+        let errs = || vec![Error::Remote("peer".into()), Error::Timeout("t".into()), Error::Remote("x".into())];
+        assert!(matches!(Error::first_cause(errs()), Some(Error::Timeout(_))));
+        assert!(matches!(Error::first_cause(vec![Error::Remote("a".into())]), Some(Error::Remote(m)) if m == "a"));
+        assert!(Error::first_cause(Vec::new()).is_none());
+    }
 
     #[test]
     fn codes_round_trip_and_have_nccl_texts() {

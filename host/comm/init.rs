@@ -113,12 +113,8 @@ impl Comm {
             return results.into_iter().collect();
         }
         // The cause: the first rank's own error (the others report it as Remote).
-        let mut errors: Vec<Error> = results.into_iter().filter_map(|r| r.err()).collect();
-        let at = errors
-            .iter()
-            .position(|e| !matches!(e, Error::Remote(_)))
-            .unwrap_or(0);
-        Err(errors.swap_remove(at))
+        let cause = Error::first_cause(results.into_iter().filter_map(|r| r.err()));
+        Err(cause.unwrap_or_else(|| Error::Internal("init_all: a rank failed without an error".into())))
     }
 
     /// Creates this process's rank `rank` of an `nranks`-rank communicator whose ranks meet through

@@ -220,13 +220,8 @@ pub(super) fn run(inits: Vec<Deferred>) -> Result<()> {
             })
             .collect()
     });
-    let mut errors: Vec<Error> = results.into_iter().filter_map(|r| r.err()).collect();
-    if errors.is_empty() {
-        return Ok(());
+    match Error::first_cause(results.into_iter().filter_map(|r| r.err())) {
+        Some(e) => Err(e),
+        None => Ok(()),
     }
-    let at = errors
-        .iter()
-        .position(|e| !matches!(e, Error::Remote(_)))
-        .unwrap_or(0);
-    Err(errors.swap_remove(at))
 }

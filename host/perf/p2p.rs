@@ -155,14 +155,18 @@ pub fn v_count(count: usize, dtype: DataType, nranks: usize, from: usize, to: us
 /// their packed displacements in every rank's output.
 fn gather_v_layout(count: usize, dtype: DataType, n: usize) -> (Vec<usize>, Vec<usize>) {
     let counts: Vec<usize> = (0..n).map(|p| v_count(count, dtype, n, p, 0)).collect();
-    let displs = counts.iter().scan(0, |at, &x| Some(std::mem::replace(at, *at + x))).collect();
+    let displs = packed(&counts);
     (counts, displs)
+}
+
+/// The displacements of blocks of `counts` elements laid out one after another.
+fn packed(counts: &[usize]) -> Vec<usize> {
+    counts.iter().scan(0, |at, &x| Some(std::mem::replace(at, *at + x))).collect()
 }
 
 /// Rank `rank`'s AlltoAllV counts and packed displacements (elements): (send counts, send
 /// displacements, receive counts, receive displacements).
 fn v_layout(count: usize, dtype: DataType, n: usize, rank: usize) -> [Vec<usize>; 4] {
-    let packed = |c: &[usize]| c.iter().scan(0, |at, &x| Some(std::mem::replace(at, *at + x))).collect();
     let sc: Vec<usize> = (0..n).map(|p| v_count(count, dtype, n, rank, p)).collect();
     let rc: Vec<usize> = (0..n).map(|p| v_count(count, dtype, n, p, rank)).collect();
     let (sd, rd) = (packed(&sc), packed(&rc));
