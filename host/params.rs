@@ -81,6 +81,10 @@ pub struct Params {
     /// over the peers: 8 for 2 ranks, 4 for 3, 2 for 4 or 5, then 1; 1 on the CPU target). Each is
     /// one more connection per peer, set up at init.
     pub p2p_nchannels_per_peer: Option<u32>,
+    /// Whether ranks check that they issued the same collective call before any data moves
+    /// (`OXCCL_CHECK_CALLS`, oxccl spelling only, 0 or 1; default 0), see `comm/call_check.rs`.
+    /// Every rank must set the same value.
+    pub check_calls: bool,
 }
 
 /// Most channels per peer of a send or receive ([`Params::p2p_nchannels_per_peer`]).
@@ -111,6 +115,7 @@ impl Default for Params {
             flight_recorder_size: 64,
             flight_recorder_dump: None,
             p2p_nchannels_per_peer: None,
+            check_calls: false,
         }
     }
 }
@@ -220,6 +225,9 @@ impl Params {
         }
         if let Some((key, v)) = get("NCHANNELS_PER_PEER") {
             p.p2p_nchannels_per_peer = Some(parse_int(&key, &v, 1, MAX_P2P_NCHANNELS_PER_PEER as i64)? as u32);
+        }
+        if let Some((key, v)) = get("CHECK_CALLS").filter(|(k, _)| k.starts_with("OXCCL_")) {
+            p.check_calls = parse_int(&key, &v, 0, 1)? == 1;
         }
         if let Some((key, v)) = get("P2P_DIRECT_DISABLE") {
             p.p2p_direct = parse_int(&key, &v, 0, 1)? == 0;

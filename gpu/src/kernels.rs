@@ -51,6 +51,21 @@ macro_rules! entries {
     )*};
 }
 
+/// Call-signature check kernel ([`crate::abi::CHECK_KERNEL_NAME`]): one block of
+/// `NCCL_NTHREADS` threads, queued before a checked collective's own kernel.
+///
+/// # Safety
+/// Launched by the host library with a valid [`crate::abi::CheckArgs`] (see
+/// [`crate::check::run_check`]).
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn oxccl_check_call(args: crate::abi::CheckArgs) {
+    // SAFETY: `kernel_shared_mem` is called once in this kernel; the rest is the launch contract.
+    unsafe {
+        let smem = arch::kernel_shared_mem();
+        crate::check::run_check(&args, arch::thread_idx(), arch::block_dim(), smem);
+    }
+}
+
 /// Point-to-point kernel ([`crate::abi::P2P_KERNEL_NAME`]): grid = `args.nworks` blocks, block =
 /// `NCCL_NTHREADS` threads; block `b` runs `args.works[b]`.
 ///

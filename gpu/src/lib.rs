@@ -26,6 +26,7 @@ extern crate std;
 
 pub mod abi;
 pub mod arch;
+pub mod check;
 pub mod coll;
 pub mod dispatch;
 pub mod fp8;

@@ -200,6 +200,9 @@ impl Comm {
         if let Some(e) = self.p2p_mismatch() {
             return Err(e);
         }
+        if let Some(e) = self.call_mismatch() {
+            return Err(e);
+        }
         match self.flag_state() {
             0 => {}
             timeout::TIMED_OUT => {

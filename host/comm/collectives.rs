@@ -345,9 +345,9 @@ impl Comm {
         }
         let (dev_op, redop_arg, redop_flags) = self.check_op(func, &op, dtype)?;
         self.check_stream(stream)?;
-        if self.flag_state() != 0 {
+        if self.flag_state() != 0 || self.call_mismatch().is_some() {
             // Remote (another rank aborted), Timeout (a call of this rank timed out) or
-            // InvalidUsage (this rank aborted).
+            // InvalidUsage (this rank aborted, or ranks issued different calls).
             return self.get_async_error();
         }
         if self.finalized.load(Ordering::Acquire) {
@@ -357,7 +357,8 @@ impl Comm {
             )));
         }
         if count == 0 {
-            return Ok(());
+            // Nothing moves; with the call-signature check on, the ranks still compare the call.
+            return self.check_call(func, 0, dtype, dev_op, root, None, stream).map(drop);
         }
         if self.nranks == 1 && dev_op == DevRedOp::PreMulSum {
             // One rank's PreMulSum scales the input: the kernel's one-rank path (NCCL's
@@ -427,6 +428,8 @@ impl Comm {
             root,
             choice: Some(choice),
         });
+        let flags = self.check_call(func, count, dtype, dev_op, root, Some(choice), stream)?;
+        let work = WorkColl { flags, ..work };
         self.launch(
             KernelArgs {
                 comm: self.dev_comm,

@@ -150,18 +150,7 @@ impl Comm {
             });
         }
         if proto != Proto::Simple {
-            // One chunk is one step of lines: 8 data bytes per 16-byte LL line, 120 per 128-byte
-            // LL128 line (NCCL's LL / LL128 chunk, for the ring and the tree alike).
-            let step_data = if proto == Proto::Ll {
-                self.params.ll_buffsize / FIFO_STEPS / 16 * 8
-            } else {
-                self.params.ll128_buffsize / FIFO_STEPS / 128 * 120
-            };
-            // A whole number of 16-byte packs (an odd line count makes, e.g., 65 × 8 = 520
-            // bytes): the kernels round each loop's chunk to whole packs, which must stay within
-            // the chunk (`coll::loop_chunk`).
-            let step_data = (step_data / PACK_BYTES * PACK_BYTES).max(PACK_BYTES);
-            let chunk = (step_data / esize).max(1);
+            let chunk = self.line_chunk_elems(proto, esize);
             return Ok(Choice {
                 func,
                 algo,
@@ -193,6 +182,22 @@ impl Comm {
         })
     }
 
+    /// Elements of `esize` bytes per chunk of a flag-line protocol (LL or LL128): one step of
+    /// lines, 8 data bytes per 16-byte LL line, 120 per 128-byte LL128 line (NCCL's LL / LL128
+    /// chunk, for the ring and the tree alike).
+    pub(super) fn line_chunk_elems(&self, proto: Proto, esize: u64) -> u64 {
+        let step_data = if proto == Proto::Ll {
+            self.params.ll_buffsize / FIFO_STEPS / 16 * 8
+        } else {
+            self.params.ll128_buffsize / FIFO_STEPS / 128 * 120
+        };
+        // A whole number of 16-byte packs (an odd line count makes, e.g., 65 × 8 = 520 bytes):
+        // the kernels round each loop's chunk to whole packs, which must stay within the chunk
+        // (`coll::loop_chunk`).
+        let step_data = (step_data / PACK_BYTES * PACK_BYTES).max(PACK_BYTES);
+        (step_data / esize).max(1)
+    }
+
     pub(super) fn copy(&self, dst: u64, src: u64, bytes: usize, stream: &Stream) -> Result<()> {
         // SAFETY: the caller of the collective guarantees both ranges (all_reduce_raw).
         unsafe { stream.copy_async(dst, src, bytes) }
@@ -206,36 +211,7 @@ impl Comm {
                     return Err(Error::Internal("work element with an invalid enum".into()));
                 };
                 let name = oxccl_gpu::abi::kernel_name_for(func, algo, proto, dtype, op);
-                let issued = res.launch.issued.load(Ordering::Acquire);
-                let process = self.process.as_deref();
-                let counter = |p: usize| process.and_then(|g| g.launch(p)).map(|l| (p, &l.issued));
-                if !res.sharing.is_empty() {
-                    // This kernel waits in its stream for this rank's previous one; on a hardware
-                    // queue shared with a rank of this GPU it would hold back that rank's kernel
-                    // of the previous call, which ours is waiting for (module docs).
-                    let peers: Vec<_> = res.sharing.iter().filter_map(|&p| counter(p)).collect();
-                    wait_launches(&peers, issued, self.abort_flag(), self.rank, &|| {
-                        "before launching its next one on the GPU they share".into()
-                    })?;
-                }
-                let module = match res.ctx.loaded_kernel(name.as_str()) {
-                    Some(m) => m,
-                    None => {
-                        // Loading may wait for every kernel of the context: first let every rank
-                        // of the group launch what came before, so none of their kernels waits
-                        // for one of ours that the load holds back.
-                        let peers: Vec<_> = (0..self.nranks).filter_map(counter).collect();
-                        wait_launches(&peers, issued, self.abort_flag(), self.rank, &|| {
-                            format!("before loading kernel {}", name.as_str())
-                        })?;
-                        res.ctx.kernel(name.as_str())?
-                    }
-                };
-                s.launch(&module, w.nchannels as u32, self.params.nthreads, &args)?;
-                res.launch.last_event.record(s)?;
-                res.launch.launched.store(true, Ordering::Release);
-                res.launch.issued.store(issued + 1, Ordering::Release);
-                Ok(())
+                self.launch_cuda(res, s, name.as_str(), w.nchannels as u32, &args)
             }
             (Res::Cpu(res), Stream::Cpu(s)) => {
                 let w = &args.work;
@@ -253,6 +229,52 @@ impl Comm {
                 "stream and communicator are of different backends",
             )),
         }
+    }
+}
+
+impl Comm {
+    /// Queues kernel `name` with `grid` blocks and argument `args` on this CUDA rank's stream `s`,
+    /// in launch order with the ranks of its process group (module docs): after the launches of
+    /// the ranks sharing its GPU, and a module not loaded yet only once every rank of the group
+    /// has launched what came before.
+    pub(super) fn launch_cuda<A: bytemuck::Pod>(
+        &self,
+        res: &CudaRes,
+        s: &cuda::Stream,
+        name: &str,
+        grid: u32,
+        args: &A,
+    ) -> Result<()> {
+        let issued = res.launch.issued.load(Ordering::Acquire);
+        let process = self.process.as_deref();
+        let counter = |p: usize| process.and_then(|g| g.launch(p)).map(|l| (p, &l.issued));
+        if !res.sharing.is_empty() {
+            // This kernel waits in its stream for this rank's previous one; on a hardware queue
+            // shared with a rank of this GPU it would hold back that rank's kernel of the
+            // previous call, which ours is waiting for (module docs).
+            let peers: Vec<_> = res.sharing.iter().filter_map(|&p| counter(p)).collect();
+            wait_launches(&peers, issued, self.abort_flag(), self.rank, &|| {
+                "before launching its next one on the GPU they share".into()
+            })?;
+        }
+        let module = match res.ctx.loaded_kernel(name) {
+            Some(m) => m,
+            None => {
+                // Loading may wait for every kernel of the context: first let every rank of the
+                // group launch what came before, so none of their kernels waits for one of ours
+                // that the load holds back.
+                let peers: Vec<_> = (0..self.nranks).filter_map(counter).collect();
+                wait_launches(&peers, issued, self.abort_flag(), self.rank, &|| {
+                    format!("before loading kernel {name}")
+                })?;
+                res.ctx.kernel(name)?
+            }
+        };
+        s.launch(&module, grid, self.params.nthreads, args)?;
+        res.launch.last_event.record(s)?;
+        res.launch.launched.store(true, Ordering::Release);
+        res.launch.issued.store(issued + 1, Ordering::Release);
+        Ok(())
     }
 }
 

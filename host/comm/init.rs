@@ -806,6 +806,22 @@ impl Comm {
             Res::Cuda(r) => Some(&r.ctx),
             Res::Cpu(_) => None,
         })?);
+        // The call-signature check (`OXCCL_CHECK_CALLS=1`): its memory, and on GPUs its kernel,
+        // loaded now for the same reason as the point-to-point kernel's.
+        let call_check = if params.check_calls && nranks > 1 {
+            let ctx = match &res {
+                Res::Cuda(r) => {
+                    if let Err(e) = r.ctx.kernel(oxccl_gpu::abi::CHECK_KERNEL_NAME) {
+                        tracing::debug!(target: "oxccl::init", rank, "no call-check kernel: {e}");
+                    }
+                    Some(&r.ctx)
+                }
+                Res::Cpu(_) => None,
+            };
+            Some(call_check::CallCheck::new(ctx, nranks)?)
+        } else {
+            None
+        };
         let p2p_module = match &res {
             Res::Cuda(r) if nranks > 1 => match r.ctx.kernel(oxccl_gpu::abi::P2P_KERNEL_NAME) {
                 Ok(m) => Some(m),
@@ -863,6 +879,7 @@ impl Comm {
             peer_channels: peer_ch,
             p2p_module,
             p2p_status,
+            call_check,
             dev_comm,
             res,
             inflight,

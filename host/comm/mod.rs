@@ -16,6 +16,7 @@
 //! | `send_recv.rs` | send and receive: checks, works over the peer channels, launch | `collectives.cc`, `enqueue.cc` |
 //! | `enqueue.rs` | plan and launch of one call | `enqueue.cc` |
 //! | `abort.rs` | abort, async errors, finalize, destroy, teardown order | `init.cc` |
+//! | `call_check.rs` | `OXCCL_CHECK_CALLS=1`: ranks agree on each collective call before any data moves | — |
 //! | `timeout.rs` | calls that make no progress for `OXCCL_TIMEOUT` time out, naming who they wait for | (NCCL 2.30's `ncclTimeout`) |
 //! | `flight_recorder.rs` | each communicator's last calls, dumped as JSON; `analyze` (`oxccl trace`) | (PyTorch's flight recorder) |
 //! | `test_hooks.rs` | `OXCCL_TEST_NODES`, `OXCCL_TEST_TREE_PATTERN`: several hosts simulated on one | — |
@@ -52,6 +53,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 mod abort;
+mod call_check;
 mod channel;
 mod collectives;
 mod enqueue;
@@ -99,6 +101,8 @@ pub struct Comm {
     p2p_module: Option<Arc<cuda::Module>>,
     /// Where this rank's receives report a size mismatch.
     p2p_status: Arc<send_recv::StatusMem>,
+    /// The call-signature check (`OXCCL_CHECK_CALLS=1`, more than one rank), else `None`.
+    call_check: Option<call_check::CallCheck>,
     dev_comm: u64,
     res: Res,
     inflight: Arc<AtomicUsize>,

@@ -74,6 +74,7 @@ pub(super) fn plan_settings(p: &Params, s: &Selection) -> String {
         ("NCCL_LL_BUFFSIZE", p.ll_buffsize.to_string()),
         ("NCCL_LL128_BUFFSIZE", p.ll128_buffsize.to_string()),
         ("OXCCL_TEST_INITIAL_STEP", p.initial_step.to_string()),
+        ("OXCCL_CHECK_CALLS", u8::from(p.check_calls).to_string()),
     ]
     .iter()
     .map(|(k, v)| format!("{k}={v}"))
@@ -95,10 +96,13 @@ pub(super) fn check_plan_settings(rank: usize, all: &[Vec<u8>]) -> Result<()> {
         if let Some((a, o)) = first.iter().zip(&other).find(|(a, o)| a != o) {
             let (name, v0) = a.split_once('=').unwrap_or((a.as_str(), ""));
             let v = o.split_once('=').map_or(o.as_str(), |(_, v)| v);
+            let spelling = match name.strip_prefix("NCCL_") {
+                Some(rest) => format!("also spelled OXCCL_{rest}; every rank"),
+                None => "every rank".to_string(),
+            };
             return Err(Error::InvalidUsage(format!(
                 "rank {rank}: {name} differs across ranks: rank 0 has {v0}, rank {r} has {v} \
-                 (also spelled OXCCL_{}; every rank must set the same value)",
-                name.trim_start_matches("NCCL_").trim_start_matches("OXCCL_")
+                 ({spelling} must set the same value)"
             )));
         }
     }

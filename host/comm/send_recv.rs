@@ -299,7 +299,7 @@ impl Comm {
             )));
         }
         self.check_stream(stream)?;
-        if self.flag_state() != 0 {
+        if self.flag_state() != 0 || self.call_mismatch().is_some() {
             return self.get_async_error();
         }
         if self.finalized.load(Ordering::Acquire) {

@@ -191,12 +191,12 @@ fn every_all_reduce_kernel_has_a_module() {
         modules.len(),
         "duplicate module names in PTX_MODULES"
     );
-    // The modules are exactly the generated kernel entry table's entries and the
-    // point-to-point kernel.
+    // The modules are exactly the generated kernel entry table's entries, the point-to-point
+    // kernel and the call-signature check's.
     let entries: BTreeSet<&str> = oxccl_gpu::dispatch::ENTRIES
         .iter()
         .map(|e| e.name)
-        .chain([oxccl_gpu::abi::P2P_KERNEL_NAME])
+        .chain([oxccl_gpu::abi::P2P_KERNEL_NAME, oxccl_gpu::abi::CHECK_KERNEL_NAME])
         .collect();
     assert_eq!(names, entries, "PTX modules and kernel entry table differ");
     let mut missing = Vec::new();

@@ -1,7 +1,7 @@
 //! Communicator lifecycle on the CPU target (GPU parts skip with the reason printed): init and
 //! its errors, with the accessors and error strings (`init`), and inside a group (`group_init`); abort, from any thread or rank, and
 //! the async errors it and a dead peer leave (`abort`); finalize and destroy, the handle layer's
-//! double-destroy checks (`teardown`); calls that make no progress time out (`timeout`); the flight recorder's sends and receives, matched by `oxccl trace` (`flight_recorder`); 200 init/destroy cycles back to the baseline of threads,
+//! double-destroy checks (`teardown`); calls that make no progress time out (`timeout`); ranks that issued different calls fail them naming the difference (`call_check`); the flight recorder's sends and receives, matched by `oxccl trace` (`flight_recorder`); 200 init/destroy cycles back to the baseline of threads,
 //! descriptors and GPU memory (`cycles`); and CPU-target device memory whose free waits for the
 //! work queued before it (`buffers`).
 #[macro_use]
@@ -10,6 +10,7 @@ mod common;
 
 mod abort;
 mod buffers;
+mod call_check;
 mod cycles;
 mod flight_recorder;
 mod group_init;

@@ -179,6 +179,35 @@ fn mismatched_call_settings_fail_or_agree_never_hang() {
 }
 
 #[test]
+fn diverged_calls_fail_every_rank_with_the_call_check_on() {
+    // OXCCL_CHECK_CALLS=1, three ranks as processes on two simulated hosts (SHM inside host a,
+    // NET to host b); rank 2 issues another count. Every rank fails the call with InvalidUsage
+    // naming both groups and the count, in bounded time, with no byte of its buffers changed, and
+    // its next call returns the same error.
+    let mut envs = hosts(&["a", "a", "b"]);
+    for (r, count) in ["1024", "1024", "1000"].iter().enumerate() {
+        envs[r].push(("OXCCL_CHILD_COUNT", count.to_string()));
+    }
+    let t = Instant::now();
+    let outs = run_group("diverge", &kv(&[("OXCCL_CHECK_CALLS", "1"), ("OXCCL_TIMEOUT", "20")]), &envs, SECS(60));
+    assert!(t.elapsed() < SECS(30), "{:?}", t.elapsed());
+    for (r, (ok, out)) in outs.iter().enumerate() {
+        let line = out.lines().find(|l| l.starts_with("DIVERGE-")).unwrap_or_else(|| panic!("rank {r}: {out}"));
+        let want = format!("DIVERGE-ERR InvalidUsage untouched true: invalid usage: rank {r}: the ranks issued different calls (OXCCL_CHECK_CALLS): ranks 0, 1 issued allreduce call #1 (1024 × float, op sum; ");
+        assert!(line.starts_with(&want), "rank {r}: {line}");
+        assert!(
+            line.contains("rank 2 issued allreduce call #1 (1000 × float, op sum; ")
+                && line.contains("; they differ in count"),
+            "rank {r}: {line}"
+        );
+        let msg = line.split_once(": ").unwrap().1;
+        let again = out.lines().find(|l| l.starts_with("AGAIN ")).unwrap_or_else(|| panic!("rank {r}: {out}"));
+        assert_eq!(again, format!("AGAIN Err({msg:?})"), "rank {r}");
+        assert!(*ok && out.contains(&format!("HOST-CHILD-OK rank {r}")), "rank {r}: {out}");
+    }
+}
+
+#[test]
 fn abort_from_another_thread_while_trees_loop_across_hosts() {
     // Hosts A {0, 1}, B {2, 3}, C {4}. (a) Only rank 3 (a chain leaf on host B) aborts from a
     // second thread 0, 5, 30 or 50 ms into the loop; (b) every rank aborts, at different times. Every abort

@@ -149,6 +149,31 @@ fn child_host_rank() {
             println!("C13-AR {bad:?} {:?}", comm.last_choice().map(|c| c.algo));
             comm.destroy().expect("destroy");
         }
+        "diverge" => {
+            // One AllReduce of OXCCL_CHILD_COUNT floats (ranks may differ), out of place, both
+            // buffers filled with 0xa5; then whether it failed, and whether any byte changed;
+            // then a second call's outcome.
+            let count: usize = child::env_var("OXCCL_CHILD_COUNT").parse().unwrap();
+            let dev = comm.device();
+            let stream = dev.new_stream().unwrap();
+            let (send, recv) = (dev.alloc(4 << 12).unwrap(), dev.alloc(4 << 12).unwrap());
+            send.fill(0xa5).unwrap();
+            recv.fill(0xa5).unwrap();
+            let res = comm
+                .all_reduce(&send, &recv, count, DataType::F32, RedOp::Sum, &stream)
+                .and_then(|_| stream.synchronize())
+                .and_then(|_| comm.get_async_error());
+            let untouched = [&send, &recv].iter().all(|b| b.to_vec().unwrap().iter().all(|&x| x == 0xa5));
+            match res {
+                Ok(()) => println!("DIVERGE-OK untouched {untouched}"),
+                Err(e) => println!("DIVERGE-ERR {:?} untouched {untouched}: {e}", e.code()),
+            }
+            let again = comm.all_reduce(&send, &recv, count, DataType::F32, RedOp::Sum, &stream);
+            println!("AGAIN {:?}", again.map_err(|e| e.to_string()));
+            // Destroy, not abort: an abort would raise the other ranks' flags, and one still
+            // gathering the signatures would report that abort instead of the mismatch.
+            comm.destroy().expect("destroy");
+        }
         "ar" => role_all_reduce(comm),
         "wrap" => role_wrap(comm),
         "colls" => role_collectives(comm),

@@ -315,8 +315,14 @@ pub struct WorkColl {
     pub redop_flags: u8,
     /// Channels (thread blocks) this operation uses; block `b` runs channel `b`.
     pub nchannels: u16,
-    pub _pad1: u32,
+    /// [`WORK_CALL_CHECKED`] or 0.
+    pub flags: u32,
 }
+
+/// [`WorkColl::flags`]: a call-signature check ran before this work on the same stream
+/// ([`CHECK_KERNEL_NAME`]); every block first reads [`DevComm::aborted`] and exits, touching
+/// nothing, when the check (or an abort) set it.
+pub const WORK_CALL_CHECKED: u32 = 1;
 
 impl WorkColl {
     /// The work's (collective, algorithm, protocol, type, operator), `None` when a field is out
@@ -340,6 +346,52 @@ pub struct KernelArgs {
     pub comm: u64,
     pub _pad: u64,
     pub work: WorkColl,
+}
+
+/// The kernel entry point (and PTX module) of the call-signature check (`OXCCL_CHECK_CALLS=1`):
+/// one block gathers every rank's [`CallSig`] over ring channel 0 on the LL protocol and
+/// compares them before the call's own kernel runs.
+pub const CHECK_KERNEL_NAME: &str = "oxccl_check_call";
+
+/// Words of one call's signature ([`CallSig`]).
+pub const CALL_SIG_WORDS: usize = 4;
+
+/// What ranks must agree on for one collective call, as the check compares it: `[sequence
+/// number, count, root << 32 | func << 24 | op << 16 | dtype << 8 | algo << 4 | proto,
+/// nchannels]` (the host's `comm/call_check.rs` encodes and decodes it).
+pub type CallSig = [u64; CALL_SIG_WORDS];
+
+/// [`DevComm::aborted`] once a call-signature check found ranks disagreeing: every later kernel
+/// of the communicator exits at once (as on an abort).
+pub const CALL_MISMATCH: u32 = 2;
+
+/// The by-value argument of the call-signature check kernel ([`CHECK_KERNEL_NAME`]), one block.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]
+pub struct CheckArgs {
+    /// Address of the communicator's [`DevComm`].
+    pub comm: u64,
+    /// Device memory of `nranks + 1` signatures: every rank's after the gather, then this
+    /// rank's own (the gather's input).
+    pub board: u64,
+    /// Host-visible [`CheckReport`] followed by `nranks` signatures: written only on a mismatch.
+    pub report: u64,
+    pub _pad: u64,
+    /// This rank's signature of the call.
+    pub sig: CallSig,
+    /// The gather: an AllGather of [`CALL_SIG_WORDS`] `u64` per rank from the board's last row
+    /// into its first `nranks` rows, ring algorithm, LL protocol, channel 0 only.
+    pub work: WorkColl,
+}
+
+/// Where the call-signature check reports a mismatch (host-visible memory of each rank),
+/// followed by every rank's [`CallSig`] as gathered. `seq` is written last (after a fence):
+/// non-zero once a check found ranks disagreeing, the sequence number of this rank's call.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]
+pub struct CheckReport {
+    pub seq: u64,
+    pub _pad: u64,
 }
 
 /// Most point-to-point works (one thread block each) of one launch: every send and receive of

@@ -590,6 +590,16 @@ pub unsafe fn load_volatile_u32(p: *const u32) -> u32 {
     unsafe { AtomicU32::from_ptr(p as *mut u32).load(Ordering::Acquire) }
 }
 
+/// Store of a `u32` flag.
+///
+/// # Safety
+/// `p` is valid and 4-byte aligned.
+#[inline(always)]
+pub unsafe fn store_volatile_u32(p: *mut u32, v: u32) {
+    // SAFETY: caller guarantees validity and alignment.
+    unsafe { AtomicU32::from_ptr(p).store(v, Ordering::Release) }
+}
+
 /// 16-byte load as two 8-byte acquire loads (an LL line's halves are each one atomic on the host).
 ///
 /// # Safety

@@ -134,6 +134,16 @@ pub unsafe fn load_volatile_u32(p: *const u32) -> u32 {
     v
 }
 
+/// `st.volatile.global.u32`.
+///
+/// # Safety
+/// `p` is a valid, 4-byte aligned global address.
+#[inline(always)]
+pub unsafe fn store_volatile_u32(p: *mut u32, v: u32) {
+    // SAFETY: caller guarantees `p`.
+    unsafe { asm!("st.volatile.global.u32 [{p}], {v};", p = in(reg64) p, v = in(reg32) v, options(nostack)) }
+}
+
 /// `ld.volatile.global.v4.u32`: one 16-byte volatile load (LL line reads).
 ///
 /// # Safety

@@ -1,0 +1,434 @@
+//! The call-signature check (beyond NCCL, opt-in: `OXCCL_CHECK_CALLS=1`, the same on every
+//! rank): before a collective moves any data, its ranks agree that they issued the same call —
+//! sequence number on the communicator, function, count, type, operator, root, and the
+//! algorithm, protocol and channels they planned. Ranks whose host programs diverged (one skipped
+//! a call, called another collective, another count or root) otherwise wait for each other
+//! forever or return wrong results without an error.
+//!
+//! How: the call's kernel is preceded on its stream by the check kernel
+//! ([`oxccl_gpu::check`]), one block that gathers every rank's 32-byte [`CallSig`] over ring
+//! channel 0 on the LL protocol and compares them; so it costs one small AllGather's latency
+//! per call and runs over every transport. Every rank gets the same signatures and the same
+//! verdict: on a mismatch each rank's kernels, this call's and every later one's, exit before
+//! touching a buffer, and [`Comm::get_async_error`] and every later call return `InvalidUsage`
+//! naming each group of ranks with the call it issued and the fields that differ. With the check
+//! off nothing is launched or read. A call of count 0, which NCCL skips, is still checked, so a
+//! rank that issued it with count 0 while others did not is caught too.
+use super::*;
+use oxccl_gpu::abi::{CALL_SIG_WORDS, CHECK_KERNEL_NAME, CallSig, CheckArgs, CheckReport, WORK_CALL_CHECKED};
+use std::sync::OnceLock;
+
+/// Bytes of one signature.
+const SIG_BYTES: usize = CALL_SIG_WORDS * 8;
+
+/// Where the check kernel works and reports: the gather's board (`nranks + 1` signatures the
+/// kernel only touches) and the host-visible report.
+enum Mem {
+    Cuda {
+        board: cuda::DevAlloc,
+        report: cuda::HostMapped,
+    },
+    Cpu {
+        board: HostMem,
+        report: HostMem,
+    },
+}
+
+/// A communicator's call-signature check (present when `OXCCL_CHECK_CALLS=1` and it has more
+/// than one rank).
+pub(super) struct CallCheck {
+    nranks: usize,
+    /// Shared with queued CPU-target launches, which may outlive the communicator's drop.
+    mem: Arc<Mem>,
+    /// Checked calls so far: the next one's sequence number is this + 1.
+    seq: AtomicU64,
+    /// The mismatch, once the host has seen the report (every later call returns it).
+    error: OnceLock<Error>,
+}
+
+impl CallCheck {
+    /// The check's memory for a rank of `nranks` on `ctx` (the CPU target when `None`).
+    pub(super) fn new(ctx: Option<&Arc<cuda::Context>>, nranks: usize) -> Result<CallCheck> {
+        let board = (nranks + 1) * SIG_BYTES;
+        let report = size_of::<CheckReport>() + nranks * SIG_BYTES;
+        let mem = match ctx {
+            Some(ctx) => Mem::Cuda {
+                board: cuda::DevAlloc::zeroed(ctx, board)?,
+                report: cuda::HostMapped::zeroed(ctx, report)?,
+            },
+            None => Mem::Cpu {
+                board: HostMem::zeroed(board)?,
+                report: HostMem::zeroed(report)?,
+            },
+        };
+        Ok(CallCheck {
+            nranks,
+            mem: Arc::new(mem),
+            seq: AtomicU64::new(0),
+            error: OnceLock::new(),
+        })
+    }
+
+    /// The board's and the report's addresses as kernels see them.
+    fn kernel_addrs(&self) -> (u64, u64) {
+        match &*self.mem {
+            Mem::Cuda { board, report } => (board.ptr(), report.dev_ptr()),
+            Mem::Cpu { board, report } => (board.addr(), report.addr()),
+        }
+    }
+
+    /// The report as the host reads it.
+    fn report_host(&self) -> *const u64 {
+        match &*self.mem {
+            Mem::Cuda { report, .. } => report.host_ptr() as *const u64,
+            Mem::Cpu { report, .. } => report.addr() as *const u64,
+        }
+    }
+
+    /// Every rank's signature of the call a check found them disagreeing on, once one did.
+    fn reported(&self) -> Option<Vec<CallSig>> {
+        let p = self.report_host();
+        // SAFETY: the report holds a `CheckReport` and `nranks` signatures and lives as long as
+        // `self`; the kernel writes the signatures, then (after a fence) the header's `seq`.
+        unsafe {
+            if AtomicU64::from_ptr(p as *mut u64).load(Ordering::Acquire) == 0 {
+                return None;
+            }
+            let sigs = p.add(size_of::<CheckReport>() / 8);
+            Some(
+                (0..self.nranks)
+                    .map(|r| std::array::from_fn(|k| sigs.add(r * CALL_SIG_WORDS + k).read_volatile()))
+                    .collect(),
+            )
+        }
+    }
+}
+
+/// What the ranks compare: `func`'s call number `seq` of `count` elements of `dtype` with `op`
+/// and `root` (the operator only where `func` reduces, the root only where it has one; NCCL
+/// ignores them elsewhere), planned as `choice` (`None`: a call of count 0, planned as nothing).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn encode(
+    seq: u64,
+    func: Func,
+    count: usize,
+    dtype: DataType,
+    op: DevRedOp,
+    root: usize,
+    choice: Option<Choice>,
+) -> CallSig {
+    let op = if reduces(func) { op as u64 } else { 0 };
+    let root = if rooted(func) { root as u64 } else { 0 };
+    let (algo, proto, nch) = choice.map_or((0xf, 0xf, 0), |c| {
+        (c.algo as u64, c.proto as u64, c.nchannels as u64)
+    });
+    [
+        seq,
+        count as u64,
+        root << 32 | (func as u64) << 24 | op << 16 | (dtype as u64) << 8 | algo << 4 | proto,
+        nch,
+    ]
+}
+
+fn reduces(func: Func) -> bool {
+    matches!(func, Func::AllReduce | Func::Reduce | Func::ReduceScatter)
+}
+
+fn rooted(func: Func) -> bool {
+    matches!(func, Func::Broadcast | Func::Reduce)
+}
+
+/// A signature as the call it describes ("allreduce call #3 (1024 × float, op sum; ring/LL on 2
+/// channels)"), or its raw words when a field is out of range.
+fn describe(sig: &CallSig) -> String {
+    let w = sig[2];
+    let field = |shift: u32, bits: u32| ((w >> shift) & ((1 << bits) - 1)) as u8;
+    let (Some(func), Some(dtype), Some(op)) = (
+        Func::from_u8(field(24, 8)),
+        DataType::from_u8(field(8, 8)),
+        DevRedOp::from_u8(field(16, 8)),
+    ) else {
+        return format!("an unknown call {sig:x?}");
+    };
+    let choice = match (Algo::from_u8(field(4, 4)), Proto::from_u8(field(0, 4))) {
+        (Some(algo), Some(proto)) => Some(Choice {
+            func,
+            algo,
+            proto,
+            nchannels: sig[3] as u32,
+            chunk_elems: 0,
+            slice_elems: 0,
+        }),
+        _ => None,
+    };
+    let call = timeout::CallRecord {
+        seq: sig[0],
+        func,
+        count: sig[1] as usize,
+        dtype,
+        op,
+        root: (w >> 32) as usize,
+        choice,
+    };
+    call.to_string()
+}
+
+/// The names of the fields in which `a` and `b` differ, in signature order.
+fn differing(a: &CallSig, b: &CallSig) -> Vec<&'static str> {
+    let field = |s: &CallSig, shift: u32, bits: u32| (s[2] >> shift) & ((1u64 << bits) - 1);
+    let mut out = Vec::new();
+    let mut note = |differs: bool, name: &'static str| {
+        if differs {
+            out.push(name);
+        }
+    };
+    note(a[0] != b[0], "sequence number");
+    note(field(a, 24, 8) != field(b, 24, 8), "function");
+    note(a[1] != b[1], "count");
+    note(field(a, 8, 8) != field(b, 8, 8), "type");
+    note(field(a, 16, 8) != field(b, 16, 8), "operator");
+    note(field(a, 32, 32) != field(b, 32, 32), "root");
+    note(field(a, 4, 4) != field(b, 4, 4), "algorithm");
+    note(field(a, 0, 4) != field(b, 0, 4), "protocol");
+    note(a[3] != b[3], "channels");
+    out
+}
+
+/// "rank 3", "ranks 0, 2" or "ranks 0-5, 7": ascending ranks with runs shortened.
+fn ranks_phrase(ranks: &[usize]) -> String {
+    let mut runs: Vec<(usize, usize)> = Vec::new();
+    for &r in ranks {
+        match runs.last_mut() {
+            Some((_, hi)) if *hi + 1 == r => *hi = r,
+            _ => runs.push((r, r)),
+        }
+    }
+    let list: Vec<String> = runs
+        .iter()
+        .map(|&(lo, hi)| match hi - lo {
+            0 => lo.to_string(),
+            1 => format!("{lo}, {hi}"),
+            _ => format!("{lo}-{hi}"),
+        })
+        .collect();
+    format!(
+        "{} {}",
+        if ranks.len() == 1 { "rank" } else { "ranks" },
+        list.join(", ")
+    )
+}
+
+/// The mismatch error's message on rank `me`, from every rank's signature (`sigs`, by rank):
+/// each group of ranks that issued one call, in order of its lowest rank, then the fields in
+/// which the groups differ from the first. The same on every rank but the leading rank.
+pub(super) fn mismatch_message(me: usize, sigs: &[CallSig]) -> String {
+    let mut groups: Vec<(CallSig, Vec<usize>)> = Vec::new();
+    for (r, s) in sigs.iter().enumerate() {
+        match groups.iter_mut().find(|(g, _)| g == s) {
+            Some((_, ranks)) => ranks.push(r),
+            None => groups.push((*s, vec![r])),
+        }
+    }
+    let calls: Vec<String> = groups
+        .iter()
+        .map(|(s, ranks)| format!("{} issued {}", ranks_phrase(ranks), describe(s)))
+        .collect();
+    let mut fields: Vec<&str> = Vec::new();
+    for (s, _) in groups.iter().skip(1) {
+        for f in differing(&groups[0].0, s) {
+            if !fields.contains(&f) {
+                fields.push(f);
+            }
+        }
+    }
+    format!(
+        "rank {me}: the ranks issued different calls (OXCCL_CHECK_CALLS): {}; they differ in {}; \
+         no data was moved, abort or destroy the communicator",
+        calls.join("; "),
+        fields.join(", ")
+    )
+}
+
+impl Comm {
+    /// With the check on: queues the check of this rank's next call on `stream` (its kernel goes
+    /// right after) and returns the flags of the call's work ([`WORK_CALL_CHECKED`]); 0 with
+    /// the check off, when nothing is queued.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn check_call(
+        &self,
+        func: Func,
+        count: usize,
+        dtype: DataType,
+        op: DevRedOp,
+        root: usize,
+        choice: Option<Choice>,
+        stream: &Stream,
+    ) -> Result<u32> {
+        let Some(cc) = &self.call_check else {
+            return Ok(0);
+        };
+        let seq = cc.seq.fetch_add(1, Ordering::AcqRel) + 1;
+        let (board, report) = cc.kernel_addrs();
+        let words = CALL_SIG_WORDS as u64;
+        let args = CheckArgs {
+            comm: self.dev_comm,
+            board,
+            report,
+            _pad: 0,
+            sig: encode(seq, func, count, dtype, op, root, choice),
+            work: WorkColl {
+                sendbuff: board + (self.nranks * SIG_BYTES) as u64,
+                recvbuff: board,
+                count: words,
+                chunk_elems: self.line_chunk_elems(Proto::Ll, 8).max(words),
+                slice_elems: self.line_chunk_elems(Proto::Ll, 8).max(words),
+                func: Func::AllGather as u8,
+                dtype: DataType::U64 as u8,
+                algo: Algo::Ring as u8,
+                proto: Proto::Ll as u8,
+                nchannels: 1,
+                ..WorkColl::zeroed()
+            },
+        };
+        match (&self.res, stream) {
+            (Res::Cuda(res), Stream::Cuda(s)) => self.launch_cuda(res, s, CHECK_KERNEL_NAME, 1, &args)?,
+            (Res::Cpu(res), Stream::Cpu(s)) => {
+                let nthreads = self.params.cpu_nthreads;
+                let mem = cc.mem.clone();
+                let blocks = CpuBlocks {
+                    nblocks: 1,
+                    nthreads,
+                    team: self.params.cpu_team,
+                    group: res.group.clone(),
+                    process: self.process.clone(),
+                    rank: self.rank,
+                };
+                blocks.launch(
+                    s,
+                    &self.inflight,
+                    move |_, tid, smem| {
+                        let _board_and_report = &mem;
+                        // SAFETY: the comm block is kept by the launch's `group`, the board and
+                        // the report by `mem`; every rank of the communicator queues the check
+                        // of its call `seq` (the setting is the same on every rank).
+                        unsafe { oxccl_gpu::check::run_check(&args, tid, nthreads, smem) };
+                        true
+                    },
+                    || Ok(()),
+                )?
+            }
+            _ => {
+                return Err(Error::invalid(
+                    "stream and communicator are of different backends",
+                ));
+            }
+        }
+        Ok(WORK_CALL_CHECKED)
+    }
+
+    /// The error of a call-signature mismatch once a check reported one (and from then on).
+    pub(super) fn call_mismatch(&self) -> Option<Error> {
+        let cc = self.call_check.as_ref()?;
+        if let Some(e) = cc.error.get() {
+            return Some(e.clone());
+        }
+        let sigs = cc.reported()?;
+        let e = cc.error.get_or_init(|| {
+            let msg = mismatch_message(self.rank, &sigs);
+            tracing::error!(target: "oxccl::coll", rank = self.rank, "{msg}");
+            Error::InvalidUsage(msg)
+        });
+        Some(e.clone())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn choice(algo: Algo, proto: Proto, nchannels: u32) -> Option<Choice> {
+        Some(Choice {
+            func: Func::AllReduce,
+            algo,
+            proto,
+            nchannels,
+            chunk_elems: 0,
+            slice_elems: 0,
+        })
+    }
+
+    #[test]
+    fn signatures_ignore_what_nccl_ignores() {
+        let ring = choice(Algo::Ring, Proto::Ll, 2);
+        // AllGather reduces nothing and has no root; Broadcast has a root but no operator.
+        assert_eq!(
+            encode(1, Func::AllGather, 8, DataType::F32, DevRedOp::Sum, 0, ring),
+            encode(1, Func::AllGather, 8, DataType::F32, DevRedOp::Max, 3, ring)
+        );
+        assert_eq!(
+            encode(1, Func::Broadcast, 8, DataType::F32, DevRedOp::Sum, 1, ring),
+            encode(1, Func::Broadcast, 8, DataType::F32, DevRedOp::Prod, 1, ring)
+        );
+        assert_ne!(
+            encode(1, Func::Broadcast, 8, DataType::F32, DevRedOp::Sum, 1, ring),
+            encode(1, Func::Broadcast, 8, DataType::F32, DevRedOp::Sum, 0, ring)
+        );
+    }
+
+    #[test]
+    fn the_message_names_each_group_of_ranks_and_the_fields() {
+        let ring = choice(Algo::Ring, Proto::Ll, 2);
+        let a = encode(3, Func::AllReduce, 1024, DataType::F32, DevRedOp::Sum, 0, ring);
+        let b = encode(3, Func::AllReduce, 1000, DataType::F32, DevRedOp::Sum, 0, ring);
+        let msg = mismatch_message(2, &[a, b, a, a]);
+        assert_eq!(
+            msg,
+            "rank 2: the ranks issued different calls (OXCCL_CHECK_CALLS): ranks 0, 2, 3 issued allreduce call #3 \
+             (1024 × float, op sum; ring/LL on 2 channels); rank 1 issued allreduce call #3 (1000 × float, op sum; \
+             ring/LL on 2 channels); they differ in count; no data was moved, abort or destroy the communicator"
+        );
+        let g = encode(
+            3,
+            Func::AllGather,
+            1024,
+            DataType::F32,
+            DevRedOp::Sum,
+            0,
+            choice(Algo::Ring, Proto::Simple, 1),
+        );
+        let msg = mismatch_message(0, &[a, g]);
+        assert!(
+            msg.contains("rank 1 issued allgather call #3 (1024 × float; ring/Simple on 1 channel)")
+                && msg.ends_with("they differ in function, protocol, channels; no data was moved, abort or destroy the communicator"),
+            "{msg}"
+        );
+        // Every rank naming itself Reduce's root; a rank whose call had count 0.
+        let roots: Vec<CallSig> = (0..3)
+            .map(|r| encode(1, Func::Reduce, 4, DataType::I32, DevRedOp::Max, r, ring))
+            .collect();
+        let msg = mismatch_message(1, &roots);
+        assert!(
+            msg.contains("rank 0 issued reduce call #1 (4 × int32, op max, root 0;"),
+            "{msg}"
+        );
+        assert!(msg.contains("they differ in root;"), "{msg}");
+        let zero = encode(5, Func::AllReduce, 0, DataType::F32, DevRedOp::Sum, 0, None);
+        let msg = mismatch_message(0, &[a, zero]);
+        assert!(
+            msg.contains("rank 1 issued allreduce call #5 (0 × float, op sum)"),
+            "{msg}"
+        );
+        assert!(
+            msg.contains("they differ in sequence number, count, algorithm, protocol, channels"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn rank_lists_shorten_runs() {
+        assert_eq!(ranks_phrase(&[3]), "rank 3");
+        assert_eq!(ranks_phrase(&[0, 2]), "ranks 0, 2");
+        assert_eq!(ranks_phrase(&[0, 1, 2, 3, 4, 5, 7]), "ranks 0-5, 7");
+        assert_eq!(ranks_phrase(&[0, 1, 4, 5, 6]), "ranks 0, 1, 4-6");
+    }
+}

@@ -1,0 +1,285 @@
+//! The call-signature check (`OXCCL_CHECK_CALLS=1`): ranks whose host programs diverged — another
+//! count, another collective, another root, a call of count 0 against a real one — fail that call
+//! on every rank in bounded time with `InvalidUsage` naming each group of ranks, its call and the
+//! fields that differ, with no byte of any buffer written; later calls return the same error.
+//! Matching calls run exactly as without the check (every collective × protocol, exact values,
+//! guards). CPU target on every run (ranks as threads; as processes across simulated hosts in the
+//! multiprocess tests), 2 ranks on GPUs when present.
+use crate::common;
+
+use common::env::Env;
+use oxccl::{Comm, DataType, Device, DeviceBuffer, Error, Func, RedOp};
+use std::time::{Duration, Instant};
+
+/// Every variable a test here may set: cleared (both spellings) around each init.
+const VARS: &[&str] = &["CHECK_CALLS", "TIMEOUT", "PROTO", "ALGO"];
+
+/// Communicators over `devices` with the check on (and a timeout, so that a check that failed to
+/// stop a diverged call ends the test with an error instead of a hang).
+fn init(devices: &[Device]) -> Vec<Comm> {
+    let env = Env::clean(VARS);
+    env.set(&[("OXCCL_CHECK_CALLS", "1"), ("OXCCL_TIMEOUT", "20")]);
+    common::init_all(devices).unwrap()
+}
+
+/// One rank's call: collective, count, root.
+#[derive(Clone, Copy)]
+struct Call(Func, usize, usize);
+
+/// Bytes every buffer of [`diverged`] holds: enough for any call below of up to 4096 floats on up
+/// to 4 ranks.
+const BYTES: usize = 4 * 4096 * 4;
+
+/// Each rank `r` issues `calls[r]` (float, sum) from one thread, out of place, with both buffers
+/// filled with a pattern; then every stream drains within seconds and every rank's error is
+/// `InvalidUsage` whose message, after `rank r: `, is `want`; no byte of any buffer changed; a
+/// later call returns the same error at once; abort and drop work.
+fn diverged(devices: &[Device], calls: &[Call], want: &str) {
+    let comms = init(devices);
+    let n = comms.len();
+    let streams = common::streams(&comms);
+    let fill = |r: usize, salt: u8| -> (DeviceBuffer, Vec<u8>) {
+        let b = comms[r].device().alloc(BYTES).unwrap();
+        let pattern = common::sentinel(BYTES, salt + r as u8);
+        b.write(0, &pattern).unwrap();
+        (b, pattern)
+    };
+    let sends: Vec<_> = (0..n).map(|r| fill(r, 1)).collect();
+    let recvs: Vec<_> = (0..n).map(|r| fill(r, 101)).collect();
+    let t = Instant::now();
+    for (r, &Call(func, count, root)) in calls.iter().enumerate() {
+        // SAFETY: both buffers hold BYTES, more than any call here needs, and are disjoint.
+        unsafe {
+            comms[r]
+                .collective_raw(
+                    func,
+                    sends[r].0.addr(),
+                    recvs[r].0.addr(),
+                    count,
+                    DataType::F32,
+                    RedOp::Sum,
+                    root,
+                    &streams[r],
+                )
+                .unwrap_or_else(|e| panic!("rank {r}: the call itself was refused: {e}"));
+        }
+    }
+    for r in 0..n {
+        streams[r].synchronize().unwrap();
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "rank {r}: {:?}",
+            t.elapsed()
+        );
+        let e = comms[r].get_async_error().unwrap_err();
+        assert!(matches!(e, Error::InvalidUsage(_)), "rank {r}: {e}");
+        assert_eq!(
+            e.to_string(),
+            format!("invalid usage: rank {r}: {want}"),
+            "rank {r}"
+        );
+        for (what, (buf, pattern)) in [("send", &sends[r]), ("recv", &recvs[r])] {
+            assert!(
+                buf.to_vec().unwrap() == *pattern,
+                "rank {r}: its {what} buffer was written"
+            );
+        }
+        // Every later call returns the same error at once.
+        let again = comms[r]
+            .all_reduce(
+                &recvs[r].0,
+                &recvs[r].0,
+                1,
+                DataType::F32,
+                RedOp::Sum,
+                &streams[r],
+            )
+            .unwrap_err();
+        assert_eq!(again.to_string(), e.to_string(), "rank {r}");
+    }
+    for c in &comms {
+        c.abort().unwrap();
+    }
+    drop(comms);
+}
+
+/// The text of a mismatch error after `rank r: `.
+fn message(calls: &str, fields: &str) -> String {
+    format!(
+        "the ranks issued different calls (OXCCL_CHECK_CALLS): {calls}; they differ in {fields}; no data was \
+         moved, abort or destroy the communicator"
+    )
+}
+
+#[test]
+fn ranks_that_issued_different_calls_fail_every_rank_naming_them() {
+    let cpus = Device::cpus;
+    // Another count on one rank of three (the plan is the same: both are small, LL on one channel).
+    let ar = |count| Call(Func::AllReduce, count, 0);
+    diverged(
+        &cpus(3),
+        &[ar(1024), ar(1024), ar(1000)],
+        &message(
+            "ranks 0, 1 issued allreduce call #1 (1024 × float, op sum; ring/LL on 1 channel); rank 2 issued \
+             allreduce call #1 (1000 × float, op sum; ring/LL on 1 channel)",
+            "count",
+        ),
+    );
+    // Another collective: AllReduce against AllGather of the same count.
+    diverged(
+        &cpus(2),
+        &[ar(256), Call(Func::AllGather, 256, 0)],
+        &message(
+            "rank 0 issued allreduce call #1 (256 × float, op sum; ring/LL on 1 channel); rank 1 issued \
+             allgather call #1 (256 × float; ring/LL on 1 channel)",
+            "function",
+        ),
+    );
+    // Every rank names itself Reduce's root.
+    let reduce = |root| Call(Func::Reduce, 64, root);
+    diverged(
+        &cpus(3),
+        &[reduce(0), reduce(1), reduce(2)],
+        &message(
+            "rank 0 issued reduce call #1 (64 × float, op sum, root 0; ring/LL on 1 channel); rank 1 issued \
+             reduce call #1 (64 × float, op sum, root 1; ring/LL on 1 channel); rank 2 issued reduce call #1 \
+             (64 × float, op sum, root 2; ring/LL on 1 channel)",
+            "root",
+        ),
+    );
+    // A call of count 0 (a no-op in NCCL, still checked) against a real one, on four ranks.
+    diverged(
+        &cpus(4),
+        &[ar(0), ar(4096), ar(4096), ar(4096)],
+        &message(
+            "rank 0 issued allreduce call #1 (0 × float, op sum); ranks 1-3 issued allreduce call #1 (4096 × \
+             float, op sum; ring/Simple on 1 channel)",
+            "count, algorithm, protocol, channels",
+        ),
+    );
+}
+
+#[test]
+fn ranks_that_issued_different_calls_fail_every_rank_naming_them_gpu() {
+    let Some(devices) =
+        common::two_ranks_or_skip("ranks_that_issued_different_calls_fail_every_rank_naming_them_gpu")
+    else {
+        return;
+    };
+    let _gpu = common::gpu_lock();
+    let comms = init(&devices);
+    let plan = comms[0]
+        .choice_for(Func::AllReduce, 1024, DataType::F32)
+        .unwrap()
+        .unwrap();
+    let other = comms[0]
+        .choice_for(Func::AllReduce, 1000, DataType::F32)
+        .unwrap()
+        .unwrap();
+    drop(comms);
+    let on = |c: oxccl::Choice| {
+        let s = if c.nchannels == 1 { "" } else { "s" };
+        format!(
+            "{}/{} on {} channel{s}",
+            c.algo.name(),
+            c.proto.name(),
+            c.nchannels
+        )
+    };
+    let mut fields = vec!["count"];
+    if plan.nchannels != other.nchannels {
+        fields.push("channels");
+    }
+    diverged(
+        &devices,
+        &[Call(Func::AllReduce, 1024, 0), Call(Func::AllReduce, 1000, 0)],
+        &message(
+            &format!(
+                "rank 0 issued allreduce call #1 (1024 × float, op sum; {}); rank 1 issued allreduce call #1 \
+                 (1000 × float, op sum; {})",
+                on(plan),
+                on(other)
+            ),
+            &fields.join(", "),
+        ),
+    );
+}
+
+/// A mismatch found after earlier calls names the call's sequence number; the calls before it
+/// completed exactly.
+#[test]
+fn the_sequence_number_counts_the_calls_before() {
+    let comms = init(&Device::cpus(2));
+    let streams = common::streams(&comms);
+    let bufs: Vec<_> = comms.iter().map(|c| c.device().alloc(64 * 4).unwrap()).collect();
+    for (r, b) in bufs.iter().enumerate() {
+        b.write(0, &(r as u32 + 1).to_ne_bytes().repeat(64)).unwrap();
+    }
+    for _ in 0..3 {
+        for r in 0..2 {
+            comms[r]
+                .all_reduce(&bufs[r], &bufs[r], 64, DataType::U32, RedOp::Sum, &streams[r])
+                .unwrap();
+        }
+    }
+    common::sync_all(&streams, "three matching calls");
+    for (r, b) in bufs.iter().enumerate() {
+        // 1 + 2 = 3, then 6, then 12.
+        assert_eq!(b.to_vec().unwrap(), 12u32.to_ne_bytes().repeat(64), "rank {r}");
+        assert!(comms[r].get_async_error().is_ok());
+    }
+    comms[0]
+        .all_reduce(&bufs[0], &bufs[0], 64, DataType::U32, RedOp::Max, &streams[0])
+        .unwrap();
+    comms[1]
+        .all_reduce(&bufs[1], &bufs[1], 64, DataType::U32, RedOp::Sum, &streams[1])
+        .unwrap();
+    common::sync_all(&streams, "the fourth call");
+    for (r, b) in bufs.iter().enumerate() {
+        let m = comms[r].get_async_error().unwrap_err().to_string();
+        assert!(
+            m.contains(
+                "rank 0 issued allreduce call #4 (64 × uint32, op max; ring/LL on 1 channel); rank 1 issued \
+                 allreduce call #4 (64 × uint32, op sum; ring/LL on 1 channel); they differ in operator;"
+            ),
+            "rank {r}: {m}"
+        );
+        assert_eq!(
+            b.to_vec().unwrap(),
+            12u32.to_ne_bytes().repeat(64),
+            "rank {r}: written after the mismatch"
+        );
+    }
+    for c in &comms {
+        c.abort().unwrap();
+    }
+}
+
+/// With the check on, matching calls of every collective on every protocol give exact results,
+/// in place and out of place, guards intact (the collective matrix on a few pairs and counts,
+/// count 0 included).
+#[test]
+fn matching_calls_run_exactly_with_the_check_on() {
+    let env = Env::clean(VARS);
+    env.set(&[("OXCCL_CHECK_CALLS", "1"), ("OXCCL_TIMEOUT", "20")]);
+    for func in [
+        Func::AllReduce,
+        Func::Broadcast,
+        Func::Reduce,
+        Func::AllGather,
+        Func::ReduceScatter,
+    ] {
+        common::run_collective(
+            "matching_calls_run_exactly_with_the_check_on",
+            &Device::cpus(3),
+            &common::Matrix {
+                func,
+                counts: &[0, 1, 1023],
+                extra_counts: &[],
+                extra_pairs: &[],
+                protos: Some(common::PROTOS),
+                only: Some(&[(DataType::F32, RedOp::Sum), (DataType::I8, RedOp::Max)]),
+            },
+        );
+    }
+}
