@@ -25,6 +25,24 @@ impl Comm {
             .map(Some)
     }
 
+    /// The tuning model's time of a call of `func` over `count` elements of `dtype` as
+    /// [`Comm::choice_for`] plans it, in microseconds (NCCL's estimate of a call, reported by
+    /// `ncclGroupSimulateEnd` as `estimatedTime`). 0 when no protocol would run (`count == 0`, or
+    /// one rank). A model, not a measurement: `oxccl perf` measures. Errors: as
+    /// [`Comm::choice_for`].
+    pub fn predict_us(&self, func: Func, count: usize, dtype: DataType) -> Result<f64> {
+        let Some(c) = self.choice_for(func, count, dtype)? else {
+            return Ok(0.0);
+        };
+        let (_, recv_bytes) = self.buffer_bytes(func, count, dtype)?;
+        let bytes = self.call_bytes(func, count, recv_bytes, dtype.size() as u64);
+        let model = crate::tuning::Model::for_fabric(self.fabric);
+        Ok(match (c.algo, self.trees) {
+            (Algo::Tree, Some(t)) => model.predict_tree_us(c.proto, t.shape, c.nchannels, bytes),
+            _ => model.predict_us(func, c.proto, self.nranks, c.nchannels, bytes),
+        })
+    }
+
     /// The size the tuning model sees for a call (nccl-tests' size: the larger of the per-rank
     /// send and receive buffers, times the rank count for AllGather/ReduceScatter), bytes.
     pub(super) fn call_bytes(&self, func: Func, count: usize, recv_bytes: u64, esize: u64) -> u64 {
@@ -320,42 +338,8 @@ impl Comm {
         stream: &Stream,
     ) -> Result<()> {
         let op = op.into();
-        self.check_root(func, root)?;
-        let (_, recv_bytes) = self.buffer_bytes(func, count, dtype)?;
-        if count > 0 {
-            // The buffers NCCL lets a rank omit are Broadcast's send and Reduce's receive buffer
-            // on non-root ranks; any other NULL would be dereferenced by the kernel.
-            let is_root = self.rank == root;
-            for (name, addr, optional) in [
-                ("sendbuff", send, func == Func::Broadcast && !is_root),
-                ("recvbuff", recv, func == Func::Reduce && !is_root),
-            ] {
-                if addr == 0 && !optional {
-                    return Err(Error::invalid(format!(
-                        "{name} is NULL on rank {} ({func} of {count} elements needs it{})",
-                        self.rank,
-                        if matches!(func, Func::Broadcast | Func::Reduce) {
-                            " on the root"
-                        } else {
-                            ""
-                        }
-                    )));
-                }
-            }
-        }
-        let (dev_op, redop_arg, redop_flags) = self.check_op(func, &op, dtype)?;
-        self.check_stream(stream)?;
-        if self.flag_state() != 0 || self.call_mismatch().is_some() {
-            // Remote (another rank aborted), Timeout (a call of this rank timed out) or
-            // InvalidUsage (this rank aborted, or ranks issued different calls).
-            return self.get_async_error();
-        }
-        if self.finalized.load(Ordering::Acquire) {
-            return Err(Error::InvalidUsage(format!(
-                "rank {}: the communicator was finalized; only destroy is allowed after finalize",
-                self.rank
-            )));
-        }
+        let (dev_op, redop_arg, redop_flags, recv_bytes) =
+            self.checked_call(func, send, recv, count, dtype, &op, root, stream)?;
         if count == 0 {
             // Nothing moves; with the call-signature check on, the ranks still compare the call.
             return self.check_call(func, 0, dtype, dev_op, root, None, stream).map(drop);
@@ -438,6 +422,80 @@ impl Comm {
             },
             stream,
         )
+    }
+
+    /// The checks [`Comm::collective_raw`] makes before it queues anything — arguments, stream,
+    /// the communicator's state — without queuing the call: for a caller that issues it later
+    /// (the C library defers a group's collectives to the group's end, as NCCL does) and wants
+    /// argument errors at the call. The same errors as `collective_raw`'s checks.
+    #[allow(clippy::too_many_arguments)]
+    pub fn check_collective(
+        &self,
+        func: Func,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dtype: DataType,
+        op: &ReduceOp<'_>,
+        root: usize,
+        stream: &Stream,
+    ) -> Result<()> {
+        self.checked_call(func, send, recv, count, dtype, op, root, stream).map(drop)
+    }
+
+    /// [`Comm::check_collective`]; returns the kernel's operator, its scalar operand and flags
+    /// ([`Comm::check_op`]) and the receive buffer's bytes.
+    #[allow(clippy::too_many_arguments)]
+    fn checked_call(
+        &self,
+        func: Func,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dtype: DataType,
+        op: &ReduceOp<'_>,
+        root: usize,
+        stream: &Stream,
+    ) -> Result<(DevRedOp, u64, u8, u64)> {
+        self.check_root(func, root)?;
+        let (_, recv_bytes) = self.buffer_bytes(func, count, dtype)?;
+        if count > 0 {
+            // The buffers NCCL lets a rank omit are Broadcast's send and Reduce's receive buffer
+            // on non-root ranks; any other NULL would be dereferenced by the kernel.
+            let is_root = self.rank == root;
+            for (name, addr, optional) in [
+                ("sendbuff", send, func == Func::Broadcast && !is_root),
+                ("recvbuff", recv, func == Func::Reduce && !is_root),
+            ] {
+                if addr == 0 && !optional {
+                    return Err(Error::invalid(format!(
+                        "{name} is NULL on rank {} ({func} of {count} elements needs it{})",
+                        self.rank,
+                        if matches!(func, Func::Broadcast | Func::Reduce) {
+                            " on the root"
+                        } else {
+                            ""
+                        }
+                    )));
+                }
+            }
+        }
+        let (dev_op, redop_arg, redop_flags) = self.check_op(func, op, dtype)?;
+        self.check_stream(stream)?;
+        if self.flag_state() != 0 || self.call_mismatch().is_some() {
+            // Remote (another rank aborted), Timeout (a call of this rank timed out) or
+            // InvalidUsage (this rank aborted, or ranks issued different calls).
+            return Err(self.get_async_error().err().unwrap_or_else(|| {
+                Error::InvalidUsage(format!("rank {}: the communicator was aborted", self.rank))
+            }));
+        }
+        if self.finalized.load(Ordering::Acquire) {
+            return Err(Error::InvalidUsage(format!(
+                "rank {}: the communicator was finalized; only destroy is allowed after finalize",
+                self.rank
+            )));
+        }
+        Ok((dev_op, redop_arg, redop_flags, recv_bytes))
     }
 
     /// The kernel's operator and scalar operand (`WorkColl::redop_arg`, `redop_flags`) for `op` on

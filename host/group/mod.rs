@@ -89,12 +89,34 @@ pub fn group_start() -> Result<()> {
 /// blocks (nothing of the group is launched then); InvalidArgument when a matched send and
 /// receive with the rank itself differ in size (the smaller size is copied); launch errors.
 pub fn group_end() -> Result<()> {
-    let (inits, queued) = GROUP.with(|g| {
+    let (inits, queued) = end_level("group_end")?;
+    let inited = init::run(inits);
+    let launched = launch(queued);
+    inited.and(launched)
+}
+
+/// Ends the innermost group of this thread as [`group_end`] does, except that the outermost end
+/// launches nothing: the sends and receives queued in the group are dropped, unrun (NCCL's
+/// `ncclGroupSimulateEnd`, which plans a group to estimate its time and discards it; the C
+/// library adds the estimate). The communicators of the group's [`init_rank`] calls are
+/// created. Errors: as [`group_end`]'s for the inits; InvalidUsage without a matching
+/// [`group_start`].
+pub fn simulate_end() -> Result<()> {
+    let (inits, queued) = end_level("simulate_end")?;
+    if !queued.is_empty() {
+        tracing::debug!(target: "oxccl::group", calls = queued.len(), "simulated group end: its sends and receives are dropped");
+    }
+    drop(queued);
+    init::run(inits)
+}
+
+/// Ends one level of this thread's group (`what` names the call in the error); at the
+/// outermost end, takes the group's inits and queued calls.
+fn end_level(what: &str) -> Result<(Vec<init::Deferred>, Vec<Queued>)> {
+    GROUP.with(|g| {
         let mut g = g.borrow_mut();
         if g.depth == 0 {
-            return Err(Error::InvalidUsage(
-                "group_end without a group_start on this thread".into(),
-            ));
+            return Err(Error::InvalidUsage(format!("{what} without a group_start on this thread")));
         }
         g.depth -= 1;
         Ok(if g.depth == 0 {
@@ -102,10 +124,7 @@ pub fn group_end() -> Result<()> {
         } else {
             (Vec::new(), Vec::new())
         })
-    })?;
-    let inited = init::run(inits);
-    let launched = launch(queued);
-    inited.and(launched)
+    })
 }
 
 /// Records an init for the end of this thread's group.

@@ -354,8 +354,10 @@ ncclResult_t  ncclGroupStart(void);
 ncclResult_t pncclGroupStart(void);
 ncclResult_t  ncclGroupEnd(void);
 ncclResult_t pncclGroupEnd(void);
-/* Not supported yet: checks simInfo, ends the group as ncclGroupEnd would (its operations run),
- * and returns ncclInvalidUsage. */
+/* Ends the group without running its collectives, sends and receives (they are dropped; its
+ * inits, splits and shrinks are carried out) and sets simInfo->estimatedTime to the tuning
+ * model's time of its collectives in microseconds (their sum; 0 without collectives).
+ * ncclInvalidArgument for a NULL simInfo or a wrong magic. */
 ncclResult_t  ncclGroupSimulateEnd(ncclSimInfo_t* simInfo);
 ncclResult_t pncclGroupSimulateEnd(ncclSimInfo_t* simInfo);
 

@@ -1,6 +1,6 @@
 //! The collectives and point-to-point calls (NCCL's `collectives.cc`): AllReduce, Broadcast
 //! (and the in-place `ncclBcast`), Reduce, AllGather and ReduceScatter through oxccl's
-//! `Comm::collective_raw`; Send and Recv through `send_raw`/`recv_raw`; AlltoAll, Gather and
+//! `Comm::collective_raw` (inside a group: checked at the call, launched at the group's end); Send and Recv through `send_raw`/`recv_raw`; AlltoAll, Gather and
 //! Scatter as a group of those (NCCL 2.28 builds them the same way). oxccl checks the buffers,
 //! root, operator and stream of each call and names what is wrong; this layer checks the C
 //! arguments (handle, type, operator value, negative ranks) first.
@@ -75,8 +75,26 @@ unsafe fn collective(
     let _keep = KeepCurrent::new();
     // SAFETY: the caller's contract.
     let stream = unsafe { live.stream(stream) };
+    let (send, recv) = (send as u64, recv as u64);
+    if oxccl::group::group_depth() > 0 {
+        // Inside a group NCCL launches a collective at the group's end: checked now, queued
+        // until then (`group.rs`).
+        live.comm.check_collective(func, send, recv, count, dtype, &op, root, &stream)?;
+        crate::group::defer_collective(crate::group::DeferredColl {
+            live,
+            func,
+            send,
+            recv,
+            count,
+            dtype,
+            op,
+            root,
+            stream,
+        });
+        return Ok(());
+    }
     // SAFETY: the caller's contract (NCCL's: valid device buffers of the documented sizes).
-    unsafe { live.comm.collective_raw(func, send as u64, recv as u64, count, dtype, op, root, &stream) }
+    unsafe { live.comm.collective_raw(func, send, recv, count, dtype, op, root, &stream) }
 }
 
 /// Runs `f` (sends and receives) as one group inside the caller's (if any): the first error of

@@ -1,6 +1,7 @@
 //! Groups (NCCL's `group.cc`): `ncclGroupStart`/`ncclGroupEnd` are oxccl's per-thread, nesting
 //! [`oxccl::group_start`]/[`oxccl::group_end`] (sends and receives queued until the outermost
-//! end; collectives launch when called), plus the inits issued inside a group.
+//! end), plus the collectives, inits, splits and shrinks issued inside a group, and
+//! `ncclGroupSimulateEnd`.
 //!
 //! **Inits inside a group.** NCCL lets one thread create several ranks:
 //! `ncclGroupStart(); for each GPU: cudaSetDevice(g); ncclCommInitRank(&comms[g], n, id, g);
@@ -18,6 +19,16 @@
 //!
 //! A call on a pending handle before the end
 //! is `ncclInvalidUsage` (NCCL's users issue them after `ncclGroupEnd`).
+//!
+//! **Collectives inside a group** are checked when called (argument errors are returned there)
+//! and launched at the outermost `ncclGroupEnd`, in the order issued, before the group's sends
+//! and receives (NCCL launches a group's work at its end and schedules its collectives first).
+//!
+//! **`ncclGroupSimulateEnd`** ends the group as `ncclGroupEnd` does except that nothing of it
+//! runs: its collectives, sends and receives are dropped (its inits, splits and shrinks are
+//! carried out), and `estimatedTime` is the tuning model's time of its collectives in
+//! microseconds ([`oxccl::Comm::predict_us`]; NCCL reports its model's time of the group's
+//! collective the same way), their sum when there are several, 0 when there are none.
 use crate::cuda::KeepCurrent;
 use crate::errors::non_null;
 use crate::handles::{self, Clique, Live, Target};
@@ -28,6 +39,46 @@ use oxccl::{Device, Error, Result};
 use std::cell::RefCell;
 use std::ffi::c_int;
 use std::sync::Arc;
+
+/// A collective issued inside a group, checked ([`oxccl::Comm::check_collective`]), for the
+/// group's end.
+pub(crate) struct DeferredColl {
+    pub(crate) live: Arc<Live>,
+    pub(crate) func: oxccl::Func,
+    pub(crate) send: u64,
+    pub(crate) recv: u64,
+    pub(crate) count: usize,
+    pub(crate) dtype: oxccl::DataType,
+    pub(crate) op: oxccl::ReduceOp<'static>,
+    pub(crate) root: usize,
+    pub(crate) stream: oxccl::Stream,
+}
+
+thread_local! {
+    static COLLS: RefCell<Vec<DeferredColl>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Queues a checked collective for the end of this thread's group.
+pub(crate) fn defer_collective(d: DeferredColl) {
+    COLLS.with(|c| c.borrow_mut().push(d));
+}
+
+/// Launches a group's collectives in the order issued; every one is launched (other ranks wait
+/// for them) and the first error is returned.
+fn run_collectives(colls: Vec<DeferredColl>) -> Result<()> {
+    let mut first = Ok(());
+    for d in colls {
+        // SAFETY: the caller of the collective promised its buffers until its work has run
+        // (NCCL's contract), which starts now.
+        let r = unsafe {
+            d.live.comm.collective_raw(d.func, d.send, d.recv, d.count, d.dtype, d.op, d.root, &d.stream)
+        };
+        if first.is_ok() {
+            first = r;
+        }
+    }
+    first
+}
 
 /// An init issued inside a group: its handle and oxccl's pending communicator.
 struct Deferred {
@@ -179,22 +230,51 @@ fn publish(inits: Vec<Deferred>) {
 /// `ncclGroupEnd`: at the outermost end, the deferred inits, then oxccl's group end (the queued
 /// sends and receives).
 fn group_end() -> Result<()> {
-    let depth = oxccl::group::group_depth();
-    if depth == 0 {
-        return Err(Error::InvalidUsage(
-            "ncclGroupEnd without a matching ncclGroupStart on this thread".into(),
-        ));
-    }
-    let _keep = KeepCurrent::new();
-    let (inits, splits) = if depth == 1 {
-        (DEFERRED.with(|d| std::mem::take(&mut *d.borrow_mut())), SPLITS.with(|d| std::mem::take(&mut *d.borrow_mut())))
-    } else {
-        (Vec::new(), Vec::new())
+    let Some((inits, splits, colls)) = end_level("ncclGroupEnd")? else {
+        return oxccl::group_end();
     };
+    let _keep = KeepCurrent::new();
     let split = if splits.is_empty() { Ok(()) } else { run_splits(splits) };
+    let ran = run_collectives(colls);
     let ended = oxccl::group_end();
     publish(inits);
-    split.and(ended)
+    split.and(ran).and(ended)
+}
+
+/// What the outermost end of this thread's group takes: its inits, splits and shrinks, and
+/// collectives (`None` at an inner end). `InvalidUsage` naming `what` outside a group.
+#[allow(clippy::type_complexity)]
+fn end_level(what: &str) -> Result<Option<(Vec<Deferred>, Vec<DeferredSplit>, Vec<DeferredColl>)>> {
+    match oxccl::group::group_depth() {
+        0 => Err(Error::InvalidUsage(format!("{what} without a matching ncclGroupStart on this thread"))),
+        1 => Ok(Some((
+            DEFERRED.with(|d| std::mem::take(&mut *d.borrow_mut())),
+            SPLITS.with(|d| std::mem::take(&mut *d.borrow_mut())),
+            COLLS.with(|d| std::mem::take(&mut *d.borrow_mut())),
+        ))),
+        _ => Ok(None),
+    }
+}
+
+/// `ncclGroupSimulateEnd` after its argument's checks: at the outermost end, the model's time of
+/// the group's collectives, which are dropped with its sends and receives (its inits, splits and
+/// shrinks are carried out); `None` at an inner end.
+fn simulate_end() -> Result<Option<f64>> {
+    let Some((inits, splits, colls)) = end_level("ncclGroupSimulateEnd")? else {
+        oxccl::group::simulate_end()?;
+        return Ok(None);
+    };
+    let _keep = KeepCurrent::new();
+    let mut estimate = Ok(0.0);
+    for d in &colls {
+        estimate = estimate.and_then(|t| Ok(t + d.live.comm.predict_us(d.func, d.count, d.dtype)?));
+    }
+    drop(colls);
+    let split = if splits.is_empty() { Ok(()) } else { run_splits(splits) };
+    let ended = oxccl::group::simulate_end();
+    publish(inits);
+    split.and(ended)?;
+    estimate.map(Some)
 }
 
 nccl_api! {
@@ -210,9 +290,12 @@ nccl_api! {
         group_end()
     }
 
-    /// Not supported yet: oxccl cannot estimate a group's time without running it. Checks
-    /// `sim_info` (NULL or a wrong magic: `ncclInvalidArgument`), then ends the group as
-    /// `ncclGroupEnd` does — its operations run — and returns `ncclInvalidUsage` saying so.
+    /// Ends the group as `ncclGroupEnd` does without running any of its work: its collectives,
+    /// sends and receives are dropped (its inits, splits and shrinks are carried out), and
+    /// `simInfo->estimatedTime` becomes the tuning model's time of its collectives in
+    /// microseconds (module docs). `ncclInvalidArgument` for a NULL `simInfo` or a wrong magic
+    /// (the group stays open then). At an inner level it only ends that level and leaves
+    /// `estimatedTime` as it was.
     fn ncclGroupSimulateEnd / pncclGroupSimulateEnd(sim_info: *mut ncclSimInfo_t) {
         non_null("simInfo", sim_info)?;
         // SAFETY: non-NULL; NCCL's contract: an ncclSimInfo_t, which begins with its size.
@@ -228,11 +311,13 @@ nccl_api! {
                 "simInfo->magic is {magic:#x} (size {size}), not {NCCL_SIM_INFO_MAGIC:#x}: initialize it with NCCL_SIM_INFO_INITIALIZER"
             )));
         }
-        group_end()?;
-        Err(Error::InvalidUsage(
-            "ncclGroupSimulateEnd is not supported yet by oxccl (no time estimate): the group was ended as by ncclGroupEnd, \
-             its operations were launched, and simInfo->estimatedTime was left unchanged"
-                .into(),
-        ))
+        let Some(us) = simulate_end()? else {
+            return Ok(());
+        };
+        if size >= std::mem::offset_of!(ncclSimInfo_t, estimated_time) + std::mem::size_of::<f32>() {
+            // SAFETY: the caller's struct holds the field (its size says so).
+            unsafe { (&raw mut (*sim_info).estimated_time).write_unaligned(us as f32) };
+        }
+        Ok(())
     }
 }

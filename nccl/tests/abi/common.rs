@@ -85,6 +85,18 @@ pub struct SimInfo {
     pub estimated_time: f32,
 }
 
+impl SimInfo {
+    /// `NCCL_SIM_INFO_INITIALIZER` (`estimatedTime` is NCCL's undefined float, -1).
+    pub fn initializer() -> SimInfo {
+        SimInfo {
+            size: std::mem::size_of::<SimInfo>(),
+            magic: 0x7468_5283,
+            version: 22803,
+            estimated_time: -1.0,
+        }
+    }
+}
+
 /// The library this test run built: `cargo test` builds it (as a dependency of the tests) into
 /// `target/<profile>/deps/`, beside the test executable; `cargo build` leaves it one level up.
 pub fn lib_path() -> PathBuf {

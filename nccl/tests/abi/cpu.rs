@@ -621,3 +621,74 @@ fn split_by_colour_and_key() {
         destroy(c);
     }
 }
+
+/// Collectives inside a group are checked at the call and launched at the group's end;
+/// `ncclGroupSimulateEnd` runs nothing of its group and reports the model's time of its
+/// collectives, which grows with the size and adds up over the group; the ranks stay in step.
+#[test]
+fn collectives_wait_for_the_group_end_and_a_simulated_group_runs_nothing() {
+    let api = nccl();
+    let comms = group_init(2);
+    let big = 1 << 20;
+    let send: Vec<Vec<f32>> = (0..2).map(|r| seq(big, |i| ((r + 1) * (i % 7)) as f32)).collect();
+    let mut recv = vec![vec![-1f32; big]; 2];
+    let p2p_send: Vec<Vec<f32>> = (0..2).map(|r| seq(4, |i| (10 * r + i) as f32)).collect();
+    let mut p2p_recv = vec![vec![-1f32; 4]; 2];
+    // The estimate of a group of `calls` AllReduces of `count` floats on every rank, plus a send
+    // and receive between the ranks; nothing may run.
+    let mut simulate = |count: usize, calls: usize| -> f32 {
+        let mut sim = SimInfo::initializer();
+        // SAFETY: host buffers of `big` floats (count <= big), alive until the end of the test.
+        unsafe {
+            expect((api.group_start)(), SUCCESS, &[]);
+            for _ in 0..calls {
+                for r in 0..2 {
+                    let c = comms[r];
+                    expect((api.all_reduce)(ptr(&send[r]), mptr(&mut recv[r]), count, FLOAT, SUM, c, null_mut()), SUCCESS, &[]);
+                }
+            }
+            for r in 0..2 {
+                let peer = 1 - r as c_int;
+                expect((api.send)(ptr(&p2p_send[r]), 4, FLOAT, peer, comms[r], null_mut()), SUCCESS, &[]);
+                expect((api.recv)(mptr(&mut p2p_recv[r]), 4, FLOAT, peer, comms[r], null_mut()), SUCCESS, &[]);
+            }
+            expect((api.group_simulate_end)(&mut sim), SUCCESS, &[]);
+        }
+        sim.estimated_time
+    };
+    let small = simulate(8, 1);
+    let large = simulate(big, 1);
+    let two = simulate(8, 2);
+    assert!(small > 0.0 && small.is_finite(), "{small}");
+    assert!(large > small, "1 Mi floats: {large} µs, 8 floats: {small} µs");
+    // Each rank's call counts once per communicator: two ranks' calls, twice as many in `two`.
+    assert!((two - 2.0 * small).abs() <= 1e-3 * two, "{two} vs 2 × {small}");
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(recv.iter().all(|v| v.iter().all(|&x| x == -1.0)), "a simulated collective ran");
+    assert!(p2p_recv.iter().all(|v| v.iter().all(|&x| x == -1.0)), "a simulated receive ran");
+    // SAFETY: as above.
+    unsafe {
+        expect((api.group_start)(), SUCCESS, &[]);
+        // An argument error is returned at the call, inside the group.
+        expect(
+            (api.all_reduce)(std::ptr::null(), mptr(&mut recv[0]), 8, FLOAT, SUM, comms[0], null_mut()),
+            INVALID_ARGUMENT,
+            &["ncclAllReduce", "sendbuff is NULL"],
+        );
+        for r in 0..2 {
+            expect((api.all_reduce)(ptr(&send[r]), mptr(&mut recv[r]), big, FLOAT, SUM, comms[r], null_mut()), SUCCESS, &[]);
+        }
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(recv.iter().all(|v| v[0] == -1.0 && v[big - 1] == -1.0), "a collective ran before its group ended");
+        expect((api.group_end)(), SUCCESS, &[]);
+    }
+    for c in &comms {
+        finalize(*c);
+    }
+    for r in 0..2 {
+        assert_eq!(recv[r], seq(big, |i| (3 * (i % 7)) as f32), "rank {r}");
+    }
+    for c in comms {
+        destroy(c);
+    }
+}

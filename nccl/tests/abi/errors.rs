@@ -114,24 +114,30 @@ fn group_end_without_start_and_nesting() {
 }
 
 #[test]
-fn group_simulate_end_checks_its_argument_then_says_it_is_not_supported() {
+fn group_simulate_end_checks_its_argument() {
     let n = nccl();
-    let mut sim = SimInfo {
-        size: std::mem::size_of::<SimInfo>(),
-        magic: 0x1111,
-        version: 22803,
-        estimated_time: -1.0,
-    };
+    let mut sim = SimInfo::initializer();
+    sim.magic = 0x1111;
     // SAFETY: a valid SimInfo.
     unsafe {
         expect((n.group_start)(), SUCCESS, &[]);
         expect((n.group_simulate_end)(&mut sim), INVALID_ARGUMENT, &["simInfo->magic"]);
+        assert_eq!(sim.estimated_time, -1.0, "left alone on an error");
+        // The group stayed open; an empty group's estimate is 0.
         sim.magic = 0x7468_5283;
-        expect((n.group_simulate_end)(&mut sim), INVALID_USAGE, &["ncclGroupSimulateEnd", "not supported yet"]);
+        expect((n.group_simulate_end)(&mut sim), SUCCESS, &[]);
+        assert_eq!(sim.estimated_time, 0.0);
         // It ended the group.
         expect((n.group_end)(), INVALID_USAGE, &["without a matching ncclGroupStart"]);
+        expect((n.group_simulate_end)(&mut sim), INVALID_USAGE, &["ncclGroupSimulateEnd without a matching ncclGroupStart"]);
+        // At an inner level it only ends that level.
+        sim.estimated_time = 5.0;
+        expect((n.group_start)(), SUCCESS, &[]);
+        expect((n.group_start)(), SUCCESS, &[]);
+        expect((n.group_simulate_end)(&mut sim), SUCCESS, &[]);
+        assert_eq!(sim.estimated_time, 5.0);
+        expect((n.group_end)(), SUCCESS, &[]);
     }
-    assert_eq!(sim.estimated_time, -1.0);
 }
 
 #[test]
