@@ -12,6 +12,9 @@ use super::*;
 /// the proxy and the liveness watch raise too).
 pub(super) const ABORTED_HERE: u32 = 1;
 pub(super) use crate::proxy::ABORTED_BY_PEER;
+/// Abort-flag value while [`Comm::revoke`] stops this rank's operations (cleared once they
+/// have).
+pub(super) const REVOKING: u32 = 4;
 /// How long [`Comm::abort`] waits for in-flight operations to exit.
 pub(super) const ABORT_WAIT: Duration = Duration::from_secs(5);
 /// How long [`Comm::abort`] waits for the other ranks of its process group when they may write
@@ -60,6 +63,60 @@ impl Comm {
         if self.direct {
             self.mark_group_aborted();
             self.wait_peers_after_abort(start);
+        }
+        Ok(())
+    }
+
+    /// Revokes this rank (NCCL 2.28's `ncclCommRevoke`): stops its in-flight operations as
+    /// [`Comm::abort`] does (their outputs are undefined; the other ranks are not told, each
+    /// revokes its own), waits until none is left (up to 5 s), then keeps the communicator for
+    /// management only: [`split`](Comm::split), [`shrink`](Comm::shrink) and
+    /// [`destroy`](Comm::destroy) work, as from any healthy communicator, while collectives,
+    /// sends, receives and [`finalize`](Comm::finalize) return `InvalidUsage`. The way to
+    /// recover from a failed peer or a timed-out call without tearing down: revoke on every
+    /// surviving rank, then shrink or split. Errors: `InvalidUsage` when already revoked,
+    /// finalized, or aborted (here or by another rank: shrink with `abort_first` then);
+    /// `Timeout` when operations still run 5 s after the stop (the communicator is aborted
+    /// then).
+    pub fn revoke(&self) -> Result<()> {
+        let why = if self.revoked.load(Ordering::Acquire) {
+            Some("was already revoked")
+        } else if self.finalized.load(Ordering::Acquire) {
+            Some("was finalized")
+        } else {
+            match self.flag_state() {
+                0 | timeout::TIMED_OUT => None,
+                ABORTED_BY_PEER => Some("was aborted by another rank (shrink it with abort_first instead)"),
+                _ => Some("was aborted"),
+            }
+        };
+        if let Some(why) = why {
+            return Err(Error::InvalidUsage(format!("rank {}: cannot revoke: the communicator {why}", self.rank)));
+        }
+        let flag = self.abort_flag();
+        flag.store(REVOKING, Ordering::Release);
+        tracing::warn!(target: "oxccl::init", rank = self.rank, "communicator revoked: stopping its operations");
+        if !self.wait_idle(ABORT_WAIT)? {
+            flag.store(ABORTED_HERE, Ordering::Release);
+            return Err(Error::Timeout(format!(
+                "rank {}: operations still running {ABORT_WAIT:?} after revoke; the communicator was aborted",
+                self.rank
+            )));
+        }
+        self.revoked.store(true, Ordering::Release);
+        // Quiescent: the flag goes back (a timed-out call's flag too: its call is over), unless
+        // another rank raised it meanwhile.
+        let _ = flag.compare_exchange(REVOKING, 0, Ordering::AcqRel, Ordering::Acquire);
+        Ok(())
+    }
+
+    /// `InvalidUsage` once the communicator was revoked ([`Comm::revoke`]), naming `what`.
+    pub(super) fn check_not_revoked(&self, what: &str) -> Result<()> {
+        if self.revoked.load(Ordering::Acquire) {
+            return Err(Error::InvalidUsage(format!(
+                "rank {}: the communicator was revoked: {what} is refused; split, shrink or destroy it",
+                self.rank
+            )));
         }
         Ok(())
     }
@@ -178,6 +235,7 @@ impl Comm {
         if self.finalized.load(Ordering::Acquire) {
             return Ok(());
         }
+        self.check_not_revoked("finalize")?;
         if !self.wait_idle(DROP_WAIT)? {
             return Err(Error::Timeout(format!(
                 "rank {}: finalize waited {DROP_WAIT:?} for queued operations; abort to stop them",

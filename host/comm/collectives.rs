@@ -482,6 +482,7 @@ impl Comm {
         }
         let (dev_op, redop_arg, redop_flags) = self.check_op(func, op, dtype)?;
         self.check_stream(stream)?;
+        self.check_not_revoked(func.name())?;
         if self.flag_state() != 0 || self.call_mismatch().is_some() {
             // Remote (another rank aborted), Timeout (a call of this rank timed out) or
             // InvalidUsage (this rank aborted, or ranks issued different calls).

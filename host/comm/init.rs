@@ -887,6 +887,7 @@ impl Comm {
             trees: comm_trees,
             rings,
             finalized: std::sync::atomic::AtomicBool::new(false),
+            revoked: std::sync::atomic::AtomicBool::new(false),
             fabric,
             conn_bytes: layout.bytes(),
             direct,

@@ -115,6 +115,8 @@ pub struct Comm {
     rings: Arc<ChannelRings>,
     /// Set by [`Comm::finalize`]: later collectives are refused.
     finalized: std::sync::atomic::AtomicBool,
+    /// Set by [`Comm::revoke`]: later collectives, sends, receives and finalize are refused.
+    revoked: std::sync::atomic::AtomicBool,
     /// What the rings run over, for the tuning model (the same on every rank).
     fabric: crate::tuning::Fabric,
     /// Bytes of this rank's connection memory (laid out for at least `nchannels` channels).
@@ -350,6 +352,11 @@ impl Comm {
     /// True once [`Comm::abort`] was called (or dropping raised the abort flag).
     pub fn is_aborted(&self) -> bool {
         self.flag_state() != 0
+    }
+
+    /// True once [`Comm::revoke`] succeeded.
+    pub fn is_revoked(&self) -> bool {
+        self.revoked.load(Ordering::Acquire)
     }
 
 

@@ -299,6 +299,7 @@ impl Comm {
             )));
         }
         self.check_stream(stream)?;
+        self.check_not_revoked(if send { "send" } else { "recv" })?;
         if self.flag_state() != 0 || self.call_mismatch().is_some() {
             return self.get_async_error();
         }

@@ -5,8 +5,8 @@
  * header run on oxccl and programs built against this header run on NCCL 2.28.
  *
  * What oxccl does differently is said next to each declaration; in short:
- *  - ncclCommRevoke, ncclGroupSimulateEnd and the device API's host calls (ncclDevCommCreate,
- *    ...) return ncclInvalidUsage ("not supported yet", see ncclGetLastError). Buffer registrations and windows are recorded (oxccl needs none).
+ *  - The device API's host calls (ncclDevCommCreate, ...) return ncclInvalidUsage ("not
+ *    supported yet", see ncclGetLastError). ncclGroupSimulateEnd reports oxccl's tuning model. Buffer registrations and windows are recorded (oxccl needs none).
  *  - Non-blocking communicators (config.blocking = 0): ncclCommInitRankConfig and
  *    ncclCommInitRankScalable return ncclInProgress and the init completes in the background
  *    (poll ncclCommGetAsyncError); the communicator's calls return once their work is queued,
@@ -196,6 +196,13 @@ ncclResult_t  ncclCommDestroy(ncclComm_t comm);
 ncclResult_t pncclCommDestroy(ncclComm_t comm);
 ncclResult_t  ncclCommAbort(ncclComm_t comm);
 ncclResult_t pncclCommAbort(ncclComm_t comm);
+
+/* ncclCommRevoke (NCCL 2.28.9): stops the communicator's in-flight operations (their outputs
+ * are undefined) and returns once none is left; afterwards only ncclCommSplit, ncclCommShrink,
+ * ncclCommDestroy and ncclCommAbort are accepted. revokeFlags must be NCCL_REVOKE_DEFAULT. */
+#define NCCL_REVOKE_DEFAULT 0x00
+ncclResult_t  ncclCommRevoke(ncclComm_t comm, int revokeFlags);
+ncclResult_t pncclCommRevoke(ncclComm_t comm, int revokeFlags);
 
 /* ncclCommSplit: every rank calls it from a thread of its own, or inside a group (one thread may
  * split several ranks; the communicators are created at the group's end). NCCL_SPLIT_NOCOLOR

@@ -379,10 +379,23 @@ nccl_api! {
         }
     }
 
-    /// Not supported yet: `ncclInvalidUsage` (NCCL 2.28.9's revoke).
+    /// Revokes `comm` (oxccl's `Comm::revoke`, NCCL 2.28.9's call): stops its in-flight
+    /// operations (their outputs are undefined), returns once none is left; afterwards only
+    /// `ncclCommSplit`, `ncclCommShrink`, `ncclCommDestroy` and `ncclCommAbort` are accepted
+    /// (collectives, sends, receives and `ncclCommFinalize` are `ncclInvalidUsage`).
+    /// `revokeFlags` must be `NCCL_REVOKE_DEFAULT` (0): `ncclInvalidArgument` otherwise.
+    /// `ncclInvalidUsage` when already revoked, finalized or aborted. Also on non-blocking
+    /// communicators the call completes before it returns.
     fn ncclCommRevoke / pncclCommRevoke(comm: ncclComm_t, revoke_flags: c_int) {
-        let _ = (handles::get(comm)?, revoke_flags);
-        Err(Error::InvalidUsage("ncclCommRevoke is not supported yet by oxccl; use ncclCommAbort".into()))
+        let live = handles::get(comm)?;
+        if revoke_flags != NCCL_REVOKE_DEFAULT {
+            return Err(Error::InvalidArgument(format!(
+                "revokeFlags is {revoke_flags}; the only value accepted is NCCL_REVOKE_DEFAULT (0)"
+            )));
+        }
+        live.check_not_finalizing()?;
+        let _keep = KeepCurrent::new();
+        live.comm.revoke()
     }
 
     /// Splits `comm` (oxccl's `Comm::split`): every rank of it calls this, from a thread of its

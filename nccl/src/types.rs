@@ -32,6 +32,8 @@ pub const ncclScalarDevice: ncclScalarResidence_t = 0;
 /// `ncclCommShrink` flags.
 pub const NCCL_SHRINK_DEFAULT: c_int = 0;
 pub const NCCL_SHRINK_ABORT: c_int = 1;
+/// `ncclCommRevoke`'s only flag value.
+pub const NCCL_REVOKE_DEFAULT: c_int = 0;
 pub const ncclScalarHostImmediate: ncclScalarResidence_t = 1;
 
 /// `NCCL_VERSION_CODE` of the ABI this library implements (2.28.3).

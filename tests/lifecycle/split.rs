@@ -4,6 +4,8 @@
 //! every rank naming it; parent and children are dropped in either order. `Comm::shrink`
 //! (NCCL's `ncclCommShrink`): the ranks not excluded form a new communicator in parent order
 //! without the excluded ones calling; the parent stays usable, or is aborted first on request.
+//! `Comm::revoke` (NCCL's `ncclCommRevoke`): after a call timed out, the survivors revoke their
+//! ranks and shrink away the one that never called, without tearing anything down.
 use crate::common;
 
 use oxccl::{Comm, DataType, Device, Error, SPLIT_NOCOLOR};
@@ -95,4 +97,44 @@ fn shrink_forms_a_communicator_of_the_others_without_them() {
     common::drop_on_threads(kids);
     let e = parent[0].shrink(&[0], false).unwrap_err();
     assert!(matches!(e, Error::InvalidArgument(_)) && e.to_string().contains("own exclude list"), "{e}");
+}
+
+/// Rank 2 of 3 never issues an AllReduce; ranks 0 and 1 time out (`OXCCL_TIMEOUT=0.5`), revoke
+/// their ranks — which are then quiescent and refuse new calls — and shrink rank 2 away: the
+/// new communicator reduces exactly.
+#[test]
+fn survivors_of_a_timed_out_call_revoke_and_shrink() {
+    let parent = {
+        let env = common::env::Env::clean(&["TIMEOUT"]);
+        env.set(&[("OXCCL_TIMEOUT", "0.5")]);
+        common::init_all(&Device::cpus(3)).unwrap()
+    };
+    let streams = common::streams(&parent);
+    let bufs: Vec<_> = parent.iter().map(|c| c.device().alloc(1025 * 4).unwrap()).collect();
+    for r in 0..2 {
+        parent[r].all_reduce(&bufs[r], &bufs[r], 1025, DataType::F32, oxccl::RedOp::Sum, &streams[r]).unwrap();
+    }
+    for r in 0..2 {
+        streams[r].synchronize().unwrap();
+        let e = parent[r].get_async_error().unwrap_err();
+        assert!(matches!(e, Error::Timeout(_)), "rank {r}: {e}");
+        parent[r].revoke().unwrap_or_else(|e| panic!("rank {r}: {e}"));
+        assert!(parent[r].is_revoked() && !parent[r].is_aborted());
+        parent[r].get_async_error().unwrap_or_else(|e| panic!("rank {r} after revoke: {e}"));
+        let e = parent[r]
+            .all_reduce(&bufs[r], &bufs[r], 1, DataType::F32, oxccl::RedOp::Sum, &streams[r])
+            .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "invalid usage: rank {r}: the communicator was revoked: allreduce is refused; split, shrink or destroy it"
+            )
+        );
+        let again = parent[r].revoke().unwrap_err();
+        assert_eq!(again.to_string(), format!("invalid usage: rank {r}: cannot revoke: the communicator was already revoked"));
+    }
+    let kids: Vec<Comm> = common::on_threads(2, |r| parent[r].shrink(&[2], false).unwrap_or_else(|e| panic!("rank {r}: {e}")));
+    common::all_reduce_f32(&kids, 1000, false);
+    common::drop_on_threads(kids);
+    assert!(parent[2].revoke().is_ok(), "a healthy rank revokes at once");
 }

@@ -145,6 +145,7 @@ api! {
     finalize = b"ncclCommFinalize": fn(Comm) -> c_int;
     destroy = b"ncclCommDestroy": fn(Comm) -> c_int;
     abort = b"ncclCommAbort": fn(Comm) -> c_int;
+    revoke = b"ncclCommRevoke": fn(Comm, c_int) -> c_int;
     split = b"ncclCommSplit": fn(Comm, c_int, c_int, *mut Comm, *mut Config) -> c_int;
     shrink = b"ncclCommShrink": fn(Comm, *mut c_int, c_int, *mut Comm, *mut Config, c_int) -> c_int;
     get_async_error = b"ncclCommGetAsyncError": fn(Comm, *mut c_int) -> c_int;

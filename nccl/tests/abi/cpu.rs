@@ -692,3 +692,61 @@ fn collectives_wait_for_the_group_end_and_a_simulated_group_runs_nothing() {
         destroy(c);
     }
 }
+
+/// `ncclCommRevoke` stops a call whose peer never issued it, within seconds; the revoked
+/// communicator refuses collectives, sends and finalize but still splits, and the new
+/// communicator reduces exactly; then everything is torn down.
+#[test]
+fn revoke_stops_a_stuck_call_and_the_communicator_still_splits() {
+    let api = nccl();
+    let parents = group_init(2);
+    let send: Vec<Vec<f32>> = (0..2).map(|r| seq(1024, |i| ((r + 1) * i) as f32)).collect();
+    let mut stuck = vec![-1f32; 1024];
+    let mut recv = vec![vec![-1f32; 1024]; 2];
+    let mut kids: [Comm; 2] = [std::ptr::without_provenance_mut(0xdead); 2];
+    let mut x: c_int = -1;
+    // SAFETY: live handles, host buffers alive until the teardown below.
+    unsafe {
+        // Rank 0 alone: its AllReduce waits for rank 1, which never calls.
+        let c0 = parents[0];
+        expect((api.all_reduce)(ptr(&send[0]), mptr(&mut stuck), 1024, FLOAT, SUM, c0, null_mut()), SUCCESS, &[]);
+        std::thread::sleep(Duration::from_millis(50));
+        expect((api.revoke)(c0, 1), INVALID_ARGUMENT, &["ncclCommRevoke", "revokeFlags is 1", "NCCL_REVOKE_DEFAULT"]);
+        let t = Instant::now();
+        expect((api.revoke)(c0, 0), SUCCESS, &[]);
+        assert!(t.elapsed() < Duration::from_secs(5), "revoke took {:?}", t.elapsed());
+        expect((api.revoke)(parents[1], 0), SUCCESS, &[]);
+        expect((api.revoke)(c0, 0), INVALID_USAGE, &["cannot revoke", "already revoked"]);
+        expect((api.get_async_error)(c0, &mut x), SUCCESS, &[]);
+        assert_eq!(x, SUCCESS, "quiescent after revoke");
+        let c1 = parents[1];
+        expect(
+            (api.all_reduce)(ptr(&send[1]), mptr(&mut recv[1]), 1024, FLOAT, SUM, c1, null_mut()),
+            INVALID_USAGE,
+            &["ncclAllReduce", "rank 1: the communicator was revoked: allreduce is refused"],
+        );
+        expect((api.send)(ptr(&send[0]), 4, FLOAT, 1, c0, null_mut()), INVALID_USAGE, &["revoked: send is refused"]);
+        expect((api.finalize)(c1), INVALID_USAGE, &["revoked: finalize is refused"]);
+        // The revoked communicator is still a parent: one split of both ranks from this thread.
+        expect((api.group_start)(), SUCCESS, &[]);
+        for (r, k) in kids.iter_mut().enumerate() {
+            expect((api.split)(parents[r], 0, r as c_int, k, null_mut()), SUCCESS, &[]);
+        }
+        expect((api.group_end)(), SUCCESS, &[]);
+        for r in 0..2 {
+            expect((api.all_reduce)(ptr(&send[r]), mptr(&mut recv[r]), 1024, FLOAT, SUM, kids[r], null_mut()), SUCCESS, &[]);
+        }
+    }
+    for &k in &kids {
+        finalize(k);
+    }
+    for r in 0..2 {
+        assert_eq!(recv[r], seq(1024, |i| (3 * i) as f32), "rank {r} of the split");
+    }
+    for k in kids {
+        destroy(k);
+    }
+    for c in parents {
+        destroy(c);
+    }
+}
