@@ -196,8 +196,10 @@ impl Comm {
         })
     }
 
-    /// Waits up to `limit` for this rank's queued operations; `Ok(false)` when some still run.
-    pub(super) fn wait_idle(&self, limit: Duration) -> Result<bool> {
+    /// Waits up to `limit` for this rank's queued operations (every call queued so far, on
+    /// any stream) to finish; `Ok(false)` when some still run then. Errors: a CUDA error of the
+    /// rank's last launch.
+    pub fn wait_idle(&self, limit: Duration) -> Result<bool> {
         let start = Instant::now();
         while !self.idle()? {
             if start.elapsed() > limit {

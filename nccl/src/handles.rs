@@ -18,7 +18,8 @@
 //! rank's finalize or destroy is recorded, and carried out — each rank on a thread of its own,
 //! together — once every rank of the clique in this process has asked for its own (or was
 //! aborted); the call that completes the set returns its own rank's result, the earlier ones
-//! returned success. A deferred finalize's failure is reported by that rank's
+//! returned success (a finalize only once the rank's issued work has run; a call on a rank
+//! whose deferred finalize another thread is carrying out waits for it). A deferred finalize's failure is reported by that rank's
 //! `ncclCommGetAsyncError`. Ranks of an `init_all` (`ncclCommInitAll`, or a group holding every
 //! rank of an id) have no barrier and need no clique.
 use crate::types::{ncclComm, ncclComm_t, ncclResult_t};
@@ -442,8 +443,14 @@ impl Clique {
     }
 }
 
+/// How long a rank's finalize waits for its own issued work before it is deferred, and how long
+/// a finalize or destroy waits for one that another thread is carrying out.
+const FLUSH_WAIT: Duration = Duration::from_secs(60);
+
 /// Finalizes or destroys `live` (a destroyed one was removed from the registry already): at
-/// once, or as its clique allows (module docs).
+/// once, or as its clique allows (module docs). A finalize first waits for the rank's issued
+/// work, deferred or not (NCCL's finalize flushes it), so a program that reads its results
+/// after `ncclCommFinalize` reads them complete.
 pub(crate) fn teardown(live: Arc<Live>, kind: Teardown) -> Result<()> {
     if kind == Teardown::Finalize {
         live.finalizing.store(true, Ordering::Release);
@@ -452,8 +459,20 @@ pub(crate) fn teardown(live: Arc<Live>, kind: Teardown) -> Result<()> {
         return run(live, kind);
     };
     let id = live.id;
-    let batch = {
+    if kind == Teardown::Finalize && !live.comm.wait_idle(FLUSH_WAIT)? {
+        return Err(Error::Timeout(format!(
+            "comm {id:#x}: finalize waited {FLUSH_WAIT:?} for the rank's issued work; abort to stop it"
+        )));
+    }
+    let start = Instant::now();
+    let batch = loop {
         let mut members = clique.members();
+        if members.iter().any(|(m, s)| *m == id && matches!(s, Member::Running)) && start.elapsed() < FLUSH_WAIT {
+            // Another thread is carrying out this rank's deferred finalize: wait for it.
+            drop(members);
+            std::thread::sleep(Duration::from_millis(1));
+            continue;
+        }
         let Some(i) = members.iter().position(|(m, _)| *m == id) else {
             drop(members);
             return run(live, kind);
@@ -473,7 +492,7 @@ pub(crate) fn teardown(live: Arc<Live>, kind: Teardown) -> Result<()> {
                 )));
             }
         }
-        Clique::ready_batch(&mut members)
+        break Clique::ready_batch(&mut members);
     };
     if batch.is_empty() {
         tracing::debug!(

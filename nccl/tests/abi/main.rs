@@ -8,9 +8,11 @@
 //! | `library` | SONAME, every function and its `pnccl` twin, version, error strings, unique id |
 //! | `errors` | NULL arguments named, dead handles, group misuse, what is not supported yet |
 //! | `config` | `ncclConfig_t`: size, magic, version, values, `blocking = 0` |
-//! | `cpu` | every collective end to end, grouped inits, teardown from one thread, C and Rust ranks, `ncclCommInitAll`, abort |
+//! | `cpu` | every collective end to end, grouped inits, teardown from one thread, C and Rust ranks, `ncclCommInitAll`, abort, revoke, collectives in groups, `ncclGroupSimulateEnd` |
+//! | `c_program` | the C program `tests/c/cpu_target.c`, compiled with the system C compiler against `nccl.h` and linked with `-lnccl`: ranks as processes and as threads |
 mod common;
 
+mod c_program;
 mod config;
 mod cpu;
 mod errors;
