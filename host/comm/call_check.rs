@@ -302,6 +302,7 @@ impl Comm {
                     group: res.group.clone(),
                     process: self.process.clone(),
                     rank: self.rank,
+                    recorded: None,
                 };
                 blocks.launch(
                     s,

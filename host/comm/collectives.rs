@@ -369,6 +369,7 @@ impl Comm {
                     work,
                 },
                 stream,
+                None,
             );
         }
         if self.nranks == 1 {
@@ -403,7 +404,7 @@ impl Comm {
         if let Ok(mut last) = self.last.lock() {
             *last = Some(choice);
         }
-        self.watch.begin(timeout::CallRecord {
+        let recorded = self.watch.begin(timeout::CallRecord {
             seq: 0,
             func,
             count,
@@ -421,6 +422,7 @@ impl Comm {
                 work,
             },
             stream,
+            Some(recorded),
         )
     }
 
@@ -569,6 +571,10 @@ impl Comm {
             })
     }
 
+    /// The stream is on this rank's device and is not being captured into a CUDA graph: oxccl
+    /// does not support stream capture yet, and a captured call would replay wrongly (its
+    /// launch ordering, flight-recorder entry, call check and any proxy's steps belong to the
+    /// call as issued), so it is refused — `InvalidUsage` — instead of being captured.
     pub(super) fn check_stream(&self, stream: &Stream) -> Result<()> {
         if stream.device() != self.device {
             return Err(Error::invalid(format!(
@@ -576,6 +582,15 @@ impl Comm {
                 stream.device(),
                 self.rank,
                 self.device
+            )));
+        }
+        if let Stream::Cuda(s) = stream
+            && s.is_capturing()?
+        {
+            return Err(Error::InvalidUsage(format!(
+                "rank {}: the stream is being captured into a CUDA graph, which oxccl does not support yet \
+                 (the call would replay wrongly); issue the call outside the capture",
+                self.rank
             )));
         }
         Ok(())

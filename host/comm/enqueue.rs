@@ -203,7 +203,9 @@ impl Comm {
         unsafe { stream.copy_async(dst, src, bytes) }
     }
 
-    pub(super) fn launch(&self, args: KernelArgs, stream: &Stream) -> Result<()> {
+    /// Queues the kernel of `args` on `stream`; `recorded`: the call's flight-recorder entry
+    /// ([`timeout::Watch::begin`]), whose kernel's start and end are marked.
+    pub(super) fn launch(&self, args: KernelArgs, stream: &Stream, recorded: Option<u64>) -> Result<()> {
         match (&self.res, stream) {
             (Res::Cuda(res), Stream::Cuda(s)) => {
                 let w = &args.work;
@@ -211,7 +213,11 @@ impl Comm {
                     return Err(Error::Internal("work element with an invalid enum".into()));
                 };
                 let name = oxccl_gpu::abi::kernel_name_for(func, algo, proto, dtype, op);
-                self.launch_cuda(res, s, name.as_str(), w.nchannels as u32, &args)
+                self.launch_cuda(res, s, name.as_str(), w.nchannels as u32, &args)?;
+                if let Some(id) = recorded {
+                    self.watch.launched(id, s);
+                }
+                Ok(())
             }
             (Res::Cpu(res), Stream::Cpu(s)) => {
                 let w = &args.work;
@@ -223,7 +229,16 @@ impl Comm {
                         oxccl_gpu::abi::kernel_name_for(func, algo, proto, dtype, op).as_str(),
                     ));
                 }
-                launch_cpu(args, self.params.cpu_nthreads, self.params.cpu_team, res.group.clone(), self.process.clone(), self.rank, s, &self.inflight)
+                let blocks = CpuBlocks {
+                    nblocks: args.work.nchannels as u32,
+                    nthreads: self.params.cpu_nthreads,
+                    team: self.params.cpu_team,
+                    group: res.group.clone(),
+                    process: self.process.clone(),
+                    rank: self.rank,
+                    recorded: recorded.map(|id| (self.watch.clone(), id)),
+                };
+                launch_cpu(args, blocks, s, &self.inflight)
             }
             _ => Err(Error::invalid(
                 "stream and communicator are of different backends",
@@ -286,23 +301,11 @@ impl Comm {
 #[allow(clippy::too_many_arguments)]
 pub(super) fn launch_cpu(
     args: KernelArgs,
-    nthreads: u32,
-    team: oxccl_gpu::arch::TeamKind,
-    group: Arc<CpuGroup>,
-    process: Option<Arc<ProcessGroup>>,
-    rank: usize,
+    blocks: CpuBlocks,
     stream: &CpuStream,
     inflight: &Arc<AtomicUsize>,
 ) -> Result<()> {
-    let nblocks = args.work.nchannels as u32;
-    let blocks = CpuBlocks {
-        nblocks,
-        nthreads,
-        team,
-        group,
-        process,
-        rank,
-    };
+    let nthreads = blocks.nthreads;
     blocks.launch(stream, inflight, move |b, tid, smem| {
         // SAFETY: `args.comm` is this rank's comm block, kept alive by the launch's `group`;
         // the buffers are the caller's (all_reduce_raw contract); `smem` is this block's,
@@ -324,6 +327,9 @@ pub(super) struct CpuBlocks {
     pub(super) group: Arc<CpuGroup>,
     pub(super) process: Option<Arc<ProcessGroup>>,
     pub(super) rank: usize,
+    /// The flight-recorder entry of the launch's collective, marked started and ended when its
+    /// blocks start and end ([`timeout::Watch::started`]); `None` for other launches.
+    pub(super) recorded: Option<(Arc<timeout::Watch>, u64)>,
 }
 
 impl CpuBlocks {
@@ -346,9 +352,13 @@ impl CpuBlocks {
             group,
             process,
             rank,
+            recorded,
         } = self;
         stream.enqueue(move || {
             group.running.fetch_add(1, Ordering::AcqRel);
+            if let Some((watch, id)) = &recorded {
+                watch.started(*id);
+            }
             let result = std::thread::scope(|s| {
                 let handles: Vec<_> = (0..nblocks)
                     .map(|b| {
@@ -368,6 +378,9 @@ impl CpuBlocks {
                 ok
             });
             group.running.fetch_sub(1, Ordering::AcqRel);
+            if let Some((watch, id)) = &recorded {
+                watch.ended(*id);
+            }
             let after = after();
             drop(group);
             drop(process);

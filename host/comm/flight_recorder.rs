@@ -16,7 +16,12 @@
 //! timeout's message or null>, "progress": [per ring channel: {"channel", "received_step",
 //! "from", "credited_step", "by"}], "dropped": <calls recorded but no longer kept>, "calls":
 //! [oldest first: {"seq", "func", "count", "dtype", "op", "root", "algo", "proto", "nchannels",
-//! "issued_unix_ns"}]}`. A send or receive (`"func": "send"` or `"recv"`, recorded when issued,
+//! "issued_unix_ns", "started_unix_ns", "ended_unix_ns", "outcome"}]}`. A collective's kernel
+//! is marked started and ended when it starts and ends on the CPU target; on GPUs its start is
+//! not known (null) and its end is the time the watch thread (or the dump) first saw the event
+//! recorded behind it complete — within the watch's tick, a sixteenth of `OXCCL_TIMEOUT` up to
+//! 100 ms. `"outcome"`: `"completed"`, `"aborted"` (its rank's abort flag was raised: an abort,
+//! or another rank's), `"timed out"`, or null while it has not ended. A send or receive (`"func": "send"` or `"recv"`, recorded when issued,
 //! in or outside a group) has the same fields, `seq`, `op`, `root`, `algo`, `proto` and
 //! `nchannels` null (only collectives are numbered by `seq` and counted in `issued`: ranks issue
 //! different sends and receives), and adds `"peer"`, `"bytes"`, `"p2p_seq"` (1 for the rank's
@@ -90,11 +95,54 @@ enum Call {
 #[derive(Clone, Debug)]
 struct Entry {
     call: Call,
+    /// The recorder's number of the entry (0 for its first), [`Recorder::push`]'s result.
+    id: u64,
     issued_unix_ns: u128,
+    /// When its kernel started (CPU target) — `None` on GPUs and before it started.
+    started_unix_ns: Option<u128>,
+    /// When its kernel was seen ended, and how ([`Outcome`]); `None` before.
+    ended: Option<(u128, Outcome)>,
+}
+
+/// How a recorded collective's kernel ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Outcome {
+    Completed,
+    /// Its rank's abort flag was raised while it ran (an abort, or another rank's).
+    Aborted,
+    /// It made no progress for `OXCCL_TIMEOUT`.
+    TimedOut,
+}
+
+impl Outcome {
+    fn name(self) -> &'static str {
+        match self {
+            Outcome::Completed => "completed",
+            Outcome::Aborted => "aborted",
+            Outcome::TimedOut => "timed out",
+        }
+    }
+}
+
+/// The time now, in nanoseconds since the Unix epoch (0 if the clock is before it).
+pub(super) fn unix_ns() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos())
 }
 
 impl Entry {
     fn to_json(&self) -> Value {
+        let mut v = self.call_json();
+        if let Value::Object(m) = &mut v {
+            m.insert("started_unix_ns".into(), json!(self.started_unix_ns.map(|t| t as u64)));
+            m.insert("ended_unix_ns".into(), json!(self.ended.map(|(t, _)| t as u64)));
+            m.insert("outcome".into(), json!(self.ended.map(|(_, o)| o.name())));
+        }
+        v
+    }
+
+    fn call_json(&self) -> Value {
         match &self.call {
             Call::Coll(c) => json!({
                 "seq": c.seq,
@@ -140,6 +188,8 @@ pub(super) struct Recorder {
     /// ([`crate::group::current_group`]).
     groups: u64,
     last_group: Option<u64>,
+    /// The next entry's number.
+    next_id: u64,
 }
 
 impl Recorder {
@@ -151,12 +201,43 @@ impl Recorder {
             p2p_issued: HashMap::new(),
             groups: 0,
             last_group: None,
+            next_id: 0,
         }
     }
 
-    /// Records the collective `call`.
-    pub(super) fn push(&mut self, call: &timeout::CallRecord) {
-        self.keep(Call::Coll(call.clone()));
+    /// Records the collective `call`; returns its entry's number, by which its kernel's start
+    /// and end are marked ([`Recorder::started`], [`Recorder::ended`]).
+    pub(super) fn push(&mut self, call: &timeout::CallRecord) -> u64 {
+        self.keep(Call::Coll(call.clone()))
+    }
+
+    /// Marks entry `id`'s kernel started now (nothing when the entry is no longer kept).
+    pub(super) fn started(&mut self, id: u64) {
+        if let Some(e) = self.entry(id) {
+            e.started_unix_ns = Some(unix_ns());
+        }
+    }
+
+    /// Marks entry `id`'s kernel ended at `at` (nanoseconds since the Unix epoch) with
+    /// `outcome`, unless it was marked already.
+    pub(super) fn ended(&mut self, id: u64, at: u128, outcome: Outcome) {
+        if let Some(e) = self.entry(id)
+            && e.ended.is_none()
+        {
+            e.ended = Some((at, outcome));
+        }
+    }
+
+    /// The collectives kept whose kernel is not marked ended, by entry number.
+    pub(super) fn unended(&self) -> impl Iterator<Item = u64> + '_ {
+        self.entries
+            .iter()
+            .filter(|e| e.ended.is_none() && matches!(e.call, Call::Coll(_)))
+            .map(|e| e.id)
+    }
+
+    fn entry(&mut self, id: u64) -> Option<&mut Entry> {
+        self.entries.iter_mut().rev().find(|e| e.id == id)
     }
 
     /// Records the send or receive `call`, issued in the thread's group `group` (its id,
@@ -180,19 +261,25 @@ impl Recorder {
         });
     }
 
-    fn keep(&mut self, call: Call) {
+    fn keep(&mut self, call: Call) -> u64 {
+        let id = self.next_id;
+        self.next_id += 1;
         if self.size == 0 {
             self.dropped += 1;
-            return;
+            return id;
         }
         if self.entries.len() == self.size {
             self.entries.pop_front();
             self.dropped += 1;
         }
-        let issued_unix_ns = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos());
-        self.entries.push_back(Entry { call, issued_unix_ns });
+        self.entries.push_back(Entry {
+            call,
+            id,
+            issued_unix_ns: unix_ns(),
+            started_unix_ns: None,
+            ended: None,
+        });
+        id
     }
 
     /// The dump (module docs) of rank `rank` of `nranks` of communicator `comm`.
@@ -704,8 +791,34 @@ mod tests {
         assert_eq!(
             first,
             json!({"seq": null, "func": "recv", "count": 3, "dtype": "float", "op": null, "root": null,
-                   "algo": null, "proto": null, "nchannels": null, "peer": 1, "bytes": 12, "p2p_seq": 1, "group": 1})
+                   "algo": null, "proto": null, "nchannels": null, "peer": 1, "bytes": 12, "p2p_seq": 1, "group": 1,
+                   "started_unix_ns": null, "ended_unix_ns": null, "outcome": null})
         );
+        // A collective's start and end are marked by its entry's number, once.
+        let mut rec = Recorder::new(2);
+        let coll = timeout::CallRecord {
+            seq: 1,
+            func: Func::AllReduce,
+            count: 8,
+            dtype: DataType::F32,
+            op: DevRedOp::Sum,
+            root: 0,
+            choice: None,
+        };
+        let (a, b) = (rec.push(&coll), rec.push(&coll));
+        assert_eq!((a, b), (0, 1));
+        rec.started(b);
+        rec.ended(b, 7, Outcome::TimedOut);
+        rec.ended(b, 9, Outcome::Completed);
+        assert_eq!(rec.unended().collect::<Vec<_>>(), vec![a]);
+        let c = rec.push(&coll);
+        rec.ended(a, 5, Outcome::Completed); // pushed out by `c`: nothing to mark
+        let d = rec.dump(1, 0, 2, 0, None, Vec::new());
+        let calls = d["calls"].as_array().unwrap();
+        assert_eq!((calls[0]["ended_unix_ns"].clone(), calls[0]["outcome"].clone()), (json!(7), json!("timed out")));
+        assert!(calls[0]["started_unix_ns"].as_u64().is_some_and(|t| t > 0));
+        assert_eq!((calls[1]["started_unix_ns"].clone(), calls[1]["outcome"].clone()), (Value::Null, Value::Null));
+        assert_eq!(rec.unended().collect::<Vec<_>>(), vec![c]);
         // Nothing kept: every call counts as dropped.
         let mut none = Recorder::new(0);
         none.push_p2p(&call(true, 1), None);

@@ -165,6 +165,7 @@ impl P2pTarget {
                     group: group.clone(),
                     process: process.clone(),
                     rank: self.rank,
+                    recorded: None,
                 };
                 let me = self.clone();
                 blocks.launch(

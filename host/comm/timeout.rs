@@ -123,7 +123,15 @@ struct State {
     error: Option<String>,
     recorder: flight_recorder::Recorder,
     reader: Reader,
+    /// CUDA: an event recorded behind each recorded collective's kernel, in slots by entry
+    /// number (`id % ENDS`), each with the entry it was recorded for; made on first use.
+    ends: Vec<Option<(cuda::Event, u64)>>,
 }
+
+/// Event slots of a CUDA watch ([`State::ends`]): at most this many recorded collectives are
+/// waited for at once; an older one whose slot is reused is marked ended if its event has
+/// completed by then, and keeps no end otherwise.
+const ENDS: usize = 256;
 
 impl Watch {
     /// A watch over rank `rank`'s calls with `limit` (polled by the process's watch thread unless
@@ -157,6 +165,7 @@ impl Watch {
                 error: None,
                 recorder: flight_recorder::Recorder::new(s.recorder_size),
                 reader: Reader(None),
+                ends: Vec::new(),
             }),
         });
         if limit.is_some() || w.dump_prefix.is_some() {
@@ -188,18 +197,96 @@ impl Watch {
         self.state().alive = false;
     }
 
-    /// Records the call about to be launched and counts it in this rank's issued-calls counter.
-    pub(super) fn begin(&self, mut call: CallRecord) {
+    /// Records the call about to be launched and counts it in this rank's issued-calls counter;
+    /// returns its flight-recorder entry's number, by which its kernel's start and end are
+    /// marked ([`Watch::started`], [`Watch::ended`], [`Watch::launched`]).
+    pub(super) fn begin(&self, mut call: CallRecord) -> u64 {
         let issued = self.counter(self.rank);
         let mut st = self.state();
         if let Some(n) = issued {
             call.seq = n.fetch_add(1, Ordering::AcqRel) + 1;
         }
-        st.recorder.push(&call);
+        let id = st.recorder.push(&call);
         st.call = Some(call);
         st.p2p = None;
         st.last_change = Instant::now();
         st.last_sample = None;
+        id
+    }
+
+    /// How a kernel of this rank ends now: as its abort flag says.
+    fn outcome(&self) -> flight_recorder::Outcome {
+        match self.flag().load(Ordering::Acquire) {
+            0 => flight_recorder::Outcome::Completed,
+            TIMED_OUT => flight_recorder::Outcome::TimedOut,
+            _ => flight_recorder::Outcome::Aborted,
+        }
+    }
+
+    /// Marks recorded collective `id`'s kernel started now (CPU target).
+    pub(super) fn started(&self, id: u64) {
+        self.state().recorder.started(id);
+    }
+
+    /// Marks recorded collective `id`'s kernel ended now (CPU target), with the outcome its
+    /// abort flag tells.
+    pub(super) fn ended(&self, id: u64) {
+        let outcome = self.outcome();
+        self.state().recorder.ended(id, flight_recorder::unix_ns(), outcome);
+    }
+
+    /// Records an event behind recorded collective `id`'s kernel on `stream` (CUDA), which
+    /// [`Watch::refresh_ends`] turns into the entry's end. An untimed event: one recorded behind
+    /// a kernel never holds back a peer's kernel on a shared hardware queue
+    /// ([`cuda::Event::new`]). Errors are logged (the entry keeps no end).
+    pub(super) fn launched(&self, id: u64, stream: &cuda::Stream) {
+        let Busy::Cuda(_, ctx) = &self.busy else { return };
+        let mut st = self.state();
+        if st.ends.is_empty() {
+            st.ends.resize_with(ENDS, || None);
+        }
+        let slot = (id % ENDS as u64) as usize;
+        let outcome = self.outcome();
+        let st = &mut *st;
+        if let Some((event, owner)) = &st.ends[slot] {
+            if event.is_complete().unwrap_or(false) {
+                st.recorder.ended(*owner, flight_recorder::unix_ns(), outcome);
+            }
+        }
+        if st.ends[slot].is_none() {
+            match cuda::Event::new(ctx) {
+                Ok(e) => st.ends[slot] = Some((e, id)),
+                Err(e) => {
+                    tracing::debug!(target: "oxccl::timeout", rank = self.rank, "flight recorder end event: {e}");
+                    return;
+                }
+            }
+        }
+        if let Some((event, owner)) = &mut st.ends[slot] {
+            *owner = id;
+            if let Err(e) = event.record(stream) {
+                tracing::debug!(target: "oxccl::timeout", rank = self.rank, "flight recorder end event: {e}");
+            }
+        }
+    }
+
+    /// Marks ended (now) every recorded collective whose end event has completed (CUDA).
+    fn refresh_ends(&self, st: &mut State) {
+        if st.ends.is_empty() {
+            return;
+        }
+        let outcome = self.outcome();
+        let now = flight_recorder::unix_ns();
+        let done: Vec<u64> = st
+            .recorder
+            .unended()
+            .filter(|&id| {
+                matches!(&st.ends[(id % ENDS as u64) as usize], Some((e, owner)) if *owner == id && e.is_complete().unwrap_or(false))
+            })
+            .collect();
+        for id in done {
+            st.recorder.ended(id, now, outcome);
+        }
     }
 
     /// Records a send or receive in the flight recorder as it is issued (`group`: the id of
@@ -287,6 +374,7 @@ impl Watch {
         if !st.alive {
             return false;
         }
+        self.refresh_ends(&mut st);
         if dump {
             self.write_dump(&st);
         }
@@ -333,6 +421,9 @@ impl Watch {
     /// call is being watched).
     pub(super) fn dump(&self) -> serde_json::Value {
         let mut st = self.state();
+        if st.alive {
+            self.refresh_ends(&mut st);
+        }
         if st.alive && st.sample.is_empty() && !self.regions.is_empty() {
             let st = &mut *st;
             if let Ok(s) = self.read(&mut st.reader) {

@@ -519,6 +519,32 @@ impl Stream {
         self.ctx.bind()?;
         cu!(cuStreamSynchronize(self.raw))
     }
+    /// Starts capturing the stream's work into a CUDA graph (`cuStreamBeginCapture`, relaxed
+    /// mode); [`Stream::end_capture`] ends it. For tests of how calls treat a capturing stream.
+    pub fn begin_capture(&self) -> Result<()> {
+        self.ctx.bind()?;
+        cu!(cuStreamBeginCapture_v2(self.raw, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED))
+    }
+    /// Ends the stream's capture ([`Stream::begin_capture`]) and destroys the graph it made.
+    pub fn end_capture(&self) -> Result<()> {
+        self.ctx.bind()?;
+        let mut graph = std::ptr::null_mut();
+        cu!(cuStreamEndCapture(self.raw, &mut graph))?;
+        if !graph.is_null() {
+            cu!(cuGraphDestroy(graph))?;
+        }
+        Ok(())
+    }
+    /// Whether work queued on the stream now would be captured into a CUDA graph
+    /// (`cuStreamIsCapturing`: a capture in progress, or one invalidated and not yet ended).
+    /// Errors: the driver's (e.g. the legacy default stream while another stream captures in
+    /// global mode, where queuing work is not allowed at all).
+    pub fn is_capturing(&self) -> Result<bool> {
+        self.ctx.bind()?;
+        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        cu!(cuStreamIsCapturing(self.raw, &mut status))?;
+        Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+    }
     /// Queues a device→device copy.
     pub fn copy_dtod(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
         self.ctx.bind()?;

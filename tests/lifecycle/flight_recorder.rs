@@ -28,7 +28,7 @@ fn comm_id(dump: &(String, String)) -> String {
     v["comm"].as_str().unwrap().to_string()
 }
 
-/// A dump's calls without their issue times, and collectives without their algorithm, protocol
+/// A dump's calls without their issue, start and end times and outcome, and collectives without their algorithm, protocol
 /// and channels (the tuning's choice; checked to be there).
 fn calls(dump: &(String, String)) -> Vec<Value> {
     let v: Value = serde_json::from_str(&dump.1).unwrap();
@@ -41,6 +41,11 @@ fn calls(dump: &(String, String)) -> Vec<Value> {
             let mut c = c.clone();
             let o = c.as_object_mut().unwrap();
             assert!(o.remove("issued_unix_ns").unwrap().is_u64(), "{}", dump.1);
+            for k in ["started_unix_ns", "ended_unix_ns", "outcome"] {
+                let v = o.remove(k).unwrap();
+                // Sends and receives are not marked; collectives are (`the_kernels_of_...`).
+                assert!(!o["seq"].is_null() || v.is_null(), "{k}: {}", dump.1);
+            }
             if !o["seq"].is_null() {
                 for k in ["algo", "proto", "nchannels"] {
                     assert!(!o.remove(k).unwrap().is_null(), "{k}: {}", dump.1);
@@ -143,6 +148,39 @@ fn trace_names_a_send_whose_receive_was_never_posted() {
             comm_id(&d[0])
         )
     );
+    for c in &comms {
+        c.abort().unwrap();
+    }
+}
+
+/// Each collective's kernel is marked started and ended with its outcome: two AllReduces on both
+/// ranks complete (issued ≤ started ≤ ended); a third on rank 0 alone times out
+/// (`OXCCL_TIMEOUT=0.5`) and is recorded so, ended at least the limit after it started.
+#[test]
+fn the_kernels_of_collectives_are_timed_with_their_outcome() {
+    let comms = init("0.5");
+    common::all_reduce_f32(&comms, 100, false);
+    common::all_reduce_f32(&comms, 100, true);
+    let streams = common::streams(&comms);
+    let buf = comms[0].device().alloc(4 * 100).unwrap();
+    comms[0].all_reduce(&buf, &buf, 100, DataType::F32, oxccl::RedOp::Sum, &streams[0]).unwrap();
+    streams[0].synchronize().unwrap();
+    assert!(comms[0].get_async_error().is_err(), "rank 1 never called");
+    for (r, dump) in dumps(&comms).iter().enumerate() {
+        let v: Value = serde_json::from_str(&dump.1).unwrap();
+        let calls = v["calls"].as_array().unwrap();
+        assert_eq!(calls.len(), if r == 0 { 3 } else { 2 }, "{}", dump.1);
+        for (i, c) in calls.iter().enumerate() {
+            let t = |k: &str| c[k].as_u64().unwrap_or_else(|| panic!("rank {r} call {i}: {k}: {c}"));
+            let (issued, started, ended) = (t("issued_unix_ns"), t("started_unix_ns"), t("ended_unix_ns"));
+            assert!(issued <= started && started <= ended, "rank {r} call {i}: {c}");
+            let timed_out = r == 0 && i == 2;
+            assert_eq!(c["outcome"], if timed_out { "timed out" } else { "completed" }, "rank {r} call {i}: {c}");
+            if timed_out {
+                assert!(ended - started >= 500_000_000, "rank {r} call {i}: {c}");
+            }
+        }
+    }
     for c in &comms {
         c.abort().unwrap();
     }
