@@ -11,6 +11,8 @@
  *    ncclCommInitRankScalable return ncclInProgress and the init completes in the background
  *    (poll ncclCommGetAsyncError); the communicator's calls return once their work is queued,
  *    never ncclInProgress.
+ *  - Stream capture is not supported yet: a call on a stream being captured into a CUDA graph
+ *    returns ncclInvalidUsage.
  *  - A call that made no progress for OXCCL_TIMEOUT seconds fails with 8 (NCCL 2.30's
  *    ncclTimeout; ncclGetErrorString(8) says "operation timed out").
  *
