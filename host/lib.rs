@@ -93,6 +93,7 @@ pub mod tuning;
 
 pub use comm::{Choice, Comm, SPLIT_NOCOLOR};
 pub use error::{Error, Result, ResultCode, error_string, error_string_of};
+pub use params::CommConfig;
 pub use group::{PendingComm, group, group_end, group_start};
 pub use handle::CommHandle;
 pub use mem::{DevSlice, Device, DeviceBuffer, Stream};

@@ -87,6 +87,53 @@ pub struct Params {
     pub check_calls: bool,
 }
 
+/// Settings given to one communicator at its creation (NCCL's `ncclConfig_t`), each one, when
+/// set, instead of its environment variable: [`Comm::init_rank_config`](crate::Comm::init_rank_config),
+/// [`Comm::init_all_config`](crate::Comm::init_all_config). Communicators split or shrunk from
+/// it inherit its config. Start from `CommConfig::default()` (nothing set: the environment
+/// decides everything).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct CommConfig {
+    /// How long a call may make no progress before it times out (`OXCCL_TIMEOUT`; see
+    /// [`Params::timeout`]): at most 10^6 s; `Duration::ZERO` turns timeouts off.
+    pub timeout: Option<std::time::Duration>,
+    /// The call-signature check ([`Params::check_calls`], `OXCCL_CHECK_CALLS`); every rank must
+    /// choose the same.
+    pub check_calls: Option<bool>,
+}
+
+impl CommConfig {
+    /// Sets the call timeout ([`CommConfig::timeout`]).
+    pub fn with_timeout(mut self, limit: std::time::Duration) -> Self {
+        self.timeout = Some(limit);
+        self
+    }
+
+    /// Turns the call-signature check on or off ([`CommConfig::check_calls`]).
+    pub fn with_check_calls(mut self, on: bool) -> Self {
+        self.check_calls = Some(on);
+        self
+    }
+
+    /// `params` with this config's settings applied. Errors: `InvalidArgument` naming the field
+    /// and its range.
+    pub fn apply(&self, mut params: Params) -> Result<Params> {
+        if let Some(t) = self.timeout {
+            if t > std::time::Duration::from_secs(1_000_000) {
+                return Err(Error::invalid(format!(
+                    "CommConfig::timeout {t:?} is out of range (accepted: 0 to 1000000 s; 0 turns call timeouts off)"
+                )));
+            }
+            params.timeout = (!t.is_zero()).then_some(t);
+        }
+        if let Some(on) = self.check_calls {
+            params.check_calls = on;
+        }
+        Ok(params)
+    }
+}
+
 /// Most channels per peer of a send or receive ([`Params::p2p_nchannels_per_peer`]).
 pub const MAX_P2P_NCHANNELS_PER_PEER: u32 = 8;
 

@@ -155,7 +155,21 @@ enum BackendArg {
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum CompareArg {
+    /// NCCL on the same GPUs in the same process (GPUs only).
     Nccl,
+    /// oxccl itself with the call-signature check on (`OXCCL_CHECK_CALLS=1`; the main run has
+    /// it off): what the check costs, in the same run.
+    Checked,
+}
+
+impl CompareArg {
+    /// The reference's name in the table's column heads and footer.
+    fn labels(self) -> (&'static str, &'static str) {
+        match self {
+            CompareArg::Nccl => ("nccl", "NCCL"),
+            CompareArg::Checked => ("checked", "checked"),
+        }
+    }
 }
 
 #[derive(clap::Args)]
@@ -205,7 +219,8 @@ struct PerfArgs {
     /// Where to run.
     #[arg(long, value_enum, default_value_t = BackendArg::Auto)]
     backend: BackendArg,
-    /// Also run NCCL on the same GPUs in the same process and print the oxccl/NCCL ratio.
+    /// Also run a reference in the same process and print its columns and the busbw ratio:
+    /// NCCL on the same GPUs, or oxccl with the call-signature check on.
     #[arg(long, value_enum)]
     compare: Option<CompareArg>,
     /// Write every result (and NCCL's, when compared) as JSON to this file.
@@ -316,7 +331,7 @@ fn perf_spawn(a: &PerfArgs, n: usize) -> Result<ExitCode, Box<dyn std::error::Er
         BackendArg::Nccl => true,
         BackendArg::Cpu => false,
     };
-    if a.compare.is_some() && !gpu {
+    if a.compare == Some(CompareArg::Nccl) && !gpu {
         return Err("--compare nccl needs GPUs (NCCL does not run on the CPU target)".into());
     }
     if !gpu && a.backend == BackendArg::Auto {
@@ -373,7 +388,7 @@ fn devices_for(a: &PerfArgs) -> Result<(Vec<Device>, bool), String> {
         // OXCCL_ALLOW_SHARED_DEVICE=1 (oxccl's backend only: NCCL refuses a shared device) lets
         // several ranks share a GPU for testing: rank r on GPU r·n/want, contiguous blocks.
         let shared = !matches!(a.backend, BackendArg::Nccl)
-            && a.compare.is_none()
+            && a.compare != Some(CompareArg::Nccl)
             && oxccl::params::env_var("ALLOW_SHARED_DEVICE").is_some_and(|(_, v)| v == "1");
         let most = if shared { 64 } else { n };
         if want == 0 || want > most {
@@ -441,9 +456,16 @@ fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         None => ((0..devices.len()).collect(), devices.len()),
     };
     let compare = a.compare.is_some();
-    if compare && !devices[0].is_cuda() {
+    let compare_nccl = a.compare == Some(CompareArg::Nccl);
+    if compare_nccl && !devices[0].is_cuda() {
         return Err("--compare nccl needs GPUs (NCCL does not run on the CPU target)".into());
     }
+    let (ref_label, ref_name) = a.compare.map_or(("nccl", "NCCL"), CompareArg::labels);
+    // With --compare checked, the main run has the check off and the reference has it on.
+    let config = match a.compare {
+        Some(CompareArg::Checked) => oxccl::CommConfig::default().with_check_calls(false),
+        _ => oxccl::CommConfig::default(),
+    };
     if a.min_bytes > a.max_bytes {
         return Err(format!("-b {} is larger than -e {}", a.min_bytes, a.max_bytes).into());
     }
@@ -497,21 +519,22 @@ fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     };
     let free_start = free();
     let t0 = std::time::Instant::now();
-    let main = if nccl_main {
-        nccl_comms("--backend nccl")?
-    } else if let (Some(p), Some(ctl)) = (&proc_rank, &ctl) {
-        let id = oxccl::perf::procs::share_id(ctl, || Ok(oxccl::bootstrap::get_unique_id()?.to_bytes()))?;
-        let id = oxccl::bootstrap::UniqueId::from_bytes(&id)?;
-        Backend::Oxccl(vec![Comm::init_rank(p.nranks, &id, p.rank, p.device)?])
-    } else {
-        Backend::Oxccl(Comm::init_all(&devices)?)
+    let oxccl_comms = |config: &oxccl::CommConfig| -> Result<Backend, Box<dyn std::error::Error>> {
+        Ok(if let (Some(p), Some(ctl)) = (&proc_rank, &ctl) {
+            let id = oxccl::perf::procs::share_id(ctl, || Ok(oxccl::bootstrap::get_unique_id()?.to_bytes()))?;
+            let id = oxccl::bootstrap::UniqueId::from_bytes(&id)?;
+            Backend::Oxccl(vec![Comm::init_rank_config(p.nranks, &id, p.rank, p.device, config)?])
+        } else {
+            Backend::Oxccl(Comm::init_all_config(&devices, config)?)
+        })
     };
+    let main = if nccl_main { nccl_comms("--backend nccl")? } else { oxccl_comms(&config)? };
     let init_s = t0.elapsed().as_secs_f64();
     let free_main = free();
-    let reference = if compare {
-        Some(nccl_comms("--compare nccl")?)
-    } else {
-        None
+    let reference = match a.compare {
+        Some(CompareArg::Nccl) => Some(nccl_comms("--compare nccl")?),
+        Some(CompareArg::Checked) => Some(oxccl_comms(&oxccl::CommConfig::default().with_check_calls(true))?),
+        None => None,
     };
     let free_ref = free();
     let max_bytes = sizes.iter().copied().max().unwrap_or(0).max(16);
@@ -548,7 +571,7 @@ fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     if devices[0].is_cuda() {
         println!("# CUDA driver {}", oxccl::cuda::driver_version()?);
         if let Ok(v) = nccl::version()
-            && (nccl_main || compare)
+            && (nccl_main || compare_nccl)
         {
             println!("# NCCL {}", nccl::version_string(v));
         }
@@ -568,7 +591,7 @@ fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     let ops = a.collective.ops();
     for op in ops.iter().copied() {
         println!("#\n# {}", op.name());
-        print!("{}", table::header(compare));
+        print!("{}", table::header_for(compare.then_some(ref_label)));
         let print_row = |row: &table::Row| println!("{}", table::format_row(row));
         let rows = match op {
             Op::Coll(func) => {
@@ -595,7 +618,7 @@ fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
                 p2p::sweep(&bench, &main, reference.as_ref(), &cfg, print_row)?
             }
         };
-        print!("{}", table::footer(&rows));
+        print!("{}", table::footer_for(&rows, ref_name));
         if let Some(line) = table::choices_line(&rows) {
             print!("{line}");
         }
@@ -639,7 +662,7 @@ fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
             ordinals.first().copied().unwrap_or(0),
             mib(a0 - a1),
             if compare {
-                format!(", NCCL init {:.1} MiB", mib(a1 - a2))
+                format!(", {ref_name} init {:.1} MiB", mib(a1 - a2))
             } else {
                 String::new()
             },
@@ -655,7 +678,11 @@ fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         .collect();
     let describe = format!(
         "{name}{} on {} x {}, {}{}",
-        if compare { " vs NCCL" } else { "" },
+        match a.compare {
+            Some(CompareArg::Nccl) => " vs NCCL",
+            Some(CompareArg::Checked) => " vs itself with OXCCL_CHECK_CALLS=1",
+            None => "",
+        },
         nranks,
         match devices[0] {
             Device::Cuda(o) => oxccl::cuda::Context::get(o)?.name()?,
@@ -673,8 +700,8 @@ fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         let meta = serde_json::json!({
             "oxccl_version": env!("CARGO_PKG_VERSION"),
             "backend": name,
-            "compare": if compare { Some("nccl") } else { None },
-            "nccl_version": if compare || nccl_main { nccl::version().ok().map(nccl::version_string) } else { None },
+            "compare": if compare { Some(ref_label) } else { None },
+            "nccl_version": if compare_nccl || nccl_main { nccl::version().ok().map(nccl::version_string) } else { None },
             "nranks": nranks,
             "devices": devices.iter().map(|d| format!("{d:?}")).collect::<Vec<_>>(),
             "description": describe,
@@ -685,7 +712,7 @@ fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         println!("# wrote {}", path.display());
     }
     if let Some(path) = &a.plot {
-        std::fs::write(path, report::svg_plot(&describe, &sweeps))
+        std::fs::write(path, report::svg_plot(&describe, &sweeps, ref_name))
             .map_err(|e| format!("--plot {}: {e}", path.display()))?;
         println!("# wrote {}", path.display());
     }
@@ -700,6 +727,9 @@ fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
 /// each child times its inits; rank 0 prints the table.
 fn init_bench(a: InitBenchArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     use oxccl::perf::init_bench::{self as ib, InitBenchConfig, Target};
+    if a.compare == Some(CompareArg::Checked) {
+        return Err("init-bench: --compare checked times calls, not inits; use --compare nccl".into());
+    }
     let cfg = InitBenchConfig {
         procs: a.procs,
         iters: a.iters,

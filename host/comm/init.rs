@@ -77,6 +77,13 @@ impl Comm {
     /// no transport can connect two ranks; otherwise those of [`Comm::init_rank`], the error of
     /// the rank where setup failed first (the others' `Remote` errors name it).
     pub fn init_all(devices: &[Device]) -> Result<Vec<Comm>> {
+        Self::init_all_config(devices, &CommConfig::default())
+    }
+
+    /// [`Comm::init_all`] with `config`'s settings instead of their environment variables
+    /// (NCCL's `ncclCommInitAll` has none; this is `ncclCommInitRankConfig` for each rank).
+    /// Errors: as `init_all`, and `InvalidArgument` for a config value out of its range.
+    pub fn init_all_config(devices: &[Device], config: &CommConfig) -> Result<Vec<Comm>> {
         check_devices(devices)?;
         let nranks = devices.len();
         let timeout = crate::bootstrap::BootstrapConfig::from_env()?.timeout;
@@ -94,7 +101,7 @@ impl Comm {
                     std::thread::Builder::new()
                         .name(format!("oxccl-init-{r}"))
                         .spawn_scoped(s, move || {
-                            Comm::init_rank_with(nranks, Join::InProcess { bootstrap, process, tag }, r, device)
+                            Comm::init_rank_with(nranks, Join::InProcess { bootstrap, process, tag }, r, device, config)
                         })
                 })
                 .collect();
@@ -154,18 +161,37 @@ impl Comm {
         rank: usize,
         device: Device,
     ) -> Result<Comm> {
-        Self::init_rank_with(nranks, Join::Id(id), rank, device)
+        Self::init_rank_with(nranks, Join::Id(id), rank, device, &CommConfig::default())
+    }
+
+    /// [`Comm::init_rank`] with `config`'s settings instead of their environment variables
+    /// (NCCL's `ncclCommInitRankConfig`). Errors: as `init_rank`, and `InvalidArgument` for a
+    /// config value out of its range (on every rank: it fails the first exchange).
+    pub fn init_rank_config(
+        nranks: usize,
+        id: &crate::bootstrap::UniqueId,
+        rank: usize,
+        device: Device,
+        config: &CommConfig,
+    ) -> Result<Comm> {
+        Self::init_rank_with(nranks, Join::Id(id), rank, device, config)
     }
 
     /// The setup of every rank ([`Comm::init_rank`], and each rank of [`Comm::init_all`]):
     /// `join` says how the ranks meet. On failure the `/dev/shm` names this rank created and had
     /// not unlinked yet are removed.
-    pub(super) fn init_rank_with(nranks: usize, join: Join<'_>, rank: usize, device: Device) -> Result<Comm> {
+    pub(super) fn init_rank_with(
+        nranks: usize,
+        join: Join<'_>,
+        rank: usize,
+        device: Device,
+        config: &CommConfig,
+    ) -> Result<Comm> {
         let tag = match &join {
             Join::Id(id) => id_tag(id),
             Join::InProcess { tag, .. } => *tag,
         };
-        let result = Self::init_rank_inner(nranks, join, tag, rank, device);
+        let result = Self::init_rank_inner(nranks, join, tag, rank, device, config);
         if result.is_err() {
             // Names this rank created and had not unlinked yet (absent ones are fine).
             let prefix = format!("/dev/shm/oxccl-{tag:08x}-{}", std::process::id());
@@ -176,7 +202,14 @@ impl Comm {
         result
     }
 
-    fn init_rank_inner(nranks: usize, join: Join<'_>, tag: u64, rank: usize, device: Device) -> Result<Comm> {
+    fn init_rank_inner(
+        nranks: usize,
+        join: Join<'_>,
+        tag: u64,
+        rank: usize,
+        device: Device,
+        config: &CommConfig,
+    ) -> Result<Comm> {
         if nranks == 0 || rank >= nranks {
             return Err(Error::invalid(format!(
                 "rank {rank} is out of range for nranks {nranks} (accepted: 0..{nranks})"
@@ -189,7 +222,7 @@ impl Comm {
         // (a rank leaving before the bootstrap left the others waiting out its timeout, with an
         // error about the bootstrap ring rather than the cause).
         let local = (|| -> Result<_> {
-            let mut params = Params::from_env()?;
+            let mut params = config.apply(Params::from_env()?)?;
             if is_cuda && params.nthreads > cuda::MAX_JIT_THREADS {
                 tracing::warn!(target: "oxccl::init", "NCCL_NTHREADS={} rounded down to {} (the most threads per block the kernels are built for)", params.nthreads, cuda::MAX_JIT_THREADS);
                 params.nthreads = cuda::MAX_JIT_THREADS;
@@ -888,6 +921,7 @@ impl Comm {
             rings,
             finalized: std::sync::atomic::AtomicBool::new(false),
             revoked: std::sync::atomic::AtomicBool::new(false),
+            config: config.clone(),
             fabric,
             conn_bytes: layout.bytes(),
             direct,

@@ -39,7 +39,7 @@ use crate::cuda;
 use crate::error::{Error, Result};
 use crate::graph::{ChannelRings, RankGraphInfo};
 use crate::mem::{DevSlice, Device, Stream};
-use crate::params::Params;
+use crate::params::{CommConfig, Params};
 use crate::redop::ReduceOp;
 use crate::tuning::{Selection, TreeShape};
 use bytemuck::Zeroable;
@@ -117,6 +117,8 @@ pub struct Comm {
     finalized: std::sync::atomic::AtomicBool,
     /// Set by [`Comm::revoke`]: later collectives, sends, receives and finalize are refused.
     revoked: std::sync::atomic::AtomicBool,
+    /// The settings it was created with, inherited by the communicators split or shrunk from it.
+    config: CommConfig,
     /// What the rings run over, for the tuning model (the same on every rank).
     fabric: crate::tuning::Fabric,
     /// Bytes of this rank's connection memory (laid out for at least `nchannels` channels).

@@ -75,7 +75,7 @@ impl Comm {
         };
         let id = crate::bootstrap::UniqueId::from_bytes(&ids[first])?;
         tracing::debug!(target: "oxccl::init", rank = self.rank, color, key, new_rank = me, nranks = members.len(), "split");
-        Comm::init_rank(members.len(), &id, me, self.device).map(Some)
+        Comm::init_rank_config(members.len(), &id, me, self.device, &self.config).map(Some)
     }
 }
 
@@ -122,7 +122,7 @@ impl Comm {
             crate::bootstrap::UniqueId::from_bytes(&mp.bootstrap.recv(first, SHRINK_TAG)?)?
         };
         tracing::debug!(target: "oxccl::init", rank = self.rank, ?exclude, new_rank = me, nranks = survivors.len(), "shrink");
-        Comm::init_rank(survivors.len(), &id, me, self.device)
+        Comm::init_rank_config(survivors.len(), &id, me, self.device, &self.config)
     }
 }
 

@@ -68,8 +68,9 @@ fn fmt_size(b: u64) -> String {
 }
 
 /// An SVG plot of out-of-place busbw (GB/s) against message size (log scale): a solid curve per
-/// collective for oxccl and a dashed one for NCCL where compared. `title` heads the plot.
-pub fn svg_plot(title: &str, sweeps: &[Sweep<'_>]) -> String {
+/// collective for oxccl and a dashed one for the reference where compared, named `reference`
+/// ("NCCL"). `title` heads the plot.
+pub fn svg_plot(title: &str, sweeps: &[Sweep<'_>], reference: &str) -> String {
     let (w, h, ml, mr, mt, mb) = (900.0, 520.0, 70.0, 180.0, 40.0, 50.0);
     let pts: Vec<(u64, f64)> = sweeps
         .iter()
@@ -149,7 +150,7 @@ pub fn svg_plot(title: &str, sweeps: &[Sweep<'_>]) -> String {
         let curves: [(&str, &str, String); 2] = [
             ("oxccl", "", line(&|r| Some(r.out_of_place.busbw))),
             (
-                "NCCL",
+                reference,
                 " stroke-dasharray=\"6,4\"",
                 line(&|r| r.nccl.map(|n| n.out_of_place.busbw)),
             ),
@@ -261,6 +262,7 @@ mod tests {
                 name: "allgather",
                 rows: &rows,
             }],
+            "NCCL",
         );
         assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
         assert_eq!(svg.matches("<polyline").count(), 2);

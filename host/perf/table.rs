@@ -208,6 +208,13 @@ impl Row {
 /// The table header (three lines, each ending in `\n`), nccl-tests' layout; with `compare`, also the
 /// NCCL columns (time and busbw, out-of-place and in-place) and the busbw ratio.
 pub fn header(compare: bool) -> String {
+    header_for(compare.then_some("nccl"))
+}
+
+/// [`header`] with reference columns named `reference` ("nccl"; `None`: no reference).
+pub fn header_for(reference: Option<&str>) -> String {
+    let compare = reference.is_some();
+    let label = reference.unwrap_or("nccl");
     let lead = |a: &str, b: &str| format!("# {a:>10}  {b:>12}  {:>8}  {:>6}  {:>6}", "", "", "");
     let mut l1 = format!("{}{:11}out-of-place{:23}in-place{:10}", lead("", ""), "", "", "");
     let mut l2 = format!(
@@ -220,7 +227,7 @@ pub fn header(compare: bool) -> String {
         l3 += &format!("  {:>7}  {:>6}  {:>6} {:>6}", "(us)", "(GB/s)", "(GB/s)", "");
     }
     if compare {
-        l1 += &format!("{:>17}{:>17}{:>8}", "nccl out-of-place", "nccl in-place", "");
+        l1 += &format!("{:>17}{:>17}{:>8}", format!("{label} out-of-place"), format!("{label} in-place"), "");
         for _ in 0..2 {
             l2 += &format!("  {:>7}  {:>6}", "time", "busbw");
             l3 += &format!("  {:>7}  {:>6}", "(us)", "(GB/s)");
@@ -311,6 +318,11 @@ pub fn total_wrong(rows: &[Row]) -> u64 {
 /// columns, also NCCL's mean busbw over those rows and the ratio of oxccl's mean busbw to NCCL's
 /// over the same rows.
 pub fn footer(rows: &[Row]) -> String {
+    footer_for(rows, "NCCL")
+}
+
+/// [`footer`] with the reference named `reference` ("NCCL").
+pub fn footer_for(rows: &[Row], reference: &str) -> String {
     let wrong = total_wrong(rows);
     let mut s = format!(
         "# Out of bounds values : {} {}\n",
@@ -326,7 +338,7 @@ pub fn footer(rows: &[Row]) -> String {
                 .flat_map(|n| std::iter::once(n.out_of_place.busbw).chain(n.in_place.map(|t| t.busbw))),
         );
         let ours = mean(cmp.iter().flat_map(|r| busbws(r)));
-        s += &format!("# Avg NCCL bandwidth   : {}\n", fmt_g(nccl));
+        s += &format!("# Avg {:<17}: {}\n", format!("{reference} bandwidth"), fmt_g(nccl));
         if nccl > 0.0 {
             s += &format!("# Avg busbw ratio      : {:.2}\n", ours / nccl);
         }

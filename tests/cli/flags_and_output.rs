@@ -1,6 +1,7 @@
 //! The `oxccl` command line as a user meets it, on the CPU target: output piped into a reader
-//! that stops early (`oxccl perf ... | head`), flags with bad values named as flags, and size
-//! steps that would loop forever or do nothing refused.
+//! that stops early (`oxccl perf ... | head`), flags with bad values named as flags, size
+//! steps that would loop forever or do nothing refused, and `--compare checked` (the
+//! call-signature check's cost in the same run).
 use crate::common::oxccl_command as oxccl;
 use std::io::{BufRead, BufReader};
 use std::process::Stdio;
@@ -105,4 +106,31 @@ fn bad_flags_are_named_as_flags() {
         assert_eq!(out.status.code(), Some(2), "{args:?}");
         assert_eq!(String::from_utf8_lossy(&out.stderr).trim(), want, "{args:?}");
     }
+}
+
+/// `--compare checked` times every size with the call-signature check off (the main columns)
+/// and on (the reference columns, named "checked"), both exact; `--compare nccl` still needs
+/// GPUs.
+#[test]
+fn compare_checked_times_the_call_check_in_the_same_run() {
+    let out = oxccl()
+        .args(["perf", "all-reduce", "--backend", "cpu", "--ranks", "2", "-b", "8", "-e", "4K", "-f", "8", "--compare", "checked"])
+        .output()
+        .expect("run oxccl");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("checked out-of-place") && text.contains("checked in-place"), "{text}");
+    assert!(text.contains("# Out of bounds values : 0 OK") && text.contains("# Avg checked bandwidth: "), "{text}");
+    // Sizes 8, 64, 512 and 4096 B, each with the reference's two times and the ratio.
+    let rows: Vec<&str> = text.lines().filter(|l| !l.starts_with('#') && !l.trim().is_empty()).collect();
+    assert_eq!(rows.len(), 4, "{text}");
+    for r in rows {
+        assert_eq!(r.split_whitespace().count(), 18, "{r}");
+    }
+    let out = oxccl()
+        .args(["perf", "all-reduce", "--backend", "cpu", "--compare", "nccl"])
+        .output()
+        .expect("run oxccl");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--compare nccl needs GPUs"));
 }

@@ -8,7 +8,7 @@
 use crate::common;
 
 use common::env::Env;
-use oxccl::{Comm, DataType, Device, DeviceBuffer, Error, Func, RedOp};
+use oxccl::{Comm, CommConfig, DataType, Device, DeviceBuffer, Error, Func, RedOp};
 use std::time::{Duration, Instant};
 
 /// Every variable a test here may set: cleared (both spellings) around each init.
@@ -282,4 +282,50 @@ fn matching_calls_run_exactly_with_the_check_on() {
             },
         );
     }
+}
+
+/// `CommConfig` instead of the environment: the check on and a 0.3 s timeout for one
+/// communicator (nothing set in the environment); a split of it inherits both; a timeout out of
+/// range is refused naming the field.
+#[test]
+fn a_config_turns_the_check_on_and_sets_the_timeout() {
+    let _env = Env::clean(VARS);
+    let config = CommConfig::default()
+        .with_check_calls(true)
+        .with_timeout(Duration::from_millis(300));
+    let comms = Comm::init_all_config(&Device::cpus(2), &config).unwrap();
+    let streams = common::streams(&comms);
+    let bufs: Vec<_> = comms.iter().map(|c| c.device().alloc(64 * 4).unwrap()).collect();
+    for (r, count) in [(0, 64), (1, 60)] {
+        comms[r].all_reduce(&bufs[r], &bufs[r], count, DataType::F32, RedOp::Sum, &streams[r]).unwrap();
+    }
+    common::sync_all(&streams, "counts 64 and 60");
+    for (r, c) in comms.iter().enumerate() {
+        let e = c.get_async_error().unwrap_err();
+        assert!(e.to_string().contains("OXCCL_CHECK_CALLS") && e.to_string().contains("they differ in count"), "rank {r}: {e}");
+    }
+    // The split inherits the config: a call of one of its ranks alone times out after 0.3 s.
+    let kids: Vec<Comm> = {
+        let fresh = Comm::init_all_config(&Device::cpus(2), &config).unwrap();
+        let kids = common::on_threads(2, |r| fresh[r].split(0, r as i32).unwrap().unwrap());
+        drop(fresh);
+        kids
+    };
+    let s0 = kids[0].device().new_stream().unwrap();
+    let b0 = kids[0].device().alloc(1025 * 4).unwrap();
+    let t = Instant::now();
+    kids[0].all_reduce(&b0, &b0, 1025, DataType::F32, RedOp::Sum, &s0).unwrap();
+    s0.synchronize().unwrap();
+    assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+    let e = kids[0].get_async_error().unwrap_err();
+    assert!(matches!(e, Error::Timeout(_)) && e.to_string().contains("made no progress for 0.3 s"), "{e}");
+    for c in comms.iter().chain(&kids) {
+        c.abort().unwrap();
+    }
+    let e = Comm::init_all_config(&Device::cpus(2), &CommConfig::default().with_timeout(Duration::from_secs(2_000_000)))
+        .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "invalid argument: CommConfig::timeout 2000000s is out of range (accepted: 0 to 1000000 s; 0 turns call timeouts off)"
+    );
 }
