@@ -12,8 +12,7 @@ use super::*;
 /// the proxy and the liveness watch raise too).
 pub(super) const ABORTED_HERE: u32 = 1;
 pub(super) use crate::proxy::ABORTED_BY_PEER;
-/// Abort-flag value while [`Comm::revoke`] stops this rank's operations (cleared once they
-/// have).
+/// Abort-flag value of a revoked rank ([`Comm::revoke`]): its kernels exit as on an abort.
 pub(super) const REVOKING: u32 = 4;
 /// How long [`Comm::abort`] waits for in-flight operations to exit.
 pub(super) const ABORT_WAIT: Duration = Duration::from_secs(5);
@@ -71,30 +70,42 @@ impl Comm {
     /// [`Comm::abort`] does (their outputs are undefined; the other ranks are not told, each
     /// revokes its own), waits until none is left (up to 5 s), then keeps the communicator for
     /// management only: [`split`](Comm::split), [`shrink`](Comm::shrink) and
-    /// [`destroy`](Comm::destroy) work, as from any healthy communicator, while collectives,
-    /// sends, receives and [`finalize`](Comm::finalize) return `InvalidUsage`. The way to
+    /// [`destroy`](Comm::destroy) work — also when another rank failed or aborted, which is what
+    /// revoke is for — while collectives, sends, receives and [`finalize`](Comm::finalize)
+    /// return `InvalidUsage`, and [`get_async_error`](Comm::get_async_error) is `Ok`. The way to
     /// recover from a failed peer or a timed-out call without tearing down: revoke on every
-    /// surviving rank, then shrink or split. Errors: `InvalidUsage` when already revoked,
-    /// finalized, or aborted (here or by another rank: shrink with `abort_first` then);
-    /// `Timeout` when operations still run 5 s after the stop (the communicator is aborted
-    /// then).
+    /// surviving rank, then shrink or split. With direct pointers ([`Comm::direct_pointer`]) a
+    /// peer of this process that has not revoked yet may still finish a step it was granted
+    /// into this rank's output: keep the interrupted calls' buffers until every rank of the
+    /// process has revoked. Errors: `InvalidUsage` when already revoked, finalized or aborted
+    /// by this rank; `Timeout` when operations still run 5 s after the stop (the communicator
+    /// is aborted then).
     pub fn revoke(&self) -> Result<()> {
         let why = if self.revoked.load(Ordering::Acquire) {
             Some("was already revoked")
         } else if self.finalized.load(Ordering::Acquire) {
             Some("was finalized")
         } else {
-            match self.flag_state() {
-                0 | timeout::TIMED_OUT => None,
-                ABORTED_BY_PEER => Some("was aborted by another rank (shrink it with abort_first instead)"),
-                _ => Some("was aborted"),
-            }
+            None
         };
         if let Some(why) = why {
             return Err(Error::InvalidUsage(format!("rank {}: cannot revoke: the communicator {why}", self.rank)));
         }
         let flag = self.abort_flag();
-        flag.store(REVOKING, Ordering::Release);
+        // From any state but this rank's own abort: healthy, timed out, or raised by a peer.
+        let mut state = flag.load(Ordering::Acquire);
+        loop {
+            if state == ABORTED_HERE {
+                return Err(Error::InvalidUsage(format!(
+                    "rank {}: cannot revoke: the communicator was aborted",
+                    self.rank
+                )));
+            }
+            match flag.compare_exchange(state, REVOKING, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => break,
+                Err(now) => state = now,
+            }
+        }
         tracing::warn!(target: "oxccl::init", rank = self.rank, "communicator revoked: stopping its operations");
         if !self.wait_idle(ABORT_WAIT)? {
             flag.store(ABORTED_HERE, Ordering::Release);
@@ -104,9 +115,8 @@ impl Comm {
             )));
         }
         self.revoked.store(true, Ordering::Release);
-        // Quiescent: the flag goes back (a timed-out call's flag too: its call is over), unless
-        // another rank raised it meanwhile.
-        let _ = flag.compare_exchange(REVOKING, 0, Ordering::AcqRel, Ordering::Acquire);
+        // Quiescent. The flag stays raised (a peer that raises it meanwhile changes nothing):
+        // nothing of this communicator runs any more, and its management calls do not read it.
         Ok(())
     }
 
@@ -257,6 +267,10 @@ impl Comm {
     /// this rank failed. Cheap enough to poll while waiting for a stream. After an error,
     /// [`abort`](Comm::abort) the communicator.
     pub fn get_async_error(&self) -> Result<()> {
+        if self.revoked.load(Ordering::Acquire) {
+            // Quiescent and kept for split, shrink and destroy (`revoke`).
+            return Ok(());
+        }
         if let Some(e) = self.p2p_mismatch() {
             return Err(e);
         }

@@ -1,9 +1,13 @@
-//! The call-signature check (beyond NCCL, opt-in: `OXCCL_CHECK_CALLS=1`, the same on every
-//! rank): before a collective moves any data, its ranks agree that they issued the same call —
-//! sequence number on the communicator, function, count, type, operator, root, and the
-//! algorithm, protocol and channels they planned. Ranks whose host programs diverged (one skipped
-//! a call, called another collective, another count or root) otherwise wait for each other
-//! forever or return wrong results without an error.
+//! The call-signature check (beyond NCCL, opt-in: `OXCCL_CHECK_CALLS=1` or
+//! [`CommConfig::check_calls`], the same on every rank, one GPU per rank): before a collective
+//! moves any data, its ranks agree that they issued the same call — function, count, type,
+//! operator, root, and the algorithm, protocol and channels they planned, with the call's number
+//! among the communicator's checked collectives (count 0 included; the flight recorder numbers
+//! only the calls that move data). Ranks whose host programs diverged (called another
+//! collective, another count, type, operator or root) otherwise wait for each other forever or
+//! return wrong results without an error. A rank that skipped a call is caught at the first
+//! later call that differs from its peers'; when every later call is the same, the ranks wait
+//! for the missing one, which `OXCCL_TIMEOUT` then names.
 //!
 //! How: the call's kernel is preceded on its stream by the check kernel
 //! ([`oxccl_gpu::check`]), one block that gathers every rank's 32-byte [`CallSig`] over ring
@@ -15,7 +19,9 @@
 //! off nothing is launched or read. A call of count 0, which NCCL skips, is still checked, so a
 //! rank that issued it with count 0 while others did not is caught too.
 use super::*;
-use oxccl_gpu::abi::{CALL_SIG_WORDS, CHECK_KERNEL_NAME, CallSig, CheckArgs, CheckReport, WORK_CALL_CHECKED};
+use oxccl_gpu::abi::{CALL_SIG_WORDS, CHECK_KERNEL_NAME, CallSig, CheckArgs, CheckReport};
+#[cfg(doc)]
+use oxccl_gpu::abi::WORK_CALL_CHECKED;
 use std::sync::OnceLock;
 
 /// Bytes of one signature.
@@ -47,8 +53,26 @@ pub(super) struct CallCheck {
 }
 
 impl CallCheck {
+    /// A rank's check when its settings turn it on and it has peers: its memory and, on GPUs,
+    /// its kernel, loaded now (a load while a peer's kernel spins could wait for it; a kernel
+    /// that cannot be loaded fails the init rather than the first call, where the peers would
+    /// wait for this rank's gather).
+    pub(super) fn for_rank(params: &Params, nranks: usize, res: &Res) -> Result<Option<CallCheck>> {
+        if !params.check_calls || nranks < 2 {
+            return Ok(None);
+        }
+        let ctx = match res {
+            Res::Cuda(r) => {
+                r.ctx.kernel(CHECK_KERNEL_NAME)?;
+                Some(&r.ctx)
+            }
+            Res::Cpu(_) => None,
+        };
+        CallCheck::new(ctx, nranks).map(Some)
+    }
+
     /// The check's memory for a rank of `nranks` on `ctx` (the CPU target when `None`).
-    pub(super) fn new(ctx: Option<&Arc<cuda::Context>>, nranks: usize) -> Result<CallCheck> {
+    fn new(ctx: Option<&Arc<cuda::Context>>, nranks: usize) -> Result<CallCheck> {
         let board = (nranks + 1) * SIG_BYTES;
         let report = size_of::<CheckReport>() + nranks * SIG_BYTES;
         let mem = match ctx {
@@ -250,11 +274,12 @@ pub(super) fn mismatch_message(me: usize, sigs: &[CallSig]) -> String {
 }
 
 impl Comm {
-    /// With the check on: queues the check of this rank's next call on `stream` (its kernel goes
-    /// right after) and returns the flags of the call's work ([`WORK_CALL_CHECKED`]); 0 with
-    /// the check off, when nothing is queued.
+    /// With the check on: the check kernel's argument for this rank's next call (numbered
+    /// now), which [`Comm::launch`] queues right before the call's own kernel (flagged
+    /// [`WORK_CALL_CHECKED`]), or alone for a call of count 0 ([`Comm::launch_check`]); `None`
+    /// with the check off.
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn check_call(
+    pub(super) fn check_args(
         &self,
         func: Func,
         count: usize,
@@ -262,15 +287,12 @@ impl Comm {
         op: DevRedOp,
         root: usize,
         choice: Option<Choice>,
-        stream: &Stream,
-    ) -> Result<u32> {
-        let Some(cc) = &self.call_check else {
-            return Ok(0);
-        };
+    ) -> Option<CheckArgs> {
+        let cc = self.call_check.as_ref()?;
         let seq = cc.seq.fetch_add(1, Ordering::AcqRel) + 1;
         let (board, report) = cc.kernel_addrs();
         let words = CALL_SIG_WORDS as u64;
-        let args = CheckArgs {
+        Some(CheckArgs {
             comm: self.dev_comm,
             board,
             report,
@@ -289,42 +311,50 @@ impl Comm {
                 nchannels: 1,
                 ..WorkColl::zeroed()
             },
-        };
+        })
+    }
+
+    /// Queues the check `args` alone (a call of count 0): on a GPU as one call of the launch
+    /// ordering (`enqueue.rs`).
+    pub(super) fn launch_check(&self, args: CheckArgs, stream: &Stream) -> Result<()> {
         match (&self.res, stream) {
-            (Res::Cuda(res), Stream::Cuda(s)) => self.launch_cuda(res, s, CHECK_KERNEL_NAME, 1, &args)?,
-            (Res::Cpu(res), Stream::Cpu(s)) => {
-                let nthreads = self.params.cpu_nthreads;
-                let mem = cc.mem.clone();
-                let blocks = CpuBlocks {
-                    nblocks: 1,
-                    nthreads,
-                    team: self.params.cpu_team,
-                    group: res.group.clone(),
-                    process: self.process.clone(),
-                    rank: self.rank,
-                    recorded: None,
-                };
-                blocks.launch(
-                    s,
-                    &self.inflight,
-                    move |_, tid, smem| {
-                        let _board_and_report = &mem;
-                        // SAFETY: the comm block is kept by the launch's `group`, the board and
-                        // the report by `mem`; every rank of the communicator queues the check
-                        // of its call `seq` (the setting is the same on every rank).
-                        unsafe { oxccl_gpu::check::run_check(&args, tid, nthreads, smem) };
-                        true
-                    },
-                    || Ok(()),
-                )?
-            }
-            _ => {
-                return Err(Error::invalid(
-                    "stream and communicator are of different backends",
-                ));
-            }
+            (Res::Cuda(res), Stream::Cuda(s)) => self.launch_cuda(res, s, &[CHECK_KERNEL_NAME], |m| {
+                s.launch(&m[0], 1, self.params.nthreads, &args)
+            }),
+            (Res::Cpu(res), Stream::Cpu(s)) => self.launch_check_cpu(res, s, args),
+            _ => Err(Error::invalid("stream and communicator are of different backends")),
         }
-        Ok(WORK_CALL_CHECKED)
+    }
+
+    /// Queues the check `args` on the CPU target's stream `s`: one block.
+    pub(super) fn launch_check_cpu(&self, res: &CpuRes, s: &CpuStream, args: CheckArgs) -> Result<()> {
+        let Some(cc) = &self.call_check else {
+            return Err(Error::Internal("a call check without its memory".into()));
+        };
+        let nthreads = self.params.cpu_nthreads;
+        let mem = cc.mem.clone();
+        let blocks = CpuBlocks {
+            nblocks: 1,
+            nthreads,
+            team: self.params.cpu_team,
+            group: res.group.clone(),
+            process: self.process.clone(),
+            rank: self.rank,
+            recorded: None,
+        };
+        blocks.launch(
+            s,
+            &self.inflight,
+            move |_, tid, smem| {
+                let _board_and_report = &mem;
+                // SAFETY: the comm block is kept by the launch's `group`, the board and the
+                // report by `mem`; every rank of the communicator queues the check of its call
+                // `seq` (the setting is the same on every rank).
+                unsafe { oxccl_gpu::check::run_check(&args, tid, nthreads, smem) };
+                true
+            },
+            || Ok(()),
+        )
     }
 
     /// The error of a call-signature mismatch once a check reported one (and from then on).

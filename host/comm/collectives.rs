@@ -342,7 +342,10 @@ impl Comm {
             self.checked_call(func, send, recv, count, dtype, &op, root, stream)?;
         if count == 0 {
             // Nothing moves; with the call-signature check on, the ranks still compare the call.
-            return self.check_call(func, 0, dtype, dev_op, root, None, stream).map(drop);
+            return match self.check_args(func, 0, dtype, dev_op, root, None) {
+                Some(check) => self.launch_check(check, stream),
+                None => Ok(()),
+            };
         }
         if self.nranks == 1 && dev_op == DevRedOp::PreMulSum {
             // One rank's PreMulSum scales the input: the kernel's one-rank path (NCCL's
@@ -369,6 +372,7 @@ impl Comm {
                     work,
                 },
                 stream,
+                None,
                 None,
             );
         }
@@ -413,7 +417,8 @@ impl Comm {
             root,
             choice: Some(choice),
         });
-        let flags = self.check_call(func, count, dtype, dev_op, root, Some(choice), stream)?;
+        let check = self.check_args(func, count, dtype, dev_op, root, Some(choice));
+        let flags = if check.is_some() { WORK_CALL_CHECKED } else { 0 };
         let work = WorkColl { flags, ..work };
         self.launch(
             KernelArgs {
@@ -423,6 +428,7 @@ impl Comm {
             },
             stream,
             Some(recorded),
+            check,
         )
     }
 

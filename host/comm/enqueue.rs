@@ -22,6 +22,12 @@
 //! The slowest rank never waits, so the group cannot wait on itself as long as every rank issues
 //! its calls: from threads of their own, or from one thread that issues call `n` on every rank
 //! before call `n + 1` on any (NCCL's rule for one thread driving several devices).
+//!
+//! With the call-signature check (`call_check.rs`) a call is two kernels, the check and then the
+//! call's own: they count as one call here, both modules are loaded before the first is queued,
+//! and ranks that share a GPU in one process cannot turn the check on (init refuses it): behind
+//! a rank's check, waiting for its peers', its call's kernel could hold back a peer's check on a
+//! shared hardware queue.
 use super::*;
 use std::sync::atomic::AtomicU64;
 
@@ -204,8 +210,16 @@ impl Comm {
     }
 
     /// Queues the kernel of `args` on `stream`; `recorded`: the call's flight-recorder entry
-    /// ([`timeout::Watch::begin`]), whose kernel's start and end are marked.
-    pub(super) fn launch(&self, args: KernelArgs, stream: &Stream, recorded: Option<u64>) -> Result<()> {
+    /// ([`timeout::Watch::begin`]), whose kernel's start and end are marked; `check`: the call's
+    /// call-signature check ([`Comm::check_args`]), queued right before it, the two one call of
+    /// the launch ordering.
+    pub(super) fn launch(
+        &self,
+        args: KernelArgs,
+        stream: &Stream,
+        recorded: Option<u64>,
+        check: Option<oxccl_gpu::abi::CheckArgs>,
+    ) -> Result<()> {
         match (&self.res, stream) {
             (Res::Cuda(res), Stream::Cuda(s)) => {
                 let w = &args.work;
@@ -213,7 +227,16 @@ impl Comm {
                     return Err(Error::Internal("work element with an invalid enum".into()));
                 };
                 let name = oxccl_gpu::abi::kernel_name_for(func, algo, proto, dtype, op);
-                self.launch_cuda(res, s, name.as_str(), w.nchannels as u32, &args)?;
+                let nthreads = self.params.nthreads;
+                match &check {
+                    Some(c) => self.launch_cuda(res, s, &[oxccl_gpu::abi::CHECK_KERNEL_NAME, name.as_str()], |m| {
+                        s.launch(&m[0], 1, nthreads, c)?;
+                        s.launch(&m[1], w.nchannels as u32, nthreads, &args)
+                    })?,
+                    None => self.launch_cuda(res, s, &[name.as_str()], |m| {
+                        s.launch(&m[0], w.nchannels as u32, nthreads, &args)
+                    })?,
+                }
                 if let Some(id) = recorded {
                     self.watch.launched(id, s);
                 }
@@ -228,6 +251,9 @@ impl Comm {
                     return Err(crate::kernels::not_built(
                         oxccl_gpu::abi::kernel_name_for(func, algo, proto, dtype, op).as_str(),
                     ));
+                }
+                if let Some(c) = check {
+                    self.launch_check_cpu(res, s, c)?;
                 }
                 let blocks = CpuBlocks {
                     nblocks: args.work.nchannels as u32,
@@ -248,17 +274,19 @@ impl Comm {
 }
 
 impl Comm {
-    /// Queues kernel `name` with `grid` blocks and argument `args` on this CUDA rank's stream `s`,
-    /// in launch order with the ranks of its process group (module docs): after the launches of
-    /// the ranks sharing its GPU, and a module not loaded yet only once every rank of the group
-    /// has launched what came before.
-    pub(super) fn launch_cuda<A: bytemuck::Pod>(
+    /// Queues one call's kernels on this CUDA rank's stream `s` in launch order with the ranks of
+    /// its process group (module docs): after the calls of the ranks sharing its GPU; the
+    /// modules `names` loaded first (one not loaded yet only once every rank of the group has
+    /// launched what came before); then `go` launches them (`go` gets them in the order of
+    /// `names`) and the call counts as one launch of the ordering, however many kernels it
+    /// queued. Loading every module before the first kernel keeps a load from waiting for this
+    /// call's own first kernel.
+    pub(super) fn launch_cuda(
         &self,
         res: &CudaRes,
         s: &cuda::Stream,
-        name: &str,
-        grid: u32,
-        args: &A,
+        names: &[&str],
+        go: impl FnOnce(&[Arc<cuda::Module>]) -> Result<()>,
     ) -> Result<()> {
         let issued = res.launch.issued.load(Ordering::Acquire);
         let process = self.process.as_deref();
@@ -272,20 +300,23 @@ impl Comm {
                 "before launching its next one on the GPU they share".into()
             })?;
         }
-        let module = match res.ctx.loaded_kernel(name) {
-            Some(m) => m,
-            None => {
-                // Loading may wait for every kernel of the context: first let every rank of the
-                // group launch what came before, so none of their kernels waits for one of ours
-                // that the load holds back.
-                let peers: Vec<_> = (0..self.nranks).filter_map(counter).collect();
-                wait_launches(&peers, issued, self.abort_flag(), self.rank, &|| {
-                    format!("before loading kernel {name}")
-                })?;
-                res.ctx.kernel(name)?
-            }
-        };
-        s.launch(&module, grid, self.params.nthreads, args)?;
+        let mut modules = Vec::with_capacity(names.len());
+        for &name in names {
+            modules.push(match res.ctx.loaded_kernel(name) {
+                Some(m) => m,
+                None => {
+                    // Loading may wait for every kernel of the context: first let every rank of
+                    // the group launch what came before, so none of their kernels waits for one
+                    // of ours that the load holds back.
+                    let peers: Vec<_> = (0..self.nranks).filter_map(counter).collect();
+                    wait_launches(&peers, issued, self.abort_flag(), self.rank, &|| {
+                        format!("before loading kernel {name}")
+                    })?;
+                    res.ctx.kernel(name)?
+                }
+            });
+        }
+        go(&modules)?;
         res.launch.last_event.record(s)?;
         res.launch.launched.store(true, Ordering::Release);
         res.launch.issued.store(issued + 1, Ordering::Release);

@@ -300,7 +300,7 @@ impl Comm {
             .enumerate()
             .map(|(r, b)| PeerInfo::decode(r, b))
             .collect::<Result<_>>()?;
-        check_peers(rank, &peers)?;
+        check_peers(rank, &peers, params.check_calls)?;
         // This machine's topology, built once for this init on first use (NCCL_P2P_LEVEL when a
         // level applies, the ring search on CUDA).
         let topo = LocalTopo::default();
@@ -839,22 +839,7 @@ impl Comm {
             Res::Cuda(r) => Some(&r.ctx),
             Res::Cpu(_) => None,
         })?);
-        // The call-signature check (`OXCCL_CHECK_CALLS=1`): its memory, and on GPUs its kernel,
-        // loaded now for the same reason as the point-to-point kernel's.
-        let call_check = if params.check_calls && nranks > 1 {
-            let ctx = match &res {
-                Res::Cuda(r) => {
-                    if let Err(e) = r.ctx.kernel(oxccl_gpu::abi::CHECK_KERNEL_NAME) {
-                        tracing::debug!(target: "oxccl::init", rank, "no call-check kernel: {e}");
-                    }
-                    Some(&r.ctx)
-                }
-                Res::Cpu(_) => None,
-            };
-            Some(call_check::CallCheck::new(ctx, nranks)?)
-        } else {
-            None
-        };
+        let call_check = call_check::CallCheck::for_rank(&params, nranks, &res)?;
         let p2p_module = match &res {
             Res::Cuda(r) if nranks > 1 => match r.ctx.kernel(oxccl_gpu::abi::P2P_KERNEL_NAME) {
                 Ok(m) => Some(m),
@@ -928,46 +913,6 @@ impl Comm {
             process,
             watch,
         })
-    }
-
-    /// One rank per process from a launcher's environment, as torchrun and Slurm wrappers set it:
-    /// `RANK`, `WORLD_SIZE`, `LOCAL_RANK` (default: `RANK`), and the rendezvous address from
-    /// `NCCL_COMM_ID` / `OXCCL_COMM_ID` (`host:port`) or else `MASTER_ADDR` and `MASTER_PORT`;
-    /// rank 0 runs the bootstrap root there. The device is GPU `LOCAL_RANK` when GPUs are visible,
-    /// else CPU-target device `LOCAL_RANK`. Then as [`Comm::init_rank`]. Errors name the missing or
-    /// malformed variable.
-    pub fn from_env() -> Result<Comm> {
-        let var = |k: &str| {
-            std::env::var(k).map_err(|_| Error::invalid(format!("{k} is not set (needed by Comm::from_env)")))
-        };
-        let num = |k: &str, v: String| {
-            v.trim()
-                .parse::<usize>()
-                .map_err(|_| Error::invalid(format!("{k}={v:?} is not a non-negative integer")))
-        };
-        let rank = num("RANK", var("RANK")?)?;
-        let world = num("WORLD_SIZE", var("WORLD_SIZE")?)?;
-        let local = match std::env::var("LOCAL_RANK") {
-            Ok(v) => num("LOCAL_RANK", v)?,
-            Err(_) => rank,
-        };
-        if world == 0 || rank >= world {
-            return Err(Error::invalid(format!(
-                "RANK={rank} is out of range for WORLD_SIZE={world} (accepted: 0..{world})"
-            )));
-        }
-        let comm_id = match crate::params::env_var("COMM_ID") {
-            Some((_, v)) => v,
-            None => format!("{}:{}", var("MASTER_ADDR")?, var("MASTER_PORT")?),
-        };
-        let id = crate::bootstrap::UniqueId::from_comm_id(&comm_id)?;
-        let ngpu = Device::cuda_count();
-        let device = if ngpu > 0 {
-            Device::Cuda(local % ngpu)
-        } else {
-            Device::Cpu(local)
-        };
-        Comm::init_rank(world, &id, rank, device)
     }
 }
 

@@ -7,7 +7,8 @@
 //!
 //! | file | what | NCCL |
 //! |---|---|---|
-//! | `init.rs` | [`Comm::init_all`], [`Comm::init_rank`], [`Comm::from_env`] | `init.cc` |
+//! | `init.rs` | [`Comm::init_all`], [`Comm::init_rank`] (and their `_config` forms) | `init.cc` |
+//! | `launcher.rs` | [`Comm::from_env`]: one rank per process from a launcher's variables | — |
 //! | `peer_info.rs` | checks of what ranks tell each other at init, settings every rank must share | `init.cc` |
 //! | `channel.rs` | channels, connection layout, the communicator block | `channel.cc` |
 //! | `rank_trees.rs` | the trees of `init_rank` communicators spanning hosts | `connectTrees` |
@@ -46,7 +47,7 @@ use bytemuck::Zeroable;
 use oxccl_gpu::abi::{
     Algo, ConnInfo, DEFAULT_CHUNK_STEPS, DataType, DevChannel, DevComm, DevRedOp, DevRing, DevTree,
     FIFO_STEPS, Func, KernelArgs, MAX_CHANNELS, MAX_TREE_ARITY, PACK_BYTES, PTR_EXCHANGE_OFFSET, Proto,
-    REDOP_SCALAR_DEVICE, RedOp, WorkColl,
+    REDOP_SCALAR_DEVICE, RedOp, WORK_CALL_CHECKED, WorkColl,
 };
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -58,6 +59,7 @@ mod channel;
 mod collectives;
 mod enqueue;
 mod init;
+mod launcher;
 mod peer_info;
 mod rank_trees;
 mod send_recv;
@@ -351,9 +353,12 @@ impl Comm {
         self.process.is_some()
     }
 
-    /// True once [`Comm::abort`] was called (or dropping raised the abort flag).
+    /// True once its abort flag was raised: [`Comm::abort`] (here or on another rank of its
+    /// host), a timed-out call, or a drop that had to stop queued work; not for a revoked
+    /// communicator ([`Comm::is_revoked`]), whose flag stays raised but which is kept for
+    /// split, shrink and destroy.
     pub fn is_aborted(&self) -> bool {
-        self.flag_state() != 0
+        self.flag_state() != 0 && !self.is_revoked()
     }
 
     /// True once [`Comm::revoke`] succeeded.

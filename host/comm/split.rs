@@ -31,7 +31,7 @@ impl Comm {
                 self.rank
             )));
         }
-        if self.flag_state() != 0 {
+        if self.flag_state() != 0 && !self.is_revoked() {
             return self.get_async_error().map(|_| None);
         }
         let mp = self.init_rank_res();
@@ -101,9 +101,9 @@ impl Comm {
                 self.rank
             )));
         }
-        if abort_first {
+        if abort_first && !self.is_revoked() {
             self.abort()?;
-        } else if self.flag_state() != 0 {
+        } else if self.flag_state() != 0 && !self.is_revoked() {
             self.get_async_error()?;
         }
         let me = survivors.iter().position(|&r| r == self.rank).unwrap_or(0);

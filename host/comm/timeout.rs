@@ -106,6 +106,11 @@ pub(super) struct Watch {
     flag: u64,
     issued: Vec<(usize, u64)>,
     state: Mutex<State>,
+    /// CUDA: an event recorded behind each recorded collective's kernel, in slots by entry
+    /// number (`id % ENDS`), each with the entry it was recorded for; made on first use. Locked
+    /// apart from `state` (and before it, never while holding it), so the driver calls on the
+    /// events never hold up a call's `begin`.
+    ends: Mutex<Vec<Option<(cuda::Event, u64)>>>,
 }
 
 /// The stream a CUDA watch reads its counters on, made on first use and kept.
@@ -123,12 +128,9 @@ struct State {
     error: Option<String>,
     recorder: flight_recorder::Recorder,
     reader: Reader,
-    /// CUDA: an event recorded behind each recorded collective's kernel, in slots by entry
-    /// number (`id % ENDS`), each with the entry it was recorded for; made on first use.
-    ends: Vec<Option<(cuda::Event, u64)>>,
 }
 
-/// Event slots of a CUDA watch ([`State::ends`]): at most this many recorded collectives are
+/// Event slots of a CUDA watch ([`Watch::ends`]): at most this many recorded collectives are
 /// waited for at once; an older one whose slot is reused is marked ended if its event has
 /// completed by then, and keeps no end otherwise.
 const ENDS: usize = 256;
@@ -165,8 +167,8 @@ impl Watch {
                 error: None,
                 recorder: flight_recorder::Recorder::new(s.recorder_size),
                 reader: Reader(None),
-                ends: Vec::new(),
             }),
+            ends: Mutex::new(Vec::new()),
         });
         if limit.is_some() || w.dump_prefix.is_some() {
             if w.dump_prefix.is_some() {
@@ -241,28 +243,28 @@ impl Watch {
     /// ([`cuda::Event::new`]). Errors are logged (the entry keeps no end).
     pub(super) fn launched(&self, id: u64, stream: &cuda::Stream) {
         let Busy::Cuda(_, ctx) = &self.busy else { return };
-        let mut st = self.state();
-        if st.ends.is_empty() {
-            st.ends.resize_with(ENDS, || None);
+        let outcome = self.outcome();
+        let mut ends = self.ends.lock().unwrap_or_else(|p| p.into_inner());
+        if ends.is_empty() {
+            ends.resize_with(ENDS, || None);
         }
         let slot = (id % ENDS as u64) as usize;
-        let outcome = self.outcome();
-        let st = &mut *st;
-        if let Some((event, owner)) = &st.ends[slot] {
-            if event.is_complete().unwrap_or(false) {
-                st.recorder.ended(*owner, flight_recorder::unix_ns(), outcome);
-            }
+        // The slot's previous entry: ended if its event completed, else it keeps no end.
+        if let Some((event, owner)) = &ends[slot]
+            && event.is_complete().unwrap_or(false)
+        {
+            self.state().recorder.ended(*owner, flight_recorder::unix_ns(), outcome);
         }
-        if st.ends[slot].is_none() {
+        if ends[slot].is_none() {
             match cuda::Event::new(ctx) {
-                Ok(e) => st.ends[slot] = Some((e, id)),
+                Ok(e) => ends[slot] = Some((e, id)),
                 Err(e) => {
                     tracing::debug!(target: "oxccl::timeout", rank = self.rank, "flight recorder end event: {e}");
                     return;
                 }
             }
         }
-        if let Some((event, owner)) = &mut st.ends[slot] {
+        if let Some((event, owner)) = &mut ends[slot] {
             *owner = id;
             if let Err(e) = event.record(stream) {
                 tracing::debug!(target: "oxccl::timeout", rank = self.rank, "flight recorder end event: {e}");
@@ -270,20 +272,29 @@ impl Watch {
         }
     }
 
-    /// Marks ended (now) every recorded collective whose end event has completed (CUDA).
-    fn refresh_ends(&self, st: &mut State) {
-        if st.ends.is_empty() {
+    /// Marks ended (now) every recorded collective whose end event has completed (CUDA). Takes
+    /// the event lock, then the state's: call it without holding either.
+    fn refresh_ends(&self) {
+        let ends = self.ends.lock().unwrap_or_else(|p| p.into_inner());
+        if ends.is_empty() {
             return;
         }
-        let outcome = self.outcome();
-        let now = flight_recorder::unix_ns();
-        let done: Vec<u64> = st
-            .recorder
-            .unended()
+        let owners: Vec<u64> = ends.iter().flatten().map(|(_, owner)| *owner).collect();
+        let unended: Vec<u64> = {
+            let st = self.state();
+            st.recorder.unended().filter(|id| owners.contains(id)).collect()
+        };
+        let done: Vec<u64> = unended
+            .into_iter()
             .filter(|&id| {
-                matches!(&st.ends[(id % ENDS as u64) as usize], Some((e, owner)) if *owner == id && e.is_complete().unwrap_or(false))
+                matches!(&ends[(id % ENDS as u64) as usize], Some((e, owner)) if *owner == id && e.is_complete().unwrap_or(false))
             })
             .collect();
+        if done.is_empty() {
+            return;
+        }
+        let (outcome, now) = (self.outcome(), flight_recorder::unix_ns());
+        let mut st = self.state();
         for id in done {
             st.recorder.ended(id, now, outcome);
         }
@@ -370,11 +381,14 @@ impl Watch {
     /// One look: samples the counters when due; on `limit` without a change while busy, times
     /// the call out. Returns whether the watch is still alive.
     fn poll(&self, now: Instant, dump: bool) -> bool {
+        if !self.state().alive {
+            return false;
+        }
+        self.refresh_ends();
         let mut st = self.state();
         if !st.alive {
             return false;
         }
-        self.refresh_ends(&mut st);
         if dump {
             self.write_dump(&st);
         }
@@ -420,10 +434,10 @@ impl Watch {
     /// timeout's message and the ring channels' counters as last sampled (read now when no
     /// call is being watched).
     pub(super) fn dump(&self) -> serde_json::Value {
-        let mut st = self.state();
-        if st.alive {
-            self.refresh_ends(&mut st);
+        if self.state().alive {
+            self.refresh_ends();
         }
+        let mut st = self.state();
         if st.alive && st.sample.is_empty() && !self.regions.is_empty() {
             let st = &mut *st;
             if let Ok(s) = self.read(&mut st.reader) {

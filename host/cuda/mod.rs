@@ -521,11 +521,13 @@ impl Stream {
     }
     /// Starts capturing the stream's work into a CUDA graph (`cuStreamBeginCapture`, relaxed
     /// mode); [`Stream::end_capture`] ends it. For tests of how calls treat a capturing stream.
+    #[doc(hidden)]
     pub fn begin_capture(&self) -> Result<()> {
         self.ctx.bind()?;
         cu!(cuStreamBeginCapture_v2(self.raw, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED))
     }
     /// Ends the stream's capture ([`Stream::begin_capture`]) and destroys the graph it made.
+    #[doc(hidden)]
     pub fn end_capture(&self) -> Result<()> {
         self.ctx.bind()?;
         let mut graph = std::ptr::null_mut();

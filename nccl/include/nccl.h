@@ -135,7 +135,7 @@ typedef struct ncclConfig_v22800 {
   NCCL_CONFIG_UNDEF_INT,                          /* nvlinkCentricSched */ \
 }
 
-/* ncclGroupSimulateEnd's output (not supported by oxccl yet). */
+/* ncclGroupSimulateEnd's output: estimatedTime in microseconds (oxccl's tuning model). */
 typedef struct ncclSimInfo_v22200 {
   size_t size;
   unsigned int magic;
@@ -365,7 +365,8 @@ ncclResult_t  ncclGroupEnd(void);
 ncclResult_t pncclGroupEnd(void);
 /* Ends the group without running its collectives, sends and receives (they are dropped; its
  * inits, splits and shrinks are carried out) and sets simInfo->estimatedTime to the tuning
- * model's time of its collectives in microseconds (their sum; 0 without collectives).
+ * model's time of its collectives in microseconds: per communicator the sum of its calls' times,
+ * the largest over the communicators (ranks run in parallel); 0 without collectives.
  * ncclInvalidArgument for a NULL simInfo or a wrong magic. */
 ncclResult_t  ncclGroupSimulateEnd(ncclSimInfo_t* simInfo);
 ncclResult_t pncclGroupSimulateEnd(ncclSimInfo_t* simInfo);

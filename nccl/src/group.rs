@@ -27,8 +27,14 @@
 //! **`ncclGroupSimulateEnd`** ends the group as `ncclGroupEnd` does except that nothing of it
 //! runs: its collectives, sends and receives are dropped (its inits, splits and shrinks are
 //! carried out), and `estimatedTime` is the tuning model's time of its collectives in
-//! microseconds ([`oxccl::Comm::predict_us`]; NCCL reports its model's time of the group's
-//! collective the same way), their sum when there are several, 0 when there are none.
+//! microseconds ([`oxccl::Comm::predict_us`]): per communicator the sum of its calls, the
+//! largest over the group's communicators (one thread driving N ranks of one collective gets
+//! one collective's time), 0 when there are none. For a group of one collective this is what
+//! NCCL reports (its model's time of the call); for several NCCL reports its last call's.
+//!
+//! A collective, send or receive refused at the call (an argument error) is not queued; the
+//! rest of the group still runs at its end, and `ncclGroupEnd` succeeds (NCCL makes the whole
+//! group fail at `ncclGroupEnd` and runs none of it).
 use crate::cuda::KeepCurrent;
 use crate::errors::non_null;
 use crate::handles::{self, Clique, Live, Target};
@@ -265,10 +271,23 @@ fn simulate_end() -> Result<Option<f64>> {
         return Ok(None);
     };
     let _keep = KeepCurrent::new();
-    let mut estimate = Ok(0.0);
+    // Per communicator (rank) the sum of its calls; the ranks of a group run in parallel, so
+    // the group takes as long as its slowest one.
+    let mut per_comm: Vec<(u64, f64)> = Vec::new();
+    let mut estimate = Ok(());
     for d in &colls {
-        estimate = estimate.and_then(|t| Ok(t + d.live.comm.predict_us(d.func, d.count, d.dtype)?));
+        match d.live.comm.predict_us(d.func, d.count, d.dtype) {
+            Ok(t) => match per_comm.iter_mut().find(|(id, _)| *id == d.live.id) {
+                Some((_, sum)) => *sum += t,
+                None => per_comm.push((d.live.id, t)),
+            },
+            Err(e) => {
+                estimate = Err(e);
+                break;
+            }
+        }
     }
+    let estimate = estimate.map(|()| per_comm.iter().map(|&(_, t)| t).fold(0.0, f64::max));
     drop(colls);
     let split = if splits.is_empty() { Ok(()) } else { run_splits(splits) };
     let ended = oxccl::group::simulate_end();

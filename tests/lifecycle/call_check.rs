@@ -4,7 +4,7 @@
 //! fields that differ, with no byte of any buffer written; later calls return the same error.
 //! Matching calls run exactly as without the check (every collective × protocol, exact values,
 //! guards). CPU target on every run (ranks as threads; as processes across simulated hosts in the
-//! multiprocess tests), 2 ranks on GPUs when present.
+//! multiprocess tests), 2 GPUs when present (ranks sharing one GPU are refused the check).
 use crate::common;
 
 use common::env::Env;
@@ -167,6 +167,18 @@ fn ranks_that_issued_different_calls_fail_every_rank_naming_them_gpu() {
         return;
     };
     let _gpu = common::gpu_lock();
+    if devices[0] == devices[1] {
+        // Two ranks on one GPU (OXCCL_ALLOW_SHARED_DEVICE): the check needs one GPU per rank.
+        let env = Env::clean(VARS);
+        env.set(&[("OXCCL_CHECK_CALLS", "1")]);
+        let e = common::init_all(&devices).unwrap_err();
+        assert!(
+            matches!(e, Error::InvalidUsage(_))
+                && e.to_string().contains("OXCCL_CHECK_CALLS=1 (or CommConfig::check_calls) needs one GPU per rank"),
+            "{e}"
+        );
+        return;
+    }
     let comms = init(&devices);
     let plan = comms[0]
         .choice_for(Func::AllReduce, 1024, DataType::F32)
@@ -262,6 +274,8 @@ fn the_sequence_number_counts_the_calls_before() {
 fn matching_calls_run_exactly_with_the_check_on() {
     let env = Env::clean(VARS);
     env.set(&[("OXCCL_CHECK_CALLS", "1"), ("OXCCL_TIMEOUT", "20")]);
+    // The matrix's communicators are made under this environment: the check is on in them.
+    assert!(common::init_all(&Device::cpus(3)).unwrap().iter().all(|c| c.params().check_calls));
     for func in [
         Func::AllReduce,
         Func::Broadcast,
@@ -311,6 +325,7 @@ fn a_config_turns_the_check_on_and_sets_the_timeout() {
         drop(fresh);
         kids
     };
+    assert!(kids.iter().all(|k| k.params().check_calls), "the split inherits the check");
     let s0 = kids[0].device().new_stream().unwrap();
     let b0 = kids[0].device().alloc(1025 * 4).unwrap();
     let t = Instant::now();

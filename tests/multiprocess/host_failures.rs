@@ -208,6 +208,24 @@ fn diverged_calls_fail_every_rank_with_the_call_check_on() {
 }
 
 #[test]
+fn survivors_across_hosts_revoke_and_shrink_away_a_rank_that_never_called() {
+    // Rank 2 (host b) never calls; ranks 0 (host a) and 1 (host b), joined over NET, time out,
+    // revoke (the timed-out rank's proxy has closed its NET connections, so its peer sees an
+    // abort: revoke accepts that) and shrink rank 2 away; their new communicator is exact.
+    let envs = hosts(&["a", "b", "b"]);
+    let t = Instant::now();
+    let outs = run_group("revoke", &kv(&[("OXCCL_TIMEOUT", "1"), ("OXCCL_CHILD_SKIP", "2")]), &envs, SECS(60));
+    assert!(t.elapsed() < SECS(40), "{:?}", t.elapsed());
+    for (r, (ok, out)) in outs.iter().enumerate().take(2) {
+        assert!(*ok && out.contains(&format!("HOST-CHILD-OK rank {r}")), "rank {r}: {out}");
+        let stuck = out.lines().find(|l| l.starts_with("STUCK ")).unwrap_or_else(|| panic!("rank {r}: {out}"));
+        assert!(stuck.starts_with("STUCK Err("), "rank {r}: {stuck}");
+        assert!(out.contains("REVOKE Ok(())"), "rank {r}: {out}");
+        assert!(out.contains(&format!("SHRUNK rank {r} of 2: exact")), "rank {r}: {out}");
+    }
+}
+
+#[test]
 fn abort_from_another_thread_while_trees_loop_across_hosts() {
     // Hosts A {0, 1}, B {2, 3}, C {4}. (a) Only rank 3 (a chain leaf on host B) aborts from a
     // second thread 0, 5, 30 or 50 ms into the loop; (b) every rank aborts, at different times. Every abort

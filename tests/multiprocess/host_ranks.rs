@@ -174,6 +174,35 @@ fn child_host_rank() {
             // gathering the signatures would report that abort instead of the mismatch.
             comm.destroy().expect("destroy");
         }
+        "revoke" => {
+            // Rank OXCCL_CHILD_SKIP never calls; the others' AllReduce times out
+            // (OXCCL_TIMEOUT), they revoke their ranks and shrink it away, and the new
+            // communicator's AllReduce is checked.
+            let skip: usize = child::env_var("OXCCL_CHILD_SKIP").parse().unwrap();
+            if rank == skip {
+                std::thread::sleep(Duration::from_secs(3));
+                comm.abort().expect("abort");
+            } else {
+                let dev = comm.device();
+                let stream = dev.new_stream().unwrap();
+                let buf = dev.alloc(1025 * 4).unwrap();
+                let res = comm
+                    .all_reduce(&buf, &buf, 1025, DataType::F32, RedOp::Sum, &stream)
+                    .and_then(|_| stream.synchronize())
+                    .and_then(|_| comm.get_async_error());
+                println!("STUCK {:?}", res.map_err(|e| e.code()));
+                println!("REVOKE {:?}", comm.revoke().map_err(|e| e.to_string()));
+                let kid = comm.shrink(&[skip], false).expect("shrink");
+                let (r, n) = (kid.rank(), kid.nranks());
+                buf.write(0, &(r as f32 + 1.0).to_ne_bytes().repeat(1025)).unwrap();
+                kid.all_reduce(&buf, &buf, 1025, DataType::F32, RedOp::Sum, &stream).unwrap();
+                stream.synchronize().unwrap();
+                let want = ((n * (n + 1) / 2) as f32).to_ne_bytes().repeat(1025);
+                println!("SHRUNK rank {r} of {n}: {}", if buf.to_vec().unwrap() == want { "exact" } else { "WRONG" });
+                kid.destroy().expect("destroy the shrunk communicator");
+                drop(comm);
+            }
+        }
         "ar" => role_all_reduce(comm),
         "wrap" => role_wrap(comm),
         "colls" => role_collectives(comm),

@@ -394,6 +394,8 @@ pub struct CheckReport {
     pub _pad: u64,
 }
 
+const _: () = assert!(core::mem::size_of::<CheckArgs>() == 128 && core::mem::size_of::<CheckReport>() == 16);
+
 /// Most point-to-point works (one thread block each) of one launch: every send and receive of
 /// a group that is in flight at once, times the channels each uses. Keeps [`P2pArgs`] within the
 /// 4 KiB every CUDA driver accepts as a kernel parameter.
