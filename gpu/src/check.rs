@@ -1,13 +1,14 @@
-//! The call-signature check (beyond NCCL; `OXCCL_CHECK_CALLS=1` on the host): before a
-//! collective's own kernel, one block gathers every rank's [`CallSig`] of the call over ring
+//! The call-signature check (beyond NCCL; `OXCCL_CHECK_CALLS=1` on the host), at the start of a
+//! checked collective's kernel: block 0 gathers every rank's [`CallSig`] of the call over ring
 //! channel 0 on the LL protocol (an AllGather of 32 bytes per rank through the same primitives
-//! the collectives use, so it runs over every transport) and compares them. Every rank then
-//! holds the same signatures and reaches the same verdict: on a mismatch each writes them to its
-//! host-visible [`CheckReport`] and sets [`DevComm::aborted`] to [`CALL_MISMATCH`], so the
-//! call's kernel (flagged [`crate::abi::WORK_CALL_CHECKED`]) and every later one exit before they
-//! touch a buffer. The host side is `comm/call_check.rs`.
+//! the collectives use, so it runs over every transport) and compares them, while the other
+//! blocks wait for its verdict ([`CheckDesc::done`]). Every rank holds the same signatures and
+//! reaches the same verdict: on a mismatch each writes them to its host-visible
+//! [`CheckReport`] and sets [`DevComm::aborted`] to [`CALL_MISMATCH`], so no block of this call
+//! — nor of any later kernel — touches a buffer. A call of count 0 runs the check alone
+//! (`oxccl_check_call`). The host side is `comm/call_check.rs`.
 use crate::abi::{
-    CALL_MISMATCH, CALL_SIG_WORDS, CallSig, CheckArgs, CheckReport, DevChannel, DevComm, DevRedOp, Proto,
+    CALL_MISMATCH, CALL_SIG_WORDS, CallSig, CheckDesc, CheckReport, DevChannel, DevComm, DevRedOp, Proto,
 };
 use crate::arch;
 use crate::coll::RingCtx;
@@ -16,29 +17,91 @@ use crate::proto::fan::Peers;
 use crate::proto::ll::Ll;
 use crate::reduce::{FuncSum, OpArgs};
 
-/// Runs the check of one call: every thread of the one block calls it.
+/// Block `bid` of a checked call's kernel: block 0 checks the call ([`check_call`]), the others
+/// wait for its verdict. Returns whether the call may go on (the same answer for every thread of
+/// the block).
 ///
 /// # Safety
-/// `args.comm` is a set-up [`DevComm`] with at least one ring channel whose connections have LL
-/// buffers; `args.board` holds `nranks + 1` signatures of device memory (16-byte aligned);
-/// `args.report` is a [`CheckReport`] followed by `nranks` signatures; `args.work` is the
-/// gather described at [`CheckArgs::work`]; `smem` is the kernel's shared memory; every rank of
-/// the communicator runs the check of its call of the same sequence number.
+/// As [`check_call`] for block 0; every thread of the block calls this.
 #[cfg_attr(target_arch = "nvptx64", inline(always))]
-pub unsafe fn run_check(args: &CheckArgs, tid: u32, nthreads: u32, smem: *mut u32) {
+pub unsafe fn checked(
+    comm: u64,
+    desc: u64,
+    sig: &CallSig,
+    bid: u32,
+    tid: u32,
+    nthreads: u32,
+    smem: *mut u32,
+) -> bool {
+    // SAFETY: forwarded caller contract.
+    unsafe {
+        if bid == 0 {
+            check_call(comm, desc, sig, tid, nthreads, smem)
+        } else {
+            await_verdict(comm, desc, sig[0], tid, smem)
+        }
+    }
+}
+
+/// `value` of thread 0 made every thread's: through shared memory, between barriers (the
+/// block's later users of shared memory find it as before).
+///
+/// # Safety
+/// Every thread of the block calls it; `smem` is the kernel's shared memory.
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
+unsafe fn block_bool(value: bool, tid: u32, smem: *mut u32) -> bool {
+    // SAFETY: caller contract; word 0 of the block's shared memory, read by every thread only
+    // after the first barrier and before the second.
+    unsafe {
+        if tid == 0 {
+            smem.write_volatile(value as u32);
+        }
+        arch::sync_threads();
+        let v = smem.read_volatile() != 0;
+        arch::sync_threads();
+        v
+    }
+}
+
+/// Whether this rank's abort flag (host-mapped) or `DevComm::aborted` is raised.
+///
+/// # Safety
+/// `comm` is a valid comm block.
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
+unsafe fn stopped(comm: &DevComm) -> bool {
+    // SAFETY: valid flag addresses (caller contract).
+    unsafe {
+        arch::load_volatile_u32(&raw const comm.aborted) != 0
+            || (comm.abort_flag != 0 && arch::load_volatile_u32(comm.abort_flag as *const u32) != 0)
+    }
+}
+
+/// Checks the call of signature `sig` on this block: gathers every rank's signature, compares,
+/// and publishes the verdict (`desc.done = sig[0]`, after `DevComm::aborted` on a mismatch).
+/// Returns whether the call may go on.
+///
+/// # Safety
+/// `comm` is a set-up [`DevComm`] with at least one ring channel whose connections have LL
+/// buffers; `desc` its [`CheckDesc`]; `smem` is the kernel's shared memory; every thread of the
+/// block calls this; every rank of the communicator runs the check of its call of the same
+/// number.
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
+pub unsafe fn check_call(comm: u64, desc: u64, sig: &CallSig, tid: u32, nthreads: u32, smem: *mut u32) -> bool {
+    let comm_ptr = comm as *mut DevComm;
     // SAFETY: caller contract.
-    let comm = unsafe { &*(args.comm as *const DevComm) };
+    let comm = unsafe { &*comm_ptr };
+    let d = desc as *mut CheckDesc;
     // After a mismatch (or an abort) every rank skips its later checks alike, so no rank waits
     // for a gather its peers never start.
-    // SAFETY: the comm block is valid (caller contract).
-    if unsafe { arch::load_volatile_u32(&raw const comm.aborted) } != 0 {
-        return;
+    // SAFETY: caller contract.
+    if unsafe { block_bool(stopped(comm), tid, smem) } {
+        return false;
     }
     let n = comm.nranks as usize;
-    let board = args.board as *mut u64;
+    // SAFETY: the descriptor is valid (caller contract); the host wrote these fields at init.
+    let (board, report, chunk) = unsafe { ((*d).board as *mut u64, (*d).report as *mut u64, (*d).chunk_elems) };
     // SAFETY: the board holds `n + 1` signatures (caller contract).
     let own = unsafe { board.add(n * CALL_SIG_WORDS) };
-    let sig: CallSig = args.sig;
     if tid == 0 {
         for (k, v) in sig.iter().enumerate() {
             // SAFETY: inside the board's last row.
@@ -47,7 +110,6 @@ pub unsafe fn run_check(args: &CheckArgs, tid: u32, nthreads: u32, smem: *mut u3
     }
     // SAFETY: every thread of the block calls this.
     unsafe { arch::sync_threads() };
-    let w = &args.work;
     // SAFETY: caller contract: channel 0 exists with its ring and LL connections.
     let aborted = unsafe {
         let channel = comm.channels as *mut DevChannel;
@@ -68,41 +130,73 @@ pub unsafe fn run_check(args: &CheckArgs, tid: u32, nthreads: u32, smem: *mut u3
             smem,
             OpArgs::new(DevRedOp::Sum, 0),
         );
-        crate::coll::all_gather::ring(&mut p, &ring, w.count, w.chunk_elems, 8, false);
+        crate::coll::all_gather::ring(&mut p, &ring, CALL_SIG_WORDS as u64, chunk, 8, false);
         let aborted = p.aborted();
         p.finish();
         aborted
     };
     // SAFETY: as above.
     unsafe { arch::sync_threads() };
-    if tid != 0 || aborted {
-        return;
-    }
-    // An abort seen by another thread of the block left the board partial: no verdict.
-    // SAFETY: the abort flag is a valid host-mapped u32 (caller contract).
-    if comm.abort_flag != 0 && unsafe { arch::load_volatile_u32(comm.abort_flag as *const u32) } != 0 {
-        return;
-    }
-    let mut same = true;
-    for r in 0..n {
-        for (k, v) in sig.iter().enumerate() {
-            // SAFETY: row `r` < `n` of the board, written by the gather (the barrier above).
-            same &= unsafe { board.add(r * CALL_SIG_WORDS + k).read_volatile() } == *v;
+    if tid == 0 && !aborted {
+        // An abort seen by another thread of the block left the board partial: no verdict.
+        // SAFETY: valid flag addresses (caller contract).
+        let partial = comm.abort_flag != 0 && unsafe { arch::load_volatile_u32(comm.abort_flag as *const u32) } != 0;
+        let mut same = true;
+        for r in 0..n {
+            for (k, v) in sig.iter().enumerate() {
+                // SAFETY: row `r` < `n` of the board, written by the gather (the barrier above).
+                same &= unsafe { board.add(r * CALL_SIG_WORDS + k).read_volatile() } == *v;
+            }
+        }
+        let header = core::mem::size_of::<CheckReport>() / 8;
+        // SAFETY: the report holds its header and `n` signatures (caller contract); the comm
+        // block and the descriptor are this rank's, which its kernels may write (through the raw
+        // addresses, not `comm`).
+        unsafe {
+            if !partial && !same {
+                for i in 0..n * CALL_SIG_WORDS {
+                    arch::store_volatile_u64(report.add(header + i), board.add(i).read_volatile());
+                }
+                arch::store_volatile_u32(&raw mut (*comm_ptr).aborted, CALL_MISMATCH);
+                arch::fence_acq_rel_sys();
+                arch::store_release_sys_u64(report, sig[0]);
+            }
+            // The verdict for the call's other blocks: `aborted` (set above or not) before it.
+            arch::fence_acq_rel_sys();
+            arch::store_volatile_u64(&raw mut (*d).done, sig[0]);
         }
     }
-    if same {
-        return;
-    }
-    let report = args.report as *mut u64;
-    let header = core::mem::size_of::<CheckReport>() / 8;
-    // SAFETY: the report holds its header and `n` signatures (caller contract); the comm block
-    // is this rank's, which its kernels may write (through the raw address, not `comm`).
-    unsafe {
-        for i in 0..n * CALL_SIG_WORDS {
-            arch::store_volatile_u64(report.add(header + i), board.add(i).read_volatile());
+    // SAFETY: every thread of the block calls it.
+    unsafe { !block_bool(aborted || stopped(comm), tid, smem) }
+}
+
+/// A block other than the checking one: waits until block 0 has published the verdict of call
+/// `seq` (or the communicator is stopped); whether the call may go on.
+///
+/// # Safety
+/// As [`check_call`].
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
+unsafe fn await_verdict(comm: u64, desc: u64, seq: u64, tid: u32, smem: *mut u32) -> bool {
+    // SAFETY: caller contract.
+    let comm = unsafe { &*(comm as *const DevComm) };
+    let d = desc as *const CheckDesc;
+    let mut go = false;
+    if tid == 0 {
+        loop {
+            // SAFETY: valid descriptor and flags (caller contract).
+            unsafe {
+                if stopped(comm) {
+                    break;
+                }
+                if arch::load_volatile_u64(&raw const (*d).done) >= seq {
+                    arch::fence_acq_rel_sys();
+                    go = arch::load_volatile_u32(&raw const comm.aborted) == 0;
+                    break;
+                }
+            }
+            arch::spin_pause();
         }
-        arch::store_volatile_u32(&raw mut (*(args.comm as *mut DevComm)).aborted, CALL_MISMATCH);
-        arch::fence_acq_rel_sys();
-        arch::store_release_sys_u64(report, sig[0]);
     }
+    // SAFETY: every thread of the block calls it.
+    unsafe { block_bool(go, tid, smem) }
 }

@@ -12,7 +12,7 @@
 //! the 312 rows), through the same per-type reduction functions the GPU's operators use.
 use crate::abi::{
     Algo, DataType, DevChannel, DevComm, DevRedOp, Func, KernelArgs, KernelOp, Proto, REDOP_SCALAR_DEVICE,
-    WORK_CALL_CHECKED, WorkColl,
+    WorkColl,
 };
 use crate::coll::{self, RingCtx};
 use crate::proto::Primitives;
@@ -124,17 +124,15 @@ pub unsafe fn run_kernel<T: Elem, Op: RedFn<T>, const FUNC: u8, const ALGO: u8, 
     nthreads: u32,
     smem: *mut u32,
 ) {
+    // The call-signature check first, when on: block 0 checks, the others wait for it; after
+    // a mismatch nothing is read or written (`crate::check`).
+    // SAFETY: caller contract (a checked call's descriptor and signature).
+    if args.check != 0 && !unsafe { crate::check::checked(args.comm, args.check, &args.sig, bid, tid, nthreads, smem) } {
+        return;
+    }
     let w = &args.work;
     // SAFETY: caller contract.
     let comm = unsafe { &*(args.comm as *const DevComm) };
-    if w.flags & WORK_CALL_CHECKED != 0
-        // SAFETY: the comm block is valid (caller contract).
-        && unsafe { crate::arch::load_volatile_u32(&raw const comm.aborted) } != 0
-    {
-        // The call-signature check before this kernel found the ranks disagreeing (or the
-        // communicator was aborted): nothing is read or written (`crate::check`).
-        return;
-    }
     let avg = w.redop == DevRedOp::Avg as u8;
     // SAFETY: the host checked a device-resident scalar's address (launch contract).
     let op_args = unsafe { op_args::<T, Op>(comm, w, avg) };

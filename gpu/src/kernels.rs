@@ -51,18 +51,18 @@ macro_rules! entries {
     )*};
 }
 
-/// Call-signature check kernel ([`crate::abi::CHECK_KERNEL_NAME`]): one block of
-/// `NCCL_NTHREADS` threads, queued before a checked collective's own kernel.
+/// The call-signature check alone ([`crate::abi::CHECK_KERNEL_NAME`]), for a checked call of
+/// count 0: one block of `NCCL_NTHREADS` threads.
 ///
 /// # Safety
 /// Launched by the host library with a valid [`crate::abi::CheckArgs`] (see
-/// [`crate::check::run_check`]).
+/// [`crate::check::check_call`]).
 #[unsafe(no_mangle)]
 pub unsafe extern "ptx-kernel" fn oxccl_check_call(args: crate::abi::CheckArgs) {
     // SAFETY: `kernel_shared_mem` is called once in this kernel; the rest is the launch contract.
     unsafe {
         let smem = arch::kernel_shared_mem();
-        crate::check::run_check(&args, arch::thread_idx(), arch::block_dim(), smem);
+        crate::check::check_call(args.comm, args.check, &args.sig, arch::thread_idx(), arch::block_dim(), smem);
     }
 }
 

@@ -1,5 +1,5 @@
 //! The call-signature check (beyond NCCL, opt-in: `OXCCL_CHECK_CALLS=1` or
-//! [`CommConfig::check_calls`], the same on every rank, one GPU per rank): before a collective
+//! [`CommConfig::check_calls`], the same on every rank): before a collective
 //! moves any data, its ranks agree that they issued the same call — function, count, type,
 //! operator, root, and the algorithm, protocol and channels they planned, with the call's number
 //! among the communicator's checked collectives (count 0 included; the flight recorder numbers
@@ -9,26 +9,25 @@
 //! later call that differs from its peers'; when every later call is the same, the ranks wait
 //! for the missing one, which `OXCCL_TIMEOUT` then names.
 //!
-//! How: the call's kernel is preceded on its stream by the check kernel
-//! ([`oxccl_gpu::check`]), one block that gathers every rank's 32-byte [`CallSig`] over ring
-//! channel 0 on the LL protocol and compares them; so it costs one small AllGather's latency
-//! per call and runs over every transport. Every rank gets the same signatures and the same
+//! How: at the start of the call's own kernel ([`oxccl_gpu::check`]), block 0 gathers every
+//! rank's 32-byte [`CallSig`] over ring channel 0 on the LL protocol and compares them while the
+//! other blocks wait for its verdict; so it costs one small AllGather's latency per call, adds
+//! no kernel, and runs over every transport. Every rank gets the same signatures and the same
 //! verdict: on a mismatch each rank's kernels, this call's and every later one's, exit before
 //! touching a buffer, and [`Comm::get_async_error`] and every later call return `InvalidUsage`
 //! naming each group of ranks with the call it issued and the fields that differ. With the check
-//! off nothing is launched or read. A call of count 0, which NCCL skips, is still checked, so a
-//! rank that issued it with count 0 while others did not is caught too.
+//! off the kernels skip it (their argument's `check` is 0). A call of count 0, which NCCL skips,
+//! is still checked (by the check kernel alone), so a rank that issued it with count 0 while
+//! others did not is caught too.
 use super::*;
-use oxccl_gpu::abi::{CALL_SIG_WORDS, CHECK_KERNEL_NAME, CallSig, CheckArgs, CheckReport};
-#[cfg(doc)]
-use oxccl_gpu::abi::WORK_CALL_CHECKED;
+use oxccl_gpu::abi::{CALL_SIG_WORDS, CHECK_KERNEL_NAME, CallSig, CheckArgs, CheckDesc, CheckReport};
 use std::sync::OnceLock;
 
 /// Bytes of one signature.
 const SIG_BYTES: usize = CALL_SIG_WORDS * 8;
 
-/// Where the check kernel works and reports: the gather's board (`nranks + 1` signatures the
-/// kernel only touches) and the host-visible report.
+/// Where the check works and reports: its descriptor followed by the gather's board (`nranks +
+/// 1` signatures; device memory the kernels only touch) and the host-visible report.
 enum Mem {
     Cuda {
         board: cuda::DevAlloc,
@@ -68,12 +67,16 @@ impl CallCheck {
             }
             Res::Cpu(_) => None,
         };
-        CallCheck::new(ctx, nranks).map(Some)
+        // One LL step of the gather: as many `u64` as a step of lines carries.
+        let chunk = line_chunk_elems(params, Proto::Ll, 8).max(CALL_SIG_WORDS as u64);
+        CallCheck::new(ctx, nranks, chunk).map(Some)
     }
 
-    /// The check's memory for a rank of `nranks` on `ctx` (the CPU target when `None`).
-    fn new(ctx: Option<&Arc<cuda::Context>>, nranks: usize) -> Result<CallCheck> {
-        let board = (nranks + 1) * SIG_BYTES;
+    /// The check's memory for a rank of `nranks` on `ctx` (the CPU target when `None`), its
+    /// descriptor written (`chunk`: the gather's elements per chunk).
+    fn new(ctx: Option<&Arc<cuda::Context>>, nranks: usize, chunk: u64) -> Result<CallCheck> {
+        let desc = size_of::<CheckDesc>();
+        let board = desc + (nranks + 1) * SIG_BYTES;
         let report = size_of::<CheckReport>() + nranks * SIG_BYTES;
         let mem = match ctx {
             Some(ctx) => Mem::Cuda {
@@ -85,6 +88,22 @@ impl CallCheck {
                 report: HostMem::zeroed(report)?,
             },
         };
+        let (base, report_addr) = match &mem {
+            Mem::Cuda { board, report } => (board.ptr(), report.dev_ptr()),
+            Mem::Cpu { board, report } => (board.addr(), report.addr()),
+        };
+        let d = CheckDesc {
+            board: base + desc as u64,
+            report: report_addr,
+            chunk_elems: chunk,
+            done: 0,
+        };
+        match &mem {
+            Mem::Cuda { board, .. } => board.write(0, bytemuck::bytes_of(&d))?,
+            // SAFETY: the allocation holds the descriptor at its start (16-aligned host memory
+            // no kernel uses yet).
+            Mem::Cpu { board, .. } => unsafe { (board.addr() as *mut CheckDesc).write(d) },
+        }
         Ok(CallCheck {
             nranks,
             mem: Arc::new(mem),
@@ -93,11 +112,11 @@ impl CallCheck {
         })
     }
 
-    /// The board's and the report's addresses as kernels see them.
-    fn kernel_addrs(&self) -> (u64, u64) {
+    /// The descriptor's address as kernels see it ([`KernelArgs::check`]).
+    fn desc_addr(&self) -> u64 {
         match &*self.mem {
-            Mem::Cuda { board, report } => (board.ptr(), report.dev_ptr()),
-            Mem::Cpu { board, report } => (board.addr(), report.addr()),
+            Mem::Cuda { board, .. } => board.ptr(),
+            Mem::Cpu { board, .. } => board.addr(),
         }
     }
 
@@ -274,10 +293,9 @@ pub(super) fn mismatch_message(me: usize, sigs: &[CallSig]) -> String {
 }
 
 impl Comm {
-    /// With the check on: the check kernel's argument for this rank's next call (numbered
-    /// now), which [`Comm::launch`] queues right before the call's own kernel (flagged
-    /// [`WORK_CALL_CHECKED`]), or alone for a call of count 0 ([`Comm::launch_check`]); `None`
-    /// with the check off.
+    /// With the check on: this rank's next call numbered and signed, as its kernel's
+    /// [`KernelArgs::check`] and [`KernelArgs::sig`] (or, for a call of count 0, the check
+    /// kernel's alone, [`Comm::launch_check`]); `None` with the check off.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn check_args(
         &self,
@@ -290,27 +308,10 @@ impl Comm {
     ) -> Option<CheckArgs> {
         let cc = self.call_check.as_ref()?;
         let seq = cc.seq.fetch_add(1, Ordering::AcqRel) + 1;
-        let (board, report) = cc.kernel_addrs();
-        let words = CALL_SIG_WORDS as u64;
         Some(CheckArgs {
             comm: self.dev_comm,
-            board,
-            report,
-            _pad: 0,
+            check: cc.desc_addr(),
             sig: encode(seq, func, count, dtype, op, root, choice),
-            work: WorkColl {
-                sendbuff: board + (self.nranks * SIG_BYTES) as u64,
-                recvbuff: board,
-                count: words,
-                chunk_elems: self.line_chunk_elems(Proto::Ll, 8).max(words),
-                slice_elems: self.line_chunk_elems(Proto::Ll, 8).max(words),
-                func: Func::AllGather as u8,
-                dtype: DataType::U64 as u8,
-                algo: Algo::Ring as u8,
-                proto: Proto::Ll as u8,
-                nchannels: 1,
-                ..WorkColl::zeroed()
-            },
         })
     }
 
@@ -326,8 +327,8 @@ impl Comm {
         }
     }
 
-    /// Queues the check `args` on the CPU target's stream `s`: one block.
-    pub(super) fn launch_check_cpu(&self, res: &CpuRes, s: &CpuStream, args: CheckArgs) -> Result<()> {
+    /// Queues the check `args` alone on the CPU target's stream `s`: one block.
+    fn launch_check_cpu(&self, res: &CpuRes, s: &CpuStream, args: CheckArgs) -> Result<()> {
         let Some(cc) = &self.call_check else {
             return Err(Error::Internal("a call check without its memory".into()));
         };
@@ -347,10 +348,10 @@ impl Comm {
             &self.inflight,
             move |_, tid, smem| {
                 let _board_and_report = &mem;
-                // SAFETY: the comm block is kept by the launch's `group`, the board and the
-                // report by `mem`; every rank of the communicator queues the check of its call
-                // `seq` (the setting is the same on every rank).
-                unsafe { oxccl_gpu::check::run_check(&args, tid, nthreads, smem) };
+                // SAFETY: the comm block is kept by the launch's `group`, the descriptor, board
+                // and report by `mem`; every rank of the communicator queues the check of its
+                // call `seq` (the setting is the same on every rank).
+                unsafe { oxccl_gpu::check::check_call(args.comm, args.check, &args.sig, tid, nthreads, smem) };
                 true
             },
             || Ok(()),

@@ -368,11 +368,10 @@ impl Comm {
             return self.launch(
                 KernelArgs {
                     comm: self.dev_comm,
-                    _pad: 0,
                     work,
+                    ..KernelArgs::zeroed()
                 },
                 stream,
-                None,
                 None,
             );
         }
@@ -418,17 +417,15 @@ impl Comm {
             choice: Some(choice),
         });
         let check = self.check_args(func, count, dtype, dev_op, root, Some(choice));
-        let flags = if check.is_some() { WORK_CALL_CHECKED } else { 0 };
-        let work = WorkColl { flags, ..work };
         self.launch(
             KernelArgs {
                 comm: self.dev_comm,
-                _pad: 0,
+                check: check.map_or(0, |c| c.check),
                 work,
+                sig: check.map_or([0; 4], |c| c.sig),
             },
             stream,
             Some(recorded),
-            check,
         )
     }
 

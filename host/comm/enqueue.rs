@@ -23,11 +23,8 @@
 //! its calls: from threads of their own, or from one thread that issues call `n` on every rank
 //! before call `n + 1` on any (NCCL's rule for one thread driving several devices).
 //!
-//! With the call-signature check (`call_check.rs`) a call is two kernels, the check and then the
-//! call's own: they count as one call here, both modules are loaded before the first is queued,
-//! and ranks that share a GPU in one process cannot turn the check on (init refuses it): behind
-//! a rank's check, waiting for its peers', its call's kernel could hold back a peer's check on a
-//! shared hardware queue.
+//! The call-signature check (`call_check.rs`) runs inside the call's kernel, so a call stays one
+//! kernel (a call of count 0 is the check kernel alone).
 use super::*;
 use std::sync::atomic::AtomicU64;
 
@@ -192,16 +189,7 @@ impl Comm {
     /// lines, 8 data bytes per 16-byte LL line, 120 per 128-byte LL128 line (NCCL's LL / LL128
     /// chunk, for the ring and the tree alike).
     pub(super) fn line_chunk_elems(&self, proto: Proto, esize: u64) -> u64 {
-        let step_data = if proto == Proto::Ll {
-            self.params.ll_buffsize / FIFO_STEPS / 16 * 8
-        } else {
-            self.params.ll128_buffsize / FIFO_STEPS / 128 * 120
-        };
-        // A whole number of 16-byte packs (an odd line count makes, e.g., 65 × 8 = 520 bytes):
-        // the kernels round each loop's chunk to whole packs, which must stay within the chunk
-        // (`coll::loop_chunk`).
-        let step_data = (step_data / PACK_BYTES * PACK_BYTES).max(PACK_BYTES);
-        (step_data / esize).max(1)
+        line_chunk_elems(&self.params, proto, esize)
     }
 
     pub(super) fn copy(&self, dst: u64, src: u64, bytes: usize, stream: &Stream) -> Result<()> {
@@ -210,16 +198,8 @@ impl Comm {
     }
 
     /// Queues the kernel of `args` on `stream`; `recorded`: the call's flight-recorder entry
-    /// ([`timeout::Watch::begin`]), whose kernel's start and end are marked; `check`: the call's
-    /// call-signature check ([`Comm::check_args`]), queued right before it, the two one call of
-    /// the launch ordering.
-    pub(super) fn launch(
-        &self,
-        args: KernelArgs,
-        stream: &Stream,
-        recorded: Option<u64>,
-        check: Option<oxccl_gpu::abi::CheckArgs>,
-    ) -> Result<()> {
+    /// ([`timeout::Watch::begin`]), whose kernel's start and end are marked.
+    pub(super) fn launch(&self, args: KernelArgs, stream: &Stream, recorded: Option<u64>) -> Result<()> {
         match (&self.res, stream) {
             (Res::Cuda(res), Stream::Cuda(s)) => {
                 let w = &args.work;
@@ -227,16 +207,9 @@ impl Comm {
                     return Err(Error::Internal("work element with an invalid enum".into()));
                 };
                 let name = oxccl_gpu::abi::kernel_name_for(func, algo, proto, dtype, op);
-                let nthreads = self.params.nthreads;
-                match &check {
-                    Some(c) => self.launch_cuda(res, s, &[oxccl_gpu::abi::CHECK_KERNEL_NAME, name.as_str()], |m| {
-                        s.launch(&m[0], 1, nthreads, c)?;
-                        s.launch(&m[1], w.nchannels as u32, nthreads, &args)
-                    })?,
-                    None => self.launch_cuda(res, s, &[name.as_str()], |m| {
-                        s.launch(&m[0], w.nchannels as u32, nthreads, &args)
-                    })?,
-                }
+                self.launch_cuda(res, s, &[name.as_str()], |m| {
+                    s.launch(&m[0], w.nchannels as u32, self.params.nthreads, &args)
+                })?;
                 if let Some(id) = recorded {
                     self.watch.launched(id, s);
                 }
@@ -251,9 +224,6 @@ impl Comm {
                     return Err(crate::kernels::not_built(
                         oxccl_gpu::abi::kernel_name_for(func, algo, proto, dtype, op).as_str(),
                     ));
-                }
-                if let Some(c) = check {
-                    self.launch_check_cpu(res, s, c)?;
                 }
                 let blocks = CpuBlocks {
                     nblocks: args.work.nchannels as u32,
@@ -322,6 +292,20 @@ impl Comm {
         res.launch.issued.store(issued + 1, Ordering::Release);
         Ok(())
     }
+}
+
+/// [`Comm::line_chunk_elems`] for a communicator of `params`.
+pub(super) fn line_chunk_elems(params: &Params, proto: Proto, esize: u64) -> u64 {
+    let step_data = if proto == Proto::Ll {
+        params.ll_buffsize / FIFO_STEPS / 16 * 8
+    } else {
+        params.ll128_buffsize / FIFO_STEPS / 128 * 120
+    };
+    // A whole number of 16-byte packs (an odd line count makes, e.g., 65 × 8 = 520 bytes): the
+    // kernels round each loop's chunk to whole packs, which must stay within the chunk
+    // (`coll::loop_chunk`).
+    let step_data = (step_data / PACK_BYTES * PACK_BYTES).max(PACK_BYTES);
+    (step_data / esize).max(1)
 }
 
 /// Runs one collective on the CPU target: per channel a host thread running a block of

@@ -300,7 +300,7 @@ impl Comm {
             .enumerate()
             .map(|(r, b)| PeerInfo::decode(r, b))
             .collect::<Result<_>>()?;
-        check_peers(rank, &peers, params.check_calls)?;
+        check_peers(rank, &peers)?;
         // This machine's topology, built once for this init on first use (NCCL_P2P_LEVEL when a
         // level applies, the ring search on CUDA).
         let topo = LocalTopo::default();

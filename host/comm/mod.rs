@@ -47,7 +47,7 @@ use bytemuck::Zeroable;
 use oxccl_gpu::abi::{
     Algo, ConnInfo, DEFAULT_CHUNK_STEPS, DataType, DevChannel, DevComm, DevRedOp, DevRing, DevTree,
     FIFO_STEPS, Func, KernelArgs, MAX_CHANNELS, MAX_TREE_ARITY, PACK_BYTES, PTR_EXCHANGE_OFFSET, Proto,
-    REDOP_SCALAR_DEVICE, RedOp, WORK_CALL_CHECKED, WorkColl,
+    REDOP_SCALAR_DEVICE, RedOp, WorkColl,
 };
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};

@@ -7,7 +7,7 @@ use super::*;
 /// Checks the gathered peer information, identically on every rank so every rank fails alike:
 /// one device kind, one device per rank per host (C26), the same channels and buffer sizes. (Every
 /// pair of ring neighbours has a transport: NET connects any two ranks, see [`select_transport`].)
-pub(super) fn check_peers(rank: usize, peers: &[PeerInfo], check_calls: bool) -> Result<()> {
+pub(super) fn check_peers(rank: usize, peers: &[PeerInfo]) -> Result<()> {
     let me = &peers[rank];
     let shared_ok = crate::params::env_var("ALLOW_SHARED_DEVICE").is_some_and(|(_, v)| v == "1");
     for (a, pa) in peers.iter().enumerate() {
@@ -37,16 +37,6 @@ pub(super) fn check_peers(rank: usize, peers: &[PeerInfo], check_calls: bool) ->
                      (set OXCCL_ALLOW_SHARED_DEVICE=1 to share a device for testing)",
                     pa.describe_device(),
                     pa.host
-                )));
-            }
-            if same_dev && pa.cuda && pa.host == pb.host && pa.pid == pb.pid && check_calls {
-                // The check is a kernel of its own before each call's: behind a rank's waiting
-                // kernel, a shared hardware queue could hold back the peer's check it waits for
-                // (`enqueue.rs`), which separate GPUs never do.
-                return Err(Error::InvalidUsage(format!(
-                    "ranks {a} and {b} share {} in one process: OXCCL_CHECK_CALLS=1 (or \
-                     CommConfig::check_calls) needs one GPU per rank",
-                    pa.describe_device()
                 )));
             }
         }
@@ -132,9 +122,9 @@ mod tests {
             cuda_peer("0000:18:00.0", "h", 1),
             cuda_peer("0000:2a:00.0", "h", 2),
         );
-        check_peers(0, &[a.clone(), b.clone()], false).unwrap();
+        check_peers(0, &[a.clone(), b.clone()]).unwrap();
         // The same bus id twice: C26, naming both ranks and the bus id.
-        let e = check_peers(1, &[a.clone(), a.clone()], false).unwrap_err();
+        let e = check_peers(1, &[a.clone(), a.clone()]).unwrap_err();
         assert_eq!(
             e.to_string(),
             "invalid usage: ranks 0 and 1 are both on cuda device 0 (bus id 0000:18:00.0) of host \"h\"; one device \
@@ -143,13 +133,13 @@ mod tests {
         // NCCL_P2P_DISABLE=1 on either side, or different hosts: fine (SHM or NET connects them).
         let mut c = b.clone();
         c.p2p_disable = true;
-        check_peers(0, &[a.clone(), c], false).unwrap();
+        check_peers(0, &[a.clone(), c]).unwrap();
         let d = cuda_peer("0000:2a:00.0", "other", 2);
-        check_peers(0, &[a.clone(), d], false).unwrap();
+        check_peers(0, &[a.clone(), d]).unwrap();
         // A CPU-target rank among CUDA ranks.
         let mut cpu = b;
         cpu.cuda = false;
-        let e = check_peers(0, &[a, cpu], false).unwrap_err();
+        let e = check_peers(0, &[a, cpu]).unwrap_err();
         assert_eq!(
             e.to_string(),
             "invalid usage: rank 1 is on a cpu device but rank 0 is on a cuda device: a communicator is all CUDA or \

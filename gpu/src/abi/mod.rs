@@ -315,14 +315,8 @@ pub struct WorkColl {
     pub redop_flags: u8,
     /// Channels (thread blocks) this operation uses; block `b` runs channel `b`.
     pub nchannels: u16,
-    /// [`WORK_CALL_CHECKED`] or 0.
-    pub flags: u32,
+    pub _pad1: u32,
 }
-
-/// [`WorkColl::flags`]: a call-signature check ran before this work on the same stream
-/// ([`CHECK_KERNEL_NAME`]); every block first reads [`DevComm::aborted`] and exits, touching
-/// nothing, when the check (or an abort) set it.
-pub const WORK_CALL_CHECKED: u32 = 1;
 
 impl WorkColl {
     /// The work's (collective, algorithm, protocol, type, operator), `None` when a field is out
@@ -344,49 +338,63 @@ impl WorkColl {
 pub struct KernelArgs {
     /// Address of the communicator's [`DevComm`].
     pub comm: u64,
-    pub _pad: u64,
+    /// Address of the communicator's [`CheckDesc`] when the call-signature check is on
+    /// (`OXCCL_CHECK_CALLS=1`), else 0: the kernel first checks the call ([`crate::check`]).
+    pub check: u64,
     pub work: WorkColl,
+    /// This rank's signature of the call (when `check` is set).
+    pub sig: CallSig,
 }
 
-/// The kernel entry point (and PTX module) of the call-signature check (`OXCCL_CHECK_CALLS=1`):
-/// one block gathers every rank's [`CallSig`] over ring channel 0 on the LL protocol and
-/// compares them before the call's own kernel runs.
+/// The kernel entry point (and PTX module) of the call-signature check alone
+/// (`OXCCL_CHECK_CALLS=1`), for a call of count 0, which has no kernel of its own: one block
+/// checks the call as a collective kernel's block 0 does ([`crate::check`]).
 pub const CHECK_KERNEL_NAME: &str = "oxccl_check_call";
 
 /// Words of one call's signature ([`CallSig`]).
 pub const CALL_SIG_WORDS: usize = 4;
 
-/// What ranks must agree on for one collective call, as the check compares it: `[sequence
-/// number, count, root << 32 | func << 24 | op << 16 | dtype << 8 | algo << 4 | proto,
-/// nchannels]` (the host's `comm/call_check.rs` encodes and decodes it).
+/// What ranks must agree on for one collective call, as the check compares it: `[call number,
+/// count, root << 32 | func << 24 | op << 16 | dtype << 8 | algo << 4 | proto, nchannels]` (the
+/// host's `comm/call_check.rs` encodes and decodes it).
 pub type CallSig = [u64; CALL_SIG_WORDS];
 
 /// [`DevComm::aborted`] once a call-signature check found ranks disagreeing: every later kernel
 /// of the communicator exits at once (as on an abort).
 pub const CALL_MISMATCH: u32 = 2;
 
-/// The by-value argument of the call-signature check kernel ([`CHECK_KERNEL_NAME`]), one block.
+/// A communicator's call-signature check in device memory, written by the host at init except
+/// `done`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]
+pub struct CheckDesc {
+    /// Device memory of `nranks + 1` signatures (16-byte aligned): every rank's after the
+    /// gather, then this rank's own (the gather's input).
+    pub board: u64,
+    /// Host-visible [`CheckReport`] followed by `nranks` signatures: written only on a mismatch.
+    pub report: u64,
+    /// `u64` elements per chunk of the gather (one LL step's data).
+    pub chunk_elems: u64,
+    /// The call number whose check this rank finished last (written by the checking block):
+    /// the call's other blocks wait for it.
+    pub done: u64,
+}
+
+/// The by-value argument of the check kernel alone ([`CHECK_KERNEL_NAME`]), one block.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]
 pub struct CheckArgs {
     /// Address of the communicator's [`DevComm`].
     pub comm: u64,
-    /// Device memory of `nranks + 1` signatures: every rank's after the gather, then this
-    /// rank's own (the gather's input).
-    pub board: u64,
-    /// Host-visible [`CheckReport`] followed by `nranks` signatures: written only on a mismatch.
-    pub report: u64,
-    pub _pad: u64,
+    /// Address of its [`CheckDesc`].
+    pub check: u64,
     /// This rank's signature of the call.
     pub sig: CallSig,
-    /// The gather: an AllGather of [`CALL_SIG_WORDS`] `u64` per rank from the board's last row
-    /// into its first `nranks` rows, ring algorithm, LL protocol, channel 0 only.
-    pub work: WorkColl,
 }
 
 /// Where the call-signature check reports a mismatch (host-visible memory of each rank),
 /// followed by every rank's [`CallSig`] as gathered. `seq` is written last (after a fence):
-/// non-zero once a check found ranks disagreeing, the sequence number of this rank's call.
+/// non-zero once a check found ranks disagreeing, the number of this rank's call.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]
 pub struct CheckReport {
@@ -394,7 +402,11 @@ pub struct CheckReport {
     pub _pad: u64,
 }
 
-const _: () = assert!(core::mem::size_of::<CheckArgs>() == 128 && core::mem::size_of::<CheckReport>() == 16);
+const _: () = assert!(
+    core::mem::size_of::<CheckArgs>() == 48
+        && core::mem::size_of::<CheckReport>() == 16
+        && core::mem::size_of::<CheckDesc>() == 32
+);
 
 /// Most point-to-point works (one thread block each) of one launch: every send and receive of
 /// a group that is in flight at once, times the channels each uses. Keeps [`P2pArgs`] within the
@@ -514,7 +526,7 @@ const _: () = {
     assert!(size_of::<WorkColl>() == 64);
     assert!(offset_of!(WorkColl, root) == 48);
     assert!(offset_of!(WorkColl, nchannels) == 58);
-    assert!(size_of::<KernelArgs>() == 80);
+    assert!(size_of::<KernelArgs>() == 112);
     assert!(size_of::<WorkP2p>() == 24);
     assert!(size_of::<P2pArgs>() == 24 + 24 * MAX_P2P_WORKS && size_of::<P2pArgs>() <= 4096);
     assert!(size_of::<P2pStatus>() == 32);
