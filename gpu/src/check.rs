@@ -182,18 +182,22 @@ unsafe fn await_verdict(comm: u64, desc: u64, seq: u64, tid: u32, smem: *mut u32
     let d = desc as *const CheckDesc;
     let mut go = false;
     if tid == 0 {
+        let mut spins = 0u32;
         loop {
             // SAFETY: valid descriptor and flags (caller contract).
             unsafe {
-                if stopped(comm) {
-                    break;
-                }
                 if arch::load_volatile_u64(&raw const (*d).done) >= seq {
                     arch::fence_acq_rel_sys();
                     go = arch::load_volatile_u32(&raw const comm.aborted) == 0;
                     break;
                 }
+                // The abort flag is host memory that every waiting block would read in turn:
+                // looked at every 64th spin only.
+                if spins % 64 == 0 && stopped(comm) {
+                    break;
+                }
             }
+            spins = spins.wrapping_add(1);
             arch::spin_pause();
         }
     }
