@@ -19,7 +19,9 @@ use crate::reduce::{FuncSum, OpArgs};
 
 /// Block `bid` of a checked call's kernel: block 0 checks the call ([`check_call`]), the others
 /// wait for its verdict. Returns whether the call may go on (the same answer for every thread of
-/// the block).
+/// the block). The waiting blocks rely on block 0 running meanwhile, as every oxccl kernel
+/// relies on its blocks and its peers' being resident together (a grid of at most one block per
+/// channel, fewer than the GPU's multiprocessors).
 ///
 /// # Safety
 /// As [`check_call`] for block 0; every thread of the block calls this.
@@ -92,9 +94,9 @@ pub unsafe fn check_call(comm: u64, desc: u64, sig: &CallSig, tid: u32, nthreads
     let comm = unsafe { &*comm_ptr };
     let d = desc as *mut CheckDesc;
     // After a mismatch (or an abort) every rank skips its later checks alike, so no rank waits
-    // for a gather its peers never start.
+    // for a gather its peers never start. (Thread 0's look, shared: one read of host memory.)
     // SAFETY: caller contract.
-    if unsafe { block_bool(stopped(comm), tid, smem) } {
+    if unsafe { block_bool(tid == 0 && stopped(comm), tid, smem) } {
         return false;
     }
     let n = comm.nranks as usize;
@@ -137,10 +139,9 @@ pub unsafe fn check_call(comm: u64, desc: u64, sig: &CallSig, tid: u32, nthreads
     };
     // SAFETY: as above.
     unsafe { arch::sync_threads() };
+    // `aborted` is the block's (an abort seen by any thread reaches all through the LL
+    // primitives' shared word): after one, the board may be partial and no verdict is given.
     if tid == 0 && !aborted {
-        // An abort seen by another thread of the block left the board partial: no verdict.
-        // SAFETY: valid flag addresses (caller contract).
-        let partial = comm.abort_flag != 0 && unsafe { arch::load_volatile_u32(comm.abort_flag as *const u32) } != 0;
         let mut same = true;
         for r in 0..n {
             for (k, v) in sig.iter().enumerate() {
@@ -153,7 +154,7 @@ pub unsafe fn check_call(comm: u64, desc: u64, sig: &CallSig, tid: u32, nthreads
         // block and the descriptor are this rank's, which its kernels may write (through the raw
         // addresses, not `comm`).
         unsafe {
-            if !partial && !same {
+            if !same {
                 for i in 0..n * CALL_SIG_WORDS {
                     arch::store_volatile_u64(report.add(header + i), board.add(i).read_volatile());
                 }
@@ -167,7 +168,7 @@ pub unsafe fn check_call(comm: u64, desc: u64, sig: &CallSig, tid: u32, nthreads
         }
     }
     // SAFETY: every thread of the block calls it.
-    unsafe { !block_bool(aborted || stopped(comm), tid, smem) }
+    unsafe { !block_bool(tid == 0 && (aborted || stopped(comm)), tid, smem) }
 }
 
 /// A block other than the checking one: waits until block 0 has published the verdict of call
@@ -188,7 +189,8 @@ unsafe fn await_verdict(comm: u64, desc: u64, seq: u64, tid: u32, smem: *mut u32
             unsafe {
                 if arch::load_volatile_u64(&raw const (*d).done) >= seq {
                     arch::fence_acq_rel_sys();
-                    go = arch::load_volatile_u32(&raw const comm.aborted) == 0;
+                    // A mismatch, or an abort that came after the gather (block 0 stops then).
+                    go = arch::load_volatile_u32(&raw const comm.aborted) == 0 && !stopped(comm);
                     break;
                 }
                 // The abort flag is host memory that every waiting block would read in turn:

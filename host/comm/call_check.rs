@@ -75,7 +75,10 @@ impl CallCheck {
     /// The check's memory for a rank of `nranks` on `ctx` (the CPU target when `None`), its
     /// descriptor written (`chunk`: the gather's elements per chunk).
     fn new(ctx: Option<&Arc<cuda::Context>>, nranks: usize, chunk: u64) -> Result<CallCheck> {
-        let desc = size_of::<CheckDesc>();
+        // The board starts a 128-byte line after the descriptor: the blocks waiting on `done`
+        // do not poll the line the gather writes.
+        let desc = 128;
+        const _: () = assert!(size_of::<CheckDesc>() <= 128);
         let board = desc + (nranks + 1) * SIG_BYTES;
         let report = size_of::<CheckReport>() + nranks * SIG_BYTES;
         let mem = match ctx {

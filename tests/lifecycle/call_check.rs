@@ -22,15 +22,15 @@ fn init(devices: &[Device]) -> Vec<Comm> {
     common::init_all(devices).unwrap()
 }
 
-/// One rank's call: collective, count, root.
+/// One rank's call: collective, count, root, operator.
 #[derive(Clone, Copy)]
-struct Call(Func, usize, usize);
+struct Call(Func, usize, usize, RedOp);
 
-/// Bytes every buffer of [`diverged`] holds: enough for any call below of up to 4096 floats on up
-/// to 4 ranks.
+/// Bytes every buffer of [`diverged`] holds at least (more for a larger call): enough for any
+/// call of up to 4096 floats on up to 4 ranks.
 const BYTES: usize = 4 * 4096 * 4;
 
-/// Each rank `r` issues `calls[r]` (float, sum) from one thread, out of place, with both buffers
+/// Each rank `r` issues `calls[r]` (float) from one thread, out of place, with both buffers
 /// filled with a pattern; then every stream drains within seconds and every rank's error is
 /// `InvalidUsage` whose message, after `rank r: `, is `want`; no byte of any buffer changed; a
 /// later call returns the same error at once; abort and drop work.
@@ -38,17 +38,18 @@ fn diverged(devices: &[Device], calls: &[Call], want: &str) {
     let comms = init(devices);
     let n = comms.len();
     let streams = common::streams(&comms);
+    let bytes = BYTES.max(4 * n * calls.iter().map(|c| c.1).max().unwrap_or(0));
     let fill = |r: usize, salt: u8| -> (DeviceBuffer, Vec<u8>) {
-        let b = comms[r].device().alloc(BYTES).unwrap();
-        let pattern = common::sentinel(BYTES, salt + r as u8);
+        let b = comms[r].device().alloc(bytes).unwrap();
+        let pattern = common::sentinel(bytes, salt + r as u8);
         b.write(0, &pattern).unwrap();
         (b, pattern)
     };
     let sends: Vec<_> = (0..n).map(|r| fill(r, 1)).collect();
     let recvs: Vec<_> = (0..n).map(|r| fill(r, 101)).collect();
     let t = Instant::now();
-    for (r, &Call(func, count, root)) in calls.iter().enumerate() {
-        // SAFETY: both buffers hold BYTES, more than any call here needs, and are disjoint.
+    for (r, &Call(func, count, root, op)) in calls.iter().enumerate() {
+        // SAFETY: both buffers hold `bytes`, as much as any call here needs, and are disjoint.
         unsafe {
             comms[r]
                 .collective_raw(
@@ -57,7 +58,7 @@ fn diverged(devices: &[Device], calls: &[Call], want: &str) {
                     recvs[r].0.addr(),
                     count,
                     DataType::F32,
-                    RedOp::Sum,
+                    op,
                     root,
                     &streams[r],
                 )
@@ -115,7 +116,7 @@ fn message(calls: &str, fields: &str) -> String {
 fn ranks_that_issued_different_calls_fail_every_rank_naming_them() {
     let cpus = Device::cpus;
     // Another count on one rank of three (the plan is the same: both are small, LL on one channel).
-    let ar = |count| Call(Func::AllReduce, count, 0);
+    let ar = |count| Call(Func::AllReduce, count, 0, RedOp::Sum);
     diverged(
         &cpus(3),
         &[ar(1024), ar(1024), ar(1000)],
@@ -128,7 +129,7 @@ fn ranks_that_issued_different_calls_fail_every_rank_naming_them() {
     // Another collective: AllReduce against AllGather of the same count.
     diverged(
         &cpus(2),
-        &[ar(256), Call(Func::AllGather, 256, 0)],
+        &[ar(256), Call(Func::AllGather, 256, 0, RedOp::Sum)],
         &message(
             "rank 0 issued allreduce call #1 (256 × float, op sum; ring/LL on 1 channel); rank 1 issued \
              allgather call #1 (256 × float; ring/LL on 1 channel)",
@@ -136,7 +137,7 @@ fn ranks_that_issued_different_calls_fail_every_rank_naming_them() {
         ),
     );
     // Every rank names itself Reduce's root.
-    let reduce = |root| Call(Func::Reduce, 64, root);
+    let reduce = |root| Call(Func::Reduce, 64, root, RedOp::Sum);
     diverged(
         &cpus(3),
         &[reduce(0), reduce(1), reduce(2)],
@@ -145,6 +146,20 @@ fn ranks_that_issued_different_calls_fail_every_rank_naming_them() {
              reduce call #1 (64 × float, op sum, root 1; ring/LL on 1 channel); rank 2 issued reduce call #1 \
              (64 × float, op sum, root 2; ring/LL on 1 channel)",
             "root",
+        ),
+    );
+    // Another operator on a call of two channels: block 1 of each rank waits for block 0's
+    // verdict and writes nothing either.
+    let big = 1 << 18;
+    let reduce_op = |op: &str| -> String {
+        format!("allreduce call #1 ({big} × float, op {op}; ring/Simple on 2 channels)")
+    };
+    diverged(
+        &cpus(2),
+        &[Call(Func::AllReduce, big, 0, RedOp::Sum), Call(Func::AllReduce, big, 0, RedOp::Max)],
+        &message(
+            &format!("rank 0 issued {}; rank 1 issued {}", reduce_op("sum"), reduce_op("max")),
+            "operator",
         ),
     );
     // A call of count 0 (a no-op in NCCL, still checked) against a real one, on four ranks.
@@ -192,7 +207,7 @@ fn ranks_that_issued_different_calls_fail_every_rank_naming_them_gpu() {
     }
     diverged(
         &devices,
-        &[Call(Func::AllReduce, 1024, 0), Call(Func::AllReduce, 1000, 0)],
+        &[Call(Func::AllReduce, 1024, 0, RedOp::Sum), Call(Func::AllReduce, 1000, 0, RedOp::Sum)],
         &message(
             &format!(
                 "rank 0 issued allreduce call #1 (1024 × float, op sum; {}); rank 1 issued allreduce call #1 \
