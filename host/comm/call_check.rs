@@ -337,16 +337,7 @@ impl Comm {
         };
         let nthreads = self.params.cpu_nthreads;
         let mem = cc.mem.clone();
-        let blocks = CpuBlocks {
-            nblocks: 1,
-            nthreads,
-            team: self.params.cpu_team,
-            group: res.group.clone(),
-            process: self.process.clone(),
-            rank: self.rank,
-            recorded: None,
-        };
-        blocks.launch(
+        self.cpu_blocks(res, 1, None).launch(
             s,
             &self.inflight,
             move |_, tid, smem| {

@@ -225,15 +225,7 @@ impl Comm {
                         oxccl_gpu::abi::kernel_name_for(func, algo, proto, dtype, op).as_str(),
                     ));
                 }
-                let blocks = CpuBlocks {
-                    nblocks: args.work.nchannels as u32,
-                    nthreads: self.params.cpu_nthreads,
-                    team: self.params.cpu_team,
-                    group: res.group.clone(),
-                    process: self.process.clone(),
-                    rank: self.rank,
-                    recorded: recorded.map(|id| (self.watch.clone(), id)),
-                };
+                let blocks = self.cpu_blocks(res, args.work.nchannels as u32, recorded);
                 launch_cpu(args, blocks, s, &self.inflight)
             }
             _ => Err(Error::invalid(
@@ -244,6 +236,20 @@ impl Comm {
 }
 
 impl Comm {
+    /// A CPU-target launch of `nblocks` blocks of this rank (`recorded`: the call's
+    /// flight-recorder entry, [`timeout::Watch::begin`]).
+    pub(super) fn cpu_blocks(&self, res: &CpuRes, nblocks: u32, recorded: Option<u64>) -> CpuBlocks {
+        CpuBlocks {
+            nblocks,
+            nthreads: self.params.cpu_nthreads,
+            team: self.params.cpu_team,
+            group: res.group.clone(),
+            process: self.process.clone(),
+            rank: self.rank,
+            recorded: recorded.map(|id| (self.watch.clone(), id)),
+        }
+    }
+
     /// Queues one call's kernels on this CUDA rank's stream `s` in launch order with the ranks of
     /// its process group (module docs): after the calls of the ranks sharing its GPU; the
     /// modules `names` loaded first (one not loaded yet only once every rank of the group has
