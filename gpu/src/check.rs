@@ -78,6 +78,17 @@ unsafe fn stopped(comm: &DevComm) -> bool {
     }
 }
 
+/// Whether block 0's verdict lets the call go on: no mismatch (`DevComm::aborted`, device
+/// memory, written before the verdict). An abort after the verdict is the collective's to see.
+///
+/// # Safety
+/// `comm` is a valid comm block.
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
+unsafe fn same_verdict(comm: &DevComm) -> bool {
+    // SAFETY: caller contract.
+    unsafe { arch::load_volatile_u32(&raw const comm.aborted) == 0 }
+}
+
 /// Checks the call of signature `sig` on this block: gathers every rank's signature, compares,
 /// and publishes the verdict (`desc.done = sig[0]`, after `DevComm::aborted` on a mismatch).
 /// Returns whether the call may go on.
@@ -93,10 +104,11 @@ pub unsafe fn check_call(comm: u64, desc: u64, sig: &CallSig, tid: u32, nthreads
     // SAFETY: caller contract.
     let comm = unsafe { &*comm_ptr };
     let d = desc as *mut CheckDesc;
-    // After a mismatch (or an abort) every rank skips its later checks alike, so no rank waits
-    // for a gather its peers never start. (Thread 0's look, shared: one read of host memory.)
+    // After a mismatch every rank skips its later checks alike, so no rank waits for a gather
+    // its peers never start. (Device memory only: a host-mapped read here would put a PCIe round
+    // trip before every checked call; an abort stops the gather's waits instead.)
     // SAFETY: caller contract.
-    if unsafe { block_bool(tid == 0 && stopped(comm), tid, smem) } {
+    if unsafe { block_bool(tid == 0 && arch::load_volatile_u32(&raw const comm.aborted) != 0, tid, smem) } {
         return false;
     }
     let n = comm.nranks as usize;
@@ -162,13 +174,14 @@ pub unsafe fn check_call(comm: u64, desc: u64, sig: &CallSig, tid: u32, nthreads
                 arch::fence_acq_rel_sys();
                 arch::store_release_sys_u64(report, sig[0]);
             }
-            // The verdict for the call's other blocks: `aborted` (set above or not) before it.
-            arch::fence_acq_rel_sys();
+            // The verdict for the call's other blocks, all on this GPU: `aborted` (set above or
+            // not) before it, at GPU scope.
+            arch::fence_acq_rel_gpu();
             arch::store_volatile_u64(&raw mut (*d).done, sig[0]);
         }
     }
     // SAFETY: every thread of the block calls it.
-    unsafe { !block_bool(tid == 0 && (aborted || stopped(comm)), tid, smem) }
+    unsafe { !block_bool(tid == 0 && (aborted || !same_verdict(comm)), tid, smem) }
 }
 
 /// A block other than the checking one: waits until block 0 has published the verdict of call
@@ -188,9 +201,8 @@ unsafe fn await_verdict(comm: u64, desc: u64, seq: u64, tid: u32, smem: *mut u32
             // SAFETY: valid descriptor and flags (caller contract).
             unsafe {
                 if arch::load_volatile_u64(&raw const (*d).done) >= seq {
-                    arch::fence_acq_rel_sys();
-                    // A mismatch, or an abort that came after the gather (block 0 stops then).
-                    go = arch::load_volatile_u32(&raw const comm.aborted) == 0 && !stopped(comm);
+                    arch::fence_acq_rel_gpu();
+                    go = same_verdict(comm);
                     break;
                 }
                 // The abort flag is host memory that every waiting block would read in turn:
@@ -200,7 +212,9 @@ unsafe fn await_verdict(comm: u64, desc: u64, seq: u64, tid: u32, smem: *mut u32
                 }
             }
             spins = spins.wrapping_add(1);
-            arch::spin_pause();
+            // Up to a channel's worth of blocks poll one word while block 0 gathers: each
+            // pauses between looks, so their reads do not crowd the gather's.
+            arch::nanosleep(if spins < 16 { 32 } else { 256 });
         }
     }
     // SAFETY: every thread of the block calls it.

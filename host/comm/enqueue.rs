@@ -211,7 +211,7 @@ impl Comm {
                     s.launch(&m[0], w.nchannels as u32, self.params.nthreads, &args)
                 })?;
                 if let Some(id) = recorded {
-                    self.watch.launched(id, s);
+                    self.watch.launched(id);
                 }
                 Ok(())
             }

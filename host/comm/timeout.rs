@@ -106,11 +106,14 @@ pub(super) struct Watch {
     flag: u64,
     issued: Vec<(usize, u64)>,
     state: Mutex<State>,
-    /// CUDA: an event recorded behind each recorded collective's kernel, in slots by entry
-    /// number (`id % ENDS`), each with the entry it was recorded for; made on first use. Locked
-    /// apart from `state` (and before it, never while holding it), so the driver calls on the
-    /// events never hold up a call's `begin`.
-    ends: Mutex<Vec<Option<(cuda::Event, u64)>>>,
+    /// CUDA: one more than the newest recorded collective whose kernel is queued
+    /// ([`Watch::launched`]), 0 before the first. Its end, and every older one's, is the
+    /// completion of the rank's launch event ([`super::enqueue::LaunchState::last_event`]),
+    /// which the launch records behind each kernel anyway: a rank's kernels run one after the
+    /// other whatever their streams, so once that event completes every call launched before it
+    /// has ended. No event of its own per call: recording one behind every kernel cost each call
+    /// about 2 µs on the GPU (docs/benchmarks.md).
+    last_launched: AtomicU64,
 }
 
 /// The stream a CUDA watch reads its counters on, made on first use and kept.
@@ -129,11 +132,6 @@ struct State {
     recorder: flight_recorder::Recorder,
     reader: Reader,
 }
-
-/// Event slots of a CUDA watch ([`Watch::ends`]): at most this many recorded collectives are
-/// waited for at once; an older one whose slot is reused is marked ended if its event has
-/// completed by then, and keeps no end otherwise.
-const ENDS: usize = 256;
 
 impl Watch {
     /// A watch over rank `rank`'s calls with `limit` (polled by the process's watch thread unless
@@ -168,7 +166,7 @@ impl Watch {
                 recorder: flight_recorder::Recorder::new(s.recorder_size),
                 reader: Reader(None),
             }),
-            ends: Mutex::new(Vec::new()),
+            last_launched: AtomicU64::new(0),
         });
         if limit.is_some() || w.dump_prefix.is_some() {
             if w.dump_prefix.is_some() {
@@ -237,64 +235,27 @@ impl Watch {
         self.state().recorder.ended(id, flight_recorder::unix_ns(), outcome);
     }
 
-    /// Records an event behind recorded collective `id`'s kernel on `stream` (CUDA), which
-    /// [`Watch::refresh_ends`] turns into the entry's end. An untimed event: one recorded behind
-    /// a kernel never holds back a peer's kernel on a shared hardware queue
-    /// ([`cuda::Event::new`]). Errors are logged (the entry keeps no end).
-    pub(super) fn launched(&self, id: u64, stream: &cuda::Stream) {
-        let Busy::Cuda(_, ctx) = &self.busy else { return };
-        let outcome = self.outcome();
-        let mut ends = self.ends.lock().unwrap_or_else(|p| p.into_inner());
-        if ends.is_empty() {
-            ends.resize_with(ENDS, || None);
-        }
-        let slot = (id % ENDS as u64) as usize;
-        // The slot's previous entry: ended if its event completed, else it keeps no end.
-        if let Some((event, owner)) = &ends[slot]
-            && event.is_complete().unwrap_or(false)
-        {
-            self.state().recorder.ended(*owner, flight_recorder::unix_ns(), outcome);
-        }
-        if ends[slot].is_none() {
-            match cuda::Event::new(ctx) {
-                Ok(e) => ends[slot] = Some((e, id)),
-                Err(e) => {
-                    tracing::debug!(target: "oxccl::timeout", rank = self.rank, "flight recorder end event: {e}");
-                    return;
-                }
-            }
-        }
-        if let Some((event, owner)) = &mut ends[slot] {
-            *owner = id;
-            if let Err(e) = event.record(stream) {
-                tracing::debug!(target: "oxccl::timeout", rank = self.rank, "flight recorder end event: {e}");
-            }
-        }
+    /// Notes that recorded collective `id`'s kernel is queued (CUDA), after its launch recorded
+    /// the rank's launch event behind it: [`Watch::refresh_ends`] marks it ended once that event
+    /// (or a later recording of it) completes. No driver call.
+    pub(super) fn launched(&self, id: u64) {
+        self.last_launched.fetch_max(id + 1, Ordering::AcqRel);
     }
 
-    /// Marks ended (now) every recorded collective whose end event has completed (CUDA). Takes
-    /// the event lock, then the state's: call it without holding either.
+    /// Marks ended (now) every recorded collective launched before the rank's launch event
+    /// completed (CUDA). Takes the state's lock after the driver's query.
     fn refresh_ends(&self) {
-        let ends = self.ends.lock().unwrap_or_else(|p| p.into_inner());
-        if ends.is_empty() {
-            return;
-        }
-        let owners: Vec<u64> = ends.iter().flatten().map(|(_, owner)| *owner).collect();
-        let unended: Vec<u64> = {
-            let st = self.state();
-            st.recorder.unended().filter(|id| owners.contains(id)).collect()
-        };
-        let done: Vec<u64> = unended
-            .into_iter()
-            .filter(|&id| {
-                matches!(&ends[(id % ENDS as u64) as usize], Some((e, owner)) if *owner == id && e.is_complete().unwrap_or(false))
-            })
-            .collect();
-        if done.is_empty() {
+        let Busy::Cuda(launch, _) = &self.busy else { return };
+        // The newest launched entry first, then the event: the event was recorded behind that
+        // entry's kernel before `launched` (or re-recorded behind a later kernel, which runs after
+        // it), so its completion ends every entry before `upto`.
+        let upto = self.last_launched.load(Ordering::Acquire);
+        if upto == 0 || !launch.last_event.is_complete().unwrap_or(false) {
             return;
         }
         let (outcome, now) = (self.outcome(), flight_recorder::unix_ns());
         let mut st = self.state();
+        let done: Vec<u64> = st.recorder.unended().filter(|&id| id < upto).collect();
         for id in done {
             st.recorder.ended(id, now, outcome);
         }

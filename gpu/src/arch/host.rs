@@ -530,6 +530,22 @@ pub unsafe fn fence_acq_rel_sys() {
     fence(Ordering::AcqRel)
 }
 
+/// Acquire-release fence (the device's GPU-scope fence; on the host the same as
+/// [`fence_acq_rel_sys`]).
+///
+/// # Safety
+/// None on the host.
+#[inline(always)]
+pub unsafe fn fence_acq_rel_gpu() {
+    fence(Ordering::AcqRel)
+}
+
+/// The device's `nanosleep` while polling: on the host a [`spin_pause`].
+#[inline(always)]
+pub fn nanosleep(_ns: u32) {
+    spin_pause()
+}
+
 /// Sequentially consistent fence.
 ///
 /// # Safety

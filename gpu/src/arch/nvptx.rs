@@ -64,6 +64,26 @@ pub unsafe fn fence_acq_rel_sys() {
     unsafe { asm!("fence.acq_rel.sys;", options(nostack)) }
 }
 
+/// `fence.acq_rel.gpu`: as [`fence_acq_rel_sys`] for the observers on this GPU only (its
+/// other blocks); far cheaper than the system-scope fence, which waits for the thread's writes
+/// to reach host memory and peer GPUs.
+///
+/// # Safety
+/// None beyond being on the device.
+#[inline(always)]
+pub unsafe fn fence_acq_rel_gpu() {
+    // SAFETY: a fence has no operands.
+    unsafe { asm!("fence.acq_rel.gpu;", options(nostack)) }
+}
+
+/// `nanosleep.u32`: suspends the thread for about `ns` nanoseconds (sm_70+), so a polling
+/// thread leaves the memory system to the threads doing the work.
+#[inline(always)]
+pub fn nanosleep(ns: u32) {
+    // SAFETY: no memory operands; suspends only this thread.
+    unsafe { asm!("nanosleep.u32 {ns};", ns = in(reg32) ns, options(nostack)) }
+}
+
 /// `fence.sc.sys`: sequentially consistent fence at system scope.
 ///
 /// # Safety
