@@ -102,9 +102,22 @@ pub fn group_end() -> Result<()> {
 /// created. Errors: as [`group_end`]'s for the inits; InvalidUsage without a matching
 /// [`group_start`].
 pub fn simulate_end() -> Result<()> {
-    let (inits, queued) = end_level("simulate_end")?;
+    end_dropping("simulate_end", "simulated group end")
+}
+
+/// Ends the innermost group of this thread as [`simulate_end`] does (nothing launched, the
+/// queued sends and receives dropped, the inits carried out), for a group that must not run: one
+/// of whose calls was refused (the C library's `ncclGroupEnd` fails such a group whole, as NCCL
+/// does). Errors: as [`simulate_end`]'s.
+pub fn abandon_end() -> Result<()> {
+    end_dropping("abandon_end", "group with a refused call")
+}
+
+/// [`simulate_end`] and [`abandon_end`]: `what` names the call, `why` the log's reason.
+fn end_dropping(what: &str, why: &str) -> Result<()> {
+    let (inits, queued) = end_level(what)?;
     if !queued.is_empty() {
-        tracing::debug!(target: "oxccl::group", calls = queued.len(), "simulated group end: its sends and receives are dropped");
+        tracing::debug!(target: "oxccl::group", calls = queued.len(), "{why}: its sends and receives are dropped");
     }
     drop(queued);
     init::run(inits)

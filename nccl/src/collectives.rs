@@ -65,6 +65,26 @@ unsafe fn collective(
     root: c_int,
     stream: cudaStream_t,
 ) -> Result<()> {
+    // SAFETY: forwarded caller contract.
+    crate::group::noting_refusal(|| unsafe { collective_now(comm, func, send, recv, count, datatype, op, root, stream) })
+}
+
+/// [`collective`] without noting a refusal for the group.
+///
+/// # Safety
+/// As [`collective`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn collective_now(
+    comm: ncclComm_t,
+    func: Func,
+    send: *const c_void,
+    recv: *mut c_void,
+    count: usize,
+    datatype: ncclDataType_t,
+    op: Option<ncclRedOp_t>,
+    root: c_int,
+    stream: cudaStream_t,
+) -> Result<()> {
     let live = live(comm)?;
     let dtype = data_type(datatype)?;
     let op = match op {
@@ -98,11 +118,12 @@ unsafe fn collective(
 }
 
 /// Runs `f` (sends and receives) as one group inside the caller's (if any): the first error of
-/// `f` or of the group's end.
+/// `f` (then none of them runs) or of the group's end.
 fn grouped(f: impl FnOnce() -> Result<()>) -> Result<()> {
     oxccl::group_start()?;
     let r = f();
-    let end = oxccl::group_end();
+    // A refused send or receive: the ones queued before it do not run either.
+    let end = if r.is_ok() { oxccl::group_end() } else { oxccl::group::abandon_end() };
     r.and(end)
 }
 
@@ -228,14 +249,16 @@ nccl_api! {
         comm: ncclComm_t,
         stream: cudaStream_t,
     ) {
-        let live = live(comm)?;
-        let dtype = data_type(datatype)?;
-        let peer = non_negative("peer", peer)?;
-        let _keep = KeepCurrent::new();
-        // SAFETY: the caller's contract.
-        let stream = unsafe { live.stream(stream) };
-        // SAFETY: the caller's contract: `count` elements at `sendbuff` until the send has run.
-        unsafe { live.comm.send_raw(sendbuff as u64, count, dtype, peer, &stream) }
+        crate::group::noting_refusal(|| {
+            let live = live(comm)?;
+            let dtype = data_type(datatype)?;
+            let peer = non_negative("peer", peer)?;
+            let _keep = KeepCurrent::new();
+            // SAFETY: the caller's contract.
+            let stream = unsafe { live.stream(stream) };
+            // SAFETY: the caller's contract: `count` elements at `sendbuff` until the send has run.
+            unsafe { live.comm.send_raw(sendbuff as u64, count, dtype, peer, &stream) }
+        })
     }
 
     /// Receives `count` elements from rank `peer` (see `ncclSend`).
@@ -247,14 +270,16 @@ nccl_api! {
         comm: ncclComm_t,
         stream: cudaStream_t,
     ) {
-        let live = live(comm)?;
-        let dtype = data_type(datatype)?;
-        let peer = non_negative("peer", peer)?;
-        let _keep = KeepCurrent::new();
-        // SAFETY: the caller's contract.
-        let stream = unsafe { live.stream(stream) };
-        // SAFETY: the caller's contract: `count` elements at `recvbuff` until the receive has run.
-        unsafe { live.comm.recv_raw(recvbuff as u64, count, dtype, peer, &stream) }
+        crate::group::noting_refusal(|| {
+            let live = live(comm)?;
+            let dtype = data_type(datatype)?;
+            let peer = non_negative("peer", peer)?;
+            let _keep = KeepCurrent::new();
+            // SAFETY: the caller's contract.
+            let stream = unsafe { live.stream(stream) };
+            // SAFETY: the caller's contract: `count` elements at `recvbuff` until the receive has run.
+            unsafe { live.comm.recv_raw(recvbuff as u64, count, dtype, peer, &stream) }
+        })
     }
 
     /// Block `p` of `sendbuff` (`count` elements at element `p × count`) goes to rank `p`, whose
@@ -268,33 +293,35 @@ nccl_api! {
         comm: ncclComm_t,
         stream: cudaStream_t,
     ) {
-        let live = live(comm)?;
-        let dtype = data_type(datatype)?;
-        let n = live.comm.count();
-        let bytes = bytes_of(count, dtype)?;
-        let (send, recv) = (sendbuff as u64, recvbuff as u64);
-        needed("sendbuff", send, bytes)?;
-        needed("recvbuff", recv, bytes)?;
-        let total = bytes.checked_mul(n as u64).ok_or_else(|| {
-            Error::InvalidArgument(format!("count {count} × {n} ranks overflows the byte size"))
-        })?;
-        if total > 0 && send < recv.saturating_add(total) && recv < send.saturating_add(total) {
-            return Err(Error::InvalidArgument(format!(
-                "sendbuff and recvbuff overlap ({total} bytes each): ncclAlltoAll has no in-place form"
-            )));
-        }
-        let _keep = KeepCurrent::new();
-        // SAFETY: the caller's contract.
-        let stream = unsafe { live.stream(stream) };
-        grouped(|| {
-            for p in 0..n {
-                // SAFETY: the caller's contract: `n × count` elements in each buffer.
-                unsafe {
-                    live.comm.send_raw(block(send, p, bytes)?, count, dtype, p, &stream)?;
-                    live.comm.recv_raw(block(recv, p, bytes)?, count, dtype, p, &stream)?;
-                }
+        crate::group::noting_refusal(|| {
+            let live = live(comm)?;
+            let dtype = data_type(datatype)?;
+            let n = live.comm.count();
+            let bytes = bytes_of(count, dtype)?;
+            let (send, recv) = (sendbuff as u64, recvbuff as u64);
+            needed("sendbuff", send, bytes)?;
+            needed("recvbuff", recv, bytes)?;
+            let total = bytes.checked_mul(n as u64).ok_or_else(|| {
+                Error::InvalidArgument(format!("count {count} × {n} ranks overflows the byte size"))
+            })?;
+            if total > 0 && send < recv.saturating_add(total) && recv < send.saturating_add(total) {
+                return Err(Error::InvalidArgument(format!(
+                    "sendbuff and recvbuff overlap ({total} bytes each): ncclAlltoAll has no in-place form"
+                )));
             }
-            Ok(())
+            let _keep = KeepCurrent::new();
+            // SAFETY: the caller's contract.
+            let stream = unsafe { live.stream(stream) };
+            grouped(|| {
+                for p in 0..n {
+                    // SAFETY: the caller's contract: `n × count` elements in each buffer.
+                    unsafe {
+                        live.comm.send_raw(block(send, p, bytes)?, count, dtype, p, &stream)?;
+                        live.comm.recv_raw(block(recv, p, bytes)?, count, dtype, p, &stream)?;
+                    }
+                }
+                Ok(())
+            })
         })
     }
 
@@ -309,36 +336,38 @@ nccl_api! {
         comm: ncclComm_t,
         stream: cudaStream_t,
     ) {
-        let live = live(comm)?;
-        let dtype = data_type(datatype)?;
-        let (n, me) = (live.comm.count(), live.comm.user_rank());
-        let root = non_negative("root", root)?;
-        if root >= n {
-            return Err(Error::InvalidArgument(format!(
-                "root {root} is out of range for ncclGather (accepted: 0..{n})"
-            )));
-        }
-        let bytes = bytes_of(count, dtype)?;
-        let (send, recv) = (sendbuff as u64, recvbuff as u64);
-        needed("sendbuff", send, bytes)?;
-        if me == root {
-            needed("recvbuff (on the root)", recv, bytes)?;
-        }
-        let _keep = KeepCurrent::new();
-        // SAFETY: the caller's contract.
-        let stream = unsafe { live.stream(stream) };
-        grouped(|| {
-            // SAFETY: the caller's contract: `count` elements at `sendbuff`, `n × count` at the
-            // root's `recvbuff`.
-            unsafe {
-                live.comm.send_raw(send, count, dtype, root, &stream)?;
-                if me == root {
-                    for p in 0..n {
-                        live.comm.recv_raw(block(recv, p, bytes)?, count, dtype, p, &stream)?;
+        crate::group::noting_refusal(|| {
+            let live = live(comm)?;
+            let dtype = data_type(datatype)?;
+            let (n, me) = (live.comm.count(), live.comm.user_rank());
+            let root = non_negative("root", root)?;
+            if root >= n {
+                return Err(Error::InvalidArgument(format!(
+                    "root {root} is out of range for ncclGather (accepted: 0..{n})"
+                )));
+            }
+            let bytes = bytes_of(count, dtype)?;
+            let (send, recv) = (sendbuff as u64, recvbuff as u64);
+            needed("sendbuff", send, bytes)?;
+            if me == root {
+                needed("recvbuff (on the root)", recv, bytes)?;
+            }
+            let _keep = KeepCurrent::new();
+            // SAFETY: the caller's contract.
+            let stream = unsafe { live.stream(stream) };
+            grouped(|| {
+                // SAFETY: the caller's contract: `count` elements at `sendbuff`, `n × count` at the
+                // root's `recvbuff`.
+                unsafe {
+                    live.comm.send_raw(send, count, dtype, root, &stream)?;
+                    if me == root {
+                        for p in 0..n {
+                            live.comm.recv_raw(block(recv, p, bytes)?, count, dtype, p, &stream)?;
+                        }
                     }
                 }
-            }
-            Ok(())
+                Ok(())
+            })
         })
     }
 
@@ -353,36 +382,38 @@ nccl_api! {
         comm: ncclComm_t,
         stream: cudaStream_t,
     ) {
-        let live = live(comm)?;
-        let dtype = data_type(datatype)?;
-        let (n, me) = (live.comm.count(), live.comm.user_rank());
-        let root = non_negative("root", root)?;
-        if root >= n {
-            return Err(Error::InvalidArgument(format!(
-                "root {root} is out of range for ncclScatter (accepted: 0..{n})"
-            )));
-        }
-        let bytes = bytes_of(count, dtype)?;
-        let (send, recv) = (sendbuff as u64, recvbuff as u64);
-        needed("recvbuff", recv, bytes)?;
-        if me == root {
-            needed("sendbuff (on the root)", send, bytes)?;
-        }
-        let _keep = KeepCurrent::new();
-        // SAFETY: the caller's contract.
-        let stream = unsafe { live.stream(stream) };
-        grouped(|| {
-            // SAFETY: the caller's contract: `n × count` elements at the root's `sendbuff`,
-            // `count` at `recvbuff`.
-            unsafe {
-                if me == root {
-                    for p in 0..n {
-                        live.comm.send_raw(block(send, p, bytes)?, count, dtype, p, &stream)?;
-                    }
-                }
-                live.comm.recv_raw(recv, count, dtype, root, &stream)?;
+        crate::group::noting_refusal(|| {
+            let live = live(comm)?;
+            let dtype = data_type(datatype)?;
+            let (n, me) = (live.comm.count(), live.comm.user_rank());
+            let root = non_negative("root", root)?;
+            if root >= n {
+                return Err(Error::InvalidArgument(format!(
+                    "root {root} is out of range for ncclScatter (accepted: 0..{n})"
+                )));
             }
-            Ok(())
+            let bytes = bytes_of(count, dtype)?;
+            let (send, recv) = (sendbuff as u64, recvbuff as u64);
+            needed("recvbuff", recv, bytes)?;
+            if me == root {
+                needed("sendbuff (on the root)", send, bytes)?;
+            }
+            let _keep = KeepCurrent::new();
+            // SAFETY: the caller's contract.
+            let stream = unsafe { live.stream(stream) };
+            grouped(|| {
+                // SAFETY: the caller's contract: `n × count` elements at the root's `sendbuff`,
+                // `count` at `recvbuff`.
+                unsafe {
+                    if me == root {
+                        for p in 0..n {
+                            live.comm.send_raw(block(send, p, bytes)?, count, dtype, p, &stream)?;
+                        }
+                    }
+                    live.comm.recv_raw(recv, count, dtype, root, &stream)?;
+                }
+                Ok(())
+            })
         })
     }
 }

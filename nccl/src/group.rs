@@ -32,9 +32,13 @@
 //! one collective's time), 0 when there are none. For a group of one collective this is what
 //! NCCL reports (its model's time of the call); for several NCCL reports its last call's.
 //!
-//! A collective, send or receive refused at the call (an argument error) is not queued; the
-//! rest of the group still runs at its end, and `ncclGroupEnd` succeeds (NCCL makes the whole
-//! group fail at `ncclGroupEnd` and runs none of it).
+//! **A refused call fails its group**, as in NCCL: a collective, send, receive, AlltoAll,
+//! Gather or Scatter refused inside a group (an argument error, returned at the call) makes the
+//! outermost `ncclGroupEnd` run none of the group's collectives, sends and receives and return
+//! that first error (its inits, splits and shrinks are still carried out, and the communicators
+//! stay usable: every rank that issued the same calls gets the same error and none of them waits
+//! for work that never comes). `ncclGroupSimulateEnd` forgets the error with the rest of the
+//! group.
 use crate::cuda::KeepCurrent;
 use crate::errors::non_null;
 use crate::handles::{self, Clique, Live, Target};
@@ -62,6 +66,25 @@ pub(crate) struct DeferredColl {
 
 thread_local! {
     static COLLS: RefCell<Vec<DeferredColl>> = const { RefCell::new(Vec::new()) };
+}
+
+thread_local! {
+    /// The first error of a call refused inside this thread's group (module docs).
+    static REFUSED: RefCell<Option<Error>> = const { RefCell::new(None) };
+}
+
+/// Runs `call` (a collective or point-to-point call's body); inside a group, its error is also
+/// the group's ([`group_end`] then runs none of the group's work).
+pub(crate) fn noting_refusal(call: impl FnOnce() -> Result<()>) -> Result<()> {
+    let r = call();
+    if let Err(e) = &r
+        && oxccl::group::group_depth() > 0
+    {
+        REFUSED.with(|f| {
+            f.borrow_mut().get_or_insert_with(|| e.clone());
+        });
+    }
+    r
 }
 
 /// Queues a checked collective for the end of this thread's group.
@@ -241,6 +264,21 @@ fn group_end() -> Result<()> {
     };
     let _keep = KeepCurrent::new();
     let split = if splits.is_empty() { Ok(()) } else { run_splits(splits) };
+    if let Some(refused) = REFUSED.with(|f| f.borrow_mut().take()) {
+        // A call of the group was refused: none of its work runs (module docs).
+        if !colls.is_empty() {
+            tracing::debug!(target: "oxccl::nccl", collectives = colls.len(), "group with a refused call: its collectives are dropped");
+        }
+        drop(colls);
+        let ended = oxccl::group::abandon_end();
+        publish(inits);
+        // The inits' and splits' own failures reach their handles; the group's error is the
+        // refused call's.
+        if let Err(e) = split.and(ended) {
+            tracing::debug!(target: "oxccl::nccl", "group with a refused call, also: {e}");
+        }
+        return Err(refused);
+    }
     let ran = run_collectives(colls);
     let ended = oxccl::group_end();
     publish(inits);
@@ -289,6 +327,7 @@ fn simulate_end() -> Result<Option<f64>> {
     }
     let estimate = estimate.map(|()| per_comm.iter().map(|&(_, t)| t).fold(0.0, f64::max));
     drop(colls);
+    REFUSED.with(|f| f.borrow_mut().take());
     let split = if splits.is_empty() { Ok(()) } else { run_splits(splits) };
     let ended = oxccl::group::simulate_end();
     publish(inits);

@@ -668,6 +668,25 @@ fn collectives_wait_for_the_group_end_and_a_simulated_group_runs_nothing() {
     assert!(p2p_recv.iter().all(|v| v.iter().all(|&x| x == -1.0)), "a simulated receive ran");
     // SAFETY: as above.
     unsafe {
+        // A group with a refused call runs none of its work: the refused call's error comes
+        // back at the call and again from ncclGroupEnd, as in NCCL; the ranks stay in step.
+        expect((api.group_start)(), SUCCESS, &[]);
+        for r in 0..2 {
+            expect((api.all_reduce)(ptr(&send[r]), mptr(&mut recv[r]), big, FLOAT, SUM, comms[r], null_mut()), SUCCESS, &[]);
+            let peer = 1 - r as c_int;
+            expect((api.send)(ptr(&p2p_send[r]), 4, FLOAT, peer, comms[r], null_mut()), SUCCESS, &[]);
+            expect((api.recv)(mptr(&mut p2p_recv[r]), 4, FLOAT, peer, comms[r], null_mut()), SUCCESS, &[]);
+        }
+        expect(
+            (api.send)(ptr(&p2p_send[0]), 4, FLOAT, 2, comms[0], null_mut()),
+            INVALID_ARGUMENT,
+            &["ncclSend", "peer"],
+        );
+        expect((api.group_end)(), INVALID_ARGUMENT, &["ncclGroupEnd", "peer"]);
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(recv.iter().all(|v| v.iter().all(|&x| x == -1.0)), "a collective of a refused group ran");
+        assert!(p2p_recv.iter().all(|v| v.iter().all(|&x| x == -1.0)), "a receive of a refused group ran");
+
         expect((api.group_start)(), SUCCESS, &[]);
         // An argument error is returned at the call, inside the group.
         expect(
@@ -675,6 +694,9 @@ fn collectives_wait_for_the_group_end_and_a_simulated_group_runs_nothing() {
             INVALID_ARGUMENT,
             &["ncclAllReduce", "sendbuff is NULL"],
         );
+        expect((api.group_end)(), INVALID_ARGUMENT, &["ncclGroupEnd", "sendbuff is NULL"]);
+        // The error belonged to that group: the next one runs.
+        expect((api.group_start)(), SUCCESS, &[]);
         for r in 0..2 {
             expect((api.all_reduce)(ptr(&send[r]), mptr(&mut recv[r]), big, FLOAT, SUM, comms[r], null_mut()), SUCCESS, &[]);
         }
