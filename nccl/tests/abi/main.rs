@@ -9,11 +9,13 @@
 //! | `errors` | NULL arguments named, dead handles, group misuse, what is not supported yet |
 //! | `config` | `ncclConfig_t`: size, magic, version, values, `blocking = 0` |
 //! | `cpu` | every collective end to end, grouped inits, teardown from one thread, C and Rust ranks, `ncclCommInitAll`, abort, revoke, collectives in groups, `ncclGroupSimulateEnd` |
+//! | `cudarc` | cudarc's `nccl` safe API on the library (GPU; a child process with the library first on `LD_LIBRARY_PATH`) |
 //! | `c_program` | the C program `tests/c/cpu_target.c`, compiled with the system C compiler against `nccl.h` and linked with `-lnccl`: ranks as processes and as threads |
 mod common;
 
 mod c_program;
 mod config;
+mod cudarc;
 mod cpu;
 mod errors;
 mod library;
