@@ -87,6 +87,24 @@ pub fn version() -> Result<i32> {
     result::get_nccl_version().map_err(|e| nccl_err("ncclGetVersion", e))
 }
 
+/// The file the loaded NCCL was mapped from (`/proc/self/maps`), when one is: which library
+/// `--compare nccl` measured — the system's, PyTorch's, or oxccl's own `libnccl.so.2` found
+/// first on `LD_LIBRARY_PATH` (its C entry points against the Rust API in the same run).
+pub fn loaded_from() -> Option<String> {
+    if !available() {
+        return None;
+    }
+    libnccl_in_maps(&std::fs::read_to_string("/proc/self/maps").ok()?)
+}
+
+/// The path of the first `libnccl` file mapped in `maps` (the text of `/proc/<pid>/maps`).
+fn libnccl_in_maps(maps: &str) -> Option<String> {
+    maps.lines()
+        .filter_map(|l| l.split_whitespace().nth(5))
+        .find(|p| p.rsplit('/').next().is_some_and(|f| f.starts_with("libnccl")))
+        .map(str::to_string)
+}
+
 /// "2.28.3" from a version code.
 pub fn version_string(code: i32) -> String {
     format!("{}.{}.{}", code / 10000, code / 100 % 100, code % 100)
@@ -436,5 +454,19 @@ impl Drop for NcclComms {
                 tracing::warn!(target: "oxccl::perf", "ncclCommDestroy failed: {:?}", e.0);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_mapped_libnccl_is_found_in_maps() {
+        let maps = "7f00-7f10 r--p 00000000 08:01 12 /usr/lib/x86_64-linux-gnu/libcuda.so.1\n\
+                    7f10-7f20 r-xp 00001000 08:01 34 /opt/oxccl/target/release/libnccl.so\n\
+                    7f20-7f30 rw-p 00000000 00:00 0 \n";
+        assert_eq!(libnccl_in_maps(maps).as_deref(), Some("/opt/oxccl/target/release/libnccl.so"));
+        assert_eq!(libnccl_in_maps("7f00-7f10 r--p 0 08:01 12 /usr/lib/libcudart.so.13\n7f20-7f30 rw-p 0 00:00 0\n"), None);
     }
 }

@@ -573,7 +573,10 @@ fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         if let Ok(v) = nccl::version()
             && (nccl_main || compare_nccl)
         {
-            println!("# NCCL {}", nccl::version_string(v));
+            match nccl::loaded_from() {
+                Some(path) => println!("# NCCL {} ({path})", nccl::version_string(v)),
+                None => println!("# NCCL {}", nccl::version_string(v)),
+            }
         }
     }
     if let Backend::Oxccl(comms) = &main {
