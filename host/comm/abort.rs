@@ -304,7 +304,7 @@ impl Comm {
         if let Res::Cuda(res) = &self.res
             && res.launch.launched.load(Ordering::Acquire)
         {
-            res.launch.last_event.is_complete()?;
+            res.launch.last_complete()?;
         }
         let mp = self.init_rank_res();
         // After teardown (finalize) peers exit when they like.

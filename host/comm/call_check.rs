@@ -322,9 +322,9 @@ impl Comm {
     /// ordering (`enqueue.rs`).
     pub(super) fn launch_check(&self, args: CheckArgs, stream: &Stream) -> Result<()> {
         match (&self.res, stream) {
-            (Res::Cuda(res), Stream::Cuda(s)) => self.launch_cuda(res, s, &[CHECK_KERNEL_NAME], |m| {
-                s.launch(&m[0], 1, self.params.nthreads, &args)
-            }),
+            (Res::Cuda(res), Stream::Cuda(s)) => self
+                .launch_cuda(res, s, &[CHECK_KERNEL_NAME], |m| s.launch(&m[0], 1, self.params.nthreads, &args))
+                .map(drop),
             (Res::Cpu(res), Stream::Cpu(s)) => self.launch_check_cpu(res, s, args),
             _ => Err(Error::invalid("stream and communicator are of different backends")),
         }

@@ -98,11 +98,19 @@ pub struct Choice {
 
 
 
-/// A CUDA rank's last launch: an event recorded after its latest kernel, and whether it ever
-/// launched. Shared with its process group (`Comm::init_all`), so an abort can wait for the peers' kernels
-/// (direct writes land in user buffers, see [`Comm::abort`]).
+/// Launch events per CUDA rank ([`LaunchState`]): the flight recorder sees a call's own end as
+/// long as fewer than this many launches came after it.
+pub(super) const LAUNCH_EVENTS: usize = 64;
+
+/// A CUDA rank's launches: an untimed event recorded after each kernel, in a ring of
+/// [`LAUNCH_EVENTS`] (launch `n` in slot `n % LAUNCH_EVENTS`), and how many were recorded.
+/// Shared with its process group (`Comm::init_all`), so an abort can wait for the peers' kernels
+/// (direct writes land in user buffers, see [`Comm::abort`]); the flight recorder reads a call's
+/// end from its launch's event ([`super::timeout::Watch::launched`]).
 pub(super) struct LaunchState {
-    pub(super) last_event: cuda::Event,
+    events: Vec<cuda::Event>,
+    /// Launch events recorded so far; the newest is `recorded - 1`.
+    recorded: std::sync::atomic::AtomicU64,
     pub(super) launched: std::sync::atomic::AtomicBool,
     /// Kernels this rank has launched (the group's launch ordering, [`wait_launches`]).
     pub(super) issued: std::sync::atomic::AtomicU64,
@@ -111,14 +119,45 @@ pub(super) struct LaunchState {
 impl LaunchState {
     pub(super) fn new(ctx: &Arc<cuda::Context>) -> Result<Arc<LaunchState>> {
         Ok(Arc::new(LaunchState {
-            last_event: cuda::Event::new(ctx)?,
+            events: (0..LAUNCH_EVENTS).map(|_| cuda::Event::new(ctx)).collect::<Result<_>>()?,
+            recorded: 0.into(),
             launched: false.into(),
             issued: 0.into(),
         }))
     }
+
+    /// Records the next launch event behind what `stream` holds (the kernel just launched) and
+    /// marks the rank launched; returns the launch's number. One launching thread per rank at a
+    /// time (its calls are issued in order).
+    pub(super) fn record(&self, stream: &cuda::Stream) -> Result<u64> {
+        let n = self.recorded.load(Ordering::Acquire);
+        self.events[n as usize % LAUNCH_EVENTS].record(stream)?;
+        self.recorded.store(n + 1, Ordering::Release);
+        self.launched.store(true, Ordering::Release);
+        Ok(n)
+    }
+
+    /// Whether launch `n`'s kernel has completed: its event, or when a later launch has reused
+    /// its slot that later launch's (a rank's kernels run in order); false for launches not
+    /// recorded yet.
+    pub(super) fn completed(&self, n: u64) -> Result<bool> {
+        if n >= self.recorded.load(Ordering::Acquire) {
+            return Ok(false);
+        }
+        self.events[n as usize % LAUNCH_EVENTS].is_complete()
+    }
+
+    /// Whether the newest launch's kernel has completed (true before the first launch).
+    pub(super) fn last_complete(&self) -> Result<bool> {
+        match self.recorded.load(Ordering::Acquire) {
+            0 => Ok(true),
+            n => self.completed(n - 1),
+        }
+    }
+
     /// True when nothing this rank launched is still queued or running.
     pub(super) fn idle(&self) -> Result<bool> {
-        Ok(!self.launched.load(Ordering::Acquire) || self.last_event.is_complete()?)
+        Ok(!self.launched.load(Ordering::Acquire) || self.last_complete()?)
     }
 }
 
@@ -207,11 +246,11 @@ impl Comm {
                     return Err(Error::Internal("work element with an invalid enum".into()));
                 };
                 let name = oxccl_gpu::abi::kernel_name_for(func, algo, proto, dtype, op);
-                self.launch_cuda(res, s, &[name.as_str()], |m| {
+                let n = self.launch_cuda(res, s, &[name.as_str()], |m| {
                     s.launch(&m[0], w.nchannels as u32, self.params.nthreads, &args)
                 })?;
                 if let Some(id) = recorded {
-                    self.watch.launched(id);
+                    self.watch.launched(id, n);
                 }
                 Ok(())
             }
@@ -256,14 +295,14 @@ impl Comm {
     /// launched what came before); then `go` launches them (`go` gets them in the order of
     /// `names`) and the call counts as one launch of the ordering, however many kernels it
     /// queued. Loading every module before the first kernel keeps a load from waiting for this
-    /// call's own first kernel.
+    /// call's own first kernel. Returns the launch's number ([`LaunchState::record`]).
     pub(super) fn launch_cuda(
         &self,
         res: &CudaRes,
         s: &cuda::Stream,
         names: &[&str],
         go: impl FnOnce(&[Arc<cuda::Module>]) -> Result<()>,
-    ) -> Result<()> {
+    ) -> Result<u64> {
         let issued = res.launch.issued.load(Ordering::Acquire);
         let process = self.process.as_deref();
         let counter = |p: usize| process.and_then(|g| g.launch(p)).map(|l| (p, &l.issued));
@@ -293,10 +332,9 @@ impl Comm {
             });
         }
         go(&modules)?;
-        res.launch.last_event.record(s)?;
-        res.launch.launched.store(true, Ordering::Release);
+        let n = res.launch.record(s)?;
         res.launch.issued.store(issued + 1, Ordering::Release);
-        Ok(())
+        Ok(n)
     }
 }
 

@@ -415,7 +415,7 @@ impl Drop for Comm {
                     return;
                 }
                 loop {
-                    match res.launch.last_event.is_complete() {
+                    match res.launch.last_complete() {
                         Ok(true) => return,
                         Ok(false) if start.elapsed() < DROP_WAIT => {
                             std::thread::sleep(Duration::from_millis(1))

@@ -152,8 +152,7 @@ impl P2pTarget {
         match (&self.backend, stream) {
             (Backend::Cuda { launch, module, .. }, Stream::Cuda(s)) => {
                 s.launch(module, works.len() as u32, self.nthreads, &args)?;
-                launch.last_event.record(s)?;
-                launch.launched.store(true, Ordering::Release);
+                launch.record(s)?;
                 Ok(())
             }
             (Backend::Cpu { group, process, inflight }, Stream::Cpu(s)) => {

@@ -106,14 +106,12 @@ pub(super) struct Watch {
     flag: u64,
     issued: Vec<(usize, u64)>,
     state: Mutex<State>,
-    /// CUDA: one more than the newest recorded collective whose kernel is queued
-    /// ([`Watch::launched`]), 0 before the first. Its end, and every older one's, is the
-    /// completion of the rank's launch event ([`super::enqueue::LaunchState::last_event`]),
-    /// which the launch records behind each kernel anyway: a rank's kernels run one after the
-    /// other whatever their streams, so once that event completes every call launched before it
-    /// has ended. No event of its own per call: recording one behind every kernel cost each call
-    /// about 2 µs on the GPU (docs/benchmarks.md).
-    last_launched: AtomicU64,
+    /// CUDA: the recorded collective of each launch event slot (launch `n` in slot
+    /// `n % LAUNCH_EVENTS`) as `(entry id, n)` ([`Watch::launched`]). A call's end is the
+    /// completion of its launch's event, which the launch records behind every kernel anyway
+    /// ([`super::enqueue::LaunchState::record`]): no event of its own per call (recording one
+    /// behind every kernel cost each call about 2 µs on the GPU, docs/benchmarks.md).
+    launches: Mutex<Vec<Option<(u64, u64)>>>,
 }
 
 /// The stream a CUDA watch reads its counters on, made on first use and kept.
@@ -166,7 +164,7 @@ impl Watch {
                 recorder: flight_recorder::Recorder::new(s.recorder_size),
                 reader: Reader(None),
             }),
-            last_launched: AtomicU64::new(0),
+            launches: Mutex::new(vec![None; super::enqueue::LAUNCH_EVENTS]),
         });
         if limit.is_some() || w.dump_prefix.is_some() {
             if w.dump_prefix.is_some() {
@@ -235,28 +233,30 @@ impl Watch {
         self.state().recorder.ended(id, flight_recorder::unix_ns(), outcome);
     }
 
-    /// Notes that recorded collective `id`'s kernel is queued (CUDA), after its launch recorded
-    /// the rank's launch event behind it: [`Watch::refresh_ends`] marks it ended once that event
-    /// (or a later recording of it) completes. No driver call.
-    pub(super) fn launched(&self, id: u64) {
-        self.last_launched.fetch_max(id + 1, Ordering::AcqRel);
+    /// Notes that recorded collective `id`'s kernel is queued (CUDA) as launch `n`
+    /// ([`super::enqueue::LaunchState::record`]): [`Watch::refresh_ends`] marks it ended once
+    /// that launch's event completes. No driver call.
+    pub(super) fn launched(&self, id: u64, n: u64) {
+        let mut l = self.launches.lock().unwrap_or_else(|p| p.into_inner());
+        let k = n as usize % l.len();
+        l[k] = Some((id, n));
     }
 
-    /// Marks ended (now) every recorded collective launched before the rank's launch event
-    /// completed (CUDA). Takes the state's lock after the driver's query.
+    /// Marks ended (now) every recorded collective whose launch event has completed (CUDA), with
+    /// the outcome the abort flag tells now, and every one before it (a rank's kernels run in
+    /// order; a call whose slot a later launch took before any look ends with that launch).
+    /// Takes the launches' lock, then the state's.
     fn refresh_ends(&self) {
         let Busy::Cuda(launch, _) = &self.busy else { return };
-        // The newest launched entry first, then the event: the event was recorded behind that
-        // entry's kernel before `launched` (or re-recorded behind a later kernel, which runs after
-        // it), so its completion ends every entry before `upto`.
-        let upto = self.last_launched.load(Ordering::Acquire);
-        if upto == 0 || !launch.last_event.is_complete().unwrap_or(false) {
-            return;
-        }
+        let upto = {
+            let l = self.launches.lock().unwrap_or_else(|p| p.into_inner());
+            l.iter().flatten().filter(|&&(_, n)| launch.completed(n).unwrap_or(false)).map(|&(id, _)| id).max()
+        };
+        let Some(upto) = upto else { return };
         let (outcome, now) = (self.outcome(), flight_recorder::unix_ns());
         let mut st = self.state();
-        let done: Vec<u64> = st.recorder.unended().filter(|&id| id < upto).collect();
-        for id in done {
+        let ended: Vec<u64> = st.recorder.unended().filter(|&id| id <= upto).collect();
+        for id in ended {
             st.recorder.ended(id, now, outcome);
         }
     }
