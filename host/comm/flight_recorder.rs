@@ -18,9 +18,9 @@
 //! [oldest first: {"seq", "func", "count", "dtype", "op", "root", "algo", "proto", "nchannels",
 //! "issued_unix_ns", "started_unix_ns", "ended_unix_ns", "outcome"}]}`. A collective's kernel
 //! is marked started and ended when it starts and ends on the CPU target; on GPUs its start is
-//! not known (null) and its end is the time the watch thread (or the dump) first saw the event
-//! recorded behind it complete — within the watch's tick, a sixteenth of `OXCCL_TIMEOUT` up to
-//! 100 ms. `"outcome"`: `"completed"`, `"aborted"` (its rank's abort flag was raised: an abort,
+//! not known (null) and its end is the time the watch thread (or the dump) first saw its launch's
+//! event (the one the launch records behind every kernel) complete — within the watch's tick, a
+//! sixteenth of `OXCCL_TIMEOUT` up to 100 ms; after 64 later launches unseen, with a later one. `"outcome"`: `"completed"`, `"aborted"` (its rank's abort flag was raised: an abort,
 //! or another rank's), `"timed out"`, or null while it has not ended. A send or receive (`"func": "send"` or `"recv"`, recorded when issued,
 //! in or outside a group) has the same fields, `seq`, `op`, `root`, `algo`, `proto` and
 //! `nchannels` null (only collectives are numbered by `seq` and counted in `issued`: ranks issue
