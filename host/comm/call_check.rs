@@ -319,25 +319,30 @@ impl Comm {
     }
 
     /// Queues the check `args` alone (a call of count 0): on a GPU as one call of the launch
-    /// ordering (`enqueue.rs`).
-    pub(super) fn launch_check(&self, args: CheckArgs, stream: &Stream) -> Result<()> {
+    /// ordering (`enqueue.rs`); `recorded`: the call's flight-recorder entry, ended with the
+    /// check.
+    pub(super) fn launch_check(&self, args: CheckArgs, stream: &Stream, recorded: Option<u64>) -> Result<()> {
         match (&self.res, stream) {
-            (Res::Cuda(res), Stream::Cuda(s)) => self
-                .launch_cuda(res, s, &[CHECK_KERNEL_NAME], |m| s.launch(&m[0], 1, self.params.nthreads, &args))
-                .map(drop),
-            (Res::Cpu(res), Stream::Cpu(s)) => self.launch_check_cpu(res, s, args),
+            (Res::Cuda(res), Stream::Cuda(s)) => {
+                let n = self.launch_cuda(res, s, &[CHECK_KERNEL_NAME], |m| s.launch(&m[0], 1, self.params.nthreads, &args))?;
+                if let Some(id) = recorded {
+                    self.watch.launched(id, n);
+                }
+                Ok(())
+            }
+            (Res::Cpu(res), Stream::Cpu(s)) => self.launch_check_cpu(res, s, args, recorded),
             _ => Err(Error::invalid("stream and communicator are of different backends")),
         }
     }
 
     /// Queues the check `args` alone on the CPU target's stream `s`: one block.
-    fn launch_check_cpu(&self, res: &CpuRes, s: &CpuStream, args: CheckArgs) -> Result<()> {
+    fn launch_check_cpu(&self, res: &CpuRes, s: &CpuStream, args: CheckArgs, recorded: Option<u64>) -> Result<()> {
         let Some(cc) = &self.call_check else {
             return Err(Error::Internal("a call check without its memory".into()));
         };
         let nthreads = self.params.cpu_nthreads;
         let mem = cc.mem.clone();
-        self.cpu_blocks(res, 1, None).launch(
+        self.cpu_blocks(res, 1, recorded).launch(
             s,
             &self.inflight,
             move |_, tid, smem| {
@@ -362,6 +367,9 @@ impl Comm {
         let e = cc.error.get_or_init(|| {
             let msg = mismatch_message(self.rank, &sigs);
             tracing::error!(target: "oxccl::coll", rank = self.rank, "{msg}");
+            if let Some(own) = sigs.get(self.rank) {
+                self.watch.call_mismatch(own[0]);
+            }
             Error::InvalidUsage(msg)
         });
         Some(e.clone())

@@ -342,9 +342,26 @@ impl Comm {
             self.checked_call(func, send, recv, count, dtype, &op, root, stream)?;
         if count == 0 {
             // Nothing moves; with the call-signature check on, the ranks still compare the call.
+            // The flight recorder numbers it as the check does (every collective call).
+            let recorded = (self.nranks > 1).then(|| {
+                self.watch.begin(timeout::CallRecord {
+                    seq: 0,
+                    func,
+                    count,
+                    dtype,
+                    op: dev_op,
+                    root,
+                    choice: None,
+                })
+            });
             return match self.check_args(func, 0, dtype, dev_op, root, None) {
-                Some(check) => self.launch_check(check, stream),
-                None => Ok(()),
+                Some(check) => self.launch_check(check, stream, recorded),
+                None => {
+                    if let Some(id) = recorded {
+                        self.watch.ended(id);
+                    }
+                    Ok(())
+                }
             };
         }
         if self.nranks == 1 && dev_op == DevRedOp::PreMulSum {

@@ -21,7 +21,10 @@
 //! not known (null) and its end is the time the watch thread (or the dump) first saw its launch's
 //! event (the one the launch records behind every kernel) complete — within the watch's tick, a
 //! sixteenth of `OXCCL_TIMEOUT` up to 100 ms; after 64 later launches unseen, with a later one. `"outcome"`: `"completed"`, `"aborted"` (its rank's abort flag was raised: an abort,
-//! or another rank's), `"timed out"`, or null while it has not ended. A send or receive (`"func": "send"` or `"recv"`, recorded when issued,
+//! or another rank's), `"timed out"`, `"call mismatch"` (the call-signature check found the ranks'
+//! calls of its number different; it moved no data), or null while it has not ended. Calls of
+//! count 0 are recorded too (numbered as the check numbers them), ended when issued unless
+//! checked. A send or receive (`"func": "send"` or `"recv"`, recorded when issued,
 //! in or outside a group) has the same fields, `seq`, `op`, `root`, `algo`, `proto` and
 //! `nchannels` null (only collectives are numbered by `seq` and counted in `issued`: ranks issue
 //! different sends and receives), and adds `"peer"`, `"bytes"`, `"p2p_seq"` (1 for the rank's
@@ -112,6 +115,9 @@ pub(super) enum Outcome {
     Aborted,
     /// It made no progress for `OXCCL_TIMEOUT`.
     TimedOut,
+    /// The call-signature check (`OXCCL_CHECK_CALLS`) found the ranks' calls of its number
+    /// different: it moved no data.
+    CallMismatch,
 }
 
 impl Outcome {
@@ -120,6 +126,7 @@ impl Outcome {
             Outcome::Completed => "completed",
             Outcome::Aborted => "aborted",
             Outcome::TimedOut => "timed out",
+            Outcome::CallMismatch => "call mismatch",
         }
     }
 }
@@ -225,6 +232,16 @@ impl Recorder {
             && e.ended.is_none()
         {
             e.ended = Some((at, outcome));
+        }
+    }
+
+    /// Marks collective number `seq` (its `"seq"`) as the call the call-signature check found
+    /// different on the ranks: ended now with that outcome if not ended yet, else its outcome
+    /// replaced (its kernel ended having moved nothing).
+    pub(super) fn call_mismatch(&mut self, seq: u64, at: u128) {
+        if let Some(e) = self.entries.iter_mut().rev().find(|e| matches!(&e.call, Call::Coll(c) if c.seq == seq)) {
+            let at = e.ended.map_or(at, |(t, _)| t);
+            e.ended = Some((at, Outcome::CallMismatch));
         }
     }
 

@@ -212,6 +212,12 @@ impl Watch {
         id
     }
 
+    /// Marks collective number `seq` as the one the call-signature check found different on the
+    /// ranks ([`flight_recorder::Outcome::CallMismatch`]).
+    pub(super) fn call_mismatch(&self, seq: u64) {
+        self.state().recorder.call_mismatch(seq, flight_recorder::unix_ns());
+    }
+
     /// How a kernel of this rank ends now: as its abort flag says.
     fn outcome(&self) -> flight_recorder::Outcome {
         match self.flag().load(Ordering::Acquire) {
@@ -226,8 +232,8 @@ impl Watch {
         self.state().recorder.started(id);
     }
 
-    /// Marks recorded collective `id`'s kernel ended now (CPU target), with the outcome its
-    /// abort flag tells.
+    /// Marks recorded collective `id`'s kernel ended now (CPU target; or a call that launched
+    /// nothing), with the outcome its abort flag tells.
     pub(super) fn ended(&self, id: u64) {
         let outcome = self.outcome();
         self.state().recorder.ended(id, flight_recorder::unix_ns(), outcome);

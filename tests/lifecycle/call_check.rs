@@ -220,8 +220,9 @@ fn ranks_that_issued_different_calls_fail_every_rank_naming_them_gpu() {
     );
 }
 
-/// A mismatch found after earlier calls names the call's sequence number; the calls before it
-/// completed exactly.
+/// A mismatch found after earlier calls (a call of count 0 among them) names the call's sequence
+/// number; the calls before it completed exactly; the flight recorder numbers the calls alike
+/// and records the mismatched one with its outcome.
 #[test]
 fn the_sequence_number_counts_the_calls_before() {
     let comms = init(&Device::cpus(2));
@@ -237,7 +238,12 @@ fn the_sequence_number_counts_the_calls_before() {
                 .unwrap();
         }
     }
-    common::sync_all(&streams, "three matching calls");
+    for r in 0..2 {
+        comms[r]
+            .all_reduce(&bufs[r], &bufs[r], 0, DataType::U32, RedOp::Sum, &streams[r])
+            .unwrap();
+    }
+    common::sync_all(&streams, "three matching calls and one of count 0");
     for (r, b) in bufs.iter().enumerate() {
         // 1 + 2 = 3, then 6, then 12.
         assert_eq!(b.to_vec().unwrap(), 12u32.to_ne_bytes().repeat(64), "rank {r}");
@@ -254,8 +260,8 @@ fn the_sequence_number_counts_the_calls_before() {
         let m = comms[r].get_async_error().unwrap_err().to_string();
         assert!(
             m.contains(
-                "rank 0 issued allreduce call #4 (64 × uint32, op max; ring/LL on 1 channel); rank 1 issued \
-                 allreduce call #4 (64 × uint32, op sum; ring/LL on 1 channel); they differ in operator;"
+                "rank 0 issued allreduce call #5 (64 × uint32, op max; ring/LL on 1 channel); rank 1 issued \
+                 allreduce call #5 (64 × uint32, op sum; ring/LL on 1 channel); they differ in operator;"
             ),
             "rank {r}: {m}"
         );
@@ -263,6 +269,17 @@ fn the_sequence_number_counts_the_calls_before() {
             b.to_vec().unwrap(),
             12u32.to_ne_bytes().repeat(64),
             "rank {r}: written after the mismatch"
+        );
+        let dump: serde_json::Value = serde_json::from_str(&comms[r].flight_record()).unwrap();
+        let calls = dump["calls"].as_array().unwrap();
+        let seen: Vec<(u64, u64, &str)> = calls
+            .iter()
+            .map(|c| (c["seq"].as_u64().unwrap(), c["count"].as_u64().unwrap(), c["outcome"].as_str().unwrap_or("-")))
+            .collect();
+        assert_eq!(
+            seen,
+            [(1, 64, "completed"), (2, 64, "completed"), (3, 64, "completed"), (4, 0, "completed"), (5, 64, "call mismatch")],
+            "rank {r}: {dump}"
         );
     }
     for c in &comms {
