@@ -8,7 +8,7 @@
 //! — nor of any later kernel — touches a buffer. A call of count 0 runs the check alone
 //! (`oxccl_check_call`). The host side is `comm/call_check.rs`.
 use crate::abi::{
-    CALL_MISMATCH, CALL_SIG_WORDS, CallSig, CheckDesc, CheckReport, DevChannel, DevComm, DevRedOp, Proto,
+    CALL_MISMATCH, CALL_SIG_WORDS, CHECK_HALTED, CallSig, CheckDesc, CheckReport, DevChannel, DevComm, DevRedOp, Proto,
 };
 use crate::arch;
 use crate::coll::RingCtx;
@@ -152,7 +152,15 @@ pub unsafe fn check_call(comm: u64, desc: u64, sig: &CallSig, tid: u32, nthreads
     // SAFETY: as above.
     unsafe { arch::sync_threads() };
     // `aborted` is the block's (an abort seen by any thread reaches all through the LL
-    // primitives' shared word): after one, the board may be partial and no verdict is given.
+    // primitives' shared word): after one, the board may be partial and no verdict is given;
+    // the call's other blocks learn it from here (they do not read the host's abort flag).
+    if tid == 0 && aborted {
+        // SAFETY: the descriptor is this rank's (caller contract).
+        unsafe {
+            arch::fence_acq_rel_gpu();
+            arch::store_volatile_u64(&raw mut (*d).done, sig[0] | CHECK_HALTED);
+        }
+    }
     if tid == 0 && !aborted {
         let mut same = true;
         for r in 0..n {
@@ -185,7 +193,11 @@ pub unsafe fn check_call(comm: u64, desc: u64, sig: &CallSig, tid: u32, nthreads
 }
 
 /// A block other than the checking one: waits until block 0 has published the verdict of call
-/// `seq` (or the communicator is stopped); whether the call may go on.
+/// `seq` — a verdict, or that its check stopped on an abort — or until `DevComm::aborted` says a
+/// mismatch stopped the communicator (block 0 then skips the check); whether the call may go on.
+/// Only device memory is polled: an abort reaches these blocks through block 0, whose gather
+/// watches the host's abort flag as every primitive does (the flag itself is looked at only
+/// every 65,536th look, a safety net).
 ///
 /// # Safety
 /// As [`check_call`].
@@ -200,14 +212,16 @@ unsafe fn await_verdict(comm: u64, desc: u64, seq: u64, tid: u32, smem: *mut u32
         loop {
             // SAFETY: valid descriptor and flags (caller contract).
             unsafe {
-                if arch::load_volatile_u64(&raw const (*d).done) >= seq {
+                let done = arch::load_volatile_u64(&raw const (*d).done);
+                if done & !CHECK_HALTED >= seq {
                     arch::fence_acq_rel_gpu();
-                    go = same_verdict(comm);
+                    go = done & CHECK_HALTED == 0 && same_verdict(comm);
                     break;
                 }
-                // The abort flag is host memory that every waiting block would read in turn:
-                // looked at every 64th spin only.
-                if spins % 64 == 0 && stopped(comm) {
+                if spins % 64 == 63 && !same_verdict(comm) {
+                    break;
+                }
+                if spins % 65_536 == 65_535 && stopped(comm) {
                     break;
                 }
             }

@@ -364,3 +364,33 @@ fn a_config_turns_the_check_on_and_sets_the_timeout() {
         "invalid argument: CommConfig::timeout 2000000s is out of range (accepted: 0 to 1000000 s; 0 turns call timeouts off)"
     );
 }
+
+/// A checked call on 4 channels whose peer never calls: block 0's gather sees the timeout's
+/// abort and tells the 3 waiting blocks (which poll device memory only), so the call times out
+/// in bounded time with every block gone and the buffer untouched.
+#[test]
+fn a_checked_call_whose_peer_never_calls_times_out_with_its_waiting_blocks() {
+    let env = Env::clean(&["CHECK_CALLS", "TIMEOUT", "PROTO", "ALGO", "MIN_NCHANNELS", "MAX_NCHANNELS"]);
+    env.set(&[("NCCL_MIN_NCHANNELS", "4"), ("NCCL_MAX_NCHANNELS", "4")]);
+    let config = CommConfig::default()
+        .with_check_calls(true)
+        .with_timeout(Duration::from_millis(300));
+    let comms = Comm::init_all_config(&Device::cpus(2), &config).unwrap();
+    let count = 1 << 16;
+    let plan = comms[0].choice_for(Func::AllReduce, count, DataType::F32).unwrap().unwrap();
+    assert_eq!(plan.nchannels, 4, "{plan:?}");
+    let s0 = comms[0].device().new_stream().unwrap();
+    let b0 = comms[0].device().alloc(count * 4).unwrap();
+    let pattern = common::sentinel(count * 4, 7);
+    b0.write(0, &pattern).unwrap();
+    let t = Instant::now();
+    comms[0].all_reduce(&b0, &b0, count, DataType::F32, RedOp::Sum, &s0).unwrap();
+    s0.synchronize().unwrap();
+    assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+    let e = comms[0].get_async_error().unwrap_err();
+    assert!(matches!(e, Error::Timeout(_)) && e.to_string().contains("made no progress for 0.3 s"), "{e}");
+    assert!(b0.to_vec().unwrap() == pattern, "the timed-out call wrote its buffer");
+    for c in &comms {
+        c.abort().unwrap();
+    }
+}

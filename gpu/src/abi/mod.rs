@@ -375,10 +375,15 @@ pub struct CheckDesc {
     pub report: u64,
     /// `u64` elements per chunk of the gather (one LL step's data).
     pub chunk_elems: u64,
-    /// The call number whose check this rank finished last (written by the checking block):
-    /// the call's other blocks wait for it.
+    /// The call number whose check this rank finished last (written by the checking block),
+    /// with [`CHECK_HALTED`] set when that check stopped on an abort: the call's other blocks
+    /// wait for it.
     pub done: u64,
 }
+
+/// The bit of [`CheckDesc::done`] saying the check of that call stopped on an abort (no
+/// verdict; the call's other blocks stop too).
+pub const CHECK_HALTED: u64 = 1 << 63;
 
 /// The by-value argument of the check kernel alone ([`CHECK_KERNEL_NAME`]), one block.
 #[repr(C)]
