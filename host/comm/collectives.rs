@@ -343,23 +343,26 @@ impl Comm {
         if count == 0 {
             // Nothing moves; with the call-signature check on, the ranks still compare the call.
             // The flight recorder numbers it as the check does (every collective call).
-            let recorded = (self.nranks > 1).then(|| {
-                self.watch.begin(timeout::CallRecord {
-                    seq: 0,
-                    func,
-                    count,
-                    dtype,
-                    op: dev_op,
-                    root,
-                    choice: None,
-                })
-            });
+            let call = timeout::CallRecord {
+                seq: 0,
+                func,
+                count,
+                dtype,
+                op: dev_op,
+                root,
+                choice: None,
+            };
+            if self.nranks == 1 {
+                return Ok(());
+            }
             return match self.check_args(func, 0, dtype, dev_op, root, None) {
-                Some(check) => self.launch_check(check, stream, recorded),
+                Some(check) => {
+                    let recorded = self.watch.begin(call);
+                    self.launch_check(check, stream, Some(recorded))
+                }
                 None => {
-                    if let Some(id) = recorded {
-                        self.watch.ended(id);
-                    }
+                    let recorded = self.watch.record_empty(call);
+                    self.watch.ended(recorded);
                     Ok(())
                 }
             };

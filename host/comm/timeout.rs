@@ -198,17 +198,29 @@ impl Watch {
     /// Records the call about to be launched and counts it in this rank's issued-calls counter;
     /// returns its flight-recorder entry's number, by which its kernel's start and end are
     /// marked ([`Watch::started`], [`Watch::ended`], [`Watch::launched`]).
-    pub(super) fn begin(&self, mut call: CallRecord) -> u64 {
+    pub(super) fn begin(&self, call: CallRecord) -> u64 {
+        self.record(call, true)
+    }
+
+    /// [`Watch::begin`] for a call that launches nothing (count 0, unchecked): recorded and
+    /// counted, but not the call a timeout names (an earlier call may still be running).
+    pub(super) fn record_empty(&self, call: CallRecord) -> u64 {
+        self.record(call, false)
+    }
+
+    fn record(&self, mut call: CallRecord, watched: bool) -> u64 {
         let issued = self.counter(self.rank);
         let mut st = self.state();
         if let Some(n) = issued {
             call.seq = n.fetch_add(1, Ordering::AcqRel) + 1;
         }
         let id = st.recorder.push(&call);
-        st.call = Some(call);
-        st.p2p = None;
-        st.last_change = Instant::now();
-        st.last_sample = None;
+        if watched {
+            st.call = Some(call);
+            st.p2p = None;
+            st.last_change = Instant::now();
+            st.last_sample = None;
+        }
         id
     }
 
@@ -254,16 +266,24 @@ impl Watch {
     /// Takes the launches' lock, then the state's.
     fn refresh_ends(&self) {
         let Busy::Cuda(launch, _) = &self.busy else { return };
-        let upto = {
-            let l = self.launches.lock().unwrap_or_else(|p| p.into_inner());
-            l.iter().flatten().filter(|&&(_, n)| launch.completed(n).unwrap_or(false)).map(|&(id, _)| id).max()
+        // The driver's queries outside the lock, which a launch takes ([`Watch::launched`]).
+        let pending: Vec<(u64, u64)> = self.launches.lock().unwrap_or_else(|p| p.into_inner()).iter().flatten().copied().collect();
+        let Some(upto) = pending.iter().filter(|&&(_, n)| launch.completed(n).unwrap_or(false)).map(|&(id, _)| id).max() else {
+            return;
         };
-        let Some(upto) = upto else { return };
         let (outcome, now) = (self.outcome(), flight_recorder::unix_ns());
-        let mut st = self.state();
-        let ended: Vec<u64> = st.recorder.unended().filter(|&id| id <= upto).collect();
-        for id in ended {
-            st.recorder.ended(id, now, outcome);
+        {
+            let mut st = self.state();
+            let ended: Vec<u64> = st.recorder.unended().filter(|&id| id <= upto).collect();
+            for id in ended {
+                st.recorder.ended(id, now, outcome);
+            }
+        }
+        // Ended launches are not looked at again.
+        for slot in self.launches.lock().unwrap_or_else(|p| p.into_inner()).iter_mut() {
+            if slot.is_some_and(|(id, _)| id <= upto) {
+                *slot = None;
+            }
         }
     }
 
