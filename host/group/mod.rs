@@ -89,9 +89,26 @@ pub fn group_start() -> Result<()> {
 /// blocks (nothing of the group is launched then); InvalidArgument when a matched send and
 /// receive with the rank itself differ in size (the smaller size is copied); launch errors.
 pub fn group_end() -> Result<()> {
-    let (inits, queued) = end_level("group_end")?;
+    group_end_then(|| Ok(()))
+}
+
+/// [`group_end`], running `before_launch` at the outermost end after the group's sends and
+/// receives are planned and before any of them is launched — not at all when planning fails
+/// (too many blocks for a launch, a self-send without its receive…), so work the caller
+/// launches there (the C library's collectives of the group) is never half of a group that
+/// fails. The sends and receives are launched whatever `before_launch` returns (the peers'
+/// wait for them); the group's error is the first of the inits', `before_launch`'s and the
+/// launch's. At an inner end `before_launch` does not run.
+pub fn group_end_then(before_launch: impl FnOnce() -> Result<()>) -> Result<()> {
+    let (outermost, inits, queued) = end_level_outermost("group_end")?;
     let inited = init::run(inits);
-    let launched = launch(queued);
+    if !outermost {
+        return inited;
+    }
+    let launched = plan_queued(queued).and_then(|planned| {
+        let before = before_launch();
+        before.and(launch_planned(planned))
+    });
     inited.and(launched)
 }
 
@@ -126,6 +143,11 @@ fn end_dropping(what: &str, why: &str) -> Result<()> {
 /// Ends one level of this thread's group (`what` names the call in the error); at the
 /// outermost end, takes the group's inits and queued calls.
 fn end_level(what: &str) -> Result<(Vec<init::Deferred>, Vec<Queued>)> {
+    end_level_outermost(what).map(|(_, inits, queued)| (inits, queued))
+}
+
+/// [`end_level`], also saying whether this was the outermost end.
+fn end_level_outermost(what: &str) -> Result<(bool, Vec<init::Deferred>, Vec<Queued>)> {
     GROUP.with(|g| {
         let mut g = g.borrow_mut();
         if g.depth == 0 {
@@ -133,9 +155,9 @@ fn end_level(what: &str) -> Result<(Vec<init::Deferred>, Vec<Queued>)> {
         }
         g.depth -= 1;
         Ok(if g.depth == 0 {
-            (std::mem::take(&mut g.inits), std::mem::take(&mut g.queued))
+            (true, std::mem::take(&mut g.inits), std::mem::take(&mut g.queued))
         } else {
-            (Vec::new(), Vec::new())
+            (false, Vec::new(), Vec::new())
         })
     })
 }
@@ -181,7 +203,7 @@ pub(crate) fn enqueue(q: Queued) -> Result<()> {
         }
     });
     match alone {
-        Some(q) => launch(vec![q]),
+        Some(q) => launch_planned(plan_queued(vec![q])?),
         None => Ok(()),
     }
 }
@@ -273,13 +295,22 @@ fn plan(queued: Vec<Queued>) -> Result<(Vec<CommPlan>, Vec<Error>)> {
     Ok((plans, mismatches))
 }
 
-/// Plans every communicator's part, then launches: the copies, then the launches round by
-/// round across communicators.
-fn launch(queued: Vec<Queued>) -> Result<()> {
+/// A group's sends and receives, planned ([`plan`]): per communicator its copies and launch
+/// rounds, and the size mismatches of self-sends (reported after the launch).
+struct Planned(Vec<CommPlan>, Vec<Error>);
+
+/// Plans every communicator's part of `queued` (nothing to plan: an empty plan).
+fn plan_queued(queued: Vec<Queued>) -> Result<Planned> {
     if queued.is_empty() {
-        return Ok(());
+        return Ok(Planned(Vec::new(), Vec::new()));
     }
     let (plans, mismatches) = plan(queued)?;
+    Ok(Planned(plans, mismatches))
+}
+
+/// Launches a planned group: the copies, then the launches round by round across
+/// communicators.
+fn launch_planned(Planned(plans, mismatches): Planned) -> Result<()> {
     for p in &plans {
         for &(dst, src, bytes) in &p.copies {
             if dst != src && bytes > 0 {

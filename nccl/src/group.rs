@@ -22,7 +22,9 @@
 //!
 //! **Collectives inside a group** are checked when called (argument errors are returned there)
 //! and launched at the outermost `ncclGroupEnd`, in the order issued, before the group's sends
-//! and receives (NCCL launches a group's work at its end and schedules its collectives first).
+//! and receives (NCCL launches a group's work at its end and schedules its collectives first) —
+//! after those are planned: a group whose sends and receives cannot be launched (more blocks
+//! than a launch holds…) fails at `ncclGroupEnd` with none of its work run.
 //!
 //! **`ncclGroupSimulateEnd`** ends the group as `ncclGroupEnd` does except that nothing of it
 //! runs: its collectives, sends and receives are dropped (its inits, splits and shrinks are
@@ -279,10 +281,11 @@ fn group_end() -> Result<()> {
         }
         return Err(refused);
     }
-    let ran = run_collectives(colls);
-    let ended = oxccl::group_end();
+    // The collectives launch once the group's sends and receives are planned, so a group whose
+    // planning fails (too many blocks for one launch…) runs none of its work.
+    let ended = oxccl::group::group_end_then(|| run_collectives(colls));
     publish(inits);
-    split.and(ran).and(ended)
+    split.and(ended)
 }
 
 /// What the outermost end of this thread's group takes: its inits, splits and shrinks, and

@@ -532,3 +532,46 @@ fn reduce_scatter_v_sums_each_ranks_slice() {
         }
     }
 }
+
+/// A group whose sends and receives need more blocks than one launch holds (10 ranks, 8 peer
+/// channels per peer: 9 peers × 2 directions × 8 = 144 > 128) fails at its end naming the limit,
+/// with nothing launched: the work `group_end_then` would start before the launch (the C
+/// library's collectives of the group) does not run either, and no receive buffer is written.
+#[test]
+fn a_group_too_large_for_one_launch_fails_with_nothing_launched() {
+    let env = Env::clean(VARS);
+    env.set(&[("NCCL_NCHANNELS_PER_PEER", "8")]);
+    let n = 10;
+    let comms = common::init_all(&Device::cpus(n)).unwrap();
+    let block = 64;
+    let streams = common::streams(&comms);
+    let bufs: Vec<_> = (0..n)
+        .map(|r| {
+            let input: Vec<u8> = (0..n).flat_map(|p| payload(r, p, 0, block)).collect();
+            (guarded(Device::Cpu(r), n * block, 5, Some(&input)), guarded(Device::Cpu(r), n * block, 6, None))
+        })
+        .collect();
+    oxccl::group_start().unwrap();
+    for (r, c) in comms.iter().enumerate() {
+        for p in 0..n {
+            c.send(bufs[r].0.slice(FRONT + p * block, block).unwrap(), block, DataType::U8, p, &streams[r]).unwrap();
+            c.recv(bufs[r].1.slice(FRONT + p * block, block).unwrap(), block, DataType::U8, p, &streams[r]).unwrap();
+        }
+    }
+    let mut ran = false;
+    let e = oxccl::group::group_end_then(|| {
+        ran = true;
+        Ok(())
+    })
+    .unwrap_err();
+    assert!(matches!(e, oxccl::Error::InvalidUsage(_)), "{e}");
+    let m = e.to_string();
+    assert!(m.contains("need 144 thread blocks in one launch, more than the 128") && m.contains("nothing was launched"), "{m}");
+    assert!(!ran, "the work before the launch ran for a group that fails");
+    assert_eq!(oxccl::group::group_depth(), 0);
+    common::sync_all(&streams, "a refused group");
+    let poison = sentinel(FRONT + n * block + BACK, 6);
+    for (r, (_, recv)) in bufs.iter().enumerate() {
+        check(recv, n * block, 6, &poison[FRONT..FRONT + n * block], &format!("rank {r}: untouched"));
+    }
+}
