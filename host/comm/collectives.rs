@@ -340,21 +340,23 @@ impl Comm {
         let op = op.into();
         let (dev_op, redop_arg, redop_flags, recv_bytes) =
             self.checked_call(func, send, recv, count, dtype, &op, root, stream)?;
+        // The call as the flight recorder keeps it (numbered by `Watch::begin`).
+        let record = |choice: Option<Choice>| timeout::CallRecord {
+            seq: 0,
+            func,
+            count,
+            dtype,
+            op: dev_op,
+            root,
+            choice,
+        };
         if count == 0 {
             // Nothing moves; with the call-signature check on, the ranks still compare the call.
             // The flight recorder numbers it as the check does (every collective call).
-            let call = timeout::CallRecord {
-                seq: 0,
-                func,
-                count,
-                dtype,
-                op: dev_op,
-                root,
-                choice: None,
-            };
             if self.nranks == 1 {
                 return Ok(());
             }
+            let call = record(None);
             return match self.check_args(func, 0, dtype, dev_op, root, None) {
                 Some(check) => {
                     let recorded = self.watch.begin(call);
@@ -427,15 +429,7 @@ impl Comm {
         if let Ok(mut last) = self.last.lock() {
             *last = Some(choice);
         }
-        let recorded = self.watch.begin(timeout::CallRecord {
-            seq: 0,
-            func,
-            count,
-            dtype,
-            op: dev_op,
-            root,
-            choice: Some(choice),
-        });
+        let recorded = self.watch.begin(record(Some(choice)));
         let check = self.check_args(func, count, dtype, dev_op, root, Some(choice));
         self.launch(
             KernelArgs {

@@ -144,6 +144,17 @@ fn several_channels_per_peer_split_a_transfer_and_keep_it_exact() {
     all_to_all(&comms, 33_333, "3 channels per peer");
 }
 
+/// Per CPU rank of `n`, an all-to-all's guarded send buffer (block `p` of `block` bytes:
+/// [`payload`] for rank `p`; guards salt 5) and receive buffer (poisoned, salt 6).
+fn all_to_all_buffers(n: usize, block: usize) -> Vec<(DeviceBuffer, DeviceBuffer)> {
+    (0..n)
+        .map(|r| {
+            let input: Vec<u8> = (0..n).flat_map(|p| payload(r, p, 0, block)).collect();
+            (guarded(Device::Cpu(r), n * block, 5, Some(&input)), guarded(Device::Cpu(r), n * block, 6, None))
+        })
+        .collect()
+}
+
 /// NCCL's one thread per process: one thread issues every rank's calls inside one group; the
 /// launches wait for nothing on the host, so no rank's call can hold back another's.
 #[test]
@@ -153,12 +164,7 @@ fn one_thread_drives_every_rank_inside_one_group() {
     let comms = common::init_all(&Device::cpus(n)).unwrap();
     let block = 70_001;
     let streams = common::streams(&comms);
-    let bufs: Vec<_> = (0..n)
-        .map(|r| {
-            let input: Vec<u8> = (0..n).flat_map(|p| payload(r, p, 0, block)).collect();
-            (guarded(Device::Cpu(r), n * block, 5, Some(&input)), guarded(Device::Cpu(r), n * block, 6, None))
-        })
-        .collect();
+    let bufs = all_to_all_buffers(n, block);
     oxccl::group(|| {
         for (r, c) in comms.iter().enumerate() {
             for p in 0..n {
@@ -545,12 +551,7 @@ fn a_group_too_large_for_one_launch_fails_with_nothing_launched() {
     let comms = common::init_all(&Device::cpus(n)).unwrap();
     let block = 64;
     let streams = common::streams(&comms);
-    let bufs: Vec<_> = (0..n)
-        .map(|r| {
-            let input: Vec<u8> = (0..n).flat_map(|p| payload(r, p, 0, block)).collect();
-            (guarded(Device::Cpu(r), n * block, 5, Some(&input)), guarded(Device::Cpu(r), n * block, 6, None))
-        })
-        .collect();
+    let bufs = all_to_all_buffers(n, block);
     oxccl::group_start().unwrap();
     for (r, c) in comms.iter().enumerate() {
         for p in 0..n {
