@@ -81,6 +81,12 @@ pub struct Params {
     /// over the peers: 8 for 2 ranks, 4 for 3, 2 for 4 or 5, then 1; 1 on the CPU target). Each is
     /// one more connection per peer, set up at init.
     pub p2p_nchannels_per_peer: Option<u32>,
+    /// Largest send, in bytes (the whole send, all its channels), whose data goes over the LL
+    /// protocol instead of Simple (`NCCL_P2P_LL_THRESHOLD` / `OXCCL_P2P_LL_THRESHOLD`, 0 to
+    /// [`MAX_P2P_LL_THRESHOLD`]; 0: every send on Simple); default 16384, NCCL's. LL needs no
+    /// fence and no tail counter, so a small message arrives sooner, at half the bandwidth. The
+    /// sender decides and tells the receiver in the send's header, so ranks may set it apart.
+    pub p2p_ll_threshold: u64,
     /// Whether ranks check that they issued the same collective call before any data moves
     /// (`OXCCL_CHECK_CALLS`, oxccl spelling only, 0 or 1; default 0), see `comm/call_check.rs`.
     /// Every rank must set the same value.
@@ -134,6 +140,11 @@ impl CommConfig {
     }
 }
 
+/// Default of [`Params::p2p_ll_threshold`] (NCCL's `NCCL_P2P_LL_THRESHOLD`).
+pub const DEFAULT_P2P_LL_THRESHOLD: u64 = 16384;
+/// Largest accepted [`Params::p2p_ll_threshold`].
+pub const MAX_P2P_LL_THRESHOLD: u64 = 1 << 30;
+
 /// Most channels per peer of a send or receive ([`Params::p2p_nchannels_per_peer`]).
 pub const MAX_P2P_NCHANNELS_PER_PEER: u32 = 8;
 
@@ -162,6 +173,7 @@ impl Default for Params {
             flight_recorder_size: 64,
             flight_recorder_dump: None,
             p2p_nchannels_per_peer: None,
+            p2p_ll_threshold: DEFAULT_P2P_LL_THRESHOLD,
             check_calls: false,
         }
     }
@@ -272,6 +284,9 @@ impl Params {
         }
         if let Some((key, v)) = get("NCHANNELS_PER_PEER") {
             p.p2p_nchannels_per_peer = Some(parse_int(&key, &v, 1, MAX_P2P_NCHANNELS_PER_PEER as i64)? as u32);
+        }
+        if let Some((key, v)) = get("P2P_LL_THRESHOLD") {
+            p.p2p_ll_threshold = parse_int(&key, &v, 0, MAX_P2P_LL_THRESHOLD as i64)? as u64;
         }
         if let Some((key, v)) = get("CHECK_CALLS").filter(|(k, _)| k.starts_with("OXCCL_")) {
             p.check_calls = parse_int(&key, &v, 0, 1)? == 1;

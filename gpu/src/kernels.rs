@@ -73,7 +73,7 @@ pub unsafe extern "ptx-kernel" fn oxccl_check_call(args: crate::abi::CheckArgs) 
 /// Launched by the host library with a valid [`crate::abi::P2pArgs`] (see
 /// [`crate::coll::send_recv::run_p2p_block`]).
 #[unsafe(no_mangle)]
-pub unsafe extern "ptx-kernel" fn oxccl_sendrecv_simple(args: crate::abi::P2pArgs) {
+pub unsafe extern "ptx-kernel" fn oxccl_sendrecv(args: crate::abi::P2pArgs) {
     let bid = arch::block_idx();
     // Constant offsets: read from the parameter space as they are.
     let (comm, status, nworks) = (args.comm, args.status, args.nworks);
@@ -89,13 +89,13 @@ pub unsafe extern "ptx-kernel" fn oxccl_sendrecv_simple(args: crate::abi::P2pArg
     }
 }
 
-/// Work `bid` of [`oxccl_sendrecv_simple`]'s parameter, read with `ld.param` at a computed
+/// Work `bid` of [`oxccl_sendrecv`]'s parameter, read with `ld.param` at a computed
 /// offset of the parameter's address (PTX lets a kernel take its parameters' addresses with
 /// `mov`). Indexing the parameter in Rust instead makes LLVM copy all 3 KiB of it into every
 /// thread's local memory first.
 ///
 /// # Safety
-/// Only in [`oxccl_sendrecv_simple`] (the asm names its parameter), with `bid <
+/// Only in [`oxccl_sendrecv`] (the asm names its parameter), with `bid <
 /// MAX_P2P_WORKS`.
 #[inline(always)]
 unsafe fn p2p_param_work(bid: u32) -> crate::abi::WorkP2p {
@@ -103,7 +103,7 @@ unsafe fn p2p_param_work(bid: u32) -> crate::abi::WorkP2p {
     use core::mem::offset_of;
     const _: () = assert!(
         offset_of!(WorkP2p, bytes) == 8 && offset_of!(WorkP2p, channel) == 16 && offset_of!(WorkP2p, kind) == 20
-            && offset_of!(WorkP2p, part) == 21 && offset_of!(WorkP2p, nparts) == 22
+            && offset_of!(WorkP2p, part) == 21 && offset_of!(WorkP2p, nparts) == 22 && offset_of!(WorkP2p, proto) == 23
     );
     let off = offset_of!(P2pArgs, works) as u64 + bid as u64 * core::mem::size_of::<WorkP2p>() as u64;
     let (buff, bytes, rest): (u64, u64, u64);
@@ -112,7 +112,7 @@ unsafe fn p2p_param_work(bid: u32) -> crate::abi::WorkP2p {
         core::arch::asm!(
             "{{",
             ".reg .u64 %p2p_at;",
-            "mov.u64 %p2p_at, oxccl_sendrecv_simple_param_0;",
+            "mov.u64 %p2p_at, oxccl_sendrecv_param_0;",
             "add.u64 %p2p_at, %p2p_at, {off};",
             "ld.param.u64 {a}, [%p2p_at];",
             "ld.param.u64 {b}, [%p2p_at+8];",
@@ -132,7 +132,7 @@ unsafe fn p2p_param_work(bid: u32) -> crate::abi::WorkP2p {
         kind: (rest >> 32) as u8,
         part: (rest >> 40) as u8,
         nparts: (rest >> 48) as u8,
-        _pad: 0,
+        proto: (rest >> 56) as u8,
     }
 }
 

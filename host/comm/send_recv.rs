@@ -62,6 +62,8 @@ pub(crate) struct P2pTarget {
     nthreads: u32,
     cpu_nthreads: u32,
     cpu_team: oxccl_gpu::arch::TeamKind,
+    /// Largest send whose data goes over LL (`NCCL_P2P_LL_THRESHOLD`).
+    ll_threshold: u64,
     status: Arc<StatusMem>,
     watch: Arc<timeout::Watch>,
     backend: Backend,
@@ -91,9 +93,16 @@ impl P2pTarget {
         self.rank
     }
 
-    /// The blocks a send or receive of `op` takes: one per peer channel of the pair.
+    /// The blocks a send or receive of `op` takes: one per peer channel of the pair; a send's
+    /// data on LL up to the threshold, on Simple above (its header tells the receiver).
     pub(crate) fn works_of(&self, op: &P2pOp) -> Vec<WorkP2p> {
         let nparts = self.peer.per_peer.max(1);
+        let proto = if op.send && op.bytes <= self.ll_threshold {
+            Proto::Ll
+        } else {
+            Proto::Simple
+        };
+        let proto = if op.send { proto as u8 } else { 0 };
         (0..nparts)
             .map(|j| WorkP2p {
                 buff: op.buff,
@@ -102,7 +111,7 @@ impl P2pTarget {
                 kind: if op.send { P2P_SEND } else { P2P_RECV },
                 part: j as u8,
                 nparts: nparts as u8,
-                _pad: 0,
+                proto,
             })
             .collect()
     }
@@ -358,6 +367,7 @@ impl Comm {
             nthreads: self.params.nthreads,
             cpu_nthreads: self.params.cpu_nthreads,
             cpu_team: self.params.cpu_team,
+            ll_threshold: self.params.p2p_ll_threshold,
             status: self.p2p_status.clone(),
             watch: self.watch.clone(),
             backend,

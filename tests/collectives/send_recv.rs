@@ -11,7 +11,16 @@ use common::env::Env;
 use common::{BACK, FRONT, sentinel};
 use oxccl::{Comm, DataType, Device, DeviceBuffer, Error, Stream};
 
-const VARS: &[&str] = &["P2P_DISABLE", "SHM_DISABLE", "NCHANNELS_PER_PEER", "BUFFSIZE", "NET"];
+const VARS: &[&str] = &[
+    "P2P_DISABLE",
+    "SHM_DISABLE",
+    "NCHANNELS_PER_PEER",
+    "BUFFSIZE",
+    "LL_BUFFSIZE",
+    "NET",
+    "P2P_LL_THRESHOLD",
+    "TEST_INITIAL_STEP",
+];
 
 /// The byte `i` that rank `from` sends to rank `to` in message `msg`.
 fn byte(from: usize, to: usize, msg: usize, i: usize) -> u8 {
@@ -133,6 +142,42 @@ fn all_to_all_groups_over_p2p_shm_and_net() {
     }
 }
 
+/// A send's data goes over LL up to `NCCL_P2P_LL_THRESHOLD` bytes and over Simple above, the
+/// sender's choice told by its header: exact with thresholds 0 (every send on Simple), NCCL's
+/// 16384 and 1 MiB, over P2P, SHM and NET, with the smallest LL FIFO (512 data bytes a step)
+/// and the connections starting 40 steps below the LL flag's wrap, so header and data steps
+/// cross it and its cleaning steps (which write whole slots).
+#[test]
+fn sends_take_ll_up_to_the_threshold_and_stay_exact_across_the_ll_flag_wrap() {
+    let start = ((1u64 << 31) - 1 - 40).to_string();
+    for (transport, vars) in [
+        ("P2P", &[][..]),
+        ("SHM", &[("NCCL_P2P_DISABLE", "1")][..]),
+        ("NET", &[("NCCL_P2P_DISABLE", "1"), ("NCCL_SHM_DISABLE", "1")][..]),
+    ] {
+        for threshold in ["0", "16384", "1048576"] {
+            let env = Env::clean(VARS);
+            let mut all = vars.to_vec();
+            all.extend([
+                ("NCCL_P2P_LL_THRESHOLD", threshold),
+                ("OXCCL_TEST_INITIAL_STEP", start.as_str()),
+                ("NCCL_LL_BUFFSIZE", "8192"),
+            ]);
+            env.set(&all);
+            let comms = Comm::init_all(&Device::cpus(3)).unwrap();
+            let what = |bytes: usize| format!("{transport}, threshold {threshold}, {bytes} bytes");
+            for bytes in [1usize, 17, 16384, 16385, 100_000] {
+                for shift in 1..3 {
+                    shifted_exchange(&comms, bytes, DataType::U8, shift, &what(bytes));
+                }
+            }
+            for _ in 0..30 {
+                shifted_exchange(&comms, 24, DataType::U8, 1, &what(24));
+            }
+        }
+    }
+}
+
 #[test]
 fn several_channels_per_peer_split_a_transfer_and_keep_it_exact() {
     let env = Env::clean(VARS);
@@ -224,12 +269,14 @@ fn sends_match_receives_in_issue_order() {
 }
 
 /// A receive of another size than the send: at most the receive's size is written (guards
-/// intact), the stream's synchronize names both sizes, and the pair stays usable.
+/// intact), the stream's synchronize names both sizes, and the pair stays usable — sends on LL
+/// (up to 16384 bytes) and on Simple, also where the receive's size is on the other side of
+/// that threshold.
 #[test]
 fn a_size_mismatch_is_an_error_naming_both_sizes_and_writes_nothing_past_the_output() {
     let _env = Env::clean(VARS);
     let comms = common::init_all(&Device::cpus(2)).unwrap();
-    for (sent, expected) in [(1000usize, 600usize), (600, 1000), (0, 16)] {
+    for (sent, expected) in [(1000usize, 600usize), (600, 1000), (0, 16), (20_000, 600), (600, 20_000), (70_000, 50_001)] {
         let errs = common::on_threads(2, |r| {
             let c = &comms[r];
             let dev = c.device();

@@ -418,8 +418,9 @@ const _: () = assert!(
 /// 4 KiB every CUDA driver accepts as a kernel parameter.
 pub const MAX_P2P_WORKS: usize = 128;
 
-/// The kernel entry point (and PTX module) of point-to-point work: Simple protocol, bytes.
-pub const P2P_KERNEL_NAME: &str = "oxccl_sendrecv_simple";
+/// The kernel entry point (and PTX module) of point-to-point work (NCCL's `SendRecv` kernel):
+/// bytes, the header on LL, the data on LL or Simple.
+pub const P2P_KERNEL_NAME: &str = "oxccl_sendrecv";
 
 /// [`WorkP2p::kind`] of a send.
 pub const P2P_SEND: u8 = 0;
@@ -430,7 +431,9 @@ pub const P2P_RECV: u8 = 1;
 /// one peer channel. A send of `bytes` bytes is cut into `nparts` parts of whole 16-byte packs
 /// ([`p2p_part`]), part `part` going over this work's channel; the receive of the peer cuts the
 /// same way from the sender's size, which travels in a header step before the data, so the two
-/// ends agree even when the user's counts differ.
+/// ends agree even when the user's counts differ. The header is one LL line (its own step); it
+/// also says which protocol the data follows on ([`P2P_HEADER_LL`]), as the sender chose it
+/// ([`WorkP2p::proto`]), so a receive never has to guess.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]
 pub struct WorkP2p {
@@ -447,8 +450,13 @@ pub struct WorkP2p {
     /// This work's part of the operation, and the parts.
     pub part: u8,
     pub nparts: u8,
-    pub _pad: u8,
+    /// A send: the protocol of its data, [`Proto::Ll`] or [`Proto::Simple`] as `u8` (the host
+    /// chooses LL up to `NCCL_P2P_LL_THRESHOLD` bytes). A receive: unused (0); the header says.
+    pub proto: u8,
 }
+
+/// The bit of a send's header word (its total bytes) saying its data follows on LL, not Simple.
+pub const P2P_HEADER_LL: u64 = 1 << 63;
 
 /// The by-value argument of the point-to-point kernel: block `b < nworks` runs `works[b]`.
 #[repr(C)]

@@ -1,13 +1,19 @@
 //! Point-to-point send and receive (NCCL's `sendrecv.h`, `runSend`/`runRecv`): one thread block
-//! per part of an operation, over a peer channel of its own, on the Simple protocol.
+//! per part of an operation, over a peer channel of its own; the data on LL up to
+//! `NCCL_P2P_LL_THRESHOLD` bytes (NCCL's choice for small messages), on Simple above.
 //!
-//! Each part starts with a header step carrying the sender's total size, so the receiver cuts
-//! the transfer into the same parts ([`p2p_part`]) and consumes exactly the steps the sender
-//! sends even when the user's counts differ: it writes at most its own output's size and
-//! reports the mismatch ([`P2pStatus`]) instead of hanging or writing past the output.
-use crate::abi::{DevChannel, DevComm, P2P_SEND, P2pArgs, P2pStatus, Proto, WorkP2p, p2p_part};
+//! Each part starts with a header step — one LL line, so no fence and no tail counter — carrying
+//! the sender's total size and the protocol its data follows on ([`P2P_HEADER_LL`]). The
+//! receiver so takes the sender's protocol, cuts the transfer into the same parts
+//! ([`p2p_part`]) and consumes exactly the steps the sender sends even when the user's counts
+//! differ: it writes at most its own output's size and reports the mismatch ([`P2pStatus`])
+//! instead of hanging or writing past the output. LL and Simple steps share the connection's
+//! step counter, as consecutive collectives of different protocols do.
+use crate::abi::{DevChannel, DevComm, P2P_HEADER_LL, P2P_SEND, P2pArgs, P2pStatus, Proto, WorkP2p, p2p_part};
 use crate::arch;
 use crate::proto::Primitives;
+use crate::proto::fan::Peers;
+use crate::proto::ll::LlFan;
 use crate::proto::simple::Simple;
 use crate::reduce::{FuncSum, OpArgs};
 
@@ -40,53 +46,113 @@ pub unsafe fn run_p2p_work(comm: u64, status: u64, w: WorkP2p, tid: u32, nthread
     let comm = unsafe { &*(comm as *const DevComm) };
     // SAFETY: caller contract: the channel exists.
     let channel = unsafe { (comm.channels as *mut DevChannel).add(w.channel as usize) };
-    let buff_size = comm.buff_sizes[Proto::Simple as usize];
-    // One FIFO slot per step: the slice size does not depend on the size, which the receiver
-    // learns only from the header.
-    // SAFETY: caller contract; the Simple buffers of the channel are `buff_size` bytes.
-    let mut p = unsafe {
+    let (part, nparts) = (w.part as u64, w.nparts as u64);
+    let ll_size = comm.buff_sizes[Proto::Ll as usize];
+    let buff = w.buff as *mut u8;
+    if w.kind == P2P_SEND {
+        let on_ll = w.proto == Proto::Ll as u8;
+        // SAFETY: caller contract; the channel's LL buffers are `ll_size` bytes; this block
+        // uses only the channel's send connection.
+        let mut ll = unsafe { Ll::<u8, 0, 1>::new(tid, nthreads, Peers::Ring(channel), ll_size, buff, buff, comm.abort_flag, smem, sum()) };
+        ll.send_word(w.bytes | if on_ll { P2P_HEADER_LL } else { 0 });
+        let (off, len) = p2p_part(w.bytes, part, nparts);
+        if on_ll {
+            ll.send(off, len);
+        }
+        let go_on = !on_ll && !ll.aborted();
+        // SAFETY: every thread calls it once, after its last LL verb.
+        unsafe { ll.finish() };
+        if go_on {
+            // SAFETY: as above; the Simple steps follow the header's on the same connection.
+            let mut p = unsafe { simple(comm, channel, buff, tid, nthreads, smem) };
+            p.send(off, len);
+            // SAFETY: every thread calls it once, after the last verb.
+            unsafe { p.finish_one(true) };
+        }
+        return;
+    }
+    // SAFETY: as for a send; this block uses only the channel's receive connection.
+    let mut ll = unsafe { Ll::<u8, 1, 0>::new(tid, nthreads, Peers::Ring(channel), ll_size, buff, buff, comm.abort_flag, smem, sum()) };
+    let Some(header) = ll.recv_word() else {
+        // SAFETY: every thread calls it once.
+        unsafe { ll.finish() };
+        return;
+    };
+    let (sent, on_ll) = (header & !P2P_HEADER_LL, header & P2P_HEADER_LL != 0);
+    let (off, len) = p2p_part(sent, part, nparts);
+    let keep = core::cmp::min(off + len, w.bytes).saturating_sub(off);
+    let mut completed = !ll.aborted();
+    if on_ll {
+        ll.recv_upto(off, len, keep);
+        completed = !ll.aborted();
+    }
+    // SAFETY: every thread calls it once, after its last LL verb.
+    unsafe { ll.finish() };
+    if !on_ll {
+        // SAFETY: as above; the Simple steps follow the header's on the same connection.
+        let mut p = unsafe { simple(comm, channel, buff, tid, nthreads, smem) };
+        p.recv_upto(off, len, keep);
+        completed = !p.aborted();
+        // SAFETY: every thread calls it once, after the last verb.
+        unsafe { p.finish_one(false) };
+    }
+    if completed && sent != w.bytes && tid == 0 && status != 0 {
+        let st = status as *mut P2pStatus;
+        // SAFETY: a valid status record (caller contract); the flag is stored last, after a
+        // fence, so a host that sees it sees the sizes.
+        unsafe {
+            arch::store_volatile_u64(&raw mut (*st).channel, w.channel as u64);
+            arch::store_volatile_u64(&raw mut (*st).sent, sent);
+            arch::store_volatile_u64(&raw mut (*st).expected, w.bytes);
+            arch::fence_acq_rel_sys();
+            arch::store_volatile_u64(&raw mut (*st).flag, 1);
+        }
+    }
+}
+
+/// LL primitives over one connection of a peer channel: `Ll<T, 1, 0>` receives, `Ll<T, 0, 1>`
+/// sends.
+type Ll<T, const NR: usize, const NS: usize> = LlFan<T, FuncSum, NR, NS>;
+
+/// The operator arguments of a copy (no reduction happens).
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
+fn sum() -> OpArgs {
+    OpArgs::new(crate::abi::DevRedOp::Sum, 0)
+}
+
+/// Simple primitives over `channel`'s connections, one FIFO slot per step (the slice size does
+/// not depend on the size, which the receiver learns only from the header). Loaded after the
+/// LL header's step was stored back (`LlFan::finish`): the barrier here makes thread 0's store
+/// visible to the block before every thread reads the connection.
+///
+/// # Safety
+/// As [`run_p2p_work`]; every thread of the block calls it.
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
+unsafe fn simple(
+    comm: &DevComm,
+    channel: *mut DevChannel,
+    buff: *mut u8,
+    tid: u32,
+    nthreads: u32,
+    smem: *mut u32,
+) -> Simple<u8, FuncSum> {
+    // SAFETY: caller contract; the Simple buffers of the channel are `buff_sizes[Simple]` bytes.
+    unsafe {
+        arch::sync_threads();
         Simple::<u8, FuncSum>::new(
             tid,
             nthreads,
             channel,
-            buff_size,
-            w.buff as *const u8,
-            w.buff as *mut u8,
+            comm.buff_sizes[Proto::Simple as usize],
+            buff,
+            buff,
             comm.abort_flag,
             &raw const comm.aborted,
             smem,
-            OpArgs::new(crate::abi::DevRedOp::Sum, 0),
+            sum(),
             0,
         )
-    };
-    let (part, nparts) = (w.part as u64, w.nparts as u64);
-    if w.kind == P2P_SEND {
-        let (off, len) = p2p_part(w.bytes, part, nparts);
-        p.send_header(w.bytes, len);
-        p.send(off, len);
-        // SAFETY: every thread calls it once, after the last verb.
-        unsafe { p.finish_one(true) };
-        return;
     }
-    if let Some((sent, _)) = p.recv_header() {
-        let (off, len) = p2p_part(sent, part, nparts);
-        let keep = core::cmp::min(off + len, w.bytes).saturating_sub(off);
-        p.recv_upto(off, len, keep);
-        if sent != w.bytes && tid == 0 && status != 0 {
-            let st = status as *mut P2pStatus;
-            // SAFETY: a valid status record (caller contract); the flag is stored last, after
-            // a fence, so a host that sees it sees the sizes.
-            unsafe {
-                arch::store_volatile_u64(&raw mut (*st).channel, w.channel as u64);
-                arch::store_volatile_u64(&raw mut (*st).sent, sent);
-                arch::store_volatile_u64(&raw mut (*st).expected, w.bytes);
-                arch::fence_acq_rel_sys();
-                arch::store_volatile_u64(&raw mut (*st).flag, 1);
-            }
-        }
-    }
-    // SAFETY: every thread calls it once, after the last verb.
-    unsafe { p.finish_one(false) };
 }
 
 #[cfg(test)]

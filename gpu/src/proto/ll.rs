@@ -257,7 +257,9 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> LlFan<T, Op, NR, N
 
     /// The one engine behind every verb (NCCL's `LLGenericOp`): per step, every thread takes
     /// its lines; for each, the input (`SRC`) combined with the line of every receive peer
-    /// (`RECV`), written to every send peer (`SEND`) and the output (`DST`).
+    /// (`RECV`), written to every send peer (`SEND`) and the output (`DST`) — of the output only
+    /// the first `keep_bytes` bytes from `dst` (`u64::MAX`: all; a point-to-point receive
+    /// shorter than its send consumes every line but writes only what its output holds).
     #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn generic_op<const RECV: bool, const SEND: bool, const SRC: bool, const DST: bool>(
         &mut self,
@@ -265,6 +267,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> LlFan<T, Op, NR, N
         dst: u64,
         n: u64,
         post: bool,
+        keep_bytes: u64,
     ) {
         if self.aborted {
             return;
@@ -358,8 +361,16 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> LlFan<T, Op, NR, N
                         }
                     });
                     if DST {
-                        // SAFETY: as for the load.
-                        unsafe { store_partial(out_base.add(k * 8), v, valid, esize) };
+                        let out = if keep_bytes == u64::MAX {
+                            valid
+                        } else {
+                            core::cmp::min(valid, keep_bytes.saturating_sub(done * esize + line * 8))
+                        };
+                        if out > 0 {
+                            // SAFETY: as for the load; `out` ≤ `valid` bytes, a whole number of
+                            // elements (every term is).
+                            unsafe { store_partial(out_base.add(k * 8), v, out, esize) };
+                        }
                     }
                 } else {
                     // Flag-wrap cleanup: every line of a cleaning peer's slot carries its flag.
@@ -393,6 +404,83 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> LlFan<T, Op, NR, N
     }
 }
 
+/// Point-to-point sends: one send connection (a peer channel's; the channel's receive
+/// connection belongs to another block).
+impl<T: Elem, Op: RedFn<T>> LlFan<T, Op, 0, 1> {
+    /// Sends the word `v` as a step of its own (the header of a point-to-point send): one line,
+    /// or the whole slot when the step cleans it. Nothing on abort.
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
+    pub fn send_word(&mut self, v: u64) {
+        if self.aborted || !self.wait_send_credit() {
+            return;
+        }
+        let c = &self.conns.send[0];
+        let flag = ll_flag(c.step);
+        let slot = c.buff.wrapping_add(((c.step % FIFO_STEPS) * self.step_lines) as usize);
+        let total = if ll_clean(c.step) { self.step_lines } else { 1 };
+        if self.tid == 0 {
+            super::announce_step_lines(c.sizes, c.step, total);
+        }
+        let mut line = self.tid as u64;
+        while line < total {
+            Self::write_line(slot.wrapping_add(line as usize), if line == 0 { v } else { 0 }, flag);
+            line += self.nthreads as u64;
+        }
+        // SAFETY: a send frees no slot; every thread advances its step.
+        unsafe { self.conns.end_step(self.tid, 0, 1) };
+    }
+}
+
+/// Point-to-point receives: one receive connection (a peer channel's; the channel's send
+/// connection belongs to another block).
+impl<T: Elem, Op: RedFn<T>> LlFan<T, Op, 1, 0> {
+    /// Receives a word sent by [`LlFan::send_word`], in every thread; `None` on abort.
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
+    pub fn recv_word(&mut self) -> Option<u64> {
+        if self.aborted {
+            return None;
+        }
+        let c = &self.conns.recv[0];
+        let flag = ll_flag(c.step);
+        let slot = c.buff.wrapping_add(((c.step % FIFO_STEPS) * self.step_lines) as usize);
+        let total = if ll_clean(c.step) { self.step_lines } else { 1 };
+        // Every thread reads line 0 (one 16-byte line: the warp's loads of it coalesce); a
+        // cleaning step's other lines are drained by the threads they fall to.
+        let v = self.read_line(slot, flag);
+        let mut ok = v.is_some();
+        let mut line = self.tid as u64;
+        while ok && line < total {
+            if line != 0 {
+                ok = self.read_line(slot.wrapping_add(line as usize), flag).is_some();
+            }
+            line += self.nthreads as u64;
+        }
+        // Free the slot once every thread has read it; share any abort (as `generic_op`).
+        // SAFETY: every thread reaches the barrier; only thread 0 posts the credit.
+        unsafe {
+            if !ok {
+                self.smem.add(1).write_volatile(1);
+            }
+            arch::sync_threads();
+            if self.smem.add(1).read_volatile() != 0 {
+                self.aborted = true;
+                return None;
+            }
+            self.conns.end_step(self.tid, 1, 0);
+        }
+        v
+    }
+
+    /// Receives `n` elements sent by one `send(_, n)` into output[dst..], writing only the first
+    /// `keep` (≤ `n`) of them: every line is consumed, so the sender finishes, and nothing lands
+    /// past an output shorter than what was sent (Simple's `recv_upto`).
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
+    pub fn recv_upto(&mut self, dst: u64, n: u64, keep: u64) {
+        let keep_bytes = core::cmp::min(keep, n) * core::mem::size_of::<T>() as u64;
+        self.generic_op::<true, false, false, true>(0, dst, n, false, keep_bytes)
+    }
+}
+
 /// An 8-byte word in the low half of a pack (the upper half is zero and ignored).
 #[cfg_attr(target_arch = "nvptx64", inline(always))]
 fn pack(v: u64) -> Pack {
@@ -414,31 +502,31 @@ fn combine<T: Elem, Op: RedFn<T>>(args: &OpArgs, a: u64, b: u64) -> u64 {
 impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Primitives for LlFan<T, Op, NR, NS> {
     #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn send(&mut self, src: u64, n: u64) {
-        self.generic_op::<false, true, true, false>(src, 0, n, false)
+        self.generic_op::<false, true, true, false>(src, 0, n, false, u64::MAX)
     }
     #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn recv(&mut self, dst: u64, n: u64) {
-        self.generic_op::<true, false, false, true>(0, dst, n, false)
+        self.generic_op::<true, false, false, true>(0, dst, n, false, u64::MAX)
     }
     #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn recv_reduce_send(&mut self, src: u64, n: u64) {
-        self.generic_op::<true, true, true, false>(src, 0, n, false)
+        self.generic_op::<true, true, true, false>(src, 0, n, false, u64::MAX)
     }
     #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn recv_reduce_copy(&mut self, src: u64, dst: u64, n: u64, post: bool) {
-        self.generic_op::<true, false, true, true>(src, dst, n, post)
+        self.generic_op::<true, false, true, true>(src, dst, n, post, u64::MAX)
     }
     #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn recv_copy_send(&mut self, dst: u64, n: u64) {
-        self.generic_op::<true, true, false, true>(0, dst, n, false)
+        self.generic_op::<true, true, false, true>(0, dst, n, false, u64::MAX)
     }
     #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn recv_reduce_copy_send(&mut self, src: u64, dst: u64, n: u64, post: bool) {
-        self.generic_op::<true, true, true, true>(src, dst, n, post)
+        self.generic_op::<true, true, true, true>(src, dst, n, post, u64::MAX)
     }
     #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn copy_send(&mut self, src: u64, dst: u64, n: u64) {
-        self.generic_op::<false, true, true, true>(src, dst, n, false)
+        self.generic_op::<false, true, true, true>(src, dst, n, false, u64::MAX)
     }
     #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn aborted(&self) -> bool {

@@ -234,44 +234,6 @@ impl<T: Elem, Op: RedFn<T>> Simple<T, Op> {
         }
     }
 
-    /// Point-to-point: sends the two words `(a, b)` as one 16-byte FIFO step of their own (the
-    /// header of a send, which tells the receiver the size before any data).
-    #[cfg_attr(target_arch = "nvptx64", inline(always))]
-    pub fn send_header(&mut self, a: u64, b: u64) {
-        if self.aborted {
-            return;
-        }
-        self.send.step = self.send.step.next_multiple_of(u64::from(self.steps_per_slice));
-        let from = self.send.step;
-        if !self.wait::<false, true>(false) {
-            return;
-        }
-        if self.tid == 0 {
-            // SAFETY: the slot is a 16-byte aligned part of the peer's FIFO that `wait` saw
-            // freed; the post below publishes it after the block's barrier and fence.
-            unsafe { arch::store_pair_u64(self.slot(&self.send) as *mut u64, a, b) };
-        }
-        self.publish_sizes(from, 16);
-        self.post::<false, true>();
-    }
-
-    /// Point-to-point: receives a header sent by [`Self::send_header`]; `None` on abort.
-    #[cfg_attr(target_arch = "nvptx64", inline(always))]
-    pub fn recv_header(&mut self) -> Option<(u64, u64)> {
-        if self.aborted {
-            return None;
-        }
-        self.recv.step = self.recv.step.next_multiple_of(u64::from(self.steps_per_slice));
-        if !self.wait::<true, false>(false) {
-            return None;
-        }
-        // SAFETY: `wait` saw the step's tail; the slot is 16-byte aligned in our FIFO. Every
-        // thread reads it before the post's barrier frees the slot.
-        let v = unsafe { arch::load_pair_u64(self.slot(&self.recv) as *const u64) };
-        self.post::<true, false>();
-        Some(v)
-    }
-
     /// Point-to-point: receives `n` elements sent by one `send(_, n)` into output[dst..], but
     /// writes only the first `keep` (≤ `n`) of them: every step is consumed, so the sender
     /// finishes, and nothing lands past an output shorter than what was sent.
