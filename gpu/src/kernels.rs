@@ -66,8 +66,9 @@ pub unsafe extern "ptx-kernel" fn oxccl_check_call(args: crate::abi::CheckArgs) 
     }
 }
 
-/// Point-to-point kernel ([`crate::abi::P2P_KERNEL_NAME`]): grid = `args.nworks` blocks, block =
-/// `NCCL_NTHREADS` threads; block `b` runs `args.works[b]`.
+/// Point-to-point kernel ([`crate::abi::P2P_KERNEL_NAME`]): grid = the launch's blocks, block =
+/// `NCCL_NTHREADS` threads; block `b` runs its works of `args.works` one after the other
+/// ([`crate::abi::p2p_block_works`]).
 ///
 /// # Safety
 /// Launched by the host library with a valid [`crate::abi::P2pArgs`] (see
@@ -77,35 +78,66 @@ pub unsafe extern "ptx-kernel" fn oxccl_sendrecv(args: crate::abi::P2pArgs) {
     let bid = arch::block_idx();
     // Constant offsets: read from the parameter space as they are.
     let (comm, status, nworks) = (args.comm, args.status, args.nworks);
-    if bid >= nworks || bid as usize >= crate::abi::MAX_P2P_WORKS {
+    let nworks = core::cmp::min(nworks as usize, crate::abi::MAX_P2P_WORKS);
+    // SAFETY: every index the scan reads is below `nworks` ≤ MAX_P2P_WORKS.
+    let Some((start, end)) = crate::abi::p2p_block_works(nworks, bid, |i| unsafe { p2p_param_kind(i as u32) }) else {
         return;
-    }
-    // SAFETY: `bid` < `nworks` ≤ MAX_P2P_WORKS: the work lies in this kernel's parameter;
-    // `kernel_shared_mem` is called once in this kernel; the rest is the launch contract.
+    };
+    // SAFETY: `start..end` lie below `nworks` ≤ MAX_P2P_WORKS: each work lies in this kernel's
+    // parameter; `kernel_shared_mem` is called once in this kernel; the rest is the launch
+    // contract.
     unsafe {
-        let w = p2p_param_work(bid);
         let smem = arch::kernel_shared_mem();
-        crate::coll::send_recv::run_p2p_work(comm, status, w, arch::thread_idx(), arch::block_dim(), smem);
+        for i in start..end {
+            let w = p2p_param_work(i as u32);
+            crate::coll::send_recv::run_p2p_work(comm, status, w, arch::thread_idx(), arch::block_dim(), smem);
+        }
     }
 }
 
-/// Work `bid` of [`oxccl_sendrecv`]'s parameter, read with `ld.param` at a computed
+/// The `kind` byte of work `i` of [`oxccl_sendrecv`]'s parameter (see [`p2p_param_work`]).
+///
+/// # Safety
+/// As [`p2p_param_work`].
+#[inline(always)]
+unsafe fn p2p_param_kind(i: u32) -> u8 {
+    use crate::abi::{P2pArgs, WorkP2p};
+    use core::mem::offset_of;
+    let off = offset_of!(P2pArgs, works) as u64 + i as u64 * core::mem::size_of::<WorkP2p>() as u64 + offset_of!(WorkP2p, kind) as u64;
+    let kind: u16;
+    // SAFETY: the load lies inside the kernel's parameter (caller contract); registers only.
+    unsafe {
+        core::arch::asm!(
+            "{{",
+            ".reg .u64 %p2p_kind_at;",
+            "mov.u64 %p2p_kind_at, oxccl_sendrecv_param_0;",
+            "add.u64 %p2p_kind_at, %p2p_kind_at, {off};",
+            "ld.param.u8 {k}, [%p2p_kind_at];",
+            "}}",
+            off = in(reg64) off,
+            k = out(reg16) kind,
+            options(nostack, readonly, pure)
+        );
+    }
+    kind as u8
+}
+
+/// Work `i` of [`oxccl_sendrecv`]'s parameter, read with `ld.param` at a computed
 /// offset of the parameter's address (PTX lets a kernel take its parameters' addresses with
 /// `mov`). Indexing the parameter in Rust instead makes LLVM copy all 3 KiB of it into every
 /// thread's local memory first.
 ///
 /// # Safety
-/// Only in [`oxccl_sendrecv`] (the asm names its parameter), with `bid <
-/// MAX_P2P_WORKS`.
+/// Only in [`oxccl_sendrecv`] (the asm names its parameter), with `i < MAX_P2P_WORKS`.
 #[inline(always)]
-unsafe fn p2p_param_work(bid: u32) -> crate::abi::WorkP2p {
+unsafe fn p2p_param_work(i: u32) -> crate::abi::WorkP2p {
     use crate::abi::{P2pArgs, WorkP2p};
     use core::mem::offset_of;
     const _: () = assert!(
         offset_of!(WorkP2p, bytes) == 8 && offset_of!(WorkP2p, channel) == 16 && offset_of!(WorkP2p, kind) == 20
             && offset_of!(WorkP2p, part) == 21 && offset_of!(WorkP2p, nparts) == 22 && offset_of!(WorkP2p, proto) == 23
     );
-    let off = offset_of!(P2pArgs, works) as u64 + bid as u64 * core::mem::size_of::<WorkP2p>() as u64;
+    let off = offset_of!(P2pArgs, works) as u64 + i as u64 * core::mem::size_of::<WorkP2p>() as u64;
     let (buff, bytes, rest): (u64, u64, u64);
     // SAFETY: the three loads lie inside the kernel's parameter (caller contract); registers only.
     unsafe {

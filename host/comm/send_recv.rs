@@ -5,7 +5,9 @@
 //! outermost group ends (at once outside a group).
 use super::*;
 use crate::group::{self, P2pOp, Queued};
-use oxccl_gpu::abi::{MAX_P2P_WORKS, P2P_KERNEL_NAME, P2P_RECV, P2P_SEND, P2pArgs, P2pStatus, WorkP2p};
+use oxccl_gpu::abi::{
+    MAX_P2P_WORKS, P2P_AFTER_PREVIOUS, P2P_KERNEL_NAME, P2P_RECV, P2P_SEND, P2pArgs, P2pStatus, WorkP2p,
+};
 
 /// Where this rank's receives report a size mismatch: host memory its kernels write (mapped
 /// into the device on GPUs).
@@ -124,7 +126,7 @@ impl P2pTarget {
             .filter(|w| w.part == 0)
             .map(|w| {
                 let (to, from) = self.peer.neighbours(w.channel, self.rank);
-                if w.kind == P2P_SEND {
+                if w.kind & !P2P_AFTER_PREVIOUS == P2P_SEND {
                     format!("send of {} bytes to rank {to}", w.bytes)
                 } else {
                     format!("receive of {} bytes from rank {from}", w.bytes)
@@ -141,15 +143,21 @@ impl P2pTarget {
             .map(|st| mismatch_error(self.rank, self.peer.recv_peer(self.rank, st.channel), &st))
     }
 
-    /// Launches `works` (at most [`MAX_P2P_WORKS`], each on a peer channel of its own) as one
-    /// kernel on `stream`.
+    /// Launches `works` (at most [`MAX_P2P_WORKS`]; a block per work, but a work flagged
+    /// [`P2P_AFTER_PREVIOUS`] runs on the previous one's block, after it) as one kernel on
+    /// `stream`.
     pub(crate) fn launch(&self, works: &[WorkP2p], stream: &Stream) -> Result<()> {
         if works.is_empty() {
             return Ok(());
         }
-        if works.len() > MAX_P2P_WORKS {
-            return Err(Error::Internal(format!("{} point-to-point works in one launch", works.len())));
+        if works.len() > MAX_P2P_WORKS || works[0].kind & P2P_AFTER_PREVIOUS != 0 {
+            return Err(Error::Internal(format!(
+                "{} point-to-point works in one launch, the first {}",
+                works.len(),
+                if works[0].kind & P2P_AFTER_PREVIOUS != 0 { "after a previous one" } else { "starting a block" }
+            )));
         }
+        let nblocks = works.iter().filter(|w| w.kind & P2P_AFTER_PREVIOUS == 0).count() as u32;
         let mut args = P2pArgs {
             comm: self.dev_comm,
             status: self.status.kernel_addr(),
@@ -160,14 +168,14 @@ impl P2pTarget {
         self.watch.begin_p2p(self.describe(works));
         match (&self.backend, stream) {
             (Backend::Cuda { launch, module, .. }, Stream::Cuda(s)) => {
-                s.launch(module, works.len() as u32, self.nthreads, &args)?;
+                s.launch(module, nblocks, self.nthreads, &args)?;
                 launch.record(s)?;
                 Ok(())
             }
             (Backend::Cpu { group, process, inflight }, Stream::Cpu(s)) => {
                 let nthreads = self.cpu_nthreads;
                 let blocks = CpuBlocks {
-                    nblocks: works.len() as u32,
+                    nblocks,
                     nthreads,
                     team: self.cpu_team,
                     group: group.clone(),

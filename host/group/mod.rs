@@ -9,12 +9,15 @@
 //! point-to-point work), per communicator:
 //!
 //! - a send and a receive with the rank itself are matched in order and become a copy;
-//! - every other call becomes one thread block per peer channel of its pair; the first call of
-//!   each (peer, direction) goes into the first launch, the second into the second, and so on,
-//!   so each launch holds at most one call per connection and the calls of a pair match in
-//!   order; the launches of every communicator of the group go out round by round;
-//! - a launch holds at most [`MAX_P2P_WORKS`] blocks: a group that would need more fails at its
-//!   end naming the limit, before anything of it is launched.
+//! - every other call becomes one work per peer channel of its pair (NCCL's
+//!   `NCCL_NCHANNELS_PER_PEER`); all of a communicator's works go into one launch, the works of
+//!   each connection (a peer channel's send or receive side) on one thread block, one after the
+//!   other in the order issued, so the calls of a pair match in order (NCCL's p2p work batches);
+//! - a launch holds at most [`MAX_P2P_WORKS`] works (its kernel parameter's room): a group with
+//!   more goes out in rounds instead — the first call of each (peer, direction) in the first
+//!   launch, the second in the second, and so on, the launches of every communicator round by
+//!   round — and a group whose round would still hold more fails at its end naming the limit,
+//!   before anything of it is launched.
 //!
 //! Communicators may be created inside a group ([`init_rank`], NCCL's `ncclCommInitRank`
 //! inside a group, how one thread creates several ranks): the outermost end creates them
@@ -26,7 +29,7 @@
 use crate::comm::P2pTarget;
 use crate::error::{Error, Result};
 use crate::mem::Stream;
-use oxccl_gpu::abi::{MAX_P2P_WORKS, WorkP2p};
+use oxccl_gpu::abi::{MAX_P2P_WORKS, P2P_AFTER_PREVIOUS, WorkP2p};
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -214,7 +217,8 @@ struct CommPlan {
     stream: Stream,
     /// Sends to itself matched with receives from itself: (dst, src, bytes).
     copies: Vec<(u64, u64, u64)>,
-    /// The blocks of each launch.
+    /// The works of each launch (one launch unless the group holds more than one launch
+    /// takes).
     rounds: Vec<Vec<WorkP2p>>,
 }
 
@@ -260,31 +264,12 @@ fn plan(queued: Vec<Queued>) -> Result<(Vec<CommPlan>, Vec<Error>)> {
             }
             copies.push((r.buff, s.buff, s.bytes.min(r.bytes)));
         }
-        let mut rounds: Vec<Vec<WorkP2p>> = Vec::new();
-        let mut seen: Vec<(usize, bool, usize)> = Vec::new();
-        for op in &others {
-            let round = match seen.iter_mut().find(|(p, s, _)| (*p, *s) == (op.peer, op.send)) {
-                Some((_, _, n)) => {
-                    *n += 1;
-                    *n - 1
-                }
-                None => {
-                    seen.push((op.peer, op.send, 1));
-                    0
-                }
-            };
-            if rounds.len() <= round {
-                rounds.resize_with(round + 1, Vec::new);
-            }
-            rounds[round].extend(target.works_of(op));
-        }
-        if let Some(r) = rounds.iter().find(|r| r.len() > MAX_P2P_WORKS) {
-            return Err(Error::InvalidUsage(format!(
-                "rank {me}: a group's sends and receives need {} thread blocks in one launch, more than the {MAX_P2P_WORKS} a launch holds \
-                 (one per peer channel of each peer and direction; fewer peers per group, or NCCL_NCHANNELS_PER_PEER=1, fit); nothing was launched",
-                r.len()
-            )));
-        }
+        let works: Vec<WorkP2p> = others.iter().flat_map(|op| target.works_of(op)).collect();
+        let rounds = if works.len() <= MAX_P2P_WORKS {
+            vec![one_launch(works)]
+        } else {
+            rounds_of(&target, &others)?
+        };
         plans.push(CommPlan {
             target,
             stream,
@@ -293,6 +278,65 @@ fn plan(queued: Vec<Queued>) -> Result<(Vec<CommPlan>, Vec<Error>)> {
         });
     }
     Ok((plans, mismatches))
+}
+
+/// `works` as one launch: the works of each connection (a peer channel's send or receive side)
+/// on one block, in the order issued (every one after the first flagged
+/// [`P2P_AFTER_PREVIOUS`]), the connections in order of their first work.
+fn one_launch(works: Vec<WorkP2p>) -> Vec<WorkP2p> {
+    let mut conns: Vec<((u32, u8), Vec<WorkP2p>)> = Vec::new();
+    for w in works {
+        let key = (w.channel, w.kind);
+        match conns.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, ws)) => ws.push(w),
+            None => conns.push((key, vec![w])),
+        }
+    }
+    conns
+        .into_iter()
+        .flat_map(|(_, ws)| {
+            ws.into_iter().enumerate().map(|(i, mut w)| {
+                if i > 0 {
+                    w.kind |= P2P_AFTER_PREVIOUS;
+                }
+                w
+            })
+        })
+        .collect()
+}
+
+/// The launches of a communicator's sends and receives (`others`, none with the rank itself)
+/// whose works exceed one launch: the first call of each (peer, direction) in the first launch,
+/// the second in the second, and so on; each launch at most [`MAX_P2P_WORKS`] works, else an
+/// error naming the limit.
+fn rounds_of(target: &P2pTarget, others: &[P2pOp]) -> Result<Vec<Vec<WorkP2p>>> {
+    let me = target.rank();
+    let mut rounds: Vec<Vec<WorkP2p>> = Vec::new();
+    let mut seen: Vec<(usize, bool, usize)> = Vec::new();
+    for op in others {
+        let round = match seen.iter_mut().find(|(p, s, _)| (*p, *s) == (op.peer, op.send)) {
+            Some((_, _, n)) => {
+                *n += 1;
+                *n - 1
+            }
+            None => {
+                seen.push((op.peer, op.send, 1));
+                0
+            }
+        };
+        if rounds.len() <= round {
+            rounds.resize_with(round + 1, Vec::new);
+        }
+        rounds[round].extend(target.works_of(op));
+    }
+    if let Some(r) = rounds.iter().find(|r| r.len() > MAX_P2P_WORKS) {
+        return Err(Error::InvalidUsage(format!(
+            "rank {me}: a group's sends and receives need {} thread blocks in one launch, more than the {MAX_P2P_WORKS} a launch holds \
+             (one per peer channel of each peer and direction; fewer peers per group, or NCCL_NCHANNELS_PER_PEER=1, fit); nothing was launched",
+            r.len()
+        )));
+    }
+    Ok(rounds)
 }
 
 /// A group's sends and receives, planned ([`plan`]): per communicator its copies and launch
@@ -337,6 +381,25 @@ fn launch_planned(Planned(plans, mismatches): Planned) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn one_launch_runs_each_connections_works_on_one_block_in_issue_order() {
+        use oxccl_gpu::abi::{P2P_RECV as R, P2P_SEND as S};
+        const AFTER: u8 = P2P_AFTER_PREVIOUS;
+        let w = |channel: u32, kind: u8, buff: u64| WorkP2p {
+            buff,
+            bytes: 8,
+            channel,
+            kind,
+            part: 0,
+            nparts: 1,
+            proto: 0,
+        };
+        // Channel 3's send and receive sides are two connections; channel 4's send a third.
+        let works = vec![w(3, S, 1), w(3, R, 2), w(4, S, 3), w(3, S, 4), w(3, R, 5), w(3, S, 6)];
+        let got: Vec<(u64, u8)> = one_launch(works).iter().map(|w| (w.buff, w.kind)).collect();
+        assert_eq!(got, vec![(1, S), (4, S | AFTER), (6, S | AFTER), (2, R), (5, R | AFTER), (3, S)]);
+    }
 
     #[test]
     fn group_end_without_start_is_invalid_usage() {

@@ -426,6 +426,32 @@ pub const P2P_KERNEL_NAME: &str = "oxccl_sendrecv";
 pub const P2P_SEND: u8 = 0;
 /// [`WorkP2p::kind`] of a receive.
 pub const P2P_RECV: u8 = 1;
+/// Flag of [`WorkP2p::kind`]: the work runs on the thread block of the work before it in the
+/// launch, after it. A block so runs every call of a group on its connection (a peer channel's
+/// send or receive side), in the order issued, and a group needs one launch, not one per call
+/// on a connection ([`p2p_block_works`]).
+pub const P2P_AFTER_PREVIOUS: u8 = 0x80;
+
+/// The works (`start..end` indices) that block `bid` of a point-to-point launch of `nworks`
+/// works runs, given each work's [`WorkP2p::kind`] (`kind(i)`): the `bid`-th run of works that
+/// starts with one without [`P2P_AFTER_PREVIOUS`]; `None` past the last block.
+#[inline(always)]
+pub fn p2p_block_works(nworks: usize, bid: u32, kind: impl Fn(usize) -> u8) -> Option<(usize, usize)> {
+    let mut block = 0u32;
+    let mut start = None;
+    for i in 0..nworks {
+        if kind(i) & P2P_AFTER_PREVIOUS == 0 {
+            if let Some(s) = start {
+                return Some((s, i));
+            }
+            if block == bid {
+                start = Some(i);
+            }
+            block += 1;
+        }
+    }
+    start.map(|s| (s, nworks))
+}
 
 /// One part of one send or receive (NCCL's `ncclDevWorkP2p` half), run by one thread block over
 /// one peer channel. A send of `bytes` bytes is cut into `nparts` parts of whole 16-byte packs
@@ -445,7 +471,8 @@ pub struct WorkP2p {
     /// connection goes to the peer of a send, its receive connection comes from the peer of a
     /// receive.
     pub channel: u32,
-    /// [`P2P_SEND`] or [`P2P_RECV`].
+    /// [`P2P_SEND`] or [`P2P_RECV`], with [`P2P_AFTER_PREVIOUS`] when it shares the previous
+    /// work's block.
     pub kind: u8,
     /// This work's part of the operation, and the parts.
     pub part: u8,
@@ -458,7 +485,8 @@ pub struct WorkP2p {
 /// The bit of a send's header word (its total bytes) saying its data follows on LL, not Simple.
 pub const P2P_HEADER_LL: u64 = 1 << 63;
 
-/// The by-value argument of the point-to-point kernel: block `b < nworks` runs `works[b]`.
+/// The by-value argument of the point-to-point kernel: block `b` runs its works
+/// ([`p2p_block_works`]), one after the other.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Pod, Zeroable)]
 pub struct P2pArgs {

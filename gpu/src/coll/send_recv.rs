@@ -9,7 +9,10 @@
 //! differ: it writes at most its own output's size and reports the mismatch ([`P2pStatus`])
 //! instead of hanging or writing past the output. LL and Simple steps share the connection's
 //! step counter, as consecutive collectives of different protocols do.
-use crate::abi::{DevChannel, DevComm, P2P_HEADER_LL, P2P_SEND, P2pArgs, P2pStatus, Proto, WorkP2p, p2p_part};
+use crate::abi::{
+    DevChannel, DevComm, P2P_AFTER_PREVIOUS, P2P_HEADER_LL, P2P_SEND, P2pArgs, P2pStatus, Proto, WorkP2p, p2p_block_works,
+    p2p_part,
+};
 use crate::arch;
 use crate::proto::Primitives;
 use crate::proto::fan::Peers;
@@ -17,20 +20,23 @@ use crate::proto::ll::LlFan;
 use crate::proto::simple::Simple;
 use crate::reduce::{FuncSum, OpArgs};
 
-/// Runs block `bid` of a point-to-point launch: work `args.works[bid]` (nothing when `bid` is
-/// past `args.nworks`). The CPU target's entry; the GPU kernel reads its work straight from its
-/// parameter space and calls [`run_p2p_work`].
+/// Runs block `bid` of a point-to-point launch: its works of `args.works` one after the other
+/// ([`p2p_block_works`]; nothing past the last block). The CPU target's entry; the GPU kernel
+/// reads its works straight from its parameter space and calls [`run_p2p_work`].
 ///
 /// # Safety
 /// As [`run_p2p_work`] for every work of `args`.
 #[cfg_attr(target_arch = "nvptx64", inline(always))]
 #[cfg_attr(not(target_arch = "nvptx64"), inline(never))]
 pub unsafe fn run_p2p_block(args: &P2pArgs, bid: u32, tid: u32, nthreads: u32, smem: *mut u32) {
-    if bid >= args.nworks || bid as usize >= args.works.len() {
+    let nworks = core::cmp::min(args.nworks as usize, args.works.len());
+    let Some((start, end)) = p2p_block_works(nworks, bid, |i| args.works[i].kind) else {
         return;
+    };
+    for w in &args.works[start..end] {
+        // SAFETY: forwarded caller contract.
+        unsafe { run_p2p_work(args.comm, args.status, *w, tid, nthreads, smem) }
     }
-    // SAFETY: forwarded caller contract.
-    unsafe { run_p2p_work(args.comm, args.status, args.works[bid as usize], tid, nthreads, smem) }
 }
 
 /// Runs one work of a point-to-point launch on this block.
@@ -49,7 +55,7 @@ pub unsafe fn run_p2p_work(comm: u64, status: u64, w: WorkP2p, tid: u32, nthread
     let (part, nparts) = (w.part as u64, w.nparts as u64);
     let ll_size = comm.buff_sizes[Proto::Ll as usize];
     let buff = w.buff as *mut u8;
-    if w.kind == P2P_SEND {
+    if w.kind & !P2P_AFTER_PREVIOUS == P2P_SEND {
         let on_ll = w.proto == Proto::Ll as u8;
         // SAFETY: caller contract; the channel's LL buffers are `ll_size` bytes; this block
         // uses only the channel's send connection.
@@ -158,6 +164,24 @@ unsafe fn simple(
 #[cfg(test)]
 mod tests {
     use crate::abi::p2p_part;
+
+    #[test]
+    fn each_block_runs_the_works_flagged_to_follow_its_first() {
+        use crate::abi::{P2P_AFTER_PREVIOUS as AFTER, P2P_RECV as R, P2P_SEND as S, p2p_block_works};
+        let kinds = [S, S | AFTER, S | AFTER, R, S, R | AFTER];
+        let kind = |i: usize| kinds[i];
+        assert_eq!(p2p_block_works(6, 0, kind), Some((0, 3)));
+        assert_eq!(p2p_block_works(6, 1, kind), Some((3, 4)));
+        assert_eq!(p2p_block_works(6, 2, kind), Some((4, 6)));
+        assert_eq!(p2p_block_works(6, 3, kind), None);
+        // Only the first `nworks` count; none at all, no block.
+        assert_eq!(p2p_block_works(5, 2, kind), Some((4, 5)));
+        assert_eq!(p2p_block_works(0, 0, kind), None);
+        let alone = [R, S, R];
+        for b in 0..3 {
+            assert_eq!(p2p_block_works(3, b, |i| alone[i]), Some((b as usize, b as usize + 1)));
+        }
+    }
 
     #[test]
     fn parts_are_whole_packs_that_cover_the_transfer_once() {
