@@ -3,8 +3,9 @@
 //! out of place and with the receive in the send's buffer, as a thread per rank and as one thread
 //! driving every rank inside one group (NCCL's one thread per process), over every transport
 //! between the ranks of one `init_all` (P2P, SHM, NET); sizes that differ between a send and its
-//! receive; calls matched in issue order; all-to-all-shaped groups; the rank itself as peer; the
-//! argument errors. GPU runs are in `gpu_collectives`.
+//! receive; calls matched in issue order, many on one connection in one group and grouped
+//! differently on the two sides; all-to-all-shaped groups; the rank itself as peer; the argument
+//! errors. GPU runs are in `gpu_collectives`.
 use crate::common;
 
 use common::env::Env;
@@ -621,5 +622,196 @@ fn a_group_too_large_for_one_launch_fails_with_nothing_launched() {
     let poison = sentinel(FRONT + n * block + BACK, 6);
     for (r, (_, recv)) in bufs.iter().enumerate() {
         check(recv, n * block, 6, &poison[FRONT..FRONT + n * block], &format!("rank {r}: untouched"));
+    }
+}
+
+/// The size of message `msg` from rank `from` to rank `to` in [`many_calls_per_connection`]:
+/// on LL (up to 16384 bytes: at, just below and far below the threshold, and empty) and on
+/// Simple (just above and far above), in an order that differs per pair.
+fn many_size(from: usize, to: usize, msg: usize) -> usize {
+    const SIZES: [usize; 7] = [16384, 16385, 1, 0, 70_000, 5000, 16];
+    SIZES[(msg + 2 * from + to) % SIZES.len()]
+}
+
+/// Every rank sends `msgs` messages to every other rank and receives theirs, all in one group
+/// per rank thread, sends and receives interleaved (their order alternating per message): many
+/// calls on each connection, LL and Simple ones in turn. Each received buffer exact, its guards
+/// and every send buffer intact.
+fn many_calls_per_connection(comms: &[Comm], msgs: usize, what: &str) {
+    let n = comms.len();
+    let ready = std::sync::Barrier::new(n);
+    common::on_threads(n, |r| {
+        let c = &comms[r];
+        let dev = c.device();
+        let peers: Vec<usize> = (0..n).filter(|&p| p != r).collect();
+        // (peer, msg) → (send buffer, receive buffer).
+        let bufs: Vec<Vec<(DeviceBuffer, DeviceBuffer)>> = peers
+            .iter()
+            .map(|&p| {
+                (0..msgs)
+                    .map(|m| {
+                        let (sb, rb) = (many_size(r, p, m), many_size(p, r, m));
+                        (guarded(dev, sb, 24, Some(&payload(r, p, m, sb))), guarded(dev, rb, 25, None))
+                    })
+                    .collect()
+            })
+            .collect();
+        let stream = dev.new_stream().unwrap();
+        ready.wait();
+        oxccl::group(|| -> oxccl::Result<()> {
+            for m in 0..msgs {
+                for (k, &p) in peers.iter().enumerate() {
+                    let (s, d) = &bufs[k][m];
+                    let (sb, rb) = (many_size(r, p, m), many_size(p, r, m));
+                    if (m + k) % 2 == 0 {
+                        c.send(s.slice(FRONT, sb)?, sb, DataType::U8, p, &stream)?;
+                        c.recv(d.slice(FRONT, rb)?, rb, DataType::U8, p, &stream)?;
+                    } else {
+                        c.recv(d.slice(FRONT, rb)?, rb, DataType::U8, p, &stream)?;
+                        c.send(s.slice(FRONT, sb)?, sb, DataType::U8, p, &stream)?;
+                    }
+                }
+            }
+            Ok(())
+        })
+        .unwrap()
+        .unwrap_or_else(|e| panic!("{what}: rank {r}: {e}"));
+        stream.synchronize().unwrap_or_else(|e| panic!("{what}: rank {r}: {e}"));
+        for (k, &p) in peers.iter().enumerate() {
+            for m in 0..msgs {
+                let (s, d) = &bufs[k][m];
+                let (sb, rb) = (many_size(r, p, m), many_size(p, r, m));
+                check(d, rb, 25, &payload(p, r, m, rb), &format!("{what}: rank {r}, message {m} of {msgs} from {p} ({rb} bytes)"));
+                check(s, sb, 24, &payload(r, p, m, sb), &format!("{what}: rank {r}'s send buffer of message {m} to {p}"));
+            }
+        }
+    });
+}
+
+/// Many sends and receives on one connection in one group: each connection's calls run on one
+/// block one after the other (one launch for 7 messages per connection; launch rounds for 20,
+/// whose works exceed one launch with 2 channels per peer), LL and Simple sends in turn sharing
+/// the connection's steps; exact over P2P, SHM and NET, with 1 and 2 channels per peer, with the
+/// smallest LL FIFO and the connections starting just below the LL flag's wrap.
+#[test]
+fn many_calls_on_one_connection_in_one_group_are_exact_on_ll_and_simple() {
+    let start = ((1u64 << 31) - 1 - 20).to_string();
+    for (transport, vars) in [
+        ("P2P", &[][..]),
+        ("SHM", &[("NCCL_P2P_DISABLE", "1")][..]),
+        ("NET", &[("NCCL_P2P_DISABLE", "1"), ("NCCL_SHM_DISABLE", "1")][..]),
+    ] {
+        for per_peer in ["1", "2"] {
+            let env = Env::clean(VARS);
+            let mut all = vars.to_vec();
+            all.extend([
+                ("NCCL_NCHANNELS_PER_PEER", per_peer),
+                ("OXCCL_TEST_INITIAL_STEP", start.as_str()),
+                ("NCCL_LL_BUFFSIZE", "8192"),
+            ]);
+            env.set(&all);
+            let comms = Comm::init_all(&Device::cpus(3)).unwrap();
+            for msgs in [7, 20] {
+                many_calls_per_connection(&comms, msgs, &format!("{transport}, {per_peer} channel(s) per peer, {msgs} messages"));
+            }
+        }
+    }
+}
+
+/// Calls grouped differently on the two sides still match in issue order: rank 0 issues its 6
+/// sends to rank 1 as one group (one block per connection running them in turn), rank 1
+/// receives them one call at a time, then in groups of 2 and 4, and the other way around.
+#[test]
+fn a_group_of_sends_matches_receives_grouped_otherwise() {
+    let _env = Env::clean(VARS);
+    let comms = common::init_all(&Device::cpus(2)).unwrap();
+    let sizes = [16384usize, 3, 16385, 0, 200_000, 777];
+    for (sender, splits) in [(0usize, &[1usize, 1, 1, 1, 1, 1][..]), (1, &[2, 4][..]), (0, &[6][..]), (1, &[5, 1][..])] {
+        common::on_threads(2, |r| {
+            let c = &comms[r];
+            let dev = c.device();
+            let stream = dev.new_stream().unwrap();
+            let peer = 1 - r;
+            let bufs: Vec<DeviceBuffer> = sizes
+                .iter()
+                .enumerate()
+                .map(|(m, &b)| if r == sender { guarded(dev, b, 26, Some(&payload(sender, peer, m, b))) } else { guarded(dev, b, 27, None) })
+                .collect();
+            let call = |m: usize| {
+                let s = bufs[m].slice(FRONT, sizes[m]).unwrap();
+                if r == sender {
+                    c.send(s, sizes[m], DataType::U8, peer, &stream).unwrap();
+                } else {
+                    c.recv(s, sizes[m], DataType::U8, peer, &stream).unwrap();
+                }
+            };
+            if r == sender {
+                oxccl::group(|| (0..sizes.len()).for_each(call)).unwrap();
+            } else {
+                let mut m = 0;
+                for &k in splits {
+                    oxccl::group(|| (m..m + k).for_each(call)).unwrap();
+                    m += k;
+                }
+            }
+            stream.synchronize().unwrap_or_else(|e| panic!("rank {r}, sender {sender}, splits {splits:?}: {e}"));
+            if r != sender {
+                for (m, &b) in sizes.iter().enumerate() {
+                    check(&bufs[m], b, 27, &payload(sender, r, m, b), &format!("sender {sender}, splits {splits:?}: message {m}"));
+                }
+            }
+        });
+    }
+}
+
+/// Inside one group of five calls on one connection, a receive shorter than its send (20000
+/// bytes on Simple into 600) and one longer (600 bytes on LL into 20000): each writes what it
+/// holds of the sent bytes and nothing past its output, the calls after them are exact, the
+/// synchronize names both sizes of a mismatch, and the pair stays usable — with 1 and 2
+/// channels per peer.
+#[test]
+fn size_mismatches_inside_a_group_leave_the_other_calls_exact() {
+    let sent = [1000usize, 20_000, 600, 16384, 70_000];
+    let expected = [1000usize, 600, 20_000, 16384, 70_000];
+    for per_peer in ["1", "2"] {
+        let env = Env::clean(VARS);
+        env.set(&[("NCCL_NCHANNELS_PER_PEER", per_peer)]);
+        let comms = Comm::init_all(&Device::cpus(2)).unwrap();
+        drop(env);
+        let errs = common::on_threads(2, |r| {
+            let c = &comms[r];
+            let dev = c.device();
+            let stream = dev.new_stream().unwrap();
+            let bufs: Vec<DeviceBuffer> = (0..sent.len())
+                .map(|m| if r == 0 { guarded(dev, sent[m], 28, Some(&payload(0, 1, m, sent[m]))) } else { guarded(dev, expected[m], 29, None) })
+                .collect();
+            oxccl::group(|| {
+                for (m, b) in bufs.iter().enumerate() {
+                    if r == 0 {
+                        c.send(b.slice(FRONT, sent[m]).unwrap(), sent[m], DataType::U8, 1, &stream).unwrap();
+                    } else {
+                        c.recv(b.slice(FRONT, expected[m]).unwrap(), expected[m], DataType::U8, 0, &stream).unwrap();
+                    }
+                }
+            })
+            .unwrap();
+            let e = stream.synchronize().err();
+            if r == 1 {
+                for m in 0..sent.len() {
+                    let k = sent[m].min(expected[m]);
+                    check(&bufs[m], expected[m], 29, &payload(0, 1, m, sent[m])[..k], &format!("{per_peer} per peer: message {m}, sent {}, expected {}", sent[m], expected[m]));
+                }
+            }
+            e
+        });
+        assert!(errs[0].is_none(), "{per_peer} per peer: the sender: {:?}", errs[0]);
+        let e = errs[1].as_ref().unwrap_or_else(|| panic!("{per_peer} per peer: no error"));
+        assert!(matches!(e, Error::InvalidArgument(_)), "{e:?}");
+        let msg = e.to_string();
+        let names = |s: usize, x: usize| msg.contains(&format!("expected {x} bytes but rank 0 sent {s} bytes"));
+        assert!(names(20_000, 600) || names(600, 20_000), "{per_peer} per peer: {msg}");
+        assert!(comms[1].get_async_error().is_ok(), "{per_peer} per peer: reported once");
+        shifted_exchange(&comms, 16384, DataType::U8, 1, "after the mismatches");
+        shifted_exchange(&comms, 16385, DataType::U8, 1, "after the mismatches");
     }
 }

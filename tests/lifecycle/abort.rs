@@ -3,7 +3,8 @@
 //! within 5 s, the in-flight operations exit so the rank threads drain, and later calls fail with
 //! `InvalidUsage` (both protocols, 2 and 4 ranks); with only one rank aborting, the others see a
 //! remote error. `get_async_error` after a peer's abort (same process and, through the shared
-//! abort page, across communicators of other threads) and after a peer process died.
+//! abort page, across communicators of other threads) and after a peer process died; abort of
+//! a send or receive that waits forever.
 use crate::common::{self, child, on_threads};
 use oxccl::bootstrap::get_unique_id;
 use oxccl::{Comm, DataType, Device, Error, RedOp, ResultCode};
@@ -257,4 +258,72 @@ fn async_error_reports_a_dead_peer_process() {
     let t = Instant::now();
     c.destroy().unwrap();
     assert!(t.elapsed() < Duration::from_secs(2));
+}
+
+/// Aborting a rank whose point-to-point launch waits forever ends it within seconds: a group of
+/// two receives on one connection whose sender sends only the first (the block waits for the
+/// second's header), and a group of 40 sends of 5000 bytes on LL to a rank that never receives
+/// (the block waits for FIFO credit). The waiting stream's synchronize returns (Ok, as after
+/// NCCL's abort), the first receive holds its exact bytes, and the async error and later calls
+/// name the abort.
+#[test]
+fn abort_ends_a_send_or_receive_that_waits_forever() {
+    let _env = common::env::shared();
+    let pattern = |i: usize| (i as u32).wrapping_mul(2_654_435_761).rotate_left(7) as u8;
+    for waiting_receiver in [true, false] {
+        let comms = common::init_comms(&Device::cpus(2), None);
+        let streams = common::streams(&comms);
+        let (small, big, nsends) = (5000usize, 70_000usize, 40usize);
+        let src = comms[0].device().alloc(big).unwrap();
+        src.write(0, &(0..big).map(pattern).collect::<Vec<_>>()).unwrap();
+        let dst = comms[1].device().alloc(2 * big).unwrap();
+        dst.fill(0x5a).unwrap();
+        let waiter = if waiting_receiver { 1 } else { 0 };
+        let what = if waiting_receiver { "a receive whose send never comes" } else { "sends whose receives are never posted" };
+        let synced = std::thread::scope(|s| {
+            let waiting = s.spawn(|| {
+                if waiting_receiver {
+                    oxccl::group(|| {
+                        comms[1].recv(dst.slice(0, small).unwrap(), small, DataType::U8, 0, &streams[1]).unwrap();
+                        comms[1].recv(dst.slice(big, big).unwrap(), big, DataType::U8, 0, &streams[1]).unwrap();
+                    })
+                    .unwrap();
+                } else {
+                    oxccl::group(|| {
+                        for _ in 0..nsends {
+                            comms[0].send(src.slice(0, small).unwrap(), small, DataType::U8, 1, &streams[0]).unwrap();
+                        }
+                    })
+                    .unwrap();
+                }
+                let r = streams[waiter].synchronize();
+                (r, Instant::now())
+            });
+            if waiting_receiver {
+                comms[0].send(src.slice(0, small).unwrap(), small, DataType::U8, 1, &streams[0]).unwrap();
+                streams[0].synchronize().unwrap();
+            }
+            std::thread::sleep(Duration::from_millis(300));
+            assert!(!waiting.is_finished(), "{what}: the stream finished without the abort");
+            let t = Instant::now();
+            comms[waiter].abort().unwrap();
+            assert!(t.elapsed() < Duration::from_secs(5), "{what}: abort took {:?}", t.elapsed());
+            let (r, at) = waiting.join().unwrap();
+            assert!(at.duration_since(t) < Duration::from_secs(5), "{what}: synchronize returned {:?} after the abort", at.duration_since(t));
+            r
+        });
+        assert!(synced.is_ok(), "{what}: {synced:?}");
+        let e = comms[waiter].get_async_error().unwrap_err();
+        assert!(matches!(e, Error::InvalidUsage(_)) && e.to_string().contains("the communicator was aborted"), "{what}: {e}");
+        assert!(comms[waiter].is_aborted());
+        if waiting_receiver {
+            let got = dst.to_vec().unwrap();
+            assert!(got[..small] == (0..small).map(pattern).collect::<Vec<_>>()[..], "{what}: the first receive's bytes");
+            assert!(got[small..big].iter().all(|&b| b == 0x5a), "{what}: bytes between the outputs");
+        }
+        let mine = if waiting_receiver { &dst } else { &src };
+        let e = comms[waiter].send(mine.slice(0, 1).unwrap(), 1, DataType::U8, 1 - waiter, &streams[waiter]).unwrap_err();
+        assert!(e.to_string().contains("aborted"), "{what}: {e}");
+        comms[1 - waiter].abort().unwrap();
+    }
 }
