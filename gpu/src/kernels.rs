@@ -90,6 +90,7 @@ pub unsafe extern "ptx-kernel" fn oxccl_sendrecv(args: crate::abi::P2pArgs) {
         let smem = arch::kernel_shared_mem();
         for i in start..end {
             let w = p2p_param_work(i as u32);
+            let status = crate::abi::p2p_status_record(status, i);
             crate::coll::send_recv::run_p2p_work(comm, status, w, arch::thread_idx(), arch::block_dim(), smem);
         }
     }

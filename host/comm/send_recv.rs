@@ -10,7 +10,7 @@ use oxccl_gpu::abi::{
 };
 
 /// Where this rank's receives report a size mismatch: host memory its kernels write (mapped
-/// into the device on GPUs).
+/// into the device on GPUs), one [`P2pStatus`] record per work of a launch.
 pub(super) enum StatusMem {
     Cuda(cuda::HostMapped),
     Cpu(HostMem),
@@ -18,13 +18,13 @@ pub(super) enum StatusMem {
 
 impl StatusMem {
     pub(super) fn new(ctx: Option<&Arc<cuda::Context>>) -> Result<StatusMem> {
-        let bytes = size_of::<P2pStatus>();
+        let bytes = size_of::<P2pStatus>() * MAX_P2P_WORKS;
         Ok(match ctx {
             Some(ctx) => StatusMem::Cuda(cuda::HostMapped::zeroed(ctx, bytes)?),
             None => StatusMem::Cpu(HostMem::zeroed(bytes)?),
         })
     }
-    /// The address the kernels write.
+    /// The address the kernels write (their records' start).
     fn kernel_addr(&self) -> u64 {
         match self {
             StatusMem::Cuda(m) => m.dev_ptr(),
@@ -37,20 +37,25 @@ impl StatusMem {
             StatusMem::Cpu(m) => m.addr() as *mut P2pStatus,
         }
     }
-    /// The mismatch a receive reported since the last call, cleared.
+    /// A mismatch a receive reported since the last call (the first record flagged), every
+    /// flagged record cleared.
     pub(super) fn take(&self) -> Option<P2pStatus> {
-        let p = self.host();
-        // SAFETY: the record lives as long as `self`; kernels write it with volatile stores,
-        // the flag last (after a fence).
-        unsafe {
-            let flag = AtomicU64::from_ptr(&raw mut (*p).flag);
-            if flag.load(Ordering::Acquire) == 0 {
-                return None;
+        let mut first = None;
+        for i in 0..MAX_P2P_WORKS {
+            // SAFETY: the records live as long as `self`; kernels write each with volatile
+            // stores, its flag last (after a fence), and a record only from its own work's block.
+            unsafe {
+                let p = self.host().add(i);
+                let flag = AtomicU64::from_ptr(&raw mut (*p).flag);
+                if flag.load(Ordering::Acquire) == 0 {
+                    continue;
+                }
+                let st = std::ptr::read_volatile(p);
+                flag.store(0, Ordering::Release);
+                first.get_or_insert(st);
             }
-            let st = std::ptr::read_volatile(p);
-            flag.store(0, Ordering::Release);
-            Some(st)
         }
+        first
     }
 }
 

@@ -492,7 +492,8 @@ pub const P2P_HEADER_LL: u64 = 1 << 63;
 pub struct P2pArgs {
     /// Address of the communicator's [`DevComm`].
     pub comm: u64,
-    /// Address of a [`P2pStatus`] the receives report a size mismatch in (0: none).
+    /// Address of the [`P2pStatus`] records the receives report a size mismatch in, one per
+    /// work ([`p2p_status_record`]; 0: none).
     pub status: u64,
     pub nworks: u32,
     pub _pad: u32,
@@ -506,8 +507,9 @@ impl Default for P2pArgs {
 }
 
 /// Where a receive reports that the peer sent another size than it expected (host-visible
-/// memory of the receiving rank). The first mismatch of a launch wins; the host clears `flag`
-/// once it reported it.
+/// memory of the receiving rank): [`MAX_P2P_WORKS`] records, one per work of a launch
+/// ([`p2p_status_record`]), so two blocks never write the same record; the host reports the
+/// first record flagged and clears the flags.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]
 pub struct P2pStatus {
@@ -519,6 +521,13 @@ pub struct P2pStatus {
     pub sent: u64,
     /// Bytes the receive expected.
     pub expected: u64,
+}
+
+/// The address of work `i`'s [`P2pStatus`] record in a launch whose records start at `status`
+/// (0: none, and so 0).
+#[inline(always)]
+pub const fn p2p_status_record(status: u64, i: usize) -> u64 {
+    if status == 0 { 0 } else { status + (i * core::mem::size_of::<P2pStatus>()) as u64 }
 }
 
 /// Byte offset and length of part `part` of `nparts` of a `bytes`-byte transfer: equal shares

@@ -11,7 +11,7 @@
 //! step counter, as consecutive collectives of different protocols do.
 use crate::abi::{
     DevChannel, DevComm, P2P_AFTER_PREVIOUS, P2P_HEADER_LL, P2P_SEND, P2pArgs, P2pStatus, Proto, WorkP2p, p2p_block_works,
-    p2p_part,
+    p2p_part, p2p_status_record,
 };
 use crate::arch;
 use crate::proto::Primitives;
@@ -33,9 +33,10 @@ pub unsafe fn run_p2p_block(args: &P2pArgs, bid: u32, tid: u32, nthreads: u32, s
     let Some((start, end)) = p2p_block_works(nworks, bid, |i| args.works[i].kind) else {
         return;
     };
-    for w in &args.works[start..end] {
+    for (i, w) in args.works.iter().enumerate().take(end).skip(start) {
+        let status = p2p_status_record(args.status, i);
         // SAFETY: forwarded caller contract.
-        unsafe { run_p2p_work(args.comm, args.status, *w, tid, nthreads, smem) }
+        unsafe { run_p2p_work(args.comm, status, *w, tid, nthreads, smem) }
     }
 }
 
@@ -43,7 +44,7 @@ pub unsafe fn run_p2p_block(args: &P2pArgs, bid: u32, tid: u32, nthreads: u32, s
 ///
 /// # Safety
 /// `comm` points at a set-up [`DevComm`] whose channel array holds the work's channel; the
-/// work's buffer holds its `bytes`; `status` is 0 or a valid [`P2pStatus`]; `smem` is the
+/// work's buffer holds its `bytes`; `status` is 0 or this work's own [`P2pStatus`] record; `smem` is the
 /// kernel's shared memory; every thread of the block calls this with the same arguments, `tid`
 /// in `0..nthreads`.
 #[cfg_attr(target_arch = "nvptx64", inline(always))]
