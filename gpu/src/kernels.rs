@@ -80,7 +80,8 @@ pub unsafe extern "ptx-kernel" fn oxccl_sendrecv(args: crate::abi::P2pArgs) {
     let (comm, status, nworks) = (args.comm, args.status, args.nworks);
     let nworks = core::cmp::min(nworks as usize, crate::abi::MAX_P2P_WORKS);
     // SAFETY: every index the scan reads is below `nworks` ≤ MAX_P2P_WORKS.
-    let Some((start, end)) = crate::abi::p2p_block_works(nworks, bid, |i| unsafe { p2p_param_kind(i as u32) }) else {
+    let kind = |i: usize| unsafe { p2p_param_kind(i as u32) };
+    let Some((start, end)) = crate::abi::p2p_block_works(nworks, bid, kind) else {
         return;
     };
     // SAFETY: `start..end` lie below `nworks` ≤ MAX_P2P_WORKS: each work lies in this kernel's
@@ -104,7 +105,9 @@ pub unsafe extern "ptx-kernel" fn oxccl_sendrecv(args: crate::abi::P2pArgs) {
 unsafe fn p2p_param_kind(i: u32) -> u8 {
     use crate::abi::{P2pArgs, WorkP2p};
     use core::mem::offset_of;
-    let off = offset_of!(P2pArgs, works) as u64 + i as u64 * core::mem::size_of::<WorkP2p>() as u64 + offset_of!(WorkP2p, kind) as u64;
+    let off = offset_of!(P2pArgs, works) as u64
+        + i as u64 * core::mem::size_of::<WorkP2p>() as u64
+        + offset_of!(WorkP2p, kind) as u64;
     let kind: u16;
     // SAFETY: the load lies inside the kernel's parameter (caller contract); registers only.
     unsafe {
@@ -135,8 +138,12 @@ unsafe fn p2p_param_work(i: u32) -> crate::abi::WorkP2p {
     use crate::abi::{P2pArgs, WorkP2p};
     use core::mem::offset_of;
     const _: () = assert!(
-        offset_of!(WorkP2p, bytes) == 8 && offset_of!(WorkP2p, channel) == 16 && offset_of!(WorkP2p, kind) == 20
-            && offset_of!(WorkP2p, part) == 21 && offset_of!(WorkP2p, nparts) == 22 && offset_of!(WorkP2p, proto) == 23
+        offset_of!(WorkP2p, bytes) == 8
+            && offset_of!(WorkP2p, channel) == 16
+            && offset_of!(WorkP2p, kind) == 20
+            && offset_of!(WorkP2p, part) == 21
+            && offset_of!(WorkP2p, nparts) == 22
+            && offset_of!(WorkP2p, proto) == 23
     );
     let off = offset_of!(P2pArgs, works) as u64 + i as u64 * core::mem::size_of::<WorkP2p>() as u64;
     let (buff, bytes, rest): (u64, u64, u64);

@@ -10,8 +10,8 @@
 //! instead of hanging or writing past the output. LL and Simple steps share the connection's
 //! step counter, as consecutive collectives of different protocols do.
 use crate::abi::{
-    DevChannel, DevComm, P2P_AFTER_PREVIOUS, P2P_HEADER_LL, P2P_SEND, P2pArgs, P2pStatus, Proto, WorkP2p, p2p_block_works,
-    p2p_part, p2p_status_record,
+    DevChannel, DevComm, P2P_AFTER_PREVIOUS, P2P_HEADER_LL, P2P_SEND, P2pArgs, P2pStatus, Proto, WorkP2p,
+    p2p_block_works, p2p_part, p2p_status_record,
 };
 use crate::arch;
 use crate::proto::Primitives;
@@ -54,13 +54,11 @@ pub unsafe fn run_p2p_work(comm: u64, status: u64, w: WorkP2p, tid: u32, nthread
     // SAFETY: caller contract: the channel exists.
     let channel = unsafe { (comm.channels as *mut DevChannel).add(w.channel as usize) };
     let (part, nparts) = (w.part as u64, w.nparts as u64);
-    let ll_size = comm.buff_sizes[Proto::Ll as usize];
     let buff = w.buff as *mut u8;
     if w.kind & !P2P_AFTER_PREVIOUS == P2P_SEND {
         let on_ll = w.proto == Proto::Ll as u8;
-        // SAFETY: caller contract; the channel's LL buffers are `ll_size` bytes; this block
-        // uses only the channel's send connection.
-        let mut ll = unsafe { Ll::<u8, 0, 1>::new(tid, nthreads, Peers::Ring(channel), ll_size, buff, buff, comm.abort_flag, smem, sum()) };
+        // SAFETY: caller contract; this block uses only the channel's send connection.
+        let mut ll = unsafe { ll::<0, 1>(comm, channel, buff, tid, nthreads, smem) };
         ll.send_word(w.bytes | if on_ll { P2P_HEADER_LL } else { 0 });
         let (off, len) = p2p_part(w.bytes, part, nparts);
         if on_ll {
@@ -79,7 +77,7 @@ pub unsafe fn run_p2p_work(comm: u64, status: u64, w: WorkP2p, tid: u32, nthread
         return;
     }
     // SAFETY: as for a send; this block uses only the channel's receive connection.
-    let mut ll = unsafe { Ll::<u8, 1, 0>::new(tid, nthreads, Peers::Ring(channel), ll_size, buff, buff, comm.abort_flag, smem, sum()) };
+    let mut ll = unsafe { ll::<1, 0>(comm, channel, buff, tid, nthreads, smem) };
     let Some(header) = ll.recv_word() else {
         // SAFETY: every thread calls it once.
         unsafe { ll.finish() };
@@ -117,13 +115,44 @@ pub unsafe fn run_p2p_work(comm: u64, status: u64, w: WorkP2p, tid: u32, nthread
     }
 }
 
-/// LL primitives over one connection of a peer channel: `Ll<T, 1, 0>` receives, `Ll<T, 0, 1>`
+/// LL primitives of bytes over one connection of a peer channel: `Ll<1, 0>` receives, `Ll<0, 1>`
 /// sends.
-type Ll<T, const NR: usize, const NS: usize> = LlFan<T, FuncSum, NR, NS>;
+type Ll<const NR: usize, const NS: usize> = LlFan<u8, FuncSum, NR, NS>;
+
+/// LL primitives over `channel`'s receive (`NR = 1`) or send (`NS = 1`) connection, input and
+/// output at `buff`.
+///
+/// # Safety
+/// As [`run_p2p_work`]; every thread of the block calls it.
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
+unsafe fn ll<const NR: usize, const NS: usize>(
+    comm: &DevComm,
+    channel: *mut DevChannel,
+    buff: *mut u8,
+    tid: u32,
+    nthreads: u32,
+    smem: *mut u32,
+) -> Ll<NR, NS> {
+    let size = comm.buff_sizes[Proto::Ll as usize];
+    // SAFETY: caller contract; the channel's LL buffers are `size` bytes.
+    unsafe {
+        Ll::new(
+            tid,
+            nthreads,
+            Peers::Ring(channel),
+            size,
+            buff,
+            buff,
+            comm.abort_flag,
+            smem,
+            copy_args(),
+        )
+    }
+}
 
 /// The operator arguments of a copy (no reduction happens).
 #[cfg_attr(target_arch = "nvptx64", inline(always))]
-fn sum() -> OpArgs {
+fn copy_args() -> OpArgs {
     OpArgs::new(crate::abi::DevRedOp::Sum, 0)
 }
 
@@ -156,7 +185,7 @@ unsafe fn simple(
             comm.abort_flag,
             &raw const comm.aborted,
             smem,
-            sum(),
+            copy_args(),
             0,
         )
     }
@@ -180,7 +209,10 @@ mod tests {
         assert_eq!(p2p_block_works(0, 0, kind), None);
         let alone = [R, S, R];
         for b in 0..3 {
-            assert_eq!(p2p_block_works(3, b, |i| alone[i]), Some((b as usize, b as usize + 1)));
+            assert_eq!(
+                p2p_block_works(3, b, |i| alone[i]),
+                Some((b as usize, b as usize + 1))
+            );
         }
     }
 
