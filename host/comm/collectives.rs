@@ -206,6 +206,23 @@ impl Comm {
         root: usize,
         stream: &Stream,
     ) -> Result<()> {
+        let (sa, ra) = self.checked_buffers(func, send, recv, count, dtype, root)?;
+        // SAFETY: every range used was checked against its buffer.
+        unsafe { self.collective_raw(func, sa, ra, count, dtype, op, root, stream) }
+    }
+
+    /// The buffer checks of the safe entry points (root, device, alignment, sizes, overlap):
+    /// the addresses of `send` and `recv` as [`Comm::collective_raw`] takes them (0 for a
+    /// buffer the rank does not use).
+    pub(crate) fn checked_buffers(
+        &self,
+        func: Func,
+        send: Option<DevSlice<'_>>,
+        recv: Option<DevSlice<'_>>,
+        count: usize,
+        dtype: DataType,
+        root: usize,
+    ) -> Result<(u64, u64)> {
         self.check_root(func, root)?;
         let (send_bytes, recv_bytes) = self.buffer_bytes(func, count, dtype)?;
         let is_root = self.rank == root;
@@ -286,8 +303,7 @@ impl Comm {
                 )));
             }
         }
-        // SAFETY: every range used was checked against its buffer above.
-        unsafe { self.collective_raw(func, sa, ra, count, dtype, op, root, stream) }
+        Ok((sa, ra))
     }
 
     pub(super) fn check_root(&self, func: Func, root: usize) -> Result<()> {

@@ -4,9 +4,10 @@
 //! A group is per thread and nests: [`group_start`] deepens it, [`group_end`] ends one level,
 //! and the outermost end launches what was queued, so a thread driving several ranks (NCCL's
 //! one thread per process) can issue every rank's calls before any of them runs. Collectives
-//! inside a group launch when called, as outside one; sends and receives are queued and, at
-//! the end, launched after them (NCCL schedules a group's collectives before its
-//! point-to-point work), per communicator:
+//! inside a group launch when called, as outside one — except in a [`scope`], which defers them
+//! to its end as NCCL does (`scope.rs`); sends and receives are queued and, at the end, launched
+//! after them (NCCL schedules a group's collectives before its point-to-point work), per
+//! communicator:
 //!
 //! - a send and a receive with the rank itself are matched in order and become a copy;
 //! - every other call becomes one work per peer channel of its pair (NCCL's
@@ -34,7 +35,9 @@ use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 mod init;
+mod scope;
 pub use init::{PendingComm, init_rank};
+pub use scope::{GroupScope, scope};
 
 /// One send or receive: direction, peer, buffer address and size in bytes (a send: what it
 /// sends; a receive: what its output holds).

@@ -5,7 +5,8 @@
 //! that follow the topology (`ring_order`), direct writes into peers' outputs (`direct`), the transports between the ranks of
 //! one `init_all` (`in_process`), the
 //! field cases of CASES.md (`cases`), half and bfloat16 arithmetic (`half_math`), the embedded PTX
-//! (`kernels`), and the GPU runs (`gpu_all_reduce`, `gpu_collectives`, `gpu_direct`, `gpu_tree`).
+//! (`kernels`), groups whose collectives are deferred (`group_scope`), and the GPU runs
+//! (`gpu_all_reduce`, `gpu_collectives`, `gpu_direct`, `gpu_tree`).
 //!
 //! Tests that set environment variables hold `common::env::Env`; the others create their
 //! communicators holding the environment lock shared (`common::init_all`, `common::init_comms`).
@@ -23,6 +24,7 @@ mod gpu_collectives;
 mod gpu_direct;
 mod gpu_tree;
 mod fp8_math;
+mod group_scope;
 mod half_math;
 mod in_process;
 mod kernels;

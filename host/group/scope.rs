@@ -1,0 +1,266 @@
+//! A group whose collectives are deferred too (NCCL's `ncclGroupStart` … `ncclGroupEnd` as a C
+//! program sees it): [`scope`] runs a closure inside a group and hands it a [`GroupScope`], whose
+//! calls are checked at the call and launched when the closure returns — the group's sends and
+//! receives planned first, then its collectives launched in the order issued, then the sends and
+//! receives (NCCL schedules a group's collectives before its point-to-point work). So a group
+//! that cannot be launched (more blocks than a launch holds) runs none of its work, collectives
+//! included, and a call refused inside the group fails the whole group, as in NCCL.
+//!
+//! Deferring a call past its return needs its communicator, buffers and stream to stay alive
+//! until the group's end: the scope borrows them for its whole length (`'s`), as
+//! `std::thread::scope` does for the data of its threads, so the compiler checks it. The plain
+//! [`group_start`](super::group_start)/[`group_end`](super::group_end) pair cannot: there,
+//! collectives launch at the call.
+use super::{abandon_end, group_end_then, group_start};
+use crate::comm::Comm;
+use crate::error::Result;
+use crate::mem::{DevSlice, Stream};
+use crate::redop::ReduceOp;
+use oxccl_gpu::abi::{DataType, Func, RedOp};
+use std::cell::RefCell;
+use std::marker::PhantomData;
+
+/// A collective of the scope, checked, waiting for the group's end.
+type Deferred<'s> = Box<dyn FnOnce() -> Result<()> + 's>;
+
+/// The calls of one [`scope`]: collectives (deferred to its end) and sends and receives (queued
+/// in the thread's group), each borrowing its communicator, buffers and stream for `'s`.
+pub struct GroupScope<'s> {
+    collectives: RefCell<Vec<Deferred<'s>>>,
+    /// The first call refused in the scope: the group then runs none of its work.
+    refused: RefCell<Option<crate::Error>>,
+    /// Invariant in `'s`, so the closure cannot hand the scope shorter-lived borrows.
+    _borrows: PhantomData<&'s mut &'s ()>,
+}
+
+/// Runs `f` inside a group in which collectives are deferred as NCCL defers them (module docs)
+/// and ends the group when `f` returns.
+///
+/// ```
+/// # use oxccl::{Comm, DataType, Device, RedOp};
+/// let comms = Comm::init_all(&Device::cpus(2))?;
+/// let streams = [comms[0].device().new_stream()?, comms[1].device().new_stream()?];
+/// let bufs = [comms[0].device().alloc(64)?, comms[1].device().alloc(64)?];
+/// // One thread issues both ranks' calls; they launch together when the closure returns.
+/// oxccl::group::scope(|g| {
+///     for r in 0..2 {
+///         g.all_reduce(&comms[r], &bufs[r], &bufs[r], 16, DataType::F32, RedOp::Sum, &streams[r])?;
+///     }
+///     Ok::<(), oxccl::Error>(())
+/// })??;
+/// # Ok::<(), oxccl::Error>(())
+/// ```
+///
+/// A buffer that would not outlive the group's end is refused by the compiler:
+///
+/// ```compile_fail,E0597
+/// # use oxccl::{Comm, DataType, Device, RedOp};
+/// # let comms = Comm::init_all(&Device::cpus(1))?;
+/// # let s = comms[0].device().new_stream()?;
+/// oxccl::group::scope(|g| {
+///     let buf = comms[0].device().alloc(64)?; // dropped before the scope's end
+///     g.all_reduce(&comms[0], &buf, &buf, 16, DataType::F32, RedOp::Sum, &s)
+/// })?;
+/// # Ok::<(), oxccl::Error>(())
+/// ```
+///
+/// Details: `f`'s result when the group's end succeeds. Errors: the
+/// first call refused inside the scope (nothing of the group runs then), else the group end's
+/// ([`group_end`](super::group_end): too many blocks for a launch, a send to itself without its
+/// receive…; nothing runs) or the first launch error. Inside an enclosing group (`group_start`
+/// on this thread), the scope's collectives launch at the scope's end, where its borrows end,
+/// and its sends and receives at the enclosing group's end (a refused call then drops the
+/// scope's collectives only).
+pub fn scope<'s, R>(f: impl FnOnce(&GroupScope<'s>) -> R) -> Result<R> {
+    let s = GroupScope {
+        collectives: RefCell::new(Vec::new()),
+        refused: RefCell::new(None),
+        _borrows: PhantomData,
+    };
+    group_start()?;
+    // Ends the group even when `f` unwinds (nothing of it runs then).
+    struct Open(bool);
+    impl Drop for Open {
+        fn drop(&mut self) {
+            if self.0 {
+                let _ = abandon_end();
+            }
+        }
+    }
+    let mut open = Open(true);
+    let r = f(&s);
+    open.0 = false;
+    let collectives = s.collectives.take();
+    if let Some(e) = s.refused.take() {
+        drop(collectives);
+        abandon_end()?;
+        return Err(e);
+    }
+    if super::group_depth() > 1 {
+        // The enclosing group's end launches the sends and receives; the collectives go now,
+        // while their borrows last.
+        let ran = run(collectives.into_iter());
+        return super::group_end().and(ran).map(|()| r);
+    }
+    group_end_then(|| run(collectives.into_iter())).map(|()| r)
+}
+
+/// Launches deferred collectives in the order issued; every one is launched (the other ranks
+/// wait for them) and the first error is returned.
+fn run<'s>(collectives: impl Iterator<Item = Deferred<'s>>) -> Result<()> {
+    let mut first = Ok(());
+    for c in collectives {
+        let r = c();
+        if first.is_ok() {
+            first = r;
+        }
+    }
+    first
+}
+
+impl<'s> GroupScope<'s> {
+    /// Checks a collective now and defers its launch: `func` on `comm` with the safe entry
+    /// points' buffers (`None` where a rank may omit one).
+    #[allow(clippy::too_many_arguments)]
+    fn collective(
+        &self,
+        comm: &'s Comm,
+        func: Func,
+        send: Option<DevSlice<'s>>,
+        recv: Option<DevSlice<'s>>,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp<'s>,
+        root: usize,
+        stream: &'s Stream,
+    ) -> Result<()> {
+        let checked = comm
+            .checked_buffers(func, send, recv, count, dtype, root)
+            .and_then(|(sa, ra)| {
+                comm.check_collective(func, sa, ra, count, dtype, &op, root, stream)
+                    .map(|()| (sa, ra))
+            });
+        let (sa, ra) = self.noting(checked)?;
+        self.collectives.borrow_mut().push(Box::new(move || {
+            // SAFETY: the ranges were checked against their buffers, which the scope borrows
+            // (`'s`) past the group's end, where this runs.
+            unsafe { comm.collective_raw(func, sa, ra, count, dtype, op, root, stream) }
+        }));
+        Ok(())
+    }
+
+    /// `r`, its error also the scope's when it is the first refused call.
+    fn noting<T>(&self, r: Result<T>) -> Result<T> {
+        if let Err(e) = &r {
+            self.refused.borrow_mut().get_or_insert_with(|| e.clone());
+        }
+        r
+    }
+
+    /// [`Comm::all_reduce`], launched at the scope's end.
+    #[allow(clippy::too_many_arguments)]
+    pub fn all_reduce(
+        &self,
+        comm: &'s Comm,
+        send: impl Into<DevSlice<'s>>,
+        recv: impl Into<DevSlice<'s>>,
+        count: usize,
+        dtype: DataType,
+        op: impl Into<ReduceOp<'s>>,
+        stream: &'s Stream,
+    ) -> Result<()> {
+        let (send, recv) = (Some(send.into()), Some(recv.into()));
+        self.collective(comm, Func::AllReduce, send, recv, count, dtype, op.into(), 0, stream)
+    }
+
+    /// [`Comm::broadcast`], launched at the scope's end.
+    #[allow(clippy::too_many_arguments)]
+    pub fn broadcast(
+        &self,
+        comm: &'s Comm,
+        send: Option<DevSlice<'s>>,
+        recv: impl Into<DevSlice<'s>>,
+        count: usize,
+        dtype: DataType,
+        root: usize,
+        stream: &'s Stream,
+    ) -> Result<()> {
+        let op = ReduceOp::from(RedOp::Sum);
+        self.collective(comm, Func::Broadcast, send, Some(recv.into()), count, dtype, op, root, stream)
+    }
+
+    /// [`Comm::reduce`], launched at the scope's end.
+    #[allow(clippy::too_many_arguments)]
+    pub fn reduce(
+        &self,
+        comm: &'s Comm,
+        send: impl Into<DevSlice<'s>>,
+        recv: Option<DevSlice<'s>>,
+        count: usize,
+        dtype: DataType,
+        op: impl Into<ReduceOp<'s>>,
+        root: usize,
+        stream: &'s Stream,
+    ) -> Result<()> {
+        let send = Some(send.into());
+        self.collective(comm, Func::Reduce, send, recv, count, dtype, op.into(), root, stream)
+    }
+
+    /// [`Comm::all_gather`] (`count` elements per rank), launched at the scope's end.
+    pub fn all_gather(
+        &self,
+        comm: &'s Comm,
+        send: impl Into<DevSlice<'s>>,
+        recv: impl Into<DevSlice<'s>>,
+        count: usize,
+        dtype: DataType,
+        stream: &'s Stream,
+    ) -> Result<()> {
+        let (send, recv) = (Some(send.into()), Some(recv.into()));
+        let op = ReduceOp::from(RedOp::Sum);
+        self.collective(comm, Func::AllGather, send, recv, count, dtype, op, 0, stream)
+    }
+
+    /// [`Comm::reduce_scatter`] (`count` elements per rank's output), launched at the scope's
+    /// end.
+    #[allow(clippy::too_many_arguments)]
+    pub fn reduce_scatter(
+        &self,
+        comm: &'s Comm,
+        send: impl Into<DevSlice<'s>>,
+        recv: impl Into<DevSlice<'s>>,
+        count: usize,
+        dtype: DataType,
+        op: impl Into<ReduceOp<'s>>,
+        stream: &'s Stream,
+    ) -> Result<()> {
+        let (send, recv) = (Some(send.into()), Some(recv.into()));
+        self.collective(comm, Func::ReduceScatter, send, recv, count, dtype, op.into(), 0, stream)
+    }
+
+    /// [`Comm::send`], launched with the group's other sends and receives at the scope's end.
+    pub fn send(
+        &self,
+        comm: &'s Comm,
+        send: impl Into<DevSlice<'s>>,
+        count: usize,
+        dtype: DataType,
+        peer: usize,
+        stream: &'s Stream,
+    ) -> Result<()> {
+        self.noting(comm.send(send, count, dtype, peer, stream))
+    }
+
+    /// [`Comm::recv`], launched with the group's other sends and receives at the scope's end.
+    pub fn recv(
+        &self,
+        comm: &'s Comm,
+        recv: impl Into<DevSlice<'s>>,
+        count: usize,
+        dtype: DataType,
+        peer: usize,
+        stream: &'s Stream,
+    ) -> Result<()> {
+        self.noting(comm.recv(recv, count, dtype, peer, stream))
+    }
+}
