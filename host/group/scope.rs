@@ -23,8 +23,10 @@ use std::marker::PhantomData;
 /// A collective of the scope, checked, waiting for the group's end.
 type Deferred<'s> = Box<dyn FnOnce() -> Result<()> + 's>;
 
-/// The calls of one [`scope`]: collectives (deferred to its end) and sends and receives (queued
-/// in the thread's group), each borrowing its communicator, buffers and stream for `'s`.
+/// The calls of one [`scope`]: collectives (deferred to its end) and sends and receives and the
+/// calls built from them — all-to-all, gather, scatter and their V-forms — (queued in the
+/// thread's group), each borrowing its communicator, buffers and stream for `'s`.
+/// (`Comm::reduce_scatter_v`, built from one Reduce per rank, is not offered.)
 pub struct GroupScope<'s> {
     collectives: RefCell<Vec<Deferred<'s>>>,
     /// The first call refused in the scope: the group then runs none of its work.
@@ -170,7 +172,17 @@ impl<'s> GroupScope<'s> {
         stream: &'s Stream,
     ) -> Result<()> {
         let (send, recv) = (Some(send.into()), Some(recv.into()));
-        self.collective(comm, Func::AllReduce, send, recv, count, dtype, op.into(), 0, stream)
+        self.collective(
+            comm,
+            Func::AllReduce,
+            send,
+            recv,
+            count,
+            dtype,
+            op.into(),
+            0,
+            stream,
+        )
     }
 
     /// [`Comm::broadcast`], launched at the scope's end.
@@ -186,7 +198,17 @@ impl<'s> GroupScope<'s> {
         stream: &'s Stream,
     ) -> Result<()> {
         let op = ReduceOp::from(RedOp::Sum);
-        self.collective(comm, Func::Broadcast, send, Some(recv.into()), count, dtype, op, root, stream)
+        self.collective(
+            comm,
+            Func::Broadcast,
+            send,
+            Some(recv.into()),
+            count,
+            dtype,
+            op,
+            root,
+            stream,
+        )
     }
 
     /// [`Comm::reduce`], launched at the scope's end.
@@ -203,7 +225,17 @@ impl<'s> GroupScope<'s> {
         stream: &'s Stream,
     ) -> Result<()> {
         let send = Some(send.into());
-        self.collective(comm, Func::Reduce, send, recv, count, dtype, op.into(), root, stream)
+        self.collective(
+            comm,
+            Func::Reduce,
+            send,
+            recv,
+            count,
+            dtype,
+            op.into(),
+            root,
+            stream,
+        )
     }
 
     /// [`Comm::all_gather`] (`count` elements per rank), launched at the scope's end.
@@ -235,7 +267,17 @@ impl<'s> GroupScope<'s> {
         stream: &'s Stream,
     ) -> Result<()> {
         let (send, recv) = (Some(send.into()), Some(recv.into()));
-        self.collective(comm, Func::ReduceScatter, send, recv, count, dtype, op.into(), 0, stream)
+        self.collective(
+            comm,
+            Func::ReduceScatter,
+            send,
+            recv,
+            count,
+            dtype,
+            op.into(),
+            0,
+            stream,
+        )
     }
 
     /// [`Comm::send`], launched with the group's other sends and receives at the scope's end.
@@ -262,5 +304,94 @@ impl<'s> GroupScope<'s> {
         stream: &'s Stream,
     ) -> Result<()> {
         self.noting(comm.recv(recv, count, dtype, peer, stream))
+    }
+
+    /// [`Comm::all_to_all`] (`count` elements to and from each rank), its sends and receives
+    /// launched with the group's others at the scope's end.
+    pub fn all_to_all(
+        &self,
+        comm: &'s Comm,
+        send: impl Into<DevSlice<'s>>,
+        recv: impl Into<DevSlice<'s>>,
+        count: usize,
+        dtype: DataType,
+        stream: &'s Stream,
+    ) -> Result<()> {
+        self.noting(comm.all_to_all(send, recv, count, dtype, stream))
+    }
+
+    /// [`Comm::all_to_all_v`] (per-peer counts and displacements, in elements), its sends and
+    /// receives launched with the group's others at the scope's end.
+    #[allow(clippy::too_many_arguments)]
+    pub fn all_to_all_v(
+        &self,
+        comm: &'s Comm,
+        send: impl Into<DevSlice<'s>>,
+        send_counts: &[usize],
+        send_displs: &[usize],
+        recv: impl Into<DevSlice<'s>>,
+        recv_counts: &[usize],
+        recv_displs: &[usize],
+        dtype: DataType,
+        stream: &'s Stream,
+    ) -> Result<()> {
+        self.noting(comm.all_to_all_v(
+            send,
+            send_counts,
+            send_displs,
+            recv,
+            recv_counts,
+            recv_displs,
+            dtype,
+            stream,
+        ))
+    }
+
+    /// [`Comm::all_gather_v`] (per-rank counts and displacements, in elements), its sends and
+    /// receives launched with the group's others at the scope's end.
+    #[allow(clippy::too_many_arguments)]
+    pub fn all_gather_v(
+        &self,
+        comm: &'s Comm,
+        send: impl Into<DevSlice<'s>>,
+        recv: impl Into<DevSlice<'s>>,
+        counts: &[usize],
+        displs: &[usize],
+        dtype: DataType,
+        stream: &'s Stream,
+    ) -> Result<()> {
+        self.noting(comm.all_gather_v(send, recv, counts, displs, dtype, stream))
+    }
+
+    /// [`Comm::gather`] (`count` elements from each rank to `root`), its sends and receives
+    /// launched with the group's others at the scope's end.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gather(
+        &self,
+        comm: &'s Comm,
+        send: impl Into<DevSlice<'s>>,
+        recv: Option<DevSlice<'s>>,
+        count: usize,
+        dtype: DataType,
+        root: usize,
+        stream: &'s Stream,
+    ) -> Result<()> {
+        self.noting(comm.gather(send, recv, count, dtype, root, stream))
+    }
+
+    /// [`Comm::scatter`] (`count` elements from `root` to each rank), its sends and receives
+    /// launched with the group's others at the scope's end.
+    #[allow(clippy::too_many_arguments)]
+    pub fn scatter(
+        &self,
+        comm: &'s Comm,
+        send: Option<DevSlice<'s>>,
+        recv: impl Into<DevSlice<'s>>,
+        count: usize,
+        dtype: DataType,
+        root: usize,
+        stream: &'s Stream,
+    ) -> Result<()> {
+        self.noting(comm.scatter(send, recv, count, dtype, root, stream))
     }
 }
