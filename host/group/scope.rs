@@ -13,7 +13,7 @@
 //! collectives launch at the call.
 use super::{abandon_end, group_end_then, group_start};
 use crate::comm::Comm;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::mem::{DevSlice, Stream};
 use crate::redop::ReduceOp;
 use oxccl_gpu::abi::{DataType, Func, RedOp};
@@ -66,26 +66,34 @@ pub struct GroupScope<'s> {
 /// # Ok::<(), oxccl::Error>(())
 /// ```
 ///
-/// Details: `f`'s result when the group's end succeeds. Errors: the
-/// first call refused inside the scope (nothing of the group runs then), else the group end's
+/// Details: `f`'s result when the group's end succeeds. Errors: the first call refused inside
+/// the scope (nothing of the group runs then), else the group end's
 /// ([`group_end`](super::group_end): too many blocks for a launch, a send to itself without its
-/// receive…; nothing runs) or the first launch error. Inside an enclosing group (`group_start`
-/// on this thread), the scope's collectives launch at the scope's end, where its borrows end,
-/// and its sends and receives at the enclosing group's end (a refused call then drops the
-/// scope's collectives only).
+/// receive…; nothing runs) or the first launch error. `InvalidUsage` when this thread already
+/// has a group open (its end would launch the scope's sends and receives after the scope's
+/// borrows end), and when `f` leaves `group_start`/`group_end` calls of its own unbalanced
+/// (nothing of the scope's group runs then). A panic in `f` ends the group with nothing of it
+/// run.
 pub fn scope<'s, R>(f: impl FnOnce(&GroupScope<'s>) -> R) -> Result<R> {
+    let depth = super::group_depth();
+    if depth > 0 {
+        return Err(Error::InvalidUsage(format!(
+            "oxccl::group::scope inside an open group (group depth {depth} on this thread): the group's end \
+             would launch the scope's sends and receives after its borrows end; end the group first"
+        )));
+    }
     let s = GroupScope {
         collectives: RefCell::new(Vec::new()),
         refused: RefCell::new(None),
         _borrows: PhantomData,
     };
     group_start()?;
-    // Ends the group even when `f` unwinds (nothing of it runs then).
+    // Ends the group, nothing of it run, even when `f` unwinds.
     struct Open(bool);
     impl Drop for Open {
         fn drop(&mut self) {
             if self.0 {
-                let _ = abandon_end();
+                abandon_all();
             }
         }
     }
@@ -93,18 +101,30 @@ pub fn scope<'s, R>(f: impl FnOnce(&GroupScope<'s>) -> R) -> Result<R> {
     let r = f(&s);
     open.0 = false;
     let collectives = s.collectives.take();
+    let depth = super::group_depth();
+    if depth != 1 {
+        drop(collectives);
+        abandon_all();
+        return Err(Error::InvalidUsage(format!(
+            "group_start and group_end inside oxccl::group::scope must be balanced (the scope's group was at depth \
+             {depth} when its closure returned, not 1): nothing of the group ran"
+        )));
+    }
     if let Some(e) = s.refused.take() {
         drop(collectives);
         abandon_end()?;
         return Err(e);
     }
-    if super::group_depth() > 1 {
-        // The enclosing group's end launches the sends and receives; the collectives go now,
-        // while their borrows last.
-        let ran = run(collectives.into_iter());
-        return super::group_end().and(ran).map(|()| r);
-    }
     group_end_then(|| run(collectives.into_iter())).map(|()| r)
+}
+
+/// Ends every open group level of this thread with nothing of its work run.
+fn abandon_all() {
+    while super::group_depth() > 0 {
+        if abandon_end().is_err() {
+            break;
+        }
+    }
 }
 
 /// Launches deferred collectives in the order issued; every one is launched (the other ranks

@@ -545,111 +545,70 @@ fn a_panic_inside_a_scope_launches_nothing_and_leaves_the_communicators_usable()
     }
 }
 
-/// A scope nested in `group_start` … `group_end`, one thread issuing every rank's calls: the
-/// enclosing group sends a ring before the scope and another ring the other way after it, the
-/// scope an AllReduce, a Reduce to root 2 (no output on the other ranks) and a third ring on
-/// the same connections as the first. When the scope returns, the group is still open (depth
-/// 1), its collectives are exact and no receive has run; after the enclosing end every receive
-/// is exact, each ring in its own buffer (the connections' calls matched in order).
+/// A scope is refused inside an open `group_start` (the enclosing end would launch the scope's
+/// sends and receives after its borrows end): its closure never runs, the enclosing group goes
+/// on and its ring is exact at its end. A scope whose closure leaves a `group_start` of its own
+/// open is refused at its end, with nothing of its group run and no group left open.
 #[test]
-fn a_scope_inside_an_enclosing_group_launches_its_sends_at_the_enclosing_end_exact() {
+fn a_scope_inside_an_open_group_or_leaving_one_open_is_refused_with_nothing_run() {
     let _env = Env::clean(&["NCHANNELS_PER_PEER"]);
     let (n, count) = (3usize, 400usize);
     let comms = common::init_all(&Device::cpus(n)).unwrap();
     let streams = common::streams(&comms);
     let dev = |r: usize| comms[r].device();
-    // Rank r's input of ring k: input(r, i) + 100 000 k.
-    let own = |r: usize, k: usize| {
-        (0..count)
-            .map(|i| input(r, i) + (100_000 * k) as f32)
-            .collect::<Vec<f32>>()
-    };
-    let ins: Vec<Vec<_>> = (0..3)
-        .map(|k| {
-            (0..n)
-                .map(|r| guarded(dev(r), count, 1, Some(&own(r, k))))
-                .collect()
-        })
-        .collect();
-    let outs: Vec<Vec<_>> = (0..3)
-        .map(|k| {
-            (0..n)
-                .map(|r| guarded(dev(r), count, 10 + k as u8, None))
-                .collect()
-        })
-        .collect();
-    let ar: Vec<_> = (0..n).map(|r| guarded(dev(r), count, 20, None)).collect();
-    let red: Vec<_> = (0..n).map(|r| guarded(dev(r), count, 21, None)).collect();
+    let own = |r: usize| (0..count).map(|i| input(r, i)).collect::<Vec<f32>>();
+    let ins: Vec<_> = (0..n).map(|r| guarded(dev(r), count, 1, Some(&own(r)))).collect();
+    let outs: Vec<_> = (0..n).map(|r| guarded(dev(r), count, 2, None)).collect();
     let (next, prev) = (|r: usize| (r + 1) % n, |r: usize| (r + n - 1) % n);
     oxccl::group_start().unwrap();
-    // Ring 0 (to the next rank) in the enclosing group.
     for (r, c) in comms.iter().enumerate() {
         let s = &streams[r];
-        c.send(data(&ins[0][r], count), count, DataType::F32, next(r), s)
+        c.send(data(&ins[r], count), count, DataType::F32, next(r), s)
             .unwrap();
-        c.recv(data(&outs[0][r], count), count, DataType::F32, prev(r), s)
+        c.recv(data(&outs[r], count), count, DataType::F32, prev(r), s)
             .unwrap();
     }
-    oxccl::group::scope(|g| {
-        for (r, c) in comms.iter().enumerate() {
-            let s = &streams[r];
-            let (i, o) = (data(&ins[0][r], count), data(&ar[r], count));
-            g.all_reduce(c, i, o, count, DataType::F32, RedOp::Sum, s)?;
-            let root_out = (r == 2).then(|| data(&red[r], count));
-            g.reduce(
-                c,
-                data(&ins[1][r], count),
-                root_out,
-                count,
-                DataType::F32,
-                RedOp::Min,
-                2,
-                s,
-            )?;
-            // Ring 2, on ring 0's connections.
-            g.send(c, data(&ins[2][r], count), count, DataType::F32, next(r), s)?;
-            g.recv(c, data(&outs[2][r], count), count, DataType::F32, prev(r), s)?;
-        }
-        Ok::<(), Error>(())
-    })
-    .unwrap()
-    .unwrap();
-    assert_eq!(oxccl::group::group_depth(), 1);
-    common::sync_all(&streams, "after the scope, inside the enclosing group");
-    let sum: Vec<f32> = (0..count).map(|i| (0..n).map(|r| input(r, i)).sum()).collect();
-    for r in 0..n {
-        assert_eq!(floats(&ar[r], count, 20, "AllReduce"), sum, "rank {r}: AllReduce");
-        for k in [0, 2] {
-            assert!(
-                untouched(&outs[k][r], count, 10 + k as u8),
-                "rank {r}: ring {k} ran"
-            );
-        }
-    }
-    assert_eq!(
-        floats(&red[2], count, 21, "Reduce"),
-        own(0, 1),
-        "Reduce at root 2"
+    let mut ran = false;
+    let e = oxccl::group::scope(|_| ran = true).unwrap_err();
+    assert!(matches!(e, Error::InvalidUsage(_)), "{e:?}");
+    assert!(
+        e.to_string()
+            .contains("oxccl::group::scope inside an open group (group depth 1 on this thread)"),
+        "{e}"
     );
-    for r in [0, 1] {
-        assert!(untouched(&red[r], count, 21), "rank {r}: Reduce wrote a non-root");
-    }
-    // Ring 1 (to the previous rank) after the scope, in the enclosing group.
-    for (r, c) in comms.iter().enumerate() {
-        let s = &streams[r];
-        c.send(data(&ins[1][r], count), count, DataType::F32, prev(r), s)
-            .unwrap();
-        c.recv(data(&outs[1][r], count), count, DataType::F32, next(r), s)
-            .unwrap();
-    }
+    assert!(!ran, "the closure of a refused scope ran");
+    assert_eq!(oxccl::group::group_depth(), 1);
     oxccl::group_end().unwrap();
-    assert_eq!(oxccl::group::group_depth(), 0);
-    common::sync_all(&streams, "after the enclosing group");
+    common::sync_all(&streams, "the enclosing group");
     for r in 0..n {
-        for (k, from) in [(0, prev(r)), (1, next(r)), (2, prev(r))] {
-            let got = floats(&outs[k][r], count, 10 + k as u8, "receive");
-            assert_eq!(got, own(from, k), "rank {r}: ring {k}");
+        assert_eq!(
+            floats(&outs[r], count, 2, "ring"),
+            own(prev(r)),
+            "rank {r}: the enclosing group's ring"
+        );
+    }
+    // A closure that leaves a group of its own open: nothing of the scope's group runs.
+    let ar: Vec<_> = (0..n).map(|r| guarded(dev(r), count, 3, None)).collect();
+    let e = oxccl::group::scope(|g| {
+        for (r, c) in comms.iter().enumerate() {
+            let (i, o) = (data(&ins[r], count), data(&ar[r], count));
+            g.all_reduce(c, i, o, count, DataType::F32, RedOp::Sum, &streams[r])?;
         }
+        oxccl::group_start()
+    })
+    .unwrap_err();
+    assert!(matches!(e, Error::InvalidUsage(_)), "{e:?}");
+    assert!(
+        e.to_string().contains("must be balanced") && e.to_string().contains("nothing of the group ran"),
+        "{e}"
+    );
+    assert_eq!(oxccl::group::group_depth(), 0);
+    common::sync_all(&streams, "an unbalanced scope");
+    for r in 0..n {
+        assert!(
+            untouched(&ar[r], count, 3),
+            "rank {r}: an unbalanced scope's AllReduce ran"
+        );
     }
 }
 
