@@ -72,8 +72,8 @@ pub struct GroupScope<'s> {
 /// receive…; nothing runs) or the first launch error. `InvalidUsage` when this thread already
 /// has a group open (its end would launch the scope's sends and receives after the scope's
 /// borrows end), and when `f` leaves `group_start`/`group_end` calls of its own unbalanced
-/// (nothing of the scope's group runs then). A panic in `f` ends the group with nothing of it
-/// run.
+/// (the scope's collectives and whatever is still queued do not run then). A panic in `f` ends
+/// the group with nothing of it run.
 pub fn scope<'s, R>(f: impl FnOnce(&GroupScope<'s>) -> R) -> Result<R> {
     let depth = super::group_depth();
     if depth > 0 {
@@ -106,8 +106,9 @@ pub fn scope<'s, R>(f: impl FnOnce(&GroupScope<'s>) -> R) -> Result<R> {
         drop(collectives);
         abandon_all();
         return Err(Error::InvalidUsage(format!(
-            "group_start and group_end inside oxccl::group::scope must be balanced (the scope's group was at depth \
-             {depth} when its closure returned, not 1): nothing of the group ran"
+            "group_start and group_end inside oxccl::group::scope must be balanced (the scope's group was at \
+             depth {depth} when its closure returned, not 1): the scope's collectives and what was still \
+             queued did not run"
         )));
     }
     if let Some(e) = s.refused.take() {

@@ -599,7 +599,9 @@ fn a_scope_inside_an_open_group_or_leaving_one_open_is_refused_with_nothing_run(
     .unwrap_err();
     assert!(matches!(e, Error::InvalidUsage(_)), "{e:?}");
     assert!(
-        e.to_string().contains("must be balanced") && e.to_string().contains("nothing of the group ran"),
+        e.to_string().contains("must be balanced")
+            && e.to_string()
+                .contains("collectives and what was still queued did not run"),
         "{e}"
     );
     assert_eq!(oxccl::group::group_depth(), 0);
