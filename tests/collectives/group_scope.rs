@@ -995,3 +995,79 @@ fn a_collective_refused_inside_a_scope_names_its_argument_and_runs_none_of_the_g
     assert_eq!(e.to_string(), want);
     check("an AllGather with a short output");
 }
+
+/// On GPUs (two, or one shared by two ranks, one thread issuing both ranks' calls in turn):
+/// AllReduce, AllGather and a ring of sends and receives in one scope; with the scope open
+/// every stream is idle and every output untouched, after it every output is exact.
+#[test]
+fn gpu_a_scope_launches_its_collectives_and_sends_at_its_end_exact() {
+    let test = "gpu_a_scope_launches_its_collectives_and_sends_at_its_end_exact";
+    let Some(devices) = common::two_ranks_or_skip(test) else {
+        return;
+    };
+    let _gpu = common::gpu_lock();
+    let dog = common::Watchdog::new(test, std::time::Duration::from_secs(60));
+    let (n, count) = (2usize, 100_000usize);
+    let comms = common::init_all(&devices).unwrap();
+    let streams = common::streams(&comms);
+    let dev = |r: usize| comms[r].device();
+    let own = |r: usize| (0..count).map(|i| input(r, i)).collect::<Vec<f32>>();
+    let ins: Vec<_> = (0..n).map(|r| guarded(dev(r), count, 1, Some(&own(r)))).collect();
+    let ar: Vec<_> = (0..n).map(|r| guarded(dev(r), count, 2, None)).collect();
+    let ag: Vec<_> = (0..n).map(|r| guarded(dev(r), n * count, 3, None)).collect();
+    let p2p: Vec<_> = (0..n).map(|r| guarded(dev(r), count, 4, None)).collect();
+    dog.step("the scope".to_string());
+    oxccl::group::scope(|g| {
+        // Call by call across the ranks (ranks sharing a GPU launch call n + 1 only once every
+        // rank launched call n).
+        for (r, c) in comms.iter().enumerate() {
+            let (i, o) = (data(&ins[r], count), data(&ar[r], count));
+            g.all_reduce(c, i, o, count, DataType::F32, RedOp::Sum, &streams[r])?;
+        }
+        for (r, c) in comms.iter().enumerate() {
+            let (i, o) = (data(&ins[r], count), data(&ag[r], n * count));
+            g.all_gather(c, i, o, count, DataType::F32, &streams[r])?;
+        }
+        for (r, c) in comms.iter().enumerate() {
+            let peer = (r + 1) % n;
+            g.send(c, data(&ins[r], count), count, DataType::F32, peer, &streams[r])?;
+            g.recv(c, data(&p2p[r], count), count, DataType::F32, peer, &streams[r])?;
+        }
+        common::sync_all(&streams, "inside the scope");
+        for r in 0..n {
+            assert!(
+                untouched(&ar[r], count, 2),
+                "rank {r}: AllReduce ran inside the scope"
+            );
+            assert!(
+                untouched(&ag[r], n * count, 3),
+                "rank {r}: AllGather ran inside the scope"
+            );
+            assert!(
+                untouched(&p2p[r], count, 4),
+                "rank {r}: the receive ran inside the scope"
+            );
+        }
+        Ok::<(), Error>(())
+    })
+    .unwrap()
+    .unwrap();
+    dog.step("after the scope".to_string());
+    common::sync_all(&streams, "after the scope");
+    let sum: Vec<f32> = (0..count).map(|i| (0..n).map(|r| input(r, i)).sum()).collect();
+    let all: Vec<f32> = (0..n).flat_map(own).collect();
+    for r in 0..n {
+        assert_eq!(floats(&ar[r], count, 2, "AllReduce"), sum, "rank {r}: AllReduce");
+        assert_eq!(
+            floats(&ag[r], n * count, 3, "AllGather"),
+            all,
+            "rank {r}: AllGather"
+        );
+        assert_eq!(
+            floats(&p2p[r], count, 4, "receive"),
+            own((r + 1) % n),
+            "rank {r}: receive"
+        );
+    }
+    drop(dog);
+}

@@ -408,6 +408,40 @@ fn gpu_send_recv_and_all_to_all_over_p2p_and_shm() {
     drop(dog);
 }
 
+/// On GPUs (two, or one shared by two ranks), over P2P and SHM: every send's data on Simple
+/// (`NCCL_P2P_LL_THRESHOLD=0`) and on LL up to 1 MiB, sizes around NCCL's 16384 threshold, and
+/// 7 and 20 calls per connection in one group (one launch; launch rounds with 8 channels per
+/// peer), LL and Simple sends in turn on one connection: exact, guards intact.
+#[test]
+fn gpu_sends_on_ll_and_simple_and_many_per_connection_exact() {
+    let test = "gpu_sends_on_ll_and_simple_and_many_per_connection_exact";
+    let Some(devices) = common::two_ranks_or_skip(test) else {
+        return;
+    };
+    let _gpu = common::gpu_lock();
+    let dog = common::Watchdog::new(test, std::time::Duration::from_secs(90));
+    for (vars, name) in [(&[][..], "P2P"), (&[("NCCL_P2P_DISABLE", "1")][..], "SHM")] {
+        for threshold in ["0", "1048576"] {
+            let env = Env::clean(VARS);
+            let mut all = vars.to_vec();
+            all.push(("NCCL_P2P_LL_THRESHOLD", threshold));
+            env.set(&all);
+            let comms = Comm::init_all(&devices).unwrap_or_else(|e| panic!("{name}: {e}"));
+            drop(env);
+            let what = format!("{name}, threshold {threshold}");
+            for bytes in [1usize, 16384, 16385, 100_000] {
+                dog.step(format!("{what}: shifted exchange of {bytes} bytes"));
+                shifted_exchange(&comms, bytes, DataType::U8, 1, &what);
+            }
+            for msgs in [7, 20] {
+                dog.step(format!("{what}: {msgs} calls per connection"));
+                many_calls_per_connection(&comms, msgs, &what);
+            }
+        }
+    }
+    drop(dog);
+}
+
 /// `all_to_all`, `all_to_all_v`, `gather`, `scatter` and `all_gather_v` (built from grouped
 /// sends and receives) on 1 to 4 ranks: exact blocks, guards intact, in place where allowed.
 #[test]
