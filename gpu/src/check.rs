@@ -1,12 +1,12 @@
 //! The call-signature check (beyond NCCL; `OXCCL_CHECK_CALLS=1` on the host), at the start of a
 //! checked collective's kernel: block 0 gathers every rank's [`CallSig`] of the call over ring
-//! channel 0 on the LL protocol (an AllGather of 32 bytes per rank through the same primitives
-//! the collectives use, so it runs over every transport) and compares them, while the other
-//! blocks wait for its verdict ([`CheckDesc::done`]). Every rank holds the same signatures and
-//! reaches the same verdict: on a mismatch each writes them to its host-visible
-//! [`CheckReport`] and sets [`DevComm::aborted`] to [`CALL_MISMATCH`], so no block of this call
-//! — nor of any later kernel — touches a buffer. A call of count 0 runs the check alone
-//! (`oxccl_check_call`). The host side is `comm/call_check.rs`.
+//! channel 0 on the LL protocol (a ring AllGather of 32 bytes per rank, a step of four LL lines
+//! per hop, over the FIFOs the collectives use, so it runs over every transport) and compares
+//! them, while the other blocks wait for its verdict ([`CheckDesc::done`]). Every rank holds the
+//! same signatures and reaches the same verdict: on a mismatch each writes them to its
+//! host-visible [`CheckReport`] and sets [`DevComm::aborted`] to [`CALL_MISMATCH`], so no block
+//! of this call — nor of any later kernel — touches a buffer. A call of count 0 runs the check
+//! alone (`oxccl_check_call`). The host side is `comm/call_check.rs`.
 use crate::abi::{
     CALL_MISMATCH, CALL_SIG_WORDS, CHECK_HALTED, CallSig, CheckDesc, CheckReport, DevChannel, DevComm, DevRedOp, Proto,
 };
@@ -113,17 +113,17 @@ pub unsafe fn check_call(comm: u64, desc: u64, sig: &CallSig, tid: u32, nthreads
     }
     let n = comm.nranks as usize;
     // SAFETY: the descriptor is valid (caller contract); the host wrote these fields at init.
-    let (board, report, chunk) = unsafe { ((*d).board as *mut u64, (*d).report as *mut u64, (*d).chunk_elems) };
-    // SAFETY: the board holds `n + 1` signatures (caller contract).
-    let own = unsafe { board.add(n * CALL_SIG_WORDS) };
-    if tid == 0 {
-        for (k, v) in sig.iter().enumerate() {
-            // SAFETY: inside the board's last row.
-            unsafe { own.add(k).write_volatile(*v) };
+    let (board, report) = unsafe { ((*d).board as *mut u64, (*d).report as *mut u64) };
+    // Thread 0 keeps rank `r`'s signature in row `r` of the board.
+    let put = |r: u64, words: &CallSig| {
+        if tid == 0 {
+            for (k, v) in words.iter().enumerate() {
+                // SAFETY: row `r` < `n` of the board, which holds `n` signatures (caller
+                // contract).
+                unsafe { board.add(r as usize * CALL_SIG_WORDS + k).write_volatile(*v) };
+            }
         }
-    }
-    // SAFETY: every thread of the block calls this.
-    unsafe { arch::sync_threads() };
+    };
     // SAFETY: caller contract: channel 0 exists with its ring and LL connections.
     let aborted = unsafe {
         let channel = comm.channels as *mut DevChannel;
@@ -138,18 +138,30 @@ pub unsafe fn check_call(comm: u64, desc: u64, sig: &CallSig, tid: u32, nthreads
             nthreads,
             Peers::Ring(channel),
             comm.buff_sizes[Proto::Ll as usize],
-            own as *const u64,
+            board,
             board,
             comm.abort_flag,
             smem,
             OpArgs::new(DevRedOp::Sum, 0),
         );
-        crate::coll::all_gather::ring(&mut p, &ring, CALL_SIG_WORDS as u64, chunk, 8, false);
+        // A ring AllGather of one signature per rank, a step of four LL lines per hop: at hop
+        // `j` this rank passes on the signature of the rank `j - 1` hops upstream (its own
+        // first) and receives that of the rank `j` hops upstream from its previous rank.
+        let mut cur = *sig;
+        put(ring.user_rank(0), &cur);
+        for j in 1..n as u64 {
+            p.send_words(&cur);
+            let Some(got) = p.recv_words::<CALL_SIG_WORDS>() else {
+                break;
+            };
+            put(ring.user_rank(n as u64 - j), &got);
+            cur = got;
+        }
         let aborted = p.aborted();
         p.finish();
         aborted
     };
-    // SAFETY: as above.
+    // SAFETY: every thread of the block calls this.
     unsafe { arch::sync_threads() };
     // `aborted` is the block's (an abort seen by any thread reaches all through the LL
     // primitives' shared word): after one, the board may be partial and no verdict is given;

@@ -26,8 +26,8 @@ use std::sync::OnceLock;
 /// Bytes of one signature.
 const SIG_BYTES: usize = CALL_SIG_WORDS * 8;
 
-/// Where the check works and reports: its descriptor followed by the gather's board (`nranks +
-/// 1` signatures; device memory the kernels only touch) and the host-visible report.
+/// Where the check works and reports: its descriptor followed by the gather's board (`nranks`
+/// signatures; device memory the kernels only touch) and the host-visible report.
 enum Mem {
     Cuda {
         board: cuda::DevAlloc,
@@ -67,19 +67,17 @@ impl CallCheck {
             }
             Res::Cpu(_) => None,
         };
-        // One LL step of the gather: as many `u64` as a step of lines carries.
-        let chunk = line_chunk_elems(params, Proto::Ll, 8).max(CALL_SIG_WORDS as u64);
-        CallCheck::new(ctx, nranks, chunk).map(Some)
+        CallCheck::new(ctx, nranks).map(Some)
     }
 
     /// The check's memory for a rank of `nranks` on `ctx` (the CPU target when `None`), its
-    /// descriptor written (`chunk`: the gather's elements per chunk).
-    fn new(ctx: Option<&Arc<cuda::Context>>, nranks: usize, chunk: u64) -> Result<CallCheck> {
+    /// descriptor written.
+    fn new(ctx: Option<&Arc<cuda::Context>>, nranks: usize) -> Result<CallCheck> {
         // The board starts a 128-byte line after the descriptor: the blocks waiting on `done`
         // do not poll the line the gather writes.
         let desc = 128;
         const _: () = assert!(size_of::<CheckDesc>() <= 128);
-        let board = desc + (nranks + 1) * SIG_BYTES;
+        let board = desc + nranks * SIG_BYTES;
         let report = size_of::<CheckReport>() + nranks * SIG_BYTES;
         let mem = match ctx {
             Some(ctx) => Mem::Cuda {
@@ -98,7 +96,6 @@ impl CallCheck {
         let d = CheckDesc {
             board: base + desc as u64,
             report: report_addr,
-            chunk_elems: chunk,
             done: 0,
         };
         match &mem {

@@ -368,13 +368,11 @@ pub const CALL_MISMATCH: u32 = 2;
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]
 pub struct CheckDesc {
-    /// Device memory of `nranks + 1` signatures (16-byte aligned): every rank's after the
-    /// gather, then this rank's own (the gather's input).
+    /// Device memory of `nranks` signatures (16-byte aligned), by rank: every rank's after the
+    /// gather.
     pub board: u64,
     /// Host-visible [`CheckReport`] followed by `nranks` signatures: written only on a mismatch.
     pub report: u64,
-    /// `u64` elements per chunk of the gather (one LL step's data).
-    pub chunk_elems: u64,
     /// The call number whose check this rank finished last (written by the checking block),
     /// with [`CHECK_HALTED`] set when that check stopped on an abort: the call's other blocks
     /// wait for it.
@@ -410,7 +408,7 @@ pub struct CheckReport {
 const _: () = assert!(
     core::mem::size_of::<CheckArgs>() == 48
         && core::mem::size_of::<CheckReport>() == 16
-        && core::mem::size_of::<CheckDesc>() == 32
+        && core::mem::size_of::<CheckDesc>() == 24
 );
 
 /// Most point-to-point works (one thread block each) of one launch: every send and receive of

@@ -59,7 +59,7 @@ pub unsafe fn run_p2p_work(comm: u64, status: u64, w: WorkP2p, tid: u32, nthread
         let on_ll = w.proto == Proto::Ll as u8;
         // SAFETY: caller contract; this block uses only the channel's send connection.
         let mut ll = unsafe { ll::<0, 1>(comm, channel, buff, tid, nthreads, smem) };
-        ll.send_word(w.bytes | if on_ll { P2P_HEADER_LL } else { 0 });
+        ll.send_words(&[w.bytes | if on_ll { P2P_HEADER_LL } else { 0 }]);
         let (off, len) = p2p_part(w.bytes, part, nparts);
         if on_ll {
             ll.send(off, len);
@@ -78,7 +78,7 @@ pub unsafe fn run_p2p_work(comm: u64, status: u64, w: WorkP2p, tid: u32, nthread
     }
     // SAFETY: as for a send; this block uses only the channel's receive connection.
     let mut ll = unsafe { ll::<1, 0>(comm, channel, buff, tid, nthreads, smem) };
-    let Some(header) = ll.recv_word() else {
+    let Some([header]) = ll.recv_words::<1>() else {
         // SAFETY: every thread calls it once.
         unsafe { ll.finish() };
         return;

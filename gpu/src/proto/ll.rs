@@ -404,53 +404,65 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> LlFan<T, Op, NR, N
     }
 }
 
-/// Point-to-point sends: one send connection (a peer channel's; the channel's receive
-/// connection belongs to another block).
-impl<T: Elem, Op: RedFn<T>> LlFan<T, Op, 0, 1> {
-    /// Sends the word `v` as a step of its own (the header of a point-to-point send): one line,
-    /// or the whole slot when the step cleans it. Nothing on abort.
+/// Steps of a few words (a point-to-point header, the call check's signatures), over the
+/// first send or receive peer of any fan.
+impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> LlFan<T, Op, NR, NS> {
+    /// Sends the `W` words `v` to the first send peer as a step of their own: `W` lines, or the
+    /// whole slot when the step cleans it. Nothing on abort, or without a send peer (`NS = 0`).
     #[cfg_attr(target_arch = "nvptx64", inline(always))]
-    pub fn send_word(&mut self, v: u64) {
-        if self.aborted || !self.wait_send_credit() {
+    pub fn send_words<const W: usize>(&mut self, v: &[u64; W]) {
+        if NS == 0 || self.aborted || !self.wait_send_credit() {
             return;
         }
         let c = &self.conns.send[0];
         let flag = ll_flag(c.step);
         let slot = c.buff.wrapping_add(((c.step % FIFO_STEPS) * self.step_lines) as usize);
-        let total = if ll_clean(c.step) { self.step_lines } else { 1 };
+        let total = if ll_clean(c.step) { self.step_lines } else { W as u64 };
         if self.tid == 0 {
             super::announce_step_lines(c.sizes, c.step, total);
         }
         let mut line = self.tid as u64;
         while line < total {
-            Self::write_line(slot.wrapping_add(line as usize), if line == 0 { v } else { 0 }, flag);
+            // Word `line` picked with constant indices (a register array, never local memory).
+            let mut x = 0;
+            for (k, w) in v.iter().enumerate() {
+                if line == k as u64 {
+                    x = *w;
+                }
+            }
+            Self::write_line(slot.wrapping_add(line as usize), x, flag);
             line += self.nthreads as u64;
         }
-        // SAFETY: a send frees no slot; every thread advances its step.
+        // SAFETY: a send frees no slot; every thread advances its send step only.
         unsafe { self.conns.end_step(self.tid, 0, 1) };
     }
-}
 
-/// Point-to-point receives: one receive connection (a peer channel's; the channel's send
-/// connection belongs to another block).
-impl<T: Elem, Op: RedFn<T>> LlFan<T, Op, 1, 0> {
-    /// Receives a word sent by [`LlFan::send_word`], in every thread; `None` on abort.
+    /// Receives `W` words sent by [`LlFan::send_words`] from the first receive peer, in every
+    /// thread; `None` on abort, or without a receive peer (`NR = 0`).
     #[cfg_attr(target_arch = "nvptx64", inline(always))]
-    pub fn recv_word(&mut self) -> Option<u64> {
-        if self.aborted {
+    pub fn recv_words<const W: usize>(&mut self) -> Option<[u64; W]> {
+        if NR == 0 || self.aborted {
             return None;
         }
         let c = &self.conns.recv[0];
         let flag = ll_flag(c.step);
         let slot = c.buff.wrapping_add(((c.step % FIFO_STEPS) * self.step_lines) as usize);
-        let total = if ll_clean(c.step) { self.step_lines } else { 1 };
-        // Every thread reads line 0 (one 16-byte line: the warp's loads of it coalesce); a
-        // cleaning step's other lines are drained by the threads they fall to.
-        let v = self.read_line(slot, flag);
-        let mut ok = v.is_some();
+        let total = if ll_clean(c.step) { self.step_lines } else { W as u64 };
+        // Every thread reads the `W` lines (the warp's loads of one line coalesce); a cleaning
+        // step's other lines are drained by the threads they fall to.
+        let mut v = [0u64; W];
+        let mut ok = true;
+        for (k, w) in v.iter_mut().enumerate() {
+            if ok {
+                match self.read_line(slot.wrapping_add(k), flag) {
+                    Some(x) => *w = x,
+                    None => ok = false,
+                }
+            }
+        }
         let mut line = self.tid as u64;
         while ok && line < total {
-            if line != 0 {
+            if line >= W as u64 {
                 ok = self.read_line(slot.wrapping_add(line as usize), flag).is_some();
             }
             line += self.nthreads as u64;
@@ -468,7 +480,7 @@ impl<T: Elem, Op: RedFn<T>> LlFan<T, Op, 1, 0> {
             }
             self.conns.end_step(self.tid, 1, 0);
         }
-        v
+        Some(v)
     }
 
     /// Receives `n` elements sent by one `send(_, n)` into output[dst..], writing only the first
