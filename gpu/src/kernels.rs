@@ -103,39 +103,17 @@ pub unsafe extern "ptx-kernel" fn oxccl_sendrecv(args: crate::abi::P2pArgs) {
 /// As [`p2p_param_work`].
 #[inline(always)]
 unsafe fn p2p_param_kind(i: u32) -> u8 {
-    use crate::abi::{P2pArgs, WorkP2p};
-    use core::mem::offset_of;
-    let off = offset_of!(P2pArgs, works) as u64
-        + i as u64 * core::mem::size_of::<WorkP2p>() as u64
-        + offset_of!(WorkP2p, kind) as u64;
-    let kind: u16;
-    // SAFETY: the load lies inside the kernel's parameter (caller contract); registers only.
-    unsafe {
-        core::arch::asm!(
-            "{{",
-            ".reg .u64 %p2p_kind_at;",
-            "mov.u64 %p2p_kind_at, oxccl_sendrecv_param_0;",
-            "add.u64 %p2p_kind_at, %p2p_kind_at, {off};",
-            "ld.param.u8 {k}, [%p2p_kind_at];",
-            "}}",
-            off = in(reg64) off,
-            k = out(reg16) kind,
-            options(nostack, readonly, pure)
-        );
-    }
-    kind as u8
+    // SAFETY: forwarded caller contract; `kind` is byte 4 of the work's third word.
+    (unsafe { p2p_param_word(i, 2) } >> 32) as u8
 }
 
-/// Work `i` of [`oxccl_sendrecv`]'s parameter, read with `ld.param` at a computed
-/// offset of the parameter's address (PTX lets a kernel take its parameters' addresses with
-/// `mov`). Indexing the parameter in Rust instead makes LLVM copy all 3 KiB of it into every
-/// thread's local memory first.
+/// Work `i` of [`oxccl_sendrecv`]'s parameter, a word at a time ([`p2p_param_word`]).
 ///
 /// # Safety
-/// Only in [`oxccl_sendrecv`] (the asm names its parameter), with `i < MAX_P2P_WORKS`.
+/// Only in [`oxccl_sendrecv`], with `i < MAX_P2P_WORKS`.
 #[inline(always)]
 unsafe fn p2p_param_work(i: u32) -> crate::abi::WorkP2p {
-    use crate::abi::{P2pArgs, WorkP2p};
+    use crate::abi::WorkP2p;
     use core::mem::offset_of;
     const _: () = assert!(
         offset_of!(WorkP2p, bytes) == 8
@@ -144,27 +122,10 @@ unsafe fn p2p_param_work(i: u32) -> crate::abi::WorkP2p {
             && offset_of!(WorkP2p, part) == 21
             && offset_of!(WorkP2p, nparts) == 22
             && offset_of!(WorkP2p, proto) == 23
+            && core::mem::size_of::<WorkP2p>() == 24
     );
-    let off = offset_of!(P2pArgs, works) as u64 + i as u64 * core::mem::size_of::<WorkP2p>() as u64;
-    let (buff, bytes, rest): (u64, u64, u64);
-    // SAFETY: the three loads lie inside the kernel's parameter (caller contract); registers only.
-    unsafe {
-        core::arch::asm!(
-            "{{",
-            ".reg .u64 %p2p_at;",
-            "mov.u64 %p2p_at, oxccl_sendrecv_param_0;",
-            "add.u64 %p2p_at, %p2p_at, {off};",
-            "ld.param.u64 {a}, [%p2p_at];",
-            "ld.param.u64 {b}, [%p2p_at+8];",
-            "ld.param.u64 {c}, [%p2p_at+16];",
-            "}}",
-            off = in(reg64) off,
-            a = out(reg64) buff,
-            b = out(reg64) bytes,
-            c = out(reg64) rest,
-            options(nostack, readonly, pure)
-        );
-    }
+    // SAFETY: forwarded caller contract.
+    let (buff, bytes, rest) = unsafe { (p2p_param_word(i, 0), p2p_param_word(i, 1), p2p_param_word(i, 2)) };
     WorkP2p {
         buff,
         bytes,
@@ -174,6 +135,38 @@ unsafe fn p2p_param_work(i: u32) -> crate::abi::WorkP2p {
         nparts: (rest >> 48) as u8,
         proto: (rest >> 56) as u8,
     }
+}
+
+/// Word `w` (8 bytes) of work `i` of [`oxccl_sendrecv`]'s parameter, read with `ld.param` at a
+/// computed offset of the parameter's address (PTX lets a kernel take its parameters'
+/// addresses with `mov`). Indexing the parameter in Rust instead makes LLVM copy all 3 KiB of
+/// it into every thread's local memory first.
+///
+/// # Safety
+/// Only in [`oxccl_sendrecv`] (the asm names its parameter), with `i < MAX_P2P_WORKS` and
+/// `w < 3`.
+#[inline(always)]
+unsafe fn p2p_param_word(i: u32, w: u32) -> u64 {
+    use crate::abi::{P2pArgs, WorkP2p};
+    let off = core::mem::offset_of!(P2pArgs, works) as u64
+        + i as u64 * core::mem::size_of::<WorkP2p>() as u64
+        + w as u64 * 8;
+    let v: u64;
+    // SAFETY: the load lies inside the kernel's parameter (caller contract); registers only.
+    unsafe {
+        core::arch::asm!(
+            "{{",
+            ".reg .u64 %p2p_at;",
+            "mov.u64 %p2p_at, oxccl_sendrecv_param_0;",
+            "add.u64 %p2p_at, %p2p_at, {off};",
+            "ld.param.u64 {v}, [%p2p_at];",
+            "}}",
+            off = in(reg64) off,
+            v = out(reg64) v,
+            options(nostack, readonly, pure)
+        );
+    }
+    v
 }
 
 include!(concat!(env!("OUT_DIR"), "/kernel_modules.rs"));

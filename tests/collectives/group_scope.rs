@@ -115,16 +115,8 @@ fn a_scope_launches_its_collectives_and_sends_at_its_end_exact() {
                 RedOp::Max,
                 s,
             )?;
-            g.send(c, data(&ar_in[r], count), count, DataType::F32, (r + 1) % n, s)?;
-            g.recv(
-                c,
-                data(&p2p_out[r], count),
-                count,
-                DataType::F32,
-                (r + n - 1) % n,
-                s,
-            )?;
         }
+        ring(g, &comms, &streams, &ar_in, &p2p_out, count)?;
         // Nothing is launched before the scope's end.
         common::sync_all(&streams, "inside the scope");
         for r in 0..n {
@@ -246,17 +238,7 @@ fn a_call_refused_inside_a_scope_runs_none_of_the_group() {
         );
     }
     // The communicators go on: the same AllReduces outside a scope.
-    for (r, c) in comms.iter().enumerate() {
-        c.all_reduce(
-            data(&ins[r], count),
-            data(&outs[r], count),
-            count,
-            DataType::F32,
-            RedOp::Sum,
-            &streams[r],
-        )
-        .unwrap();
-    }
+    all_reduce_outside(&comms, &streams, &ins, &outs, count);
     common::sync_all(&streams, "after a refused scope");
     for r in 0..n {
         assert_eq!(
@@ -1028,11 +1010,7 @@ fn gpu_a_scope_launches_its_collectives_and_sends_at_its_end_exact() {
             let (i, o) = (data(&ins[r], count), data(&ag[r], n * count));
             g.all_gather(c, i, o, count, DataType::F32, &streams[r])?;
         }
-        for (r, c) in comms.iter().enumerate() {
-            let peer = (r + 1) % n;
-            g.send(c, data(&ins[r], count), count, DataType::F32, peer, &streams[r])?;
-            g.recv(c, data(&p2p[r], count), count, DataType::F32, peer, &streams[r])?;
-        }
+        ring(g, &comms, &streams, &ins, &p2p, count)?;
         common::sync_all(&streams, "inside the scope");
         for r in 0..n {
             assert!(
