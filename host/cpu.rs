@@ -57,6 +57,58 @@ impl Drop for HostMem {
 
 type Job = Box<dyn FnOnce() -> Result<()> + Send>;
 
+/// An operation a captured graph runs at each of its launches ([`CpuStream::enqueue_replayable`]).
+pub type ReplayJob = Arc<dyn Fn() -> Result<()> + Send + Sync>;
+
+/// A capture in progress on a CPU stream ([`CpuStream::begin_capture`]): what it recorded, and
+/// why it can no longer end in a graph (an operation that cannot be replayed was queued).
+#[derive(Default)]
+struct Capture {
+    jobs: Vec<ReplayJob>,
+    invalid: Option<String>,
+}
+
+/// The operations a CPU stream's capture recorded ([`CpuStream::end_capture`]), the CPU
+/// target's CUDA graph: [`CpuGraph::launch`] queues them all again, in order, on a stream.
+pub struct CpuGraph {
+    jobs: Vec<ReplayJob>,
+    device: usize,
+}
+
+impl CpuGraph {
+    /// The CPU-target device of the stream it was captured on.
+    pub fn device(&self) -> usize {
+        self.device
+    }
+    /// Operations recorded.
+    pub fn len(&self) -> usize {
+        self.jobs.len()
+    }
+    /// Whether the capture recorded nothing.
+    pub fn is_empty(&self) -> bool {
+        self.jobs.is_empty()
+    }
+    /// Queues every recorded operation on `stream`, in the order they were captured, after
+    /// what `stream` already holds (`cuGraphLaunch`). Errors: the stream is capturing itself,
+    /// or is shut down.
+    ///
+    /// # Safety
+    /// Every buffer the captured operations read or write is still valid (and every
+    /// communicator they belong to still alive) until they have run.
+    pub unsafe fn launch(&self, stream: &CpuStream) -> Result<()> {
+        if stream.is_capturing() {
+            return Err(Error::InvalidUsage(
+                "launching a captured graph on a CPU stream that is capturing (not supported)".into(),
+            ));
+        }
+        for job in &self.jobs {
+            let job = job.clone();
+            stream.push(Box::new(move || job()))?;
+        }
+        Ok(())
+    }
+}
+
 /// How far one CPU stream has got: operations queued and operations finished, in order.
 #[derive(Default)]
 struct Progress {
@@ -141,6 +193,8 @@ pub struct CpuStream {
     error: Arc<Mutex<Option<Error>>>,
     progress: Arc<Progress>,
     pub(crate) device: usize,
+    /// The capture in progress, if any (CUDA's stream capture, for the CPU target).
+    capture: Mutex<Option<Capture>>,
 }
 
 impl CpuStream {
@@ -180,23 +234,91 @@ impl CpuStream {
             error,
             progress,
             device,
+            capture: Mutex::new(None),
         })
     }
 
-    /// Queues `job` after everything queued before.
+    /// Queues `job` after everything queued before. Errors: the stream is capturing (`job`
+    /// runs once and cannot be part of a graph: the capture is invalidated, as CUDA invalidates
+    /// a capture on an operation it cannot capture), or is shut down.
     pub fn enqueue(&self, job: impl FnOnce() -> Result<()> + Send + 'static) -> Result<()> {
+        if let Ok(mut c) = self.capture.lock()
+            && let Some(c) = c.as_mut()
+        {
+            let why = "an operation that cannot be replayed was queued on the CPU stream while it was capturing";
+            c.invalid.get_or_insert_with(|| why.into());
+            return Err(Error::InvalidUsage(format!("{why}; the capture is invalidated")));
+        }
+        self.push(Box::new(job))
+    }
+
+    /// Queues `job` after everything queued before, or, while the stream is capturing, records
+    /// it in the capture: then it runs at each launch of the captured graph instead
+    /// ([`CpuGraph::launch`]), never now.
+    pub fn enqueue_replayable(&self, job: impl Fn() -> Result<()> + Send + Sync + 'static) -> Result<()> {
+        if let Ok(mut c) = self.capture.lock()
+            && let Some(c) = c.as_mut()
+        {
+            c.jobs.push(Arc::new(job));
+            return Ok(());
+        }
+        self.push(Box::new(job))
+    }
+
+    /// Starts recording what is queued on the stream into a graph instead of running it (CUDA's
+    /// `cuStreamBeginCapture`), until [`CpuStream::end_capture`]. Errors: a capture is already
+    /// in progress.
+    pub fn begin_capture(&self) -> Result<()> {
+        let mut c = self
+            .capture
+            .lock()
+            .map_err(|_| Error::Internal("CPU stream capture state poisoned".into()))?;
+        if c.is_some() {
+            return Err(Error::InvalidUsage("the CPU stream is already capturing".into()));
+        }
+        *c = Some(Capture::default());
+        Ok(())
+    }
+
+    /// Whether operations queued now are captured ([`CpuStream::begin_capture`]; an invalidated
+    /// capture counts until it ends, as `cuStreamIsCapturing` says).
+    pub fn is_capturing(&self) -> bool {
+        self.capture.lock().is_ok_and(|c| c.is_some())
+    }
+
+    /// Ends the capture and returns the graph of what it recorded (`cuStreamEndCapture`).
+    /// Errors: no capture is in progress, or it was invalidated (an operation that cannot be
+    /// replayed was queued during it; the error says so).
+    pub fn end_capture(&self) -> Result<CpuGraph> {
+        let c = self
+            .capture
+            .lock()
+            .map_err(|_| Error::Internal("CPU stream capture state poisoned".into()))?
+            .take()
+            .ok_or_else(|| Error::InvalidUsage("the CPU stream is not capturing".into()))?;
+        match c.invalid {
+            Some(why) => Err(Error::InvalidUsage(format!("the capture was invalidated: {why}"))),
+            None => Ok(CpuGraph {
+                jobs: c.jobs,
+                device: self.device,
+            }),
+        }
+    }
+
+    fn push(&self, job: Job) -> Result<()> {
         let tx = self
             .tx
             .as_ref()
             .ok_or_else(|| Error::InvalidUsage("CPU stream is shut down".into()))?;
         self.progress.add_queued(1);
-        tx.send(Box::new(job)).map_err(|_| {
+        tx.send(job).map_err(|_| {
             self.progress.add_queued(-1);
             Error::Internal("CPU stream worker is gone".into())
         })
     }
 
     /// Waits until every queued operation has run; returns the first error since the last call.
+    /// Errors: the stream is capturing (it invalidates the capture, as in CUDA).
     pub fn synchronize(&self) -> Result<()> {
         let (done_tx, done_rx) = bounded(1);
         self.enqueue(move || {

@@ -96,7 +96,7 @@ pub use error::{Error, Result, ResultCode, error_string, error_string_of};
 pub use params::CommConfig;
 pub use group::{PendingComm, group, group_end, group_start};
 pub use handle::CommHandle;
-pub use mem::{DevSlice, Device, DeviceBuffer, Stream};
+pub use mem::{CapturedGraph, DevSlice, Device, DeviceBuffer, Stream};
 pub use oxccl_gpu::abi::{Algo, DataType, DevRedOp, Func, Proto, RedOp, kernel_name, kernel_name_for};
 pub use redop::{ReduceOp, Scalar};
 pub use oxccl_gpu::fp8::{F8E4M3, F8E5M2};

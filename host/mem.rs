@@ -284,11 +284,63 @@ impl Stream {
     pub(crate) unsafe fn copy_async(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
         match self {
             Stream::Cuda(s) => s.copy_dtod(dst, src, bytes),
-            Stream::Cpu(s) => s.enqueue(move || {
-                // SAFETY: caller contract.
+            Stream::Cpu(s) => s.enqueue_replayable(move || {
+                // SAFETY: caller contract (a captured copy: at each launch of its graph, whose
+                // launcher keeps the ranges valid).
                 unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, bytes) };
                 Ok(())
             }),
+        }
+    }
+
+    /// Starts capturing the work queued on this stream into a graph instead of running it
+    /// (CUDA's stream capture, `cuStreamBeginCapture` in relaxed mode; on the CPU target the
+    /// stream records its operations), until [`Stream::end_capture`]. oxccl's collectives and
+    /// point-to-point calls issued on a capturing stream become part of the graph, as NCCL's do,
+    /// and every [`CapturedGraph::launch`] replays them; a call that cannot be replayed
+    /// correctly (one whose connections need the NET proxy) is refused with `InvalidUsage`
+    /// instead. Errors: the driver's, or a capture already in progress (CPU target).
+    ///
+    /// ```
+    /// # use oxccl::{Comm, DataType, Device, RedOp};
+    /// let comms = Comm::init_all(&Device::cpus(1))?;
+    /// let (c, s) = (&comms[0], comms[0].device().new_stream()?);
+    /// let (send, recv) = (c.device().alloc(4096)?, c.device().alloc(4096)?);
+    /// send.write(0, &[7u8; 4096])?;
+    /// s.begin_capture()?;
+    /// c.all_reduce(&send, &recv, 1024, DataType::F32, RedOp::Sum, &s)?; // captured, not run
+    /// let graph = s.end_capture()?;
+    /// s.synchronize()?;
+    /// assert_eq!(recv.to_vec()?, vec![0u8; 4096]);
+    /// // SAFETY: `send`, `recv` and `c` outlive the replay (synchronized below).
+    /// unsafe { graph.launch(&s)? };
+    /// s.synchronize()?;
+    /// assert_eq!(recv.to_vec()?, vec![7u8; 4096]);
+    /// # Ok::<(), oxccl::Error>(())
+    /// ```
+    pub fn begin_capture(&self) -> Result<()> {
+        match self {
+            Stream::Cuda(s) => s.begin_capture(),
+            Stream::Cpu(s) => s.begin_capture(),
+        }
+    }
+
+    /// Ends the capture [`Stream::begin_capture`] started and returns its graph, ready to launch.
+    /// Errors: no capture in progress; a capture invalidated by an operation that could not be
+    /// captured (e.g. a [`Stream::synchronize`] during it).
+    pub fn end_capture(&self) -> Result<CapturedGraph> {
+        match self {
+            Stream::Cuda(s) => s.end_capture().map(CapturedGraph::Cuda),
+            Stream::Cpu(s) => s.end_capture().map(CapturedGraph::Cpu),
+        }
+    }
+
+    /// Whether work queued on this stream now is captured into a graph rather than run
+    /// ([`Stream::begin_capture`]; `cuStreamIsCapturing`). Errors: the driver's.
+    pub fn is_capturing(&self) -> Result<bool> {
+        match self {
+            Stream::Cuda(s) => s.is_capturing(),
+            Stream::Cpu(s) => Ok(s.is_capturing()),
         }
     }
 
@@ -304,6 +356,53 @@ impl Stream {
         match self {
             Stream::Cuda(s) => s.synchronize(),
             Stream::Cpu(s) => s.synchronize(),
+        }
+    }
+}
+
+/// The work a stream captured ([`Stream::end_capture`]): a CUDA graph, instantiated, or the CPU
+/// target's recorded operations. Each [`CapturedGraph::launch`] replays all of it on a stream.
+pub enum CapturedGraph {
+    Cuda(cuda::Graph),
+    Cpu(crate::cpu::CpuGraph),
+}
+
+impl CapturedGraph {
+    /// Queues one replay of the captured work on `stream` (`cuGraphLaunch`), after what the
+    /// stream holds. Collectives in it run as the calls they were captured from, with the same
+    /// buffers, counts and operators; their data is what the buffers hold when the replay runs.
+    /// Every rank of a communicator must replay its graph the same number of times, in the same
+    /// order relative to its other calls on that communicator, as with any collective call.
+    /// Errors: `stream` is of another backend or device; the driver's.
+    ///
+    /// # Safety
+    /// Every buffer the captured calls read or write is valid until the replay has run, and
+    /// every communicator they were issued on is alive (not destroyed or dropped) until then.
+    pub unsafe fn launch(&self, stream: &Stream) -> Result<()> {
+        match (self, stream) {
+            (CapturedGraph::Cuda(g), Stream::Cuda(s)) => {
+                if g.device() != s.ctx.ordinal {
+                    return Err(Error::invalid(format!(
+                        "the graph was captured on cuda:{} but the stream is on cuda:{}",
+                        g.device(),
+                        s.ctx.ordinal
+                    )));
+                }
+                // SAFETY: forwarded caller contract.
+                unsafe { g.launch(s) }
+            }
+            (CapturedGraph::Cpu(g), Stream::Cpu(s)) => {
+                if g.device() != s.device {
+                    return Err(Error::invalid(format!(
+                        "the graph was captured on cpu:{} but the stream is on cpu:{}",
+                        g.device(),
+                        s.device
+                    )));
+                }
+                // SAFETY: forwarded caller contract.
+                unsafe { g.launch(s) }
+            }
+            _ => Err(Error::invalid("the graph and the stream are of different backends (CUDA and CPU target)")),
         }
     }
 }

@@ -322,7 +322,7 @@ impl Comm {
         match (&self.res, stream) {
             (Res::Cuda(res), Stream::Cuda(s)) => {
                 let n = self.launch_cuda(res, s, &[CHECK_KERNEL_NAME], |m| s.launch(&m[0], 1, self.params.nthreads, &args))?;
-                if let Some(id) = recorded {
+                if let (Some(id), Some(n)) = (recorded, n) {
                     self.watch.launched(id, n);
                 }
                 Ok(())

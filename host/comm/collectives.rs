@@ -354,8 +354,19 @@ impl Comm {
         stream: &Stream,
     ) -> Result<()> {
         let op = op.into();
-        let (dev_op, redop_arg, redop_flags, recv_bytes) =
+        let (dev_op, redop_arg, redop_flags, recv_bytes, captured) =
             self.checked_call(func, send, recv, count, dtype, &op, root, stream)?;
+        // The flight recorder's entry of a call about to be launched (the watch names it while
+        // it runs); a captured call's entry says so and is not watched (its graph's launches
+        // run it later, as often as they are launched).
+        let begin = |call: timeout::CallRecord| {
+            if captured {
+                self.watch.captured(call);
+                None
+            } else {
+                Some(self.watch.begin(call))
+            }
+        };
         // The call as the flight recorder keeps it (numbered by `Watch::begin`).
         let record = |choice: Option<Choice>| timeout::CallRecord {
             seq: 0,
@@ -375,8 +386,8 @@ impl Comm {
             let call = record(None);
             return match self.check_args(func, 0, dtype, dev_op, root, None) {
                 Some(check) => {
-                    let recorded = self.watch.begin(call);
-                    self.launch_check(check, stream, Some(recorded))
+                    let recorded = begin(call);
+                    self.launch_check(check, stream, recorded)
                 }
                 None => {
                     let recorded = self.watch.record_empty(call);
@@ -445,7 +456,7 @@ impl Comm {
         if let Ok(mut last) = self.last.lock() {
             *last = Some(choice);
         }
-        let recorded = self.watch.begin(record(Some(choice)));
+        let recorded = begin(record(Some(choice)));
         let check = self.check_args(func, count, dtype, dev_op, root, Some(choice));
         self.launch(
             KernelArgs {
@@ -455,7 +466,7 @@ impl Comm {
                 sig: check.map_or([0; 4], |c| c.sig),
             },
             stream,
-            Some(recorded),
+            recorded,
         )
     }
 
@@ -479,7 +490,7 @@ impl Comm {
     }
 
     /// [`Comm::check_collective`]; returns the kernel's operator, its scalar operand and flags
-    /// ([`Comm::check_op`]) and the receive buffer's bytes.
+    /// ([`Comm::check_op`]), the receive buffer's bytes and whether the stream is capturing.
     #[allow(clippy::too_many_arguments)]
     fn checked_call(
         &self,
@@ -491,7 +502,7 @@ impl Comm {
         op: &ReduceOp<'_>,
         root: usize,
         stream: &Stream,
-    ) -> Result<(DevRedOp, u64, u8, u64)> {
+    ) -> Result<(DevRedOp, u64, u8, u64, bool)> {
         self.check_root(func, root)?;
         let (_, recv_bytes) = self.buffer_bytes(func, count, dtype)?;
         if count > 0 {
@@ -516,7 +527,7 @@ impl Comm {
             }
         }
         let (dev_op, redop_arg, redop_flags) = self.check_op(func, op, dtype)?;
-        self.check_stream(stream)?;
+        let captured = self.check_stream(stream)?;
         self.check_not_revoked(func.name())?;
         if self.flag_state() != 0 || self.call_mismatch().is_some() {
             // Remote (another rank aborted), Timeout (a call of this rank timed out) or
@@ -531,7 +542,7 @@ impl Comm {
                 self.rank
             )));
         }
-        Ok((dev_op, redop_arg, redop_flags, recv_bytes))
+        Ok((dev_op, redop_arg, redop_flags, recv_bytes, captured))
     }
 
     /// The kernel's operator and scalar operand (`WorkColl::redop_arg`, `redop_flags`) for `op` on
@@ -604,11 +615,14 @@ impl Comm {
             })
     }
 
-    /// The stream is on this rank's device and is not being captured into a CUDA graph: oxccl
-    /// does not support stream capture yet, and a captured call would replay wrongly (its
-    /// launch ordering, flight-recorder entry, call check and any proxy's steps belong to the
-    /// call as issued), so it is refused — `InvalidUsage` — instead of being captured.
-    pub(super) fn check_stream(&self, stream: &Stream) -> Result<()> {
+    /// The stream is on this rank's device; returns whether it is capturing into a CUDA graph
+    /// ([`Stream::begin_capture`]). A call on a capturing stream becomes part of the graph
+    /// (its kernel, with the call's arguments, runs at each launch of the graph, continuing its
+    /// connections' FIFO steps from where the previous kernel left them, as every kernel
+    /// does), unless the communicator has a connection through the NET proxy, whose steps the
+    /// host posts for each call: then it is refused — `InvalidUsage` — on every rank alike,
+    /// never captured to replay wrongly.
+    pub(super) fn check_stream(&self, stream: &Stream) -> Result<bool> {
         if stream.device() != self.device {
             return Err(Error::invalid(format!(
                 "stream is on {:?} but rank {} is on {:?}",
@@ -617,16 +631,15 @@ impl Comm {
                 self.device
             )));
         }
-        if let Stream::Cuda(s) = stream
-            && s.is_capturing()?
-        {
+        let capturing = stream.is_capturing()?;
+        if capturing && let Some(why) = &self.capture_refusal {
             return Err(Error::InvalidUsage(format!(
-                "rank {}: the stream is being captured into a CUDA graph, which oxccl does not support yet \
-                 (the call would replay wrongly); issue the call outside the capture",
+                "rank {}: the stream is being captured into a CUDA graph, and this communicator's calls cannot be \
+                 captured: {why}; issue the call outside the capture",
                 self.rank
             )));
         }
-        Ok(())
+        Ok(capturing)
     }
 }
 

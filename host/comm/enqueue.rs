@@ -249,7 +249,7 @@ impl Comm {
                 let n = self.launch_cuda(res, s, &[name.as_str()], |m| {
                     s.launch(&m[0], w.nchannels as u32, self.params.nthreads, &args)
                 })?;
-                if let Some(id) = recorded {
+                if let (Some(id), Some(n)) = (recorded, n) {
                     self.watch.launched(id, n);
                 }
                 Ok(())
@@ -295,14 +295,15 @@ impl Comm {
     /// launched what came before); then `go` launches them (`go` gets them in the order of
     /// `names`) and the call counts as one launch of the ordering, however many kernels it
     /// queued. Loading every module before the first kernel keeps a load from waiting for this
-    /// call's own first kernel. Returns the launch's number ([`LaunchState::record`]).
+    /// call's own first kernel. Returns the launch's number ([`LaunchState::record`]), `None`
+    /// when `s` is capturing (the kernels are part of a CUDA graph and have no launch event).
     pub(super) fn launch_cuda(
         &self,
         res: &CudaRes,
         s: &cuda::Stream,
         names: &[&str],
         go: impl FnOnce(&[Arc<cuda::Module>]) -> Result<()>,
-    ) -> Result<u64> {
+    ) -> Result<Option<u64>> {
         let issued = res.launch.issued.load(Ordering::Acquire);
         let process = self.process.as_deref();
         let counter = |p: usize| process.and_then(|g| g.launch(p)).map(|l| (p, &l.issued));
@@ -332,7 +333,10 @@ impl Comm {
             });
         }
         go(&modules)?;
-        let n = res.launch.record(s)?;
+        // A kernel captured into a CUDA graph runs at the graph's launches, not now: no launch
+        // event (an event recorded in a capture cannot be queried), but it still counts in the
+        // ordering, as it does on every rank capturing the same call.
+        let n = if s.is_capturing()? { None } else { Some(res.launch.record(s)?) };
         res.launch.issued.store(issued + 1, Ordering::Release);
         Ok(n)
     }
@@ -394,14 +398,19 @@ pub(super) struct CpuBlocks {
 impl CpuBlocks {
     /// Queues the launch on `stream`: every thread `tid` of every block `b` runs
     /// `run(b, tid, smem)` (`false`: the block trapped); then `after` (its error is the
-    /// launch's, reported at the stream's synchronize).
+    /// launch's, reported at the stream's synchronize). On a capturing stream the launch is
+    /// recorded in the capture instead and runs at each launch of its graph
+    /// ([`CpuBlocks::capture`]).
     pub(super) fn launch(
         self,
         stream: &CpuStream,
         inflight: &Arc<AtomicUsize>,
         run: impl Fn(u32, u32, *mut u32) -> bool + Send + Sync + 'static,
-        after: impl FnOnce() -> Result<()> + Send + 'static,
+        after: impl Fn() -> Result<()> + Send + Sync + 'static,
     ) -> Result<()> {
+        if stream.is_capturing() {
+            return self.capture(stream, inflight, run, after);
+        }
         inflight.fetch_add(1, Ordering::AcqRel);
         let inflight = inflight.clone();
         let CpuBlocks {
@@ -418,24 +427,7 @@ impl CpuBlocks {
             if let Some((watch, id)) = &recorded {
                 watch.started(*id);
             }
-            let result = std::thread::scope(|s| {
-                let handles: Vec<_> = (0..nblocks)
-                    .map(|b| {
-                        let run = &run;
-                        s.spawn(move || {
-                            // u64 cells: the shared memory is 8-byte aligned, as on the GPU.
-                            let mut smem = vec![0u64; oxccl_gpu::abi::KERNEL_SMEM_BYTES / 8];
-                            let smem = smem.as_mut_ptr() as usize;
-                            oxccl_gpu::arch::run_block_threads(b, nthreads, team, |tid| run(b, tid, smem as *mut u32))
-                        })
-                    })
-                    .collect();
-                let mut ok = true;
-                for h in handles {
-                    ok &= h.join().unwrap_or(false);
-                }
-                ok
-            });
+            let result = run_blocks(nblocks, nthreads, team, &run);
             group.running.fetch_sub(1, Ordering::AcqRel);
             if let Some((watch, id)) = &recorded {
                 watch.ended(*id);
@@ -451,6 +443,71 @@ impl CpuBlocks {
             }
         })
     }
+
+    /// [`CpuBlocks::launch`] on a capturing stream: recorded in its capture, it runs at each
+    /// launch of the captured graph as the launch would have run now, counted among the rank's
+    /// operations while it runs. The graph keeps the rank's memory (`group`, `process`); the
+    /// flight recorder keeps the call's capture, not its replays (`recorded` is unused).
+    fn capture(
+        self,
+        stream: &CpuStream,
+        inflight: &Arc<AtomicUsize>,
+        run: impl Fn(u32, u32, *mut u32) -> bool + Send + Sync + 'static,
+        after: impl Fn() -> Result<()> + Send + Sync + 'static,
+    ) -> Result<()> {
+        let inflight = inflight.clone();
+        let CpuBlocks {
+            nblocks,
+            nthreads,
+            team,
+            group,
+            process,
+            rank,
+            recorded: _,
+        } = self;
+        stream.enqueue_replayable(move || {
+            let _memory_of_the_process_group = &process;
+            inflight.fetch_add(1, Ordering::AcqRel);
+            group.running.fetch_add(1, Ordering::AcqRel);
+            let result = run_blocks(nblocks, nthreads, team, &run);
+            group.running.fetch_sub(1, Ordering::AcqRel);
+            let after = after();
+            inflight.fetch_sub(1, Ordering::AcqRel);
+            if result {
+                after
+            } else {
+                Err(Error::Internal(format!("rank {rank}: a CPU-target channel trapped (in a captured graph)")))
+            }
+        })
+    }
+}
+
+/// Runs `nblocks` blocks of `nthreads` threads, each block on a host thread of its own with its
+/// shared memory, every thread `tid` of block `b` running `run(b, tid, smem)`; whether no block
+/// trapped.
+fn run_blocks(
+    nblocks: u32,
+    nthreads: u32,
+    team: oxccl_gpu::arch::TeamKind,
+    run: &(impl Fn(u32, u32, *mut u32) -> bool + Sync),
+) -> bool {
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..nblocks)
+            .map(|b| {
+                s.spawn(move || {
+                    // u64 cells: the shared memory is 8-byte aligned, as on the GPU.
+                    let mut smem = vec![0u64; oxccl_gpu::abi::KERNEL_SMEM_BYTES / 8];
+                    let smem = smem.as_mut_ptr() as usize;
+                    oxccl_gpu::arch::run_block_threads(b, nthreads, team, |tid| run(b, tid, smem as *mut u32))
+                })
+            })
+            .collect();
+        let mut ok = true;
+        for h in handles {
+            ok &= h.join().unwrap_or(false);
+        }
+        ok
+    })
 }
 
 /// Whether `NCCL_PROTO` (or `OXCCL_PROTO`) names LL128 in a list of protocols to use (not in an

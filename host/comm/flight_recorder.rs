@@ -22,7 +22,9 @@
 //! event (the one the launch records behind every kernel) complete — within the watch's tick, a
 //! sixteenth of `OXCCL_TIMEOUT` up to 100 ms; after 64 later launches unseen, with a later one. `"outcome"`: `"completed"`, `"aborted"` (its rank's abort flag was raised: an abort,
 //! or another rank's), `"timed out"`, `"call mismatch"` (the call-signature check found the ranks'
-//! calls of its number different; it moved no data), or null while it has not ended. Calls of
+//! calls of its number different; it moved no data), `"captured"` (issued on a stream capturing
+//! into a CUDA graph: it runs at the graph's launches, which are not recorded; its end is its
+//! issue), or null while it has not ended. Calls of
 //! count 0 are recorded too (numbered as the check numbers them), ended when issued unless
 //! checked. A send or receive (`"func": "send"` or `"recv"`, recorded when issued,
 //! in or outside a group) has the same fields, `seq`, `op`, `root`, `algo`, `proto` and
@@ -118,6 +120,9 @@ pub(super) enum Outcome {
     /// The call-signature check (`OXCCL_CHECK_CALLS`) found the ranks' calls of its number
     /// different: it moved no data.
     CallMismatch,
+    /// It was issued on a stream capturing into a CUDA graph: its kernel runs at each launch
+    /// of the graph, which the recorder does not see.
+    Captured,
 }
 
 impl Outcome {
@@ -127,6 +132,7 @@ impl Outcome {
             Outcome::Aborted => "aborted",
             Outcome::TimedOut => "timed out",
             Outcome::CallMismatch => "call mismatch",
+            Outcome::Captured => "captured",
         }
     }
 }

@@ -352,6 +352,22 @@ impl Comm {
         } else {
             crate::tuning::Fabric::Host
         };
+        // Calls captured into a CUDA graph replay without the host: refused on a communicator
+        // with a NET connection, whose proxy the host drives per call (the same pair on every
+        // rank, from the ring pairs, then from every pair that point-to-point work connects).
+        let ring_view = &rings;
+        let capture_refusal = (0..rings.nchannels())
+            .flat_map(|c| (0..nranks).map(move |a| (a, ring_view.next(c, a))))
+            .chain((0..nranks).flat_map(|a| (a + 1..nranks).map(move |b| (a, b))))
+            .find(|&(a, b)| a != b && select_transport(&peers, a, b) == crate::transport::TransportKind::Net)
+            .map(|(a, b)| {
+                Arc::<str>::from(format!(
+                    "ranks {} and {} of this communicator are connected through the NET transport, whose proxy \
+                     thread the host drives for each call",
+                    a.min(b),
+                    a.max(b)
+                ))
+            });
         // Channels no call would use are not connected (over NET each costs two proxied socket
         // connections with their threads). The connection memory keeps its layout of
         // `layout.nch` channels; only the first `nch` are set up and used.
@@ -908,6 +924,7 @@ impl Comm {
             revoked: std::sync::atomic::AtomicBool::new(false),
             config: config.clone(),
             fabric,
+            capture_refusal,
             conn_bytes: layout.bytes(),
             direct,
             process,

@@ -73,6 +73,8 @@ pub(crate) struct P2pTarget {
     ll_threshold: u64,
     status: Arc<StatusMem>,
     watch: Arc<timeout::Watch>,
+    /// Why the communicator's calls cannot be captured into a CUDA graph, if they cannot.
+    capture_refusal: Option<Arc<str>>,
     backend: Backend,
 }
 
@@ -170,11 +172,26 @@ impl P2pTarget {
             ..P2pArgs::default()
         };
         args.works[..works.len()].copy_from_slice(works);
-        self.watch.begin_p2p(self.describe(works));
+        // Captured into a graph, the launch runs at the graph's launches: nothing to watch now,
+        // and no launch event (one recorded in a capture cannot be queried).
+        let captured = stream.is_capturing()?;
+        if captured && let Some(why) = &self.capture_refusal {
+            // The calls were checked when issued; the capture began before their group ended.
+            return Err(Error::InvalidUsage(format!(
+                "rank {}: the stream is being captured into a CUDA graph, and this communicator's calls cannot be \
+                 captured: {why}; end the group outside the capture",
+                self.rank
+            )));
+        }
+        if !captured {
+            self.watch.begin_p2p(self.describe(works));
+        }
         match (&self.backend, stream) {
             (Backend::Cuda { launch, module, .. }, Stream::Cuda(s)) => {
                 s.launch(module, nblocks, self.nthreads, &args)?;
-                launch.record(s)?;
+                if !captured {
+                    launch.record(s)?;
+                }
                 Ok(())
             }
             (Backend::Cpu { group, process, inflight }, Stream::Cpu(s)) => {
@@ -383,6 +400,7 @@ impl Comm {
             ll_threshold: self.params.p2p_ll_threshold,
             status: self.p2p_status.clone(),
             watch: self.watch.clone(),
+            capture_refusal: self.capture_refusal.clone(),
             backend,
         })
     }

@@ -202,6 +202,14 @@ impl Watch {
         self.record(call, true)
     }
 
+    /// [`Watch::begin`] for a call captured into a CUDA graph: recorded and counted, ended at
+    /// once as [`flight_recorder::Outcome::Captured`], and not the call a timeout names (its
+    /// kernel runs at the graph's launches).
+    pub(super) fn captured(&self, call: CallRecord) {
+        let id = self.record(call, false);
+        self.state().recorder.ended(id, flight_recorder::unix_ns(), flight_recorder::Outcome::Captured);
+    }
+
     /// [`Watch::begin`] for a call that launches nothing (count 0, unchecked): recorded and
     /// counted, but not the call a timeout names (an earlier call may still be running).
     pub(super) fn record_empty(&self, call: CallRecord) -> u64 {

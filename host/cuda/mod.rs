@@ -520,22 +520,28 @@ impl Stream {
         cu!(cuStreamSynchronize(self.raw))
     }
     /// Starts capturing the stream's work into a CUDA graph (`cuStreamBeginCapture`, relaxed
-    /// mode); [`Stream::end_capture`] ends it. For tests of how calls treat a capturing stream.
-    #[doc(hidden)]
+    /// mode: other threads' driver calls stay allowed during the capture); [`Stream::end_capture`]
+    /// ends it.
     pub fn begin_capture(&self) -> Result<()> {
         self.ctx.bind()?;
         cu!(cuStreamBeginCapture_v2(self.raw, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED))
     }
-    /// Ends the stream's capture ([`Stream::begin_capture`]) and destroys the graph it made.
-    #[doc(hidden)]
-    pub fn end_capture(&self) -> Result<()> {
+    /// Ends the stream's capture ([`Stream::begin_capture`]) and instantiates the graph it made
+    /// (`cuStreamEndCapture`, `cuGraphInstantiateWithFlags`). Errors: the driver's (no capture
+    /// in progress; a capture invalidated by an operation it could not capture).
+    pub fn end_capture(&self) -> Result<Graph> {
         self.ctx.bind()?;
         let mut graph = std::ptr::null_mut();
         cu!(cuStreamEndCapture(self.raw, &mut graph))?;
+        let mut g = Graph {
+            graph,
+            exec: std::ptr::null_mut(),
+            ctx: self.ctx.clone(),
+        };
         if !graph.is_null() {
-            cu!(cuGraphDestroy(graph))?;
+            cu!(cuGraphInstantiateWithFlags(&mut g.exec, graph, 0))?;
         }
-        Ok(())
+        Ok(g)
     }
     /// Whether work queued on the stream now would be captured into a CUDA graph
     /// (`cuStreamIsCapturing`: a capture in progress, or one invalidated and not yet ended).
@@ -589,6 +595,54 @@ impl Stream {
             params.as_mut_ptr(),
             std::ptr::null_mut()
         ))
+    }
+}
+
+/// A CUDA graph captured from a stream and instantiated ([`Stream::end_capture`]): what
+/// `cudaGraphLaunch` replays. Destroyed on drop.
+pub struct Graph {
+    graph: sys::CUgraph,
+    exec: sys::CUgraphExec,
+    ctx: Arc<Context>,
+}
+// SAFETY: graph handles may be used from any thread with their context bound.
+unsafe impl Send for Graph {}
+// SAFETY: as above; launches are serialized by the driver.
+unsafe impl Sync for Graph {}
+
+impl Graph {
+    /// The ordinal of the device it was captured on.
+    pub fn device(&self) -> usize {
+        self.ctx.ordinal
+    }
+    /// Queues one replay of the graph on `stream` (`cuGraphLaunch`). An empty capture launches
+    /// nothing.
+    ///
+    /// # Safety
+    /// Every buffer the captured work reads or writes is still valid (and every communicator it
+    /// belongs to still alive) until the replay has run.
+    pub unsafe fn launch(&self, stream: &Stream) -> Result<()> {
+        if self.exec.is_null() {
+            return Ok(());
+        }
+        self.ctx.bind()?;
+        cu!(cuGraphLaunch(self.exec, stream.raw))
+    }
+}
+
+impl Drop for Graph {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind();
+        if !self.exec.is_null()
+            && let Err(e) = cu!(cuGraphExecDestroy(self.exec))
+        {
+            tracing::warn!(target: "oxccl::init", "destroying a CUDA graph's instance: {e}");
+        }
+        if !self.graph.is_null()
+            && let Err(e) = cu!(cuGraphDestroy(self.graph))
+        {
+            tracing::warn!(target: "oxccl::init", "destroying a CUDA graph: {e}");
+        }
     }
 }
 

@@ -5,7 +5,8 @@
 //! that follow the topology (`ring_order`), direct writes into peers' outputs (`direct`), the transports between the ranks of
 //! one `init_all` (`in_process`), the
 //! field cases of CASES.md (`cases`), half and bfloat16 arithmetic (`half_math`), the embedded PTX
-//! (`kernels`), groups whose collectives are deferred (`group_scope`), and the GPU runs
+//! (`kernels`), groups whose collectives are deferred (`group_scope`), calls captured into a graph
+//! and replayed (`capture`), and the GPU runs
 //! (`gpu_all_reduce`, `gpu_collectives`, `gpu_direct`, `gpu_tree`).
 //!
 //! Tests that set environment variables hold `common::env::Env`; the others create their
@@ -17,6 +18,7 @@ mod common;
 
 mod all_reduce;
 mod block_threads;
+mod capture;
 mod cases;
 mod direct;
 mod gpu_all_reduce;

@@ -22,6 +22,7 @@ pub mod child;
 pub mod env;
 pub mod pattern;
 pub mod topo;
+pub mod capture;
 
 use oxccl::perf::check;
 use oxccl::{Comm, DataType, DevSlice, Device, DeviceBuffer, Func, RedOp, Stream};
