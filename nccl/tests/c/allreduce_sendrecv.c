@@ -6,6 +6,9 @@
  *   1. ncclAllReduce (float, sum), out of place and in place;
  *   2. ncclSend/ncclRecv between the ranks, both directions, in one group;
  *   3. ncclAlltoAll;
+ *   4. an ncclAllReduce group and a Send/Recv group captured into a CUDA graph per rank
+ *      (cudaStreamBeginCapture, thread-local mode, one thread capturing both ranks' streams),
+ *      replayed three times with new inputs written between the replays;
  * and prints "C-ABI OK" (exit 0) or what was wrong (exit 1).
  *
  * Rules for two ranks sharing one GPU (README: OXCCL_ALLOW_SHARED_DEVICE): each rank's kernel
@@ -214,6 +217,65 @@ int main(void) {
       for (size_t i = 0; i < A2A_COUNT; i++) want[p * A2A_COUNT + i] = (float)(100 * p + 10 * r + (int)(i % 7));
     to_host(host, a2a_recv[r], (size_t)NRANKS * A2A_COUNT);
     check("ncclAlltoAll", r, host, want, (size_t)NRANKS * A2A_COUNT);
+  }
+
+  /* 4. CUDA graphs: both ranks' calls captured on their streams, nothing run at the capture;
+   * each replay reads the inputs written before it. A graph holds one rank's two kernels, so
+   * the ranks' replays are synchronized one call at a time (two ranks share the GPU: a rank's
+   * second kernel waiting behind its first could hold back the peer's first on a shared
+   * hardware queue) — one graph per rank and call. */
+  {
+    cudaGraph_t graphs[2][NRANKS];
+    cudaGraphExec_t execs[2][NRANKS];
+    for (int call = 0; call < 2; call++) {
+      for (int r = 0; r < NRANKS; r++)
+        CUDACHECK(cudaStreamBeginCapture(streams[r], cudaStreamCaptureModeThreadLocal));
+      NCCLCHECK(ncclGroupStart());
+      for (int r = 0; r < NRANKS; r++) {
+        if (call == 0) {
+          NCCLCHECK(ncclAllReduce(ar_send[r], ar_recv[r], AR_COUNT, ncclFloat, ncclSum, comms[r], streams[r]));
+        } else {
+          NCCLCHECK(ncclSend(p2p_send[r], P2P_COUNT, ncclFloat, 1 - r, comms[r], streams[r]));
+          NCCLCHECK(ncclRecv(p2p_recv[r], P2P_COUNT, ncclFloat, 1 - r, comms[r], streams[r]));
+        }
+      }
+      NCCLCHECK(ncclGroupEnd());
+      for (int r = 0; r < NRANKS; r++) {
+        CUDACHECK(cudaStreamEndCapture(streams[r], &graphs[call][r]));
+        CUDACHECK(cudaGraphInstantiate(&execs[call][r], graphs[call][r], 0));
+      }
+    }
+    sync_all(streams);
+    step("ncclAllReduce and ncclSend/ncclRecv captured");
+    for (int k = 1; k <= 3; k++) {
+      for (int r = 0; r < NRANKS; r++) {
+        for (size_t i = 0; i < AR_COUNT; i++) host[i] = (float)((r + 1) * k + (int)(i % 300));
+        CUDACHECK(cudaMemcpy(ar_send[r], host, AR_COUNT * sizeof(float), cudaMemcpyHostToDevice));
+        for (size_t i = 0; i < P2P_COUNT; i++) host[i] = (float)(1000 * k + 10 * r + (int)(i % 50));
+        CUDACHECK(cudaMemcpy(p2p_send[r], host, P2P_COUNT * sizeof(float), cudaMemcpyHostToDevice));
+        CUDACHECK(cudaMemset(ar_recv[r], 0xff, AR_COUNT * sizeof(float)));
+        CUDACHECK(cudaMemset(p2p_recv[r], 0xff, P2P_COUNT * sizeof(float)));
+      }
+      CUDACHECK(cudaDeviceSynchronize());
+      for (int call = 0; call < 2; call++) {
+        for (int r = 0; r < NRANKS; r++) CUDACHECK(cudaGraphLaunch(execs[call][r], streams[r]));
+        sync_all(streams);
+      }
+      for (int r = 0; r < NRANKS; r++) {
+        for (size_t i = 0; i < AR_COUNT; i++) want[i] = (float)(3 * k + 2 * (int)(i % 300));
+        to_host(host, ar_recv[r], AR_COUNT);
+        check("ncclAllReduce (CUDA graph replay)", r, host, want, AR_COUNT);
+        for (size_t i = 0; i < P2P_COUNT; i++) want[i] = (float)(1000 * k + 10 * (1 - r) + (int)(i % 50));
+        to_host(host, p2p_recv[r], P2P_COUNT);
+        check("ncclSend/ncclRecv (CUDA graph replay)", r, host, want, P2P_COUNT);
+      }
+    }
+    step("CUDA graphs replayed");
+    for (int call = 0; call < 2; call++)
+      for (int r = 0; r < NRANKS; r++) {
+        CUDACHECK(cudaGraphExecDestroy(execs[call][r]));
+        CUDACHECK(cudaGraphDestroy(graphs[call][r]));
+      }
   }
 
   for (int r = 0; r < NRANKS; r++) {
