@@ -52,13 +52,14 @@ macro_rules! entries {
             op: KernelOp::$opv,
         }),*];
 
-        /// Runs block `bid` (one channel) of the operation described by `args` through its entry
-        /// of the table (the CPU target's kernel launch); `false` when this build has no such
-        /// entry (`OXCCL_ONLY_FUNCS`) or an enum is out of range, and nothing ran.
+        /// Runs block `bid` (one channel) of the launch `args` — its works in order, [`run_kernel`]
+        /// — through the entry of the table of its first work (the CPU target's kernel launch);
+        /// `false` when this build has no such entry (`OXCCL_ONLY_FUNCS`) or an enum is out of
+        /// range, and nothing ran.
         ///
         /// # Safety
-        /// `args.comm` points at a set-up [`DevComm`] whose channel `bid` exists; the work's
-        /// buffers are valid for its count; `smem` is the kernel's shared memory; every thread of
+        /// `args.comm` points at a set-up [`DevComm`] whose channel `bid` exists; every work is of
+        /// the first one's entry and its buffers are valid for its count; `smem` is the kernel's shared memory; every thread of
         /// the block calls this with the same `args` and `bid`, `tid` in `0..nthreads`.
         #[cfg(not(target_arch = "nvptx64"))]
         pub unsafe fn run_block(args: &KernelArgs, bid: u32, tid: u32, nthreads: u32, smem: *mut u32) -> bool {
@@ -80,7 +81,7 @@ macro_rules! entries {
                             { Func::$func as u8 },
                             { Algo::$algo as u8 },
                             { Proto::$proto as u8 },
-                        >(args, bid, tid, nthreads, smem)
+                        >(args, |i| args.work_at(i), bid, tid, nthreads, smem)
                     };
                     return true;
                 }
@@ -107,18 +108,21 @@ pub fn entry_for(
         .find(|e| (e.func, e.algo, e.proto, e.dtype, e.op) == (func, algo, proto, dtype, op))
 }
 
-/// The body of one kernel entry: block `bid` of `args` for element type `T`, operator `Op`,
-/// collective `FUNC`, algorithm `ALGO` and protocol `PROTO` (constants, so only that code is
-/// compiled in). Avg shares Sum's entry: its post-division by
-/// `nranks` is read from `args.work.redop` here, as is the operator of an `Any` entry.
+/// The body of one kernel entry: block `bid` of the launch `args` for element type `T`, operator
+/// `Op`, collective `FUNC`, algorithm `ALGO` and protocol `PROTO` (constants, so only that code
+/// is compiled in). A checked launch (one work) checks its call first; then the block runs the
+/// launch's works in order (`work(i)` is work `i`: the kernel reads them from its parameter, the
+/// CPU target from `args`), each one only where `bid` is below its channel count, after a
+/// barrier that lets the previous work's connection steps and shared memory settle.
 ///
 /// # Safety
-/// As [`run_block`], and `args.work`'s type, operator, collective and algorithm are those of
-/// the entry (`kernel_variant` of them), and so is its protocol.
+/// As [`run_block`], and every work's type, operator, collective and algorithm are those of the
+/// entry (`kernel_variant` of them), and so is its protocol.
 #[cfg_attr(target_arch = "nvptx64", inline(always))]
 #[cfg_attr(not(target_arch = "nvptx64"), inline(never))]
 pub unsafe fn run_kernel<T: Elem, Op: RedFn<T>, const FUNC: u8, const ALGO: u8, const PROTO: u8>(
     args: &KernelArgs,
+    work: impl Fn(u32) -> WorkColl,
     bid: u32,
     tid: u32,
     nthreads: u32,
@@ -130,9 +134,45 @@ pub unsafe fn run_kernel<T: Elem, Op: RedFn<T>, const FUNC: u8, const ALGO: u8, 
     if args.check != 0 && !unsafe { crate::check::checked(args.comm, args.check, &args.sig, bid, tid, nthreads, smem) } {
         return;
     }
-    let w = &args.work;
+    let n = args.works();
+    let mut i = 0;
+    while i < n {
+        let w = work(i);
+        if w.func != FUNC || w.algo != ALGO || w.proto != PROTO {
+            crate::arch::trap()
+        }
+        if i > 0 {
+            // The previous work's last steps are stored in the connections and its shared
+            // memory is free before this one loads and uses them.
+            // SAFETY: every thread of the block runs the same works (`nchannels` is uniform).
+            unsafe { crate::arch::sync_threads() };
+        }
+        if bid < w.nchannels as u32 {
+            // SAFETY: forwarded caller contract.
+            unsafe { run_work::<T, Op, FUNC, ALGO, PROTO>(args.comm, &w, bid, tid, nthreads, smem) };
+        }
+        i += 1;
+    }
+}
+
+/// Block `bid` of one work `w` of a launch of this entry (see [`run_kernel`]). Avg shares Sum's
+/// entry: its post-division by `nranks` is read from `w.redop` here, as is the operator of an
+/// `Any` entry.
+///
+/// # Safety
+/// As [`run_kernel`]; `bid < w.nchannels`.
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
+#[cfg_attr(not(target_arch = "nvptx64"), inline(always))]
+unsafe fn run_work<T: Elem, Op: RedFn<T>, const FUNC: u8, const ALGO: u8, const PROTO: u8>(
+    comm: u64,
+    w: &WorkColl,
+    bid: u32,
+    tid: u32,
+    nthreads: u32,
+    smem: *mut u32,
+) {
     // SAFETY: caller contract.
-    let comm = unsafe { &*(args.comm as *const DevComm) };
+    let comm = unsafe { &*(comm as *const DevComm) };
     let avg = w.redop == DevRedOp::Avg as u8;
     // SAFETY: the host checked a device-resident scalar's address (launch contract).
     let op_args = unsafe { op_args::<T, Op>(comm, w, avg) };

@@ -19,16 +19,49 @@ use half::{bf16, f16};
 /// One `extern "ptx-kernel"` entry point per row of the generated table (gpu/build.rs).
 macro_rules! entries {
     ($($name:ident => $func:ident, $algo:ident, $proto:ident, $dt:ident, $t:ty, $opv:ident, $op:ty;)*) => {$(
-        /// Collective kernel: grid = `args.work.nchannels` blocks, block = `NCCL_NTHREADS` threads.
+        /// Collective kernel: grid = the largest `nchannels` of the launch's works, block =
+        /// `NCCL_NTHREADS` threads.
         ///
         /// # Safety
         /// Launched by the host library with a valid [`KernelArgs`] for this entry (see
-        /// [`crate::dispatch::run_kernel`]).
+        /// [`crate::dispatch::run_kernel`]), holding at least its header and `nworks` works.
         #[unsafe(no_mangle)]
         pub unsafe extern "ptx-kernel" fn $name(args: KernelArgs) {
             // The table's type and operator are the ABI's, checked at compile time.
             const _: () = assert!(DataType::$dt.size() == core::mem::size_of::<$t>());
             const _: KernelOp = KernelOp::$opv;
+            // Work `i` of the launch: the first at its constant offset, the others a word at a
+            // time from the parameter space (indexing `args.more` would copy all of it into
+            // local memory).
+            let work = |i: u32| -> crate::abi::WorkColl {
+                match i.checked_sub(1) {
+                    None => args.work,
+                    Some(j) => {
+                        let mut words = [0u64; 8];
+                        let base = core::mem::offset_of!(KernelArgs, more) as u64
+                            + j as u64 * core::mem::size_of::<crate::abi::WorkColl>() as u64;
+                        for (k, word) in words.iter_mut().enumerate() {
+                            let off = base + 8 * k as u64;
+                            // SAFETY: `j < nworks - 1 ≤ MAX_COLL_WORKS - 1`: the load lies in
+                            // this kernel's parameter, in the bytes the launch passed.
+                            unsafe {
+                                core::arch::asm!(
+                                    "{{",
+                                    ".reg .u64 %coll_at;",
+                                    concat!("mov.u64 %coll_at, ", stringify!($name), "_param_0;"),
+                                    "add.u64 %coll_at, %coll_at, {off};",
+                                    "ld.param.u64 {v}, [%coll_at];",
+                                    "}}",
+                                    off = in(reg64) off,
+                                    v = out(reg64) *word,
+                                    options(nostack, readonly, pure)
+                                );
+                            }
+                        }
+                        bytemuck::cast(words)
+                    }
+                }
+            };
             // SAFETY: `kernel_shared_mem` is called once in this kernel; the rest is the launch
             // contract.
             unsafe {
@@ -41,6 +74,7 @@ macro_rules! entries {
                     { Proto::$proto as u8 },
                 >(
                     &args,
+                    work,
                     arch::block_idx(),
                     arch::thread_idx(),
                     arch::block_dim(),

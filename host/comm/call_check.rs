@@ -319,6 +319,7 @@ impl Comm {
     /// ordering (`enqueue.rs`); `recorded`: the call's flight-recorder entry, ended with the
     /// check.
     pub(super) fn launch_check(&self, args: CheckArgs, stream: &Stream, recorded: Option<u64>) -> Result<()> {
+        self.launches.fetch_add(1, Ordering::AcqRel);
         match (&self.res, stream) {
             (Res::Cuda(res), Stream::Cuda(s)) => {
                 let n = self.launch_cuda(res, s, &[CHECK_KERNEL_NAME], |m| s.launch(&m[0], 1, self.params.nthreads, &args))?;
@@ -339,7 +340,7 @@ impl Comm {
         };
         let nthreads = self.params.cpu_nthreads;
         let mem = cc.mem.clone();
-        self.cpu_blocks(res, 1, recorded).launch(
+        self.cpu_blocks(res, 1, recorded.as_slice()).launch(
             s,
             &self.inflight,
             move |_, tid, smem| {

@@ -356,17 +356,6 @@ impl Comm {
         let op = op.into();
         let (dev_op, redop_arg, redop_flags, recv_bytes, captured) =
             self.checked_call(func, send, recv, count, dtype, &op, root, stream)?;
-        // The flight recorder's entry of a call about to be launched (the watch names it while
-        // it runs); a captured call's entry says so and is not watched (its graph's launches
-        // run it later, as often as they are launched).
-        let begin = |call: timeout::CallRecord| {
-            if captured {
-                self.watch.captured(call);
-                None
-            } else {
-                Some(self.watch.begin(call))
-            }
-        };
         // The call as the flight recorder keeps it (numbered by `Watch::begin`).
         let record = |choice: Option<Choice>| timeout::CallRecord {
             seq: 0,
@@ -386,12 +375,11 @@ impl Comm {
             let call = record(None);
             return match self.check_args(func, 0, dtype, dev_op, root, None) {
                 Some(check) => {
-                    let recorded = begin(call);
+                    let recorded = self.begin_call(call, captured);
                     self.launch_check(check, stream, recorded)
                 }
                 None => {
-                    let recorded = self.watch.record_empty(call);
-                    self.watch.ended(recorded);
+                    self.record_empty_call(call);
                     Ok(())
                 }
             };
@@ -418,10 +406,11 @@ impl Comm {
                 KernelArgs {
                     comm: self.dev_comm,
                     work,
+                    nworks: 1,
                     ..KernelArgs::zeroed()
                 },
                 stream,
-                None,
+                &[],
             );
         }
         if self.nranks == 1 {
@@ -433,41 +422,8 @@ impl Comm {
                 self.copy(recv, send, recv_bytes as usize, stream)
             };
         }
-        let esize = dtype.size() as u64;
-        let choice = self.plan(func, self.call_bytes(func, count, recv_bytes, esize), esize)?;
-        let work = WorkColl {
-            sendbuff: send,
-            recvbuff: recv,
-            count: count as u64,
-            chunk_elems: choice.chunk_elems,
-            slice_elems: choice.slice_elems,
-            root: root as u32,
-            func: func as u8,
-            redop: dev_op as u8,
-            redop_arg,
-            redop_flags,
-            dtype: dtype as u8,
-            algo: choice.algo as u8,
-            proto: choice.proto as u8,
-            nchannels: choice.nchannels as u16,
-            ..WorkColl::zeroed()
-        };
-        tracing::debug!(target: "oxccl::coll", rank = self.rank, %func, count, %dtype, %op, root, ?choice, "enqueue");
-        if let Ok(mut last) = self.last.lock() {
-            *last = Some(choice);
-        }
-        let recorded = begin(record(Some(choice)));
-        let check = self.check_args(func, count, dtype, dev_op, root, Some(choice));
-        self.launch(
-            KernelArgs {
-                comm: self.dev_comm,
-                check: check.map_or(0, |c| c.check),
-                work,
-                sig: check.map_or([0; 4], |c| c.sig),
-            },
-            stream,
-            recorded,
-        )
+        let planned = self.plan_work(func, send, recv, count, dtype, (dev_op, redop_arg, redop_flags), root, recv_bytes)?;
+        self.launch_one(planned, captured, stream)
     }
 
     /// The checks [`Comm::collective_raw`] makes before it queues anything — arguments, stream,
@@ -492,7 +448,7 @@ impl Comm {
     /// [`Comm::check_collective`]; returns the kernel's operator, its scalar operand and flags
     /// ([`Comm::check_op`]), the receive buffer's bytes and whether the stream is capturing.
     #[allow(clippy::too_many_arguments)]
-    fn checked_call(
+    pub(super) fn checked_call(
         &self,
         func: Func,
         send: u64,

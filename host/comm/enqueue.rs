@@ -236,35 +236,47 @@ impl Comm {
         unsafe { stream.copy_async(dst, src, bytes) }
     }
 
-    /// Queues the kernel of `args` on `stream`; `recorded`: the call's flight-recorder entry
-    /// ([`timeout::Watch::begin`]), whose kernel's start and end are marked.
-    pub(super) fn launch(&self, args: KernelArgs, stream: &Stream, recorded: Option<u64>) -> Result<()> {
+    /// Queues the kernel of `args` — one work, or a batch of works of one kernel entry — on
+    /// `stream`; `recorded`: the flight-recorder entries of its calls, whose kernel's start
+    /// and end are marked.
+    pub(super) fn launch(&self, args: KernelArgs, stream: &Stream, recorded: &[u64]) -> Result<()> {
+        let Some((func, algo, proto, dtype, op)) = args.work.entry_key() else {
+            return Err(Error::Internal("work element with an invalid enum".into()));
+        };
+        let nworks = args.works();
+        let entry = |w: &WorkColl| {
+            w.entry_key()
+                .map(|(f, a, p, d, o)| (f, a, p, oxccl_gpu::abi::kernel_variant(f, d, o)))
+        };
+        let first = entry(&args.work);
+        if (1..nworks).any(|i| entry(&args.work_at(i)) != first) || (nworks > 1 && args.check != 0) {
+            return Err(Error::Internal(
+                "a launch of works of different kernel entries, or a checked launch of several works".into(),
+            ));
+        }
+        let grid = (0..nworks).map(|i| args.work_at(i).nchannels as u32).max().unwrap_or(1).max(1);
+        self.launches.fetch_add(1, Ordering::AcqRel);
         match (&self.res, stream) {
             (Res::Cuda(res), Stream::Cuda(s)) => {
-                let w = &args.work;
-                let Some((func, algo, proto, dtype, op)) = w.entry_key() else {
-                    return Err(Error::Internal("work element with an invalid enum".into()));
-                };
                 let name = oxccl_gpu::abi::kernel_name_for(func, algo, proto, dtype, op);
+                let bytes = oxccl_gpu::abi::kernel_args_bytes(nworks as usize);
                 let n = self.launch_cuda(res, s, &[name.as_str()], |m| {
-                    s.launch(&m[0], w.nchannels as u32, self.params.nthreads, &args)
+                    s.launch_prefix(&m[0], grid, self.params.nthreads, &args, bytes)
                 })?;
-                if let (Some(id), Some(n)) = (recorded, n) {
-                    self.watch.launched(id, n);
+                if let Some(n) = n {
+                    for &id in recorded {
+                        self.watch.launched(id, n);
+                    }
                 }
                 Ok(())
             }
             (Res::Cpu(res), Stream::Cpu(s)) => {
-                let w = &args.work;
-                let Some((func, algo, proto, dtype, op)) = w.entry_key() else {
-                    return Err(Error::Internal("work element with an invalid enum".into()));
-                };
                 if oxccl_gpu::dispatch::entry_for(func, algo, proto, dtype, op).is_none() {
                     return Err(crate::kernels::not_built(
                         oxccl_gpu::abi::kernel_name_for(func, algo, proto, dtype, op).as_str(),
                     ));
                 }
-                let blocks = self.cpu_blocks(res, args.work.nchannels as u32, recorded);
+                let blocks = self.cpu_blocks(res, grid, recorded);
                 launch_cpu(args, blocks, s, &self.inflight)
             }
             _ => Err(Error::invalid(
@@ -275,9 +287,9 @@ impl Comm {
 }
 
 impl Comm {
-    /// A CPU-target launch of `nblocks` blocks of this rank (`recorded`: the call's
-    /// flight-recorder entry, [`timeout::Watch::begin`]).
-    pub(super) fn cpu_blocks(&self, res: &CpuRes, nblocks: u32, recorded: Option<u64>) -> CpuBlocks {
+    /// A CPU-target launch of `nblocks` blocks of this rank (`recorded`: the flight-recorder
+    /// entries of its calls, [`timeout::Watch::begin`]).
+    pub(super) fn cpu_blocks(&self, res: &CpuRes, nblocks: u32, recorded: &[u64]) -> CpuBlocks {
         CpuBlocks {
             nblocks,
             nthreads: self.params.cpu_nthreads,
@@ -285,7 +297,8 @@ impl Comm {
             group: res.group.clone(),
             process: self.process.clone(),
             rank: self.rank,
-            recorded: recorded.map(|id| (self.watch.clone(), id)),
+            watch: self.watch.clone(),
+            recorded: recorded.to_vec(),
         }
     }
 
@@ -390,9 +403,11 @@ pub(super) struct CpuBlocks {
     pub(super) group: Arc<CpuGroup>,
     pub(super) process: Option<Arc<ProcessGroup>>,
     pub(super) rank: usize,
-    /// The flight-recorder entry of the launch's collective, marked started and ended when its
-    /// blocks start and end ([`timeout::Watch::started`]); `None` for other launches.
-    pub(super) recorded: Option<(Arc<timeout::Watch>, u64)>,
+    /// The rank's flight recorder.
+    pub(super) watch: Arc<timeout::Watch>,
+    /// The flight-recorder entries of the launch's collectives, marked started and ended when
+    /// its blocks start and end ([`timeout::Watch::started`]); empty for other launches.
+    pub(super) recorded: Vec<u64>,
 }
 
 impl CpuBlocks {
@@ -420,17 +435,18 @@ impl CpuBlocks {
             group,
             process,
             rank,
+            watch,
             recorded,
         } = self;
         stream.enqueue(move || {
             group.running.fetch_add(1, Ordering::AcqRel);
-            if let Some((watch, id)) = &recorded {
-                watch.started(*id);
+            for &id in &recorded {
+                watch.started(id);
             }
             let result = run_blocks(nblocks, nthreads, team, &run);
             group.running.fetch_sub(1, Ordering::AcqRel);
-            if let Some((watch, id)) = &recorded {
-                watch.ended(*id);
+            for &id in &recorded {
+                watch.ended(id);
             }
             let after = after();
             drop(group);
@@ -446,7 +462,7 @@ impl CpuBlocks {
 
     /// [`CpuBlocks::launch`] on a capturing stream: recorded in its capture, it runs at each
     /// launch of the captured graph as the launch would have run now, counted among the rank's
-    /// operations while it runs. The graph keeps the rank's memory (`group`, `process`); the
+    /// operations while it runs, as a replay (not watched by `OXCCL_TIMEOUT`, as on GPUs). The graph keeps the rank's memory (`group`, `process`); the
     /// flight recorder keeps the call's capture, not its replays (`recorded` is unused).
     fn capture(
         self,
@@ -463,16 +479,19 @@ impl CpuBlocks {
             group,
             process,
             rank,
+            watch: _,
             recorded: _,
         } = self;
         stream.enqueue_replayable(move || {
             let _memory_of_the_process_group = &process;
+            group.replaying.fetch_add(1, Ordering::AcqRel);
             inflight.fetch_add(1, Ordering::AcqRel);
             group.running.fetch_add(1, Ordering::AcqRel);
             let result = run_blocks(nblocks, nthreads, team, &run);
             group.running.fetch_sub(1, Ordering::AcqRel);
             let after = after();
             inflight.fetch_sub(1, Ordering::AcqRel);
+            group.replaying.fetch_sub(1, Ordering::AcqRel);
             if result {
                 after
             } else {

@@ -806,6 +806,7 @@ impl Comm {
                 let group = Arc::new(CpuGroup {
                     comm_mem,
                     running: AtomicUsize::new(0),
+                    replaying: Arc::new(AtomicUsize::new(0)),
                     _own: own,
                     mp,
                 });
@@ -868,7 +869,7 @@ impl Comm {
         };
         let busy = match &res {
             Res::Cuda(r) => timeout::Busy::Cuda(r.launch.clone(), r.ctx.clone()),
-            Res::Cpu(_) => timeout::Busy::Cpu(inflight.clone()),
+            Res::Cpu(r) => timeout::Busy::Cpu(inflight.clone(), r.group.replaying.clone()),
         };
         // SAFETY: the regions, the flag and the issued-call counters lie in memory that `res`
         // owns (this rank's connection and tree memory, the host's abort page it maps), which
@@ -917,6 +918,7 @@ impl Comm {
             dev_comm,
             res,
             inflight,
+            launches: Arc::new(AtomicU64::new(0)),
             last: Mutex::new(None),
             trees: comm_trees,
             rings,

@@ -61,6 +61,8 @@ mod enqueue;
 mod init;
 mod launcher;
 mod peer_info;
+mod plan;
+pub(crate) use plan::{EmptyCall, Planned, PlannedColl};
 mod rank_trees;
 mod send_recv;
 mod split;
@@ -108,6 +110,8 @@ pub struct Comm {
     dev_comm: u64,
     res: Res,
     inflight: Arc<AtomicUsize>,
+    /// Kernels queued by this rank ([`Comm::kernel_launches`]).
+    launches: Arc<AtomicU64>,
     last: Mutex<Option<Choice>>,
     /// The double binary tree's connections, when the communicator spans several nodes and they
     /// were set up (ranks on two or more hosts, or `init_all` with `OXCCL_TEST_NODES`, unless
@@ -174,6 +178,9 @@ struct CpuGroup {
     /// ones. A running CPU kernel whose abort flag is raised ends at its next wait, however long
     /// its current copy takes.
     running: AtomicUsize,
+    /// Of this rank's queued operations, the launches of captured graphs now running
+    /// (`enqueue.rs`, `CpuBlocks::capture`): not watched by `OXCCL_TIMEOUT`.
+    replaying: Arc<AtomicUsize>,
     /// This rank's connection memory, shared with its ring neighbours.
     _own: OwnConn,
     /// Bootstrap, peer mappings, shared abort page.
@@ -270,6 +277,13 @@ impl Comm {
     /// Channels set up (the most any call uses).
     pub fn nchannels(&self) -> u32 {
         self.nchannels
+    }
+    /// Kernels this rank has queued so far — collective, point-to-point and call-check kernels
+    /// (a captured one counts once, when captured; one rank's copies are not kernels): how
+    /// its calls were launched. A group's consecutive collectives of one kernel entry share a
+    /// launch ([`crate::group::launch_collectives`]), and its sends and receives take one.
+    pub fn kernel_launches(&self) -> u64 {
+        self.launches.load(Ordering::Acquire)
     }
     /// Channel `channel`'s ring as this rank's kernels walk it, starting at this rank: NCCL's
     /// `channel->ring.userRanks` (`userRanks[k]` is `k` hops downstream; `[1]` is `ring.next`).

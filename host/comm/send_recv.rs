@@ -75,6 +75,8 @@ pub(crate) struct P2pTarget {
     watch: Arc<timeout::Watch>,
     /// Why the communicator's calls cannot be captured into a CUDA graph, if they cannot.
     capture_refusal: Option<Arc<str>>,
+    /// The communicator's count of kernels queued.
+    launches: Arc<AtomicU64>,
     backend: Backend,
 }
 
@@ -186,6 +188,7 @@ impl P2pTarget {
         if !captured {
             self.watch.begin_p2p(self.describe(works));
         }
+        self.launches.fetch_add(1, Ordering::AcqRel);
         match (&self.backend, stream) {
             (Backend::Cuda { launch, module, .. }, Stream::Cuda(s)) => {
                 s.launch(module, nblocks, self.nthreads, &args)?;
@@ -203,7 +206,8 @@ impl P2pTarget {
                     group: group.clone(),
                     process: process.clone(),
                     rank: self.rank,
-                    recorded: None,
+                    watch: self.watch.clone(),
+                    recorded: Vec::new(),
                 };
                 let me = self.clone();
                 blocks.launch(
@@ -401,6 +405,7 @@ impl Comm {
             status: self.p2p_status.clone(),
             watch: self.watch.clone(),
             capture_refusal: self.capture_refusal.clone(),
+            launches: self.launches.clone(),
             backend,
         })
     }

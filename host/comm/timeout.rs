@@ -59,7 +59,9 @@ pub(super) struct Region {
 /// What queued or running work of the rank looks like.
 pub(super) enum Busy {
     Cuda(Arc<LaunchState>, Arc<cuda::Context>),
-    Cpu(Arc<AtomicUsize>),
+    /// The rank's queued or running operations, and how many of them are launches of captured
+    /// graphs: those are not watched (as on GPUs, where their launches have no event).
+    Cpu(Arc<AtomicUsize>, Arc<AtomicUsize>),
 }
 
 /// A ring channel's counters inside the sampled bytes: its send connection's head (credits from
@@ -340,7 +342,7 @@ impl Watch {
     fn busy(&self) -> bool {
         match &self.busy {
             Busy::Cuda(l, _) => !l.idle().unwrap_or(true),
-            Busy::Cpu(n) => n.load(Ordering::Acquire) > 0,
+            Busy::Cpu(n, replays) => n.load(Ordering::Acquire) > replays.load(Ordering::Acquire),
         }
     }
 
@@ -359,7 +361,7 @@ impl Watch {
                         cuda::copy_dtoh_on(s, &mut out[at..], r.addr)?;
                     }
                 }
-                Busy::Cpu(_) => {
+                Busy::Cpu(..) => {
                     for (i, b) in out[at..].chunks_exact_mut(8).enumerate() {
                         // SAFETY: the region is host memory valid until `retire` (`new`'s
                         // contract), 8-aligned counters that peers write atomically.

@@ -596,6 +596,54 @@ impl Stream {
             std::ptr::null_mut()
         ))
     }
+
+    /// [`Stream::launch`] passing only the first `bytes` bytes of `args` as the kernel's
+    /// parameter (`CU_LAUNCH_PARAM_BUFFER_POINTER`/`_SIZE`, as NCCL launches its kernels): for a
+    /// parameter whose tail the kernel reads only as far as its header says (a batch of
+    /// works). Errors: `bytes` beyond `args`, as [`Stream::launch`] otherwise.
+    pub fn launch_prefix<A: bytemuck::Pod>(
+        &self,
+        module: &Module,
+        grid: u32,
+        block: u32,
+        args: &A,
+        bytes: usize,
+    ) -> Result<()> {
+        if bytes > std::mem::size_of::<A>() {
+            return Err(Error::Internal(format!(
+                "a kernel parameter of {bytes} bytes from an argument of {}",
+                std::mem::size_of::<A>()
+            )));
+        }
+        self.ctx.bind()?;
+        if block > module.max_threads {
+            return Err(Error::invalid(format!(
+                "NCCL_NTHREADS={block} exceeds what the kernel can launch with on this GPU ({})",
+                module.max_threads
+            )));
+        }
+        let mut size = bytes;
+        let mut extra = [
+            sys::CU_LAUNCH_PARAM_BUFFER_POINTER_AS_INT as usize as *mut c_void,
+            args as *const A as *mut c_void,
+            sys::CU_LAUNCH_PARAM_BUFFER_SIZE_AS_INT as usize as *mut c_void,
+            &mut size as *mut usize as *mut c_void,
+            sys::CU_LAUNCH_PARAM_END_AS_INT as usize as *mut c_void,
+        ];
+        cu!(cuLaunchKernel(
+            module.kernel,
+            grid,
+            1,
+            1,
+            block,
+            1,
+            1,
+            0,
+            self.raw,
+            std::ptr::null_mut(),
+            extra.as_mut_ptr()
+        ))
+    }
 }
 
 /// A CUDA graph captured from a stream and instantiated ([`Stream::end_capture`]): what

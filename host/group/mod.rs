@@ -34,8 +34,10 @@ use oxccl_gpu::abi::{MAX_P2P_WORKS, P2P_AFTER_PREVIOUS, WorkP2p};
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+mod collectives;
 mod init;
 mod scope;
+pub use collectives::{CollCall, launch_collectives};
 pub use init::{PendingComm, init_rank};
 pub use scope::{GroupScope, scope};
 

@@ -1,8 +1,10 @@
 //! A group whose collectives are deferred too (NCCL's `ncclGroupStart` … `ncclGroupEnd` as a C
 //! program sees it): [`scope`] runs a closure inside a group and hands it a [`GroupScope`], whose
 //! calls are checked at the call and launched when the closure returns — the group's sends and
-//! receives planned first, then its collectives launched in the order issued, then the sends and
-//! receives (NCCL schedules a group's collectives before its point-to-point work). So a group
+//! receives planned first, then its collectives launched — each communicator's in the order
+//! issued, consecutive ones of one kernel entry sharing a launch ([`super::launch_collectives`])
+//! — then the sends and receives (NCCL schedules a group's collectives before its
+//! point-to-point work). So a group
 //! that cannot be launched (more blocks than a launch holds) runs none of its work, collectives
 //! included, and a call refused inside the group fails the whole group, as in NCCL.
 //!
@@ -21,7 +23,7 @@ use std::cell::RefCell;
 use std::marker::PhantomData;
 
 /// A collective of the scope, checked, waiting for the group's end.
-type Deferred<'s> = Box<dyn FnOnce() -> Result<()> + 's>;
+type Deferred<'s> = super::CollCall<'s>;
 
 /// The calls of one [`scope`]: collectives (deferred to its end) and sends and receives and the
 /// calls built from them — all-to-all, gather, scatter and their V-forms — (queued in the
@@ -116,7 +118,7 @@ pub fn scope<'s, R>(f: impl FnOnce(&GroupScope<'s>) -> R) -> Result<R> {
         abandon_end()?;
         return Err(e);
     }
-    group_end_then(|| run(collectives.into_iter())).map(|()| r)
+    group_end_then(|| run(collectives)).map(|()| r)
 }
 
 /// Ends every open group level of this thread with nothing of its work run.
@@ -128,17 +130,13 @@ fn abandon_all() {
     }
 }
 
-/// Launches deferred collectives in the order issued; every one is launched (the other ranks
-/// wait for them) and the first error is returned.
-fn run<'s>(collectives: impl Iterator<Item = Deferred<'s>>) -> Result<()> {
-    let mut first = Ok(());
-    for c in collectives {
-        let r = c();
-        if first.is_ok() {
-            first = r;
-        }
-    }
-    first
+/// Launches the scope's collectives ([`super::launch_collectives`]: each communicator's in the
+/// order issued, batched where they share a kernel entry); every one is launched (the other
+/// ranks wait for them) and the first error is returned.
+fn run(collectives: Vec<Deferred<'_>>) -> Result<()> {
+    // SAFETY: every call's ranges were checked against their buffers, which the scope borrows
+    // (`'s`) past the group's end, where this runs.
+    unsafe { super::launch_collectives(collectives) }
 }
 
 impl<'s> GroupScope<'s> {
@@ -164,11 +162,17 @@ impl<'s> GroupScope<'s> {
                     .map(|()| (sa, ra))
             });
         let (sa, ra) = self.noting(checked)?;
-        self.collectives.borrow_mut().push(Box::new(move || {
-            // SAFETY: the ranges were checked against their buffers, which the scope borrows
-            // (`'s`) past the group's end, where this runs.
-            unsafe { comm.collective_raw(func, sa, ra, count, dtype, op, root, stream) }
-        }));
+        self.collectives.borrow_mut().push(super::CollCall {
+            comm,
+            func,
+            send: sa,
+            recv: ra,
+            count,
+            dtype,
+            op,
+            root,
+            stream,
+        });
         Ok(())
     }
 

@@ -94,21 +94,27 @@ pub(crate) fn defer_collective(d: DeferredColl) {
     COLLS.with(|c| c.borrow_mut().push(d));
 }
 
-/// Launches a group's collectives in the order issued; every one is launched (other ranks wait
-/// for them) and the first error is returned.
+/// Launches a group's collectives ([`oxccl::group::launch_collectives`]: each communicator's in
+/// the order issued, consecutive ones of one kernel entry sharing a launch); every one is
+/// launched (other ranks wait for them) and the first error is returned.
 fn run_collectives(colls: Vec<DeferredColl>) -> Result<()> {
-    let mut first = Ok(());
-    for d in colls {
-        // SAFETY: the caller of the collective promised its buffers until its work has run
-        // (NCCL's contract), which starts now.
-        let r = unsafe {
-            d.live.comm.collective_raw(d.func, d.send, d.recv, d.count, d.dtype, d.op, d.root, &d.stream)
-        };
-        if first.is_ok() {
-            first = r;
-        }
-    }
-    first
+    let calls = colls
+        .iter()
+        .map(|d| oxccl::group::CollCall {
+            comm: &d.live.comm,
+            func: d.func,
+            send: d.send,
+            recv: d.recv,
+            count: d.count,
+            dtype: d.dtype,
+            op: d.op.clone(),
+            root: d.root,
+            stream: &d.stream,
+        })
+        .collect();
+    // SAFETY: the caller of each collective promised its buffers until its work has run
+    // (NCCL's contract), which starts now.
+    unsafe { oxccl::group::launch_collectives(calls) }
 }
 
 /// An init issued inside a group: its handle and oxccl's pending communicator.

@@ -5,7 +5,7 @@
 //! that follow the topology (`ring_order`), direct writes into peers' outputs (`direct`), the transports between the ranks of
 //! one `init_all` (`in_process`), the
 //! field cases of CASES.md (`cases`), half and bfloat16 arithmetic (`half_math`), the embedded PTX
-//! (`kernels`), groups whose collectives are deferred (`group_scope`), calls captured into a graph
+//! (`kernels`), groups whose collectives are deferred (`group_scope`) and share launches (`aggregation`), calls captured into a graph
 //! and replayed (`capture`), and the GPU runs
 //! (`gpu_all_reduce`, `gpu_collectives`, `gpu_direct`, `gpu_tree`).
 //!
@@ -16,6 +16,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod aggregation;
 mod all_reduce;
 mod block_threads;
 mod capture;

@@ -332,7 +332,16 @@ impl WorkColl {
     }
 }
 
-/// The one by-value argument of the collective kernel (NCCL's `ncclDevKernelArgs`).
+/// Most collective works one launch of a collective kernel runs ([`KernelArgs`]): a group's
+/// consecutive collectives of one communicator and stream that share a kernel entry (NCCL's
+/// work batch of one plan). 2,104 bytes of kernel parameter at most, below CUDA's 4 KiB.
+pub const MAX_COLL_WORKS: usize = 32;
+
+/// The one by-value argument of the collective kernel (NCCL's `ncclDevKernelArgs` with its work
+/// batch): one work, or up to [`MAX_COLL_WORKS`] of one kernel entry, which every block runs in
+/// order, each on the blocks below its channel count. A launch passes only the bytes of the
+/// works it holds ([`kernel_args_bytes`]), as NCCL does, so a single call's parameter is 120
+/// bytes; the rest of `more` is not read.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]
 pub struct KernelArgs {
@@ -340,10 +349,52 @@ pub struct KernelArgs {
     pub comm: u64,
     /// Address of the communicator's [`CheckDesc`] when the call-signature check is on
     /// (`OXCCL_CHECK_CALLS=1`), else 0: the kernel first checks the call ([`crate::check`]).
+    /// Set only in a launch of one work.
     pub check: u64,
+    /// The first work (the only one when `nworks` ≤ 1).
     pub work: WorkColl,
     /// This rank's signature of the call (when `check` is set).
     pub sig: CallSig,
+    /// Works in the launch: `work`, then `more[..nworks - 1]`; 0 counts as 1.
+    pub nworks: u32,
+    pub _pad: u32,
+    /// The works after the first, of the same kernel entry ([`kernel_variant`]).
+    pub more: [WorkColl; MAX_COLL_WORKS - 1],
+}
+
+impl KernelArgs {
+    /// Works in the launch, `1..=MAX_COLL_WORKS`.
+    #[inline(always)]
+    pub fn works(&self) -> u32 {
+        if self.nworks == 0 {
+            1
+        } else if self.nworks as usize > MAX_COLL_WORKS {
+            MAX_COLL_WORKS as u32
+        } else {
+            self.nworks
+        }
+    }
+    /// Work `i` (`i < works()`): `work`, then `more[i - 1]`. Host side: a kernel reads `more`
+    /// from its parameter space word by word instead (indexing it copies the parameter).
+    pub fn work_at(&self, i: u32) -> WorkColl {
+        match i.checked_sub(1) {
+            None => self.work,
+            Some(j) => self.more[(j as usize).min(MAX_COLL_WORKS - 2)],
+        }
+    }
+}
+
+/// Bytes of a [`KernelArgs`] that a launch of `nworks` works passes (the header and its works;
+/// `1..=MAX_COLL_WORKS`, clamped).
+pub const fn kernel_args_bytes(nworks: usize) -> usize {
+    let n = if nworks == 0 {
+        1
+    } else if nworks > MAX_COLL_WORKS {
+        MAX_COLL_WORKS
+    } else {
+        nworks
+    };
+    core::mem::offset_of!(KernelArgs, more) + (n - 1) * core::mem::size_of::<WorkColl>()
 }
 
 /// The kernel entry point (and PTX module) of the call-signature check alone
@@ -574,7 +625,11 @@ const _: () = {
     assert!(size_of::<WorkColl>() == 64);
     assert!(offset_of!(WorkColl, root) == 48);
     assert!(offset_of!(WorkColl, nchannels) == 58);
-    assert!(size_of::<KernelArgs>() == 112);
+    assert!(offset_of!(KernelArgs, work) == 16);
+    assert!(offset_of!(KernelArgs, nworks) == 112);
+    assert!(offset_of!(KernelArgs, more) == 120);
+    assert!(size_of::<KernelArgs>() == 120 + 64 * (MAX_COLL_WORKS - 1) && size_of::<KernelArgs>() <= 4096);
+    assert!(kernel_args_bytes(1) == 120 && kernel_args_bytes(MAX_COLL_WORKS) == size_of::<KernelArgs>());
     assert!(size_of::<WorkP2p>() == 24);
     assert!(size_of::<P2pArgs>() == 24 + 24 * MAX_P2P_WORKS && size_of::<P2pArgs>() <= 4096);
     assert!(size_of::<P2pStatus>() == 32);

@@ -1,0 +1,337 @@
+//! A group's collectives aggregated into launches (NCCL's work batches), checked exactly on the
+//! CPU target, which runs the kernels' own loop over a launch's works: a scope's consecutive
+//! collectives of one communicator, stream and kernel entry share one launch
+//! ([`oxccl::Comm::kernel_launches`]), up to 32 works a launch, of different channel counts,
+//! sizes, in-place and out-of-place forms, Sum and Avg together; another entry, another stream
+//! or the call check start another launch; every protocol, across the LL flag's wrap; one
+//! thread issuing every rank's calls rank after rank; a batch captured into a graph and replayed.
+use crate::common;
+
+use common::env::Env;
+use common::pattern::{elem, sum_elem, u32_bytes};
+use common::{BACK, FRONT, sentinel};
+use oxccl::group::GroupScope;
+use oxccl::{Comm, DataType, Device, DeviceBuffer, Func, RedOp, Stream};
+
+const VARS: &[&str] = &[
+    "PROTO",
+    "ALGO",
+    "CHECK_CALLS",
+    "TIMEOUT",
+    "TEST_INITIAL_STEP",
+    "MAX_NCHANNELS",
+    "MIN_NCHANNELS",
+];
+
+/// One call of a test group: an AllReduce (`Some(op)`, Sum or Avg; out of place unless
+/// `in_place`) or a Broadcast from rank 1 (`None`), of `count` u32.
+#[derive(Clone, Copy, Debug)]
+struct Call {
+    op: Option<RedOp>,
+    count: usize,
+    in_place: bool,
+}
+
+/// A rank's buffers of one call: input (unless in place) and guarded output.
+struct Bufs {
+    input: Option<DeviceBuffer>,
+    output: DeviceBuffer,
+}
+
+fn salt(k: usize) -> u32 {
+    7 + 31 * k as u32
+}
+
+/// Rank `r`'s input of call `k`: AllReduce Avg inputs are multiples of the rank count, so the
+/// integer average is exact.
+fn input_of(call: &Call, k: usize, r: usize, n: usize) -> Vec<u8> {
+    match call.op {
+        Some(RedOp::Avg) => u32_bytes((0..call.count).map(|i| (elem(r, i, salt(k)) % 1000) * n as u32)),
+        _ => u32_bytes((0..call.count).map(|i| elem(r, i, salt(k)))),
+    }
+}
+
+fn want_of(call: &Call, k: usize, n: usize) -> Vec<u8> {
+    match call.op {
+        Some(RedOp::Avg) => u32_bytes((0..call.count).map(|i| {
+            (0..n)
+                .map(|r| (elem(r, i, salt(k)) % 1000) * n as u32)
+                .sum::<u32>()
+                / n as u32
+        })),
+        Some(_) => u32_bytes((0..call.count).map(|i| sum_elem(n, i, salt(k)))),
+        None => u32_bytes((0..call.count).map(|i| elem(1, i, salt(k)))),
+    }
+}
+
+fn buffers(dev: Device, calls: &[Call], r: usize, n: usize) -> Vec<Bufs> {
+    calls
+        .iter()
+        .enumerate()
+        .map(|(k, c)| {
+            let bytes = 4 * c.count;
+            let output = dev.alloc(FRONT + bytes + BACK).unwrap();
+            output.write(0, &sentinel(FRONT + bytes + BACK, k as u8)).unwrap();
+            let data = input_of(c, k, r, n);
+            let input = if c.in_place {
+                output.write(FRONT, &data).unwrap();
+                None
+            } else {
+                let b = dev.alloc(bytes.max(4)).unwrap();
+                b.write(0, &data).unwrap();
+                Some(b)
+            };
+            Bufs { input, output }
+        })
+        .collect()
+}
+
+/// Issues call `k` of rank `c` in scope `g`.
+fn issue<'s>(
+    g: &GroupScope<'s>,
+    c: &'s Comm,
+    call: &Call,
+    b: &'s Bufs,
+    stream: &'s Stream,
+) -> oxccl::Result<()> {
+    let out = b.output.slice(FRONT, 4 * call.count)?;
+    let input = b.input.as_ref().map_or(out, |x| x.as_slice());
+    match call.op {
+        Some(op) => g.all_reduce(c, input, out, call.count, DataType::U32, op, stream),
+        None => g.broadcast(c, Some(input), out, call.count, DataType::U32, 1, stream),
+    }
+}
+
+/// Every output exact between untouched guards.
+fn check(calls: &[Call], bufs: &[Bufs], r: usize, n: usize, what: &str) {
+    for (k, (c, b)) in calls.iter().zip(bufs).enumerate() {
+        let mut want = sentinel(FRONT + 4 * c.count + BACK, k as u8);
+        want[FRONT..FRONT + 4 * c.count].copy_from_slice(&want_of(c, k, n));
+        let got = b.output.to_vec().unwrap();
+        let wrong = got.iter().zip(&want).filter(|(a, b)| a != b).count();
+        assert_eq!(wrong, 0, "{what}: rank {r}, call {k} {c:?}: {wrong} wrong bytes");
+    }
+}
+
+/// Every rank (a thread each) issues `calls` in one scope on one stream; returns each rank's
+/// kernel launches for the scope after checking every output.
+fn run_scope(comms: &[Comm], calls: &[Call], what: &str) -> Vec<u64> {
+    let n = comms.len();
+    let ready = std::sync::Barrier::new(n);
+    common::on_threads(n, |r| {
+        let c = &comms[r];
+        let dev = c.device();
+        let bufs = buffers(dev, calls, r, n);
+        let stream = dev.new_stream().unwrap();
+        ready.wait();
+        let before = c.kernel_launches();
+        oxccl::group::scope(|g| -> oxccl::Result<()> {
+            for (call, b) in calls.iter().zip(&bufs) {
+                issue(g, c, call, b, &stream)?;
+            }
+            Ok(())
+        })
+        .unwrap()
+        .unwrap_or_else(|e| panic!("{what}: rank {r}: {e}"));
+        let launches = c.kernel_launches() - before;
+        stream
+            .synchronize()
+            .unwrap_or_else(|e| panic!("{what}: rank {r}: {e}"));
+        check(calls, &bufs, r, n, what);
+        launches
+    })
+}
+
+fn all_reduces(counts: &[usize]) -> Vec<Call> {
+    counts
+        .iter()
+        .enumerate()
+        .map(|(k, &count)| Call {
+            op: Some(if k % 3 == 2 { RedOp::Avg } else { RedOp::Sum }),
+            count,
+            in_place: k % 2 == 1,
+        })
+        .collect()
+}
+
+/// Twenty AllReduces of sizes from 1 to 64K elements on one protocol (Sum and Avg, in place
+/// and out of place, so works of different channel counts: the blocks above a work's channels
+/// skip it) take one launch per rank, exact; forty take two (32 + 8).
+#[test]
+fn a_scopes_all_reduces_of_one_entry_share_a_launch_exact() {
+    let counts: Vec<usize> = (0..20)
+        .map(|k| [1usize, 3, 17, 1000, 4099, 65_536][k % 6] + k)
+        .collect();
+    for proto in ["Simple", "LL", "LL128"] {
+        let env = Env::clean(VARS);
+        env.set(&[
+            ("NCCL_PROTO", proto),
+            ("NCCL_ALGO", "Ring"),
+            ("NCCL_MAX_NCHANNELS", "4"),
+        ]);
+        let comms = common::init_all(&Device::cpus(3)).unwrap();
+        let channels: std::collections::BTreeSet<u32> = counts
+            .iter()
+            .map(|&c| {
+                comms[0]
+                    .choice_for(Func::AllReduce, c, DataType::U32)
+                    .unwrap()
+                    .unwrap()
+                    .nchannels
+            })
+            .collect();
+        assert!(
+            channels.len() > 1,
+            "{proto}: every size planned on {channels:?} channels"
+        );
+        let calls = all_reduces(&counts);
+        let launches = run_scope(&comms, &calls, proto);
+        assert_eq!(
+            launches,
+            vec![1; 3],
+            "{proto}: launches per rank for 20 AllReduces"
+        );
+        let forty: Vec<usize> = (0..40).map(|k| 5 + 3 * k).collect();
+        let launches = run_scope(&comms, &all_reduces(&forty), proto);
+        assert_eq!(
+            launches,
+            vec![2; 3],
+            "{proto}: launches per rank for 40 AllReduces"
+        );
+    }
+}
+
+/// Works from 6 steps below the LL flag's period (2^32) onward: one launch's works continue each
+/// connection's steps across the wrap, on every protocol.
+#[test]
+fn a_launchs_works_continue_their_connections_across_the_ll_flag_wrap() {
+    for proto in ["LL", "LL128", "Simple"] {
+        let env = Env::clean(VARS);
+        env.set(&[("NCCL_PROTO", proto), ("OXCCL_TEST_INITIAL_STEP", "4294967290")]);
+        let comms = common::init_all(&Device::cpus(2)).unwrap();
+        let counts: Vec<usize> = (0..12).map(|k| 100 + 517 * k).collect();
+        let launches = run_scope(&comms, &all_reduces(&counts), proto);
+        assert_eq!(launches, vec![1; 2], "{proto}");
+    }
+}
+
+/// A change of kernel entry starts a new launch and the order is kept: AllReduce ×3,
+/// Broadcast ×2, AllReduce ×2 take three launches; exact.
+#[test]
+fn another_kernel_entry_starts_another_launch() {
+    let env = Env::clean(VARS);
+    env.set(&[("NCCL_PROTO", "Simple")]);
+    let comms = common::init_all(&Device::cpus(3)).unwrap();
+    let mut calls = all_reduces(&[100, 2000, 30]);
+    calls.extend([
+        Call {
+            op: None,
+            count: 500,
+            in_place: false,
+        },
+        Call {
+            op: None,
+            count: 7,
+            in_place: true,
+        },
+    ]);
+    calls.extend(all_reduces(&[9, 4096]));
+    assert_eq!(run_scope(&comms, &calls, "mixed"), vec![3; 3]);
+}
+
+/// With the call check on, each call is its own launch (a launch checks one call), exact.
+#[test]
+fn with_the_call_check_on_every_call_is_its_own_launch() {
+    let env = Env::clean(VARS);
+    env.set(&[("OXCCL_CHECK_CALLS", "1"), ("OXCCL_TIMEOUT", "60")]);
+    let comms = common::init_all(&Device::cpus(2)).unwrap();
+    assert_eq!(
+        run_scope(&comms, &all_reduces(&[10, 20, 30, 40, 50]), "checked"),
+        vec![5; 2]
+    );
+}
+
+/// One thread issues every rank's calls rank after rank (all of rank 0's, then rank 1's, …) in
+/// one scope, on the Simple protocol: each rank's calls share a launch, the ranks' launches are interleaved, and every
+/// output is exact.
+#[test]
+fn one_thread_issuing_every_ranks_calls_rank_after_rank_gets_one_launch_per_rank() {
+    let env = Env::clean(VARS);
+    env.set(&[("NCCL_PROTO", "Simple")]);
+    let n = 3;
+    let comms = common::init_all(&Device::cpus(n)).unwrap();
+    let calls = all_reduces(&[64, 1000, 3, 777, 50_000, 12]);
+    let bufs: Vec<Vec<Bufs>> = (0..n).map(|r| buffers(comms[r].device(), &calls, r, n)).collect();
+    let streams: Vec<Stream> = comms.iter().map(|c| c.device().new_stream().unwrap()).collect();
+    let before: Vec<u64> = comms.iter().map(|c| c.kernel_launches()).collect();
+    oxccl::group::scope(|g| -> oxccl::Result<()> {
+        for r in 0..n {
+            for (call, b) in calls.iter().zip(&bufs[r]) {
+                issue(g, &comms[r], call, b, &streams[r])?;
+            }
+        }
+        Ok(())
+    })
+    .unwrap()
+    .unwrap();
+    for r in 0..n {
+        streams[r].synchronize().unwrap();
+        check(&calls, &bufs[r], r, n, "rank after rank");
+    }
+    let launches: Vec<u64> = comms
+        .iter()
+        .zip(&before)
+        .map(|(c, b)| c.kernel_launches() - b)
+        .collect();
+    assert_eq!(launches, vec![1; n]);
+}
+
+/// A scope's batch issued on capturing streams is captured as one launch and replays exactly,
+/// twice, reading the inputs written before each replay.
+#[test]
+fn a_captured_batch_replays_exactly() {
+    let _env = Env::clean(VARS);
+    let n = 2;
+    let comms = common::init_all(&Device::cpus(n)).unwrap();
+    let calls = all_reduces(&[33, 1025, 4, 300]);
+    let ready = std::sync::Barrier::new(n);
+    common::on_threads(n, |r| {
+        let c = &comms[r];
+        let dev = c.device();
+        let bufs = buffers(dev, &calls, r, n);
+        let stream = dev.new_stream().unwrap();
+        ready.wait();
+        let before = c.kernel_launches();
+        stream.begin_capture().unwrap();
+        oxccl::group::scope(|g| -> oxccl::Result<()> {
+            for (call, b) in calls.iter().zip(&bufs) {
+                issue(g, c, call, b, &stream)?;
+            }
+            Ok(())
+        })
+        .unwrap()
+        .unwrap();
+        let graph = stream.end_capture().unwrap();
+        assert_eq!(c.kernel_launches() - before, 1, "rank {r}");
+        let oxccl::CapturedGraph::Cpu(cpu) = &graph else {
+            panic!("a CPU stream gave a CUDA graph")
+        };
+        assert_eq!(cpu.len(), 1, "rank {r}: operations captured");
+        for replay in 0..2 {
+            // Fresh inputs and poisoned outputs before each replay (in-place ones: the input).
+            let fresh = buffers(dev, &calls, r, n);
+            for (b, f) in bufs.iter().zip(&fresh) {
+                b.output.write(0, &f.output.to_vec().unwrap()).unwrap();
+                if let (Some(i), Some(fi)) = (&b.input, &f.input) {
+                    i.write(0, &fi.to_vec().unwrap()).unwrap();
+                }
+            }
+            ready.wait();
+            // SAFETY: the buffers and communicator live until the synchronize below.
+            unsafe { graph.launch(&stream) }.unwrap();
+            stream.synchronize().unwrap();
+            check(&calls, &bufs, r, n, &format!("replay {replay}"));
+            ready.wait();
+        }
+    });
+}
