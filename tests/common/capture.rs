@@ -238,3 +238,38 @@ pub fn capture_and_replay(test: &str, comms: &[Comm], count: usize, replays: u32
         }
     });
 }
+
+/// A buffer of `bytes` data bytes between guards ([`FRONT`] before, [`BACK`] after), every
+/// byte of it poisoned with `salt`'s [`sentinel`].
+pub fn poisoned(dev: Device, bytes: usize, salt: u8) -> DeviceBuffer {
+    let b = guarded(dev, bytes);
+    b.write(0, &sentinel(FRONT + bytes + BACK, salt)).unwrap();
+    b
+}
+
+/// Checks that `b` (made by [`poisoned`] with `salt`) holds `want` at the start of its data and
+/// the poison everywhere else, guards included; the message names `what`.
+pub fn check_guarded(b: &DeviceBuffer, salt: u8, want: &[u8], what: &str) {
+    let got = b.to_vec().unwrap();
+    let mut expect = sentinel(got.len(), salt);
+    expect[FRONT..FRONT + want.len()].copy_from_slice(want);
+    let wrong: Vec<usize> = (0..got.len()).filter(|&i| got[i] != expect[i]).collect();
+    assert!(
+        wrong.is_empty(),
+        "{what}: {} wrong bytes, first at byte {} (data at {FRONT}..{})",
+        wrong.len(),
+        wrong[0],
+        FRONT + want.len()
+    );
+}
+
+/// Launches `graph` on `stream` and synchronizes it, panicking with `what` on an error. The
+/// captured calls' buffers and communicators must live until it returns (every caller keeps them).
+pub fn replay(graph: &CapturedGraph, stream: &Stream, what: &str) {
+    // SAFETY: the caller keeps the captured calls' buffers and communicators alive until the
+    // synchronize here.
+    unsafe { graph.launch(stream) }.unwrap_or_else(|e| panic!("{what}: launch: {e}"));
+    stream
+        .synchronize()
+        .unwrap_or_else(|e| panic!("{what}: synchronize: {e}"));
+}
