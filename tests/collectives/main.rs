@@ -6,7 +6,7 @@
 //! one `init_all` (`in_process`), the
 //! field cases of CASES.md (`cases`), half and bfloat16 arithmetic (`half_math`), the embedded PTX
 //! (`kernels`), groups whose collectives are deferred (`group_scope`) and share launches (`aggregation`), calls captured into a graph
-//! and replayed (`capture`), and the GPU runs
+//! and replayed (`capture`; groups, several communicators and point-to-point calls: `capture_groups`), and the GPU runs
 //! (`gpu_all_reduce`, `gpu_collectives`, `gpu_direct`, `gpu_tree`).
 //!
 //! Tests that set environment variables hold `common::env::Env`; the others create their
@@ -20,6 +20,7 @@ mod aggregation;
 mod all_reduce;
 mod block_threads;
 mod capture;
+mod capture_groups;
 mod cases;
 mod direct;
 mod gpu_all_reduce;
