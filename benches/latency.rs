@@ -135,6 +135,23 @@ fn main() -> Result<()> {
         ll.check_proto(Proto::Ll)?;
         calls.push(r);
     }
+    // A group's calls of one kernel entry share a launch: 8 AllReduces of 8 B, as 8 calls per
+    // rank and as one group (one launch per rank).
+    for grouped in [false, true] {
+        let before = ll.comms[0].kernel_launches();
+        ll.all_reduces(&bufs, 8, DataType::F32, 8, grouped)?;
+        s0.synchronize()?;
+        s1.synchronize()?;
+        let launches = ll.comms[0].kernel_launches() - before;
+        let mut r = row(String::new(), vec![s0, s1], sc, &mut || {
+            ll.all_reduces(&bufs, 8, DataType::F32, 8, grouped)
+        })?;
+        r.what = format!(
+            "8 × AllReduce 8 B, LL, {}: {launches} launch(es)/rank",
+            if grouped { "one group" } else { "8 calls" }
+        );
+        calls.push(r);
+    }
     let (t0, t1) = (common::cu(&tuned.streams[0])?, common::cu(&tuned.streams[1])?);
     let mut r = row(String::new(), vec![t0, t1], sc, &mut || {
         tuned.call(&bufs, Func::AllReduce, DataType::F32, 8)

@@ -400,6 +400,34 @@ impl Loopback {
         Ok(())
     }
 
+    /// Queues `k` AllReduces (Sum) of `bytes` bytes per rank on both ranks, call `i` on bytes
+    /// `i × bytes ..` of the buffers: `grouped`, inside one `oxccl::group::scope` (one launch
+    /// per rank: the calls share a kernel entry), else as `k` separate calls per rank.
+    pub fn all_reduces(&self, bufs: &[RankBufs], k: usize, dtype: DataType, bytes: usize, grouped: bool) -> Result<()> {
+        let count = bytes / dtype.size();
+        let slices = |r: usize, i: usize| -> Result<(oxccl::DevSlice<'_>, oxccl::DevSlice<'_>)> {
+            Ok((bufs[r].send.slice(i * bytes, bytes)?, bufs[r].recv.slice(i * bytes, bytes)?))
+        };
+        if !grouped {
+            for i in 0..k {
+                for (r, c) in self.comms.iter().enumerate() {
+                    let (send, recv) = slices(r, i)?;
+                    c.all_reduce(send, recv, count, dtype, RedOp::Sum, &self.streams[r])?;
+                }
+            }
+            return Ok(());
+        }
+        oxccl::group::scope(|g| -> Result<()> {
+            for i in 0..k {
+                for (r, c) in self.comms.iter().enumerate() {
+                    let (send, recv) = slices(r, i)?;
+                    g.all_reduce(c, send, recv, count, dtype, RedOp::Sum, &self.streams[r])?;
+                }
+            }
+            Ok(())
+        })?
+    }
+
     /// Events on both ranks' streams.
     pub fn timer(&self) -> Result<Timer<'_>> {
         Timer::for_streams(&self.streams)

@@ -18,7 +18,8 @@ use crate::proto::ll::Ll;
 use crate::reduce::{FuncSum, OpArgs};
 
 /// Block `bid` of a checked call's kernel: block 0 checks the call ([`check_call`]), the others
-/// wait for its verdict. Returns whether the call may go on (the same answer for every thread of
+/// wait for its verdict; with [`crate::abi::CHECK_VERDICT_ONLY`] in `desc`, every block only
+/// honours the verdict of the check kernel that ran before. Returns whether the call may go on (the same answer for every thread of
 /// the block). The waiting blocks rely on block 0 running meanwhile, as every oxccl kernel
 /// relies on its blocks and its peers' being resident together (a grid of at most one block per
 /// channel, fewer than the GPU's multiprocessors).
@@ -37,7 +38,11 @@ pub unsafe fn checked(
 ) -> bool {
     // SAFETY: forwarded caller contract.
     unsafe {
-        if bid == 0 {
+        if desc & crate::abi::CHECK_VERDICT_ONLY != 0 {
+            // Checked by the check kernel before this one: every block honours its verdict.
+            let comm = &*(comm as *const DevComm);
+            !block_bool(tid == 0 && !same_verdict(comm), tid, smem)
+        } else if bid == 0 {
             check_call(comm, desc, sig, tid, nthreads, smem)
         } else {
             await_verdict(comm, desc, sig[0], tid, smem)
@@ -192,7 +197,9 @@ pub unsafe fn check_call(comm: u64, desc: u64, sig: &CallSig, tid: u32, nthreads
                 }
                 arch::store_volatile_u32(&raw mut (*comm_ptr).aborted, CALL_MISMATCH);
                 arch::fence_acq_rel_sys();
-                arch::store_release_sys_u64(report, sig[0]);
+                // The report's header says it is written: the call's number, or 1 for a call of a
+                // graph (number 0).
+                arch::store_release_sys_u64(report, if sig[0] == 0 { 1 } else { sig[0] });
             }
             // The verdict for the call's other blocks, all on this GPU: `aborted` (set above or
             // not) before it, at GPU scope.

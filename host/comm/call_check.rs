@@ -18,7 +18,10 @@
 //! naming each group of ranks with the call it issued and the fields that differ. With the check
 //! off the kernels skip it (their argument's `check` is 0). A call of count 0, which NCCL skips,
 //! is still checked (by the check kernel alone), so a rank that issued it with count 0 while
-//! others did not is caught too.
+//! others did not is caught too. A call captured into a CUDA graph has no number (its graph's
+//! launches decide when it runs): at each launch the check kernel compares the rest of its
+//! signature first, and the call's own kernel then honours that verdict
+//! (`CHECK_VERDICT_ONLY`), so graphs captured in another order on each rank replay alike.
 use super::*;
 use oxccl_gpu::abi::{CALL_SIG_WORDS, CHECK_KERNEL_NAME, CallSig, CheckArgs, CheckDesc, CheckReport};
 use std::sync::OnceLock;
@@ -182,7 +185,8 @@ fn rooted(func: Func) -> bool {
 }
 
 /// A signature as the call it describes ("allreduce call #3 (1024 × float, op sum; ring/LL on 2
-/// channels)"), or its raw words when a field is out of range.
+/// channels)"; number 0: "allreduce call in a CUDA graph (…)"), or its raw words when a field
+/// is out of range.
 fn describe(sig: &CallSig) -> String {
     let w = sig[2];
     let field = |shift: u32, bits: u32| ((w >> shift) & ((1 << bits) - 1)) as u8;
@@ -213,7 +217,12 @@ fn describe(sig: &CallSig) -> String {
         root: (w >> 32) as usize,
         choice,
     };
-    call.to_string()
+    let text = call.to_string();
+    if sig[0] == 0 {
+        text.replacen(&format!("{func} call #0"), &format!("{func} call in a CUDA graph"), 1)
+    } else {
+        text
+    }
 }
 
 /// The names of the fields in which `a` and `b` differ, in signature order.
@@ -295,7 +304,10 @@ pub(super) fn mismatch_message(me: usize, sigs: &[CallSig]) -> String {
 impl Comm {
     /// With the check on: this rank's next call numbered and signed, as its kernel's
     /// [`KernelArgs::check`] and [`KernelArgs::sig`] (or, for a call of count 0, the check
-    /// kernel's alone, [`Comm::launch_check`]); `None` with the check off.
+    /// kernel's alone, [`Comm::launch_check`]); `None` with the check off. A call `captured`
+    /// into a CUDA graph is signed with number 0 and takes no number: its graph's launches run
+    /// it in an order the capture does not know, so the ranks compare the call, not when it was
+    /// captured (graphs captured in another order on each rank replay alike).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn check_args(
         &self,
@@ -305,9 +317,10 @@ impl Comm {
         op: DevRedOp,
         root: usize,
         choice: Option<Choice>,
+        captured: bool,
     ) -> Option<CheckArgs> {
         let cc = self.call_check.as_ref()?;
-        let seq = cc.seq.fetch_add(1, Ordering::AcqRel) + 1;
+        let seq = if captured { 0 } else { cc.seq.fetch_add(1, Ordering::AcqRel) + 1 };
         Some(CheckArgs {
             comm: self.dev_comm,
             check: cc.desc_addr(),

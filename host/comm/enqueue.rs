@@ -114,6 +114,9 @@ pub(super) struct LaunchState {
     pub(super) launched: std::sync::atomic::AtomicBool,
     /// Kernels this rank has launched (the group's launch ordering, [`wait_launches`]).
     pub(super) issued: std::sync::atomic::AtomicU64,
+    /// The stream of the newest recorded launch (its raw handle; `u64::MAX` before the first):
+    /// a launch on another stream waits for it ([`LaunchState::order`]).
+    last_stream: std::sync::atomic::AtomicU64,
 }
 
 impl LaunchState {
@@ -123,7 +126,22 @@ impl LaunchState {
             recorded: 0.into(),
             launched: false.into(),
             issued: 0.into(),
+            last_stream: u64::MAX.into(),
         }))
+    }
+
+    /// Orders a launch about to be queued on `stream` after this rank's newest launch when that
+    /// one went to another stream (`cuStreamWaitEvent` on its launch event): a communicator's
+    /// kernels share its connections, so they run in the order issued whatever their streams,
+    /// as NCCL's do. Not for a capturing stream (an event of outside the capture cannot be
+    /// waited for inside it): a graph's launch is ordered by its stream only.
+    pub(super) fn order(&self, stream: &cuda::Stream) -> Result<()> {
+        let last = self.last_stream.load(Ordering::Acquire);
+        let n = self.recorded.load(Ordering::Acquire);
+        if n == 0 || last == u64::MAX || last == stream.raw as u64 {
+            return Ok(());
+        }
+        self.events[(n - 1) as usize % LAUNCH_EVENTS].make_wait(stream)
     }
 
     /// Records the next launch event behind what `stream` holds (the kernel just launched) and
@@ -132,6 +150,7 @@ impl LaunchState {
     pub(super) fn record(&self, stream: &cuda::Stream) -> Result<u64> {
         let n = self.recorded.load(Ordering::Acquire);
         self.events[n as usize % LAUNCH_EVENTS].record(stream)?;
+        self.last_stream.store(stream.raw as u64, Ordering::Release);
         self.recorded.store(n + 1, Ordering::Release);
         self.launched.store(true, Ordering::Release);
         Ok(n)
@@ -345,11 +364,16 @@ impl Comm {
                 }
             });
         }
-        go(&modules)?;
         // A kernel captured into a CUDA graph runs at the graph's launches, not now: no launch
-        // event (an event recorded in a capture cannot be queried), but it still counts in the
-        // ordering, as it does on every rank capturing the same call.
-        let n = if s.is_capturing()? { None } else { Some(res.launch.record(s)?) };
+        // event (an event recorded in a capture cannot be queried) nor order after the rank's
+        // other streams, but it still counts in the ordering, as it does on every rank
+        // capturing the same call.
+        let capturing = s.is_capturing()?;
+        if !capturing {
+            res.launch.order(s)?;
+        }
+        go(&modules)?;
+        let n = if capturing { None } else { Some(res.launch.record(s)?) };
         res.launch.issued.store(issued + 1, Ordering::Release);
         Ok(n)
     }
@@ -410,6 +434,41 @@ pub(super) struct CpuBlocks {
     pub(super) recorded: Vec<u64>,
 }
 
+/// The end of a CPU-target launch, which a later launch of the rank on another stream waits
+/// for ([`CpuBlocks::launch`]). Set when the launch's job ends or is dropped unrun.
+#[derive(Default)]
+pub(super) struct LaunchDone {
+    done: Mutex<bool>,
+    ended: std::sync::Condvar,
+}
+
+impl LaunchDone {
+    fn set(&self) {
+        if let Ok(mut d) = self.done.lock() {
+            *d = true;
+            self.ended.notify_all();
+        }
+    }
+    fn wait(&self) {
+        let Ok(mut d) = self.done.lock() else { return };
+        while !*d {
+            d = match self.ended.wait(d) {
+                Ok(d) => d,
+                Err(_) => return,
+            };
+        }
+    }
+}
+
+/// Sets its [`LaunchDone`] when dropped: with the job that owns it, whether it ran or not.
+struct EndsLaunch(Arc<LaunchDone>);
+
+impl Drop for EndsLaunch {
+    fn drop(&mut self) {
+        self.0.set();
+    }
+}
+
 impl CpuBlocks {
     /// Queues the launch on `stream`: every thread `tid` of every block `b` runs
     /// `run(b, tid, smem)` (`false`: the block trapped); then `after` (its error is the
@@ -438,7 +497,22 @@ impl CpuBlocks {
             watch,
             recorded,
         } = self;
+        // A communicator's kernels run in the order issued, whatever their streams (they share
+        // its connections), as NCCL's do: after the rank's previous launch when that one went
+        // to another stream.
+        let stream_id = stream as *const CpuStream as usize;
+        let ends = EndsLaunch(Arc::new(LaunchDone::default()));
+        let after_previous = match group.last_launch.lock() {
+            Ok(mut last) => last
+                .replace((stream_id, ends.0.clone()))
+                .and_then(|(id, done)| (id != stream_id).then_some(done)),
+            Err(_) => None,
+        };
         stream.enqueue(move || {
+            let _ends = ends;
+            if let Some(previous) = &after_previous {
+                previous.wait();
+            }
             group.running.fetch_add(1, Ordering::AcqRel);
             for &id in &recorded {
                 watch.started(id);
@@ -462,8 +536,9 @@ impl CpuBlocks {
 
     /// [`CpuBlocks::launch`] on a capturing stream: recorded in its capture, it runs at each
     /// launch of the captured graph as the launch would have run now, counted among the rank's
-    /// operations while it runs, as a replay (not watched by `OXCCL_TIMEOUT`, as on GPUs). The graph keeps the rank's memory (`group`, `process`); the
-    /// flight recorder keeps the call's capture, not its replays (`recorded` is unused).
+    /// operations while it runs, as a replay (not watched by `OXCCL_TIMEOUT`, as on GPUs). The
+    /// graph keeps the rank's memory only while a replay runs; the flight recorder keeps the
+    /// call's capture, not its replays (`recorded` is unused).
     fn capture(
         self,
         stream: &CpuStream,
@@ -482,8 +557,20 @@ impl CpuBlocks {
             watch: _,
             recorded: _,
         } = self;
+        // The graph does not keep the rank's memory (a CUDA graph keeps nothing of its
+        // communicator): a replay after the communicator is gone is refused instead.
+        let (group, process) = (Arc::downgrade(&group), process.as_ref().map(Arc::downgrade));
         stream.enqueue_replayable(move || {
-            let _memory_of_the_process_group = &process;
+            let gone = || {
+                Error::InvalidUsage(format!(
+                    "rank {rank}: a captured call's communicator was destroyed before its graph was launched"
+                ))
+            };
+            let group = group.upgrade().ok_or_else(gone)?;
+            let _memory_of_the_process_group = match &process {
+                Some(p) => Some(p.upgrade().ok_or_else(gone)?),
+                None => None,
+            };
             group.replaying.fetch_add(1, Ordering::AcqRel);
             inflight.fetch_add(1, Ordering::AcqRel);
             group.running.fetch_add(1, Ordering::AcqRel);

@@ -807,6 +807,7 @@ impl Comm {
                     comm_mem,
                     running: AtomicUsize::new(0),
                     replaying: Arc::new(AtomicUsize::new(0)),
+                    last_launch: Mutex::new(None),
                     _own: own,
                     mp,
                 });

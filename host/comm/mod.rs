@@ -178,6 +178,9 @@ struct CpuGroup {
     /// ones. A running CPU kernel whose abort flag is raised ends at its next wait, however long
     /// its current copy takes.
     running: AtomicUsize,
+    /// This rank's newest launch: its stream and its end, which a launch on another stream
+    /// waits for (a communicator's kernels run in the order issued, `CpuBlocks::launch`).
+    last_launch: Mutex<Option<(usize, Arc<LaunchDone>)>>,
     /// Of this rank's queued operations, the launches of captured graphs now running
     /// (`enqueue.rs`, `CpuBlocks::capture`): not watched by `OXCCL_TIMEOUT`.
     replaying: Arc<AtomicUsize>,

@@ -177,8 +177,18 @@ impl Comm {
     /// the call check when it is on.
     pub(super) fn launch_one(&self, p: PlannedColl, captured: bool, stream: &Stream) -> Result<()> {
         let r = &p.record;
-        let check = self.check_args(r.func, r.count, r.dtype, r.op, r.root, r.choice);
+        let mut check = self.check_args(r.func, r.count, r.dtype, r.op, r.root, r.choice, captured);
         let recorded = self.begin_call(p.record, captured);
+        if captured && let Some(c) = check.take() {
+            // A captured call has no number (its graph's launches run it): the check kernel
+            // alone checks it, and the call's kernel honours that verdict.
+            self.launch_check(c, stream, None)?;
+            check = Some(oxccl_gpu::abi::CheckArgs {
+                check: c.check | oxccl_gpu::abi::CHECK_VERDICT_ONLY,
+                sig: [0; 4],
+                ..c
+            });
+        }
         self.launch(
             KernelArgs {
                 comm: self.dev_comm,

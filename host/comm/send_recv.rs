@@ -145,11 +145,19 @@ impl P2pTarget {
         format!("sends/receives ({})", ops.join(", "))
     }
 
-    /// The error of a mismatch a receive reported, if any (cleared).
-    pub(crate) fn take_mismatch(&self) -> Option<Error> {
-        self.status
-            .take()
-            .map(|st| mismatch_error(self.rank, self.peer.recv_peer(self.rank, st.channel), &st))
+    /// Whether `stream` is capturing into a CUDA graph; an error when it is and this
+    /// communicator's calls cannot be captured (a NET connection). The calls were checked when
+    /// issued; this catches a capture that began before their group ended.
+    pub(crate) fn check_capture(&self, stream: &Stream) -> Result<bool> {
+        let captured = stream.is_capturing()?;
+        if captured && let Some(why) = &self.capture_refusal {
+            return Err(Error::InvalidUsage(format!(
+                "rank {}: the stream is being captured into a CUDA graph, and this communicator's calls cannot be \
+                 captured: {why}; end the group outside the capture",
+                self.rank
+            )));
+        }
+        Ok(captured)
     }
 
     /// Launches `works` (at most [`MAX_P2P_WORKS`]; a block per work, but a work flagged
@@ -176,21 +184,16 @@ impl P2pTarget {
         args.works[..works.len()].copy_from_slice(works);
         // Captured into a graph, the launch runs at the graph's launches: nothing to watch now,
         // and no launch event (one recorded in a capture cannot be queried).
-        let captured = stream.is_capturing()?;
-        if captured && let Some(why) = &self.capture_refusal {
-            // The calls were checked when issued; the capture began before their group ended.
-            return Err(Error::InvalidUsage(format!(
-                "rank {}: the stream is being captured into a CUDA graph, and this communicator's calls cannot be \
-                 captured: {why}; end the group outside the capture",
-                self.rank
-            )));
-        }
+        let captured = self.check_capture(stream)?;
         if !captured {
             self.watch.begin_p2p(self.describe(works));
         }
         self.launches.fetch_add(1, Ordering::AcqRel);
         match (&self.backend, stream) {
             (Backend::Cuda { launch, module, .. }, Stream::Cuda(s)) => {
+                if !captured {
+                    launch.order(s)?;
+                }
                 s.launch(module, nblocks, self.nthreads, &args)?;
                 if !captured {
                     launch.record(s)?;
@@ -209,7 +212,7 @@ impl P2pTarget {
                     watch: self.watch.clone(),
                     recorded: Vec::new(),
                 };
-                let me = self.clone();
+                let (status, rank, peer) = (self.status.clone(), self.rank, self.peer);
                 blocks.launch(
                     s,
                     inflight,
@@ -220,12 +223,18 @@ impl P2pTarget {
                         unsafe { oxccl_gpu::coll::send_recv::run_p2p_block(&args, b, tid, nthreads, smem) };
                         true
                     },
-                    move || me.take_mismatch().map_or(Ok(()), Err),
+                    move || take_mismatch(&status, rank, &peer).map_or(Ok(()), Err),
                 )
             }
             _ => Err(Error::invalid("stream and communicator are of different backends")),
         }
     }
+}
+
+/// The error of a mismatch a receive of rank `rank` (peer channels `peer`) reported in `status`,
+/// if any (cleared).
+fn take_mismatch(status: &StatusMem, rank: usize, peer: &PeerChannels) -> Option<Error> {
+    status.take().map(|st| mismatch_error(rank, peer.recv_peer(rank, st.channel), &st))
 }
 
 /// The error of a receive from `peer` that got another size than it expected.

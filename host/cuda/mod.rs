@@ -748,6 +748,12 @@ impl Event {
         self.ctx.bind()?;
         cu!(cuEventRecord(self.raw, stream.raw))
     }
+    /// Makes the work queued on `stream` from now on wait for this event's work
+    /// (`cuStreamWaitEvent`), without blocking the host.
+    pub fn make_wait(&self, stream: &Stream) -> Result<()> {
+        self.ctx.bind()?;
+        cu!(cuStreamWaitEvent(stream.raw, self.raw, 0))
+    }
     /// Waits for the event.
     pub fn synchronize(&self) -> Result<()> {
         self.ctx.bind()?;

@@ -13,8 +13,9 @@ use crate::mem::Stream;
 use crate::redop::ReduceOp;
 use oxccl_gpu::abi::{DataType, Func, MAX_COLL_WORKS};
 
-/// One collective call deferred to a group's end, as [`Comm::collective_raw`] takes it.
-pub struct CollCall<'a> {
+/// One collective call deferred to a group's end (NCCL's `ncclTaskColl`), as
+/// [`Comm::collective_raw`] takes it.
+pub struct CollTask<'a> {
     pub comm: &'a Comm,
     pub func: Func,
     /// Device address of the input (0 where NCCL lets a rank omit it).
@@ -32,7 +33,7 @@ pub struct CollCall<'a> {
 /// What one turn of the launch does.
 enum Unit<'a> {
     /// A call of a communicator whose calls do not share launches: issued alone.
-    Alone(CollCall<'a>),
+    Alone(CollTask<'a>),
     /// A call of count 0: recorded.
     Empty(&'a Comm, crate::comm::EmptyCall),
     /// Planned calls launched together.
@@ -53,8 +54,8 @@ enum Unit<'a> {
 /// Each call's buffers are valid on its rank's device for the sizes its collective needs with
 /// its count until it completes on its stream, and overlap only as the in-place forms allow
 /// ([`Comm::collective_raw`]'s contract for each).
-pub unsafe fn launch_collectives(calls: Vec<CollCall<'_>>) -> Result<()> {
-    let mut queues: Vec<Vec<CollCall<'_>>> = Vec::new();
+pub unsafe fn launch_collectives(calls: Vec<CollTask<'_>>) -> Result<()> {
+    let mut queues: Vec<Vec<CollTask<'_>>> = Vec::new();
     for c in calls {
         match queues.iter_mut().find(|q| std::ptr::eq(q[0].comm, c.comm)) {
             Some(q) => q.push(c),
@@ -89,7 +90,7 @@ pub unsafe fn launch_collectives(calls: Vec<CollCall<'_>>) -> Result<()> {
 ///
 /// # Safety
 /// As [`launch_collectives`].
-unsafe fn units<'a>(queue: Vec<CollCall<'a>>) -> Vec<Unit<'a>> {
+unsafe fn units<'a>(queue: Vec<CollTask<'a>>) -> Vec<Unit<'a>> {
     let comm = queue[0].comm;
     if !comm.batches_collectives() {
         return queue.into_iter().map(Unit::Alone).collect();

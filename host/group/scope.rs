@@ -23,7 +23,7 @@ use std::cell::RefCell;
 use std::marker::PhantomData;
 
 /// A collective of the scope, checked, waiting for the group's end.
-type Deferred<'s> = super::CollCall<'s>;
+type Deferred<'s> = super::CollTask<'s>;
 
 /// The calls of one [`scope`]: collectives (deferred to its end) and sends and receives and the
 /// calls built from them — all-to-all, gather, scatter and their V-forms — (queued in the
@@ -162,7 +162,7 @@ impl<'s> GroupScope<'s> {
                     .map(|()| (sa, ra))
             });
         let (sa, ra) = self.noting(checked)?;
-        self.collectives.borrow_mut().push(super::CollCall {
+        self.collectives.borrow_mut().push(super::CollTask {
             comm,
             func,
             send: sa,

@@ -100,7 +100,7 @@ pub(crate) fn defer_collective(d: DeferredColl) {
 fn run_collectives(colls: Vec<DeferredColl>) -> Result<()> {
     let calls = colls
         .iter()
-        .map(|d| oxccl::group::CollCall {
+        .map(|d| oxccl::group::CollTask {
             comm: &d.live.comm,
             func: d.func,
             send: d.send,

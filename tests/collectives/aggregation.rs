@@ -335,3 +335,29 @@ fn a_captured_batch_replays_exactly() {
         }
     });
 }
+
+/// On GPUs (two ranks, sharing one when there is only one): twenty AllReduces of one scope take
+/// one launch per rank on each protocol — the kernel reads its works after the first from its
+/// parameter, which the launch passes only as far as its works go — and every output is exact.
+#[test]
+fn gpu_a_scopes_all_reduces_share_a_launch_exact() {
+    let test = "gpu_a_scopes_all_reduces_share_a_launch_exact";
+    let Some(devices) = common::two_ranks_or_skip(test) else {
+        return;
+    };
+    let _gpu = common::gpu_lock();
+    let counts: Vec<usize> = (0..20)
+        .map(|k| [1usize, 3, 17, 1000, 4099, 262_147][k % 6] + k)
+        .collect();
+    for proto in ["Simple", "LL", "LL128"] {
+        let comms = common::init_comms(&devices, Some(proto));
+        let launches = run_scope(&comms, &all_reduces(&counts), &format!("{test}: {proto}"));
+        assert_eq!(launches, vec![1; 2], "{test}: {proto}");
+        let launches = run_scope(
+            &comms,
+            &all_reduces(&(0..40).map(|k| 5 + 3001 * k).collect::<Vec<_>>()),
+            proto,
+        );
+        assert_eq!(launches, vec![2; 2], "{test}: {proto}, 40 AllReduces");
+    }
+}

@@ -118,6 +118,7 @@ fn a_call_check_mismatch_inside_a_graph_is_reported_at_its_replay() {
             "rank {r}: {m}"
         );
         assert!(m.contains("64") && m.contains("32"), "rank {r}: {m}");
+        assert!(m.contains("allreduce call in a CUDA graph (64 × uint32"), "rank {r}: {m}");
     }
     for c in &comms {
         c.abort().unwrap();
@@ -601,10 +602,6 @@ fn a_call_check_mismatch_in_a_later_call_of_a_graph_stops_it_and_every_later_rep
 /// AllReduce A then B, rank 1 B then A — and replayed in the same order (A, then B) on both,
 /// as the README allows (only the replays' order matters), run exactly without a mismatch.
 #[test]
-#[ignore = "bug: the call check numbers a captured call when it is captured (Comm::check_args at the call, \
-            baked into the graph's signature), not when its graph runs, so it compares the ranks' capture \
-            orders: the replays are reported as different calls ('they differ in sequence number') and move \
-            no data; the same happens when one rank's capture was invalidated and it issues the calls again"]
 fn with_the_call_check_graphs_captured_in_another_order_on_each_rank_replay_exactly() {
     let env = Env::clean(VARS);
     env.set(&[("OXCCL_CHECK_CALLS", "1"), ("OXCCL_TIMEOUT", "20")]);

