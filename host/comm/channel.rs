@@ -51,6 +51,16 @@ pub(super) struct PeerChannels {
 }
 
 impl PeerChannels {
+    /// Channels per peer of a GPU communicator of `nranks` ranks when `NCCL_NCHANNELS_PER_PEER`
+    /// is unset: 8 peer channels in all, split over the peers (a power of two, at least 1 per
+    /// peer), as NCCL spreads its point-to-point channels over the peers. Measured on one H200
+    /// shared by 2 ranks (docs/benchmarks.md): a 128 MiB send/recv moves 80, 156 and 275 GB/s
+    /// over 2, 4 and 8 channels, each ≈ 5.5 MiB of connection memory per rank.
+    pub(super) fn default_per_peer(nranks: usize) -> u32 {
+        let per = (8 / nranks.saturating_sub(1).max(1)).max(1) as u32;
+        1 << (31 - per.leading_zeros())
+    }
+
     /// Ring channels only (`first` of them).
     #[cfg(test)]
     pub(super) fn none(first: u32) -> PeerChannels {
@@ -606,6 +616,13 @@ pub(super) fn comm_block_bytes(nch: usize, nranks: usize, peer: PeerChannels) ->
 #[cfg(test)]
 mod direct_tests {
     use super::*;
+
+    #[test]
+    fn gpu_peer_channels_are_eight_split_over_the_peers() {
+        let got: Vec<u32> =
+            [1usize, 2, 3, 4, 5, 6, 9, 64].iter().map(|&n| PeerChannels::default_per_peer(n)).collect();
+        assert_eq!(got, [8, 8, 4, 2, 2, 1, 1, 1]);
+    }
 
     /// A CPU `init_all` rank's own connection memory, as bytes.
     fn conn_mem(comm: &Comm) -> &[u8] {

@@ -263,7 +263,7 @@ impl Comm {
         // channels a call could use.
         let per_peer = params
             .p2p_nchannels_per_peer
-            .unwrap_or(if is_cuda { default_per_peer(nranks) } else { 1 });
+            .unwrap_or(if is_cuda { PeerChannels::default_per_peer(nranks) } else { 1 });
         let layout = ConnLayout::new(&params, nch + per_peer * (nranks as u32 - 1));
         let _span = tracing::debug_span!(target: "oxccl::init", "init_rank", rank, nranks, nch).entered();
         // Names after the id (or the process group) and the creating process: unique among live
@@ -352,22 +352,7 @@ impl Comm {
         } else {
             crate::tuning::Fabric::Host
         };
-        // Calls captured into a CUDA graph replay without the host: refused on a communicator
-        // with a NET connection, whose proxy the host drives per call (the same pair on every
-        // rank, from the ring pairs, then from every pair that point-to-point work connects).
-        let ring_view = &rings;
-        let capture_refusal = (0..rings.nchannels())
-            .flat_map(|c| (0..nranks).map(move |a| (a, ring_view.next(c, a))))
-            .chain((0..nranks).flat_map(|a| (a + 1..nranks).map(move |b| (a, b))))
-            .find(|&(a, b)| a != b && select_transport(&peers, a, b) == crate::transport::TransportKind::Net)
-            .map(|(a, b)| {
-                Arc::<str>::from(format!(
-                    "ranks {} and {} of this communicator are connected through the NET transport, whose proxy \
-                     thread the host drives for each call",
-                    a.min(b),
-                    a.max(b)
-                ))
-            });
+        let capture_refusal = super::collectives::capture_refusal(&peers, &rings, nranks);
         // Channels no call would use are not connected (over NET each costs two proxied socket
         // connections with their threads). The connection memory keeps its layout of
         // `layout.nch` channels; only the first `nch` are set up and used.
@@ -968,16 +953,6 @@ impl InitPhases {
 
 
 /// A short tag of a unique id, so segment names of different communicators never collide.
-/// Channels per peer of a GPU communicator of `nranks` ranks when `NCCL_NCHANNELS_PER_PEER` is
-/// unset: 8 peer channels in all, split over the peers (a power of two, at least 1 per peer), as
-/// NCCL spreads its point-to-point channels over the peers. Measured on one H200 shared by 2
-/// ranks (docs/benchmarks.md): a 128 MiB send/recv moves 80, 156 and 275 GB/s over 2, 4 and 8
-/// channels, each ≈ 5.5 MiB of connection memory per rank.
-fn default_per_peer(nranks: usize) -> u32 {
-    let per = (8 / nranks.saturating_sub(1).max(1)).max(1) as u32;
-    1 << (31 - per.leading_zeros())
-}
-
 pub(super) fn id_tag(id: &crate::bootstrap::UniqueId) -> u64 {
     crate::hash::fnv1a_64(&id.to_bytes()) & 0xffff_ffff
 }
@@ -1010,16 +985,5 @@ fn local_tag() -> u64 {
 fn device_index(device: Device) -> usize {
     match device {
         Device::Cuda(o) | Device::Cpu(o) => o,
-    }
-}
-
-#[cfg(test)]
-mod per_peer_tests {
-    use super::default_per_peer;
-
-    #[test]
-    fn gpu_peer_channels_are_eight_split_over_the_peers() {
-        let got: Vec<u32> = [1usize, 2, 3, 4, 5, 6, 9, 64].iter().map(|&n| default_per_peer(n)).collect();
-        assert_eq!(got, [8, 8, 4, 2, 2, 1, 1, 1]);
     }
 }

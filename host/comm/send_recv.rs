@@ -149,15 +149,7 @@ impl P2pTarget {
     /// communicator's calls cannot be captured (a NET connection). The calls were checked when
     /// issued; this catches a capture that began before their group ended.
     pub(crate) fn check_capture(&self, stream: &Stream) -> Result<bool> {
-        let captured = stream.is_capturing()?;
-        if captured && let Some(why) = &self.capture_refusal {
-            return Err(Error::InvalidUsage(format!(
-                "rank {}: the stream is being captured into a CUDA graph, and this communicator's calls cannot be \
-                 captured: {why}; end the group outside the capture",
-                self.rank
-            )));
-        }
-        Ok(captured)
+        super::collectives::capturing(stream, self.rank, self.capture_refusal.as_deref(), "end the group outside the capture")
     }
 
     /// Launches `works` (at most [`MAX_P2P_WORKS`]; a block per work, but a work flagged
