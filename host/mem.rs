@@ -297,9 +297,8 @@ impl Stream {
     /// (CUDA's stream capture, `cuStreamBeginCapture` in relaxed mode; on the CPU target the
     /// stream records its operations), until [`Stream::end_capture`]. oxccl's collectives and
     /// point-to-point calls issued on a capturing stream become part of the graph, as NCCL's do,
-    /// and every [`CapturedGraph::launch`] replays them; a call that cannot be replayed
-    /// correctly (one whose connections need the NET proxy) is refused with `InvalidUsage`
-    /// instead. Errors: the driver's, or a capture already in progress (CPU target).
+    /// and every [`CapturedGraph::launch`] replays them, over every transport. Errors: the
+    /// driver's, or a capture already in progress (CPU target).
     ///
     /// ```
     /// # use oxccl::{Comm, DataType, Device, RedOp};

@@ -572,12 +572,10 @@ impl Comm {
     }
 
     /// The stream is on this rank's device; returns whether it is capturing into a CUDA graph
-    /// ([`Stream::begin_capture`]). A call on a capturing stream becomes part of the graph
-    /// (its kernel, with the call's arguments, runs at each launch of the graph, continuing its
-    /// connections' FIFO steps from where the previous kernel left them, as every kernel
-    /// does), unless the communicator has a connection through the NET proxy, whose steps the
-    /// host posts for each call: then it is refused — `InvalidUsage` — on every rank alike,
-    /// never captured to replay wrongly.
+    /// ([`Stream::begin_capture`]). A call on a capturing stream becomes part of the graph: its
+    /// kernel, with the call's arguments, runs at each launch of the graph, continuing its
+    /// connections' FIFO steps from where the previous kernel left them, as every kernel does
+    /// (over NET the proxy thread moves whatever steps it finds, nothing is posted per call).
     pub(super) fn check_stream(&self, stream: &Stream) -> Result<bool> {
         if stream.device() != self.device {
             return Err(Error::invalid(format!(
@@ -587,40 +585,8 @@ impl Comm {
                 self.device
             )));
         }
-        capturing(stream, self.rank, self.capture_refusal.as_deref(), "issue the call outside the capture")
+        stream.is_capturing()
     }
-}
-
-/// Why a communicator's calls cannot be captured into a CUDA graph, if they cannot: a graph's
-/// launches run its calls without the host, and a NET connection's proxy thread is driven by
-/// the host for each call. The same pair of ranks on every rank: the first of the ring pairs,
-/// then of every pair that point-to-point work connects, that `peers` put on NET.
-pub(super) fn capture_refusal(peers: &[PeerInfo], rings: &ChannelRings, nranks: usize) -> Option<Arc<str>> {
-    (0..rings.nchannels())
-        .flat_map(|c| (0..nranks).map(move |a| (a, rings.next(c, a))))
-        .chain((0..nranks).flat_map(|a| (a + 1..nranks).map(move |b| (a, b))))
-        .find(|&(a, b)| a != b && select_transport(peers, a, b) == crate::transport::TransportKind::Net)
-        .map(|(a, b)| {
-            Arc::from(format!(
-                "ranks {} and {} of this communicator are connected through the NET transport, whose proxy \
-                 thread the host drives for each call",
-                a.min(b),
-                a.max(b)
-            ))
-        })
-}
-
-/// Whether `stream` is capturing into a CUDA graph; `InvalidUsage` when it is and rank `rank`'s
-/// communicator cannot capture its calls (`refusal` says why, `advice` what to do instead).
-pub(super) fn capturing(stream: &Stream, rank: usize, refusal: Option<&str>, advice: &str) -> Result<bool> {
-    let capturing = stream.is_capturing()?;
-    if capturing && let Some(why) = refusal {
-        return Err(Error::InvalidUsage(format!(
-            "rank {rank}: the stream is being captured into a CUDA graph, and this communicator's calls cannot be \
-             captured: {why}; {advice}"
-        )));
-    }
-    Ok(capturing)
 }
 
 /// NCCL's rule for the fp8 types: a reduction (AllReduce, Reduce, ReduceScatter) of

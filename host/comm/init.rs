@@ -352,7 +352,6 @@ impl Comm {
         } else {
             crate::tuning::Fabric::Host
         };
-        let capture_refusal = super::collectives::capture_refusal(&peers, &rings, nranks);
         // Channels no call would use are not connected (over NET each costs two proxied socket
         // connections with their threads). The connection memory keeps its layout of
         // `layout.nch` channels; only the first `nch` are set up and used.
@@ -912,7 +911,6 @@ impl Comm {
             revoked: std::sync::atomic::AtomicBool::new(false),
             config: config.clone(),
             fabric,
-            capture_refusal,
             conn_bytes: layout.bytes(),
             direct,
             process,

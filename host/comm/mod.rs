@@ -127,9 +127,6 @@ pub struct Comm {
     config: CommConfig,
     /// What the rings run over, for the tuning model (the same on every rank).
     fabric: crate::tuning::Fabric,
-    /// Why this communicator's calls cannot be captured into a CUDA graph (a NET connection),
-    /// the same on every rank; `None`: they can ([`Stream::begin_capture`]).
-    capture_refusal: Option<Arc<str>>,
     /// Bytes of this rank's connection memory (laid out for at least `nchannels` channels).
     conn_bytes: u64,
     /// Whether the ring connections have pointer exchanges ([`Comm::direct_pointer`]).

@@ -73,8 +73,6 @@ pub(crate) struct P2pTarget {
     ll_threshold: u64,
     status: Arc<StatusMem>,
     watch: Arc<timeout::Watch>,
-    /// Why the communicator's calls cannot be captured into a CUDA graph, if they cannot.
-    capture_refusal: Option<Arc<str>>,
     /// The communicator's count of kernels queued.
     launches: Arc<AtomicU64>,
     backend: Backend,
@@ -145,13 +143,6 @@ impl P2pTarget {
         format!("sends/receives ({})", ops.join(", "))
     }
 
-    /// Whether `stream` is capturing into a CUDA graph; an error when it is and this
-    /// communicator's calls cannot be captured (a NET connection). The calls were checked when
-    /// issued; this catches a capture that began before their group ended.
-    pub(crate) fn check_capture(&self, stream: &Stream) -> Result<bool> {
-        super::collectives::capturing(stream, self.rank, self.capture_refusal.as_deref(), "end the group outside the capture")
-    }
-
     /// Launches `works` (at most [`MAX_P2P_WORKS`]; a block per work, but a work flagged
     /// [`P2P_AFTER_PREVIOUS`] runs on the previous one's block, after it) as one kernel on
     /// `stream`.
@@ -176,7 +167,7 @@ impl P2pTarget {
         args.works[..works.len()].copy_from_slice(works);
         // Captured into a graph, the launch runs at the graph's launches: nothing to watch now,
         // and no launch event (one recorded in a capture cannot be queried).
-        let captured = self.check_capture(stream)?;
+        let captured = stream.is_capturing()?;
         if !captured {
             self.watch.begin_p2p(self.describe(works));
         }
@@ -405,7 +396,6 @@ impl Comm {
             ll_threshold: self.params.p2p_ll_threshold,
             status: self.p2p_status.clone(),
             watch: self.watch.clone(),
-            capture_refusal: self.capture_refusal.clone(),
             launches: self.launches.clone(),
             backend,
         })

@@ -360,11 +360,6 @@ fn plan_queued(queued: Vec<Queued>) -> Result<Planned> {
 /// Launches a planned group: the copies, then the launches round by round across
 /// communicators.
 fn launch_planned(Planned(plans, mismatches): Planned) -> Result<()> {
-    // A stream that began capturing after the calls were checked: refused before anything of
-    // the group is queued (the copies to a rank itself included).
-    for p in &plans {
-        p.target.check_capture(&p.stream)?;
-    }
     for p in &plans {
         for &(dst, src, bytes) in &p.copies {
             if dst != src && bytes > 0 {

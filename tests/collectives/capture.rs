@@ -3,8 +3,8 @@
 //! every collective and a group of a send and a receive, exact on every rank over P2P and SHM on
 //! each protocol, across the LL flag's wrap and with the call check on, with calls issued outside
 //! the graph between replays; one graph per call; a call-check mismatch inside a graph reported
-//! at its replay, and one in a later call of a graph stopping every later replay; a communicator
-//! with a NET connection refusing the capture on every rank; the flight recorder keeping the
+//! at its replay, and one in a later call of a graph stopping every later replay; the same over
+//! NET, whose proxy moves the replays' steps as any others; the flight recorder keeping the
 //! captured calls, untimed; a capture invalidated by what cannot be replayed, after which the
 //! ranks go on in step; a graph of small LL calls replayed 50 times (the FIFO wrapping); replays
 //! and calls interleaved over two streams of each rank; an abort ending a replay whose peer never
@@ -37,8 +37,9 @@ fn captured_calls_replay_exactly_over_p2p_and_shm_on_every_protocol() {
         for proto in ["LL", "LL128", "Simple"] {
             for (n, count) in [(2usize, 1031usize), (3, 4099)] {
                 let env = Env::clean(VARS);
-                env.set(vars);
-                env.set(&[("NCCL_PROTO", proto)]);
+                let mut all = vars.to_vec();
+                all.push(("NCCL_PROTO", proto));
+                env.set(&all);
                 let comms = common::init_all(&Device::cpus(n)).unwrap();
                 let test = format!("{transport}, {proto}");
                 capture_and_replay(&test, &comms, count, 3, Graphs::One);
@@ -118,48 +119,31 @@ fn a_call_check_mismatch_inside_a_graph_is_reported_at_its_replay() {
             "rank {r}: {m}"
         );
         assert!(m.contains("64") && m.contains("32"), "rank {r}: {m}");
-        assert!(m.contains("allreduce call in a CUDA graph (64 × uint32"), "rank {r}: {m}");
+        assert!(
+            m.contains("allreduce call in a CUDA graph (64 × uint32"),
+            "rank {r}: {m}"
+        );
     }
     for c in &comms {
         c.abort().unwrap();
     }
 }
 
-/// Over NET (`NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1`) the proxy thread posts each call's steps
-/// from the host, which a graph's replay would not do: every rank refuses a collective and a
-/// send on a capturing stream with `InvalidUsage` naming the NET connection, nothing is
-/// captured, and the ranks then run collectives outside the capture exactly.
+/// Over NET (`NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1`) every collective and a send/receive group
+/// replay exactly on each protocol, as over P2P and SHM: the proxy thread moves every step it
+/// finds in the FIFOs, with nothing posted per call, so a graph's launches need no host.
 #[test]
-fn a_communicator_with_a_net_connection_refuses_capture_on_every_rank() {
+fn captured_calls_replay_exactly_over_net_on_every_protocol() {
     let env = Env::clean(VARS);
-    env.set(&[("NCCL_P2P_DISABLE", "1"), ("NCCL_SHM_DISABLE", "1")]);
-    let comms = common::init_all(&Device::cpus(3)).unwrap();
-    common::on_threads(3, |r| {
-        let c = &comms[r];
-        let dev = c.device();
-        let buf = dev.alloc(4096).unwrap();
-        let stream = dev.new_stream().unwrap();
-        stream.begin_capture().unwrap();
-        let ar = c.all_reduce(&buf, &buf, 1024, DataType::F32, RedOp::Sum, &stream);
-        let send = c.send(&buf, 1024, DataType::F32, (r + 1) % 3, &stream);
-        let graph = stream.end_capture().unwrap();
-        for (what, res) in [("all_reduce", ar), ("send", send)] {
-            let e = res.unwrap_err();
-            assert!(matches!(e, Error::InvalidUsage(_)), "rank {r}: {what}: {e}");
-            let m = e.to_string();
-            assert!(
-                m.contains("captured into a CUDA graph")
-                    && m.contains("NET transport")
-                    && m.contains("ranks 0 and 1"),
-                "rank {r}: {what}: {m}"
-            );
-        }
-        let oxccl::CapturedGraph::Cpu(g) = &graph else {
-            panic!("rank {r}: a CPU stream gave a CUDA graph")
-        };
-        assert!(g.is_empty(), "rank {r}: {} operations were captured", g.len());
-    });
-    common::all_reduce_f32(&comms, 1024, false);
+    for proto in ["LL", "LL128", "Simple"] {
+        env.set(&[
+            ("NCCL_P2P_DISABLE", "1"),
+            ("NCCL_SHM_DISABLE", "1"),
+            ("NCCL_PROTO", proto),
+        ]);
+        let comms = common::init_all(&Device::cpus(3)).unwrap();
+        capture_and_replay(&format!("NET, {proto}"), &comms, 4099, 3, Graphs::One);
+    }
 }
 
 /// A captured call is in the flight recorder as issued, with outcome `"captured"`, numbered

@@ -402,22 +402,23 @@ fn a_size_mismatch_inside_a_graph_is_reported_at_each_replay_and_writes_nothing_
     }
 }
 
-/// Over NET (`NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1`), a group's sends and receives queued
-/// before the stream began capturing are refused at the group's end (`InvalidUsage` naming the
-/// NET transport) on every rank, with nothing of the group captured, and the ranks then
-/// exchange exactly outside the capture.
+/// Over NET (`NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1`: the proxy thread moves every step, with
+/// nothing posted per call), a group's sends and receives queued before the stream began
+/// capturing are captured at the group's end — nothing runs then — and each replay exchanges
+/// exactly, with new data each time.
 #[test]
-fn a_net_group_whose_capture_began_after_its_sends_is_refused_at_its_end_with_nothing_captured() {
-    net_group_refused_at_its_end(false);
+fn a_net_group_whose_capture_began_after_its_sends_replays_exactly() {
+    net_group_captured_at_its_end(false);
 }
 
-/// As above, the group also holding a send to the rank itself and its receive.
+/// As above, the group also holding a send to the rank itself and its receive (a copy, captured
+/// with the group).
 #[test]
-fn a_net_group_with_a_send_to_itself_refused_at_its_end_captures_nothing() {
-    net_group_refused_at_its_end(true);
+fn a_net_group_with_a_send_to_itself_captured_at_its_end_replays_exactly() {
+    net_group_captured_at_its_end(true);
 }
 
-fn net_group_refused_at_its_end(with_self: bool) {
+fn net_group_captured_at_its_end(with_self: bool) {
     let env = Env::clean(VARS);
     env.set(&[("NCCL_P2P_DISABLE", "1"), ("NCCL_SHM_DISABLE", "1")]);
     let (n, count) = (2usize, 100usize);
@@ -429,55 +430,42 @@ fn net_group_refused_at_its_end(with_self: bool) {
         let stream = dev.new_stream().unwrap();
         let what = format!("with a send to itself: {with_self}: rank {r}");
         let send = dev.alloc(count * 4).unwrap();
-        send.write(0, &input(r, count, 1)).unwrap();
         let outs = [0u8, 1].map(|salt| poisoned(dev, count * 4, salt));
-        let issue = |s: &Stream| -> oxccl::Result<()> {
-            c.send(&send, count, U, 1 - r, s)?;
-            c.recv(outs[0].slice(FRONT, count * 4)?, count, U, 1 - r, s)?;
-            if with_self {
-                c.send(&send, count, U, r, s)?;
-                c.recv(outs[1].slice(FRONT, count * 4)?, count, U, r, s)?;
-            }
-            Ok(())
-        };
         oxccl::group_start().unwrap();
-        issue(&stream).unwrap();
-        stream.begin_capture().unwrap();
-        let e = oxccl::group_end().unwrap_err();
-        let m = e.to_string();
-        assert!(
-            matches!(e, Error::InvalidUsage(_)) && m.contains("NET transport") && m.contains("captured"),
-            "{what}: {m}"
-        );
-        let graph = stream.end_capture().unwrap();
-        let CapturedGraph::Cpu(g) = &graph else {
-            panic!("{what}: a CUDA graph")
-        };
-        assert!(
-            g.is_empty(),
-            "{what}: {} operations of the refused group were captured",
-            g.len()
-        );
-        stream.synchronize().unwrap();
-        ready.wait();
-        for (i, o) in outs.iter().enumerate() {
-            check_guarded(o, i as u8, &[], &format!("{what}: the refused group wrote"));
-        }
-        oxccl::group(|| issue(&stream)).unwrap().unwrap();
-        stream.synchronize().unwrap();
-        check_guarded(
-            &outs[0],
-            0,
-            &input(1 - r, count, 1),
-            &format!("{what}: after the refusal"),
-        );
+        c.send(&send, count, U, 1 - r, &stream).unwrap();
+        c.recv(outs[0].slice(FRONT, count * 4).unwrap(), count, U, 1 - r, &stream)
+            .unwrap();
         if with_self {
+            c.send(&send, count, U, r, &stream).unwrap();
+            c.recv(outs[1].slice(FRONT, count * 4).unwrap(), count, U, r, &stream)
+                .unwrap();
+        }
+        stream.begin_capture().unwrap();
+        oxccl::group_end().unwrap_or_else(|e| panic!("{what}: group_end: {e}"));
+        let graph = stream.end_capture().unwrap();
+        stream.synchronize().unwrap();
+        for (i, o) in outs.iter().enumerate() {
+            check_guarded(o, i as u8, &[], &format!("{what}: the capture ran the group"));
+        }
+        for salt in 1..=2 {
+            send.write(0, &input(r, count, salt)).unwrap();
+            ready.wait();
+            replay(&graph, &stream, &what);
             check_guarded(
-                &outs[1],
-                1,
-                &input(r, count, 1),
-                &format!("{what}: after, from itself"),
+                &outs[0],
+                0,
+                &input(1 - r, count, salt),
+                &format!("{what}: replay {salt}"),
             );
+            if with_self {
+                check_guarded(
+                    &outs[1],
+                    1,
+                    &input(r, count, salt),
+                    &format!("{what}: replay {salt}, from itself"),
+                );
+            }
+            ready.wait();
         }
     });
 }
@@ -559,8 +547,10 @@ fn calls_on_two_streams_of_a_rank_run_in_the_order_issued() {
         let (e0, e1) = (dev.alloc(count * 4).unwrap(), dev.alloc(count * 4).unwrap());
         e0.write(0, &input(r, count, 3)).unwrap();
         e1.write(0, &input(r, count, 4)).unwrap();
-        c.all_reduce(&e0, &e0, count, DataType::U32, RedOp::Sum, &streams[0]).unwrap();
-        c.all_reduce(&e1, &e1, count, DataType::U32, RedOp::Sum, &streams[1]).unwrap();
+        c.all_reduce(&e0, &e0, count, DataType::U32, RedOp::Sum, &streams[0])
+            .unwrap();
+        c.all_reduce(&e1, &e1, count, DataType::U32, RedOp::Sum, &streams[1])
+            .unwrap();
         streams[1].synchronize().unwrap();
         // SAFETY: the buffers and communicator live until the synchronizes below.
         unsafe { graph.launch(&streams[0]) }.unwrap();
@@ -590,8 +580,14 @@ fn calls_on_two_streams_of_a_rank_run_in_the_order_issued() {
             b.to_vec().unwrap() == all_reduce_want(n, count, 2),
             "rank {r}: the call"
         );
-        assert!(e0.to_vec().unwrap() == all_reduce_want(n, count, 3), "rank {r}: the call on stream 0");
-        assert!(e1.to_vec().unwrap() == all_reduce_want(n, count, 4), "rank {r}: the call on stream 1");
+        assert!(
+            e0.to_vec().unwrap() == all_reduce_want(n, count, 3),
+            "rank {r}: the call on stream 0"
+        );
+        assert!(
+            e1.to_vec().unwrap() == all_reduce_want(n, count, 4),
+            "rank {r}: the call on stream 1"
+        );
     });
 }
 
