@@ -5,8 +5,8 @@
 //! proxy thread over loopback sockets). Every collective — AllReduce, Broadcast, AllGather,
 //! ReduceScatter, Reduce — in place and out of place, into poisoned outputs, with exact results;
 //! under the default protocol choice (which must not pick LL128 through host memory) and forced
-//! LL and Simple; then a send/recv pair and an all-to-all. The GPU tests print `SKIPPED` without
-//! 2 GPUs.
+//! LL and Simple; then a send/recv pair and an all-to-all; then an AllReduce and a send/recv
+//! group captured into a graph and replayed. The GPU tests print `SKIPPED` without 2 GPUs.
 //!
 //! A too-small `/dev/shm` (a private tmpfs of 1 MiB in a mount namespace shared by both ranks) is
 //! an error naming the bytes needed and the path, on the CPU target (every run) and for CUDA SHM.
@@ -281,6 +281,46 @@ fn run_matrix(comm: &Comm, stream: &Stream) -> Vec<String> {
         if let Err(e) = comm.get_async_error() {
             bad.push(format!("rank {r} count {count}: async error {e}"));
         }
+    }
+    bad.extend(run_captured(comm, stream));
+    bad
+}
+
+/// An AllReduce and a group of a send to the other rank and a receive from it, captured into a
+/// graph on `stream` (CUDA's stream capture; a CPU-target stream records them) and replayed
+/// twice with new inputs: nothing runs at the capture, every replay is exact. Returns the
+/// failures.
+fn run_captured(comm: &Comm, stream: &Stream) -> Vec<String> {
+    let (r, dev, count) = (comm.rank(), comm.device(), 4099);
+    let peer = 1 - r;
+    let mut bad = Vec::new();
+    let input = dev.alloc(count * 4).unwrap();
+    let (out, recv) = (dev.alloc(count * 4).unwrap(), dev.alloc(count * 4).unwrap());
+    out.fill(POISON).unwrap();
+    recv.fill(POISON).unwrap();
+    stream.begin_capture().unwrap();
+    comm.all_reduce(&input, &out, count, DataType::F32, RedOp::Sum, stream).unwrap();
+    oxccl::group(|| -> oxccl::Result<()> {
+        comm.send(&input, count, DataType::F32, peer, stream)?;
+        comm.recv(&recv, count, DataType::F32, peer, stream)
+    })
+    .unwrap()
+    .unwrap();
+    let graph = stream.end_capture().unwrap();
+    stream.synchronize().unwrap();
+    let poison = vec![f32::from_ne_bytes([POISON; 4]); count];
+    check(&mut bad, format!("rank {r} captured AllReduce before a replay"), &out, 0, &poison);
+    for k in 1..=2 {
+        let scaled = |q: usize| (0..count).map(|i| val(q, i) * k as f32).collect::<Vec<f32>>();
+        input.write(0, &to_bytes(&scaled(r))).unwrap();
+        out.fill(POISON).unwrap();
+        recv.fill(POISON).unwrap();
+        // SAFETY: the buffers and the communicator live until the synchronize below.
+        unsafe { graph.launch(stream) }.unwrap();
+        stream.synchronize().unwrap();
+        let sums: Vec<f32> = (0..count).map(|i| sum(i) * k as f32).collect();
+        check(&mut bad, format!("rank {r} captured AllReduce, replay {k}"), &out, 0, &sums);
+        check(&mut bad, format!("rank {r} captured send/recv, replay {k}"), &recv, 0, &scaled(peer));
     }
     bad
 }
