@@ -17,6 +17,7 @@
 mod common;
 
 mod aggregation;
+mod aggregation_more;
 mod all_reduce;
 mod block_threads;
 mod capture;
