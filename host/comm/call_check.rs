@@ -330,12 +330,12 @@ impl Comm {
 
     /// Queues the check `args` alone (a call of count 0): on a GPU as one call of the launch
     /// ordering (`enqueue.rs`); `recorded`: the call's flight-recorder entry, ended with the
-    /// check.
-    pub(super) fn launch_check(&self, args: CheckArgs, stream: &Stream, recorded: Option<u64>) -> Result<()> {
+    /// check; `captured`: the stream is capturing.
+    pub(super) fn launch_check(&self, args: CheckArgs, stream: &Stream, captured: bool, recorded: Option<u64>) -> Result<()> {
         self.launches.fetch_add(1, Ordering::AcqRel);
         match (&self.res, stream) {
             (Res::Cuda(res), Stream::Cuda(s)) => {
-                let n = self.launch_cuda(res, s, &[CHECK_KERNEL_NAME], |m| s.launch(&m[0], 1, self.params.nthreads, &args))?;
+                let n = self.launch_cuda(res, s, captured, &[CHECK_KERNEL_NAME], |m| s.launch(&m[0], 1, self.params.nthreads, &args))?;
                 if let (Some(id), Some(n)) = (recorded, n) {
                     self.watch.launched(id, n);
                 }

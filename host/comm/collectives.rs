@@ -376,7 +376,7 @@ impl Comm {
             return match self.check_args(func, 0, dtype, dev_op, root, None, captured) {
                 Some(check) => {
                     let recorded = self.begin_call(call, captured);
-                    self.launch_check(check, stream, recorded)
+                    self.launch_check(check, stream, captured, recorded)
                 }
                 None => {
                     self.record_empty_call(call);
@@ -410,6 +410,7 @@ impl Comm {
                     ..KernelArgs::zeroed()
                 },
                 stream,
+                captured,
                 &[],
             );
         }

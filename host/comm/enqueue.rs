@@ -256,9 +256,9 @@ impl Comm {
     }
 
     /// Queues the kernel of `args` — one work, or a batch of works of one kernel entry — on
-    /// `stream`; `recorded`: the flight-recorder entries of its calls, whose kernel's start
-    /// and end are marked.
-    pub(super) fn launch(&self, args: KernelArgs, stream: &Stream, recorded: &[u64]) -> Result<()> {
+    /// `stream` (`captured`: the stream is capturing, as the call's checks found); `recorded`:
+    /// the flight-recorder entries of its calls, whose kernel's start and end are marked.
+    pub(super) fn launch(&self, args: KernelArgs, stream: &Stream, captured: bool, recorded: &[u64]) -> Result<()> {
         let Some((func, algo, proto, dtype, op)) = args.work.entry_key() else {
             return Err(Error::Internal("work element with an invalid enum".into()));
         };
@@ -279,7 +279,7 @@ impl Comm {
             (Res::Cuda(res), Stream::Cuda(s)) => {
                 let name = oxccl_gpu::abi::kernel_name_for(func, algo, proto, dtype, op);
                 let bytes = oxccl_gpu::abi::kernel_args_bytes(nworks as usize);
-                let n = self.launch_cuda(res, s, &[name.as_str()], |m| {
+                let n = self.launch_cuda(res, s, captured, &[name.as_str()], |m| {
                     s.launch_prefix(&m[0], grid, self.params.nthreads, &args, bytes)
                 })?;
                 if let Some(n) = n {
@@ -328,11 +328,12 @@ impl Comm {
     /// `names`) and the call counts as one launch of the ordering, however many kernels it
     /// queued. Loading every module before the first kernel keeps a load from waiting for this
     /// call's own first kernel. Returns the launch's number ([`LaunchState::record`]), `None`
-    /// when `s` is capturing (the kernels are part of a CUDA graph and have no launch event).
+    /// when `s` is `capturing` (the kernels are part of a CUDA graph and have no launch event).
     pub(super) fn launch_cuda(
         &self,
         res: &CudaRes,
         s: &cuda::Stream,
+        capturing: bool,
         names: &[&str],
         go: impl FnOnce(&[Arc<cuda::Module>]) -> Result<()>,
     ) -> Result<Option<u64>> {
@@ -368,7 +369,6 @@ impl Comm {
         // event (an event recorded in a capture cannot be queried) nor order after the rank's
         // other streams, but it still counts in the ordering, as it does on every rank
         // capturing the same call.
-        let capturing = s.is_capturing()?;
         if !capturing {
             res.launch.order(s)?;
         }

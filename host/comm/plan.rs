@@ -182,7 +182,7 @@ impl Comm {
         if captured && let Some(c) = check.take() {
             // A captured call has no number (its graph's launches run it): the check kernel
             // alone checks it, and the call's kernel honours that verdict.
-            self.launch_check(c, stream, None)?;
+            self.launch_check(c, stream, true, None)?;
             check = Some(oxccl_gpu::abi::CheckArgs {
                 check: c.check | oxccl_gpu::abi::CHECK_VERDICT_ONLY,
                 sig: [0; 4],
@@ -199,6 +199,7 @@ impl Comm {
                 ..KernelArgs::zeroed()
             },
             stream,
+            captured,
             recorded.as_slice(),
         )
     }
@@ -244,6 +245,6 @@ impl Comm {
             }
             recorded.extend(self.begin_call(p.record, captured));
         }
-        self.launch(args, stream, &recorded)
+        self.launch(args, stream, captured, &recorded)
     }
 }

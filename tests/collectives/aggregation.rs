@@ -7,11 +7,9 @@
 //! thread issuing every rank's calls rank after rank; a batch captured into a graph and replayed.
 use crate::common;
 
+use super::aggregation_more::{Bufs, Call, Op, ar, buffers, call, check, issue, run_scope};
 use common::env::Env;
-use common::pattern::{elem, sum_elem, u32_bytes};
-use common::{BACK, FRONT, sentinel};
-use oxccl::group::GroupScope;
-use oxccl::{Comm, DataType, Device, DeviceBuffer, Func, RedOp, Stream};
+use oxccl::{DataType, Device, Func, RedOp, Stream};
 
 const VARS: &[&str] = &[
     "PROTO",
@@ -23,133 +21,15 @@ const VARS: &[&str] = &[
     "MIN_NCHANNELS",
 ];
 
-/// One call of a test group: an AllReduce (`Some(op)`, Sum or Avg; out of place unless
-/// `in_place`) or a Broadcast from rank 1 (`None`), of `count` u32.
-#[derive(Clone, Copy, Debug)]
-struct Call {
-    op: Option<RedOp>,
-    count: usize,
-    in_place: bool,
-}
-
-/// A rank's buffers of one call: input (unless in place) and guarded output.
-struct Bufs {
-    input: Option<DeviceBuffer>,
-    output: DeviceBuffer,
-}
-
-fn salt(k: usize) -> u32 {
-    7 + 31 * k as u32
-}
-
-/// Rank `r`'s input of call `k`: AllReduce Avg inputs are multiples of the rank count, so the
-/// integer average is exact.
-fn input_of(call: &Call, k: usize, r: usize, n: usize) -> Vec<u8> {
-    match call.op {
-        Some(RedOp::Avg) => u32_bytes((0..call.count).map(|i| (elem(r, i, salt(k)) % 1000) * n as u32)),
-        _ => u32_bytes((0..call.count).map(|i| elem(r, i, salt(k)))),
-    }
-}
-
-fn want_of(call: &Call, k: usize, n: usize) -> Vec<u8> {
-    match call.op {
-        Some(RedOp::Avg) => u32_bytes((0..call.count).map(|i| {
-            (0..n)
-                .map(|r| (elem(r, i, salt(k)) % 1000) * n as u32)
-                .sum::<u32>()
-                / n as u32
-        })),
-        Some(_) => u32_bytes((0..call.count).map(|i| sum_elem(n, i, salt(k)))),
-        None => u32_bytes((0..call.count).map(|i| elem(1, i, salt(k)))),
-    }
-}
-
-fn buffers(dev: Device, calls: &[Call], r: usize, n: usize) -> Vec<Bufs> {
-    calls
-        .iter()
-        .enumerate()
-        .map(|(k, c)| {
-            let bytes = 4 * c.count;
-            let output = dev.alloc(FRONT + bytes + BACK).unwrap();
-            output.write(0, &sentinel(FRONT + bytes + BACK, k as u8)).unwrap();
-            let data = input_of(c, k, r, n);
-            let input = if c.in_place {
-                output.write(FRONT, &data).unwrap();
-                None
-            } else {
-                let b = dev.alloc(bytes.max(4)).unwrap();
-                b.write(0, &data).unwrap();
-                Some(b)
-            };
-            Bufs { input, output }
-        })
-        .collect()
-}
-
-/// Issues call `k` of rank `c` in scope `g`.
-fn issue<'s>(
-    g: &GroupScope<'s>,
-    c: &'s Comm,
-    call: &Call,
-    b: &'s Bufs,
-    stream: &'s Stream,
-) -> oxccl::Result<()> {
-    let out = b.output.slice(FRONT, 4 * call.count)?;
-    let input = b.input.as_ref().map_or(out, |x| x.as_slice());
-    match call.op {
-        Some(op) => g.all_reduce(c, input, out, call.count, DataType::U32, op, stream),
-        None => g.broadcast(c, Some(input), out, call.count, DataType::U32, 1, stream),
-    }
-}
-
-/// Every output exact between untouched guards.
-fn check(calls: &[Call], bufs: &[Bufs], r: usize, n: usize, what: &str) {
-    for (k, (c, b)) in calls.iter().zip(bufs).enumerate() {
-        let mut want = sentinel(FRONT + 4 * c.count + BACK, k as u8);
-        want[FRONT..FRONT + 4 * c.count].copy_from_slice(&want_of(c, k, n));
-        let got = b.output.to_vec().unwrap();
-        let wrong = got.iter().zip(&want).filter(|(a, b)| a != b).count();
-        assert_eq!(wrong, 0, "{what}: rank {r}, call {k} {c:?}: {wrong} wrong bytes");
-    }
-}
-
-/// Every rank (a thread each) issues `calls` in one scope on one stream; returns each rank's
-/// kernel launches for the scope after checking every output.
-fn run_scope(comms: &[Comm], calls: &[Call], what: &str) -> Vec<u64> {
-    let n = comms.len();
-    let ready = std::sync::Barrier::new(n);
-    common::on_threads(n, |r| {
-        let c = &comms[r];
-        let dev = c.device();
-        let bufs = buffers(dev, calls, r, n);
-        let stream = dev.new_stream().unwrap();
-        ready.wait();
-        let before = c.kernel_launches();
-        oxccl::group::scope(|g| -> oxccl::Result<()> {
-            for (call, b) in calls.iter().zip(&bufs) {
-                issue(g, c, call, b, &stream)?;
-            }
-            Ok(())
-        })
-        .unwrap()
-        .unwrap_or_else(|e| panic!("{what}: rank {r}: {e}"));
-        let launches = c.kernel_launches() - before;
-        stream
-            .synchronize()
-            .unwrap_or_else(|e| panic!("{what}: rank {r}: {e}"));
-        check(calls, &bufs, r, n, what);
-        launches
-    })
-}
-
+/// AllReduces of u32 of `counts` elements: Sum, Sum, Avg, … in turn, out of place and in place
+/// in turn.
 fn all_reduces(counts: &[usize]) -> Vec<Call> {
     counts
         .iter()
         .enumerate()
-        .map(|(k, &count)| Call {
-            op: Some(if k % 3 == 2 { RedOp::Avg } else { RedOp::Sum }),
-            count,
-            in_place: k % 2 == 1,
+        .map(|(k, &count)| {
+            let op = if k % 3 == 2 { RedOp::Avg } else { RedOp::Sum };
+            ar(Op::B(op), DataType::U32, count, k % 2 == 1)
         })
         .collect()
 }
@@ -223,18 +103,17 @@ fn another_kernel_entry_starts_another_launch() {
     env.set(&[("NCCL_PROTO", "Simple")]);
     let comms = common::init_all(&Device::cpus(3)).unwrap();
     let mut calls = all_reduces(&[100, 2000, 30]);
-    calls.extend([
-        Call {
-            op: None,
-            count: 500,
-            in_place: false,
-        },
-        Call {
-            op: None,
-            count: 7,
-            in_place: true,
-        },
-    ]);
+    let bcast = |count, in_place| {
+        call(
+            Func::Broadcast,
+            Op::B(RedOp::Sum),
+            DataType::U32,
+            count,
+            1,
+            in_place,
+        )
+    };
+    calls.extend([bcast(500, false), bcast(7, true)]);
     calls.extend(all_reduces(&[9, 4096]));
     assert_eq!(run_scope(&comms, &calls, "mixed"), vec![3; 3]);
 }

@@ -6,7 +6,9 @@
 //! calls; batches split at 32 works; tree batches over simulated nodes; batches over SHM and
 //! NET; several communicators and a split in one scope issued by one thread; works of very
 //! different channel counts; an abort while a batch waits for a rank that never launches; and
-//! eager calls on a second stream of the rank ordered with a batch.
+//! eager calls on a second stream of the rank ordered with a batch. Its call model (any
+//! collective, operator and type; buffers, issue, exact check, [`run_scope`]) serves
+//! `aggregation` too.
 use crate::common;
 
 use common::env::Env;
@@ -30,14 +32,14 @@ const VARS: &[&str] = &[
 /// A call's operator: a built-in one, PreMulSum with the host scalar `rank + 1`, or with the
 /// device scalar `nranks - rank`.
 #[derive(Clone, Copy, Debug, PartialEq)]
-enum Op {
+pub(super) enum Op {
     B(RedOp),
     Pre,
     PreDev,
 }
 
 #[derive(Clone, Copy, Debug)]
-struct Call {
+pub(super) struct Call {
     func: Func,
     op: Op,
     dtype: DataType,
@@ -46,7 +48,7 @@ struct Call {
     in_place: bool,
 }
 
-fn call(func: Func, op: Op, dtype: DataType, count: usize, root: usize, in_place: bool) -> Call {
+pub(super) fn call(func: Func, op: Op, dtype: DataType, count: usize, root: usize, in_place: bool) -> Call {
     Call {
         func,
         op,
@@ -57,7 +59,7 @@ fn call(func: Func, op: Op, dtype: DataType, count: usize, root: usize, in_place
     }
 }
 
-fn ar(op: Op, dtype: DataType, count: usize, in_place: bool) -> Call {
+pub(super) fn ar(op: Op, dtype: DataType, count: usize, in_place: bool) -> Call {
     call(Func::AllReduce, op, dtype, count, 0, in_place)
 }
 
@@ -159,9 +161,9 @@ fn want(c: &Call, k: usize, r: usize, n: usize, salt: u8) -> Vec<Option<u8>> {
     w
 }
 
-struct Bufs {
-    input: Option<DeviceBuffer>,
-    output: DeviceBuffer,
+pub(super) struct Bufs {
+    pub(super) input: Option<DeviceBuffer>,
+    pub(super) output: DeviceBuffer,
     scalar: DeviceBuffer,
 }
 
@@ -169,7 +171,7 @@ fn salt(k: usize) -> u8 {
     (k * 7 + 3) as u8
 }
 
-fn buffers(dev: Device, calls: &[Call], r: usize, n: usize) -> Vec<Bufs> {
+pub(super) fn buffers(dev: Device, calls: &[Call], r: usize, n: usize) -> Vec<Bufs> {
     calls
         .iter()
         .enumerate()
@@ -201,7 +203,13 @@ fn buffers(dev: Device, calls: &[Call], r: usize, n: usize) -> Vec<Bufs> {
 }
 
 /// Issues call `c` of `comm`'s rank in scope `g`.
-fn issue<'s>(g: &GroupScope<'s>, comm: &'s Comm, c: &Call, b: &'s Bufs, s: &'s Stream) -> oxccl::Result<()> {
+pub(super) fn issue<'s>(
+    g: &GroupScope<'s>,
+    comm: &'s Comm,
+    c: &Call,
+    b: &'s Bufs,
+    s: &'s Stream,
+) -> oxccl::Result<()> {
     let (r, n, es) = (comm.rank(), comm.nranks(), c.dtype.size());
     let (ni, no) = sizes(c, n);
     let out = b.output.slice(FRONT, no * es)?;
@@ -226,11 +234,10 @@ fn issue<'s>(g: &GroupScope<'s>, comm: &'s Comm, c: &Call, b: &'s Bufs, s: &'s S
         Func::ReduceScatter => g.reduce_scatter(comm, input, recv, cnt, d, op, s),
         Func::Broadcast => g.broadcast(comm, (r == root).then_some(input), recv, cnt, d, root, s),
         Func::Reduce => g.reduce(comm, input, (r == root).then_some(recv), cnt, d, op, root, s),
-        f => panic!("no issue for {f:?}"),
     }
 }
 
-fn check(calls: &[Call], bufs: &[Bufs], r: usize, n: usize, what: &str) {
+pub(super) fn check(calls: &[Call], bufs: &[Bufs], r: usize, n: usize, what: &str) {
     for (k, (c, b)) in calls.iter().zip(bufs).enumerate() {
         let w = want(c, k, r, n, salt(k));
         let got = b.output.to_vec().unwrap();
@@ -250,7 +257,7 @@ fn check(calls: &[Call], bufs: &[Bufs], r: usize, n: usize, what: &str) {
 
 /// Every rank (a thread each) issues `calls` in one scope on one stream; checks every output and
 /// returns each rank's kernel launches for the scope.
-fn run_scope(comms: &[Comm], calls: &[Call], what: &str) -> Vec<u64> {
+pub(super) fn run_scope(comms: &[Comm], calls: &[Call], what: &str) -> Vec<u64> {
     let n = comms.len();
     let ready = std::sync::Barrier::new(n);
     common::on_threads(n, |r| {
