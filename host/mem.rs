@@ -42,7 +42,7 @@ impl Device {
         Ok(DeviceBuffer {
             device: *self,
             bytes,
-            alloc,
+            alloc: ManuallyDrop::new(alloc),
         })
     }
     /// Creates a stream on this device.
@@ -68,7 +68,8 @@ const HOST_FREE_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
 pub struct DeviceBuffer {
     device: Device,
     bytes: usize,
-    alloc: Alloc,
+    /// Dropped (or moved out, when a group still holds the buffer) by [`DeviceBuffer`]'s drop.
+    alloc: ManuallyDrop<Alloc>,
 }
 
 impl DeviceBuffer {
@@ -86,7 +87,7 @@ impl DeviceBuffer {
     }
     /// Base address (a `CUdeviceptr` on CUDA, a host address on the CPU target).
     pub fn addr(&self) -> u64 {
-        match &self.alloc {
+        match &*self.alloc {
             Alloc::Cuda(a) => a.ptr,
             Alloc::Host(h) => h.addr(),
         }
@@ -120,7 +121,7 @@ impl DeviceBuffer {
     /// first.
     pub fn write(&self, off: usize, data: &[u8]) -> Result<()> {
         self.slice(off, data.len())?;
-        match &self.alloc {
+        match &*self.alloc {
             Alloc::Cuda(a) => a.write(off, data),
             Alloc::Host(h) => {
                 // SAFETY: bounds checked above; the caller synchronized users of the buffer.
@@ -134,7 +135,7 @@ impl DeviceBuffer {
     /// Copies bytes from offset `off` into `out`, synchronously (after synchronizing streams).
     pub fn read(&self, off: usize, out: &mut [u8]) -> Result<()> {
         self.slice(off, out.len())?;
-        match &self.alloc {
+        match &*self.alloc {
             Alloc::Cuda(a) => {
                 let ctx = cuda::Context::get(match self.device {
                     Device::Cuda(o) => o,
@@ -163,7 +164,7 @@ impl DeviceBuffer {
     }
     /// Fills the whole buffer with `byte`, synchronously.
     pub fn fill(&self, byte: u8) -> Result<()> {
-        match (&self.alloc, self.device) {
+        match (&*self.alloc, self.device) {
             (Alloc::Cuda(a), Device::Cuda(o)) => {
                 cuda::memset(&*cuda::Context::get(o)?, a.ptr, byte, self.bytes)
             }
@@ -178,18 +179,38 @@ impl Drop for DeviceBuffer {
     /// collective queued on a buffer that is dropped before `synchronize` still reads live
     /// memory; work queued later is not waited for); if those are not done within
     /// `HOST_FREE_WAIT` (30 s) the memory is leaked with a warning rather than freed under a running
-    /// operation.
+    /// operation. A buffer that a group's queued sends or receives still name (issued inside
+    /// [`crate::group_start`], not yet run) is freed only after the group's outermost end has
+    /// queued them (`group/held.rs`).
     fn drop(&mut self) {
-        let Alloc::Host(h) = &mut self.alloc else {
+        let (addr, device, bytes) = (self.addr(), self.device, self.bytes);
+        let alloc = &mut self.alloc;
+        let parked = crate::group::held::park_if_held(addr, bytes as u64, || DeviceBuffer {
+            device,
+            bytes,
+            // SAFETY: taken once; `park_if_held` returns true after taking it, and then this
+            // drop touches `self.alloc` no more.
+            alloc: ManuallyDrop::new(unsafe { ManuallyDrop::take(alloc) }),
+        });
+        if parked {
             return;
-        };
-        let device = match self.device {
-            Device::Cpu(i) => i,
-            Device::Cuda(_) => return,
+        }
+        let device = match (&mut *self.alloc, self.device) {
+            (Alloc::Host(_), Device::Cpu(i)) => i,
+            _ => {
+                // SAFETY: dropped once, here; `self.alloc` is not used after drop.
+                unsafe { ManuallyDrop::drop(&mut self.alloc) };
+                return;
+            }
         };
         if crate::cpu::wait_queued_work(device, HOST_FREE_WAIT) {
-            // SAFETY: dropped once, here; `self.alloc` is not used after drop.
-            unsafe { ManuallyDrop::drop(h) }
+            // SAFETY: dropped once, here; `self.alloc` is not used after drop. (The host memory
+            // inside is freed by dropping it: `Alloc::Host` holds it in a `ManuallyDrop`.)
+            unsafe {
+                if let Alloc::Host(h) = &mut *self.alloc {
+                    ManuallyDrop::drop(h);
+                }
+            }
         } else {
             tracing::warn!(
                 target: "oxccl::alloc",
@@ -256,13 +277,11 @@ pub enum Stream {
 }
 
 impl Stream {
-    /// Another handle to this stream, which does not destroy it when dropped (a queued
-    /// point-to-point call keeps one until its group ends).
+    /// Another handle to this stream that keeps it alive (a queued point-to-point call keeps
+    /// one until its group ends, so a stream dropped inside the group is destroyed after that).
     pub(crate) fn handle(&self) -> Stream {
         match self {
-            // SAFETY: the raw stream is this one's, of the same context; callers keep the
-            // stream alive while the handle is used (the group's contract).
-            Stream::Cuda(s) => Stream::Cuda(unsafe { cuda::Stream::from_raw(&s.ctx, s.raw) }),
+            Stream::Cuda(s) => Stream::Cuda(s.share()),
             Stream::Cpu(s) => Stream::Cpu(s.clone()),
         }
     }

@@ -477,7 +477,29 @@ impl Drop for HostMapped {
 pub struct Stream {
     pub(crate) raw: sys::CUstream,
     pub(crate) ctx: Arc<Context>,
-    owned: bool,
+    /// For a stream this library created: destroys it when the last [`Stream`] sharing it
+    /// ([`Stream::share`]) is dropped. `None` for a stream created elsewhere.
+    owner: Option<Arc<DestroyStream>>,
+}
+
+/// Destroys its stream when dropped.
+struct DestroyStream {
+    raw: sys::CUstream,
+    ctx: Arc<Context>,
+}
+// SAFETY: a stream handle may be destroyed from any thread with its context bound.
+unsafe impl Send for DestroyStream {}
+// SAFETY: as above; it is only read.
+unsafe impl Sync for DestroyStream {}
+
+impl Drop for DestroyStream {
+    fn drop(&mut self) {
+        if self.ctx.bind().is_ok()
+            && let Err(e) = cu!(cuStreamDestroy_v2(self.raw))
+        {
+            tracing::warn!(target: "oxccl::init", "destroying a stream: {e}");
+        }
+    }
 }
 // SAFETY: streams may be used from any thread with their context bound.
 unsafe impl Send for Stream {}
@@ -496,8 +518,18 @@ impl Stream {
         Ok(Stream {
             raw,
             ctx: ctx.clone(),
-            owned: true,
+            owner: Some(Arc::new(DestroyStream { raw, ctx: ctx.clone() })),
         })
+    }
+    /// Another handle to this stream that keeps it alive (a stream this library created is
+    /// destroyed when its last handle is dropped): what a call queued past its return (a
+    /// group's send or receive) keeps. A stream created elsewhere stays the caller's to keep.
+    pub fn share(&self) -> Stream {
+        Stream {
+            raw: self.raw,
+            ctx: self.ctx.clone(),
+            owner: self.owner.clone(),
+        }
     }
     /// Wraps a stream created elsewhere (not destroyed on drop).
     ///
@@ -507,7 +539,7 @@ impl Stream {
         Stream {
             raw,
             ctx: ctx.clone(),
-            owned: false,
+            owner: None,
         }
     }
     /// The context (device) of this stream.
@@ -690,17 +722,6 @@ impl Drop for Graph {
             && let Err(e) = cu!(cuGraphDestroy(self.graph))
         {
             tracing::warn!(target: "oxccl::init", "destroying a CUDA graph: {e}");
-        }
-    }
-}
-
-impl Drop for Stream {
-    fn drop(&mut self) {
-        if self.owned
-            && self.ctx.bind().is_ok()
-            && let Err(e) = cu!(cuStreamDestroy_v2(self.raw))
-        {
-            tracing::warn!(target: "oxccl::init", "destroying a stream: {e}");
         }
     }
 }

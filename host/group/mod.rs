@@ -24,9 +24,12 @@
 //! inside a group, how one thread creates several ranks): the outermost end creates them
 //! together, before it launches the group's sends and receives (`init.rs`).
 //!
-//! A group's calls of one communicator must use one stream. The buffers, streams and
-//! communicators of the queued calls must stay alive until the group ends (and the buffers
-//! until the stream has run the work, as for every call).
+//! A group's calls of one communicator must use one stream. A queued call keeps what it runs
+//! on: its communicator's launch resources and memory, its stream (destroyed after the group's
+//! end when dropped inside it), and its buffer — a [`crate::DeviceBuffer`] dropped inside the
+//! group is freed only after the outermost end has queued the group's work (`held.rs`), and
+//! then after that work, as every buffer is. Raw addresses ([`crate::Comm::send_raw`]) stay the
+//! caller's to keep valid.
 use crate::comm::P2pTarget;
 use crate::error::{Error, Result};
 use crate::mem::Stream;
@@ -35,6 +38,7 @@ use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 mod collectives;
+pub(crate) mod held;
 mod init;
 mod scope;
 pub use collectives::{CollTask, launch_collectives};
@@ -66,6 +70,16 @@ struct Group {
     queued: Vec<Queued>,
     /// The communicator inits issued inside the group ([`init_rank`]).
     inits: Vec<init::Deferred>,
+}
+
+impl Drop for Group {
+    /// A thread that exits inside a group drops its queued calls unrun; the memory they held is
+    /// released.
+    fn drop(&mut self) {
+        if self.depth > 0 {
+            held::release(self.id);
+        }
+    }
 }
 
 /// The last id given to an outermost group of any thread.
@@ -108,7 +122,9 @@ pub fn group_end() -> Result<()> {
 /// wait for them); the group's error is the first of the inits', `before_launch`'s and the
 /// launch's. At an inner end `before_launch` does not run.
 pub fn group_end_then(before_launch: impl FnOnce() -> Result<()>) -> Result<()> {
-    let (outermost, inits, queued) = end_level_outermost("group_end")?;
+    // Held until the queued calls are launched (or refused): buffers dropped inside the group
+    // are freed after that.
+    let (outermost, inits, queued, _held) = end_level_outermost("group_end")?;
     let inited = init::run(inits);
     if !outermost {
         return inited;
@@ -140,22 +156,19 @@ pub fn abandon_end() -> Result<()> {
 
 /// [`simulate_end`] and [`abandon_end`]: `what` names the call, `why` the log's reason.
 fn end_dropping(what: &str, why: &str) -> Result<()> {
-    let (inits, queued) = end_level(what)?;
+    let (_, inits, queued, held) = end_level_outermost(what)?;
     if !queued.is_empty() {
         tracing::debug!(target: "oxccl::group", calls = queued.len(), "{why}: its sends and receives are dropped");
     }
     drop(queued);
+    drop(held);
     init::run(inits)
 }
 
-/// Ends one level of this thread's group (`what` names the call in the error); at the
-/// outermost end, takes the group's inits and queued calls.
-fn end_level(what: &str) -> Result<(Vec<init::Deferred>, Vec<Queued>)> {
-    end_level_outermost(what).map(|(_, inits, queued)| (inits, queued))
-}
-
-/// [`end_level`], also saying whether this was the outermost end.
-fn end_level_outermost(what: &str) -> Result<(bool, Vec<init::Deferred>, Vec<Queued>)> {
+/// Ends one level of this thread's group (`what` names the call in the error): whether this
+/// was the outermost end, and there the group's inits and queued calls, and what releases the
+/// memory its calls hold (`held.rs`) once dropped.
+fn end_level_outermost(what: &str) -> Result<(bool, Vec<init::Deferred>, Vec<Queued>, held::ReleaseOnDrop)> {
     GROUP.with(|g| {
         let mut g = g.borrow_mut();
         if g.depth == 0 {
@@ -163,9 +176,14 @@ fn end_level_outermost(what: &str) -> Result<(bool, Vec<init::Deferred>, Vec<Que
         }
         g.depth -= 1;
         Ok(if g.depth == 0 {
-            (true, std::mem::take(&mut g.inits), std::mem::take(&mut g.queued))
+            (
+                true,
+                std::mem::take(&mut g.inits),
+                std::mem::take(&mut g.queued),
+                held::ReleaseOnDrop(Some(g.id)),
+            )
         } else {
-            (false, Vec::new(), Vec::new())
+            (false, Vec::new(), Vec::new(), held::ReleaseOnDrop(None))
         })
     })
 }
@@ -206,6 +224,7 @@ pub(crate) fn enqueue(q: Queued) -> Result<()> {
         if g.depth == 0 {
             Some(q)
         } else {
+            held::hold(g.id, q.op.buff, q.op.bytes);
             g.queued.push(q);
             None
         }

@@ -29,6 +29,7 @@ mod gpu_collectives;
 mod gpu_direct;
 mod gpu_tree;
 mod fp8_math;
+mod group_buffers;
 mod group_scope;
 mod half_math;
 mod in_process;
