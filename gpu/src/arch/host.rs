@@ -5,7 +5,7 @@
 //! memory accesses.
 use super::Pack;
 use core::cell::Cell;
-use core::sync::atomic::{AtomicU32, AtomicU64, Ordering, fence};
+use core::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering, fence};
 use std::sync::{Condvar, Mutex};
 use std::vec::Vec;
 
@@ -18,28 +18,46 @@ std::thread_local! {
     static THREAD: Cell<(u32, *const Team)> = const { Cell::new((0, core::ptr::null())) };
 }
 
-/// A barrier of `n` host threads that a trapping member breaks: the others then trap too
-/// instead of waiting forever (a GPU trap ends the whole kernel).
+/// A barrier of `n` threads of one team that a trapping member breaks: the others then trap too
+/// instead of waiting forever (a GPU trap ends the whole kernel). An exited thread no longer
+/// holds the barrier back (as on the GPU, where `bar.sync` does not wait for exited threads).
 struct Barrier {
     n: u32,
-    /// (threads arrived, generation, broken, threads exited). An exited thread no longer holds
-    /// the barrier back (as on the GPU, where `bar.sync` does not wait for exited threads).
+    /// Whether the members are fibers of one host thread (else host threads of their own).
+    fibers: bool,
+    /// Host-thread teams: (threads arrived, generation, broken, threads exited).
     state: Mutex<(u32, u64, bool, u32)>,
     cv: Condvar,
+    /// Fiber teams: the same state, touched by one host thread only (relaxed loads and stores,
+    /// no lock), and read by its fiber scheduler to leave a fiber that waits here parked until
+    /// the generation changes or the barrier breaks.
+    arrived: AtomicU32,
+    exited: AtomicU32,
+    generation: AtomicU64,
+    broken: AtomicBool,
 }
 
 impl Barrier {
-    fn new(n: u32) -> Self {
+    fn new(n: u32, fibers: bool) -> Self {
         Barrier {
             n,
+            fibers,
             state: Mutex::new((0, 0, false, 0)),
             cv: Condvar::new(),
+            arrived: AtomicU32::new(0),
+            exited: AtomicU32::new(0),
+            generation: AtomicU64::new(0),
+            broken: AtomicBool::new(false),
         }
     }
 
-    /// Waits until all `n` threads have arrived; the mutex orders every thread's earlier memory
-    /// operations before every thread's later ones (as `bar.sync` does for a block).
+    /// Waits until all `n` threads have arrived; every thread's earlier memory operations are
+    /// ordered before every thread's later ones (as `bar.sync` does for a block): by the mutex
+    /// for host threads, by running on one host thread for fibers.
     fn wait(&self) {
+        if self.fibers {
+            return self.wait_fiber();
+        }
         let mut g = self.state.lock().unwrap_or_else(|e| e.into_inner());
         if g.2 {
             drop(g);
@@ -50,21 +68,11 @@ impl Barrier {
         if g.0 + g.3 >= self.n {
             g.0 = 0;
             g.1 += 1;
-            self.notify();
+            self.cv.notify_all();
             return;
         }
-        if fiber::active() {
-            // The teammates are fibers of this host thread: let them run until the last one
-            // arrives.
-            while g.1 == generation && !g.2 {
-                drop(g);
-                fiber::suspend(false);
-                g = self.state.lock().unwrap_or_else(|e| e.into_inner());
-            }
-        } else {
-            while g.1 == generation && !g.2 {
-                g = self.cv.wait(g).unwrap_or_else(|e| e.into_inner());
-            }
+        while g.1 == generation && !g.2 {
+            g = self.cv.wait(g).unwrap_or_else(|e| e.into_inner());
         }
         if g.1 == generation {
             drop(g);
@@ -72,28 +80,57 @@ impl Barrier {
         }
     }
 
-    /// Wakes the members waiting on the condition variable: only host-thread teams do (fibers
-    /// poll the state when resumed), and a wake is a system call.
-    fn notify(&self) {
-        if !fiber::active() {
-            self.cv.notify_all();
+    /// [`wait`](Self::wait) of a fiber team: the teammates are fibers of this host thread, so
+    /// the state needs no lock; the waiting fiber is parked until the last one arrives.
+    fn wait_fiber(&self) {
+        if self.broken.load(Ordering::Relaxed) {
+            trap();
+        }
+        let generation = self.generation.load(Ordering::Relaxed);
+        let arrived = self.arrived.load(Ordering::Relaxed) + 1;
+        if arrived + self.exited.load(Ordering::Relaxed) >= self.n {
+            self.arrived.store(0, Ordering::Relaxed);
+            self.generation.store(generation + 1, Ordering::Relaxed);
+            return;
+        }
+        self.arrived.store(arrived, Ordering::Relaxed);
+        while self.generation.load(Ordering::Relaxed) == generation && !self.broken.load(Ordering::Relaxed) {
+            fiber::park(self, generation);
+        }
+        if self.generation.load(Ordering::Relaxed) == generation {
+            trap();
         }
     }
 
     fn break_all(&self) {
+        if self.fibers {
+            self.broken.store(true, Ordering::Relaxed);
+            return;
+        }
         let mut g = self.state.lock().unwrap_or_else(|e| e.into_inner());
         g.2 = true;
-        self.notify();
+        self.cv.notify_all();
     }
 
     /// A member's body returned: the others no longer wait for it.
     fn exit(&self) {
+        if self.fibers {
+            let exited = self.exited.load(Ordering::Relaxed) + 1;
+            self.exited.store(exited, Ordering::Relaxed);
+            let arrived = self.arrived.load(Ordering::Relaxed);
+            if arrived > 0 && arrived + exited >= self.n {
+                self.arrived.store(0, Ordering::Relaxed);
+                let generation = self.generation.load(Ordering::Relaxed);
+                self.generation.store(generation + 1, Ordering::Relaxed);
+            }
+            return;
+        }
         let mut g = self.state.lock().unwrap_or_else(|e| e.into_inner());
         g.3 += 1;
         if g.0 > 0 && g.0 + g.3 >= self.n {
             g.0 = 0;
             g.1 += 1;
-            self.notify();
+            self.cv.notify_all();
         }
     }
 }
@@ -127,15 +164,16 @@ impl Team {
         self.warps[(tid / WARP) as usize].barrier.exit();
     }
 
-    fn new(nthreads: u32) -> Self {
+    /// A team of `nthreads` threads; `fibers`: fibers of one host thread (see [`TeamKind`]).
+    fn new(nthreads: u32, fibers: bool) -> Self {
         Team {
             nthreads,
-            block: Barrier::new(nthreads),
+            block: Barrier::new(nthreads, fibers),
             warps: (0..nthreads.div_ceil(WARP))
                 .map(|w| {
                     let lanes = (nthreads - w * WARP).min(WARP);
                     Warp {
-                        barrier: Barrier::new(lanes),
+                        barrier: Barrier::new(lanes, fibers),
                         lanes,
                         slots: core::array::from_fn(|_| AtomicU32::new(0)),
                     }
@@ -192,9 +230,11 @@ pub enum TeamKind {
 /// is false too, and runs nothing.
 pub fn run_block_threads(bid: u32, nthreads: u32, kind: TeamKind, body: impl Fn(u32) -> bool + Sync) -> bool {
     let nthreads = nthreads.max(1);
-    let team = Team::new(nthreads);
-    // One thread needs no team switching: run it directly (it still sees its team).
-    if kind == TeamKind::Fibers && nthreads > 1 {
+    let fibers = kind == TeamKind::Fibers && nthreads > 1;
+    let team = Team::new(nthreads, fibers);
+    // A fiber team runs on this host thread; a team of one thread needs no switching and runs
+    // directly below (it still sees its team).
+    if fibers {
         BLOCK_IDX.with(|b| b.set(bid));
         return fiber::run_team(&team, &body);
     }
@@ -233,7 +273,7 @@ pub fn run_block_threads(bid: u32, nthreads: u32, kind: TeamKind, body: impl Fn(
 /// one runs. Once a round of the block saw a fiber spin-wait (for memory another host thread
 /// writes), the host thread yields its core.
 mod fiber {
-    use super::{THREAD, Team};
+    use super::{Barrier, THREAD, Team};
     use core::cell::Cell;
     use corosensei::stack::DefaultStack;
     use corosensei::{Coroutine, CoroutineResult, Yielder};
@@ -258,6 +298,30 @@ mod fiber {
         static YIELDER: Cell<*const Yielder<(), ()>> = const { Cell::new(core::ptr::null()) };
         /// Whether a fiber spin-waited since the scheduler last looked.
         static SPUN: Cell<bool> = const { Cell::new(false) };
+        /// The barrier (and its generation) the fiber that just suspended waits on, if any.
+        static PARKED: Cell<Option<(*const Barrier, u64)>> = const { Cell::new(None) };
+    }
+
+    /// Suspends the calling fiber until `barrier` has left `generation` (or broke): the
+    /// scheduler does not resume it before, so a block whose other threads wait at a barrier
+    /// costs nothing per round while one of them spin-waits. Outside a fiber it does nothing.
+    pub fn park(barrier: &Barrier, generation: u64) {
+        if !active() {
+            return;
+        }
+        PARKED.with(|p| p.set(Some((barrier as *const Barrier, generation))));
+        suspend(false);
+    }
+
+    /// Whether a fiber parked at `(barrier, generation)` must stay suspended.
+    fn still_parked(parked: Option<(*const Barrier, u64)>) -> bool {
+        parked.is_some_and(|(b, generation)| {
+            // SAFETY: the barrier belongs to the team, which outlives its fibers and the
+            // scheduler's loop over them.
+            let b = unsafe { &*b };
+            b.generation.load(core::sync::atomic::Ordering::Relaxed) == generation
+                && !b.broken.load(core::sync::atomic::Ordering::Relaxed)
+        })
     }
 
     /// Whether the caller is a fiber of a team.
@@ -332,11 +396,23 @@ mod fiber {
         }
         let mut ok = true;
         let mut live = fibers.len();
+        let mut parked: Vec<Option<(*const Barrier, u64)>> = std::vec![None; fibers.len()];
+        // A round that resumed no fiber (every live one parked: the block cannot go on, as on
+        // a GPU) resumes all of them in the next, as if none were parked.
+        let mut force = false;
         while live > 0 {
             SPUN.with(|c| c.set(false));
-            for slot in fibers.iter_mut() {
+            let mut resumed = false;
+            for (slot, park) in fibers.iter_mut().zip(parked.iter_mut()) {
                 let Some(f) = slot else { continue };
-                match f.resume(()) {
+                if !force && still_parked(*park) {
+                    continue;
+                }
+                resumed = true;
+                PARKED.with(|p| p.set(None));
+                let step = f.resume(());
+                *park = PARKED.with(|p| p.take());
+                match step {
                     CoroutineResult::Yield(()) => {}
                     CoroutineResult::Return(r) => {
                         ok &= r;
@@ -347,7 +423,8 @@ mod fiber {
                     }
                 }
             }
-            if SPUN.with(|c| c.get()) {
+            force = !resumed;
+            if SPUN.with(|c| c.get()) || force {
                 std::thread::yield_now();
             }
         }
@@ -930,6 +1007,32 @@ mod tests {
                 true
             });
             assert!(ok);
+        }
+    }
+
+    /// Threads already waiting at a barrier (parked, for fibers) go on when the last missing
+    /// thread returns instead of arriving: thread 63 spins until the 63 others are about to
+    /// wait, then exits; every one of them passes the barrier once.
+    #[test]
+    fn threads_waiting_at_a_barrier_go_on_when_the_last_one_exits() {
+        for kind in KINDS {
+            let before = AtomicU32::new(0);
+            let after = AtomicU32::new(0);
+            let ok = run_block_threads(0, 64, kind, |tid| {
+                if tid == 63 {
+                    while before.load(Ordering::Acquire) != 63 {
+                        spin_pause();
+                    }
+                    return true;
+                }
+                before.fetch_add(1, Ordering::AcqRel);
+                // SAFETY: every thread but 63, which exits, reaches the barrier.
+                unsafe { sync_threads() };
+                after.fetch_add(1, Ordering::AcqRel);
+                true
+            });
+            assert!(ok, "{kind:?}");
+            assert_eq!(after.load(Ordering::Relaxed), 63, "{kind:?}");
         }
     }
 }
