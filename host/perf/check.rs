@@ -48,12 +48,7 @@ pub fn fill_input(
         return None;
     }
     let key = rank_key(seed, rank);
-    let size = dtype.size();
-    let mut out = Vec::with_capacity(count.saturating_mul(size));
-    for i in 0..count {
-        push_bits(&mut out, gen_bits(dtype, op, rank, nranks, i, key), size);
-    }
-    Some(out)
+    Some(elems(dtype, count, |i| gen_bits(dtype, op, rank, nranks, i, key)))
 }
 
 /// The exact expected output of `func` over the inputs [`fill_input`] gives ranks `0..nranks` with
@@ -76,16 +71,13 @@ pub fn expected(
         return None;
     }
     let keys: Vec<u64> = (0..nranks).map(|r| rank_key(seed, r)).collect();
-    let size = dtype.size();
-    let mut out = Vec::with_capacity(count.saturating_mul(size));
-    for i in 0..count {
+    Some(elems(dtype, count, |i| {
         let vals = keys
             .iter()
             .enumerate()
             .map(|(r, &key)| gen_bits(dtype, op, r, nranks, i, key));
-        push_bits(&mut out, fold_bits(dtype, op, nranks, vals), size);
-    }
-    Some(out)
+        fold_bits(dtype, op, nranks, vals)
+    }))
 }
 
 /// Reference element-wise reduction of arbitrary per-rank buffers, with the same arithmetic as
@@ -100,12 +92,10 @@ pub fn reduce_reference(dtype: DataType, op: RedOp, inputs: &[&[u8]]) -> Option<
     if len % size != 0 || inputs.iter().any(|b| b.len() != len) {
         return None;
     }
-    let mut out = Vec::with_capacity(len);
-    for i in 0..len / size {
+    Some(elems(dtype, len / size, |i| {
         let vals = inputs.iter().map(|b| read_bits(&b[i * size..(i + 1) * size]));
-        push_bits(&mut out, fold_bits(dtype, op, inputs.len(), vals), size);
-    }
-    Some(out)
+        fold_bits(dtype, op, inputs.len(), vals)
+    }))
 }
 
 /// Number of mismatching elements between `got` and `expected` (both byte buffers of `dtype`).
@@ -225,9 +215,10 @@ const fn max_doublings(dtype: DataType) -> usize {
     }
 }
 
-/// Uniform-ish integer in `[-a, a]`.
-fn signed_in(h: u64, a: u64) -> i128 {
-    (h as u128 % (2 * a as u128 + 1)) as i128 - a as i128
+/// Uniform-ish integer in `[-a, a]`, for `a < 2^63` (so `2a + 1` fits in a `u64`): `v − a` for
+/// `v = h mod (2a + 1)` in `[0, 2a]`, computed modulo 2^64 (the result fits in an `i64`).
+fn signed_in(h: u64, a: u64) -> i64 {
+    (h % (2 * a + 1)).wrapping_sub(a) as i64
 }
 
 /// The bits (zero-extended `u64`, low `dtype.size()` bytes significant) of element `i` of `rank`.
@@ -259,16 +250,17 @@ fn gen_int(dtype: DataType, op: RedOp, nranks: usize, h: u64) -> u64 {
         RedOp::Avg => {
             // No overflow: nranks × |value| ≤ the type's max.
             let bits = 8 * dtype.size() as u32;
-            let max: u128 = if signed {
-                (1u128 << (bits - 1)) - 1
+            let max = if signed {
+                u64::MAX >> (65 - bits)
             } else {
-                (1u128 << bits) - 1
+                u64::MAX >> (64 - bits)
             };
-            let a = max / nranks as u128;
+            let a = max / nranks as u64;
             if signed {
-                signed_in(h, a as u64) as i64 as u64
+                signed_in(h, a) as u64
             } else {
-                (h as u128 % (a + 1)) as u64
+                // `a + 1` overflows only for a 64-bit type on one rank: every value is allowed.
+                a.checked_add(1).map_or(h, |m| h % m)
             }
         }
     }
@@ -333,8 +325,23 @@ fn read_bits(b: &[u8]) -> u64 {
     u64::from_le_bytes(le)
 }
 
-fn push_bits(out: &mut Vec<u8>, bits: u64, size: usize) {
-    out.extend_from_slice(&bits.to_le_bytes()[..size]);
+/// `count` elements of `dtype` (`count × dtype.size()` bytes), element `i` the low bytes of
+/// `bits(i)`.
+fn elems(dtype: DataType, count: usize, bits: impl Fn(usize) -> u64) -> Vec<u8> {
+    let mut out = vec![0u8; count.saturating_mul(dtype.size())];
+    match dtype.size() {
+        1 => out.iter_mut().enumerate().for_each(|(i, e)| *e = bits(i) as u8),
+        2 => put::<2>(&mut out, bits),
+        4 => put::<4>(&mut out, bits),
+        _ => put::<8>(&mut out, bits),
+    }
+    out
+}
+
+fn put<const N: usize>(out: &mut [u8], bits: impl Fn(usize) -> u64) {
+    for (i, e) in out.chunks_exact_mut(N).enumerate() {
+        e.copy_from_slice(&bits(i).to_le_bytes()[..N]);
+    }
 }
 
 fn float_from_bits(dtype: DataType, b: u64) -> f64 {
@@ -652,6 +659,18 @@ mod tests {
             big += (want.to_f32().abs() >= 16.0) as usize;
         }
         assert!(big > 0);
+    }
+
+    #[test]
+    fn signed_inputs_reach_both_ends_of_their_range_for_the_widest_type() {
+        // One rank's I64 Avg input range is all of [-(2^63 − 1), 2^63 − 1].
+        let a = i64::MAX as u64;
+        assert_eq!(signed_in(0, a), -i64::MAX);
+        assert_eq!(signed_in(2 * a, a), i64::MAX);
+        assert_eq!(signed_in(a, a), 0);
+        assert_eq!(signed_in(u64::MAX, a), -i64::MAX, "2^64 − 1 wraps to the bottom");
+        assert_eq!(signed_in(7, 3), -3, "7 mod 7 = 0, less 3");
+        assert_eq!(signed_in(13, 3), 3);
     }
 
     #[test]

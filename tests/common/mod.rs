@@ -26,6 +26,7 @@ pub mod capture;
 
 use oxccl::perf::check;
 use oxccl::{Comm, DataType, DevSlice, Device, DeviceBuffer, Func, RedOp, Stream};
+use std::borrow::Cow;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -181,10 +182,17 @@ impl Drop for Watchdog {
 
 /// `front sentinel ++ data ++ back sentinel`.
 fn framed(data: &[u8], salt: u8) -> Vec<u8> {
-    let mut v = sentinel(FRONT, salt);
-    v.extend_from_slice(data);
-    v.extend(sentinel(BACK, salt.wrapping_add(1)));
+    let mut v = Vec::new();
+    frame_into(&mut v, data, salt);
     v
+}
+
+/// [`framed`] into `out` (cleared first), which keeps its allocation for the next frame.
+fn frame_into(out: &mut Vec<u8>, data: &[u8], salt: u8) {
+    out.clear();
+    out.extend(sentinel(FRONT, salt));
+    out.extend_from_slice(data);
+    out.extend(sentinel(BACK, salt.wrapping_add(1)));
 }
 
 /// Where a framed region differs from what was written: the guard bytes before or after the data.
@@ -384,17 +392,17 @@ enum Which {
 /// what it must hold after, and the byte range holding the collective's result (compared with
 /// `check::count_wrong`, i.e. with the float-Avg tolerance; every other byte must be bitwise
 /// unchanged).
-struct Region {
+struct Region<'a> {
     which: Which,
-    init: Vec<u8>,
-    want: Vec<u8>,
+    init: Cow<'a, [u8]>,
+    want: Cow<'a, [u8]>,
     result: std::ops::Range<usize>,
 }
 
 /// One rank's part of one case: the buffers written (the receive buffer is not used in place) and
 /// the call's arguments as (buffer, byte offset into the data part, byte length).
-struct RankCase {
-    regions: Vec<Region>,
+struct RankCase<'a> {
+    regions: Vec<Region<'a>>,
     send: Option<(Which, usize, usize)>,
     recv: Option<(Which, usize, usize)>,
 }
@@ -406,8 +414,11 @@ struct RankCase {
 /// the same reduction over `nranks × count` elements (element `i` of the reduction only depends
 /// on element `i` of every input, so block `r` is the prefix's slice `[r·count, (r+1)·count)`);
 /// Broadcast expects the root's input; AllGather the ranks' inputs concatenated in rank order.
+///
+/// `poison` holds `check::poison(dtype, k)` for some `k ≥ nranks × count` (the poison is one
+/// byte value per type, so its prefixes are the poison of fewer elements).
 #[allow(clippy::too_many_arguments)]
-fn plan_rank(
+fn plan_rank<'a>(
     func: Func,
     nranks: usize,
     r: usize,
@@ -415,49 +426,52 @@ fn plan_rank(
     count: usize,
     dtype: DataType,
     in_place: bool,
-    inputs: &[Vec<u8>],
-    exp_all: &[u8],
-) -> RankCase {
+    inputs: &'a [Vec<u8>],
+    exp_all: &'a [u8],
+    poison: &'a [u8],
+) -> RankCase<'a> {
     use Which::{Recv, Send};
     let b = count * dtype.size();
     let nb = nranks * b;
-    let poison = |elems| check::poison(dtype, elems);
+    let poison = |elems: usize| Cow::Borrowed(&poison[..elems * dtype.size()]);
     let own = &inputs[r];
-    let region = |which, init: Vec<u8>, want: Vec<u8>, result| Region {
+    let region = |which, init: Cow<'a, [u8]>, want: Cow<'a, [u8]>, result| Region {
         which,
         init,
         want,
         result,
     };
-    let unchanged = |which, data: &[u8]| region(which, data.to_vec(), data.to_vec(), 0..0);
+    let unchanged = |which, data: Cow<'a, [u8]>| region(which, data.clone(), data, 0..0);
     let gathered = || {
-        inputs
-            .iter()
-            .flat_map(|v| v[..b].iter().copied())
-            .collect::<Vec<u8>>()
+        Cow::Owned(
+            inputs
+                .iter()
+                .flat_map(|v| v[..b].iter().copied())
+                .collect::<Vec<u8>>(),
+        )
     };
+    let own_b = Cow::Borrowed(&own[..b]);
+    // Only the reducing collectives have expected results (`exp_all` is empty for copies).
+    let exp_b = || Cow::Borrowed(&exp_all[..b]);
     match (func, in_place) {
         (Func::AllReduce, false) => RankCase {
-            regions: vec![
-                unchanged(Send, &own[..b]),
-                region(Recv, poison(count), exp_all[..b].to_vec(), 0..b),
-            ],
+            regions: vec![unchanged(Send, own_b), region(Recv, poison(count), exp_b(), 0..b)],
             send: Some((Send, 0, b)),
             recv: Some((Recv, 0, b)),
         },
         (Func::AllReduce, true) => RankCase {
-            regions: vec![region(Send, own[..b].to_vec(), exp_all[..b].to_vec(), 0..b)],
+            regions: vec![region(Send, own_b, exp_b(), 0..b)],
             send: Some((Send, 0, b)),
             recv: Some((Send, 0, b)),
         },
         // Non-root ranks pass no receive buffer; theirs (poisoned) must stay untouched.
         (Func::Reduce, false) => RankCase {
             regions: vec![
-                unchanged(Send, &own[..b]),
+                unchanged(Send, own_b),
                 if r == root {
-                    region(Recv, poison(count), exp_all[..b].to_vec(), 0..b)
+                    region(Recv, poison(count), exp_b(), 0..b)
                 } else {
-                    unchanged(Recv, &poison(count))
+                    unchanged(Recv, poison(count))
                 },
             ],
             send: Some((Send, 0, b)),
@@ -466,9 +480,9 @@ fn plan_rank(
         // Every rank passes recv == send; only the root's buffer may change.
         (Func::Reduce, true) => RankCase {
             regions: vec![if r == root {
-                region(Send, own[..b].to_vec(), exp_all[..b].to_vec(), 0..b)
+                region(Send, own_b, exp_b(), 0..b)
             } else {
-                unchanged(Send, &own[..b])
+                unchanged(Send, own_b)
             }],
             send: Some((Send, 0, b)),
             recv: Some((Send, 0, b)),
@@ -476,8 +490,8 @@ fn plan_rank(
         // Non-root ranks pass no send buffer; theirs must stay untouched.
         (Func::Broadcast, false) => RankCase {
             regions: vec![
-                unchanged(Send, &own[..b]),
-                region(Recv, poison(count), inputs[root][..b].to_vec(), 0..b),
+                unchanged(Send, own_b),
+                region(Recv, poison(count), Cow::Borrowed(&inputs[root][..b]), 0..b),
             ],
             send: (r == root).then_some((Send, 0, b)),
             recv: Some((Recv, 0, b)),
@@ -486,12 +500,8 @@ fn plan_rank(
         (Func::Broadcast, true) => RankCase {
             regions: vec![region(
                 Send,
-                if r == root {
-                    own[..b].to_vec()
-                } else {
-                    poison(count)
-                },
-                inputs[root][..b].to_vec(),
+                if r == root { own_b } else { poison(count) },
+                Cow::Borrowed(&inputs[root][..b]),
                 0..b,
             )],
             send: Some((Send, 0, b)),
@@ -499,7 +509,7 @@ fn plan_rank(
         },
         (Func::AllGather, false) => RankCase {
             regions: vec![
-                unchanged(Send, &own[..b]),
+                unchanged(Send, own_b),
                 region(Recv, poison(nranks * count), gathered(), 0..nb),
             ],
             send: Some((Send, 0, b)),
@@ -507,18 +517,18 @@ fn plan_rank(
         },
         // In place: send = recv + rank × count elements, the rest of recv poisoned.
         (Func::AllGather, true) => {
-            let mut init = poison(nranks * count);
+            let mut init = poison(nranks * count).into_owned();
             init[r * b..(r + 1) * b].copy_from_slice(&own[..b]);
             RankCase {
-                regions: vec![region(Send, init, gathered(), 0..nb)],
+                regions: vec![region(Send, Cow::Owned(init), gathered(), 0..nb)],
                 send: Some((Send, r * b, b)),
                 recv: Some((Send, 0, nb)),
             }
         }
         (Func::ReduceScatter, false) => RankCase {
             regions: vec![
-                unchanged(Send, &own[..nb]),
-                region(Recv, poison(count), exp_all[r * b..(r + 1) * b].to_vec(), 0..b),
+                unchanged(Send, Cow::Borrowed(&own[..nb])),
+                region(Recv, poison(count), Cow::Borrowed(&exp_all[r * b..(r + 1) * b]), 0..b),
             ],
             send: Some((Send, 0, nb)),
             recv: Some((Recv, 0, b)),
@@ -528,7 +538,12 @@ fn plan_rank(
             let mut want = own[..nb].to_vec();
             want[r * b..(r + 1) * b].copy_from_slice(&exp_all[r * b..(r + 1) * b]);
             RankCase {
-                regions: vec![region(Send, own[..nb].to_vec(), want, r * b..(r + 1) * b)],
+                regions: vec![region(
+                    Send,
+                    Cow::Borrowed(&own[..nb]),
+                    Cow::Owned(want),
+                    r * b..(r + 1) * b,
+                )],
                 send: Some((Send, 0, nb)),
                 recv: Some((Send, r * b, b)),
             }
@@ -606,6 +621,7 @@ pub fn run_collective(test: &str, devices: &[Device], m: &Matrix) {
     let mut refused: Vec<Option<String>> = vec![None; protos.len()];
     let dog = Watchdog::new(test, Duration::from_secs(300));
     let mut failures: Vec<String> = Vec::new();
+    let mut scratch: Vec<u8> = Vec::new();
     let mut nfail = 0usize;
     let mut runs = vec![0usize; protos.len()];
     let t0 = Instant::now();
@@ -642,6 +658,8 @@ pub fn run_collective(test: &str, devices: &[Device], m: &Matrix) {
             continue;
         }
         let td = Instant::now();
+        // Enough poison for the largest output (an AllGather's `n × count` elements).
+        let poison = check::poison(dtype, n * max_count);
         for &op in ops {
             if has_op(func) && m.only.is_some_and(|only| !only.contains(&(dtype, op))) {
                 continue;
@@ -662,10 +680,13 @@ pub fn run_collective(test: &str, devices: &[Device], m: &Matrix) {
             let (owned, exp_all): (Vec<Vec<u8>>, Vec<u8>) = if has_op(func) {
                 dog.step(format!("{func} {dtype} {op} nranks={n}: generating data"));
                 let tg = Instant::now();
-                let inputs = (0..n)
+                let inputs: Vec<Vec<u8>> = (0..n)
                     .map(|r| check::fill_input(Func::AllReduce, dtype, op, r, n, seed, in_elems).unwrap())
                     .collect();
-                let exp = check::expected(Func::AllReduce, dtype, op, n, seed, in_elems).unwrap();
+                // `check::expected` for these inputs (a lib test asserts the two agree), folded
+                // from the inputs instead of generating them again.
+                let refs: Vec<&[u8]> = inputs.iter().map(Vec::as_slice).collect();
+                let exp = check::reduce_reference(dtype, op, &refs).unwrap();
                 t_gen += tg.elapsed();
                 (inputs, exp)
             } else {
@@ -700,7 +721,16 @@ pub fn run_collective(test: &str, devices: &[Device], m: &Matrix) {
                                 in_place,
                                 proto: *proto,
                             };
-                            match run_case(&comms[pi], &bufs, &case, inputs, &exp_all, &what) {
+                            match run_case(
+                                &comms[pi],
+                                &bufs,
+                                &case,
+                                inputs,
+                                &exp_all,
+                                &poison,
+                                &mut scratch,
+                                &what,
+                            ) {
                                 Outcome::Refused(e) => {
                                     skipped!(
                                         "SKIPPED: {test}: {func} on protocol {}: {e}",
@@ -808,12 +838,18 @@ fn call<'a>(
 }
 
 /// One call on every rank, then the checks of [`run_collective`].
+///
+/// `data` holds the inputs, expected results and poison ([`plan_rank`]); `scratch` is a buffer
+/// the frames are written and read through, kept from case to case.
+#[allow(clippy::too_many_arguments)]
 fn run_case(
     comms: &[Comm],
     bufs: &[RankBufs],
     c: &Case<'_>,
     inputs: &[Vec<u8>],
     exp_all: &[u8],
+    poison: &[u8],
+    scratch: &mut Vec<u8>,
     what: &str,
 ) -> Outcome {
     let n = comms.len();
@@ -822,7 +858,7 @@ fn run_case(
     let plans: Vec<RankCase> = (0..n)
         .map(|r| {
             plan_rank(
-                c.func, n, r, c.root, c.count, c.dtype, c.in_place, inputs, exp_all,
+                c.func, n, r, c.root, c.count, c.dtype, c.in_place, inputs, exp_all, poison,
             )
         })
         .collect();
@@ -833,7 +869,8 @@ fn run_case(
             } else {
                 &rk.recv
             };
-            buf.write(0, &framed(&reg.init, salt(reg.which)))
+            frame_into(scratch, &reg.init, salt(reg.which));
+            buf.write(0, scratch)
                 .unwrap_or_else(|e| panic!("{what}: rank {r}: write {:?}: {e}", reg.which));
         }
     }
@@ -908,7 +945,7 @@ fn run_case(
     let t_call = tc.elapsed();
     // Float Avg is accepted within 2 ulps; copies and every other op are bitwise.
     let op_chk = if has_op(c.func) { c.op } else { RedOp::Sum };
-    let mut rank0: Option<Vec<u8>> = None;
+    let mut rank0_differs: Option<Vec<u8>> = None;
     for (r, (rk, plan)) in bufs.iter().zip(&plans).enumerate() {
         for reg in &plan.regions {
             let (buf, name) = match reg.which {
@@ -917,14 +954,16 @@ fn run_case(
                 Which::Recv => (&rk.recv, "recv buffer"),
             };
             let len = reg.init.len();
-            let mut got = vec![0u8; FRONT + len + BACK];
-            buf.read(0, &mut got)
+            scratch.resize(FRONT + len + BACK, 0);
+            buf.read(0, scratch)
                 .unwrap_or_else(|e| panic!("{what}: rank {r}: read {name}: {e}"));
-            if let Some(g) = guard_damage(&got, len, salt(reg.which)) {
+            let got = &scratch[..];
+            if let Some(g) = guard_damage(got, len, salt(reg.which)) {
                 errs.push(format!("{what} rank={r}: {name}: {g}"));
             }
             let data = &got[FRONT..FRONT + len];
-            if data == reg.want.as_slice() {
+            let as_wanted = data == &reg.want[..];
+            if as_wanted {
                 // count_wrong accepts every bitwise-equal element: skip its per-element loop.
             } else {
                 let res = reg.result.clone();
@@ -956,9 +995,13 @@ fn run_case(
             }
             if c.func == Func::AllReduce && !reg.result.is_empty() {
                 let d = &data[reg.result.clone()];
-                match &rank0 {
-                    None => rank0 = Some(d.to_vec()),
-                    Some(d0) if d0.as_slice() != d => {
+                // Rank 0's result, kept only where it differs from the expected bytes (else the
+                // expected bytes are it).
+                let d0 = rank0_differs.as_deref().unwrap_or(&reg.want[reg.result.clone()]);
+                match r {
+                    0 if !as_wanted => rank0_differs = Some(d.to_vec()),
+                    0 => {}
+                    _ if d0 != d => {
                         if let Some(i) = (0..d.len()).find(|&i| d0[i] != d[i]) {
                             let e = i / size * size;
                             errs.push(format!(
@@ -969,7 +1012,7 @@ fn run_case(
                             ));
                         }
                     }
-                    Some(_) => {}
+                    _ => {}
                 }
             }
         }
