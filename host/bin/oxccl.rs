@@ -385,11 +385,10 @@ fn devices_for(a: &PerfArgs) -> Result<(Vec<Device>, bool), String> {
     let ngpu = Device::cuda_count();
     let gpu_list = |n: usize| -> Result<Vec<Device>, String> {
         let want = a.ranks.unwrap_or(n);
-        // OXCCL_ALLOW_SHARED_DEVICE=1 (oxccl's backend only: NCCL refuses a shared device) lets
-        // several ranks share a GPU for testing: rank r on GPU r·n/want, contiguous blocks.
-        let shared = !matches!(a.backend, BackendArg::Nccl)
-            && a.compare != Some(CompareArg::Nccl)
-            && oxccl::params::env_var("ALLOW_SHARED_DEVICE").is_some_and(|(_, v)| v == "1");
+        // OXCCL_ALLOW_SHARED_DEVICE=1 lets several ranks share a GPU for testing: rank r on GPU
+        // r·n/want, contiguous blocks. NCCL itself refuses a shared device (its own error is
+        // reported), unless the libnccl.so.2 it loads is oxccl's C library.
+        let shared = oxccl::params::env_var("ALLOW_SHARED_DEVICE").is_some_and(|(_, v)| v == "1");
         let most = if shared { 64 } else { n };
         if want == 0 || want > most {
             return Err(format!(

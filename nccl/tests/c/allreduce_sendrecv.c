@@ -240,10 +240,10 @@ int main(void) {
         }
       }
       NCCLCHECK(ncclGroupEnd());
-      for (int r = 0; r < NRANKS; r++) {
-        CUDACHECK(cudaStreamEndCapture(streams[r], &graphs[call][r]));
-        CUDACHECK(cudaGraphInstantiate(&execs[call][r], graphs[call][r], 0));
-      }
+      /* Every capture ends before any graph is instantiated: while a stream of this thread
+       * captures in thread-local mode, CUDA refuses cudaGraphInstantiate on it. */
+      for (int r = 0; r < NRANKS; r++) CUDACHECK(cudaStreamEndCapture(streams[r], &graphs[call][r]));
+      for (int r = 0; r < NRANKS; r++) CUDACHECK(cudaGraphInstantiate(&execs[call][r], graphs[call][r], 0));
     }
     sync_all(streams);
     step("ncclAllReduce and ncclSend/ncclRecv captured");
