@@ -236,6 +236,12 @@ struct PerfArgs {
     /// Force oxccl's algorithm(s): an NCCL_ALGO-style list (`ring`, `tree`). Sets OXCCL_ALGO.
     #[arg(long, value_name = "LIST")]
     algo: Option<String>,
+    /// Issue each iteration's collectives of this process's ranks as one group (oxccl's
+    /// `group::launch_collectives`, what a group's end runs), as the NCCL backend always does
+    /// with ncclGroupStart/ncclGroupEnd: with `--compare nccl` and oxccl's libnccl.so.2, the
+    /// two sides then differ only by the C entry points.
+    #[arg(long)]
+    group: bool,
 }
 
 fn size_arg(s: &str) -> Result<u64, String> {
@@ -558,6 +564,9 @@ fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         a.iters,
         a.check
     );
+    if a.group && !nccl_main {
+        println!("# oxccl: each iteration's calls of this process's ranks issued as one group");
+    }
     for (d, r) in devices.iter().zip(&ranks) {
         match d {
             Device::Cuda(o) => {
@@ -605,6 +614,7 @@ fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
                     warmup: a.warmup,
                     iters: a.iters,
                     check: a.check,
+                    group: a.group,
                 };
                 sweep(&bench, &main, reference.as_ref(), &cfg, print_row)?
             }

@@ -26,6 +26,10 @@ pub struct PerfConfig {
     pub iters: usize,
     /// Verification runs per size and placement (0 = none; `#wrong` then prints N/A).
     pub check: usize,
+    /// oxccl: issue each iteration's calls of the local ranks as one group
+    /// ([`crate::group::launch_collectives`]), as the NCCL backend always does; else one call
+    /// after the other.
+    pub group: bool,
 }
 
 /// A set of ranks that can run the collective: oxccl communicators, or NCCL's.
@@ -72,6 +76,28 @@ impl Backend {
     ) -> Result<()> {
         let (func, dtype, op) = (cfg.func, cfg.dtype, cfg.op);
         match self {
+            Backend::Oxccl(comms) if cfg.group => {
+                let calls = comms
+                    .iter()
+                    .enumerate()
+                    .map(|(r, c)| {
+                        let (send, recv) = call_addrs(func, &bufs[r], ranks[r], count, dtype, in_place);
+                        crate::group::CollTask {
+                            comm: c,
+                            func,
+                            send,
+                            recv,
+                            count,
+                            dtype,
+                            op: op.into(),
+                            root: ROOT,
+                            stream: &streams[r],
+                        }
+                    })
+                    .collect();
+                // SAFETY: as below, for every rank's call.
+                unsafe { crate::group::launch_collectives(calls) }
+            }
             Backend::Oxccl(comms) => {
                 for (r, c) in comms.iter().enumerate() {
                     let (send, recv) = call_addrs(func, &bufs[r], ranks[r], count, dtype, in_place);

@@ -108,6 +108,31 @@ fn bad_flags_are_named_as_flags() {
     }
 }
 
+/// `--group` issues each iteration's calls of the process's ranks as one group (what a C
+/// caller's ncclGroupStart/ncclGroupEnd does) and says so; every collective stays exact on 3
+/// ranks, out of place and in place.
+#[test]
+fn group_issues_the_ranks_calls_as_one_group_and_stays_exact() {
+    let out = oxccl()
+        .args(["perf", "all", "--backend", "cpu", "--ranks", "3", "-b", "8", "-e", "64K", "-f", "32", "--group"])
+        .output()
+        .expect("run oxccl");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("# oxccl: each iteration's calls of this process's ranks issued as one group"), "{text}");
+    // Five collectives, each with its "0 OK" line and rows of 0 wrong out of place and in place.
+    assert_eq!(text.matches("# Out of bounds values : 0 OK").count(), 5, "{text}");
+    let rows: Vec<Vec<&str>> = text
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    assert!(rows.len() >= 10, "{text}");
+    for r in &rows {
+        assert_eq!((r[8], r[12]), ("0", "0"), "{r:?}");
+    }
+}
+
 /// `--compare checked` times every size with the call-signature check off (the main columns)
 /// and on (the reference columns, named "checked"), both exact; `--compare nccl` still needs
 /// GPUs.
