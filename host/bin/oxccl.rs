@@ -239,7 +239,8 @@ struct PerfArgs {
     /// Issue each iteration's collectives of this process's ranks as one group (oxccl's
     /// `group::launch_collectives`, what a group's end runs), as the NCCL backend always does
     /// with ncclGroupStart/ncclGroupEnd: with `--compare nccl` and oxccl's libnccl.so.2, the
-    /// two sides then differ only by the C entry points.
+    /// two sides then differ only by the C entry points. Point-to-point operations are always
+    /// issued as one group.
     #[arg(long)]
     group: bool,
 }

@@ -95,7 +95,9 @@ impl Backend {
                         }
                     })
                     .collect();
-                // SAFETY: as below, for every rank's call.
+                // SAFETY: every rank's buffers hold the sweep's largest message (nccl-tests' S
+                // bytes, covering nranks × count for AllGather/ReduceScatter) on its device and
+                // stay alive until the synchronize that follows the iteration.
                 unsafe { crate::group::launch_collectives(calls) }
             }
             Backend::Oxccl(comms) => {
