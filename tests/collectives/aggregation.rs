@@ -229,7 +229,12 @@ fn gpu_a_scopes_all_reduces_share_a_launch_exact() {
         .map(|k| [1usize, 3, 17, 1000, 4099, 262_147][k % 6] + k)
         .collect();
     for proto in ["Simple", "LL", "LL128"] {
-        let comms = common::init_comms(&devices, Some(proto));
+        // The CPU tests' clean environment (a call check set for the run would keep every call
+        // in a launch of its own).
+        let env = Env::clean(VARS);
+        env.set(&[("NCCL_PROTO", proto)]);
+        let comms = common::init_all(&devices).unwrap();
+        drop(env);
         let launches = run_scope(&comms, &all_reduces(&counts), &format!("{test}: {proto}"));
         assert_eq!(launches, vec![1; 2], "{test}: {proto}");
         let launches = run_scope(

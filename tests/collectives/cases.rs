@@ -124,32 +124,31 @@ fn c01_zero_count(devices: &[Device]) {
                         .unwrap_or_else(|e| panic!("{}: {e}", what("AllReduce")));
                     c.reduce_scatter(s, d, 0, dtype, op, &streams[r])
                         .unwrap_or_else(|e| panic!("{}: {e}", what("ReduceScatter")));
+                    // Every rank issues the same calls (so the call check, when a run turns it
+                    // on, sees no divergence): twice per root, the second time without a
+                    // receive buffer on the non-roots, which may pass none.
                     for root in 0..n {
                         c.reduce(s, Some(d), 0, dtype, op, root, &streams[r])
                             .unwrap_or_else(|e| panic!("{}: {e}", what(&format!("Reduce root {root}"))));
-                        if r != root {
-                            // Non-roots may pass no receive buffer.
-                            c.reduce(s, None, 0, dtype, op, root, &streams[r])
-                                .unwrap_or_else(|e| {
-                                    panic!("{}: {e}", what(&format!("Reduce root {root}, recv None")))
-                                });
-                        }
+                        let recv = (r == root).then_some(d);
+                        c.reduce(s, recv, 0, dtype, op, root, &streams[r]).unwrap_or_else(|e| {
+                            panic!("{}: {e}", what(&format!("Reduce root {root}, recv None off the root")))
+                        });
                     }
                     if op == RedOp::Sum {
                         c.all_gather(s, d, 0, dtype, &streams[r])
                             .unwrap_or_else(|e| panic!("{}: {e}", what("AllGather")));
+                        // As Reduce: twice per root, the second time without a send buffer on
+                        // the non-roots.
                         for root in 0..n {
                             c.broadcast(Some(s), d, 0, dtype, root, &streams[r])
                                 .unwrap_or_else(|e| {
                                     panic!("{}: {e}", what(&format!("Broadcast root {root}")))
                                 });
-                            if r != root {
-                                // Non-roots may pass no send buffer.
-                                c.broadcast(None, d, 0, dtype, root, &streams[r])
-                                    .unwrap_or_else(|e| {
-                                        panic!("{}: {e}", what(&format!("Broadcast root {root}, send None")))
-                                    });
-                            }
+                            let send = (r == root).then_some(s);
+                            c.broadcast(send, d, 0, dtype, root, &streams[r]).unwrap_or_else(|e| {
+                                panic!("{}: {e}", what(&format!("Broadcast root {root}, send None off the root")))
+                            });
                         }
                     }
                 }
