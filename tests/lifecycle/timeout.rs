@@ -8,8 +8,9 @@ use common::env::Env;
 use oxccl::{Comm, DataType, Device, Error, Func, RedOp};
 use std::time::{Duration, Instant};
 
-/// Every variable a test here may set: cleared (both spellings) around each init.
-const VARS: &[&str] = &["TIMEOUT", "PROTO", "ALGO", "P2P_DIRECT_DISABLE"];
+/// Every variable a test here may set, and the call check (which would report a diverged call
+/// before it could time out): cleared (both spellings) around each init.
+const VARS: &[&str] = &["TIMEOUT", "PROTO", "ALGO", "P2P_DIRECT_DISABLE", "CHECK_CALLS"];
 
 /// Communicators over `devices` created with `OXCCL_TIMEOUT=limit` (and nothing else of
 /// [`VARS`]).
