@@ -11,13 +11,27 @@ use oxccl::perf::check;
 use oxccl::{Comm, DataType, Device, Func, RedOp, ResultCode};
 use std::time::{Duration, Instant};
 
-/// Every variable these tests touch (both spellings).
+/// Every variable these tests touch, and every other one `Params` reads (so the defaults are
+/// the defaults whatever the run sets), both spellings.
 const VARS: &[&str] = &[
     "BUFFSIZE",
     "NTHREADS",
     "MAX_NCHANNELS",
     "MIN_NCHANNELS",
     "ALLOW_SHARED_DEVICE",
+    "LL_BUFFSIZE",
+    "LL128_BUFFSIZE",
+    "TEST_INITIAL_STEP",
+    "P2P_LEVEL",
+    "P2P_DIRECT_DISABLE",
+    "CPU_NTHREADS",
+    "CPU_TEAM",
+    "TIMEOUT",
+    "FLIGHT_RECORDER_SIZE",
+    "FLIGHT_RECORDER_DUMP",
+    "NCHANNELS_PER_PEER",
+    "P2P_LL_THRESHOLD",
+    "CHECK_CALLS",
 ];
 
 const COUNT: usize = 1_000_003;
