@@ -284,16 +284,7 @@ impl Comm {
                     format!("rank {}: a call made no progress for OXCCL_TIMEOUT", self.rank)
                 })));
             }
-            ABORTED_BY_PEER => {
-                let who = match self.init_rank_res().abort.raised_by_peer() {
-                    Some(r) => format!("rank {r}"),
-                    None => "another rank".to_string(),
-                };
-                return Err(Error::Remote(format!(
-                    "rank {}: {who} of this communicator aborted; abort or destroy this rank too",
-                    self.rank
-                )));
-            }
+            ABORTED_BY_PEER => return Err(self.aborted_by_peer()),
             _ => {
                 return Err(Error::InvalidUsage(format!(
                     "rank {}: the communicator was aborted",
@@ -316,6 +307,18 @@ impl Comm {
 
     /// The abort state: 0, [`ABORTED_HERE`] or [`ABORTED_BY_PEER`] (also when a peer raised this
     /// rank's shared line while its kernels poll a private flag).
+    /// The error of a rank whose peer aborted (`Remote`, naming the peer when it is known).
+    pub(super) fn aborted_by_peer(&self) -> Error {
+        let who = match self.init_rank_res().abort.raised_by_peer() {
+            Some(r) => format!("rank {r}"),
+            None => "another rank".to_string(),
+        };
+        Error::Remote(format!(
+            "rank {}: {who} of this communicator aborted; abort or destroy this rank too",
+            self.rank
+        ))
+    }
+
     pub(super) fn flag_state(&self) -> u32 {
         let v = self.abort_flag().load(Ordering::Acquire);
         if v == 0 && self.init_rank_res().abort.raised_by_peer().is_some() {

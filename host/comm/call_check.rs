@@ -376,6 +376,20 @@ impl Comm {
         }
         let sigs = cc.reported()?;
         let e = cc.error.get_or_init(|| {
+            if self.flag_state() == ABORTED_BY_PEER {
+                // A peer aborted before this rank read the report: the kernels queued on the
+                // peer's stream before its abort still run their checks, and one cut short
+                // there can send a later call's signature into a gather still waiting for an
+                // earlier one. What looks like diverged calls is the abort's doing.
+                let e = self.aborted_by_peer();
+                tracing::warn!(
+                    target: "oxccl::coll",
+                    rank = self.rank,
+                    "{e} (the call check's report of different calls, read after the abort, is set aside: {})",
+                    mismatch_message(self.rank, &sigs)
+                );
+                return e;
+            }
             let msg = mismatch_message(self.rank, &sigs);
             tracing::error!(target: "oxccl::coll", rank = self.rank, "{msg}");
             if let Some(own) = sigs.get(self.rank) {

@@ -53,6 +53,7 @@ const VARS: &[&str] = &[
     "LL128_BUFFSIZE",
     "NTHREADS",
     "TEST_INITIAL_STEP",
+    "CHECK_CALLS",
 ];
 
 /// `Comm::init_all` over `n` CPU ranks with exactly `vars` set (every other variable of [`VARS`]
@@ -1120,7 +1121,25 @@ fn abort_by_absent_or_other_rank_releases_exchange_waiters() {
 /// "corrupted size vs. prev_size" / SIGSEGV in 4 of 5 runs.
 #[test]
 fn abort_during_direct_collective_loops() {
-    let test = "abort_during_direct_collective_loops";
+    abort_during_loops("abort_during_direct_collective_loops", &[("NCCL_PROTO", "Simple")]);
+}
+
+/// The loop above with the call check on: the victim's kernels queued before its abort still
+/// run their checks, and one cut short can send a later call's signature into a peer's gather
+/// of an earlier call. The peers must still report the abort (`Remote`), not diverged calls.
+#[test]
+fn abort_during_checked_collective_loops_reports_the_abort() {
+    abort_during_loops(
+        "abort_during_checked_collective_loops_reports_the_abort",
+        &[("NCCL_PROTO", "Simple"), ("OXCCL_CHECK_CALLS", "1")],
+    );
+}
+
+/// Ranks loop Broadcast / AllGather / AllReduce on threads of their own until a random rank
+/// aborts after a random delay; every rank's loop must end with the victim's `InvalidUsage` or
+/// the others' `Remote`, and every abort return within 5 s. `vars`: the communicators'
+/// environment.
+fn abort_during_loops(test: &str, vars: &[(&str, &str)]) {
     let dog = common::Watchdog::new(test, Duration::from_secs(60));
     let mut x = 0x1234_5678u64;
     for n in [2usize, 3] {
@@ -1131,7 +1150,7 @@ fn abort_during_direct_collective_loops() {
             let delay = Duration::from_millis(x % 51);
             let victim = (x >> 8) as usize % n;
             dog.step(format!("n={n} rep={rep} delay={delay:?} victim={victim}"));
-            let comms = init_ok(n, &[("NCCL_PROTO", "Simple")]);
+            let comms = init_ok(n, vars);
             let count = 200_003;
             let mut keep = Vec::new();
             std::thread::scope(|s| {
