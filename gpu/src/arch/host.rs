@@ -270,8 +270,9 @@ pub fn run_block_threads(bid: u32, nthreads: u32, kind: TeamKind, body: impl Fn(
 
 /// The fibers of [`TeamKind::Fibers`] teams: one host thread resumes its block's fibers in
 /// turn; a fiber runs until it waits (a barrier, a warp exchange, a spin-wait), then the next
-/// one runs. Once a round of the block saw a fiber spin-wait (for memory another host thread
-/// writes), the host thread yields its core.
+/// one runs, and a fiber waiting at a barrier is skipped until that barrier moves. Once a round
+/// of the block saw a fiber spin-wait (for memory another host thread writes), the host thread
+/// yields its core.
 mod fiber {
     use super::{Barrier, THREAD, Team};
     use core::cell::Cell;
