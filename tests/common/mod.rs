@@ -180,14 +180,8 @@ impl Drop for Watchdog {
     }
 }
 
-/// `front sentinel ++ data ++ back sentinel`.
-fn framed(data: &[u8], salt: u8) -> Vec<u8> {
-    let mut v = Vec::new();
-    frame_into(&mut v, data, salt);
-    v
-}
-
-/// [`framed`] into `out` (cleared first), which keeps its allocation for the next frame.
+/// `front sentinel ++ data ++ back sentinel` into `out` (cleared first, so it keeps its
+/// allocation from frame to frame).
 fn frame_into(out: &mut Vec<u8>, data: &[u8], salt: u8) {
     out.clear();
     out.extend(sentinel(FRONT, salt));

@@ -410,7 +410,7 @@ mod fiber {
                     continue;
                 }
                 resumed = true;
-                PARKED.with(|p| p.set(None));
+                // `PARKED` is empty here (taken after every resume): only a `park` fills it.
                 let step = f.resume(());
                 *park = PARKED.with(|p| p.take());
                 match step {
