@@ -25,15 +25,17 @@ pub(crate) enum Planned {
 }
 
 impl PlannedColl {
-    /// Whether `other` runs on the same kernel entry (collective, algorithm, protocol and the
-    /// entry's type and operator, [`oxccl_gpu::abi::kernel_variant`]): then they may share a
-    /// launch.
-    pub(crate) fn same_entry(&self, other: &PlannedColl) -> bool {
+    /// Whether `other` may share a launch with this one: both run on the same kernel entry
+    /// (collective, algorithm, protocol and the entry's type and operator,
+    /// [`oxccl_gpu::abi::kernel_variant`]) and its protocol's launches carry several works
+    /// ([`oxccl_gpu::abi::proto_batches`]: LL only).
+    pub(crate) fn shares_launch_with(&self, other: &PlannedColl) -> bool {
         let entry = |w: &WorkColl| {
             w.entry_key()
                 .map(|(f, a, p, d, o)| (f, a, p, oxccl_gpu::abi::kernel_variant(f, d, o)))
         };
-        entry(&self.work).is_some() && entry(&self.work) == entry(&other.work)
+        let mine = entry(&self.work);
+        mine.is_some_and(|(_, _, proto, _)| oxccl_gpu::abi::proto_batches(proto)) && mine == entry(&other.work)
     }
 }
 
@@ -205,7 +207,7 @@ impl Comm {
     }
 
     /// Launches `batch` — planned calls of this communicator for `stream`, in the order issued,
-    /// all of one kernel entry ([`PlannedColl::same_entry`]), at most
+    /// each sharing a launch with the first ([`PlannedColl::shares_launch_with`]), at most
     /// [`oxccl_gpu::abi::MAX_COLL_WORKS`] — as one kernel whose blocks run their works in
     /// order; each call is recorded in the flight recorder as issued. `captured`: the stream is
     /// capturing. Errors: a batch of another shape (`Internal`), the launch's.
@@ -224,7 +226,7 @@ impl Comm {
             return Ok(());
         }
         if batch.len() > oxccl_gpu::abi::MAX_COLL_WORKS
-            || batch.iter().any(|p| !p.same_entry(&batch[0]))
+            || batch.iter().any(|p| !p.shares_launch_with(&batch[0]))
             || (batch.len() > 1 && !self.batches_collectives())
         {
             return Err(Error::Internal(format!(

@@ -1,7 +1,8 @@
 //! A group's collectives launched at its end (NCCL's `groupLaunch` → `ncclPrepareTasks` →
 //! `scheduleCollTasksToPlan`): each communicator's calls in the order issued, consecutive calls
-//! on one stream that run on the same kernel entry sharing one launch (up to
-//! [`oxccl_gpu::abi::MAX_COLL_WORKS`]: NCCL's work batch), the launches of different
+//! on one stream that run on the same LL kernel entry sharing one launch (up to
+//! [`oxccl_gpu::abi::MAX_COLL_WORKS`]: NCCL's work batch; LL128 and Simple calls launch alone,
+//! [`oxccl_gpu::abi::proto_batches`]), the launches of different
 //! communicators interleaved round by round — the first launch of every communicator before
 //! the second of any — so one thread may end a group holding several ranks' calls even when
 //! those ranks share a GPU and launch in step (`comm/enqueue.rs`). Every rank of a
@@ -126,7 +127,7 @@ unsafe fn units<'a>(queue: Vec<CollTask<'a>>) -> Vec<Unit<'a>> {
                     s.same(c.stream)
                         && *cap == captured
                         && works.len() < MAX_COLL_WORKS
-                        && works[0].same_entry(&p)
+                        && works[0].shares_launch_with(&p)
                 });
                 if !joins {
                     flush(&mut units, &mut batch);

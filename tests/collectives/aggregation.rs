@@ -1,13 +1,14 @@
 //! A group's collectives aggregated into launches (NCCL's work batches), checked exactly on the
 //! CPU target, which runs the kernels' own loop over a launch's works: a scope's consecutive
-//! collectives of one communicator, stream and kernel entry share one launch
+//! collectives of one communicator, stream and LL kernel entry share one launch
 //! ([`oxccl::Comm::kernel_launches`]), up to 32 works a launch, of different channel counts,
-//! sizes, in-place and out-of-place forms, Sum and Avg together; another entry, another stream
-//! or the call check start another launch; every protocol, across the LL flag's wrap; one
-//! thread issuing every rank's calls rank after rank; a batch captured into a graph and replayed.
+//! sizes, in-place and out-of-place forms, Sum and Avg together; LL128 and Simple calls launch
+//! one by one; another entry, another stream or the call check start another launch; every
+//! protocol, across the LL flag's wrap; one thread issuing every rank's calls rank after rank; a
+//! batch captured into a graph and replayed.
 use crate::common;
 
-use super::aggregation_more::{Bufs, Call, Op, ar, buffers, call, check, issue, run_scope};
+use super::aggregation_more::{Bufs, Call, Op, ar, buffers, call, check, issue, launches_on, run_scope};
 use common::env::Env;
 use oxccl::{DataType, Device, Func, RedOp, Stream};
 
@@ -36,7 +37,8 @@ fn all_reduces(counts: &[usize]) -> Vec<Call> {
 
 /// Twenty AllReduces of sizes from 1 to 64K elements on one protocol (Sum and Avg, in place
 /// and out of place, so works of different channel counts: the blocks above a work's channels
-/// skip it) take one launch per rank, exact; forty take two (32 + 8).
+/// skip it) take one launch per rank on LL, exact; forty take two (32 + 8); on LL128 and Simple
+/// each call is its own launch, exact too.
 #[test]
 fn a_scopes_all_reduces_of_one_entry_share_a_launch_exact() {
     let counts: Vec<usize> = (0..20)
@@ -68,14 +70,14 @@ fn a_scopes_all_reduces_of_one_entry_share_a_launch_exact() {
         let launches = run_scope(&comms, &calls, proto);
         assert_eq!(
             launches,
-            vec![1; 3],
+            vec![launches_on(proto, 1, &calls); 3],
             "{proto}: launches per rank for 20 AllReduces"
         );
-        let forty: Vec<usize> = (0..40).map(|k| 5 + 3 * k).collect();
-        let launches = run_scope(&comms, &all_reduces(&forty), proto);
+        let forty = all_reduces(&(0..40).map(|k| 5 + 3 * k).collect::<Vec<_>>());
+        let launches = run_scope(&comms, &forty, proto);
         assert_eq!(
             launches,
-            vec![2; 3],
+            vec![launches_on(proto, 2, &forty); 3],
             "{proto}: launches per rank for 40 AllReduces"
         );
     }
@@ -90,8 +92,9 @@ fn a_launchs_works_continue_their_connections_across_the_ll_flag_wrap() {
         env.set(&[("NCCL_PROTO", proto), ("OXCCL_TEST_INITIAL_STEP", "4294967290")]);
         let comms = common::init_all(&Device::cpus(2)).unwrap();
         let counts: Vec<usize> = (0..12).map(|k| 100 + 517 * k).collect();
-        let launches = run_scope(&comms, &all_reduces(&counts), proto);
-        assert_eq!(launches, vec![1; 2], "{proto}");
+        let calls = all_reduces(&counts);
+        let launches = run_scope(&comms, &calls, proto);
+        assert_eq!(launches, vec![launches_on(proto, 1, &calls); 2], "{proto}");
     }
 }
 
@@ -100,7 +103,7 @@ fn a_launchs_works_continue_their_connections_across_the_ll_flag_wrap() {
 #[test]
 fn another_kernel_entry_starts_another_launch() {
     let env = Env::clean(VARS);
-    env.set(&[("NCCL_PROTO", "Simple")]);
+    env.set(&[("NCCL_PROTO", "LL")]);
     let comms = common::init_all(&Device::cpus(3)).unwrap();
     let mut calls = all_reduces(&[100, 2000, 30]);
     let bcast = |count, in_place| {
@@ -131,12 +134,12 @@ fn with_the_call_check_on_every_call_is_its_own_launch() {
 }
 
 /// One thread issues every rank's calls rank after rank (all of rank 0's, then rank 1's, …) in
-/// one scope, on the Simple protocol: each rank's calls share a launch, the ranks' launches are interleaved, and every
-/// output is exact.
+/// one scope, on the LL protocol: each rank's calls share a launch, the ranks' launches are
+/// interleaved, and every output is exact.
 #[test]
 fn one_thread_issuing_every_ranks_calls_rank_after_rank_gets_one_launch_per_rank() {
     let env = Env::clean(VARS);
-    env.set(&[("NCCL_PROTO", "Simple")]);
+    env.set(&[("NCCL_PROTO", "LL")]);
     let n = 3;
     let comms = common::init_all(&Device::cpus(n)).unwrap();
     let calls = all_reduces(&[64, 1000, 3, 777, 50_000, 12]);
@@ -169,7 +172,8 @@ fn one_thread_issuing_every_ranks_calls_rank_after_rank_gets_one_launch_per_rank
 /// twice, reading the inputs written before each replay.
 #[test]
 fn a_captured_batch_replays_exactly() {
-    let _env = Env::clean(VARS);
+    let env = Env::clean(VARS);
+    env.set(&[("NCCL_PROTO", "LL")]);
     let n = 2;
     let comms = common::init_all(&Device::cpus(n)).unwrap();
     let calls = all_reduces(&[33, 1025, 4, 300]);
@@ -216,8 +220,9 @@ fn a_captured_batch_replays_exactly() {
 }
 
 /// On GPUs (two ranks, sharing one when there is only one): twenty AllReduces of one scope take
-/// one launch per rank on each protocol — the kernel reads its works after the first from its
-/// parameter, which the launch passes only as far as its works go — and every output is exact.
+/// one launch per rank on LL — the kernel reads its works after the first from its parameter,
+/// which the launch passes only as far as its works go — and one each on LL128 and Simple;
+/// every output is exact.
 #[test]
 fn gpu_a_scopes_all_reduces_share_a_launch_exact() {
     let test = "gpu_a_scopes_all_reduces_share_a_launch_exact";
@@ -235,13 +240,11 @@ fn gpu_a_scopes_all_reduces_share_a_launch_exact() {
         env.set(&[("NCCL_PROTO", proto)]);
         let comms = common::init_all(&devices).unwrap();
         drop(env);
-        let launches = run_scope(&comms, &all_reduces(&counts), &format!("{test}: {proto}"));
-        assert_eq!(launches, vec![1; 2], "{test}: {proto}");
-        let launches = run_scope(
-            &comms,
-            &all_reduces(&(0..40).map(|k| 5 + 3001 * k).collect::<Vec<_>>()),
-            proto,
-        );
-        assert_eq!(launches, vec![2; 2], "{test}: {proto}, 40 AllReduces");
+        let calls = all_reduces(&counts);
+        let launches = run_scope(&comms, &calls, &format!("{test}: {proto}"));
+        assert_eq!(launches, vec![launches_on(proto, 1, &calls); 2], "{test}: {proto}");
+        let forty = all_reduces(&(0..40).map(|k| 5 + 3001 * k).collect::<Vec<_>>());
+        let launches = run_scope(&comms, &forty, proto);
+        assert_eq!(launches, vec![launches_on(proto, 2, &forty); 2], "{test}: {proto}, 40 AllReduces");
     }
 }

@@ -48,6 +48,17 @@ pub(super) struct Call {
     in_place: bool,
 }
 
+/// Launches per rank that `calls` of one scope take on `proto` when on LL they take `batched`:
+/// LL's calls share launches, while on LL128 and Simple every call with elements is a launch of
+/// its own (`oxccl_gpu::abi::proto_batches`).
+pub(super) fn launches_on(proto: &str, batched: u64, calls: &[Call]) -> u64 {
+    if proto == "LL" {
+        batched
+    } else {
+        calls.iter().filter(|c| c.count > 0).count() as u64
+    }
+}
+
 pub(super) fn call(func: Func, op: Op, dtype: DataType, count: usize, root: usize, in_place: bool) -> Call {
     Call {
         func,
@@ -283,10 +294,10 @@ pub(super) fn run_scope(comms: &[Comm], calls: &[Call], what: &str) -> Vec<u64> 
     })
 }
 
-/// Per dtype: Max, Min, Prod, PreMulSum (host scalar), PreMulSum (device scalar) and Max in
-/// place share the `any` entry (one launch); Sum, Avg, Sum in place and Avg share the `Sum`
+/// Per dtype on LL: Max, Min, Prod, PreMulSum (host scalar), PreMulSum (device scalar) and Max
+/// in place share the `any` entry (one launch); Sum, Avg, Sum in place and Avg share the `Sum`
 /// entry (one launch); a last Min is a third launch (fp8: Avg is PreMulSum by 1/nranks, on the
-/// `any` entry, so five). Exact on both ranks for every dtype.
+/// `any` entry, so five); on Simple each call is a launch. Exact on both ranks for every dtype.
 #[test]
 fn every_operator_of_a_type_mixes_within_its_entrys_batch_for_every_dtype() {
     for proto in ["Simple", "LL"] {
@@ -317,7 +328,7 @@ fn every_operator_of_a_type_mixes_within_its_entrys_batch_for_every_dtype() {
                 .map(|(k, &op)| ar(op, d, [1, 1000, 37, 4099, 5, 300][k % 6] + k, k % 3 == 2))
                 .collect();
             // fp8 Avg runs as PreMulSum by 1/nranks (the `any` entry): five launches there.
-            let want = if d.is_fp8() { 5 } else { 3 };
+            let want = launches_on(proto, if d.is_fp8() { 5 } else { 3 }, &calls);
             let what = format!("{proto} {d:?}");
             assert_eq!(
                 run_scope(&comms, &calls, &what),
@@ -336,7 +347,7 @@ fn every_operator_of_a_type_mixes_within_its_entrys_batch_for_every_dtype() {
 fn gather_scatter_broadcast_and_reduce_batches_with_roots_differing_within_a_batch() {
     let env = Env::clean(VARS);
     env.set(&[
-        ("NCCL_PROTO", "Simple"),
+        ("NCCL_PROTO", "LL"),
         ("NCCL_ALGO", "Ring"),
         ("NCCL_MAX_NCHANNELS", "3"),
     ]);
@@ -375,7 +386,7 @@ fn gather_scatter_broadcast_and_reduce_batches_with_roots_differing_within_a_bat
 #[test]
 fn empty_calls_inside_a_batch_and_batches_split_at_32_works() {
     let env = Env::clean(VARS);
-    env.set(&[("NCCL_PROTO", "LL128"), ("NCCL_ALGO", "Ring")]);
+    env.set(&[("NCCL_PROTO", "LL"), ("NCCL_ALGO", "Ring")]);
     let comms = common::init_all(&Device::cpus(3)).unwrap();
     let d = DataType::F32;
     let counts = [5, 100, 1, 2000, 0, 3, 9, 4096, 10, 11, 0, 0, 40, 1, 77];
@@ -409,7 +420,8 @@ fn empty_calls_inside_a_batch_and_batches_split_at_32_works() {
 }
 
 /// Tree AllReduces (4 ranks on 2 simulated nodes, `NCCL_ALGO=Tree`) of sizes from 1 to 64K
-/// elements, Sum and Avg, share one launch per rank on each protocol; exact.
+/// elements, Sum and Avg, share one launch per rank on LL (a launch each on LL128 and
+/// Simple); exact on each protocol.
 #[test]
 fn tree_all_reduces_share_a_launch_exact() {
     for proto in ["Simple", "LL", "LL128"] {
@@ -432,7 +444,7 @@ fn tree_all_reduces_share_a_launch_exact() {
                 )
             })
             .collect();
-        assert_eq!(run_scope(&comms, &calls, proto), vec![1; 4], "{proto}");
+        assert_eq!(run_scope(&comms, &calls, proto), vec![launches_on(proto, 1, &calls); 4], "{proto}");
         let choice = comms[0].last_choice().unwrap();
         assert_eq!(choice.algo, oxccl::Algo::Tree, "{proto}: {choice:?}");
         let any: Vec<Call> = (0..6)
@@ -445,12 +457,13 @@ fn tree_all_reduces_share_a_launch_exact() {
                 )
             })
             .collect();
-        assert_eq!(run_scope(&comms, &any, proto), vec![1; 4], "{proto}: any entry");
+        assert_eq!(run_scope(&comms, &any, proto), vec![launches_on(proto, 1, &any); 4], "{proto}: any entry");
     }
 }
 
 /// Over NET (P2P and SHM off) and SHM (P2P off): AllReduce ×6 then AllGather ×3 then
-/// ReduceScatter ×2 take three launches per rank on each protocol; exact.
+/// ReduceScatter ×2 take three launches per rank on LL, one per call on LL128 and Simple;
+/// exact on each protocol.
 #[test]
 fn batches_over_shm_and_net_are_exact() {
     for (transport, vars) in [
@@ -474,7 +487,7 @@ fn batches_over_shm_and_net_are_exact() {
             calls.extend((0..3).map(|k| call(Func::AllGather, s, u, [5, 3000, 1][k], 0, k == 1)));
             calls.extend((0..2).map(|k| call(Func::ReduceScatter, s, u, [1000, 4][k], 0, k == 0)));
             let what = format!("{transport} {proto}");
-            assert_eq!(run_scope(&comms, &calls, &what), vec![3; 3], "{what}");
+            assert_eq!(run_scope(&comms, &calls, &what), vec![launches_on(proto, 3, &calls); 3], "{what}");
         }
     }
 }
@@ -486,7 +499,7 @@ fn batches_over_shm_and_net_are_exact() {
 #[test]
 fn several_communicators_and_a_split_in_one_scope_from_one_thread() {
     let env = Env::clean(VARS);
-    env.set(&[("NCCL_PROTO", "Simple"), ("NCCL_ALGO", "Ring")]);
+    env.set(&[("NCCL_PROTO", "LL"), ("NCCL_ALGO", "Ring")]);
     let devs = Device::cpus(3);
     let a = common::init_all(&devs).unwrap();
     let b = common::init_all(&devs).unwrap();
@@ -559,7 +572,7 @@ fn several_communicators_and_a_split_in_one_scope_from_one_thread() {
 fn a_batch_of_works_of_1_to_16_channels_is_exact() {
     let env = Env::clean(VARS);
     env.set(&[
-        ("NCCL_PROTO", "Simple"),
+        ("NCCL_PROTO", "LL"),
         ("NCCL_ALGO", "Ring"),
         ("NCCL_MAX_NCHANNELS", "16"),
         ("NCCL_MIN_NCHANNELS", "1"),
@@ -597,7 +610,7 @@ fn a_batch_of_works_of_1_to_16_channels_is_exact() {
 #[test]
 fn an_abort_releases_a_batch_waiting_for_a_rank_that_never_launches() {
     let env = Env::clean(VARS);
-    env.set(&[("NCCL_PROTO", "Simple"), ("NCCL_ALGO", "Ring")]);
+    env.set(&[("NCCL_PROTO", "LL"), ("NCCL_ALGO", "Ring")]);
     let comms = common::init_all(&Device::cpus(3)).unwrap();
     let calls: Vec<Call> = (0..6)
         .map(|k| ar(Op::B(RedOp::Sum), DataType::U32, 100 + 5000 * k, false))
@@ -642,10 +655,11 @@ fn an_abort_releases_a_batch_waiting_for_a_rank_that_never_launches() {
 
 /// Each rank's buffer of `count` u32 reduced in place by a chain of AllReduce Sums, `plan` a list
 /// of segments: `(true, streams)` one scope whose calls go to those streams of the rank (each run
-/// of one stream a launch), `(false, streams)` eager calls. Every result depends on the
+/// of one stream a launch on LL, each call one on the other protocols), `(false, streams)` eager
+/// calls; `proto` is the run's `NCCL_PROTO`. Every result depends on the
 /// previous one, so on the communicator's kernels running in the order issued across streams:
 /// `n^(calls - 1)` times the first sum on every rank, with the launches expected.
-fn in_place_chain(plan: &[(bool, &[usize])], count: usize) {
+fn in_place_chain(proto: &str, plan: &[(bool, &[usize])], count: usize) {
     let n = 3;
     let comms = common::init_all(&Device::cpus(n)).unwrap();
     let ready = std::sync::Barrier::new(n);
@@ -679,7 +693,9 @@ fn in_place_chain(plan: &[(bool, &[usize])], count: usize) {
     let calls: usize = plan.iter().map(|(_, on)| on.len()).sum();
     let launches: u64 = plan
         .iter()
-        .map(|(scoped, on)| if *scoped { 1 + on.windows(2).filter(|w| w[0] != w[1]).count() } else { on.len() } as u64)
+        .map(|(scoped, on)| {
+            (if *scoped && proto == "LL" { 1 + on.windows(2).filter(|w| w[0] != w[1]).count() } else { on.len() }) as u64
+        })
         .sum();
     let factor = (n as u32).pow(calls as u32 - 1);
     let want = common::pattern::u32_bytes(
@@ -705,7 +721,7 @@ fn eager_calls_on_another_stream_run_in_order_with_a_batch() {
             (true, &[0; 4]),
         ];
         for _ in 0..4 {
-            in_place_chain(plan, 3001);
+            in_place_chain(proto, plan, 3001);
         }
     }
 }
@@ -715,6 +731,6 @@ fn eager_calls_on_another_stream_run_in_order_with_a_batch() {
 #[test]
 fn a_scopes_calls_alternating_between_two_streams_run_in_the_order_issued() {
     let env = Env::clean(VARS);
-    env.set(&[("NCCL_PROTO", "Simple"), ("NCCL_ALGO", "Ring")]);
-    in_place_chain(&[(true, &[0, 0, 1, 1, 1, 0, 1])], 5000);
+    env.set(&[("NCCL_PROTO", "LL"), ("NCCL_ALGO", "Ring")]);
+    in_place_chain("LL", &[(true, &[0, 0, 1, 1, 1, 0, 1])], 5000);
 }

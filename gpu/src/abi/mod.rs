@@ -335,7 +335,19 @@ impl WorkColl {
 /// Most collective works one launch of a collective kernel runs ([`KernelArgs`]): a group's
 /// consecutive collectives of one communicator and stream that share a kernel entry (NCCL's
 /// work batch of one plan). 2,104 bytes of kernel parameter at most, below CUDA's 4 KiB.
+/// Only LL entries run more than one ([`proto_batches`]).
 pub const MAX_COLL_WORKS: usize = 32;
+
+/// Whether launches of protocol `proto` may carry several works ([`MAX_COLL_WORKS`]): LL only.
+/// LL carries the small calls, whose launch is most of their time; an LL128 or Simple call is
+/// long enough that its own launch costs little, and their kernels have no registers to spare —
+/// a loop over works read at run time from the parameter keeps a work's fields live through the
+/// whole body (ptxas spills them at the 128-register limit), where one work's fields are
+/// re-read from the parameter at constant offsets. Their kernels run the first work only; the
+/// host never batches them.
+pub const fn proto_batches(proto: Proto) -> bool {
+    matches!(proto, Proto::Ll)
+}
 
 /// The one by-value argument of the collective kernel (NCCL's `ncclDevKernelArgs` with its work
 /// batch): one work, or up to [`MAX_COLL_WORKS`] of one kernel entry, which every block runs in
