@@ -113,7 +113,9 @@ pub fn entry_for(
 /// is compiled in). A checked launch (one work) checks its call first; then the block runs the
 /// launch's works in order (`work(i)` is work `i`: the kernel reads them from its parameter, the
 /// CPU target from `args`), each one only where `bid` is below its channel count, after a
-/// barrier that lets the previous work's connection steps and shared memory settle.
+/// barrier that lets the previous work's connection steps and shared memory settle. Only LL
+/// entries loop over several works ([`crate::abi::proto_batches`]); the others run work 0 and
+/// trap on a launch of more.
 ///
 /// # Safety
 /// As [`run_block`], and every work's type, operator, collective and algorithm are those of the
@@ -131,12 +133,8 @@ pub unsafe fn run_kernel<T: Elem, Op: RedFn<T>, const FUNC: u8, const ALGO: u8, 
     // The call-signature check first, when on: block 0 checks, the others wait for it; after
     // a mismatch nothing is read or written (`crate::check`).
     // SAFETY: caller contract (a checked call's descriptor and signature).
-    if args.check != 0 {
-        let [s0, s1, s2, s3] = args.sig;
-        // SAFETY: as above.
-        if !unsafe { check_launch(args.comm, args.check, s0, s1, s2, s3, bid, tid, nthreads, smem) } {
-            return;
-        }
+    if args.check != 0 && !unsafe { crate::check::checked(args.comm, args.check, &args.sig, bid, tid, nthreads, smem) } {
+        return;
     }
     // Only LL launches carry several works (`proto_batches`): the other protocols' bodies see
     // one work, read at constant parameter offsets.
@@ -166,31 +164,6 @@ pub unsafe fn run_kernel<T: Elem, Op: RedFn<T>, const FUNC: u8, const ALGO: u8, 
         }
         i += 1;
     }
-}
-
-/// [`crate::check::checked`] with the signature's words as values, kept out of line on the GPU:
-/// a rare prologue whose registers then do not add to the collective body's (inlined, it made
-/// ptxas spill the body's values at the 128-register limit). The words are passed one by one
-/// because a reference into the kernel's parameter would make it copied to local memory.
-///
-/// # Safety
-/// As [`crate::check::checked`], with `sig = [s0, s1, s2, s3]`.
-#[cfg_attr(target_arch = "nvptx64", inline(never))]
-#[allow(clippy::too_many_arguments)]
-unsafe fn check_launch(
-    comm: u64,
-    desc: u64,
-    s0: u64,
-    s1: u64,
-    s2: u64,
-    s3: u64,
-    bid: u32,
-    tid: u32,
-    nthreads: u32,
-    smem: *mut u32,
-) -> bool {
-    // SAFETY: forwarded caller contract.
-    unsafe { crate::check::checked(comm, desc, &[s0, s1, s2, s3], bid, tid, nthreads, smem) }
 }
 
 /// Block `bid` of one work `w` of a launch of this entry (see [`run_kernel`]). Avg shares Sum's

@@ -350,10 +350,10 @@ pub const fn proto_batches(proto: Proto) -> bool {
 }
 
 /// The one by-value argument of the collective kernel (NCCL's `ncclDevKernelArgs` with its work
-/// batch): one work, or up to [`MAX_COLL_WORKS`] of one kernel entry, which every block runs in
-/// order, each on the blocks below its channel count. A launch passes only the bytes of the
-/// works it holds ([`kernel_args_bytes`]), as NCCL does, so a single call's parameter is 120
-/// bytes; the rest of `more` is not read.
+/// batch): one work, or (LL entries only, [`proto_batches`]) up to [`MAX_COLL_WORKS`] of one
+/// kernel entry, which every block runs in order, each on the blocks below its channel count.
+/// A launch passes only the bytes of the works it holds ([`kernel_args_bytes`]), as NCCL does,
+/// so a single call's parameter is 120 bytes; the rest of `more` is not read.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]
 pub struct KernelArgs {
