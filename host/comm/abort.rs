@@ -44,27 +44,9 @@ impl Comm {
     /// afterwards: later calls return `InvalidUsage`. Safe to call from any thread, more than once.
     /// Results of the interrupted operations are undefined.
     pub fn abort(&self) -> Result<()> {
-        self.abort_flag().store(ABORTED_HERE, Ordering::Release);
-        // The other ranks of this host would otherwise wait for us forever: their kernels exit
-        // too, and their later calls report the remote abort (case C28, one rank aborting).
-        self.init_rank_res().abort.raise_peers();
-        tracing::warn!(target: "oxccl::init", rank = self.rank, "communicator aborted");
-        let start = Instant::now();
-        while !self.idle()? {
-            if start.elapsed() > ABORT_WAIT {
-                return Err(Error::Timeout(format!(
-                    "rank {}: operations still running {ABORT_WAIT:?} after abort",
-                    self.rank
-                )));
-            }
-            std::thread::sleep(Duration::from_micros(200));
-        }
-        if self.direct {
-            self.mark_group_aborted();
-            self.wait_peers_after_abort(start);
-        }
-        Ok(())
+        self.state.abort()
     }
+
 
     /// Revokes this rank (NCCL 2.28's `ncclCommRevoke`): stops its in-flight operations as
     /// [`Comm::abort`] does (their outputs are undefined; the other ranks are not told, each
@@ -131,80 +113,8 @@ impl Comm {
         Ok(())
     }
 
-    /// Sets `DevComm::aborted` in every comm block of this rank's process group (all their
-    /// abort flags are raised already), so a kernel of any rank that starts from now on writes
-    /// nothing into another rank's output: it reads that word before its first direct write.
-    /// Returns once the words have landed (on GPUs through a stream of their own, while kernels
-    /// run). Never fails: an error is logged (the kernel's spin loops still see the host flag).
-    pub(super) fn mark_group_aborted(&self) {
-        let at = std::mem::offset_of!(DevComm, aborted);
-        let Some(process) = &self.process else { return };
-        for (i, m) in process.members() {
-            match m {
-                Member::Cuda { group, .. } => {
-                    if let Err(e) = group._comm_mem.write_beside(at, &1u32.to_ne_bytes()) {
-                        tracing::warn!(target: "oxccl::init", rank = self.rank, peer = i, "abort: marking rank {i}'s comm block: {e}");
-                    }
-                }
-                Member::Cpu { group, .. } => {
-                    // SAFETY: the comm block lives as long as the group, which the process group
-                    // `self` holds keeps alive; the word is 4-byte aligned (DevComm is 8-aligned)
-                    // and kernels only load it.
-                    unsafe { AtomicU32::from_ptr((group.comm_mem.addr() as usize + at) as *mut u32) }
-                        .store(1, Ordering::Release);
-                }
-            }
-        }
-    }
 
-    /// With direct writes ([`Comm::direct_pointer`]) a peer's kernel stores into this rank's
-    /// output, which the caller may free once `abort` returns: wait (up to [`PEER_ABORT_WAIT`])
-    /// until no kernel of the group's other ranks is queued or running. Their flags are raised,
-    /// so a running kernel stops at its next wait; a kernel still queued behind other work when
-    /// the time is up checks its flag before its first direct write and writes nothing there.
-    /// On the CPU target a peer kernel that is running is waited for longer
-    /// ([`PEER_RUNNING_WAIT`]): it ends after its current copy. Never fails: a peer that cannot
-    /// be asked counts as idle (debug log).
-    pub(super) fn wait_peers_after_abort(&self, start: Instant) {
-        let me = self.rank;
-        let Some(process) = &self.process else { return };
-        let peers_idle = || -> bool {
-            process.members().filter(|(i, _)| *i != me).all(|(i, m)| match m {
-                Member::Cuda { launch, .. } => launch.idle().unwrap_or_else(|e| {
-                    tracing::debug!(target: "oxccl::init", rank = me, peer = i, "abort: peer state unknown: {e}");
-                    true
-                }),
-                Member::Cpu { inflight, .. } => inflight.load(Ordering::Acquire) == 0,
-            })
-        };
-        // CPU target: a peer's kernel that is running (not only queued) ends at its next wait,
-        // but its current copy may take far longer on host threads than on a GPU (a 128 MiB
-        // slice): wait for it too, up to PEER_RUNNING_WAIT.
-        let peers_running = || -> bool {
-            process.members().filter(|(i, _)| *i != me).any(|(_, m)| match m {
-                Member::Cuda { .. } => false,
-                Member::Cpu { group, .. } => group.running.load(Ordering::Acquire) != 0,
-            })
-        };
-        let t = Instant::now();
-        while !peers_idle() {
-            let waited = t.elapsed();
-            if waited > PEER_ABORT_WAIT && !(peers_running() && waited < PEER_RUNNING_WAIT) {
-                tracing::warn!(target: "oxccl::init", rank = me, waited_ms = waited.as_millis() as u64, "abort: other ranks of the group still have queued work; their kernels check the abort flag before writing into this rank's buffers");
-                return;
-            }
-            std::thread::sleep(Duration::from_micros(200));
-        }
-        tracing::debug!(target: "oxccl::init", rank = me, elapsed_us = start.elapsed().as_micros() as u64, "abort: group idle");
-    }
 
-    /// True when this rank has no queued operation left.
-    pub(super) fn idle(&self) -> Result<bool> {
-        Ok(match &self.res {
-            Res::Cuda(res) => res.launch.idle()?,
-            Res::Cpu(_) => self.inflight.load(Ordering::Acquire) == 0,
-        })
-    }
 
     /// Waits up to `limit` for this rank's queued operations (every call queued so far, on
     /// any stream) to finish; `Ok(false)` when some still run then. Errors: a CUDA error of the
@@ -226,7 +136,13 @@ impl Comm {
     /// rank (bounded by the bootstrap timeout), then frees its resources, returning the first error
     /// met on the way. Taking `self` makes a second destroy or a use after destroy a compile error
     /// (case C27; [`crate::handle::CommHandle`] detects them at run time for handle users).
+    /// Inside a group that holds calls of this communicator, destroy returns at once and the
+    /// communicator is torn down once the group's end has launched them (as on a drop).
     pub fn destroy(self) -> Result<()> {
+        if self.has_other_handles() {
+            tracing::debug!(target: "oxccl::init", rank = self.rank, "destroy: an open group holds calls of the communicator; it is torn down after the group's end");
+            return Ok(());
+        }
         if !self.wait_idle(DROP_WAIT)? {
             self.abort()?;
             return Err(Error::Timeout(format!(
@@ -327,26 +243,7 @@ impl Comm {
         v
     }
 
-    pub(super) fn abort_flag(&self) -> &AtomicU32 {
-        let p = self.init_rank_res().abort.own_flag() as *const u32;
-        // SAFETY: the flag lives in memory owned by `self.res`, 4-byte aligned, accessed atomically.
-        unsafe { AtomicU32::from_ptr(p as *mut u32) }
-    }
 
-    /// The abort of a drop whose operations did not finish: this rank's flag (and, across
-    /// processes, the peers' through the shared page). With direct writes the whole process
-    /// group is aborted instead ([`Comm::abort`]): a peer's kernel may still be writing into this
-    /// rank's buffers, which the caller frees once the drop returns.
-    pub(super) fn abort_on_drop(&self) {
-        if self.direct {
-            if let Err(e) = self.abort() {
-                tracing::warn!(target: "oxccl::init", rank = self.rank, "destroy: {e}");
-            }
-            return;
-        }
-        self.abort_flag().store(ABORTED_HERE, Ordering::Release);
-        self.init_rank_res().abort.raise_peers();
-    }
 }
 
 /// The abort flags of an `init_rank` communicator: one [`ABORT_LINE_BYTES`] line per rank in a
@@ -509,5 +406,128 @@ impl InitRankRes {
             }
         }
         Ok(())
+    }
+}
+
+/// What the drop of a rank's state needs: its abort and the waits around it.
+impl CommState {
+    /// [`Comm::abort`], on the state every handle of the rank shares (its drop aborts too).
+    pub(super) fn abort(&self) -> Result<()> {
+        self.abort_flag().store(ABORTED_HERE, Ordering::Release);
+        // The other ranks of this host would otherwise wait for us forever: their kernels exit
+        // too, and their later calls report the remote abort (case C28, one rank aborting).
+        self.init_rank_res().abort.raise_peers();
+        tracing::warn!(target: "oxccl::init", rank = self.rank, "communicator aborted");
+        let start = Instant::now();
+        while !self.idle()? {
+            if start.elapsed() > ABORT_WAIT {
+                return Err(Error::Timeout(format!(
+                    "rank {}: operations still running {ABORT_WAIT:?} after abort",
+                    self.rank
+                )));
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        if self.direct {
+            self.mark_group_aborted();
+            self.wait_peers_after_abort(start);
+        }
+        Ok(())
+    }
+
+    /// True when this rank has no queued operation left.
+    pub(super) fn idle(&self) -> Result<bool> {
+        Ok(match &self.res {
+            Res::Cuda(res) => res.launch.idle()?,
+            Res::Cpu(_) => self.inflight.load(Ordering::Acquire) == 0,
+        })
+    }
+
+    /// Sets `DevComm::aborted` in every comm block of this rank's process group (all their
+    /// abort flags are raised already), so a kernel of any rank that starts from now on writes
+    /// nothing into another rank's output: it reads that word before its first direct write.
+    /// Returns once the words have landed (on GPUs through a stream of their own, while kernels
+    /// run). Never fails: an error is logged (the kernel's spin loops still see the host flag).
+    pub(super) fn mark_group_aborted(&self) {
+        let at = std::mem::offset_of!(DevComm, aborted);
+        let Some(process) = &self.process else { return };
+        for (i, m) in process.members() {
+            match m {
+                Member::Cuda { group, .. } => {
+                    if let Err(e) = group._comm_mem.write_beside(at, &1u32.to_ne_bytes()) {
+                        tracing::warn!(target: "oxccl::init", rank = self.rank, peer = i, "abort: marking rank {i}'s comm block: {e}");
+                    }
+                }
+                Member::Cpu { group, .. } => {
+                    // SAFETY: the comm block lives as long as the group, which the process group
+                    // `self` holds keeps alive; the word is 4-byte aligned (DevComm is 8-aligned)
+                    // and kernels only load it.
+                    unsafe { AtomicU32::from_ptr((group.comm_mem.addr() as usize + at) as *mut u32) }
+                        .store(1, Ordering::Release);
+                }
+            }
+        }
+    }
+
+    /// With direct writes ([`Comm::direct_pointer`]) a peer's kernel stores into this rank's
+    /// output, which the caller may free once `abort` returns: wait (up to [`PEER_ABORT_WAIT`])
+    /// until no kernel of the group's other ranks is queued or running. Their flags are raised,
+    /// so a running kernel stops at its next wait; a kernel still queued behind other work when
+    /// the time is up checks its flag before its first direct write and writes nothing there.
+    /// On the CPU target a peer kernel that is running is waited for longer
+    /// ([`PEER_RUNNING_WAIT`]): it ends after its current copy. Never fails: a peer that cannot
+    /// be asked counts as idle (debug log).
+    pub(super) fn wait_peers_after_abort(&self, start: Instant) {
+        let me = self.rank;
+        let Some(process) = &self.process else { return };
+        let peers_idle = || -> bool {
+            process.members().filter(|(i, _)| *i != me).all(|(i, m)| match m {
+                Member::Cuda { launch, .. } => launch.idle().unwrap_or_else(|e| {
+                    tracing::debug!(target: "oxccl::init", rank = me, peer = i, "abort: peer state unknown: {e}");
+                    true
+                }),
+                Member::Cpu { inflight, .. } => inflight.load(Ordering::Acquire) == 0,
+            })
+        };
+        // CPU target: a peer's kernel that is running (not only queued) ends at its next wait,
+        // but its current copy may take far longer on host threads than on a GPU (a 128 MiB
+        // slice): wait for it too, up to PEER_RUNNING_WAIT.
+        let peers_running = || -> bool {
+            process.members().filter(|(i, _)| *i != me).any(|(_, m)| match m {
+                Member::Cuda { .. } => false,
+                Member::Cpu { group, .. } => group.running.load(Ordering::Acquire) != 0,
+            })
+        };
+        let t = Instant::now();
+        while !peers_idle() {
+            let waited = t.elapsed();
+            if waited > PEER_ABORT_WAIT && !(peers_running() && waited < PEER_RUNNING_WAIT) {
+                tracing::warn!(target: "oxccl::init", rank = me, waited_ms = waited.as_millis() as u64, "abort: other ranks of the group still have queued work; their kernels check the abort flag before writing into this rank's buffers");
+                return;
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        tracing::debug!(target: "oxccl::init", rank = me, elapsed_us = start.elapsed().as_micros() as u64, "abort: group idle");
+    }
+
+    pub(super) fn abort_flag(&self) -> &AtomicU32 {
+        let p = self.init_rank_res().abort.own_flag() as *const u32;
+        // SAFETY: the flag lives in memory owned by `self.res`, 4-byte aligned, accessed atomically.
+        unsafe { AtomicU32::from_ptr(p as *mut u32) }
+    }
+
+    /// The abort of a drop whose operations did not finish: this rank's flag (and, across
+    /// processes, the peers' through the shared page). With direct writes the whole process
+    /// group is aborted instead ([`Comm::abort`]): a peer's kernel may still be writing into this
+    /// rank's buffers, which the caller frees once the drop returns.
+    pub(super) fn abort_on_drop(&self) {
+        if self.direct {
+            if let Err(e) = self.abort() {
+                tracing::warn!(target: "oxccl::init", rank = self.rank, "destroy: {e}");
+            }
+            return;
+        }
+        self.abort_flag().store(ABORTED_HERE, Ordering::Release);
+        self.init_rank_res().abort.raise_peers();
     }
 }

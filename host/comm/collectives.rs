@@ -356,6 +356,36 @@ impl Comm {
         let op = op.into();
         let (dev_op, redop_arg, redop_flags, recv_bytes, captured) =
             self.checked_call(func, send, recv, count, dtype, &op, root, stream)?;
+        if crate::group::group_depth() > 0 {
+            // Inside a group: queued until its outermost end, holding its buffers.
+            let (send_bytes, _) = self.buffer_bytes(func, count, dtype)?;
+            let mut ranges = vec![(send, send_bytes), (recv, recv_bytes)];
+            let op = match op {
+                ReduceOp::PreMulSumDevice(s) => {
+                    ranges.push((s.addr(), dtype.size() as u64));
+                    // SAFETY: checked by `checked_call` (this device, one element); the group
+                    // holds it until its end has queued the call, the caller's contract after.
+                    ReduceOp::PreMulSumDevice(unsafe { DevSlice::from_raw(s.addr(), s.len(), s.device()) })
+                }
+                ReduceOp::Builtin(b) => ReduceOp::Builtin(b),
+                ReduceOp::PreMulSum(x) => ReduceOp::PreMulSum(x),
+            };
+            let queued = crate::group::QueuedColl {
+                comm: self.handle(),
+                func,
+                send,
+                recv,
+                count,
+                dtype,
+                op,
+                root,
+                stream: stream.handle(),
+            };
+            let Some(_) = crate::group::defer_collective(queued, &ranges) else {
+                tracing::debug!(target: "oxccl::coll", rank = self.rank, %func, count, %dtype, "queued in the group");
+                return Ok(());
+            };
+        }
         // The call as the flight recorder keeps it (numbered by `Watch::begin`).
         let record = |choice: Option<Choice>| timeout::CallRecord {
             seq: 0,

@@ -888,7 +888,7 @@ impl Comm {
         }
         phases.mark("barrier and device block");
         tracing::debug!(target: "oxccl::init", rank, nranks, nch, cuda = is_cuda, in_process, direct, total_ms = phases.total_ms(), "communicator ready");
-        Ok(Comm {
+        Ok(Comm::from_state(CommState {
             rank,
             nranks,
             device,
@@ -915,7 +915,7 @@ impl Comm {
             direct,
             process,
             watch,
-        })
+        }))
     }
 }
 

@@ -89,53 +89,97 @@ pub const CPU_DEFAULT_NCHANNELS: u32 = 2;
 
 /// One rank of a communicator (NCCL's `ncclComm`). Collectives are queued on the caller's stream
 /// and return at once; completion is observed by synchronizing that stream.
+///
+/// A `Comm` is a handle on the rank's state, which calls queued in an open group
+/// ([`crate::group::group_start`]) hold too: the rank is torn down (its drop: wait for its work,
+/// then free) when its last holder is gone — the `Comm`, or the group's end that launched them.
 pub struct Comm {
-    rank: usize,
-    nranks: usize,
-    device: Device,
-    params: Params,
-    selection: Selection,
-    nchannels: u32,
-    /// The communicator's id ([`Comm::comm_id`]).
-    comm_tag: u64,
-    /// The peer channels of point-to-point work, after the ring channels.
-    peer_channels: PeerChannels,
-    /// The point-to-point kernel, loaded at init (a load while a peer's kernel spins could
-    /// wait for it); `None` on the CPU target.
-    p2p_module: Option<Arc<cuda::Module>>,
-    /// Where this rank's receives report a size mismatch.
-    p2p_status: Arc<send_recv::StatusMem>,
-    /// The call-signature check (`OXCCL_CHECK_CALLS=1`, more than one rank), else `None`.
-    call_check: Option<call_check::CallCheck>,
-    dev_comm: u64,
-    res: Res,
-    inflight: Arc<AtomicUsize>,
-    /// Kernels queued by this rank ([`Comm::kernel_launches`]).
-    launches: Arc<AtomicU64>,
-    last: Mutex<Option<Choice>>,
-    /// The double binary tree's connections, when the communicator spans several nodes and they
-    /// were set up (ranks on two or more hosts, or `init_all` with `OXCCL_TEST_NODES`, unless
-    /// `NCCL_ALGO` excludes the tree); `None` otherwise.
-    trees: Option<CommTrees>,
-    /// Every channel's ring (NCCL's `channel->ring`).
-    rings: Arc<ChannelRings>,
-    /// Set by [`Comm::finalize`]: later collectives are refused.
-    finalized: std::sync::atomic::AtomicBool,
-    /// Set by [`Comm::revoke`]: later collectives, sends, receives and finalize are refused.
-    revoked: std::sync::atomic::AtomicBool,
-    /// The settings it was created with, inherited by the communicators split or shrunk from it.
-    config: CommConfig,
-    /// What the rings run over, for the tuning model (the same on every rank).
-    fabric: crate::tuning::Fabric,
-    /// Bytes of this rank's connection memory (laid out for at least `nchannels` channels).
-    conn_bytes: u64,
-    /// Whether the ring connections have pointer exchanges ([`Comm::direct_pointer`]).
-    direct: bool,
-    /// The ranks of this rank's [`Comm::init_all`]; `None` for [`Comm::init_rank`].
-    process: Option<Arc<ProcessGroup>>,
-    /// The calls issued and, with `OXCCL_TIMEOUT`, the watch that times them out
-    /// (`comm/timeout.rs`); retired first when the communicator is dropped.
-    watch: Arc<timeout::Watch>,
+    state: Arc<CommState>,
+}
+
+mod state {
+    use super::*;
+
+    /// The state of one rank that every handle of it shares ([`Comm`] derefs to it).
+    pub struct CommState {
+        pub(in crate::comm) rank: usize,
+        pub(in crate::comm) nranks: usize,
+        pub(in crate::comm) device: Device,
+        pub(in crate::comm) params: Params,
+        pub(in crate::comm) selection: Selection,
+        pub(in crate::comm) nchannels: u32,
+        /// The communicator's id ([`Comm::comm_id`]).
+        pub(in crate::comm) comm_tag: u64,
+        /// The peer channels of point-to-point work, after the ring channels.
+        pub(in crate::comm) peer_channels: PeerChannels,
+        /// The point-to-point kernel, loaded at init (a load while a peer's kernel spins could
+        /// wait for it); `None` on the CPU target.
+        pub(in crate::comm) p2p_module: Option<Arc<cuda::Module>>,
+        /// Where this rank's receives report a size mismatch.
+        pub(in crate::comm) p2p_status: Arc<send_recv::StatusMem>,
+        /// The call-signature check (`OXCCL_CHECK_CALLS=1`, more than one rank), else `None`.
+        pub(in crate::comm) call_check: Option<call_check::CallCheck>,
+        pub(in crate::comm) dev_comm: u64,
+        pub(in crate::comm) res: Res,
+        pub(in crate::comm) inflight: Arc<AtomicUsize>,
+        /// Kernels queued by this rank ([`Comm::kernel_launches`]).
+        pub(in crate::comm) launches: Arc<AtomicU64>,
+        pub(in crate::comm) last: Mutex<Option<Choice>>,
+        /// The double binary tree's connections, when the communicator spans several nodes and they
+        /// were set up (ranks on two or more hosts, or `init_all` with `OXCCL_TEST_NODES`, unless
+        /// `NCCL_ALGO` excludes the tree); `None` otherwise.
+        pub(in crate::comm) trees: Option<CommTrees>,
+        /// Every channel's ring (NCCL's `channel->ring`).
+        pub(in crate::comm) rings: Arc<ChannelRings>,
+        /// Set by [`Comm::finalize`]: later collectives are refused.
+        pub(in crate::comm) finalized: std::sync::atomic::AtomicBool,
+        /// Set by [`Comm::revoke`]: later collectives, sends, receives and finalize are refused.
+        pub(in crate::comm) revoked: std::sync::atomic::AtomicBool,
+        /// The settings it was created with, inherited by the communicators split or shrunk from it.
+        pub(in crate::comm) config: CommConfig,
+        /// What the rings run over, for the tuning model (the same on every rank).
+        pub(in crate::comm) fabric: crate::tuning::Fabric,
+        /// Bytes of this rank's connection memory (laid out for at least `nchannels` channels).
+        pub(in crate::comm) conn_bytes: u64,
+        /// Whether the ring connections have pointer exchanges ([`Comm::direct_pointer`]).
+        pub(in crate::comm) direct: bool,
+        /// The ranks of this rank's [`Comm::init_all`]; `None` for [`Comm::init_rank`].
+        pub(in crate::comm) process: Option<Arc<ProcessGroup>>,
+        /// The calls issued and, with `OXCCL_TIMEOUT`, the watch that times them out
+        /// (`comm/timeout.rs`); retired first when the communicator is dropped.
+        pub(in crate::comm) watch: Arc<timeout::Watch>,
+    }
+}
+use state::CommState;
+
+impl std::ops::Deref for Comm {
+    type Target = CommState;
+    fn deref(&self) -> &CommState {
+        &self.state
+    }
+}
+
+impl Comm {
+    /// A communicator of `state`, its only handle.
+    fn from_state(state: CommState) -> Comm {
+        Comm { state: Arc::new(state) }
+    }
+
+    /// Another handle on this rank (for a call queued in a group, which runs after the caller's
+    /// borrow of this one ends).
+    pub(crate) fn handle(&self) -> Comm {
+        Comm { state: Arc::clone(&self.state) }
+    }
+
+    /// Whether `other` is a handle on the same rank as this one.
+    pub(crate) fn same_rank(&self, other: &Comm) -> bool {
+        Arc::ptr_eq(&self.state, &other.state)
+    }
+
+    /// Whether handles other than this one exist (calls queued in an open group).
+    pub(super) fn has_other_handles(&self) -> bool {
+        Arc::strong_count(&self.state) > 1
+    }
 }
 
 enum Res {
@@ -384,6 +428,9 @@ impl Comm {
     }
 
 
+}
+
+impl CommState {
     /// The bootstrap, peers, links and shared abort page of this rank.
     fn init_rank_res(&self) -> &InitRankRes {
         match &self.res {
@@ -420,7 +467,7 @@ impl std::fmt::Debug for Comm {
     }
 }
 
-impl Drop for Comm {
+impl Drop for CommState {
     /// Waits (bounded) for this rank's last queued operation, then raises the abort flag so a
     /// kernel still waiting for a peer exits, then frees everything. Never panics.
     fn drop(&mut self) {

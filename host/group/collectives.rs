@@ -31,6 +31,38 @@ pub struct CollTask<'a> {
     pub stream: &'a Stream,
 }
 
+/// A collective issued inside a [`super::group_start`]/[`super::group_end`] pair, checked and
+/// queued in the thread's group until its outermost end: it holds its communicator (a handle,
+/// [`Comm::handle`]) and its stream; its buffers are held by the group (`held.rs`).
+pub(crate) struct QueuedColl {
+    pub(crate) comm: Comm,
+    pub(crate) func: Func,
+    pub(crate) send: u64,
+    pub(crate) recv: u64,
+    pub(crate) count: usize,
+    pub(crate) dtype: DataType,
+    pub(crate) op: ReduceOp<'static>,
+    pub(crate) root: usize,
+    pub(crate) stream: Stream,
+}
+
+impl QueuedColl {
+    /// The call as [`launch_collectives`] takes it.
+    pub(crate) fn task(&self) -> CollTask<'_> {
+        CollTask {
+            comm: &self.comm,
+            func: self.func,
+            send: self.send,
+            recv: self.recv,
+            count: self.count,
+            dtype: self.dtype,
+            op: self.op,
+            root: self.root,
+            stream: &self.stream,
+        }
+    }
+}
+
 /// What one turn of the launch does.
 enum Unit<'a> {
     /// A call of a communicator whose calls do not share launches: issued alone.
@@ -58,7 +90,7 @@ enum Unit<'a> {
 pub unsafe fn launch_collectives(calls: Vec<CollTask<'_>>) -> Result<()> {
     let mut queues: Vec<Vec<CollTask<'_>>> = Vec::new();
     for c in calls {
-        match queues.iter_mut().find(|q| std::ptr::eq(q[0].comm, c.comm)) {
+        match queues.iter_mut().find(|q| q[0].comm.same_rank(c.comm)) {
             Some(q) => q.push(c),
             None => queues.push(vec![c]),
         }

@@ -1,12 +1,14 @@
 //! Groups (NCCL's `group.cc`: `ncclGroupStart`/`ncclGroupEnd`): the calling thread's queue of
-//! point-to-point calls, launched together when its outermost group ends.
+//! collectives and point-to-point calls, launched together when its outermost group ends.
 //!
 //! A group is per thread and nests: [`group_start`] deepens it, [`group_end`] ends one level,
 //! and the outermost end launches what was queued, so a thread driving several ranks (NCCL's
-//! one thread per process) can issue every rank's calls before any of them runs. Collectives
-//! inside a group launch when called, as outside one — except in a [`scope`], which defers them
-//! to its end as NCCL does (`scope.rs`); sends and receives are queued and, at the end, launched
-//! after them (NCCL schedules a group's collectives before its point-to-point work), per
+//! one thread per process) can issue every rank's calls before any of them runs. A call is
+//! checked when issued (its argument errors are returned then, and it is not queued); at the
+//! end, the collectives are launched first, each communicator's in the order issued, consecutive
+//! LL calls of one kernel entry and stream sharing a launch ([`launch_collectives`]; a
+//! [`scope`] does the same with borrows the compiler checks, `scope.rs`), then the sends and
+//! receives (NCCL schedules a group's collectives before its point-to-point work), per
 //! communicator:
 //!
 //! - a send and a receive with the rank itself are matched in order and become a copy;
@@ -24,12 +26,14 @@
 //! inside a group, how one thread creates several ranks): the outermost end creates them
 //! together, before it launches the group's sends and receives (`init.rs`).
 //!
-//! A group's calls of one communicator must use one stream. A queued call keeps what it runs
-//! on: its communicator's launch resources and memory, its stream (destroyed after the group's
-//! end when dropped inside it), and its buffer — a [`crate::DeviceBuffer`] dropped inside the
-//! group is freed only after the outermost end has queued the group's work (`held.rs`), and
-//! then after that work, as every buffer is. Raw addresses ([`crate::Comm::send_raw`]) stay the
-//! caller's to keep valid.
+//! A group's sends and receives of one communicator must use one stream. A queued call keeps
+//! what it runs on: its communicator (a [`crate::Comm`] dropped or destroyed inside the group is
+//! torn down after the group's end has launched its calls), its stream (destroyed after the
+//! group's end when dropped inside it), and its buffers — a [`crate::DeviceBuffer`] dropped
+//! inside the group is freed only after the outermost end has queued the group's work
+//! (`held.rs`), and then after that work, as every buffer is. Raw addresses
+//! ([`crate::Comm::send_raw`], [`crate::Comm::collective_raw`]) stay the caller's to keep valid
+//! until the work has run.
 use crate::comm::P2pTarget;
 use crate::error::{Error, Result};
 use crate::mem::Stream;
@@ -42,6 +46,7 @@ pub(crate) mod held;
 mod init;
 mod scope;
 pub use collectives::{CollTask, launch_collectives};
+pub(crate) use collectives::QueuedColl;
 pub use init::{PendingComm, init_rank};
 pub use scope::{GroupScope, scope};
 
@@ -68,6 +73,8 @@ struct Group {
     /// The outermost group's id ([`current_group`]), while `depth > 0`.
     id: u64,
     queued: Vec<Queued>,
+    /// The collectives issued inside the group, checked, in the order issued.
+    collectives: Vec<QueuedColl>,
     /// The communicator inits issued inside the group ([`init_rank`]).
     inits: Vec<init::Deferred>,
 }
@@ -103,19 +110,21 @@ pub fn group_start() -> Result<()> {
 }
 
 /// Ends the innermost group of this thread (NCCL's `ncclGroupEnd`); the outermost end creates
-/// the communicators of the group's [`init_rank`] calls, then launches every queued send and
-/// receive (module docs). Errors: the first failed init's (each [`PendingComm`] holds its own);
-/// InvalidUsage without a matching
-/// [`group_start`]; InvalidUsage when a communicator's calls use several streams, a send or
-/// receive with the rank itself has no match, or a launch would exceed [`MAX_P2P_WORKS`]
-/// blocks (nothing of the group is launched then); InvalidArgument when a matched send and
-/// receive with the rank itself differ in size (the smaller size is copied); launch errors.
+/// the communicators of the group's [`init_rank`] calls, then launches every queued collective,
+/// then every send and receive (module docs). Errors: the first failed init's (each
+/// [`PendingComm`] holds its own); InvalidUsage without a matching [`group_start`];
+/// InvalidUsage when a communicator's sends and receives use several streams, a send or receive
+/// with the rank itself has no match, or a launch would exceed [`MAX_P2P_WORKS`] blocks
+/// (nothing of the group is launched then); InvalidArgument when a matched send and receive
+/// with the rank itself differ in size (the smaller size is copied); launch errors (every call
+/// is still attempted: the peers wait for each).
 pub fn group_end() -> Result<()> {
     group_end_then(|| Ok(()))
 }
 
 /// [`group_end`], running `before_launch` at the outermost end after the group's sends and
-/// receives are planned and before any of them is launched — not at all when planning fails
+/// receives are planned and its queued collectives launched, before any send or receive is
+/// launched — not at all when planning fails
 /// (too many blocks for a launch, a self-send without its receive…), so work the caller
 /// launches there (the C library's collectives of the group) is never half of a group that
 /// fails. The sends and receives are launched whatever `before_launch` returns (the peers'
@@ -124,15 +133,24 @@ pub fn group_end() -> Result<()> {
 pub fn group_end_then(before_launch: impl FnOnce() -> Result<()>) -> Result<()> {
     // Held until the queued calls are launched (or refused): buffers dropped inside the group
     // are freed after that.
-    let (outermost, inits, queued, _held) = end_level_outermost("group_end")?;
+    let (outermost, inits, ended, _held) = end_level_outermost("group_end")?;
     let inited = init::run(inits);
     if !outermost {
         return inited;
     }
+    let Ended { queued, collectives } = ended;
     let launched = plan_queued(queued).and_then(|planned| {
+        let tasks: Vec<CollTask<'_>> = collectives.iter().map(QueuedColl::task).collect();
+        // SAFETY: each call's ranges were checked against its buffers at the call, and the group
+        // holds them (`held.rs`) until `_held` is dropped, after these launches; raw addresses
+        // are the caller's to keep valid ([`crate::Comm::collective_raw`]'s contract).
+        let own = unsafe { launch_collectives(tasks) };
         let before = before_launch();
-        before.and(launch_planned(planned))
+        own.and(before).and(launch_planned(planned))
     });
+    // The communicators' handles go after the launches: a communicator dropped inside the
+    // group is torn down here, once its queued work is launched.
+    drop(collectives);
     inited.and(launched)
 }
 
@@ -156,19 +174,27 @@ pub fn abandon_end() -> Result<()> {
 
 /// [`simulate_end`] and [`abandon_end`]: `what` names the call, `why` the log's reason.
 fn end_dropping(what: &str, why: &str) -> Result<()> {
-    let (_, inits, queued, held) = end_level_outermost(what)?;
-    if !queued.is_empty() {
-        tracing::debug!(target: "oxccl::group", calls = queued.len(), "{why}: its sends and receives are dropped");
+    let (_, inits, ended, held) = end_level_outermost(what)?;
+    let calls = ended.queued.len() + ended.collectives.len();
+    if calls > 0 {
+        tracing::debug!(target: "oxccl::group", calls, "{why}: its calls are dropped");
     }
-    drop(queued);
+    drop(ended);
     drop(held);
     init::run(inits)
+}
+
+/// The queued calls of an outermost group's end.
+#[derive(Default)]
+struct Ended {
+    queued: Vec<Queued>,
+    collectives: Vec<QueuedColl>,
 }
 
 /// Ends one level of this thread's group (`what` names the call in the error): whether this
 /// was the outermost end, and there the group's inits and queued calls, and what releases the
 /// memory its calls hold (`held.rs`) once dropped.
-fn end_level_outermost(what: &str) -> Result<(bool, Vec<init::Deferred>, Vec<Queued>, held::ReleaseOnDrop)> {
+fn end_level_outermost(what: &str) -> Result<(bool, Vec<init::Deferred>, Ended, held::ReleaseOnDrop)> {
     GROUP.with(|g| {
         let mut g = g.borrow_mut();
         if g.depth == 0 {
@@ -176,14 +202,13 @@ fn end_level_outermost(what: &str) -> Result<(bool, Vec<init::Deferred>, Vec<Que
         }
         g.depth -= 1;
         Ok(if g.depth == 0 {
-            (
-                true,
-                std::mem::take(&mut g.inits),
-                std::mem::take(&mut g.queued),
-                held::ReleaseOnDrop(Some(g.id)),
-            )
+            let ended = Ended {
+                queued: std::mem::take(&mut g.queued),
+                collectives: std::mem::take(&mut g.collectives),
+            };
+            (true, std::mem::take(&mut g.inits), ended, held::ReleaseOnDrop(Some(g.id)))
         } else {
-            (false, Vec::new(), Vec::new(), held::ReleaseOnDrop(None))
+            (false, Vec::new(), Ended::default(), held::ReleaseOnDrop(None))
         })
     })
 }
@@ -214,6 +239,22 @@ pub(crate) fn current_group() -> Option<u64> {
     GROUP.with(|g| {
         let g = g.borrow();
         (g.depth > 0).then_some(g.id)
+    })
+}
+
+/// Queues the collective `q` in this thread's group, holding `ranges` (address, bytes: its
+/// buffers) until the group's outermost end; gives `q` back when the thread has no group open.
+pub(crate) fn defer_collective(q: QueuedColl, ranges: &[(u64, u64)]) -> Option<QueuedColl> {
+    GROUP.with(|g| {
+        let mut g = g.borrow_mut();
+        if g.depth == 0 {
+            return Some(q);
+        }
+        for &(addr, bytes) in ranges.iter().filter(|(addr, _)| *addr != 0) {
+            held::hold(g.id, addr, bytes);
+        }
+        g.collectives.push(q);
+        None
     })
 }
 

@@ -11,8 +11,9 @@
 //! Deferring a call past its return needs its communicator, buffers and stream to stay alive
 //! until the group's end: the scope borrows them for its whole length (`'s`), as
 //! `std::thread::scope` does for the data of its threads, so the compiler checks it. The plain
-//! [`group_start`](super::group_start)/[`group_end`](super::group_end) pair cannot: there,
-//! collectives launch at the call.
+//! [`group_start`](super::group_start)/[`group_end`](super::group_end) pair keeps them alive at
+//! run time instead (a handle on the communicator, the stream's handle, the buffers' ranges
+//! held: `held.rs`), and raw addresses stay the caller's to keep valid.
 use super::{abandon_end, group_end_then, group_start};
 use crate::comm::Comm;
 use crate::error::{Error, Result};

@@ -15,7 +15,7 @@ use oxccl::group::GroupScope;
 use oxccl::{Comm, DataType, DevSlice, Device, DeviceBuffer, Error, RedOp, Stream};
 
 /// A buffer of `n` f32 between guards: `data` written, or every byte `salt`'s sentinel.
-fn guarded(dev: Device, n: usize, salt: u8, data: Option<&[f32]>) -> DeviceBuffer {
+pub(super) fn guarded(dev: Device, n: usize, salt: u8, data: Option<&[f32]>) -> DeviceBuffer {
     let b = dev.alloc(FRONT + 4 * n + BACK).unwrap();
     b.write(0, &sentinel(FRONT + 4 * n + BACK, salt)).unwrap();
     if let Some(d) = data {
@@ -26,7 +26,7 @@ fn guarded(dev: Device, n: usize, salt: u8, data: Option<&[f32]>) -> DeviceBuffe
 }
 
 /// The `n` floats of `b` between its guards, whose bytes must still be `salt`'s sentinel.
-fn floats(b: &DeviceBuffer, n: usize, salt: u8, what: &str) -> Vec<f32> {
+pub(super) fn floats(b: &DeviceBuffer, n: usize, salt: u8, what: &str) -> Vec<f32> {
     let got = b.to_vec().unwrap();
     let poison = sentinel(FRONT + 4 * n + BACK, salt);
     assert!(
@@ -40,16 +40,16 @@ fn floats(b: &DeviceBuffer, n: usize, salt: u8, what: &str) -> Vec<f32> {
 }
 
 /// Whether every byte of `b` (data and guards) is still `salt`'s sentinel.
-fn untouched(b: &DeviceBuffer, n: usize, salt: u8) -> bool {
+pub(super) fn untouched(b: &DeviceBuffer, n: usize, salt: u8) -> bool {
     b.to_vec().unwrap() == sentinel(FRONT + 4 * n + BACK, salt)
 }
 
-fn data(b: &DeviceBuffer, n: usize) -> DevSlice<'_> {
+pub(super) fn data(b: &DeviceBuffer, n: usize) -> DevSlice<'_> {
     b.slice(FRONT, 4 * n).unwrap()
 }
 
 /// Rank `r`'s input element `i` (small integers: every sum is exact in f32).
-fn input(r: usize, i: usize) -> f32 {
+pub(super) fn input(r: usize, i: usize) -> f32 {
     (r * 1000 + i % 997) as f32
 }
 

@@ -30,6 +30,7 @@ mod gpu_direct;
 mod gpu_tree;
 mod fp8_math;
 mod group_buffers;
+mod group_collectives;
 mod group_scope;
 mod half_math;
 mod in_process;

@@ -1,0 +1,241 @@
+//! Collectives inside a plain `group_start`/`group_end` pair, deferred to the outermost end as
+//! NCCL defers them, checked exactly (out of place and in place, guards, every rank) with one
+//! thread issuing every rank's calls: nothing runs before the outermost end (an inner end
+//! launches nothing), every output is exact after it; the group's LL calls share launches; a
+//! communicator, its buffers and streams dropped inside the group outlive its work; a call
+//! refused inside the group returns its error at the call while the rest of the group runs; a
+//! group whose sends cannot be launched runs none of its collectives either; a simulated end
+//! drops them; on GPUs the same group is exact.
+use crate::common;
+
+use super::group_scope::{data, floats, guarded, input, untouched};
+use common::env::Env;
+use oxccl::{Comm, DataType, Device, DeviceBuffer, Error, RedOp, Stream};
+
+const VARS: &[&str] = &["PROTO", "CHECK_CALLS", "NCHANNELS_PER_PEER", "P2P_DISABLE", "SHM_DISABLE"];
+
+/// Rank `r`'s buffers of one group: AllReduce in and out, Broadcast in place (root 1), and a
+/// ring receive.
+struct Bufs {
+    ar_in: DeviceBuffer,
+    ar_out: DeviceBuffer,
+    bc: DeviceBuffer,
+    p2p_out: DeviceBuffer,
+}
+
+fn own(r: usize, count: usize) -> Vec<f32> {
+    (0..count).map(|i| input(r, i)).collect()
+}
+
+fn bufs(dev: Device, r: usize, count: usize) -> Bufs {
+    Bufs {
+        ar_in: guarded(dev, count, 1, Some(&own(r, count))),
+        ar_out: guarded(dev, count, 2, None),
+        bc: guarded(dev, count, 3, (r == 1).then(|| own(7, count)).as_deref()),
+        p2p_out: guarded(dev, count, 4, None),
+    }
+}
+
+/// Issues rank `r`'s calls of the group: two AllReduce Sums (the second in place, on `ar_in`), the
+/// Broadcast, a send to the next rank and a receive from the previous one.
+fn issue(c: &Comm, b: &Bufs, count: usize, s: &Stream) -> oxccl::Result<()> {
+    let (r, n, f) = (c.rank(), c.nranks(), DataType::F32);
+    c.all_reduce(data(&b.ar_in, count), data(&b.ar_out, count), count, f, RedOp::Sum, s)?;
+    c.all_reduce(data(&b.ar_in, count), data(&b.ar_in, count), count, f, RedOp::Sum, s)?;
+    let root = (r == 1).then(|| data(&b.bc, count));
+    c.broadcast(root, data(&b.bc, count), count, f, 1, s)?;
+    c.send(data(&b.ar_out, count), count, f, (r + 1) % n, s)?;
+    c.recv(data(&b.p2p_out, count), count, f, (r + n - 1) % n, s)
+}
+
+/// Whether none of rank `r`'s outputs was written (the in-place AllReduce's input included).
+fn none_ran(b: &Bufs, r: usize, count: usize) -> bool {
+    untouched(&b.ar_out, count, 2)
+        && floats(&b.ar_in, count, 1, "AllReduce input") == own(r, count)
+        && (r == 1 || untouched(&b.bc, count, 3))
+        && untouched(&b.p2p_out, count, 4)
+}
+
+/// Every output of rank `r` of `n`: the sums (out of place and in place), the root's data, and
+/// the previous rank's sums received (its AllReduce ran before its send, in the group's order).
+fn check(b: &Bufs, r: usize, n: usize, count: usize, what: &str) {
+    let sum: Vec<f32> = (0..count).map(|i| (0..n).map(|q| input(q, i)).sum()).collect();
+    assert_eq!(floats(&b.ar_out, count, 2, what), sum, "{what}: rank {r}: AllReduce");
+    assert_eq!(floats(&b.ar_in, count, 1, what), sum, "{what}: rank {r}: in-place AllReduce");
+    assert_eq!(floats(&b.bc, count, 3, what), own(7, count), "{what}: rank {r}: Broadcast");
+    assert_eq!(floats(&b.p2p_out, count, 4, what), sum, "{what}: rank {r}: receive");
+}
+
+/// One thread issues every rank's calls inside a nested group: after the inner end nothing has
+/// run or launched, after the outer end every output is exact on every rank. On LL the two
+/// AllReduces share a launch (3 per rank: AllReduces, Broadcast, sends and receives); on Simple
+/// each is its own (4).
+#[test]
+fn collectives_in_a_group_launch_at_its_outermost_end_exact() {
+    for (proto, launches) in [("LL", 3u64), ("Simple", 4)] {
+        let env = Env::clean(VARS);
+        env.set(&[("NCCL_PROTO", proto)]);
+        let (n, count) = (3usize, 1000usize);
+        let comms = common::init_all(&Device::cpus(n)).unwrap();
+        let streams = common::streams(&comms);
+        let b: Vec<Bufs> = (0..n).map(|r| bufs(comms[r].device(), r, count)).collect();
+        let before: Vec<u64> = comms.iter().map(|c| c.kernel_launches()).collect();
+        oxccl::group_start().unwrap();
+        oxccl::group_start().unwrap();
+        for r in 0..n {
+            issue(&comms[r], &b[r], count, &streams[r]).unwrap();
+        }
+        oxccl::group_end().unwrap();
+        common::sync_all(&streams, "after the inner end");
+        for r in 0..n {
+            assert_eq!(comms[r].kernel_launches(), before[r], "{proto}: rank {r}: launched before the end");
+            assert!(none_ran(&b[r], r, count), "{proto}: rank {r}: a call ran before the group's end");
+        }
+        oxccl::group_end().unwrap();
+        assert_eq!(oxccl::group::group_depth(), 0);
+        common::sync_all(&streams, "after the group");
+        for r in 0..n {
+            check(&b[r], r, n, count, proto);
+            assert_eq!(comms[r].kernel_launches() - before[r], launches, "{proto}: rank {r}: launches");
+        }
+    }
+}
+
+/// The communicators, their streams and every input buffer are dropped before the group ends:
+/// the group keeps them until its end has launched their work; every output is exact.
+#[test]
+fn communicators_streams_and_buffers_dropped_inside_a_group_outlive_its_collectives() {
+    let _env = Env::clean(VARS);
+    let (n, count) = (2usize, 4099usize);
+    let devs = Device::cpus(n);
+    let comms = common::init_all(&devs).unwrap();
+    let streams = common::streams(&comms);
+    let b: Vec<Bufs> = (0..n).map(|r| bufs(devs[r], r, count)).collect();
+    let outs: Vec<DeviceBuffer> = (0..n).map(|r| guarded(devs[r], count, 5, None)).collect();
+    oxccl::group_start().unwrap();
+    for r in 0..n {
+        issue(&comms[r], &b[r], count, &streams[r]).unwrap();
+        let input = guarded(devs[r], count, 6, Some(&own(r + 10, count)));
+        comms[r]
+            .all_reduce(data(&input, count), data(&outs[r], count), count, DataType::F32, RedOp::Sum, &streams[r])
+            .unwrap();
+        drop(input);
+    }
+    drop(comms);
+    drop(streams);
+    oxccl::group_end().unwrap();
+    // The group's end dropped the last handles: every rank's work has run (a communicator's
+    // teardown waits for it), on streams destroyed after it.
+    let want: Vec<f32> = (0..count).map(|i| (0..n).map(|r| input(r + 10, i)).sum()).collect();
+    for r in 0..n {
+        check(&b[r], r, n, count, "dropped inside the group");
+        assert_eq!(floats(&outs[r], count, 5, "AllReduce of a dropped input"), want, "rank {r}");
+    }
+}
+
+/// A Broadcast with a root out of range, issued inside a group, fails at the call naming the
+/// root and the accepted range and is not queued; the rest of the group runs, exact.
+#[test]
+fn a_collective_refused_inside_a_group_fails_at_the_call_and_the_rest_runs() {
+    let _env = Env::clean(VARS);
+    let (n, count) = (3usize, 777usize);
+    let comms = common::init_all(&Device::cpus(n)).unwrap();
+    let streams = common::streams(&comms);
+    let b: Vec<Bufs> = (0..n).map(|r| bufs(comms[r].device(), r, count)).collect();
+    oxccl::group_start().unwrap();
+    for r in 0..n {
+        issue(&comms[r], &b[r], count, &streams[r]).unwrap();
+        let e = comms[r]
+            .broadcast(None, data(&b[r].ar_out, count), count, DataType::F32, n, &streams[r])
+            .unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument(_)), "{e:?}");
+        assert!(e.to_string().contains(&format!("root {n} is out of range for broadcast (accepted: 0..={})", n - 1)), "{e}");
+    }
+    oxccl::group_end().unwrap();
+    common::sync_all(&streams, "after the group");
+    for r in 0..n {
+        check(&b[r], r, n, count, "a refused call in the group");
+    }
+}
+
+/// A group whose sends and receives need more thread blocks than a launch holds fails at its
+/// end naming the limit, and none of it runs: its AllReduces, queued before, leave their outputs
+/// untouched. A simulated end drops a group's collectives the same way. The communicators stay
+/// usable.
+#[test]
+fn a_group_that_cannot_launch_or_is_simulated_runs_none_of_its_collectives() {
+    let env = Env::clean(VARS);
+    env.set(&[("NCCL_NCHANNELS_PER_PEER", "8")]);
+    let (n, block) = (10usize, 16usize);
+    let comms = common::init_all(&Device::cpus(n)).unwrap();
+    let streams = common::streams(&comms);
+    let ins: Vec<_> = (0..n)
+        .map(|r| guarded(comms[r].device(), n * block, 1, Some(&vec![1.0; n * block])))
+        .collect();
+    let outs: Vec<_> = (0..n).map(|r| guarded(comms[r].device(), n * block, 2, None)).collect();
+    let all_reduces = || {
+        for (r, c) in comms.iter().enumerate() {
+            let (i, o) = (data(&ins[r], block), data(&outs[r], block));
+            c.all_reduce(i, o, block, DataType::F32, RedOp::Sum, &streams[r]).unwrap();
+        }
+    };
+    oxccl::group_start().unwrap();
+    all_reduces();
+    for (r, c) in comms.iter().enumerate() {
+        for p in 0..n {
+            let at = common::FRONT + 4 * p * block;
+            c.send(ins[r].slice(at, 4 * block).unwrap(), block, DataType::F32, p, &streams[r]).unwrap();
+            c.recv(outs[r].slice(at, 4 * block).unwrap(), block, DataType::F32, p, &streams[r]).unwrap();
+        }
+    }
+    let e = oxccl::group_end().unwrap_err();
+    assert!(matches!(e, Error::InvalidUsage(_)), "{e:?}");
+    let m = e.to_string();
+    assert!(m.contains("more than the 128") && m.contains("nothing was launched"), "{m}");
+    oxccl::group_start().unwrap();
+    all_reduces();
+    oxccl::group::simulate_end().unwrap();
+    common::sync_all(&streams, "after the refused and the simulated group");
+    for r in 0..n {
+        assert!(untouched(&outs[r], n * block, 2), "rank {r}: a collective of the group ran");
+    }
+    // Still usable: the same AllReduces outside a group.
+    all_reduces();
+    common::sync_all(&streams, "after the group");
+    for r in 0..n {
+        assert_eq!(floats(&outs[r], n * block, 2, "AllReduce")[..block], vec![n as f32; block][..], "rank {r}");
+    }
+}
+
+/// On GPUs (two ranks, sharing one when there is only one): one thread issues both ranks'
+/// group, on LL and Simple; exact after the end, nothing run before it.
+#[test]
+fn gpu_collectives_in_a_group_launch_at_its_outermost_end_exact() {
+    let test = "gpu_collectives_in_a_group_launch_at_its_outermost_end_exact";
+    let Some(devices) = common::two_ranks_or_skip(test) else {
+        return;
+    };
+    let _gpu = common::gpu_lock();
+    for proto in ["LL", "Simple"] {
+        let env = Env::clean(VARS);
+        env.set(&[("NCCL_PROTO", proto)]);
+        let comms = common::init_all(&devices).unwrap();
+        drop(env);
+        let (n, count) = (2usize, 100_003usize);
+        let streams = common::streams(&comms);
+        let b: Vec<Bufs> = (0..n).map(|r| bufs(devices[r], r, count)).collect();
+        oxccl::group_start().unwrap();
+        for r in 0..n {
+            issue(&comms[r], &b[r], count, &streams[r]).unwrap();
+        }
+        common::sync_all(&streams, "inside the group");
+        for r in 0..n {
+            assert!(none_ran(&b[r], r, count), "{test}: {proto}: rank {r}: a call ran before the group's end");
+        }
+        oxccl::group_end().unwrap();
+        common::sync_all(&streams, "after the group");
+        for r in 0..n {
+            check(&b[r], r, n, count, &format!("{test}: {proto}"));
+        }
+    }
+}
