@@ -354,10 +354,11 @@ impl Comm {
         stream: &Stream,
     ) -> Result<()> {
         let op = op.into();
-        let (dev_op, redop_arg, redop_flags, recv_bytes, captured) =
-            self.checked_call(func, send, recv, count, dtype, &op, root, stream)?;
         if crate::group::group_depth() > 0 {
-            // Inside a group: queued until its outermost end, holding its buffers.
+            // Inside a group: checked now, queued until its outermost end (where it is planned,
+            // and the stream's capture looked at), holding its buffers.
+            let (_, _, _, recv_bytes, _) =
+                self.checked_call(func, send, recv, count, dtype, &op, root, stream, Capture::AtLaunch)?;
             let (send_bytes, _) = self.buffer_bytes(func, count, dtype)?;
             let mut ranges = vec![(send, send_bytes), (recv, recv_bytes)];
             let op = match op {
@@ -386,6 +387,8 @@ impl Comm {
                 return Ok(());
             };
         }
+        let (dev_op, redop_arg, redop_flags, recv_bytes, captured) =
+            self.checked_call(func, send, recv, count, dtype, &op, root, stream, Capture::Now)?;
         // The call as the flight recorder keeps it (numbered by `Watch::begin`).
         let record = |choice: Option<Choice>| timeout::CallRecord {
             seq: 0,
@@ -460,7 +463,8 @@ impl Comm {
     /// The checks [`Comm::collective_raw`] makes before it queues anything — arguments, stream,
     /// the communicator's state — without queuing the call: for a caller that issues it later
     /// (the C library defers a group's collectives to the group's end, as NCCL does) and wants
-    /// argument errors at the call. The same errors as `collective_raw`'s checks.
+    /// argument errors at the call. The same errors as `collective_raw`'s checks, except those
+    /// of the stream's capture state, which the launch reads (as NCCL's group end does).
     #[allow(clippy::too_many_arguments)]
     pub fn check_collective(
         &self,
@@ -473,11 +477,13 @@ impl Comm {
         root: usize,
         stream: &Stream,
     ) -> Result<()> {
-        self.checked_call(func, send, recv, count, dtype, op, root, stream).map(drop)
+        self.checked_call(func, send, recv, count, dtype, op, root, stream, Capture::AtLaunch)
+            .map(drop)
     }
 
     /// [`Comm::check_collective`]; returns the kernel's operator, its scalar operand and flags
-    /// ([`Comm::check_op`]), the receive buffer's bytes and whether the stream is capturing.
+    /// ([`Comm::check_op`]), the receive buffer's bytes and whether the stream is capturing
+    /// (with [`Capture::Now`]; `false` with [`Capture::AtLaunch`]).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn checked_call(
         &self,
@@ -489,6 +495,7 @@ impl Comm {
         op: &ReduceOp<'_>,
         root: usize,
         stream: &Stream,
+        capture: Capture,
     ) -> Result<(DevRedOp, u64, u8, u64, bool)> {
         self.check_root(func, root)?;
         let (_, recv_bytes) = self.buffer_bytes(func, count, dtype)?;
@@ -514,7 +521,13 @@ impl Comm {
             }
         }
         let (dev_op, redop_arg, redop_flags) = self.check_op(func, op, dtype)?;
-        let captured = self.check_stream(stream)?;
+        let captured = match capture {
+            Capture::Now => self.check_stream(stream)?,
+            Capture::AtLaunch => {
+                self.check_stream_device(stream)?;
+                false
+            }
+        };
         self.check_not_revoked(func.name())?;
         if self.flag_state() != 0 || self.call_mismatch().is_some() {
             // Remote (another rank aborted), Timeout (a call of this rank timed out) or
@@ -608,6 +621,12 @@ impl Comm {
     /// connections' FIFO steps from where the previous kernel left them, as every kernel does
     /// (over NET the proxy thread moves whatever steps it finds, nothing is posted per call).
     pub(super) fn check_stream(&self, stream: &Stream) -> Result<bool> {
+        self.check_stream_device(stream)?;
+        stream.is_capturing()
+    }
+
+    /// That `stream` is on this rank's device.
+    fn check_stream_device(&self, stream: &Stream) -> Result<()> {
         if stream.device() != self.device {
             return Err(Error::invalid(format!(
                 "stream is on {:?} but rank {} is on {:?}",
@@ -616,8 +635,17 @@ impl Comm {
                 self.device
             )));
         }
-        stream.is_capturing()
+        Ok(())
     }
+}
+
+/// When [`Comm::checked_call`] reads the stream's capture state (a driver call on GPUs).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(super) enum Capture {
+    /// Now: the call is launched next.
+    Now,
+    /// Not now: the call is checked for a later launch (a group's end), which reads it.
+    AtLaunch,
 }
 
 /// NCCL's rule for the fp8 types: a reduction (AllReduce, Reduce, ReduceScatter) of

@@ -72,7 +72,7 @@ impl Comm {
             ));
         }
         let (dev_op, redop_arg, redop_flags, recv_bytes, captured) =
-            self.checked_call(func, send, recv, count, dtype, op, root, stream)?;
+            self.checked_call(func, send, recv, count, dtype, op, root, stream, collectives::Capture::Now)?;
         if count == 0 {
             let record = timeout::CallRecord {
                 seq: 0,
