@@ -47,7 +47,6 @@ impl Comm {
         self.state.abort()
     }
 
-
     /// Revokes this rank (NCCL 2.28's `ncclCommRevoke`): stops its in-flight operations as
     /// [`Comm::abort`] does (their outputs are undefined; the other ranks are not told, each
     /// revokes its own), waits until none is left (up to 5 s), then keeps the communicator for
@@ -112,9 +111,6 @@ impl Comm {
         }
         Ok(())
     }
-
-
-
 
     /// Waits up to `limit` for this rank's queued operations (every call queued so far, on
     /// any stream) to finish; `Ok(false)` when some still run then. Errors: a CUDA error of the
@@ -242,7 +238,6 @@ impl Comm {
         }
         v
     }
-
 
 }
 

@@ -427,7 +427,6 @@ impl Comm {
         self.revoked.load(Ordering::Acquire)
     }
 
-
 }
 
 impl CommState {
