@@ -155,11 +155,19 @@ impl Comm {
     /// at a bootstrap barrier until every rank has finalized too (bounded by the bootstrap
     /// timeout). Afterwards collectives are refused with `InvalidUsage` and
     /// [`destroy`](Comm::destroy) is purely local. Calling it again returns `Ok` at once.
+    /// `InvalidUsage` while an open group holds calls of this communicator (they run at the
+    /// group's end, which must come first).
     pub fn finalize(&self) -> Result<()> {
         if self.finalized.load(Ordering::Acquire) {
             return Ok(());
         }
         self.check_not_revoked("finalize")?;
+        if self.has_other_handles() {
+            return Err(Error::InvalidUsage(format!(
+                "rank {}: finalize while an open group holds calls of this communicator (they are launched at the group's end); end the group first",
+                self.rank
+            )));
+        }
         if !self.wait_idle(DROP_WAIT)? {
             return Err(Error::Timeout(format!(
                 "rank {}: finalize waited {DROP_WAIT:?} for queued operations; abort to stop them",

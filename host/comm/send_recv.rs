@@ -358,6 +358,7 @@ impl Comm {
             target,
             stream: stream.handle(),
             op: P2pOp { send, peer, buff, bytes },
+            _comm: self.handle(),
         })
     }
 

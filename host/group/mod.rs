@@ -60,11 +60,14 @@ pub(crate) struct P2pOp {
     pub(crate) bytes: u64,
 }
 
-/// A queued call: its communicator's launch resources, its stream and the operation.
+/// A queued call: its communicator's launch resources, its stream and the operation, and a
+/// handle on its communicator (which then cannot be finalized or destroyed before the group's
+/// end, [`crate::Comm::finalize`]).
 pub(crate) struct Queued {
     pub(crate) target: P2pTarget,
     pub(crate) stream: Stream,
     pub(crate) op: P2pOp,
+    pub(crate) _comm: crate::Comm,
 }
 
 #[derive(Default)]
@@ -287,9 +290,10 @@ struct CommPlan {
     rounds: Vec<Vec<WorkP2p>>,
 }
 
-fn plan(queued: Vec<Queued>) -> Result<(Vec<CommPlan>, Vec<Error>)> {
+fn plan(queued: Vec<Queued>, handles: &mut Vec<crate::Comm>) -> Result<(Vec<CommPlan>, Vec<Error>)> {
     let mut comms: Vec<(P2pTarget, Stream, Vec<P2pOp>)> = Vec::new();
     for q in queued {
+        handles.push(q._comm);
         match comms.iter_mut().find(|(t, _, _)| t.key() == q.target.key()) {
             Some((t, s, ops)) => {
                 if !s.same(&q.stream) {
@@ -405,21 +409,23 @@ fn rounds_of(target: &P2pTarget, others: &[P2pOp]) -> Result<Vec<Vec<WorkP2p>>> 
 }
 
 /// A group's sends and receives, planned ([`plan`]): per communicator its copies and launch
-/// rounds, and the size mismatches of self-sends (reported after the launch).
-struct Planned(Vec<CommPlan>, Vec<Error>);
+/// rounds, the size mismatches of self-sends (reported after the launch), and the calls'
+/// handles on their communicators, dropped after the launch.
+struct Planned(Vec<CommPlan>, Vec<Error>, Vec<crate::Comm>);
 
 /// Plans every communicator's part of `queued` (nothing to plan: an empty plan).
 fn plan_queued(queued: Vec<Queued>) -> Result<Planned> {
     if queued.is_empty() {
-        return Ok(Planned(Vec::new(), Vec::new()));
+        return Ok(Planned(Vec::new(), Vec::new(), Vec::new()));
     }
-    let (plans, mismatches) = plan(queued)?;
-    Ok(Planned(plans, mismatches))
+    let mut handles = Vec::with_capacity(queued.len());
+    let (plans, mismatches) = plan(queued, &mut handles)?;
+    Ok(Planned(plans, mismatches, handles))
 }
 
 /// Launches a planned group: the copies, then the launches round by round across
 /// communicators.
-fn launch_planned(Planned(plans, mismatches): Planned) -> Result<()> {
+fn launch_planned(Planned(plans, mismatches, _handles): Planned) -> Result<()> {
     for p in &plans {
         for &(dst, src, bytes) in &p.copies {
             if dst != src && bytes > 0 {

@@ -5,7 +5,7 @@
 //! communicator, its buffers and streams dropped inside the group outlive its work; a call
 //! refused inside the group returns its error at the call while the rest of the group runs; a
 //! group whose sends cannot be launched runs none of its collectives either; a simulated end
-//! drops them; on GPUs the same group is exact.
+//! drops them; finalize is refused while the group holds calls; on GPUs the same group is exact.
 use crate::common;
 
 use super::group_scope::{data, floats, guarded, input, untouched};
@@ -237,5 +237,46 @@ fn gpu_collectives_in_a_group_launch_at_its_outermost_end_exact() {
         for r in 0..n {
             check(&b[r], r, n, count, &format!("{test}: {proto}"));
         }
+    }
+}
+
+/// `finalize` while the thread's group holds a collective or a send of the communicator is
+/// `InvalidUsage` naming the group, and changes nothing: the group's end runs its calls, exact,
+/// and finalize works after it.
+#[test]
+fn finalize_inside_a_group_holding_the_communicators_calls_is_refused() {
+    let _env = Env::clean(VARS);
+    let (n, count) = (2usize, 300usize);
+    let comms = common::init_all(&Device::cpus(n)).unwrap();
+    let streams = common::streams(&comms);
+    let b: Vec<Bufs> = (0..n).map(|r| bufs(comms[r].device(), r, count)).collect();
+    // Only a send and a receive queued first, then the rest of the calls.
+    oxccl::group_start().unwrap();
+    for r in 0..n {
+        comms[r]
+            .recv(data(&b[r].p2p_out, count), count, DataType::F32, (r + n - 1) % n, &streams[r])
+            .unwrap();
+    }
+    for c in &comms {
+        let e = c.finalize().unwrap_err();
+        assert!(matches!(e, Error::InvalidUsage(_)), "{e:?}");
+        assert!(e.to_string().contains("finalize while an open group holds calls of this communicator"), "{e}");
+    }
+    for r in 0..n {
+        let (c, s, f) = (&comms[r], &streams[r], DataType::F32);
+        c.all_reduce(data(&b[r].ar_in, count), data(&b[r].ar_out, count), count, f, RedOp::Sum, s).unwrap();
+        c.all_reduce(data(&b[r].ar_in, count), data(&b[r].ar_in, count), count, f, RedOp::Sum, s).unwrap();
+        let root = (r == 1).then(|| data(&b[r].bc, count));
+        c.broadcast(root, data(&b[r].bc, count), count, f, 1, s).unwrap();
+        c.send(data(&b[r].ar_out, count), count, f, (r + 1) % n, s).unwrap();
+        assert!(c.finalize().is_err(), "rank {r}: finalize with collectives queued");
+    }
+    oxccl::group_end().unwrap();
+    common::sync_all(&streams, "after the group");
+    for r in 0..n {
+        check(&b[r], r, n, count, "finalize refused inside the group");
+    }
+    for c in &comms {
+        c.finalize().unwrap();
     }
 }
