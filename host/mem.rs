@@ -295,23 +295,6 @@ impl Stream {
         }
     }
 
-    /// Queues a copy of `bytes` bytes from `src` to `dst` (device addresses of this stream's
-    /// device, host addresses on the CPU target).
-    ///
-    /// # Safety
-    /// Both ranges are valid for `bytes` bytes until the copy has run, and do not overlap.
-    pub(crate) unsafe fn copy_async(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
-        match self {
-            Stream::Cuda(s) => s.copy_dtod(dst, src, bytes),
-            Stream::Cpu(s) => s.enqueue_replayable(move || {
-                // SAFETY: caller contract (a captured copy: at each launch of its graph, whose
-                // launcher keeps the ranges valid).
-                unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, bytes) };
-                Ok(())
-            }),
-        }
-    }
-
     /// Starts capturing the work queued on this stream into a graph instead of running it
     /// (CUDA's stream capture, `cuStreamBeginCapture` in relaxed mode; on the CPU target the
     /// stream records its operations), until [`Stream::end_capture`]. oxccl's collectives and

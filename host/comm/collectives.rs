@@ -195,7 +195,7 @@ impl Comm {
 
     /// Argument checks shared by the safe entry points, then [`Comm::collective_raw`].
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn safe_call(
+    pub(crate) fn safe_call(
         &self,
         func: Func,
         send: Option<DevSlice<'_>>,
@@ -206,7 +206,7 @@ impl Comm {
         root: usize,
         stream: &Stream,
     ) -> Result<()> {
-        let (sa, ra) = self.checked_buffers(func, send, recv, count, dtype, root)?;
+        let (sa, ra) = crate::group::noted(self.checked_buffers(func, send, recv, count, dtype, root))?;
         // SAFETY: every range used was checked against its buffer.
         unsafe { self.collective_raw(func, sa, ra, count, dtype, op, root, stream) }
     }
@@ -357,8 +357,17 @@ impl Comm {
         if crate::group::group_depth() > 0 {
             // Inside a group: checked now, queued until its outermost end (where it is planned,
             // and the stream's capture looked at), holding its buffers.
-            let (_, _, _, recv_bytes, _) =
-                self.checked_call(func, send, recv, count, dtype, &op, root, stream, Capture::AtLaunch)?;
+            let (_, _, _, recv_bytes, _) = crate::group::noted(self.checked_call(
+                func,
+                send,
+                recv,
+                count,
+                dtype,
+                &op,
+                root,
+                stream,
+                Capture::AtLaunch,
+            ))?;
             let (send_bytes, _) = self.buffer_bytes(func, count, dtype)?;
             let mut ranges = vec![(send, send_bytes), (recv, recv_bytes)];
             let op = match op {

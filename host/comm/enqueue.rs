@@ -250,9 +250,14 @@ impl Comm {
         line_chunk_elems(&self.params, proto, esize)
     }
 
+    /// A one-rank collective's copy, in the rank's launch order ([`ordered_copy`]).
     pub(super) fn copy(&self, dst: u64, src: u64, bytes: usize, stream: &Stream) -> Result<()> {
+        let order = match &self.res {
+            Res::Cuda(res) => LaunchOrder::Cuda(&res.launch),
+            Res::Cpu(res) => LaunchOrder::Cpu(self.cpu_blocks(res, 1, &[]), &self.inflight),
+        };
         // SAFETY: the caller of the collective guarantees both ranges (all_reduce_raw).
-        unsafe { stream.copy_async(dst, src, bytes) }
+        unsafe { ordered_copy(order, dst, src, bytes, stream) }
     }
 
     /// Queues the kernel of `args` — one work, or a batch of works of one kernel entry — on
@@ -302,6 +307,54 @@ impl Comm {
                 "stream and communicator are of different backends",
             )),
         }
+    }
+}
+
+/// Where a rank's launches are ordered ([`ordered_copy`]): its GPU launch state, or on the CPU
+/// target a launch of one block with the rank's count of queued operations.
+pub(super) enum LaunchOrder<'a> {
+    Cuda(&'a LaunchState),
+    Cpu(CpuBlocks, &'a Arc<AtomicUsize>),
+}
+
+/// Queues a copy of `bytes` bytes from `src` to `dst` on `stream` as one of the rank's launches
+/// (a rank's work runs in the order issued whatever its streams, as its kernels do): on a GPU
+/// after the rank's newest launch when that went to another stream, then recorded as the newest
+/// (not in a capture, whose stream orders it); on the CPU target as a launch of one block.
+///
+/// # Safety
+/// `src` and `dst` are valid for `bytes` bytes on the rank's device until the copy has run, and
+/// equal or disjoint.
+pub(super) unsafe fn ordered_copy(order: LaunchOrder<'_>, dst: u64, src: u64, bytes: usize, stream: &Stream) -> Result<()> {
+    if dst == src || bytes == 0 {
+        return Ok(());
+    }
+    match (order, stream) {
+        (LaunchOrder::Cuda(launch), Stream::Cuda(s)) => {
+            let captured = stream.is_capturing()?;
+            if !captured {
+                launch.order(s)?;
+            }
+            s.copy_dtod(dst, src, bytes)?;
+            if !captured {
+                launch.record(s)?;
+            }
+            Ok(())
+        }
+        (LaunchOrder::Cpu(blocks, inflight), Stream::Cpu(s)) => blocks.launch(
+            s,
+            inflight,
+            move |bid, tid, _| {
+                if bid == 0 && tid == 0 {
+                    // SAFETY: caller contract (and at each replay of a captured copy, its graph's
+                    // launcher's).
+                    unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, bytes) };
+                }
+                true
+            },
+            || Ok(()),
+        ),
+        _ => Err(Error::invalid("stream and communicator are of different backends")),
     }
 }
 

@@ -146,6 +146,32 @@ impl P2pTarget {
     /// Launches `works` (at most [`MAX_P2P_WORKS`]; a block per work, but a work flagged
     /// [`P2P_AFTER_PREVIOUS`] runs on the previous one's block, after it) as one kernel on
     /// `stream`.
+    /// Queues a copy of `bytes` bytes from `src` to `dst` (a send to this rank matched with its
+    /// receive) on `stream`, in the rank's launch order ([`ordered_copy`]).
+    ///
+    /// # Safety
+    /// As [`ordered_copy`].
+    pub(crate) unsafe fn copy(&self, dst: u64, src: u64, bytes: usize, stream: &Stream) -> Result<()> {
+        let order = match &self.backend {
+            Backend::Cuda { launch, .. } => LaunchOrder::Cuda(launch),
+            Backend::Cpu { group, process, inflight } => LaunchOrder::Cpu(
+                CpuBlocks {
+                    nblocks: 1,
+                    nthreads: self.cpu_nthreads,
+                    team: self.cpu_team,
+                    group: group.clone(),
+                    process: process.clone(),
+                    rank: self.rank,
+                    watch: self.watch.clone(),
+                    recorded: Vec::new(),
+                },
+                inflight,
+            ),
+        };
+        // SAFETY: forwarded caller contract.
+        unsafe { ordered_copy(order, dst, src, bytes, stream) }
+    }
+
     pub(crate) fn launch(&self, works: &[WorkP2p], stream: &Stream) -> Result<()> {
         if works.is_empty() {
             return Ok(());
@@ -280,7 +306,7 @@ impl Comm {
     /// operation completes on `stream`; `stream` outlives the end of the current group.
     pub unsafe fn send_raw(&self, buff: u64, count: usize, dtype: DataType, peer: usize, stream: &Stream) -> Result<()> {
         // SAFETY: forwarded caller contract.
-        unsafe { self.p2p(true, buff, count, dtype, peer, stream) }
+        group::noted(unsafe { self.p2p(true, buff, count, dtype, peer, stream) })
     }
 
     /// [`Comm::recv`] on a raw address.
@@ -289,10 +315,16 @@ impl Comm {
     /// As [`Comm::send_raw`].
     pub unsafe fn recv_raw(&self, buff: u64, count: usize, dtype: DataType, peer: usize, stream: &Stream) -> Result<()> {
         // SAFETY: forwarded caller contract.
-        unsafe { self.p2p(false, buff, count, dtype, peer, stream) }
+        group::noted(unsafe { self.p2p(false, buff, count, dtype, peer, stream) })
     }
 
+    /// That `s` is on this rank's device and holds `count` elements of `dtype` (`name` names it
+    /// in the error, which an open group notes as refused: [`group::noted`]).
     fn check_p2p_buffer(&self, name: &str, s: &DevSlice<'_>, count: usize, dtype: DataType) -> Result<()> {
+        group::noted(self.p2p_buffer_fits(name, s, count, dtype))
+    }
+
+    fn p2p_buffer_fits(&self, name: &str, s: &DevSlice<'_>, count: usize, dtype: DataType) -> Result<()> {
         let bytes = self.check_bytes(count, dtype)?;
         if s.device() != self.device {
             return Err(Error::invalid(format!(
@@ -335,15 +367,7 @@ impl Comm {
         }
         self.check_stream(stream)?;
         self.check_not_revoked(if send { "send" } else { "recv" })?;
-        if self.flag_state() != 0 || self.call_mismatch().is_some() {
-            return self.get_async_error();
-        }
-        if self.finalized.load(Ordering::Acquire) {
-            return Err(Error::InvalidUsage(format!(
-                "rank {}: the communicator was finalized; only destroy is allowed after finalize",
-                self.rank
-            )));
-        }
+        self.check_launchable()?;
         tracing::debug!(target: "oxccl::coll", rank = self.rank, call, peer, count, %dtype, "enqueue");
         let recorded = flight_recorder::P2pCall {
             send,
@@ -358,7 +382,7 @@ impl Comm {
             target,
             stream: stream.handle(),
             op: P2pOp { send, peer, buff, bytes },
-            _comm: self.handle(),
+            comm: self.handle(),
         })
     }
 
@@ -371,6 +395,24 @@ impl Comm {
     }
 
     /// This communicator's launch resources for point-to-point work.
+    /// That this rank may still launch work: not aborted (here or by a peer), no call found
+    /// diverging, not finalized; the error as [`Comm::get_async_error`] reports it otherwise.
+    pub(crate) fn check_launchable(&self) -> Result<()> {
+        if self.flag_state() != 0 || self.call_mismatch().is_some() {
+            return self.get_async_error().and(Err(Error::InvalidUsage(format!(
+                "rank {}: the communicator was aborted",
+                self.rank
+            ))));
+        }
+        if self.finalized.load(Ordering::Acquire) {
+            return Err(Error::InvalidUsage(format!(
+                "rank {}: the communicator was finalized; only destroy is allowed after finalize",
+                self.rank
+            )));
+        }
+        Ok(())
+    }
+
     fn p2p_target(&self) -> Result<P2pTarget> {
         let backend = match &self.res {
             Res::Cuda(r) => Backend::Cuda {

@@ -67,7 +67,7 @@ pub(crate) struct Queued {
     pub(crate) target: P2pTarget,
     pub(crate) stream: Stream,
     pub(crate) op: P2pOp,
-    pub(crate) _comm: crate::Comm,
+    pub(crate) comm: crate::Comm,
 }
 
 #[derive(Default)]
@@ -80,6 +80,8 @@ struct Group {
     collectives: Vec<QueuedColl>,
     /// The communicator inits issued inside the group ([`init_rank`]).
     inits: Vec<init::Deferred>,
+    /// The first call refused inside the group ([`noted`]); a [`scope`] then runs none of it.
+    refused: Option<Error>,
 }
 
 impl Drop for Group {
@@ -209,6 +211,7 @@ fn end_level_outermost(what: &str) -> Result<(bool, Vec<init::Deferred>, Ended, 
                 queued: std::mem::take(&mut g.queued),
                 collectives: std::mem::take(&mut g.collectives),
             };
+            g.refused = None;
             (true, std::mem::take(&mut g.inits), ended, held::ReleaseOnDrop(Some(g.id)))
         } else {
             (false, Vec::new(), Ended::default(), held::ReleaseOnDrop(None))
@@ -243,6 +246,25 @@ pub(crate) fn current_group() -> Option<u64> {
         let g = g.borrow();
         (g.depth > 0).then_some(g.id)
     })
+}
+
+/// `r`, its error noted as the first refused call of this thread's open group (none open:
+/// nothing noted). A [`scope`] whose group has one runs none of its work.
+pub(crate) fn noted<T>(r: Result<T>) -> Result<T> {
+    if let Err(e) = &r {
+        GROUP.with(|g| {
+            let mut g = g.borrow_mut();
+            if g.depth > 0 && g.refused.is_none() {
+                g.refused = Some(e.clone());
+            }
+        });
+    }
+    r
+}
+
+/// The first call refused in this thread's open group, taken.
+fn take_refused() -> Option<Error> {
+    GROUP.with(|g| g.borrow_mut().refused.take())
 }
 
 /// Queues the collective `q` in this thread's group, holding `ranges` (address, bytes: its
@@ -281,6 +303,9 @@ pub(crate) fn enqueue(q: Queued) -> Result<()> {
 
 /// One communicator's part of a group.
 struct CommPlan {
+    /// A handle on the communicator: kept until its launches are queued, and asked at the
+    /// group's end whether it may still launch ([`crate::Comm::check_launchable`]).
+    comm: crate::Comm,
     target: P2pTarget,
     stream: Stream,
     /// Sends to itself matched with receives from itself: (dst, src, bytes).
@@ -290,12 +315,11 @@ struct CommPlan {
     rounds: Vec<Vec<WorkP2p>>,
 }
 
-fn plan(queued: Vec<Queued>, handles: &mut Vec<crate::Comm>) -> Result<(Vec<CommPlan>, Vec<Error>)> {
-    let mut comms: Vec<(P2pTarget, Stream, Vec<P2pOp>)> = Vec::new();
+fn plan(queued: Vec<Queued>) -> Result<(Vec<CommPlan>, Vec<Error>)> {
+    let mut comms: Vec<(crate::Comm, P2pTarget, Stream, Vec<P2pOp>)> = Vec::new();
     for q in queued {
-        handles.push(q._comm);
-        match comms.iter_mut().find(|(t, _, _)| t.key() == q.target.key()) {
-            Some((t, s, ops)) => {
+        match comms.iter_mut().find(|(_, t, _, _)| t.key() == q.target.key()) {
+            Some((_, t, s, ops)) => {
                 if !s.same(&q.stream) {
                     return Err(Error::InvalidUsage(format!(
                         "rank {}: the sends and receives of one communicator in a group must use one stream",
@@ -304,12 +328,12 @@ fn plan(queued: Vec<Queued>, handles: &mut Vec<crate::Comm>) -> Result<(Vec<Comm
                 }
                 ops.push(q.op);
             }
-            None => comms.push((q.target, q.stream, vec![q.op])),
+            None => comms.push((q.comm, q.target, q.stream, vec![q.op])),
         }
     }
     let mut plans = Vec::with_capacity(comms.len());
     let mut mismatches = Vec::new();
-    for (target, stream, ops) in comms {
+    for (comm, target, stream, ops) in comms {
         let me = target.rank();
         let (own, others): (Vec<P2pOp>, Vec<P2pOp>) = ops.into_iter().partition(|o| o.peer == me);
         let sends: Vec<&P2pOp> = own.iter().filter(|o| o.send).collect();
@@ -340,6 +364,7 @@ fn plan(queued: Vec<Queued>, handles: &mut Vec<crate::Comm>) -> Result<(Vec<Comm
             rounds_of(&target, &others)?
         };
         plans.push(CommPlan {
+            comm,
             target,
             stream,
             copies,
@@ -409,44 +434,57 @@ fn rounds_of(target: &P2pTarget, others: &[P2pOp]) -> Result<Vec<Vec<WorkP2p>>> 
 }
 
 /// A group's sends and receives, planned ([`plan`]): per communicator its copies and launch
-/// rounds, the size mismatches of self-sends (reported after the launch), and the calls'
-/// handles on their communicators, dropped after the launch.
-struct Planned(Vec<CommPlan>, Vec<Error>, Vec<crate::Comm>);
+/// rounds, and the size mismatches of self-sends (reported after the launch).
+struct Planned(Vec<CommPlan>, Vec<Error>);
 
 /// Plans every communicator's part of `queued` (nothing to plan: an empty plan).
 fn plan_queued(queued: Vec<Queued>) -> Result<Planned> {
     if queued.is_empty() {
-        return Ok(Planned(Vec::new(), Vec::new(), Vec::new()));
+        return Ok(Planned(Vec::new(), Vec::new()));
     }
-    let mut handles = Vec::with_capacity(queued.len());
-    let (plans, mismatches) = plan(queued, &mut handles)?;
-    Ok(Planned(plans, mismatches, handles))
+    let (plans, mismatches) = plan(queued)?;
+    Ok(Planned(plans, mismatches))
 }
 
 /// Launches a planned group: the copies, then the launches round by round across
-/// communicators.
-fn launch_planned(Planned(plans, mismatches, _handles): Planned) -> Result<()> {
-    for p in &plans {
+/// communicators. A communicator that may no longer launch (aborted, revoked, finalized since
+/// its calls were queued) launches none of its part; every other part is launched (its peers
+/// wait for it), and the first error is returned.
+fn launch_planned(Planned(plans, mismatches): Planned) -> Result<()> {
+    let mut first: Result<()> = Ok(());
+    let mut note = |r: Result<()>| {
+        if first.is_ok() {
+            first = r;
+        }
+    };
+    let usable: Vec<bool> = plans
+        .iter()
+        .map(|p| {
+            let r = p.comm.check_launchable();
+            let ok = r.is_ok();
+            note(r);
+            ok
+        })
+        .collect();
+    for (p, _) in plans.iter().zip(&usable).filter(|(_, u)| **u) {
         for &(dst, src, bytes) in &p.copies {
-            if dst != src && bytes > 0 {
-                // SAFETY: the send and receive buffers were checked (or promised, for the raw
-                // calls) for their sizes; `bytes` is the smaller one.
-                unsafe { p.stream.copy_async(dst, src, bytes as usize)? };
-            }
+            // SAFETY: the send and receive buffers were checked (or promised, for the raw calls)
+            // for their sizes; `bytes` is the smaller one.
+            note(unsafe { p.target.copy(dst, src, bytes as usize, &p.stream) });
         }
     }
     let nrounds = plans.iter().map(|p| p.rounds.len()).max().unwrap_or(0);
     for round in 0..nrounds {
-        for p in &plans {
+        for (p, _) in plans.iter().zip(&usable).filter(|(_, u)| **u) {
             if let Some(works) = p.rounds.get(round) {
-                p.target.launch(works, &p.stream)?;
+                note(p.target.launch(works, &p.stream));
             }
         }
     }
-    match mismatches.into_iter().next() {
+    first.and(match mismatches.into_iter().next() {
         Some(e) => Err(e),
         None => Ok(()),
-    }
+    })
 }
 
 #[cfg(test)]

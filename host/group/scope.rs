@@ -1,12 +1,13 @@
-//! A group whose collectives are deferred too (NCCL's `ncclGroupStart` … `ncclGroupEnd` as a C
-//! program sees it): [`scope`] runs a closure inside a group and hands it a [`GroupScope`], whose
-//! calls are checked at the call and launched when the closure returns — the group's sends and
-//! receives planned first, then its collectives launched — each communicator's in the order
-//! issued, consecutive ones of one kernel entry sharing a launch ([`super::launch_collectives`])
-//! — then the sends and receives (NCCL schedules a group's collectives before its
-//! point-to-point work). So a group
-//! that cannot be launched (more blocks than a launch holds) runs none of its work, collectives
-//! included, and a call refused inside the group fails the whole group, as in NCCL.
+//! A group with its borrows checked by the compiler (NCCL's `ncclGroupStart` … `ncclGroupEnd` as
+//! a C program sees it): [`scope`] runs a closure inside a group and hands it a [`GroupScope`],
+//! whose calls are checked at the call and queued in the thread's group — with any call made on
+//! a communicator directly inside the closure, in the order issued — and launched when the
+//! closure returns: the group's sends and receives planned first, then its collectives launched,
+//! each communicator's in the order issued, consecutive LL ones of one kernel entry sharing a
+//! launch ([`super::launch_collectives`]), then the sends and receives (NCCL schedules a group's
+//! collectives before its point-to-point work). So a group that cannot be launched (more blocks
+//! than a launch holds) runs none of its work, collectives included, and a call refused inside
+//! the group — through the scope or directly — fails the whole group, as in NCCL.
 //!
 //! Deferring a call past its return needs its communicator, buffers and stream to stay alive
 //! until the group's end: the scope borrows them for its whole length (`'s`), as
@@ -14,7 +15,7 @@
 //! [`group_start`](super::group_start)/[`group_end`](super::group_end) pair keeps them alive at
 //! run time instead (a handle on the communicator, the stream's handle, the buffers' ranges
 //! held: `held.rs`), and raw addresses stay the caller's to keep valid.
-use super::{abandon_end, group_end_then, group_start};
+use super::{abandon_end, group_start};
 use crate::comm::Comm;
 use crate::error::{Error, Result};
 use crate::mem::{DevSlice, Stream};
@@ -23,15 +24,11 @@ use oxccl_gpu::abi::{DataType, Func, RedOp};
 use std::cell::RefCell;
 use std::marker::PhantomData;
 
-/// A collective of the scope, checked, waiting for the group's end.
-type Deferred<'s> = super::CollTask<'s>;
-
 /// The calls of one [`scope`]: collectives (deferred to its end) and sends and receives and the
 /// calls built from them — all-to-all, gather, scatter and their V-forms — (queued in the
 /// thread's group), each borrowing its communicator, buffers and stream for `'s`.
 /// (`Comm::reduce_scatter_v`, built from one Reduce per rank, is not offered.)
 pub struct GroupScope<'s> {
-    collectives: RefCell<Vec<Deferred<'s>>>,
     /// The first call refused in the scope: the group then runs none of its work.
     refused: RefCell<Option<crate::Error>>,
     /// Invariant in `'s`, so the closure cannot hand the scope shorter-lived borrows.
@@ -86,7 +83,6 @@ pub fn scope<'s, R>(f: impl FnOnce(&GroupScope<'s>) -> R) -> Result<R> {
         )));
     }
     let s = GroupScope {
-        collectives: RefCell::new(Vec::new()),
         refused: RefCell::new(None),
         _borrows: PhantomData,
     };
@@ -103,10 +99,8 @@ pub fn scope<'s, R>(f: impl FnOnce(&GroupScope<'s>) -> R) -> Result<R> {
     let mut open = Open(true);
     let r = f(&s);
     open.0 = false;
-    let collectives = s.collectives.take();
     let depth = super::group_depth();
     if depth != 1 {
-        drop(collectives);
         abandon_all();
         return Err(Error::InvalidUsage(format!(
             "group_start and group_end inside oxccl::group::scope must be balanced (the scope's group was at \
@@ -114,12 +108,12 @@ pub fn scope<'s, R>(f: impl FnOnce(&GroupScope<'s>) -> R) -> Result<R> {
              queued did not run"
         )));
     }
-    if let Some(e) = s.refused.take() {
-        drop(collectives);
+    // A call refused through the scope, or one made on a communicator directly inside it.
+    if let Some(e) = s.refused.take().or_else(super::take_refused) {
         abandon_end()?;
         return Err(e);
     }
-    group_end_then(|| run(collectives)).map(|()| r)
+    super::group_end().map(|()| r)
 }
 
 /// Ends every open group level of this thread with nothing of its work run.
@@ -131,14 +125,6 @@ fn abandon_all() {
     }
 }
 
-/// Launches the scope's collectives ([`super::launch_collectives`]: each communicator's in the
-/// order issued, batched where they share a kernel entry); every one is launched (the other
-/// ranks wait for them) and the first error is returned.
-fn run(collectives: Vec<Deferred<'_>>) -> Result<()> {
-    // SAFETY: every call's ranges were checked against their buffers, which the scope borrows
-    // (`'s`) past the group's end, where this runs.
-    unsafe { super::launch_collectives(collectives) }
-}
 
 impl<'s> GroupScope<'s> {
     /// Checks a collective now and defers its launch: `func` on `comm` with the safe entry
@@ -156,25 +142,9 @@ impl<'s> GroupScope<'s> {
         root: usize,
         stream: &'s Stream,
     ) -> Result<()> {
-        let checked = comm
-            .checked_buffers(func, send, recv, count, dtype, root)
-            .and_then(|(sa, ra)| {
-                comm.check_collective(func, sa, ra, count, dtype, &op, root, stream)
-                    .map(|()| (sa, ra))
-            });
-        let (sa, ra) = self.noting(checked)?;
-        self.collectives.borrow_mut().push(super::CollTask {
-            comm,
-            func,
-            send: sa,
-            recv: ra,
-            count,
-            dtype,
-            op,
-            root,
-            stream,
-        });
-        Ok(())
+        // Inside the scope's group: checked now and queued in the thread's group with the calls
+        // made on the communicators directly, in the order issued.
+        self.noting(comm.safe_call(func, send, recv, count, dtype, op, root, stream))
     }
 
     /// `r`, its error also the scope's when it is the first refused call.

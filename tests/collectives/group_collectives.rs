@@ -5,7 +5,10 @@
 //! communicator, its buffers and streams dropped inside the group outlive its work; a call
 //! refused inside the group returns its error at the call while the rest of the group runs; a
 //! group whose sends cannot be launched runs none of its collectives either; a simulated end
-//! drops them; finalize is refused while the group holds calls; on GPUs the same group is exact.
+//! drops them; finalize is refused while the group holds calls; calls made directly inside a
+//! scope run in the order issued with the scope's and a refused one fails the scope; a rank's
+//! copies (sends to itself, one-rank collectives) keep its launch order across streams; a rank
+//! aborted inside a group of sends launches none of them; on GPUs the same group is exact.
 use crate::common;
 
 use super::group_scope::{data, floats, guarded, input, untouched};
@@ -279,4 +282,156 @@ fn finalize_inside_a_group_holding_the_communicators_calls_is_refused() {
     for c in &comms {
         c.finalize().unwrap();
     }
+}
+
+/// `count` f32 of `value` each, on `dev`.
+fn filled(dev: Device, value: f32, count: usize) -> DeviceBuffer {
+    let b = dev.alloc(4 * count).unwrap();
+    b.write(0, &value.to_ne_bytes().repeat(count)).unwrap();
+    b
+}
+
+/// The `count` f32 of `b`.
+fn values(b: &DeviceBuffer, count: usize) -> Vec<f32> {
+    b.to_vec().unwrap()[..4 * count]
+        .chunks(4)
+        .map(|c| f32::from_ne_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+/// Calls through a scope and calls made on the communicators directly inside it run in the
+/// order issued: in-place Sum (scope), Prod (direct), Sum (scope) of 1 and 2 give 18 (direct
+/// calls first would give 8).
+#[test]
+fn direct_calls_inside_a_scope_run_in_the_order_issued_with_the_scopes() {
+    let _env = Env::clean(VARS);
+    let (n, count) = (2usize, 64usize);
+    let comms = common::init_all(&Device::cpus(n)).unwrap();
+    let streams = common::streams(&comms);
+    let xs: Vec<DeviceBuffer> = (0..n).map(|r| filled(comms[r].device(), (r + 1) as f32, count)).collect();
+    let f = DataType::F32;
+    oxccl::group::scope(|g| {
+        for r in 0..n {
+            g.all_reduce(&comms[r], &xs[r], &xs[r], count, f, RedOp::Sum, &streams[r])?;
+        }
+        for r in 0..n {
+            comms[r].all_reduce(&xs[r], &xs[r], count, f, RedOp::Prod, &streams[r])?;
+        }
+        for r in 0..n {
+            g.all_reduce(&comms[r], &xs[r], &xs[r], count, f, RedOp::Sum, &streams[r])?;
+        }
+        Ok::<(), Error>(())
+    })
+    .unwrap()
+    .unwrap();
+    common::sync_all(&streams, "after the scope");
+    for r in 0..n {
+        assert_eq!(values(&xs[r], count), vec![18.0; count], "rank {r}: order of the calls");
+    }
+}
+
+/// A call refused when made on a communicator directly inside a scope fails the scope as a
+/// refused `g.*` call does: none of the group runs.
+#[test]
+fn a_direct_call_refused_inside_a_scope_fails_the_scope() {
+    let _env = Env::clean(VARS);
+    let (n, count) = (2usize, 64usize);
+    let comms = common::init_all(&Device::cpus(n)).unwrap();
+    let streams = common::streams(&comms);
+    let xs: Vec<DeviceBuffer> = (0..n).map(|r| filled(comms[r].device(), (r + 1) as f32, count)).collect();
+    let short = comms[0].device().alloc(4).unwrap();
+    let f = DataType::F32;
+    let e = oxccl::group::scope(|g| {
+        for r in 0..n {
+            g.all_reduce(&comms[r], &xs[r], &xs[r], count, f, RedOp::Sum, &streams[r])?;
+        }
+        let refused = comms[0].all_reduce(&short, &xs[0], count, f, RedOp::Sum, &streams[0]);
+        assert!(refused.is_err());
+        Ok::<(), Error>(())
+    })
+    .unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument(_)), "{e:?}");
+    assert!(e.to_string().contains("sendbuff holds 4 bytes"), "{e}");
+    common::sync_all(&streams, "after the refused scope");
+    for r in 0..n {
+        assert_eq!(values(&xs[r], count), vec![(r + 1) as f32; count], "rank {r}: the scope's AllReduce ran");
+    }
+}
+
+/// A rank's copies run in its launch order across streams, as its kernels do: a send to itself
+/// on stream B after an in-place AllReduce on stream A copies the AllReduce's result (4 Mi
+/// elements, so a copy that does not wait reads it half done), and a one-rank communicator's
+/// AllReduces (copies) on two streams chain in the order issued behind a long one.
+#[test]
+fn copies_run_in_the_ranks_launch_order_across_streams() {
+    let _env = Env::clean(VARS);
+    let (n, count) = (2usize, 4 << 20);
+    let comms = common::init_all(&Device::cpus(n)).unwrap();
+    let (sa, sb) = (common::streams(&comms), common::streams(&comms));
+    let f = DataType::F32;
+    let x: Vec<DeviceBuffer> = (0..n).map(|r| filled(comms[r].device(), (r + 1) as f32, count)).collect();
+    let y: Vec<DeviceBuffer> = (0..n).map(|r| filled(comms[r].device(), 0.0, count)).collect();
+    oxccl::group_start().unwrap();
+    for r in 0..n {
+        comms[r].all_reduce(&x[r], &x[r], count, f, RedOp::Sum, &sa[r]).unwrap();
+        comms[r].send(&x[r], count, f, r, &sb[r]).unwrap();
+        comms[r].recv(&y[r], count, f, r, &sb[r]).unwrap();
+    }
+    oxccl::group_end().unwrap();
+    common::sync_all(&sa, "stream A");
+    common::sync_all(&sb, "stream B");
+    for r in 0..n {
+        let wrong = values(&y[r], count).iter().filter(|v| **v != 3.0).count();
+        assert_eq!(wrong, 0, "rank {r}: copied elements that are not the AllReduce's result");
+    }
+    let one = common::init_all(&Device::cpus(1)).unwrap();
+    let (c, dev) = (&one[0], one[0].device());
+    let (s1, s2) = (dev.new_stream().unwrap(), dev.new_stream().unwrap());
+    let (big, small) = (16 << 20, 1024);
+    let (bi, bo) = (filled(dev, 1.0, big), filled(dev, 0.0, big));
+    let a = dev.alloc(4 * small).unwrap();
+    a.write(0, &(0..small).flat_map(|i| (i as f32).to_ne_bytes()).collect::<Vec<u8>>()).unwrap();
+    let (b, z) = (filled(dev, 0.0, small), filled(dev, 0.0, small));
+    oxccl::group_start().unwrap();
+    c.all_reduce(&bi, &bo, big, f, RedOp::Sum, &s1).unwrap();
+    c.all_reduce(&a, &b, small, f, RedOp::Sum, &s1).unwrap();
+    c.all_reduce(&b, &z, small, f, RedOp::Sum, &s2).unwrap();
+    oxccl::group_end().unwrap();
+    s1.synchronize().unwrap();
+    s2.synchronize().unwrap();
+    assert_eq!(values(&z, small), (0..small).map(|i| i as f32).collect::<Vec<_>>(), "one rank: the second stream's copy ran first");
+}
+
+/// A rank aborted while the group holds only its sends and receives launches none of them: the
+/// group's end fails naming the abort, every stream drains in bounded time, and the other rank
+/// learns of the abort.
+#[test]
+fn a_rank_aborted_inside_a_group_of_sends_launches_none_of_them() {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _env = Env::clean(VARS);
+        let (n, count) = (2usize, 1000usize);
+        let comms = common::init_all(&Device::cpus(n)).unwrap();
+        let streams = common::streams(&comms);
+        let b: Vec<Bufs> = (0..n).map(|r| bufs(comms[r].device(), r, count)).collect();
+        let f = DataType::F32;
+        oxccl::group_start().unwrap();
+        for r in 0..n {
+            comms[r].send(data(&b[r].ar_in, count), count, f, 1 - r, &streams[r]).unwrap();
+            comms[r].recv(data(&b[r].p2p_out, count), count, f, 1 - r, &streams[r]).unwrap();
+        }
+        comms[0].abort().unwrap();
+        let e = oxccl::group_end().unwrap_err();
+        let synced: Vec<bool> = streams.iter().map(|s| s.synchronize().is_ok()).collect();
+        let peer = comms[1].get_async_error();
+        tx.send((e, synced, peer, untouched(&b[0].p2p_out, count, 4))).unwrap();
+    });
+    let (e, synced, peer, rank0_untouched) = rx
+        .recv_timeout(std::time::Duration::from_secs(60))
+        .expect("the group's end or a stream did not return within 60 s");
+    assert!(matches!(e, Error::InvalidUsage(_)), "{e:?}");
+    assert!(e.to_string().contains("rank 0: the communicator was aborted"), "{e}");
+    assert_eq!(synced, vec![true, true], "streams");
+    assert!(matches!(peer, Err(Error::Remote(_))), "rank 1: {peer:?}");
+    assert!(rank0_untouched, "rank 0's receive ran");
 }
