@@ -143,9 +143,6 @@ impl P2pTarget {
         format!("sends/receives ({})", ops.join(", "))
     }
 
-    /// Launches `works` (at most [`MAX_P2P_WORKS`]; a block per work, but a work flagged
-    /// [`P2P_AFTER_PREVIOUS`] runs on the previous one's block, after it) as one kernel on
-    /// `stream`.
     /// Queues a copy of `bytes` bytes from `src` to `dst` (a send to this rank matched with its
     /// receive) on `stream`, in the rank's launch order ([`ordered_copy`]).
     ///
@@ -172,6 +169,9 @@ impl P2pTarget {
         unsafe { ordered_copy(order, dst, src, bytes, stream) }
     }
 
+    /// Launches `works` (at most [`MAX_P2P_WORKS`]; a block per work, but a work flagged
+    /// [`P2P_AFTER_PREVIOUS`] runs on the previous one's block, after it) as one kernel on
+    /// `stream`.
     pub(crate) fn launch(&self, works: &[WorkP2p], stream: &Stream) -> Result<()> {
         if works.is_empty() {
             return Ok(());
