@@ -13,7 +13,7 @@
 //! | channels, rings and trees on the device | `comm/channel.rs`, `comm/rank_trees.rs` | `channel.cc`, `devCommSetup` |
 //! | the calls and their argument checks | `comm/collectives.rs` | `collectives.cc`, `argcheck.cc` |
 //! | send, receive and what is built from them (all-to-all, gather, scatter, V-variants): checks, works over the peer channels, launch | `comm/send_recv.rs` (kernel: `gpu/src/coll/send_recv.rs`) | `collectives.cc`, `enqueue.cc`'s p2p scheduling, `sendrecv.h` |
-//! | groups: a thread's queued sends and receives, launched at the outermost end, one launch per communicator; [`group::scope`] defers collectives too | [`group`] | `group.cc` |
+//! | groups: a thread's queued collectives, then sends and receives, launched at the outermost end; [`group::scope`] with compile-checked borrows | [`group`](mod@group) | `group.cc` |
 //! | plan and launch of a call | `comm/enqueue.rs` | `enqueue.cc` |
 //! | abort, async errors, finalize, destroy; call timeouts and the flight recorder | `comm/abort.rs`, `liveness.rs` (peer processes), `comm/timeout.rs`, `comm/flight_recorder.rs` (`oxccl trace`) | `init.cc`'s abort path; NCCL 2.30's `ncclTimeout`; PyTorch's flight recorder |
 //! | algorithm and protocol choice | [`tuning`] | `tuning.cc` |

@@ -34,7 +34,7 @@
 //! `NCCL_BUFFSIZE` bytes per protocol and two step counters (its send connection's head, its
 //! receive connection's tail); its ring neighbours write into them through the pair's transport
 //! (P2P: device pointer, CUDA IPC or, on the CPU target in one process, plain address; SHM; NET
-//! through the proxy). The ranks of one `init_all` also form a [`ProcessGroup`].
+//! through the proxy). The ranks of one `init_all` also form a process group (`ProcessGroup`).
 use crate::cpu::{CpuStream, HostMem};
 use crate::cuda;
 use crate::error::{Error, Result};
