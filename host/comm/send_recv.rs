@@ -151,22 +151,24 @@ impl P2pTarget {
     pub(crate) unsafe fn copy(&self, dst: u64, src: u64, bytes: usize, stream: &Stream) -> Result<()> {
         let order = match &self.backend {
             Backend::Cuda { launch, .. } => LaunchOrder::Cuda(launch),
-            Backend::Cpu { group, process, inflight } => LaunchOrder::Cpu(
-                CpuBlocks {
-                    nblocks: 1,
-                    nthreads: self.cpu_nthreads,
-                    team: self.cpu_team,
-                    group: group.clone(),
-                    process: process.clone(),
-                    rank: self.rank,
-                    watch: self.watch.clone(),
-                    recorded: Vec::new(),
-                },
-                inflight,
-            ),
+            Backend::Cpu { group, process, inflight } => LaunchOrder::Cpu(self.cpu_blocks(1, group, process), inflight),
         };
         // SAFETY: forwarded caller contract.
         unsafe { ordered_copy(order, dst, src, bytes, stream) }
+    }
+
+    /// A CPU-target launch of `nblocks` blocks of this rank (no collective recorded).
+    fn cpu_blocks(&self, nblocks: u32, group: &Arc<CpuGroup>, process: &Option<Arc<ProcessGroup>>) -> CpuBlocks {
+        CpuBlocks {
+            nblocks,
+            nthreads: self.cpu_nthreads,
+            team: self.cpu_team,
+            group: group.clone(),
+            process: process.clone(),
+            rank: self.rank,
+            watch: self.watch.clone(),
+            recorded: Vec::new(),
+        }
     }
 
     /// Launches `works` (at most [`MAX_P2P_WORKS`]; a block per work, but a work flagged
@@ -211,16 +213,7 @@ impl P2pTarget {
             }
             (Backend::Cpu { group, process, inflight }, Stream::Cpu(s)) => {
                 let nthreads = self.cpu_nthreads;
-                let blocks = CpuBlocks {
-                    nblocks,
-                    nthreads,
-                    team: self.cpu_team,
-                    group: group.clone(),
-                    process: process.clone(),
-                    rank: self.rank,
-                    watch: self.watch.clone(),
-                    recorded: Vec::new(),
-                };
+                let blocks = self.cpu_blocks(nblocks, group, process);
                 let (status, rank, peer) = (self.status.clone(), self.rank, self.peer);
                 blocks.launch(
                     s,
