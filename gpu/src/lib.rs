@@ -32,6 +32,7 @@ pub mod dispatch;
 pub mod fp8;
 pub mod proto;
 pub mod reduce;
+pub mod unroll;
 
 #[cfg(target_arch = "nvptx64")]
 mod kernels;

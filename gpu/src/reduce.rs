@@ -11,6 +11,7 @@
 use crate::abi::DevRedOp;
 use crate::arch::{self, Pack};
 use crate::fp8::{self, F8E4M3, F8E5M2};
+use crate::unroll;
 use half::{bf16, f16};
 
 /// An element type the kernels can move and reduce.
@@ -70,10 +71,14 @@ fn lanes<T: Elem>(a: Pack, b: Pack, f: impl Fn(T, T) -> T) -> Pack {
     let pa = &a as *const Pack as *const T;
     let pb = &b as *const Pack as *const T;
     let pr = &mut r as *mut Pack as *mut T;
-    for i in 0..T::PER_PACK {
-        // SAFETY: a Pack is 16 bytes, 16-aligned, and T::PER_PACK * size_of::<T>() == 16.
-        unsafe { pr.add(i).write(f(pa.add(i).read(), pb.add(i).read())) }
-    }
+    unroll::each(
+        T::PER_PACK,
+        #[cfg_attr(target_arch = "nvptx64", inline(always))]
+        |i| {
+            // SAFETY: a Pack is 16 bytes, 16-aligned, and T::PER_PACK * size_of::<T>() == 16.
+            unsafe { pr.add(i).write(f(pa.add(i).read(), pb.add(i).read())) }
+        },
+    );
     r
 }
 
@@ -138,20 +143,20 @@ trait Half16: Elem {
 
     #[inline(always)]
     fn min_words(a: Pack, b: Pack) -> Pack {
-        Pack(core::array::from_fn(|i| {
+        Pack(unroll::words4!(|i| {
             Self::pick2(a.0[i], b.0[i], |x, y| y < x)
         }))
     }
     #[inline(always)]
     fn max_words(a: Pack, b: Pack) -> Pack {
-        Pack(core::array::from_fn(|i| {
+        Pack(unroll::words4!(|i| {
             Self::pick2(a.0[i], b.0[i], |x, y| y > x)
         }))
     }
     #[inline(always)]
     fn div_words(a: Pack, n: u32) -> Pack {
         let n = n as f32;
-        Pack(core::array::from_fn(|i| Self::map2(a.0[i], 0, |x, _| x / n)))
+        Pack(unroll::words4!(|i| Self::map2(a.0[i], 0, |x, _| x / n)))
     }
 }
 
@@ -215,11 +220,11 @@ macro_rules! half_elem {
             }
             #[inline(always)]
             fn sum_pack(a: Pack, b: Pack) -> Pack {
-                Pack(core::array::from_fn(|i| $sum(a.0[i], b.0[i])))
+                Pack(unroll::words4!(|i| $sum(a.0[i], b.0[i])))
             }
             #[inline(always)]
             fn prod_pack(a: Pack, b: Pack) -> Pack {
-                Pack(core::array::from_fn(|i| $prod(a.0[i], b.0[i])))
+                Pack(unroll::words4!(|i| $prod(a.0[i], b.0[i])))
             }
             #[inline(always)]
             fn min_pack(a: Pack, b: Pack) -> Pack {
@@ -322,28 +327,28 @@ macro_rules! fp8_elem {
             }
             #[inline(always)]
             fn sum_pack(a: Pack, b: Pack) -> Pack {
-                Pack(core::array::from_fn(|i| fp8_map4::<Self>(a.0[i], b.0[i], arch::f16x2_add)))
+                Pack(unroll::rolled4(a.0, b.0, |x, y| fp8_map4::<Self>(x, y, arch::f16x2_add)))
             }
             #[inline(always)]
             fn prod_pack(a: Pack, b: Pack) -> Pack {
-                Pack(core::array::from_fn(|i| fp8_map4::<Self>(a.0[i], b.0[i], arch::f16x2_mul)))
+                Pack(unroll::rolled4(a.0, b.0, |x, y| fp8_map4::<Self>(x, y, arch::f16x2_mul)))
             }
             #[inline(always)]
             fn min_pack(a: Pack, b: Pack) -> Pack {
-                Pack(core::array::from_fn(|i| fp8_map4::<Self>(a.0[i], b.0[i], h16_min2)))
+                Pack(unroll::rolled4(a.0, b.0, |x, y| fp8_map4::<Self>(x, y, h16_min2)))
             }
             #[inline(always)]
             fn max_pack(a: Pack, b: Pack) -> Pack {
-                Pack(core::array::from_fn(|i| fp8_map4::<Self>(a.0[i], b.0[i], h16_max2)))
+                Pack(unroll::rolled4(a.0, b.0, |x, y| fp8_map4::<Self>(x, y, h16_max2)))
             }
             #[inline(always)]
             fn div_pack(a: Pack, n: u32) -> Pack {
-                Pack(core::array::from_fn(|i| fp8_div4::<Self>(a.0[i], n)))
+                Pack(unroll::rolled4(a.0, a.0, |x, _| fp8_div4::<Self>(x, n)))
             }
             #[inline(always)]
             fn any_pack(op: u32, a: Pack, b: Pack) -> Pack {
-                Pack(core::array::from_fn(|i| {
-                    fp8_map4::<Self>(a.0[i], b.0[i], |x, y| match op {
+                Pack(unroll::rolled4(a.0, b.0, |a, b| {
+                    fp8_map4::<Self>(a, b, |x, y| match op {
                         OP_PROD => arch::f16x2_mul(x, y),
                         OP_MAX => h16_max2(x, y),
                         OP_MIN => h16_min2(x, y),

@@ -22,6 +22,7 @@ use super::{Primitives, balanced_step, each_peer};
 use crate::abi::{FIFO_STEPS, MAX_TREE_ARITY, Proto, SPINS_BEFORE_CHECK_ABORT};
 use crate::arch::{self, Pack};
 use crate::reduce::{Elem, OpArgs, RedFn, div_pack, pre_pack};
+use crate::unroll;
 use core::marker::PhantomData;
 
 /// Bytes per LL128 line.
@@ -174,7 +175,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
         let flag_part = p == LL128_LINE_PARTS - 1;
         loop {
             let mut stale = false;
-            for u in 0..UNROLL {
+            unroll::each(UNROLL, #[cfg_attr(target_arch = "nvptx64", inline(always))] |u| {
                 if active[u] {
                     // SAFETY: the part lies inside the receive slot, 16-byte aligned.
                     let (a, b) = unsafe { arch::load_volatile_v2_u64(lines[u].add(2 * p as usize)) };
@@ -182,7 +183,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
                     w[u][1] = b;
                     stale |= flag_part && b != flag;
                 }
-            }
+            });
             // SAFETY: the caller keeps the warp converged.
             if !unsafe { arch::vote_any(stale) } {
                 return true;
@@ -319,9 +320,9 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
         // Active lines lie inside the receive slot (inactive ones are not read).
         let at = |slot: *mut u64| {
             let mut a = [core::ptr::null::<u64>(); UNROLL];
-            for u in 0..UNROLL {
+            unroll::each(UNROLL, #[cfg_attr(target_arch = "nvptx64", inline(always))] |u| {
                 a[u] = slot.wrapping_add(line[u] as usize * line_words);
-            }
+            });
             a
         };
         if NR > 0 && nrecv > 0 && !self.read_batch(&at(slots[0]), flags[0], active, w) {
@@ -333,12 +334,12 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
             if !self.read_batch(&at(slots[i]), flags[i], active, &mut w2) {
                 return false;
             }
-            for u in 0..UNROLL {
+            unroll::each(UNROLL, #[cfg_attr(target_arch = "nvptx64", inline(always))] |u| {
                 for q in 0..PARTS {
                     let v = Op::apply_pack(&self.op_args, words_pack(&w[u], q), words_pack(&w2[u], q));
                     pack_words(&mut w[u], q, v);
                 }
-            }
+            });
             true
         };
         if NR > 1 && nrecv > 1 && !more(1) {
@@ -412,7 +413,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
                 let mut line = [0u64; UNROLL];
                 let mut active = [false; UNROLL];
                 let mut src_w = [[0u64; 2 * PARTS]; UNROLL];
-                for u in 0..UNROLL {
+                unroll::each(UNROLL, #[cfg_attr(target_arch = "nvptx64", inline(always))] |u| {
                     line[u] = lanes.group + (j + u as u64) * lanes.stride;
                     active[u] = line[u] < nlines;
                     if SRC && active[u] {
@@ -426,7 +427,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
                             }
                         }
                     }
-                }
+                });
                 j += UNROLL as u64;
                 // The receive peers' lines folded into `w`.
                 let mut w = [[0u64; 2 * PARTS]; UNROLL];
@@ -436,7 +437,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
                 if aborted {
                     break;
                 }
-                for u in 0..UNROLL {
+                unroll::each(UNROLL, #[cfg_attr(target_arch = "nvptx64", inline(always))] |u| {
                     if active[u] {
                         for i in 0..PARTS {
                             let (off, lo_b, hi_b) = part_bytes(line[u], lanes.part0 + i as u64, nbytes);
@@ -479,7 +480,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
                             }
                         });
                     }
-                }
+                });
                 #[cfg(not(target_arch = "nvptx64"))]
                 if SEND {
                     let mut at = [[core::ptr::null_mut::<u64>(); NS]; UNROLL];
