@@ -81,6 +81,11 @@ pub(crate) fn park_if_held(addr: u64, bytes: u64, take: impl FnOnce() -> DeviceB
 /// Ends what `group` holds: its ranges, and drops the buffers parked under it (outside the
 /// lock: a CPU-target buffer's drop waits for the work queued on its device).
 pub(crate) fn release(group: u64) {
+    // No range held anywhere: nothing of `group` to drop, nothing parked (a buffer is parked
+    // only while a range of its group is held, and both go together here).
+    if NRANGES.load(Ordering::Acquire) == 0 {
+        return;
+    }
     let parked: Vec<DeviceBuffer> = {
         let mut h = held();
         h.ranges.retain(|r| r.group != group);

@@ -92,13 +92,13 @@ unsafe fn collective_now(
         None => oxccl::RedOp::Sum.into(),
     };
     let root = if matches!(func, Func::Broadcast | Func::Reduce) { non_negative("root", root)? } else { 0 };
-    let _keep = KeepCurrent::new();
     // SAFETY: the caller's contract.
     let stream = unsafe { live.stream(stream) };
     let (send, recv) = (send as u64, recv as u64);
     if oxccl::group::group_depth() > 0 {
         // Inside a group NCCL launches a collective at the group's end: checked now, queued
-        // until then (`group.rs`).
+        // until then (`group.rs`). The check makes no driver call, so the caller's context is
+        // left alone without being noted (the end notes and restores it).
         live.comm.check_collective(func, send, recv, count, dtype, &op, root, &stream)?;
         crate::group::defer_collective(crate::group::DeferredColl {
             live,
@@ -113,6 +113,7 @@ unsafe fn collective_now(
         });
         return Ok(());
     }
+    let _keep = KeepCurrent::new();
     // SAFETY: the caller's contract (NCCL's: valid device buffers of the documented sizes).
     unsafe { live.comm.collective_raw(func, send, recv, count, dtype, op, root, &stream) }
 }

@@ -26,6 +26,7 @@ use crate::types::{ncclComm, ncclComm_t, ncclResult_t};
 use oxccl::cpu::CpuStream;
 use oxccl::{Comm, DataType, Device, Error, Result, Scalar, Stream};
 use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::{Duration, Instant};
@@ -131,10 +132,35 @@ enum Slot {
     Failed { code: ncclResult_t, msg: String },
 }
 
+/// The hasher of the handle table: a handle is a tag and a serial, unique in the process, so one
+/// multiplication spreads it (every call looks its handle up; SipHash's resistance to chosen
+/// keys buys nothing here).
+#[derive(Default)]
+struct HandleHasher(u64);
+
+impl Hasher for HandleHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = (self.0 ^ *b as u64).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    fn write_u64(&mut self, id: u64) {
+        self.0 = id.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+type Slots = HashMap<u64, Slot, BuildHasherDefault<HandleHasher>>;
+
 struct Registry {
     tag: u64,
     next: AtomicU64,
-    slots: Mutex<HashMap<u64, Slot>>,
+    slots: Mutex<Slots>,
+    /// Changes of `slots` so far, counted under its lock after each change: a thread's
+    /// [`RECENT`] handles are valid while it is unchanged.
+    epoch: AtomicU64,
 }
 
 fn registry() -> &'static Registry {
@@ -143,15 +169,62 @@ fn registry() -> &'static Registry {
         // Handles of the Rust `CommHandle` registry carry the same tag; the serials differ.
         tag: oxccl::handle::process_tag(),
         next: AtomicU64::new(1),
-        slots: Mutex::new(HashMap::new()),
+        slots: Mutex::new(Slots::default()),
+        epoch: AtomicU64::new(0),
     })
 }
 
 impl Registry {
-    fn slots(&self) -> MutexGuard<'_, HashMap<u64, Slot>> {
+    fn slots(&self) -> MutexGuard<'_, Slots> {
         // Only inserted into and removed from: a panic elsewhere leaves it consistent.
         self.slots.lock().unwrap_or_else(|p| p.into_inner())
     }
+
+    /// The table, for a change: the epoch moves when the change is done, before the lock is
+    /// released.
+    fn slots_mut(&self) -> SlotsMut<'_> {
+        SlotsMut(self.slots())
+    }
+}
+
+/// The locked table of a change ([`Registry::slots_mut`]).
+struct SlotsMut<'a>(MutexGuard<'a, Slots>);
+
+impl std::ops::Deref for SlotsMut<'_> {
+    type Target = Slots;
+    fn deref(&self) -> &Slots {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for SlotsMut<'_> {
+    fn deref_mut(&mut self) -> &mut Slots {
+        &mut self.0
+    }
+}
+
+impl Drop for SlotsMut<'_> {
+    fn drop(&mut self) {
+        // Still under the lock (the guard field drops after this).
+        registry().epoch.fetch_add(1, Ordering::Release);
+    }
+}
+
+/// Handles a thread looked up recently, for [`lookup`] without the table's lock: (epoch of the
+/// table they were read at, (handle, communicator) pairs). Weak, so a destroyed communicator is
+/// not kept alive by a thread that once called it.
+struct Recent {
+    epoch: u64,
+    live: Vec<(u64, Weak<Live>)>,
+}
+
+/// How many handles [`Recent`] keeps per thread (a thread driving the GPUs of a node).
+const RECENT_HANDLES: usize = 16;
+
+thread_local! {
+    static RECENT: std::cell::RefCell<Recent> = const {
+        std::cell::RefCell::new(Recent { epoch: u64::MAX, live: Vec::new() })
+    };
 }
 
 /// The `ncclComm_t` of handle `id`.
@@ -183,7 +256,7 @@ fn dead(id: u64) -> Error {
 pub(crate) fn new_pending() -> u64 {
     let reg = registry();
     let id = (reg.tag << 32) | (reg.next.fetch_add(1, Ordering::Relaxed) & 0xffff_ffff);
-    reg.slots().insert(id, Slot::Pending);
+    reg.slots_mut().insert(id, Slot::Pending);
     id
 }
 
@@ -199,12 +272,12 @@ pub(crate) fn publish(live: Live) {
     if let Some(c) = &live.clique {
         c.join(id);
     }
-    registry().slots().insert(id, Slot::Ready(Arc::new(live)));
+    registry().slots_mut().insert(id, Slot::Ready(Arc::new(live)));
 }
 
 /// Makes pending handle `id` report the failure of its init.
 pub(crate) fn fail_pending(id: u64, e: &Error) {
-    registry().slots().insert(
+    registry().slots_mut().insert(
         id,
         Slot::Failed {
             code: e.code() as ncclResult_t,
@@ -216,7 +289,7 @@ pub(crate) fn fail_pending(id: u64, e: &Error) {
 /// [`fail_pending`] for a handle still pending (one whose init or split never ran); a handle
 /// that names a communicator or a failure already is left as it is.
 pub(crate) fn fail_pending_if_waiting(id: u64, e: &Error) {
-    let mut slots = registry().slots();
+    let mut slots = registry().slots_mut();
     if let Some(slot @ Slot::Pending) = slots.get_mut(&id) {
         *slot = Slot::Failed {
             code: e.code() as ncclResult_t,
@@ -235,8 +308,31 @@ pub(crate) enum NotReady {
 /// init, `Err(Err(..))` for a NULL, destroyed or foreign handle.
 pub(crate) fn lookup(comm: ncclComm_t) -> std::result::Result<Arc<Live>, std::result::Result<NotReady, Error>> {
     let id = id_of(comm).map_err(Err)?;
-    match registry().slots().get(&id) {
-        Some(Slot::Ready(l)) => Ok(l.clone()),
+    let reg = registry();
+    let hit = RECENT.with(|r| {
+        let r = r.borrow();
+        if r.epoch != reg.epoch.load(Ordering::Acquire) {
+            return None;
+        }
+        r.live.iter().find(|(h, _)| *h == id).and_then(|(_, l)| l.upgrade())
+    });
+    if let Some(l) = hit {
+        return Ok(l);
+    }
+    let slots = reg.slots();
+    let epoch = reg.epoch.load(Ordering::Acquire);
+    match slots.get(&id) {
+        Some(Slot::Ready(l)) => {
+            RECENT.with(|r| {
+                let mut r = r.borrow_mut();
+                if r.epoch != epoch || r.live.len() == RECENT_HANDLES {
+                    r.epoch = epoch;
+                    r.live.clear();
+                }
+                r.live.push((id, Arc::downgrade(l)));
+            });
+            Ok(l.clone())
+        }
         Some(Slot::Pending) => Err(Ok(NotReady::Pending)),
         Some(Slot::Failed { code, msg }) => Err(Ok(NotReady::Failed(*code, msg.clone()))),
         None => Err(Err(dead(id))),
@@ -264,7 +360,7 @@ pub(crate) fn get(comm: ncclComm_t) -> Result<Arc<Live>> {
 /// Errors: as [`get`], and `InvalidUsage` for a pending init (kept).
 pub(crate) fn remove(comm: ncclComm_t) -> Result<Option<Arc<Live>>> {
     let id = id_of(comm)?;
-    let mut slots = registry().slots();
+    let mut slots = registry().slots_mut();
     match slots.remove(&id) {
         Some(Slot::Ready(l)) => Ok(Some(l)),
         Some(Slot::Failed { .. }) => Ok(None),
