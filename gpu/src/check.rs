@@ -32,6 +32,7 @@ pub unsafe fn checked(
     desc: u64,
     sig: &CallSig,
     bid: u32,
+    nblocks: u32,
     tid: u32,
     nthreads: u32,
     smem: *mut u32,
@@ -43,7 +44,7 @@ pub unsafe fn checked(
             let comm = &*(comm as *const DevComm);
             !block_bool(tid == 0 && !same_verdict(comm), tid, smem)
         } else if bid == 0 {
-            check_call(comm, desc, sig, tid, nthreads, smem)
+            check_call(comm, desc, sig, nblocks > 1, tid, nthreads, smem)
         } else {
             await_verdict(comm, desc, sig[0], tid, smem)
         }
@@ -94,9 +95,11 @@ unsafe fn same_verdict(comm: &DevComm) -> bool {
     unsafe { arch::load_volatile_u32(&raw const comm.aborted) == 0 }
 }
 
-/// Checks the call of signature `sig` on this block: gathers every rank's signature, compares,
-/// and publishes the verdict (`desc.done = sig[0]`, after `DevComm::aborted` on a mismatch).
-/// Returns whether the call may go on.
+/// Checks the call of signature `sig` on this block: gathers every rank's signature, compares
+/// (every thread, as the signatures arrive), sets `DevComm::aborted` on a mismatch and, when
+/// other blocks of the launch wait for the verdict (`waiters`), publishes it (`desc.done =
+/// sig[0]`, after `DevComm::aborted`). Returns whether the call may go on (the same answer for
+/// every thread of the block).
 ///
 /// # Safety
 /// `comm` is a set-up [`DevComm`] with at least one ring channel whose connections have LL
@@ -104,7 +107,15 @@ unsafe fn same_verdict(comm: &DevComm) -> bool {
 /// block calls this; every rank of the communicator runs the check of its call of the same
 /// number.
 #[cfg_attr(target_arch = "nvptx64", inline(always))]
-pub unsafe fn check_call(comm: u64, desc: u64, sig: &CallSig, tid: u32, nthreads: u32, smem: *mut u32) -> bool {
+pub unsafe fn check_call(
+    comm: u64,
+    desc: u64,
+    sig: &CallSig,
+    waiters: bool,
+    tid: u32,
+    nthreads: u32,
+    smem: *mut u32,
+) -> bool {
     let comm_ptr = comm as *mut DevComm;
     // SAFETY: caller contract.
     let comm = unsafe { &*comm_ptr };
@@ -129,6 +140,9 @@ pub unsafe fn check_call(comm: u64, desc: u64, sig: &CallSig, tid: u32, nthreads
             }
         }
     };
+    // Every thread receives every signature (`recv_words`), so every thread compares them as
+    // they arrive and reaches the same verdict without reading the board back.
+    let mut same = true;
     // SAFETY: caller contract: channel 0 exists with its ring and LL connections.
     let aborted = unsafe {
         let channel = comm.channels as *mut DevChannel;
@@ -160,18 +174,17 @@ pub unsafe fn check_call(comm: u64, desc: u64, sig: &CallSig, tid: u32, nthreads
                 break;
             };
             put(ring.user_rank(n as u64 - j), &got);
+            same &= got == *sig;
             cur = got;
         }
         let aborted = p.aborted();
         p.finish();
         aborted
     };
-    // SAFETY: every thread of the block calls this.
-    unsafe { arch::sync_threads() };
     // `aborted` is the block's (an abort seen by any thread reaches all through the LL
     // primitives' shared word): after one, the board may be partial and no verdict is given;
     // the call's other blocks learn it from here (they do not read the host's abort flag).
-    if tid == 0 && aborted {
+    if tid == 0 && aborted && waiters {
         // SAFETY: the descriptor is this rank's (caller contract).
         unsafe {
             arch::fence_acq_rel_gpu();
@@ -179,17 +192,11 @@ pub unsafe fn check_call(comm: u64, desc: u64, sig: &CallSig, tid: u32, nthreads
         }
     }
     if tid == 0 && !aborted {
-        let mut same = true;
-        for r in 0..n {
-            for (k, v) in sig.iter().enumerate() {
-                // SAFETY: row `r` < `n` of the board, written by the gather (the barrier above).
-                same &= unsafe { board.add(r * CALL_SIG_WORDS + k).read_volatile() } == *v;
-            }
-        }
         let header = core::mem::size_of::<CheckReport>() / 8;
-        // SAFETY: the report holds its header and `n` signatures (caller contract); the comm
-        // block and the descriptor are this rank's, which its kernels may write (through the raw
-        // addresses, not `comm`).
+        // SAFETY: the report holds its header and `n` signatures (caller contract); the board
+        // rows were written by this thread during the gather; the comm block and the
+        // descriptor are this rank's, which its kernels may write (through the raw addresses,
+        // not `comm`).
         unsafe {
             if !same {
                 for i in 0..n * CALL_SIG_WORDS {
@@ -201,14 +208,19 @@ pub unsafe fn check_call(comm: u64, desc: u64, sig: &CallSig, tid: u32, nthreads
                 // graph (number 0).
                 arch::store_release_sys_u64(report, if sig[0] == 0 { 1 } else { sig[0] });
             }
-            // The verdict for the call's other blocks, all on this GPU: `aborted` (set above or
-            // not) before it, at GPU scope.
-            arch::fence_acq_rel_gpu();
-            arch::store_volatile_u64(&raw mut (*d).done, sig[0]);
+            if waiters {
+                // The verdict for the call's other blocks, all on this GPU: `aborted` (set above
+                // or not) before it, at GPU scope.
+                arch::fence_acq_rel_gpu();
+                arch::store_volatile_u64(&raw mut (*d).done, sig[0]);
+            }
         }
     }
-    // SAFETY: every thread of the block calls it.
-    unsafe { !block_bool(tid == 0 && (aborted || !same_verdict(comm)), tid, smem) }
+    // The block's shared memory is the collective's from here: every thread is past the
+    // gather's last use of it.
+    // SAFETY: every thread of the block calls this.
+    unsafe { arch::sync_threads() };
+    !aborted && same
 }
 
 /// A block other than the checking one: waits until block 0 has published the verdict of call

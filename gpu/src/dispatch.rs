@@ -132,9 +132,17 @@ pub unsafe fn run_kernel<T: Elem, Op: RedFn<T>, const FUNC: u8, const ALGO: u8, 
 ) {
     // The call-signature check first, when on: block 0 checks, the others wait for it; after
     // a mismatch nothing is read or written (`crate::check`).
-    // SAFETY: caller contract (a checked call's descriptor and signature).
-    if args.check != 0 && !unsafe { crate::check::checked(args.comm, args.check, &args.sig, bid, tid, nthreads, smem) } {
-        return;
+    if args.check != 0 {
+        // The launch's blocks: the grid on the GPU; on the CPU target the largest channel count
+        // of its works, the grid the host launches.
+        #[cfg(target_arch = "nvptx64")]
+        let nblocks = crate::arch::grid_dim();
+        #[cfg(not(target_arch = "nvptx64"))]
+        let nblocks = (0..args.works()).map(|i| args.work_at(i).nchannels as u32).max().unwrap_or(1);
+        // SAFETY: caller contract (a checked call's descriptor and signature).
+        if !unsafe { crate::check::checked(args.comm, args.check, &args.sig, bid, nblocks, tid, nthreads, smem) } {
+            return;
+        }
     }
     // Only LL launches carry several works (`proto_batches`): the other protocols' bodies see
     // one work, read at constant parameter offsets.

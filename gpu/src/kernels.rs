@@ -96,7 +96,7 @@ pub unsafe extern "ptx-kernel" fn oxccl_check_call(args: crate::abi::CheckArgs) 
     // SAFETY: `kernel_shared_mem` is called once in this kernel; the rest is the launch contract.
     unsafe {
         let smem = arch::kernel_shared_mem();
-        crate::check::check_call(args.comm, args.check, &args.sig, arch::thread_idx(), arch::block_dim(), smem);
+        crate::check::check_call(args.comm, args.check, &args.sig, false, arch::thread_idx(), arch::block_dim(), smem);
     }
 }
 

@@ -361,7 +361,7 @@ impl Comm {
                 // SAFETY: the comm block is kept by the launch's `group`, the descriptor, board
                 // and report by `mem`; every rank of the communicator queues the check of its
                 // call `seq` (the setting is the same on every rank).
-                unsafe { oxccl_gpu::check::check_call(args.comm, args.check, &args.sig, tid, nthreads, smem) };
+                unsafe { oxccl_gpu::check::check_call(args.comm, args.check, &args.sig, false, tid, nthreads, smem) };
                 true
             },
             || Ok(()),

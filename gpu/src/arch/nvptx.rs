@@ -16,6 +16,12 @@ pub fn block_idx() -> u32 {
     // SAFETY: reading a special register has no preconditions.
     unsafe { core::arch::nvptx::_block_idx_x() as u32 }
 }
+/// `%nctaid.x`: blocks in the grid.
+#[inline(always)]
+pub fn grid_dim() -> u32 {
+    // SAFETY: reading a special register has no preconditions.
+    unsafe { core::arch::nvptx::_grid_dim_x() as u32 }
+}
 /// `%ntid.x`: threads per block.
 #[inline(always)]
 pub fn block_dim() -> u32 {
