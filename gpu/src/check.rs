@@ -174,7 +174,11 @@ pub unsafe fn check_call(
                 break;
             };
             put(ring.user_rank(n as u64 - j), &got);
-            same &= got == *sig;
+            // Word by word (an array `==` is a `bcmp` of the parameter's address, which puts
+            // the whole kernel parameter in local memory).
+            for k in 0..CALL_SIG_WORDS {
+                same &= got[k] == sig[k];
+            }
             cur = got;
         }
         let aborted = p.aborted();

@@ -452,6 +452,39 @@ fn aligned_barrier_detection() {
 /// per thread in `oxccl_reducescatter_float_sum` against 136 inlined, and on one H200 the LL128
 /// Reduce and ReduceScatter at 4–16 MiB ran 1.24–1.36× faster once inlined (docs/benchmarks.md).
 /// Only core's panic handlers (unreachable in practice) may be called.
+/// No kernel keeps an array in GPU local memory: LLVM puts an array there (a `__local_depot`
+/// in the PTX) when it indexes it at run time or takes its address, e.g. a loop it did not
+/// unroll or an array `==` (a `bcmp` of the kernel parameter's address, which copied the whole
+/// parameter into local memory). Register spills, which `ptxas` adds later, are not in the PTX.
+#[test]
+fn kernels_keep_no_array_in_local_memory() {
+    let modules = oxccl::kernels::all();
+    assert!(
+        !modules.is_empty(),
+        "no PTX modules embedded (built with OXCCL_SKIP_PTX?)"
+    );
+    let bad: Vec<String> = modules
+        .iter()
+        .filter(|(_, ptx)| ptx.contains("__local_depot"))
+        .map(|(name, ptx)| {
+            let decl = ptx
+                .lines()
+                .find(|l| l.contains(".local") && l.contains("__local_depot"))
+                .unwrap_or("")
+                .trim()
+                .to_string();
+            format!("{name}: {decl}")
+        })
+        .collect();
+    assert!(
+        bad.is_empty(),
+        "{} of {} kernels keep an array in local memory (first: {:?})",
+        bad.len(),
+        modules.len(),
+        &bad[..bad.len().min(5)]
+    );
+}
+
 #[test]
 fn kernels_call_nothing_but_panic_handlers() {
     let modules = oxccl::kernels::all();

@@ -452,13 +452,13 @@ unsafe fn fold_packs<T: Elem, Op: RedFn<T>>(
 ) {
     let p = p as *const Pack;
     let mut w = [Pack::default(); UNROLL];
-    for u in 0..UNROLL {
+    crate::unroll::each(UNROLL, #[cfg_attr(target_arch = "nvptx64", inline(always))] |u| {
         // SAFETY: caller contract.
         w[u] = unsafe { load_src(p.add((i + u as u64 * stride) as usize)) };
-    }
-    for u in 0..UNROLL {
+    });
+    crate::unroll::each(UNROLL, #[cfg_attr(target_arch = "nvptx64", inline(always))] |u| {
         v[u] = Op::apply_pack(args, v[u], w[u]);
-    }
+    });
 }
 
 /// `d = s[0] ⊕ s[1] ⊕ … (/ div)` into each of the `ND` destinations, from the `NS` sources, over
@@ -526,12 +526,12 @@ unsafe fn reduce_copy_n<T: Elem, Op: RedFn<T>, const NS: usize, const ND: usize>
         };
         while i + (UNROLL as u64 - 1) * stride < npacks {
             let mut v = [Pack::default(); UNROLL];
-            for u in 0..UNROLL {
+            crate::unroll::each(UNROLL, #[cfg_attr(target_arch = "nvptx64", inline(always))] |u| {
                 v[u] = load_src((s[0] as *const Pack).add((i + u as u64 * stride) as usize));
                 if pre0 {
                     v[u] = pre_pack::<T, Op>(v[u], args);
                 }
-            }
+            });
             if NS > 1 {
                 fold_packs::<T, Op>(args, &mut v, s[1], i, stride);
             }
@@ -541,10 +541,10 @@ unsafe fn reduce_copy_n<T: Elem, Op: RedFn<T>, const NS: usize, const ND: usize>
             if NS > 3 {
                 fold_packs::<T, Op>(args, &mut v, s[3], i, stride);
             }
-            for u in 0..UNROLL {
+            crate::unroll::each(UNROLL, #[cfg_attr(target_arch = "nvptx64", inline(always))] |u| {
                 let r = if div != 0 { div_pack::<T>(v[u], div) } else { v[u] };
                 store((i + u as u64 * stride) as usize, r);
-            }
+            });
             i += UNROLL as u64 * stride;
         }
         while i < npacks {
