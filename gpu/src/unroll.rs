@@ -5,7 +5,8 @@
 //! instead of registers. The kernels' short loops over a pack's words, a pack's lanes and a
 //! batch's lines go through these helpers so that every index is a constant, whatever the size
 //! of the body (the fp8 and 16-bit operators, the LL128 line batch). The closures they call are
-//! marked `inline(always)` on the GPU, so nothing is outlined either.
+//! marked `inline(always)` on the GPU, so nothing is outlined either. The collectives test
+//! `kernels::kernels_keep_no_array_in_local_memory` fails when any kernel's PTX keeps one.
 
 /// The most iterations [`each`] writes out.
 pub const MAX: usize = 16;
