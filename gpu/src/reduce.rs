@@ -71,8 +71,7 @@ fn lanes<T: Elem>(a: Pack, b: Pack, f: impl Fn(T, T) -> T) -> Pack {
     let pa = &a as *const Pack as *const T;
     let pb = &b as *const Pack as *const T;
     let pr = &mut r as *mut Pack as *mut T;
-    unroll::each(
-        T::PER_PACK,
+    unroll::each_lane::<T>(
         #[cfg_attr(target_arch = "nvptx64", inline(always))]
         |i| {
             // SAFETY: a Pack is 16 bytes, 16-aligned, and T::PER_PACK * size_of::<T>() == 16.

@@ -175,7 +175,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
         let flag_part = p == LL128_LINE_PARTS - 1;
         loop {
             let mut stale = false;
-            unroll::each(UNROLL, #[cfg_attr(target_arch = "nvptx64", inline(always))] |u| {
+            unroll::each::<UNROLL>(#[cfg_attr(target_arch = "nvptx64", inline(always))] |u| {
                 if active[u] {
                     // SAFETY: the part lies inside the receive slot, 16-byte aligned.
                     let (a, b) = unsafe { arch::load_volatile_v2_u64(lines[u].add(2 * p as usize)) };
@@ -320,7 +320,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
         // Active lines lie inside the receive slot (inactive ones are not read).
         let at = |slot: *mut u64| {
             let mut a = [core::ptr::null::<u64>(); UNROLL];
-            unroll::each(UNROLL, #[cfg_attr(target_arch = "nvptx64", inline(always))] |u| {
+            unroll::each::<UNROLL>(#[cfg_attr(target_arch = "nvptx64", inline(always))] |u| {
                 a[u] = slot.wrapping_add(line[u] as usize * line_words);
             });
             a
@@ -334,7 +334,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
             if !self.read_batch(&at(slots[i]), flags[i], active, &mut w2) {
                 return false;
             }
-            unroll::each(UNROLL, #[cfg_attr(target_arch = "nvptx64", inline(always))] |u| {
+            unroll::each::<UNROLL>(#[cfg_attr(target_arch = "nvptx64", inline(always))] |u| {
                 for q in 0..PARTS {
                     let v = Op::apply_pack(&self.op_args, words_pack(&w[u], q), words_pack(&w2[u], q));
                     pack_words(&mut w[u], q, v);
@@ -413,7 +413,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
                 let mut line = [0u64; UNROLL];
                 let mut active = [false; UNROLL];
                 let mut src_w = [[0u64; 2 * PARTS]; UNROLL];
-                unroll::each(UNROLL, #[cfg_attr(target_arch = "nvptx64", inline(always))] |u| {
+                unroll::each::<UNROLL>(#[cfg_attr(target_arch = "nvptx64", inline(always))] |u| {
                     line[u] = lanes.group + (j + u as u64) * lanes.stride;
                     active[u] = line[u] < nlines;
                     if SRC && active[u] {
@@ -437,7 +437,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
                 if aborted {
                     break;
                 }
-                unroll::each(UNROLL, #[cfg_attr(target_arch = "nvptx64", inline(always))] |u| {
+                unroll::each::<UNROLL>(#[cfg_attr(target_arch = "nvptx64", inline(always))] |u| {
                     if active[u] {
                         for i in 0..PARTS {
                             let (off, lo_b, hi_b) = part_bytes(line[u], lanes.part0 + i as u64, nbytes);

@@ -452,11 +452,11 @@ unsafe fn fold_packs<T: Elem, Op: RedFn<T>>(
 ) {
     let p = p as *const Pack;
     let mut w = [Pack::default(); UNROLL];
-    crate::unroll::each(UNROLL, #[cfg_attr(target_arch = "nvptx64", inline(always))] |u| {
+    crate::unroll::each::<UNROLL>(#[cfg_attr(target_arch = "nvptx64", inline(always))] |u| {
         // SAFETY: caller contract.
         w[u] = unsafe { load_src(p.add((i + u as u64 * stride) as usize)) };
     });
-    crate::unroll::each(UNROLL, #[cfg_attr(target_arch = "nvptx64", inline(always))] |u| {
+    crate::unroll::each::<UNROLL>(#[cfg_attr(target_arch = "nvptx64", inline(always))] |u| {
         v[u] = Op::apply_pack(args, v[u], w[u]);
     });
 }
@@ -526,7 +526,7 @@ unsafe fn reduce_copy_n<T: Elem, Op: RedFn<T>, const NS: usize, const ND: usize>
         };
         while i + (UNROLL as u64 - 1) * stride < npacks {
             let mut v = [Pack::default(); UNROLL];
-            crate::unroll::each(UNROLL, #[cfg_attr(target_arch = "nvptx64", inline(always))] |u| {
+            crate::unroll::each::<UNROLL>(#[cfg_attr(target_arch = "nvptx64", inline(always))] |u| {
                 v[u] = load_src((s[0] as *const Pack).add((i + u as u64 * stride) as usize));
                 if pre0 {
                     v[u] = pre_pack::<T, Op>(v[u], args);
@@ -541,7 +541,7 @@ unsafe fn reduce_copy_n<T: Elem, Op: RedFn<T>, const NS: usize, const ND: usize>
             if NS > 3 {
                 fold_packs::<T, Op>(args, &mut v, s[3], i, stride);
             }
-            crate::unroll::each(UNROLL, #[cfg_attr(target_arch = "nvptx64", inline(always))] |u| {
+            crate::unroll::each::<UNROLL>(#[cfg_attr(target_arch = "nvptx64", inline(always))] |u| {
                 let r = if div != 0 { div_pack::<T>(v[u], div) } else { v[u] };
                 store((i + u as u64 * stride) as usize, r);
             });
