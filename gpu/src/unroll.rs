@@ -27,6 +27,7 @@ pub fn each<const N: usize>(mut f: impl FnMut(usize)) {
 /// [`each`] over the `16 / size_of::<T>()` lanes of a 16-byte pack of `T` (1, 2, 4 or 8 bytes).
 #[inline(always)]
 pub fn each_lane<T>(f: impl FnMut(usize)) {
+    const { assert!(matches!(core::mem::size_of::<T>(), 1 | 2 | 4 | 8), "a pack holds lanes of 1, 2, 4 or 8 bytes") };
     match core::mem::size_of::<T>() {
         1 => each::<16>(f),
         2 => each::<8>(f),

@@ -309,13 +309,18 @@ pub(crate) enum NotReady {
 pub(crate) fn lookup(comm: ncclComm_t) -> std::result::Result<Arc<Live>, std::result::Result<NotReady, Error>> {
     let id = id_of(comm).map_err(Err)?;
     let reg = registry();
-    let hit = RECENT.with(|r| {
-        let r = r.borrow();
-        if r.epoch != reg.epoch.load(Ordering::Acquire) {
-            return None;
-        }
-        r.live.iter().find(|(h, _)| *h == id).and_then(|(_, l)| l.upgrade())
-    });
+    // `try_with`: a call from a destructor run after this thread's locals were torn down (at
+    // thread or process exit) takes the locked path instead of panicking.
+    let hit = RECENT
+        .try_with(|r| {
+            let r = r.borrow();
+            if r.epoch != reg.epoch.load(Ordering::Acquire) {
+                return None;
+            }
+            r.live.iter().find(|(h, _)| *h == id).and_then(|(_, l)| l.upgrade())
+        })
+        .ok()
+        .flatten();
     if let Some(l) = hit {
         return Ok(l);
     }
@@ -323,7 +328,8 @@ pub(crate) fn lookup(comm: ncclComm_t) -> std::result::Result<Arc<Live>, std::re
     let epoch = reg.epoch.load(Ordering::Acquire);
     match slots.get(&id) {
         Some(Slot::Ready(l)) => {
-            RECENT.with(|r| {
+            // Nothing to remember once this thread's locals are gone (`try_with`).
+            let _ = RECENT.try_with(|r| {
                 let mut r = r.borrow_mut();
                 if r.epoch != epoch || r.live.len() == RECENT_HANDLES {
                     r.epoch = epoch;

@@ -436,9 +436,9 @@ pub struct CheckDesc {
     pub board: u64,
     /// Host-visible [`CheckReport`] followed by `nranks` signatures: written only on a mismatch.
     pub report: u64,
-    /// The call number whose check this rank finished last (written by the checking block),
-    /// with [`CHECK_HALTED`] set when that check stopped on an abort: the call's other blocks
-    /// wait for it.
+    /// The call number whose check this rank finished last, with [`CHECK_HALTED`] set when
+    /// that check stopped on an abort: written by the checking block only when other blocks of
+    /// its launch wait for the verdict (a launch of several blocks), which they do on this.
     pub done: u64,
 }
 
