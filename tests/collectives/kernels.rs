@@ -177,6 +177,19 @@ fn parse(ptx: &str) -> Module {
     m
 }
 
+/// Every embedded kernel module's PTX; fails when none is embedded (a build with
+/// `OXCCL_SKIP_PTX`) or one could not be read (`kernels::all` skips a module that does not
+/// inflate), so the scans below never pass on nothing.
+fn embedded_modules() -> Vec<(&'static str, String)> {
+    let modules = oxccl::kernels::all();
+    assert!(
+        !modules.is_empty(),
+        "no PTX modules embedded (built with OXCCL_SKIP_PTX?)"
+    );
+    assert_eq!(modules.len(), oxccl::kernels::PTX_MODULES.len(), "modules that could not be read");
+    modules
+}
+
 #[test]
 fn every_all_reduce_kernel_has_a_module() {
     let modules = oxccl::kernels::all();
@@ -234,11 +247,7 @@ fn every_all_reduce_kernel_has_a_module() {
 
 #[test]
 fn modules_are_self_contained_single_kernels() {
-    let modules = oxccl::kernels::all();
-    assert!(
-        !modules.is_empty(),
-        "no PTX modules embedded (built with OXCCL_SKIP_PTX?)"
-    );
+    let modules = embedded_modules();
     let all_names: BTreeSet<&str> = modules.iter().map(|(n, _)| *n).collect();
     let parsed: BTreeMap<&str, Module> = modules.iter().map(|(n, ptx)| (*n, parse(ptx))).collect();
     // Every function defined anywhere: a module naming one must define it itself.
@@ -391,11 +400,7 @@ fn is_aligned_barrier(op: &str) -> bool {
 /// non-aligned `barrier.sync` stays correct under any such duplication.
 #[test]
 fn kernels_use_only_non_aligned_barriers() {
-    let modules = oxccl::kernels::all();
-    assert!(
-        !modules.is_empty(),
-        "no PTX modules embedded (built with OXCCL_SKIP_PTX?)"
-    );
+    let modules = embedded_modules();
     let mut bad = Vec::new();
     let mut barriers = 0usize;
     for (name, ptx) in &modules {
@@ -463,13 +468,7 @@ fn local_array_detection() {
 
 #[test]
 fn kernels_keep_no_array_in_local_memory() {
-    let modules = oxccl::kernels::all();
-    assert!(
-        !modules.is_empty(),
-        "no PTX modules embedded (built with OXCCL_SKIP_PTX?)"
-    );
-    // Every embedded module was read (`all` skips one that does not inflate).
-    assert_eq!(modules.len(), oxccl::kernels::PTX_MODULES.len(), "modules that could not be read");
+    let modules = embedded_modules();
     let bad: Vec<String> = modules
         .iter()
         .filter(|(_, ptx)| keeps_local_array(ptx))
@@ -501,11 +500,7 @@ fn kernels_keep_no_array_in_local_memory() {
 /// Only core's panic handlers (unreachable in practice) may be called.
 #[test]
 fn kernels_call_nothing_but_panic_handlers() {
-    let modules = oxccl::kernels::all();
-    assert!(
-        !modules.is_empty(),
-        "no PTX modules embedded (built with OXCCL_SKIP_PTX?)"
-    );
+    let modules = embedded_modules();
     let mut bad = Vec::new();
     let mut panics = 0usize;
     for (name, ptx) in &modules {
