@@ -31,7 +31,10 @@ tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
 # OXCCL_PTX_TIMES=FILE appends each step's wall time to FILE (build-time measurements).
 t0=$(date +%s.%N)
 step() { [[ -n "${OXCCL_PTX_TIMES:-}" ]] || return 0; local t; t=$(date +%s.%N); awk -v a="$t" -v b="$t0" -v s="$1" 'BEGIN { printf "%s %.1f s\n", s, a - b }' >> "$OXCCL_PTX_TIMES"; t0=$t; }
-link=("$bin/llvm-link" "${objs[@]}")
+# llvm-link's --only-needed holds for every file after the first, so the crate's own objects
+# (one per codegen unit when rustc does no LTO) are joined first, whole.
+"$bin/llvm-link" "${objs[@]}" -o "$tmp/crate.bc"
+link=("$bin/llvm-link" "$tmp/crate.bc")
 i=0
 for r in "${rlibs[@]}"; do
   d="$tmp/rlib$i"; i=$((i+1)); mkdir -p "$d"

@@ -388,54 +388,6 @@ impl<T: Elem, Op: RedFn<T>, const UP: bool> TreeSimple<T, Op, UP> {
     }
 }
 
-/// [`reduce_copy_n`] over the first `nsrc` of `srcs` and the first `ndst` of `dsts` (1 to 4 each),
-/// dispatched once to the monomorphised copy; nothing happens without a source or a destination.
-///
-/// # Safety
-/// As [`reduce_copy_n`] for the pointers in use.
-#[allow(clippy::too_many_arguments)]
-#[cfg_attr(target_arch = "nvptx64", inline(always))]
-unsafe fn reduce_copy_fan<T: Elem, Op: RedFn<T>>(
-    tid: u32,
-    nthreads: u32,
-    srcs: [*const u8; 4],
-    nsrc: usize,
-    dsts: [*mut u8; 4],
-    ndst: usize,
-    n: u64,
-    div: u32,
-    pre0: bool,
-    args: &OpArgs,
-) {
-    macro_rules! arms {
-        ($(($s:literal, $d:literal)),*) => {
-            match (nsrc, ndst) {
-                // SAFETY: forwarded caller contract for exactly these counts.
-                $(($s, $d) => unsafe { reduce_copy_n::<T, Op, $s, $d>(tid, nthreads, srcs, dsts, n, div, pre0, args) },)*
-                _ => {}
-            }
-        };
-    }
-    arms!(
-        (1, 1),
-        (1, 2),
-        (1, 3),
-        (1, 4),
-        (2, 1),
-        (2, 2),
-        (2, 3),
-        (2, 4),
-        (3, 1),
-        (3, 2),
-        (3, 3),
-        (3, 4),
-        (4, 1),
-        (4, 2),
-        (4, 3),
-        (4, 4)
-    );
-}
-
 /// Folds `p`'s packs `i + u·stride` (u < UNROLL) into `v` with `Op`.
 ///
 /// # Safety
@@ -461,45 +413,56 @@ unsafe fn fold_packs<T: Elem, Op: RedFn<T>>(
     });
 }
 
-/// `d = s[0] ⊕ s[1] ⊕ … (/ div)` into each of the `ND` destinations, from the `NS` sources, over
-/// `n` elements spread over `nthreads` threads: 16-byte packs (`UNROLL` in flight per thread) when
-/// every pointer is 16-byte aligned, then element by element (NCCL's `reduceCopy` with several
-/// sources and destinations). `div == 0` means no post-division; `pre0`: the first source is this
-/// rank's input, which PreMulSum scales by `args.scalar` first.
+/// `d = s[0] ⊕ s[1] ⊕ … (/ div)` into each of the first `nd` destinations of `d`, from the first
+/// `ns` sources of `s` (1 to 4 each; nothing happens for other counts), over `n` elements spread
+/// over `nthreads` threads: 16-byte packs (`UNROLL` in flight per thread) when every pointer in
+/// use is 16-byte aligned, then element by element (NCCL's `reduceCopy` with several sources and
+/// destinations). `div == 0` means no post-division; `pre0`: the first source is this rank's
+/// input, which PreMulSum scales by `args.scalar` first.
+///
+/// The counts are run-time values, tested once per group of packs (the same for every thread):
+/// one copy of the loops serves every fan, where a copy per (sources, destinations) pair made
+/// the tree's Simple kernels of the software-converted types (fp8) take half a minute each to
+/// compile.
 ///
 /// # Safety
-/// The first `NS` sources and `ND` destinations are valid for `n` elements of `T`; a destination
+/// The first `ns` sources and `nd` destinations are valid for `n` elements of `T`; a destination
 /// overlaps no source except exactly (in place).
-#[allow(clippy::needless_range_loop)]
+#[allow(clippy::too_many_arguments)]
 #[cfg_attr(target_arch = "nvptx64", inline(always))]
-unsafe fn reduce_copy_n<T: Elem, Op: RedFn<T>, const NS: usize, const ND: usize>(
+unsafe fn reduce_copy_fan<T: Elem, Op: RedFn<T>>(
     tid: u32,
     nthreads: u32,
     s: [*const u8; 4],
+    ns: usize,
     d: [*mut u8; 4],
+    nd: usize,
     n: u64,
     div: u32,
     pre0: bool,
     args: &OpArgs,
 ) {
+    if !(1..=4).contains(&ns) || !(1..=4).contains(&nd) {
+        return;
+    }
     let esize = core::mem::size_of::<T>() as u64;
     let mut addrs = s[0] as u64 | d[0] as u64;
-    if NS > 1 {
+    if ns > 1 {
         addrs |= s[1] as u64;
     }
-    if NS > 2 {
+    if ns > 2 {
         addrs |= s[2] as u64;
     }
-    if NS > 3 {
+    if ns > 3 {
         addrs |= s[3] as u64;
     }
-    if ND > 1 {
+    if nd > 1 {
         addrs |= d[1] as u64;
     }
-    if ND > 2 {
+    if nd > 2 {
         addrs |= d[2] as u64;
     }
-    if ND > 3 {
+    if nd > 3 {
         addrs |= d[3] as u64;
     }
     let npacks = if addrs.is_multiple_of(PACK_BYTES) {
@@ -514,13 +477,13 @@ unsafe fn reduce_copy_n<T: Elem, Op: RedFn<T>, const NS: usize, const ND: usize>
     unsafe {
         let store = |k: usize, v: Pack| {
             arch::store_v4((d[0] as *mut Pack).add(k), v);
-            if ND > 1 {
+            if nd > 1 {
                 arch::store_v4((d[1] as *mut Pack).add(k), v);
             }
-            if ND > 2 {
+            if nd > 2 {
                 arch::store_v4((d[2] as *mut Pack).add(k), v);
             }
-            if ND > 3 {
+            if nd > 3 {
                 arch::store_v4((d[3] as *mut Pack).add(k), v);
             }
         };
@@ -532,13 +495,13 @@ unsafe fn reduce_copy_n<T: Elem, Op: RedFn<T>, const NS: usize, const ND: usize>
                     v[u] = pre_pack::<T, Op>(v[u], args);
                 }
             });
-            if NS > 1 {
+            if ns > 1 {
                 fold_packs::<T, Op>(args, &mut v, s[1], i, stride);
             }
-            if NS > 2 {
+            if ns > 2 {
                 fold_packs::<T, Op>(args, &mut v, s[2], i, stride);
             }
-            if NS > 3 {
+            if ns > 3 {
                 fold_packs::<T, Op>(args, &mut v, s[3], i, stride);
             }
             crate::unroll::each::<UNROLL>(#[cfg_attr(target_arch = "nvptx64", inline(always))] |u| {
@@ -553,13 +516,13 @@ unsafe fn reduce_copy_n<T: Elem, Op: RedFn<T>, const NS: usize, const ND: usize>
             if pre0 {
                 v = pre_pack::<T, Op>(v, args);
             }
-            if NS > 1 {
+            if ns > 1 {
                 v = Op::apply_pack(args, v, load_src((s[1] as *const Pack).add(k)));
             }
-            if NS > 2 {
+            if ns > 2 {
                 v = Op::apply_pack(args, v, load_src((s[2] as *const Pack).add(k)));
             }
-            if NS > 3 {
+            if ns > 3 {
                 v = Op::apply_pack(args, v, load_src((s[3] as *const Pack).add(k)));
             }
             if div != 0 {
@@ -575,26 +538,26 @@ unsafe fn reduce_copy_n<T: Elem, Op: RedFn<T>, const NS: usize, const ND: usize>
             if pre0 {
                 r = pre_elem::<T, Op>(r, args);
             }
-            if NS > 1 {
+            if ns > 1 {
                 r = Op::apply(args, r, read_src((s[1] as *const T).add(k)));
             }
-            if NS > 2 {
+            if ns > 2 {
                 r = Op::apply(args, r, read_src((s[2] as *const T).add(k)));
             }
-            if NS > 3 {
+            if ns > 3 {
                 r = Op::apply(args, r, read_src((s[3] as *const T).add(k)));
             }
             if div != 0 {
                 r = T::div(r, div);
             }
             (d[0] as *mut T).add(k).write(r);
-            if ND > 1 {
+            if nd > 1 {
                 (d[1] as *mut T).add(k).write(r);
             }
-            if ND > 2 {
+            if nd > 2 {
                 (d[2] as *mut T).add(k).write(r);
             }
-            if ND > 3 {
+            if nd > 3 {
                 (d[3] as *mut T).add(k).write(r);
             }
             e += stride;
