@@ -11,10 +11,11 @@
 /// The most iterations [`each`] writes out.
 pub const MAX: usize = 16;
 
-/// `f(0)`, `f(1)`, …, `f(N - 1)`, one call after another with constant arguments; `N` is at
-/// most [`MAX`]. A const parameter, so the calls past `N` are dead in each instance before
-/// LLVM inlines `f` into them (with a run-time count, `f` was inlined sixteen times everywhere
-/// and pruned only after, which made the nvptx build 45 % slower).
+/// `f(0)`, `f(1)`, …, `f(N - 1)`; `N` is at most [`MAX`]. On the GPU one call after another
+/// with constant arguments. A const parameter, so the calls past `N` are dead in each instance
+/// before LLVM inlines `f` into them (with a run-time count, `f` was inlined sixteen times
+/// everywhere and pruned only after, which made the nvptx build 45 % slower).
+#[cfg(target_arch = "nvptx64")]
 #[inline(always)]
 pub fn each<const N: usize>(mut f: impl FnMut(usize)) {
     const { assert!(N <= MAX, "unroll::each writes out at most MAX iterations") };
@@ -22,6 +23,15 @@ pub fn each<const N: usize>(mut f: impl FnMut(usize)) {
         ($($i:literal)*) => { $( if $i < N { f($i); } )* };
     }
     calls!(0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15);
+}
+
+/// `f(0)`, `f(1)`, …, `f(N - 1)`; `N` is at most [`MAX`]. The host's arrays need no constant
+/// indices, so the CPU target compiles a plain loop (and leaves unrolling to LLVM).
+#[cfg(not(target_arch = "nvptx64"))]
+#[inline(always)]
+pub fn each<const N: usize>(f: impl FnMut(usize)) {
+    const { assert!(N <= MAX, "unroll::each writes out at most MAX iterations") };
+    (0..N).for_each(f)
 }
 
 /// [`each`] over the `16 / size_of::<T>()` lanes of a 16-byte pack of `T` (1, 2, 4 or 8 bytes).

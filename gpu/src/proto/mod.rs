@@ -6,25 +6,6 @@
 //! (output). A verb moves `n` elements through as many FIFO steps as it needs; sender and receiver
 //! compute the same steps from the same `n`.
 
-/// Calls `f(0)`, …, `f(N - 1)`. On the GPU as straight-line code, whatever the body's size:
-/// each call's index is a constant, so the arrays of packs it indexes stay in registers (a loop
-/// that LLVM's unroller declines indexes them at run time, in local memory). `N` ≤ 16.
-#[cfg(target_arch = "nvptx64")]
-#[inline(always)]
-pub(crate) fn unrolled<const N: usize>(mut f: impl FnMut(usize)) {
-    const { assert!(N <= 16, "unrolled: at most 16 steps") };
-    macro_rules! steps {
-        ($($i:literal)*) => {$( if $i < N { f($i) } )*};
-    }
-    steps!(0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15);
-}
-
-/// Calls `f(0)`, …, `f(N - 1)` (the host compiles a plain loop).
-#[cfg(not(target_arch = "nvptx64"))]
-pub(crate) fn unrolled<const N: usize>(f: impl FnMut(usize)) {
-    (0..N).for_each(f)
-}
-
 pub mod fan;
 pub mod ll;
 pub mod ll128;

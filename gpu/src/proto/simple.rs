@@ -10,7 +10,7 @@
 //! loads with `ld.volatile` (never a stale L1 line) on the reader, whose freeing of a slot needs no
 //! fence — NCCL's `prims_simple.h` ordering; the build knob [`VOLATILE_SYNC`] restores a
 //! `fence.acq_rel.sys` after the flag load (the CPU target always has it).
-use super::{Primitives, unrolled};
+use super::Primitives;
 use crate::abi::{ConnInfo, DevChannel, FIFO_STEPS, PACK_BYTES, SPINS_BEFORE_CHECK_ABORT};
 use crate::arch::{self, Pack};
 use crate::reduce::{Elem, OpArgs, RedFn, div_pack, pre_elem, pre_pack};
@@ -724,11 +724,11 @@ pub(crate) unsafe fn reduce_copy<T: Elem, Op: RedFn<T>, const TWO_SRC: bool, con
         while i + (UNROLL as u32 - 1) * stride < end {
             let mut v = [Pack::default(); UNROLL];
             let mut w = [Pack::default(); UNROLL];
-            unrolled::<UNROLL>(|u| v[u] = load_src(ps0.add((i + u as u32 * stride) as usize)));
+            crate::unroll::each::<UNROLL>(|u| v[u] = load_src(ps0.add((i + u as u32 * stride) as usize)));
             if TWO_SRC {
-                unrolled::<UNROLL>(|u| w[u] = load_src(ps1.add((i + u as u32 * stride) as usize)));
+                crate::unroll::each::<UNROLL>(|u| w[u] = load_src(ps1.add((i + u as u32 * stride) as usize)));
             }
-            unrolled::<UNROLL>(
+            crate::unroll::each::<UNROLL>(
                 #[cfg_attr(target_arch = "nvptx64", inline(always))]
                 |u| {
                     let r = op(v[u], w[u]);
