@@ -22,6 +22,9 @@
 //! every protocol. A call whose entry is not built fails with an
 //! error naming the entry and the variable. Unset or empty: everything (what CI builds).
 use std::fmt::Write as _;
+// Included by the no_std crate for its unit tests (`src/lib.rs`): std's prelude by name there.
+#[cfg(test)]
+use std::{format, println, string::String, string::ToString, vec, vec::Vec};
 
 /// (ABI variant, NCCL name, Rust type, short name).
 const DTYPES: [(&str, &str, &str, &str); 12] = [
@@ -38,6 +41,16 @@ const DTYPES: [(&str, &str, &str, &str); 12] = [
     ("F8E4M3", "f8e4m3", "F8E4M3", "e4m3"),
     ("F8E5M2", "f8e5m2", "F8E5M2", "e5m2"),
 ];
+/// Bytes per element of the type whose ABI variant is `variant` (a [`DTYPES`] entry's first field).
+fn dtype_bytes(variant: &str) -> usize {
+    match variant {
+        "I8" | "U8" | "F8E4M3" | "F8E5M2" => 1,
+        "F16" | "Bf16" => 2,
+        "I32" | "U32" | "F32" => 4,
+        _ => 8,
+    }
+}
+
 /// (`KernelOp` variant, name, operator type, the call operators the entry runs).
 const OPS: [(&str, &str, &str, &[&str]); 2] = [
     ("Sum", "sum", "FuncSum", &["sum", "avg"]),
@@ -57,8 +70,10 @@ struct Row {
 }
 
 impl Row {
-    /// The words a pattern of `OXCCL_ONLY_FUNCS` may name: the row's fields, and the call
-    /// operators its entry runs (`max` names the `any` entries).
+    /// The words a pattern of `OXCCL_ONLY_FUNCS` may name: the row's fields, the call
+    /// operators its entry runs (`max` names the `any` entries) and, for the collectives that
+    /// only move bytes (Broadcast, AllGather: one entry per element size), every call type of
+    /// that size (`broadcast int32` names the `uint32` entry a Broadcast of int32 runs).
     fn fields(&self) -> Vec<String> {
         let mut f = vec![
             self.func.to_ascii_lowercase(),
@@ -69,6 +84,11 @@ impl Row {
             self.op.1.to_string(),
         ];
         f.extend(self.op.3.iter().map(|o| o.to_string()));
+        if matches!(self.func, "Broadcast" | "AllGather") {
+            for d in DTYPES.iter().filter(|d| dtype_bytes(d.0) == dtype_bytes(self.dtype.0)) {
+                f.extend([d.1.to_string(), d.3.to_string()]);
+            }
+        }
         f
     }
 }
@@ -204,5 +224,41 @@ fn main() {
         if std::fs::read_to_string(&path).ok().as_deref() != Some(text.as_str()) {
             std::fs::write(&path, text).expect("write the kernel entry table");
         }
+    }
+}
+
+// Run as `oxccl-gpu`'s unit tests (`src/lib.rs` includes this file under `cfg(test)`).
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The names of the entries `only` keeps.
+    fn kept(only: &str) -> Vec<String> {
+        rows().into_iter().filter(|r| keep(r, Some(only))).map(|r| r.name).collect()
+    }
+
+    #[test]
+    fn a_call_type_names_the_byte_moving_entry_of_its_size() {
+        assert_eq!(
+            kept("broadcast int32"),
+            ["oxccl_broadcast_ll_uint32_sum", "oxccl_broadcast_ll128_uint32_sum", "oxccl_broadcast_simple_uint32_sum"]
+        );
+        assert_eq!(kept("allgather ll bfloat16"), ["oxccl_allgather_ll_half_sum"]);
+        assert_eq!(kept("broadcast simple f64"), ["oxccl_broadcast_simple_uint64_sum"]);
+        assert_eq!(kept("allgather ll128 f8e4m3"), ["oxccl_allgather_ll128_uint8_sum"]);
+    }
+
+    #[test]
+    fn reducing_entries_keep_their_own_types_and_operators() {
+        // A reduction of int32 runs its own entry, never uint32's.
+        assert_eq!(kept("allreduce ring simple int32 sum"), ["oxccl_allreduce_simple_int32_sum"]);
+        assert_eq!(kept("reduce ll float max"), ["oxccl_reduce_ll_float_any"]);
+        assert_eq!(kept("reducescatter ll128 half avg"), ["oxccl_reducescatter_ll128_half_sum"]);
+        // Several patterns: the union, in table order.
+        assert_eq!(
+            kept("broadcast ll int64 | allreduce tree ll uint32 sum"),
+            ["oxccl_allreduce_tree_ll_uint32_sum", "oxccl_broadcast_ll_uint64_sum"]
+        );
+        assert!(kept("allreduce nosuchtype").is_empty());
     }
 }

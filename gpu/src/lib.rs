@@ -36,3 +36,10 @@ pub mod unroll;
 
 #[cfg(target_arch = "nvptx64")]
 mod kernels;
+
+// The kernel entry table's generator (`OXCCL_ONLY_FUNCS` filter included), whose unit tests run
+// with this crate's.
+#[cfg(test)]
+#[allow(dead_code)]
+#[path = "../build.rs"]
+mod build_script;
