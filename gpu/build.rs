@@ -17,7 +17,8 @@
 //! `OXCCL_ONLY_FUNCS` (like NCCL's `ONLY_FUNCS`) keeps only the rows that match, for a fast local
 //! edit loop: a `|`- or `,`-separated list of patterns, each a list of space-separated words that
 //! must all name one of the row's fields (collective, `ring`/`tree`, `ll`/`ll128`/`simple`, type,
-//! operator; case-insensitive; `f32`-style type names work too). E.g.
+//! operator; case-insensitive; `f32`-style type names work too; for Broadcast and AllGather any
+//! call type of the entry's element size, `broadcast int32` naming the `uint32` entry). E.g.
 //! `OXCCL_ONLY_FUNCS="allreduce float sum"` builds the ring and tree float-sum AllReduce only, on
 //! every protocol. A call whose entry is not built fails with an
 //! error naming the entry and the variable. Unset or empty: everything (what CI builds).
@@ -26,30 +27,22 @@ use std::fmt::Write as _;
 #[cfg(test)]
 use std::{format, println, string::String, string::ToString, vec, vec::Vec};
 
-/// (ABI variant, NCCL name, Rust type, short name).
-const DTYPES: [(&str, &str, &str, &str); 12] = [
-    ("I8", "int8", "i8", "i8"),
-    ("U8", "uint8", "u8", "u8"),
-    ("I32", "int32", "i32", "i32"),
-    ("U32", "uint32", "u32", "u32"),
-    ("I64", "int64", "i64", "i64"),
-    ("U64", "uint64", "u64", "u64"),
-    ("F16", "half", "f16", "f16"),
-    ("F32", "float", "f32", "f32"),
-    ("F64", "double", "f64", "f64"),
-    ("Bf16", "bfloat16", "bf16", "bf16"),
-    ("F8E4M3", "f8e4m3", "F8E4M3", "e4m3"),
-    ("F8E5M2", "f8e5m2", "F8E5M2", "e5m2"),
+/// (ABI variant, NCCL name, Rust type, short name, bytes per element).
+type Dtype = (&'static str, &'static str, &'static str, &'static str, usize);
+const DTYPES: [Dtype; 12] = [
+    ("I8", "int8", "i8", "i8", 1),
+    ("U8", "uint8", "u8", "u8", 1),
+    ("I32", "int32", "i32", "i32", 4),
+    ("U32", "uint32", "u32", "u32", 4),
+    ("I64", "int64", "i64", "i64", 8),
+    ("U64", "uint64", "u64", "u64", 8),
+    ("F16", "half", "f16", "f16", 2),
+    ("F32", "float", "f32", "f32", 4),
+    ("F64", "double", "f64", "f64", 8),
+    ("Bf16", "bfloat16", "bf16", "bf16", 2),
+    ("F8E4M3", "f8e4m3", "F8E4M3", "e4m3", 1),
+    ("F8E5M2", "f8e5m2", "F8E5M2", "e5m2", 1),
 ];
-/// Bytes per element of the type whose ABI variant is `variant` (a [`DTYPES`] entry's first field).
-fn dtype_bytes(variant: &str) -> usize {
-    match variant {
-        "I8" | "U8" | "F8E4M3" | "F8E5M2" => 1,
-        "F16" | "Bf16" => 2,
-        "I32" | "U32" | "F32" => 4,
-        _ => 8,
-    }
-}
 
 /// (`KernelOp` variant, name, operator type, the call operators the entry runs).
 const OPS: [(&str, &str, &str, &[&str]); 2] = [
@@ -65,7 +58,7 @@ struct Row {
     func: &'static str,
     algo: &'static str,
     proto: (&'static str, &'static str),
-    dtype: (&'static str, &'static str, &'static str, &'static str),
+    dtype: Dtype,
     op: (&'static str, &'static str, &'static str, &'static [&'static str]),
 }
 
@@ -85,7 +78,7 @@ impl Row {
         ];
         f.extend(self.op.3.iter().map(|o| o.to_string()));
         if matches!(self.func, "Broadcast" | "AllGather") {
-            for d in DTYPES.iter().filter(|d| dtype_bytes(d.0) == dtype_bytes(self.dtype.0)) {
+            for d in DTYPES.iter().filter(|d| d.4 == self.dtype.4) {
                 f.extend([d.1.to_string(), d.3.to_string()]);
             }
         }
