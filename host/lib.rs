@@ -115,14 +115,38 @@ pub mod kernels {
     }
 
     /// The error for a call whose kernel entry `name` this build does not have: the kernel
-    /// entry table was filtered by `OXCCL_ONLY_FUNCS` when it was built, or the PTX was skipped
-    /// (`OXCCL_SKIP_PTX`).
+    /// entry table was filtered by `OXCCL_ONLY_FUNCS` when it was built (the message then gives
+    /// the pattern that adds the entry), or the PTX was skipped (`OXCCL_SKIP_PTX`).
     pub fn not_built(name: &str) -> crate::Error {
-        crate::Error::InvalidUsage(format!(
-            "kernel {name} is not in this build: it was built with OXCCL_ONLY_FUNCS={:?} \
-             (rebuild without OXCCL_ONLY_FUNCS for every kernel) or with OXCCL_SKIP_PTX",
-            option_env!("OXCCL_ONLY_FUNCS").unwrap_or("")
-        ))
+        not_built_with(name, option_env!("OXCCL_ONLY_FUNCS").unwrap_or(""))
+    }
+
+    /// [`not_built`] for a build whose `OXCCL_ONLY_FUNCS` was `only`.
+    fn not_built_with(name: &str, only: &str) -> crate::Error {
+        let how = match filter_words(name) {
+            Some(words) if !only.trim().is_empty() => format!(
+                "it was built with OXCCL_ONLY_FUNCS={only:?}; add the pattern \"{words}\" to it \
+                 (OXCCL_ONLY_FUNCS=\"{}|{words}\"), or rebuild without it for every kernel",
+                only.trim()
+            ),
+            _ => "it was built with OXCCL_SKIP_PTX (no GPU kernels) or OXCCL_ONLY_FUNCS; rebuild \
+                  without them for every kernel"
+                .to_string(),
+        };
+        crate::Error::InvalidUsage(format!("kernel {name} is not in this build: {how}"))
+    }
+
+    /// The `OXCCL_ONLY_FUNCS` pattern that names exactly the collective entry `name`
+    /// (`oxccl_<func>[_tree]_<protocol>_<type>_<operator>`, as `gpu/build.rs` names them):
+    /// `"<func> ring|tree <protocol> <type> <operator>"`; `None` for the other kernels (the
+    /// check and point-to-point kernels, which every build holds).
+    fn filter_words(name: &str) -> Option<String> {
+        let parts: Vec<&str> = name.strip_prefix("oxccl_")?.split('_').collect();
+        match parts.as_slice() {
+            [func, "tree", proto, dtype, op] => Some(format!("{func} tree {proto} {dtype} {op}")),
+            [func, proto, dtype, op] => Some(format!("{func} ring {proto} {dtype} {op}")),
+            _ => None,
+        }
     }
 
     /// Every kernel entry point with its PTX text.
@@ -131,6 +155,37 @@ pub mod kernels {
             .iter()
             .filter_map(|(n, _)| module(n).map(|m| (*n, m)))
             .collect()
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::{filter_words, not_built_with};
+
+        #[test]
+        fn a_filtered_build_names_the_pattern_that_adds_the_missing_entry() {
+            let e = not_built_with("oxccl_broadcast_ll_uint32_sum", " allreduce float sum ").to_string();
+            assert!(e.contains("kernel oxccl_broadcast_ll_uint32_sum is not in this build"), "{e}");
+            assert!(e.contains("add the pattern \"broadcast ring ll uint32 sum\""), "{e}");
+            assert!(e.contains("OXCCL_ONLY_FUNCS=\"allreduce float sum|broadcast ring ll uint32 sum\""), "{e}");
+            let e = not_built_with("oxccl_allreduce_tree_ll128_half_any", "float").to_string();
+            assert!(e.contains("\"allreduce tree ll128 half any\""), "{e}");
+            // Not filtered (the PTX was skipped), or not a collective entry: no pattern.
+            for (name, only) in [("oxccl_allreduce_ll_float_sum", ""), ("oxccl_check_call", "float")] {
+                let e = not_built_with(name, only).to_string();
+                assert!(e.contains("OXCCL_SKIP_PTX") && !e.contains("add the pattern"), "{e}");
+            }
+        }
+
+        #[test]
+        fn every_entry_of_the_table_has_its_pattern() {
+            // The table as built (every entry in CI): each name's pattern spells the name.
+            for e in oxccl_gpu::dispatch::ENTRIES {
+                let words = filter_words(e.name).unwrap_or_else(|| panic!("{}: no pattern", e.name));
+                let w: Vec<&str> = words.split(' ').collect();
+                let tree = if w[1] == "tree" { "_tree" } else { "" };
+                assert_eq!(format!("oxccl_{}{tree}_{}_{}_{}", w[0], w[2], w[3], w[4]), e.name);
+            }
+        }
     }
 }
 
