@@ -237,9 +237,9 @@ struct PerfArgs {
     #[arg(long, value_name = "LIST")]
     algo: Option<String>,
     /// Issue each iteration's collectives of this process's ranks as one group (oxccl's
-    /// `group::launch_collectives`, what a group's end runs), as the NCCL backend always does
-    /// with ncclGroupStart/ncclGroupEnd: with `--compare nccl` and oxccl's libnccl.so.2, the
-    /// two sides then differ only by the C entry points. Point-to-point operations are always
+    /// `group_start`, the calls, `group_end`), as the NCCL backend always does with
+    /// ncclGroupStart/ncclGroupEnd: with `--compare nccl` and oxccl's libnccl.so.2, the two
+    /// sides then differ only by the C entry points. Point-to-point operations are always
     /// issued as one group.
     #[arg(long)]
     group: bool,

@@ -369,10 +369,11 @@ impl Comm {
                 Capture::AtLaunch,
             ))?;
             let (send_bytes, _) = self.buffer_bytes(func, count, dtype)?;
-            let mut ranges = vec![(send, send_bytes), (recv, recv_bytes)];
+            // The buffers, and a device-resident PreMulSum scalar (none: NULL, not held).
+            let mut ranges = [(send, send_bytes), (recv, recv_bytes), (0, 0)];
             let op = match op {
                 ReduceOp::PreMulSumDevice(s) => {
-                    ranges.push((s.addr(), dtype.size() as u64));
+                    ranges[2] = (s.addr(), dtype.size() as u64);
                     // SAFETY: checked by `checked_call` (this device, one element); the group
                     // holds it until its end has queued the call, the caller's contract after.
                     ReduceOp::PreMulSumDevice(unsafe { DevSlice::from_raw(s.addr(), s.len(), s.device()) })
@@ -470,27 +471,9 @@ impl Comm {
     }
 
     /// The checks [`Comm::collective_raw`] makes before it queues anything — arguments, stream,
-    /// the communicator's state — without queuing the call: for a caller that issues it later
-    /// (the C library defers a group's collectives to the group's end, as NCCL does) and wants
-    /// argument errors at the call. The same errors as `collective_raw`'s checks, except those
-    /// of the stream's capture state, which the launch reads (as NCCL's group end does).
-    #[allow(clippy::too_many_arguments)]
-    pub fn check_collective(
-        &self,
-        func: Func,
-        send: u64,
-        recv: u64,
-        count: usize,
-        dtype: DataType,
-        op: &ReduceOp<'_>,
-        root: usize,
-        stream: &Stream,
-    ) -> Result<()> {
-        self.checked_call(func, send, recv, count, dtype, op, root, stream, Capture::AtLaunch)
-            .map(drop)
-    }
-
-    /// [`Comm::check_collective`]; returns the kernel's operator, its scalar operand and flags
+    /// the communicator's state; with [`Capture::AtLaunch`] (a call queued in a group) all but
+    /// the stream's capture state, which the launch reads (as NCCL's group end does). Returns
+    /// the kernel's operator, its scalar operand and flags
     /// ([`Comm::check_op`]), the receive buffer's bytes and whether the stream is capturing
     /// (with [`Capture::Now`]; `false` with [`Capture::AtLaunch`]).
     #[allow(clippy::too_many_arguments)]

@@ -37,17 +37,21 @@ fn held() -> std::sync::MutexGuard<'static, Held> {
     HELD.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Holds `addr..addr + bytes` for `group` until [`release`] (nothing for 0 bytes).
-pub(crate) fn hold(group: u64, addr: u64, bytes: u64) {
-    if bytes == 0 {
+/// Holds each range `(addr, bytes)` of `ranges` for `group` until [`release`] (nothing for a
+/// NULL address or 0 bytes); one lock for all of them.
+pub(crate) fn hold(group: u64, ranges: &[(u64, u64)]) {
+    let mut held_ranges = ranges.iter().filter(|&&(addr, bytes)| addr != 0 && bytes != 0).peekable();
+    if held_ranges.peek().is_none() {
         return;
     }
     let mut h = held();
-    h.ranges.push(Range {
-        group,
-        lo: addr,
-        hi: addr.saturating_add(bytes),
-    });
+    for &(addr, bytes) in held_ranges {
+        h.ranges.push(Range {
+            group,
+            lo: addr,
+            hi: addr.saturating_add(bytes),
+        });
+    }
     NRANGES.store(h.ranges.len(), Ordering::Release);
 }
 
@@ -124,8 +128,8 @@ mod tests {
         let b = Device::Cpu(0).alloc(4096).unwrap();
         let (a_addr, b_addr) = (a.slice(0, 1).unwrap().addr, b.slice(0, 1).unwrap().addr);
         // The last byte of `a` held by g1; nothing of `b` (a range ending at its start).
-        hold(g1, a_addr + 4095, 1);
-        hold(g2, b_addr - 16, 16);
+        hold(g1, &[(a_addr + 4095, 1)]);
+        hold(g2, &[(b_addr - 16, 16)]);
         drop(b);
         drop(a);
         // Other tests' groups may hold and park meanwhile: only these two groups are looked at.

@@ -124,18 +124,6 @@ pub fn group_start() -> Result<()> {
 /// with the rank itself differ in size (the smaller size is copied); launch errors (every call
 /// is still attempted: the peers wait for each).
 pub fn group_end() -> Result<()> {
-    group_end_then(|| Ok(()))
-}
-
-/// [`group_end`], running `before_launch` at the outermost end after the group's sends and
-/// receives are planned and its queued collectives launched, before any send or receive is
-/// launched — not at all when planning fails
-/// (too many blocks for a launch, a self-send without its receive…), so work the caller
-/// launches there (the C library's collectives of the group) is never half of a group that
-/// fails. The sends and receives are launched whatever `before_launch` returns (the peers'
-/// wait for them); the group's error is the first of the inits', `before_launch`'s and the
-/// launch's. At an inner end `before_launch` does not run.
-pub fn group_end_then(before_launch: impl FnOnce() -> Result<()>) -> Result<()> {
     // Held until the queued calls are launched (or refused): buffers dropped inside the group
     // are freed after that.
     let (outermost, inits, ended, _held) = end_level_outermost("group_end")?;
@@ -150,8 +138,9 @@ pub fn group_end_then(before_launch: impl FnOnce() -> Result<()>) -> Result<()> 
         // holds them (`held.rs`) until `_held` is dropped, after these launches; raw addresses
         // are the caller's to keep valid ([`crate::Comm::collective_raw`]'s contract).
         let own = unsafe { launch_collectives(tasks) };
-        let before = before_launch();
-        own.and(before).and(launch_planned(planned))
+        // The sends and receives are launched whatever the collectives' launch returned: the
+        // peers wait for them.
+        own.and(launch_planned(planned))
     });
     // The communicators' handles go after the launches: a communicator dropped inside the
     // group is torn down here, once its queued work is launched.
@@ -160,33 +149,56 @@ pub fn group_end_then(before_launch: impl FnOnce() -> Result<()>) -> Result<()> 
 }
 
 /// Ends the innermost group of this thread as [`group_end`] does, except that the outermost end
-/// launches nothing: the sends and receives queued in the group are dropped, unrun (NCCL's
-/// `ncclGroupSimulateEnd`, which plans a group to estimate its time and discards it; the C
-/// library adds the estimate). The communicators of the group's [`init_rank`] calls are
-/// created. Errors: as [`group_end`]'s for the inits; InvalidUsage without a matching
-/// [`group_start`].
-pub fn simulate_end() -> Result<()> {
-    end_dropping("simulate_end", "simulated group end")
+/// launches nothing: the collectives, sends and receives queued in the group are dropped, unrun
+/// (NCCL's `ncclGroupSimulateEnd`, which plans a group to estimate its time and discards it).
+/// The communicators of the group's [`init_rank`] calls are created.
+///
+/// Returns, at the outermost end, the tuning model's time of the group's collectives in
+/// microseconds ([`crate::Comm::predict_us`]): per communicator the sum of its calls, the
+/// largest over the group's communicators (the ranks of a group run at once, so one thread
+/// driving N ranks of one collective gets one collective's time), 0 when there are none;
+/// `None` at an inner end. Errors: as [`group_end`]'s for the inits, else a call's model
+/// error; InvalidUsage without a matching [`group_start`].
+pub fn simulate_end() -> Result<Option<f64>> {
+    let (outermost, inits, ended, held) = end_level_outermost("simulate_end")?;
+    let estimate = outermost.then(|| estimate_us(&ended.collectives)).transpose();
+    drop_unrun(ended, "simulated group end");
+    drop(held);
+    let inited = init::run(inits);
+    let estimate = estimate?;
+    inited.map(|()| estimate)
+}
+
+/// The model's time of `colls` in µs, as [`simulate_end`] reports it.
+fn estimate_us(colls: &[QueuedColl]) -> Result<f64> {
+    let mut per_comm: Vec<(&crate::Comm, f64)> = Vec::new();
+    for c in colls {
+        let t = c.comm.predict_us(c.func, c.count, c.dtype)?;
+        match per_comm.iter_mut().find(|(comm, _)| comm.same_rank(&c.comm)) {
+            Some((_, sum)) => *sum += t,
+            None => per_comm.push((&c.comm, t)),
+        }
+    }
+    Ok(per_comm.iter().map(|&(_, t)| t).fold(0.0, f64::max))
 }
 
 /// Ends the innermost group of this thread as [`simulate_end`] does (nothing launched, the
-/// queued sends and receives dropped, the inits carried out), for a group that must not run: one
-/// of whose calls was refused (the C library's `ncclGroupEnd` fails such a group whole, as NCCL
-/// does). Errors: as [`simulate_end`]'s.
+/// queued calls dropped, the inits carried out), for a group that must not run: one of whose
+/// calls was refused (the C library's `ncclGroupEnd` fails such a group whole, as NCCL does).
+/// Errors: as [`group_end`]'s for the inits; InvalidUsage without a matching [`group_start`].
 pub fn abandon_end() -> Result<()> {
-    end_dropping("abandon_end", "group with a refused call")
+    let (_, inits, ended, held) = end_level_outermost("abandon_end")?;
+    drop_unrun(ended, "group with a refused call");
+    drop(held);
+    init::run(inits)
 }
 
-/// [`simulate_end`] and [`abandon_end`]: `what` names the call, `why` the log's reason.
-fn end_dropping(what: &str, why: &str) -> Result<()> {
-    let (_, inits, ended, held) = end_level_outermost(what)?;
+/// Drops a group's queued calls unrun (`why`: the log's reason).
+fn drop_unrun(ended: Ended, why: &str) {
     let calls = ended.queued.len() + ended.collectives.len();
     if calls > 0 {
         tracing::debug!(target: "oxccl::group", calls, "{why}: its calls are dropped");
     }
-    drop(ended);
-    drop(held);
-    init::run(inits)
 }
 
 /// The queued calls of an outermost group's end.
@@ -275,9 +287,7 @@ pub(crate) fn defer_collective(q: QueuedColl, ranges: &[(u64, u64)]) -> Option<Q
         if g.depth == 0 {
             return Some(q);
         }
-        for &(addr, bytes) in ranges.iter().filter(|(addr, _)| *addr != 0) {
-            held::hold(g.id, addr, bytes);
-        }
+        held::hold(g.id, ranges);
         g.collectives.push(q);
         None
     })
@@ -290,7 +300,7 @@ pub(crate) fn enqueue(q: Queued) -> Result<()> {
         if g.depth == 0 {
             Some(q)
         } else {
-            held::hold(g.id, q.op.buff, q.op.bytes);
+            held::hold(g.id, &[(q.op.buff, q.op.bytes)]);
             g.queued.push(q);
             None
         }

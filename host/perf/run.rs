@@ -26,9 +26,9 @@ pub struct PerfConfig {
     pub iters: usize,
     /// Verification runs per size and placement (0 = none; `#wrong` then prints N/A).
     pub check: usize,
-    /// oxccl: issue each iteration's calls of the local ranks as one group
-    /// ([`crate::group::launch_collectives`]), as the NCCL backend always does; else one call
-    /// after the other.
+    /// oxccl: issue each iteration's calls of the local ranks as one group ([`crate::group_start`],
+    /// the calls, [`crate::group_end`]), as the NCCL backend always does with
+    /// ncclGroupStart/ncclGroupEnd; else one call after the other.
     pub group: bool,
 }
 
@@ -76,39 +76,28 @@ impl Backend {
     ) -> Result<()> {
         let (func, dtype, op) = (cfg.func, cfg.dtype, cfg.op);
         match self {
-            Backend::Oxccl(comms) if cfg.group => {
-                let calls = comms
-                    .iter()
-                    .enumerate()
-                    .map(|(r, c)| {
-                        let (send, recv) = call_addrs(func, &bufs[r], ranks[r], count, dtype, in_place);
-                        crate::group::CollTask {
-                            comm: c,
-                            func,
-                            send,
-                            recv,
-                            count,
-                            dtype,
-                            op: op.into(),
-                            root: ROOT,
-                            stream: &streams[r],
-                        }
-                    })
-                    .collect();
-                // SAFETY: every rank's buffers hold the sweep's largest message (nccl-tests' S
-                // bytes, covering nranks × count for AllGather/ReduceScatter) on its device and
-                // stay alive until the synchronize that follows the iteration.
-                unsafe { crate::group::launch_collectives(calls) }
-            }
             Backend::Oxccl(comms) => {
+                if cfg.group {
+                    crate::group_start()?;
+                }
+                let mut res = Ok(());
                 for (r, c) in comms.iter().enumerate() {
                     let (send, recv) = call_addrs(func, &bufs[r], ranks[r], count, dtype, in_place);
                     // SAFETY: the buffers hold the sweep's largest message (nccl-tests' S bytes,
                     // which covers nranks × count for AllGather/ReduceScatter) on rank r's device
                     // and stay alive until the synchronize that follows.
-                    unsafe { c.collective_raw(func, send, recv, count, dtype, op, ROOT, &streams[r])? };
+                    res = unsafe { c.collective_raw(func, send, recv, count, dtype, op, ROOT, &streams[r]) };
+                    if res.is_err() {
+                        break;
+                    }
                 }
-                Ok(())
+                if cfg.group {
+                    // After a refused call none of the group runs: its peers' calls alone
+                    // would wait for it.
+                    let ended = if res.is_ok() { crate::group_end() } else { crate::group::abandon_end() };
+                    res = res.and(ended);
+                }
+                res
             }
             Backend::Nccl(n) => {
                 NcclComms::group_start()?;

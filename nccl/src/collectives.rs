@@ -1,6 +1,7 @@
 //! The collectives and point-to-point calls (NCCL's `collectives.cc`): AllReduce, Broadcast
 //! (and the in-place `ncclBcast`), Reduce, AllGather and ReduceScatter through oxccl's
-//! `Comm::collective_raw` (inside a group: checked at the call, launched at the group's end); Send and Recv through `send_raw`/`recv_raw`; AlltoAll, Gather and
+//! `Comm::collective_raw` (inside a group: checked at the call, queued in oxccl's group and
+//! launched at its end); Send and Recv through `send_raw`/`recv_raw`; AlltoAll, Gather and
 //! Scatter as a group of those (NCCL 2.28 builds them the same way). oxccl checks the buffers,
 //! root, operator and stream of each call and names what is wrong; this layer checks the C
 //! arguments (handle, type, operator value, negative ranks) first.
@@ -95,25 +96,10 @@ unsafe fn collective_now(
     // SAFETY: the caller's contract.
     let stream = unsafe { live.stream(stream) };
     let (send, recv) = (send as u64, recv as u64);
-    if oxccl::group::group_depth() > 0 {
-        // Inside a group NCCL launches a collective at the group's end: checked now, queued
-        // until then (`group.rs`). The check makes no driver call, so the caller's context is
-        // left alone without being noted (the end notes and restores it).
-        live.comm.check_collective(func, send, recv, count, dtype, &op, root, &stream)?;
-        crate::group::defer_collective(crate::group::DeferredColl {
-            live,
-            func,
-            send,
-            recv,
-            count,
-            dtype,
-            op,
-            root,
-            stream,
-        });
-        return Ok(());
-    }
-    let _keep = KeepCurrent::new();
+    // Inside a group oxccl checks the call now and queues it until the group's outermost end
+    // (NCCL launches a group's work at its end), which makes no driver call: the caller's
+    // context is left alone without being noted (the end notes and restores it).
+    let _keep = (oxccl::group::group_depth() == 0).then(KeepCurrent::new);
     // SAFETY: the caller's contract (NCCL's: valid device buffers of the documented sizes).
     unsafe { live.comm.collective_raw(func, send, recv, count, dtype, op, root, &stream) }
 }

@@ -52,24 +52,6 @@ use std::cell::RefCell;
 use std::ffi::c_int;
 use std::sync::Arc;
 
-/// A collective issued inside a group, checked ([`oxccl::Comm::check_collective`]), for the
-/// group's end.
-pub(crate) struct DeferredColl {
-    pub(crate) live: Arc<Live>,
-    pub(crate) func: oxccl::Func,
-    pub(crate) send: u64,
-    pub(crate) recv: u64,
-    pub(crate) count: usize,
-    pub(crate) dtype: oxccl::DataType,
-    pub(crate) op: oxccl::ReduceOp<'static>,
-    pub(crate) root: usize,
-    pub(crate) stream: oxccl::Stream,
-}
-
-thread_local! {
-    static COLLS: RefCell<Vec<DeferredColl>> = const { RefCell::new(Vec::new()) };
-}
-
 thread_local! {
     /// The first error of a call refused inside this thread's group (module docs).
     static REFUSED: RefCell<Option<Error>> = const { RefCell::new(None) };
@@ -87,34 +69,6 @@ pub(crate) fn noting_refusal(call: impl FnOnce() -> Result<()>) -> Result<()> {
         });
     }
     r
-}
-
-/// Queues a checked collective for the end of this thread's group.
-pub(crate) fn defer_collective(d: DeferredColl) {
-    COLLS.with(|c| c.borrow_mut().push(d));
-}
-
-/// Launches a group's collectives ([`oxccl::group::launch_collectives`]: each communicator's in
-/// the order issued, consecutive ones of one kernel entry sharing a launch); every one is
-/// launched (other ranks wait for them) and the first error is returned.
-fn run_collectives(colls: Vec<DeferredColl>) -> Result<()> {
-    let calls = colls
-        .iter()
-        .map(|d| oxccl::group::CollTask {
-            comm: &d.live.comm,
-            func: d.func,
-            send: d.send,
-            recv: d.recv,
-            count: d.count,
-            dtype: d.dtype,
-            op: d.op.clone(),
-            root: d.root,
-            stream: &d.stream,
-        })
-        .collect();
-    // SAFETY: the caller of each collective promised its buffers until its work has run
-    // (NCCL's contract), which starts now.
-    unsafe { oxccl::group::launch_collectives(calls) }
 }
 
 /// An init issued inside a group: its handle and oxccl's pending communicator.
@@ -267,17 +221,13 @@ fn publish(inits: Vec<Deferred>) {
 /// `ncclGroupEnd`: at the outermost end, the deferred inits, then oxccl's group end (the queued
 /// sends and receives).
 fn group_end() -> Result<()> {
-    let Some((inits, splits, colls)) = end_level("ncclGroupEnd")? else {
+    let Some((inits, splits)) = end_level("ncclGroupEnd")? else {
         return oxccl::group_end();
     };
     let _keep = KeepCurrent::new();
     let split = if splits.is_empty() { Ok(()) } else { run_splits(splits) };
     if let Some(refused) = REFUSED.with(|f| f.borrow_mut().take()) {
         // A call of the group was refused: none of its work runs (module docs).
-        if !colls.is_empty() {
-            tracing::debug!(target: "oxccl::nccl", collectives = colls.len(), "group with a refused call: its collectives are dropped");
-        }
-        drop(colls);
         let ended = oxccl::group::abandon_end();
         publish(inits);
         // The inits' and splits' own failures reach their handles; the group's error is the
@@ -287,61 +237,41 @@ fn group_end() -> Result<()> {
         }
         return Err(refused);
     }
-    // The collectives launch once the group's sends and receives are planned, so a group whose
-    // planning fails (too many blocks for one launch…) runs none of its work.
-    let ended = oxccl::group::group_end_then(|| run_collectives(colls));
+    // oxccl's end launches the group's collectives (queued there by the calls) once its sends
+    // and receives are planned, so a group whose planning fails runs none of its work.
+    let ended = oxccl::group_end();
     publish(inits);
     split.and(ended)
 }
 
-/// What the outermost end of this thread's group takes: its inits, splits and shrinks, and
-/// collectives (`None` at an inner end). `InvalidUsage` naming `what` outside a group.
-#[allow(clippy::type_complexity)]
-fn end_level(what: &str) -> Result<Option<(Vec<Deferred>, Vec<DeferredSplit>, Vec<DeferredColl>)>> {
+/// What the outermost end of this thread's group takes: its inits, and its splits and shrinks
+/// (`None` at an inner end). `InvalidUsage` naming `what` outside a group.
+fn end_level(what: &str) -> Result<Option<(Vec<Deferred>, Vec<DeferredSplit>)>> {
     match oxccl::group::group_depth() {
         0 => Err(Error::InvalidUsage(format!("{what} without a matching ncclGroupStart on this thread"))),
         1 => Ok(Some((
             DEFERRED.with(|d| std::mem::take(&mut *d.borrow_mut())),
             SPLITS.with(|d| std::mem::take(&mut *d.borrow_mut())),
-            COLLS.with(|d| std::mem::take(&mut *d.borrow_mut())),
         ))),
         _ => Ok(None),
     }
 }
 
 /// `ncclGroupSimulateEnd` after its argument's checks: at the outermost end, the model's time of
-/// the group's collectives, which are dropped with its sends and receives (its inits, splits and
-/// shrinks are carried out); `None` at an inner end.
+/// the group's collectives ([`oxccl::group::simulate_end`]), which are dropped with its sends and
+/// receives (its inits, splits and shrinks are carried out); `None` at an inner end.
 fn simulate_end() -> Result<Option<f64>> {
-    let Some((inits, splits, colls)) = end_level("ncclGroupSimulateEnd")? else {
+    let Some((inits, splits)) = end_level("ncclGroupSimulateEnd")? else {
         oxccl::group::simulate_end()?;
         return Ok(None);
     };
     let _keep = KeepCurrent::new();
-    // Per communicator (rank) the sum of its calls; the ranks of a group run in parallel, so
-    // the group takes as long as its slowest one.
-    let mut per_comm: Vec<(u64, f64)> = Vec::new();
-    let mut estimate = Ok(());
-    for d in &colls {
-        match d.live.comm.predict_us(d.func, d.count, d.dtype) {
-            Ok(t) => match per_comm.iter_mut().find(|(id, _)| *id == d.live.id) {
-                Some((_, sum)) => *sum += t,
-                None => per_comm.push((d.live.id, t)),
-            },
-            Err(e) => {
-                estimate = Err(e);
-                break;
-            }
-        }
-    }
-    let estimate = estimate.map(|()| per_comm.iter().map(|&(_, t)| t).fold(0.0, f64::max));
-    drop(colls);
     REFUSED.with(|f| f.borrow_mut().take());
     let split = if splits.is_empty() { Ok(()) } else { run_splits(splits) };
     let ended = oxccl::group::simulate_end();
     publish(inits);
-    split.and(ended)?;
-    estimate.map(Some)
+    split?;
+    ended
 }
 
 nccl_api! {
