@@ -49,6 +49,17 @@ pub(crate) fn check(r: CUresult, call: &'static str) -> Result<()> {
 
 /// The driver, initialised once. Errors with [`Error::NoCuda`] when `libcuda.so.1` is absent.
 pub fn driver() -> Result<()> {
+    driver_state().clone().map_err(Error::NoCuda)
+}
+
+/// Whether the CUDA driver is loaded and initialized ([`driver`] without building its error:
+/// for the checks of every call).
+pub fn has_driver() -> bool {
+    driver_state().is_ok()
+}
+
+/// The driver's load and `cuInit`, once per process: its error's text when it failed.
+fn driver_state() -> &'static std::result::Result<(), String> {
     static INIT: OnceLock<std::result::Result<(), String>> = OnceLock::new();
     INIT.get_or_init(|| {
         // SAFETY: only probes for the shared library.
@@ -57,13 +68,11 @@ pub fn driver() -> Result<()> {
         }
         cu!(cuInit(0)).map_err(|e| e.to_string())
     })
-    .clone()
-    .map_err(Error::NoCuda)
 }
 
 /// Number of visible CUDA devices; 0 when there is no driver.
 pub fn device_count() -> usize {
-    if driver().is_err() {
+    if !has_driver() {
         return 0;
     }
     let mut n = 0i32;

@@ -44,7 +44,7 @@ pub(crate) struct KeepCurrent {
 impl KeepCurrent {
     /// Notes the current context.
     pub(crate) fn new() -> KeepCurrent {
-        if oxccl::cuda::driver().is_err() {
+        if !oxccl::cuda::has_driver() {
             return KeepCurrent { saved: None };
         }
         let mut ctx = std::ptr::null_mut();
