@@ -93,15 +93,14 @@ unsafe fn collective_now(
         None => oxccl::RedOp::Sum.into(),
     };
     let root = if matches!(func, Func::Broadcast | Func::Reduce) { non_negative("root", root)? } else { 0 };
-    // SAFETY: the caller's contract.
-    let stream = unsafe { live.stream(stream) };
     let (send, recv) = (send as u64, recv as u64);
     // Inside a group oxccl checks the call now and queues it until the group's outermost end
     // (NCCL launches a group's work at its end), which makes no driver call: the caller's
     // context is left alone without being noted (the end notes and restores it).
     let _keep = (oxccl::group::group_depth() == 0).then(KeepCurrent::new);
-    // SAFETY: the caller's contract (NCCL's: valid device buffers of the documented sizes).
-    unsafe { live.comm.collective_raw(func, send, recv, count, dtype, op, root, &stream) }
+    // SAFETY: the caller's contract (NCCL's: valid device buffers of the documented sizes, a
+    // stream of the rank's device).
+    unsafe { live.with_stream(stream, |s| live.comm.collective_raw(func, send, recv, count, dtype, op, root, s)) }
 }
 
 /// Runs `f` (sends and receives) as one group inside the caller's (if any): the first error of
@@ -241,10 +240,9 @@ nccl_api! {
             let dtype = data_type(datatype)?;
             let peer = non_negative("peer", peer)?;
             let _keep = KeepCurrent::new();
-            // SAFETY: the caller's contract.
-            let stream = unsafe { live.stream(stream) };
-            // SAFETY: the caller's contract: `count` elements at `sendbuff` until the send has run.
-            unsafe { live.comm.send_raw(sendbuff as u64, count, dtype, peer, &stream) }
+            // SAFETY: the caller's contract: `count` elements at `sendbuff` until the send has run, a
+            // stream of the rank's device.
+            unsafe { live.with_stream(stream, |s| live.comm.send_raw(sendbuff as u64, count, dtype, peer, s)) }
         })
     }
 
@@ -262,10 +260,9 @@ nccl_api! {
             let dtype = data_type(datatype)?;
             let peer = non_negative("peer", peer)?;
             let _keep = KeepCurrent::new();
-            // SAFETY: the caller's contract.
-            let stream = unsafe { live.stream(stream) };
-            // SAFETY: the caller's contract: `count` elements at `recvbuff` until the receive has run.
-            unsafe { live.comm.recv_raw(recvbuff as u64, count, dtype, peer, &stream) }
+            // SAFETY: the caller's contract: `count` elements at `recvbuff` until the receive has run, a
+            // stream of the rank's device.
+            unsafe { live.with_stream(stream, |s| live.comm.recv_raw(recvbuff as u64, count, dtype, peer, s)) }
         })
     }
 
@@ -297,18 +294,20 @@ nccl_api! {
                 )));
             }
             let _keep = KeepCurrent::new();
-            // SAFETY: the caller's contract.
-            let stream = unsafe { live.stream(stream) };
-            grouped(|| {
-                for p in 0..n {
-                    // SAFETY: the caller's contract: `n × count` elements in each buffer.
-                    unsafe {
-                        live.comm.send_raw(block(send, p, bytes)?, count, dtype, p, &stream)?;
-                        live.comm.recv_raw(block(recv, p, bytes)?, count, dtype, p, &stream)?;
+            let run = |stream: &oxccl::Stream| {
+                grouped(|| {
+                    for p in 0..n {
+                        // SAFETY: the caller's contract: `n × count` elements in each buffer.
+                        unsafe {
+                            live.comm.send_raw(block(send, p, bytes)?, count, dtype, p, stream)?;
+                            live.comm.recv_raw(block(recv, p, bytes)?, count, dtype, p, stream)?;
+                        }
                     }
-                }
-                Ok(())
-            })
+                    Ok(())
+                })
+            };
+            // SAFETY: the caller's contract (a stream of the rank's device).
+            unsafe { live.with_stream(stream, run) }
         })
     }
 
@@ -340,21 +339,23 @@ nccl_api! {
                 needed("recvbuff (on the root)", recv, bytes)?;
             }
             let _keep = KeepCurrent::new();
-            // SAFETY: the caller's contract.
-            let stream = unsafe { live.stream(stream) };
-            grouped(|| {
-                // SAFETY: the caller's contract: `count` elements at `sendbuff`, `n × count` at the
-                // root's `recvbuff`.
-                unsafe {
-                    live.comm.send_raw(send, count, dtype, root, &stream)?;
-                    if me == root {
-                        for p in 0..n {
-                            live.comm.recv_raw(block(recv, p, bytes)?, count, dtype, p, &stream)?;
+            let run = |stream: &oxccl::Stream| {
+                grouped(|| {
+                    // SAFETY: the caller's contract: `count` elements at `sendbuff`, `n × count` at the
+                    // root's `recvbuff`.
+                    unsafe {
+                        live.comm.send_raw(send, count, dtype, root, stream)?;
+                        if me == root {
+                            for p in 0..n {
+                                live.comm.recv_raw(block(recv, p, bytes)?, count, dtype, p, stream)?;
+                            }
                         }
                     }
-                }
-                Ok(())
-            })
+                    Ok(())
+                })
+            };
+            // SAFETY: the caller's contract (a stream of the rank's device).
+            unsafe { live.with_stream(stream, run) }
         })
     }
 
@@ -386,21 +387,23 @@ nccl_api! {
                 needed("sendbuff (on the root)", send, bytes)?;
             }
             let _keep = KeepCurrent::new();
-            // SAFETY: the caller's contract.
-            let stream = unsafe { live.stream(stream) };
-            grouped(|| {
-                // SAFETY: the caller's contract: `n × count` elements at the root's `sendbuff`,
-                // `count` at `recvbuff`.
-                unsafe {
-                    if me == root {
-                        for p in 0..n {
-                            live.comm.send_raw(block(send, p, bytes)?, count, dtype, p, &stream)?;
+            let run = |stream: &oxccl::Stream| {
+                grouped(|| {
+                    // SAFETY: the caller's contract: `n × count` elements at the root's `sendbuff`,
+                    // `count` at `recvbuff`.
+                    unsafe {
+                        if me == root {
+                            for p in 0..n {
+                                live.comm.send_raw(block(send, p, bytes)?, count, dtype, p, stream)?;
+                            }
                         }
+                        live.comm.recv_raw(recv, count, dtype, root, stream)?;
                     }
-                    live.comm.recv_raw(recv, count, dtype, root, &stream)?;
-                }
-                Ok(())
-            })
+                    Ok(())
+                })
+            };
+            // SAFETY: the caller's contract (a stream of the rank's device).
+            unsafe { live.with_stream(stream, run) }
         })
     }
 }

@@ -23,7 +23,7 @@
 //! `ncclCommGetAsyncError`. Ranks of an `init_all` (`ncclCommInitAll`, or a group holding every
 //! rank of an id) have no barrier and need no clique.
 use crate::types::{ncclComm, ncclComm_t, ncclResult_t};
-use oxccl::cpu::CpuStream;
+use std::cell::RefCell;
 use oxccl::{Comm, DataType, Device, Error, Result, Scalar, Stream};
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
@@ -34,7 +34,8 @@ use std::time::{Duration, Instant};
 /// Where a rank's work runs: its device's context, or (test hook) a CPU-target stream of its own.
 pub(crate) enum Target {
     Cuda(Arc<oxccl::cuda::Context>),
-    Cpu(Arc<CpuStream>),
+    /// The rank's own CPU stream (a [`Stream::Cpu`]).
+    Cpu(Stream),
 }
 
 impl Target {
@@ -43,7 +44,7 @@ impl Target {
         Ok(match device {
             Device::Cuda(o) => Target::Cuda(oxccl::cuda::Context::get(o)?),
             Device::Cpu(_) => match device.new_stream()? {
-                Stream::Cpu(s) => Target::Cpu(s),
+                s @ Stream::Cpu(_) => Target::Cpu(s),
                 Stream::Cuda(_) => return Err(Error::Internal("a CPU-target device gave a CUDA stream".into())),
             },
         })
@@ -95,18 +96,42 @@ impl Live {
         }
     }
 
-    /// The stream of a call: the caller's `cudaStream_t` on the rank's device (NULL: the
-    /// legacy default stream), or the rank's own CPU stream (the argument is ignored there).
+    /// Runs `f` with the stream of a call: the caller's `cudaStream_t` on the rank's device
+    /// (NULL: the legacy default stream), or the rank's own CPU stream (the argument is ignored
+    /// there). A CUDA stream is kept per thread for the next calls on the same handle (`STREAMS`),
+    /// so a call borrows it instead of building its own.
     ///
     /// # Safety
-    /// `raw` is NULL or a stream of the rank's device, valid until the work queued on it with
-    /// the returned value was launched (for sends and receives in a group: the group's end).
-    pub(crate) unsafe fn stream(&self, raw: *mut std::ffi::c_void) -> Stream {
-        match &self.target {
-            // SAFETY: the caller's contract.
-            Target::Cuda(ctx) => Stream::Cuda(unsafe { oxccl::cuda::Stream::from_raw(ctx, raw.cast()) }),
-            Target::Cpu(s) => Stream::Cpu(s.clone()),
+    /// `raw` is NULL or a stream of the rank's device, valid until the work `f` queues on it was
+    /// launched (for calls in a group: the group's end).
+    pub(crate) unsafe fn with_stream<R>(&self, raw: *mut std::ffi::c_void, f: impl FnOnce(&Stream) -> R) -> R {
+        let ctx = match &self.target {
+            Target::Cpu(s) => return f(s),
+            Target::Cuda(ctx) => ctx,
+        };
+        let key = (Arc::as_ptr(ctx) as usize, raw as usize);
+        // A stream is only a raw handle and its context: a handle the caller destroyed and the
+        // driver gave out again names the same stream value, so the cache never goes stale.
+        // SAFETY (both): the caller's contract.
+        let make = || Stream::Cuda(unsafe { oxccl::cuda::Stream::from_raw(ctx, raw.cast()) });
+        // This thread's locals are gone (a call from a destructor at thread exit): no cache.
+        if STREAMS.try_with(|_| ()).is_err() {
+            return f(&make());
         }
+        STREAMS.with(|c| match c.try_borrow_mut() {
+            Ok(mut c) => {
+                if let Some(i) = c.iter().position(|(k, _)| *k == key) {
+                    // The most recent first: a thread's calls mostly reuse a stream or two.
+                    c[..=i].rotate_right(1);
+                } else {
+                    c.truncate(RECENT_STREAMS - 1);
+                    c.insert(0, (key, make()));
+                }
+                f(&c[0].1)
+            }
+            // A call inside a call's borrow (none does so today): its own stream.
+            Err(_) => f(&make()),
+        })
     }
 
     /// `InvalidUsage` once finalize was asked for.
@@ -220,6 +245,14 @@ struct Recent {
 
 /// How many handles [`Recent`] keeps per thread (a thread driving the GPUs of a node).
 const RECENT_HANDLES: usize = 16;
+
+/// The streams [`Live::with_stream`] keeps per thread.
+const RECENT_STREAMS: usize = 8;
+
+thread_local! {
+    /// This thread's recent CUDA streams, most recent first: ((context, raw handle), stream).
+    static STREAMS: RefCell<Vec<((usize, usize), Stream)>> = const { RefCell::new(Vec::new()) };
+}
 
 thread_local! {
     static RECENT: std::cell::RefCell<Recent> = const {
