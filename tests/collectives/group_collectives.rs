@@ -13,7 +13,7 @@ use crate::common;
 
 use super::group_scope::{data, floats, guarded, input, untouched};
 use common::env::Env;
-use oxccl::{Comm, DataType, Device, DeviceBuffer, Error, RedOp, Stream};
+use oxccl::{Comm, DataType, Device, DeviceBuffer, Error, Func, RedOp, Stream};
 
 const VARS: &[&str] = &["PROTO", "CHECK_CALLS", "NCHANNELS_PER_PEER", "P2P_DISABLE", "SHM_DISABLE"];
 
@@ -163,8 +163,8 @@ fn a_collective_refused_inside_a_group_fails_at_the_call_and_the_rest_runs() {
 
 /// A group whose sends and receives need more thread blocks than a launch holds fails at its
 /// end naming the limit, and none of it runs: its AllReduces, queued before, leave their outputs
-/// untouched. A simulated end drops a group's collectives the same way. The communicators stay
-/// usable.
+/// untouched. A simulated end drops a group's collectives the same way, and estimates their
+/// time with the tuning model. The communicators stay usable.
 #[test]
 fn a_group_that_cannot_launch_or_is_simulated_runs_none_of_its_collectives() {
     let env = Env::clean(VARS);
@@ -197,7 +197,18 @@ fn a_group_that_cannot_launch_or_is_simulated_runs_none_of_its_collectives() {
     assert!(m.contains("more than the 128") && m.contains("nothing was launched"), "{m}");
     oxccl::group_start().unwrap();
     all_reduces();
-    oxccl::group::simulate_end().unwrap();
+    // The estimate is the model's time of one rank's call: every rank issued one, and the
+    // ranks of a group run at once.
+    let one = comms[0].predict_us(Func::AllReduce, block, DataType::F32).unwrap();
+    assert!(one > 0.0, "the model's time of an AllReduce of {block} floats: {one}");
+    assert_eq!(oxccl::group::simulate_end().unwrap(), Some(one));
+    // An inner end estimates nothing.
+    oxccl::group_start().unwrap();
+    oxccl::group_start().unwrap();
+    all_reduces();
+    assert_eq!(oxccl::group::simulate_end().unwrap(), None);
+    let both = oxccl::group::simulate_end().unwrap();
+    assert_eq!(both, Some(one), "the outer end estimates the calls of the inner level too");
     common::sync_all(&streams, "after the refused and the simulated group");
     for r in 0..n {
         assert!(untouched(&outs[r], n * block, 2), "rank {r}: a collective of the group ran");
