@@ -591,6 +591,15 @@ pub(crate) fn teardown(live: Arc<Live>, kind: Teardown) -> Result<()> {
         live.finalizing.store(true, Ordering::Release);
     }
     let Some(clique) = live.clique.clone() else {
+        if kind == Teardown::Finalize {
+            let r = live.comm.finalize();
+            if matches!(r, Err(Error::InvalidUsage(_))) {
+                // Refused before anything was finalized (an open group holds the
+                // communicator's calls: it asks for the group's end first): calls stay allowed.
+                live.finalizing.store(false, Ordering::Release);
+            }
+            return r;
+        }
         return run(live, kind);
     };
     let id = live.id;
