@@ -26,6 +26,14 @@
 //! after those are planned: a group whose sends and receives cannot be launched (more blocks
 //! than a launch holds…) fails at `ncclGroupEnd` with none of its work run.
 //!
+//! **Finalizes and destroys inside a group** (`ncclCommFinalize`, `ncclCommDestroy`) return at
+//! once and are carried out at the outermost end, after the group's work is launched, in the
+//! order issued (NCCL runs a finalize issued in a group as a job of the group's end): a rank
+//! that queued a collective and then finalizes or destroys its communicator in the same group
+//! has that collective run first, and ranks of one communicator driven by threads of their own
+//! do not wait for each other's group. A destroyed handle is invalid at once; a finalized one
+//! refuses new calls at once.
+//!
 //! **`ncclGroupSimulateEnd`** ends the group as `ncclGroupEnd` does except that nothing of it
 //! runs: its collectives, sends and receives are dropped (its inits, splits and shrinks are
 //! carried out), and `estimatedTime` is the tuning model's time of its collectives in
@@ -37,13 +45,13 @@
 //! **A refused call fails its group**, as in NCCL: a collective, send, receive, AlltoAll,
 //! Gather or Scatter refused inside a group (an argument error, returned at the call) makes the
 //! outermost `ncclGroupEnd` run none of the group's collectives, sends and receives and return
-//! that first error (its inits, splits and shrinks are still carried out, and the communicators
-//! stay usable: every rank that issued the same calls gets the same error and none of them waits
-//! for work that never comes). `ncclGroupSimulateEnd` forgets the error with the rest of the
+//! that first error (its inits, splits, shrinks, finalizes and destroys are still carried out,
+//! and the communicators stay usable: every rank that issued the same calls gets the same error
+//! and none of them waits for work that never comes). `ncclGroupSimulateEnd` forgets the error with the rest of the
 //! group.
 use crate::cuda::KeepCurrent;
 use crate::errors::non_null;
-use crate::handles::{self, Clique, Live, Target};
+use crate::handles::{self, Clique, Live, Target, Teardown};
 use crate::types::{NCCL_SIM_INFO_MAGIC, ncclSimInfo_t};
 use oxccl::bootstrap::UniqueId;
 use oxccl::group::PendingComm;
@@ -55,6 +63,29 @@ use std::sync::Arc;
 thread_local! {
     /// The first error of a call refused inside this thread's group (module docs).
     static REFUSED: RefCell<Option<Error>> = const { RefCell::new(None) };
+}
+
+thread_local! {
+    /// The finalizes and destroys issued inside this thread's group, for its outermost end.
+    static TEARDOWNS: RefCell<Vec<(Arc<Live>, Teardown)>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Records a finalize or destroy issued inside this thread's group: carried out at the group's
+/// outermost end, after the group's work is launched (module docs).
+pub(crate) fn defer_teardown(live: Arc<Live>, kind: Teardown) {
+    TEARDOWNS.with(|t| t.borrow_mut().push((live, kind)));
+}
+
+/// Carries out a group's deferred finalizes and destroys in the order issued; the first error.
+fn run_teardowns(teardowns: Vec<(Arc<Live>, Teardown)>) -> Result<()> {
+    let mut first = Ok(());
+    for (live, kind) in teardowns {
+        let r = handles::teardown(live, kind);
+        if first.is_ok() {
+            first = r;
+        }
+    }
+    first
 }
 
 /// Runs `call` (a collective or point-to-point call's body); inside a group, its error is also
@@ -221,7 +252,7 @@ fn publish(inits: Vec<Deferred>) {
 /// `ncclGroupEnd`: at the outermost end, the deferred inits, then oxccl's group end (the queued
 /// sends and receives).
 fn group_end() -> Result<()> {
-    let Some((inits, splits)) = end_level("ncclGroupEnd")? else {
+    let Some((inits, splits, teardowns)) = end_level("ncclGroupEnd")? else {
         return oxccl::group_end();
     };
     let _keep = KeepCurrent::new();
@@ -230,9 +261,11 @@ fn group_end() -> Result<()> {
         // A call of the group was refused: none of its work runs (module docs).
         let ended = oxccl::group::abandon_end();
         publish(inits);
+        // The finalizes and destroys are not work of the group: carried out all the same.
+        let torn = run_teardowns(teardowns);
         // The inits' and splits' own failures reach their handles; the group's error is the
         // refused call's.
-        if let Err(e) = split.and(ended) {
+        if let Err(e) = split.and(ended).and(torn) {
             tracing::debug!(target: "oxccl::nccl", "group with a refused call, also: {e}");
         }
         return Err(refused);
@@ -241,17 +274,21 @@ fn group_end() -> Result<()> {
     // and receives are planned, so a group whose planning fails runs none of its work.
     let ended = oxccl::group_end();
     publish(inits);
-    split.and(ended)
+    // The finalizes and destroys last: each waits for its communicator's work, launched above.
+    let torn = run_teardowns(teardowns);
+    split.and(ended).and(torn)
 }
 
-/// What the outermost end of this thread's group takes: its inits, and its splits and shrinks
-/// (`None` at an inner end). `InvalidUsage` naming `what` outside a group.
-fn end_level(what: &str) -> Result<Option<(Vec<Deferred>, Vec<DeferredSplit>)>> {
+/// What the outermost end of this thread's group takes: its inits, its splits and shrinks, and its
+/// finalizes and destroys (`None` at an inner end). `InvalidUsage` naming `what` outside a group.
+#[allow(clippy::type_complexity)]
+fn end_level(what: &str) -> Result<Option<(Vec<Deferred>, Vec<DeferredSplit>, Vec<(Arc<Live>, Teardown)>)>> {
     match oxccl::group::group_depth() {
         0 => Err(Error::InvalidUsage(format!("{what} without a matching ncclGroupStart on this thread"))),
         1 => Ok(Some((
             DEFERRED.with(|d| std::mem::take(&mut *d.borrow_mut())),
             SPLITS.with(|d| std::mem::take(&mut *d.borrow_mut())),
+            TEARDOWNS.with(|t| std::mem::take(&mut *t.borrow_mut())),
         ))),
         _ => Ok(None),
     }
@@ -261,7 +298,7 @@ fn end_level(what: &str) -> Result<Option<(Vec<Deferred>, Vec<DeferredSplit>)>> 
 /// the group's collectives ([`oxccl::group::simulate_end`]), which are dropped with its sends and
 /// receives (its inits, splits and shrinks are carried out); `None` at an inner end.
 fn simulate_end() -> Result<Option<f64>> {
-    let Some((inits, splits)) = end_level("ncclGroupSimulateEnd")? else {
+    let Some((inits, splits, teardowns)) = end_level("ncclGroupSimulateEnd")? else {
         oxccl::group::simulate_end()?;
         return Ok(None);
     };
@@ -270,7 +307,9 @@ fn simulate_end() -> Result<Option<f64>> {
     let split = if splits.is_empty() { Ok(()) } else { run_splits(splits) };
     let ended = oxccl::group::simulate_end();
     publish(inits);
+    let torn = run_teardowns(teardowns);
     split?;
+    torn?;
     ended
 }
 

@@ -345,22 +345,38 @@ nccl_api! {
     /// Waits for the communicator's queued work and, for ranks that met through a unique id,
     /// for every rank's finalize (oxccl's `Comm::finalize`); later collectives are refused.
     /// When this process holds several ranks of the communicator, it is carried out once each
-    /// of them has asked (`handles.rs`).
+    /// of them has asked (`handles.rs`). Inside a group it is carried out at the group's
+    /// outermost end, after the group's work (`group.rs`).
     fn ncclCommFinalize / pncclCommFinalize(comm: ncclComm_t) {
         let live = handles::get(comm)?;
+        if oxccl::group::group_depth() > 0 {
+            // Carried out at the group's end, after the group's work (NCCL runs a finalize
+            // issued in a group as a job of its end); calls on it are refused from now.
+            if !live.finalizing.swap(true, std::sync::atomic::Ordering::AcqRel) {
+                crate::group::defer_teardown(live, Teardown::Finalize);
+            }
+            return Ok(());
+        }
         let _keep = KeepCurrent::new();
         handles::teardown(live, Teardown::Finalize)
     }
 
     /// Frees the communicator after its queued work (oxccl's `Comm::destroy`; for ranks sharing
     /// this process see `ncclCommFinalize`). A NULL `comm` is a no-op, as in NCCL; a handle whose
-    /// init failed is released. Afterwards the handle is invalid.
+    /// init failed is released. Afterwards the handle is invalid. Inside a group the
+    /// communicator is freed at the group's outermost end, after the group's work (`group.rs`).
     fn ncclCommDestroy / pncclCommDestroy(comm: ncclComm_t) {
         if comm.is_null() {
             return Ok(());
         }
         let _keep = KeepCurrent::new();
         match handles::remove(comm)? {
+            // Inside a group: the handle is invalid now, the communicator freed at the group's
+            // end, after the group's work (as a finalize issued there).
+            Some(live) if oxccl::group::group_depth() > 0 => {
+                crate::group::defer_teardown(live, Teardown::Destroy);
+                Ok(())
+            }
             Some(live) => handles::teardown(live, Teardown::Destroy),
             None => Ok(()),
         }

@@ -204,41 +204,34 @@ fn a_grouped_init_runs_every_collective_exactly() {
     }
 }
 
-/// `ncclCommFinalize` inside a group that holds the communicator's calls is refused (the group
-/// must end first) and has no effect: the group's AllReduce runs exactly, the communicator takes
-/// later calls, and a finalize after the group's end goes through.
+/// `ncclCommFinalize` and `ncclCommDestroy` inside a group return at once and are carried out at
+/// the group's end, after the group's work: the AllReduce queued before them runs exactly; then
+/// the finalized rank refuses calls and the destroyed handle is invalid.
 #[test]
-fn a_finalize_refused_inside_a_group_leaves_the_communicator_usable() {
+fn a_finalize_and_a_destroy_inside_a_group_run_after_its_work() {
     let api = nccl();
     let comms = group_init(2);
+    let (c0, c1) = (comms[0], comms[1]);
     let send: Vec<Vec<f32>> = (0..2).map(|r| seq(64, |i| ((r + 1) * i) as f32)).collect();
-    let mut in_group = vec![vec![-1f32; 64]; 2];
-    let mut after = vec![vec![-1f32; 64]; 2];
-    // SAFETY: host buffers of 64 floats, alive until the ranks are finalized below.
+    let mut recv = vec![vec![-1f32; 64]; 2];
+    let mut buf = [0f32; 4];
+    // SAFETY: host buffers of 64 floats, alive until the teardowns (which wait for the work).
     unsafe {
         expect((api.group_start)(), SUCCESS, &[]);
         for r in 0..2 {
-            expect((api.all_reduce)(ptr(&send[r]), mptr(&mut in_group[r]), 64, FLOAT, SUM, comms[r], null_mut()), SUCCESS, &[]);
+            expect((api.all_reduce)(ptr(&send[r]), mptr(&mut recv[r]), 64, FLOAT, SUM, comms[r], null_mut()), SUCCESS, &[]);
         }
-        expect((api.finalize)(comms[0]), INVALID_USAGE, &["ncclCommFinalize", "end the group first"]);
+        expect((api.finalize)(c0), SUCCESS, &[]);
+        expect((api.destroy)(c1), SUCCESS, &[]);
         expect((api.group_end)(), SUCCESS, &[]);
-        expect((api.group_start)(), SUCCESS, &[]);
-        for r in 0..2 {
-            expect((api.all_reduce)(ptr(&send[r]), mptr(&mut after[r]), 64, FLOAT, SUM, comms[r], null_mut()), SUCCESS, &[]);
-        }
-        expect((api.group_end)(), SUCCESS, &[]);
-    }
-    // Finalize waits for the rank's work on the CPU target.
-    for &c in &comms {
-        finalize(c);
+        let p = mptr(&mut buf);
+        expect((api.all_reduce)(p, p, 4, FLOAT, SUM, c0, null_mut()), INVALID_USAGE, &["ncclCommFinalize"]);
+        expect((api.all_reduce)(p, p, 4, FLOAT, SUM, c1, null_mut()), INVALID_ARGUMENT, &["already destroyed"]);
     }
     for r in 0..2 {
-        assert_eq!(in_group[r], seq(64, |i| (3 * i) as f32), "the group's AllReduce, rank {r}");
-        assert_eq!(after[r], seq(64, |i| (3 * i) as f32), "the AllReduce after the refused finalize, rank {r}");
+        assert_eq!(recv[r], seq(64, |i| (3 * i) as f32), "the group's AllReduce, rank {r}");
     }
-    for c in comms {
-        destroy(c);
-    }
+    destroy(c0);
 }
 
 /// Ranks created by a thread each, then used and torn down from one thread: each rank's
