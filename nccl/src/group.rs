@@ -35,8 +35,8 @@
 //! refuses new calls at once.
 //!
 //! **`ncclGroupSimulateEnd`** ends the group as `ncclGroupEnd` does except that nothing of it
-//! runs: its collectives, sends and receives are dropped (its inits, splits and shrinks are
-//! carried out), and `estimatedTime` is the tuning model's time of its collectives in
+//! runs: its collectives, sends and receives are dropped (its inits, splits, shrinks, finalizes
+//! and destroys are carried out), and `estimatedTime` is the tuning model's time of its collectives in
 //! microseconds ([`oxccl::Comm::predict_us`]): per communicator the sum of its calls, the
 //! largest over the group's communicators (one thread driving N ranks of one collective gets
 //! one collective's time), 0 when there are none. For a group of one collective this is what
@@ -47,8 +47,8 @@
 //! outermost `ncclGroupEnd` run none of the group's collectives, sends and receives and return
 //! that first error (its inits, splits, shrinks, finalizes and destroys are still carried out,
 //! and the communicators stay usable: every rank that issued the same calls gets the same error
-//! and none of them waits for work that never comes). `ncclGroupSimulateEnd` forgets the error with the rest of the
-//! group.
+//! and none of them waits for work that never comes). `ncclGroupSimulateEnd` forgets the error
+//! with the rest of the group.
 use crate::cuda::KeepCurrent;
 use crate::errors::non_null;
 use crate::handles::{self, Clique, Live, Target, Teardown};
@@ -296,7 +296,8 @@ fn end_level(what: &str) -> Result<Option<(Vec<Deferred>, Vec<DeferredSplit>, Ve
 
 /// `ncclGroupSimulateEnd` after its argument's checks: at the outermost end, the model's time of
 /// the group's collectives ([`oxccl::group::simulate_end`]), which are dropped with its sends and
-/// receives (its inits, splits and shrinks are carried out); `None` at an inner end.
+/// receives (its inits, splits, shrinks, finalizes and destroys are carried out); `None` at an
+/// inner end.
 fn simulate_end() -> Result<Option<f64>> {
     let Some((inits, splits, teardowns)) = end_level("ncclGroupSimulateEnd")? else {
         oxccl::group::simulate_end()?;
