@@ -234,6 +234,52 @@ fn a_finalize_and_a_destroy_inside_a_group_run_after_its_work() {
     destroy(c0);
 }
 
+/// A finalize from another thread while this thread's open group holds the communicator's
+/// calls is refused ("end the group first") and has no effect: after the group's end its
+/// AllReduce is exact, the communicator takes later calls, and the finalize then goes through.
+#[test]
+fn a_finalize_refused_while_a_group_holds_calls_leaves_the_communicator_usable() {
+    let api = nccl();
+    let comms = group_init(2);
+    let send: Vec<Vec<f32>> = (0..2).map(|r| seq(64, |i| ((r + 1) * i) as f32)).collect();
+    let mut recv = vec![vec![-1f32; 64]; 2];
+    // SAFETY: host buffers of 64 floats, alive until the ranks are finalized below.
+    unsafe {
+        expect((api.group_start)(), SUCCESS, &[]);
+        for r in 0..2 {
+            expect((api.all_reduce)(ptr(&send[r]), mptr(&mut recv[r]), 64, FLOAT, SUM, comms[r], null_mut()), SUCCESS, &[]);
+        }
+    }
+    let c0 = comms[0] as usize;
+    std::thread::spawn(move || {
+        // SAFETY: a live handle.
+        expect(unsafe { (nccl().finalize)(c0 as Comm) }, INVALID_USAGE, &["ncclCommFinalize", "end the group first"]);
+    })
+    .join()
+    .unwrap();
+    let mut after = vec![vec![-1f32; 64]; 2];
+    // SAFETY: the group opened above; host buffers as above.
+    unsafe {
+        expect((api.group_end)(), SUCCESS, &[]);
+        // The refused finalize left the communicator taking calls.
+        expect((api.group_start)(), SUCCESS, &[]);
+        for r in 0..2 {
+            expect((api.all_reduce)(ptr(&send[r]), mptr(&mut after[r]), 64, FLOAT, SUM, comms[r], null_mut()), SUCCESS, &[]);
+        }
+        expect((api.group_end)(), SUCCESS, &[]);
+    }
+    for &c in &comms {
+        finalize(c);
+    }
+    for r in 0..2 {
+        assert_eq!(recv[r], seq(64, |i| (3 * i) as f32), "the group's AllReduce, rank {r}");
+        assert_eq!(after[r], seq(64, |i| (3 * i) as f32), "the AllReduce after the refused finalize, rank {r}");
+    }
+    for c in comms {
+        destroy(c);
+    }
+}
+
 /// Ranks created by a thread each, then used and torn down from one thread: each rank's
 /// finalize or destroy waits for the others of this process (as NCCL's), instead of blocking
 /// at the teardown barrier.
