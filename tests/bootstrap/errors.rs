@@ -112,12 +112,11 @@ fn nranks_mismatch_fails_everyone() {
 /// timeout plus slack, naming addr:port and the OS reason, after retrying (not at once).
 #[test]
 fn c33_refused_root() {
-    let port = {
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
+    // Held, never listened on, for the whole test: no other test's root can be given the port.
+    let closed = crate::common::port::ReservedPort::new();
+    let port = closed.port();
     let id = UniqueId::from_bytes(
-        &UniqueId::from_comm_id(&format!("127.0.0.1:{port}"))
+        &UniqueId::from_comm_id(&closed.addr())
             .unwrap()
             .to_bytes(),
     )
@@ -229,4 +228,24 @@ fn rank_and_nranks_out_of_range() {
     let bs = Bootstrap::init_with(&id, 0, 1, &cfg).unwrap();
     let e = bs.recv(0, 1).unwrap_err();
     assert_eq!(e.code(), ResultCode::Timeout, "{e}");
+}
+
+/// What C33 and the `NCCL_COMM_ID` tests rely on: while a `ReservedPort` lives, 2,000 binds of
+/// port 0 held at once never return its port, a connection to it is refused, and a listener
+/// asking for exactly that port (as the bootstrap root does) still binds it.
+#[test]
+fn reserved_port_is_refused_and_never_handed_out() {
+    let reserved = crate::common::port::ReservedPort::new();
+    let held: Vec<TcpListener> = (0..2000)
+        .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect();
+    for l in &held {
+        assert_ne!(l.local_addr().unwrap().port(), reserved.port());
+    }
+    drop(held);
+    let e = TcpStream::connect(reserved.addr()).unwrap_err();
+    assert_eq!(e.kind(), std::io::ErrorKind::ConnectionRefused, "{e}");
+    let root = TcpListener::bind(reserved.addr()).unwrap();
+    let _peer = TcpStream::connect(reserved.addr()).unwrap();
+    let (_conn, _) = root.accept().unwrap();
 }

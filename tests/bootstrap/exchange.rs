@@ -4,7 +4,6 @@
 use crate::common::child;
 use crate::{blob, lo, run};
 use oxccl::bootstrap::{Bootstrap, UniqueId, get_unique_id_with};
-use std::net::TcpListener;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -164,11 +163,9 @@ fn send_recv_pairs() {
 /// retries its connection until the root listens.
 #[test]
 fn comm_id_root_started_by_rank0() {
-    let port = {
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
-    let id = UniqueId::from_comm_id(&format!("127.0.0.1:{port}")).unwrap();
+    // Held until rank 0's root binds it: rank 1's early connections can reach no other root.
+    let port = crate::common::port::ReservedPort::new();
+    let id = UniqueId::from_comm_id(&port.addr()).unwrap();
     assert!(id.root_on_rank0());
     let cfg = lo();
     let c1 = cfg.clone();

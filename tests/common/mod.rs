@@ -3,7 +3,8 @@
 //! bytes around every buffer, in-place and out-of-place, each protocol forced through
 //! `NCCL_PROTO`), GPU skip reporting, a stall watchdog so a hung collective fails the test
 //! instead of blocking CI, the one lock over environment variables ([`env`]), child processes of
-//! the test binary ([`child`]) and the topology fixtures ([`topo`]).
+//! the test binary ([`child`]), loopback ports held for a test ([`port`]) and the topology
+//! fixtures ([`topo`]).
 //!
 //! Each test binary is a directory `tests/<subject>/` whose `main.rs` declares
 //! `#[macro_use] #[path = "../common/mod.rs"] mod common;` before its modules.
@@ -21,6 +22,7 @@ macro_rules! skipped {
 pub mod child;
 pub mod env;
 pub mod pattern;
+pub mod port;
 pub mod topo;
 pub mod capture;
 

@@ -8,16 +8,10 @@ use crate::common;
 use common::env::Env;
 use oxccl::ResultCode;
 use oxccl::bootstrap::{Bootstrap, BootstrapConfig, get_unique_id, get_unique_id_with, list_interfaces};
-use std::net::TcpListener;
 use std::time::{Duration, Instant};
 
 /// Every variable this test touches (both spellings).
 const VARS: &[&str] = &["BOOTSTRAP_TIMEOUT", "SOCKET_IFNAME", "COMM_ID"];
-
-fn closed_port() -> u16 {
-    let l = TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap().port()
-}
 
 fn expect_err(
     r: oxccl::Result<impl std::fmt::Debug>,
@@ -108,8 +102,9 @@ fn bootstrap_environment() {
     }
 
     // C33 through the environment: OXCCL_BOOTSTRAP_TIMEOUT=5, the id points at a closed port.
-    let port = closed_port();
-    let addr = format!("127.0.0.1:{port}");
+    // Held, never listened on, until the test ends: no other test's root can be given the port.
+    let closed = crate::common::port::ReservedPort::new();
+    let addr = closed.addr();
     env.set(&[
         ("NCCL_COMM_ID", &addr),
         ("OXCCL_BOOTSTRAP_TIMEOUT", "5"),
@@ -133,7 +128,9 @@ fn bootstrap_environment() {
     );
 
     // NCCL_COMM_ID: every process computes the same id; rank 0's init starts the root.
-    let addr = format!("127.0.0.1:{}", closed_port());
+    // Held until the ranks end; rank 0's root binds it (SO_REUSEADDR), no other root can.
+    let reserved = crate::common::port::ReservedPort::new();
+    let addr = reserved.addr();
     env.set(&[
         ("NCCL_COMM_ID", &addr),
         ("NCCL_SOCKET_IFNAME", "lo"),

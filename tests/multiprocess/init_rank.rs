@@ -150,11 +150,9 @@ fn from_env_as_a_launcher_would() {
         0 => 3,
         n => n.min(3),
     };
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    // Held until the children end; rank 0's root binds it (SO_REUSEADDR), no other root can.
+    let reserved = crate::common::port::ReservedPort::new();
+    let port = reserved.port();
     let children: Vec<_> = (0..world)
         .map(|r| {
             let mut cmd = child::command(&child_entry!(child_from_env));
