@@ -11,7 +11,7 @@
 //! `aggregation` too.
 use crate::common;
 
-use common::env::Env;
+use common::env::{Env, Staged};
 use common::{BACK, FRONT, sentinel};
 use oxccl::group::GroupScope;
 use oxccl::{Comm, DataType, Device, DeviceBuffer, Func, RedOp, ReduceOp, Scalar, Stream};
@@ -471,7 +471,7 @@ fn batches_over_shm_and_net_are_exact() {
         ("SHM", &[("NCCL_P2P_DISABLE", "1")][..]),
     ] {
         for proto in ["Simple", "LL", "LL128"] {
-            let env = Env::clean(VARS);
+            let env = Staged::clean(VARS);
             let mut all = vars.to_vec();
             all.extend([
                 ("NCCL_PROTO", proto),

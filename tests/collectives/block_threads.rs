@@ -8,7 +8,7 @@
 //! unevenly over 64 threads keep the run short: many host threads per block are slow on few cores.
 use crate::common;
 
-use common::env::Env;
+use common::env::Staged;
 use oxccl::{DataType, Device, Func, RedOp};
 
 /// Counts: shorter than one pack, not a multiple of 64 threads' packs, and several LL128 lines
@@ -27,8 +27,8 @@ const VARS: &[&str] = &["CPU_NTHREADS", "CPU_TEAM", "ALGO", "PROTO", "TEST_NODES
 
 /// `OXCCL_CPU_NTHREADS=64`, `OXCCL_CPU_TEAM=threads` and `extra` set while the guard lives (every
 /// communicator of the test is created under it).
-fn two_warps(extra: &[(&str, &str)]) -> Env {
-    let env = Env::clean(VARS);
+fn two_warps(extra: &[(&str, &str)]) -> Staged {
+    let env = Staged::clean(VARS);
     let mut vars = vec![("OXCCL_CPU_NTHREADS", "64"), ("OXCCL_CPU_TEAM", "threads")];
     vars.extend_from_slice(extra);
     env.set(&vars);
@@ -78,7 +78,7 @@ fn reduce_scatter_on_blocks_of_two_warps() {
 
 /// Two warps per block, and the tree forced on `proto` over 2 simulated nodes of 1 rank, while
 /// the guard lives.
-fn tree_env(proto: &str) -> Env {
+fn tree_env(proto: &str) -> Staged {
     two_warps(&[
         ("NCCL_ALGO", "tree"),
         ("NCCL_PROTO", proto),

@@ -13,7 +13,7 @@
 use crate::common;
 
 use common::capture::{Graphs, capture_and_replay, check_guarded, poisoned, replay};
-use common::env::Env;
+use common::env::Staged;
 use common::pattern::{all_reduce_want, input, sum_elem, u32_bytes};
 use common::{BACK, FRONT, sentinel};
 use oxccl::{Comm, DataType, DevSlice, Device, Error, RedOp, Stream};
@@ -36,7 +36,7 @@ fn captured_calls_replay_exactly_over_p2p_and_shm_on_every_protocol() {
     for (transport, vars) in [("P2P", &[][..]), ("SHM", &[("NCCL_P2P_DISABLE", "1")][..])] {
         for proto in ["LL", "LL128", "Simple"] {
             for (n, count) in [(2usize, 1031usize), (3, 4099)] {
-                let env = Env::clean(VARS);
+                let env = Staged::clean(VARS);
                 let mut all = vars.to_vec();
                 all.push(("NCCL_PROTO", proto));
                 env.set(&all);
@@ -64,7 +64,7 @@ fn captured_calls_replay_exactly_across_the_ll_flag_wrap_and_with_the_call_check
         ),
     ];
     for (what, vars) in cases {
-        let env = Env::clean(VARS);
+        let env = Staged::clean(VARS);
         env.set(vars);
         let comms = common::init_all(&Device::cpus(3)).unwrap();
         capture_and_replay(what, &comms, 517, 4, Graphs::One);
@@ -73,7 +73,7 @@ fn captured_calls_replay_exactly_across_the_ll_flag_wrap_and_with_the_call_check
 
 #[test]
 fn one_graph_per_call_replays_exactly() {
-    let _env = Env::clean(VARS);
+    let _env = Staged::clean(VARS);
     let comms = common::init_all(&Device::cpus(3)).unwrap();
     capture_and_replay("one graph per call", &comms, 777, 2, Graphs::PerCall);
 }
@@ -83,7 +83,7 @@ fn one_graph_per_call_replays_exactly() {
 /// buffer changed.
 #[test]
 fn a_call_check_mismatch_inside_a_graph_is_reported_at_its_replay() {
-    let env = Env::clean(VARS);
+    let env = Staged::clean(VARS);
     env.set(&[("OXCCL_CHECK_CALLS", "1"), ("OXCCL_TIMEOUT", "20")]);
     let comms = common::init_all(&Device::cpus(2)).unwrap();
     let errors = common::on_threads(2, |r| {
@@ -134,7 +134,7 @@ fn a_call_check_mismatch_inside_a_graph_is_reported_at_its_replay() {
 /// finds in the FIFOs, with nothing posted per call, so a graph's launches need no host.
 #[test]
 fn captured_calls_replay_exactly_over_net_on_every_protocol() {
-    let env = Env::clean(VARS);
+    let env = Staged::clean(VARS);
     for proto in ["LL", "LL128", "Simple"] {
         env.set(&[
             ("NCCL_P2P_DISABLE", "1"),
@@ -152,7 +152,7 @@ fn captured_calls_replay_exactly_over_net_on_every_protocol() {
 /// calls still run exactly.
 #[test]
 fn captured_calls_are_recorded_and_not_timed_while_their_graph_waits() {
-    let env = Env::clean(VARS);
+    let env = Staged::clean(VARS);
     env.set(&[("OXCCL_TIMEOUT", "1")]);
     let comms = common::init_all(&Device::cpus(2)).unwrap();
     common::all_reduce_f32(&comms, 256, false);
@@ -253,7 +253,7 @@ fn sum_u32<'a>(
 /// time; the outputs poisoned before each replay, guards checked).
 #[test]
 fn a_graph_of_small_ll_calls_replays_exactly_fifty_times() {
-    let env = Env::clean(VARS);
+    let env = Staged::clean(VARS);
     env.set(&[("NCCL_PROTO", "LL")]);
     let (n, count, replays) = (3usize, 37usize, 50u32);
     let comms = common::init_all(&Device::cpus(n)).unwrap();
@@ -302,7 +302,7 @@ fn a_graph_of_small_ll_calls_replays_exactly_fifty_times() {
 /// before one synchronize: the second replay sums the first's result (n times the sum).
 #[test]
 fn replays_and_eager_calls_interleave_over_two_streams_of_each_rank() {
-    let _env = Env::clean(VARS);
+    let _env = Staged::clean(VARS);
     let (n, count) = (3usize, 300usize);
     let comms = common::init_all(&Device::cpus(n)).unwrap();
     let ready = Barrier::new(n);
@@ -354,7 +354,7 @@ fn replays_and_eager_calls_interleave_over_two_streams_of_each_rank() {
 #[test]
 fn the_ranks_go_on_in_step_after_a_capture_invalidated_midway() {
     for check in ["0", "1"] {
-        let env = Env::clean(VARS);
+        let env = Staged::clean(VARS);
         env.set(&[("OXCCL_CHECK_CALLS", check), ("OXCCL_TIMEOUT", "30")]);
         let (n, count) = (3usize, 1000usize);
         let comms = common::init_all(&Device::cpus(n)).unwrap();
@@ -405,7 +405,7 @@ fn the_ranks_go_on_in_step_after_a_capture_invalidated_midway() {
 /// the abort, and a graph launched after the abort ends at once too.
 #[test]
 fn an_abort_ends_a_replay_waiting_for_a_peer_that_never_replays() {
-    let _env = Env::clean(VARS);
+    let _env = Staged::clean(VARS);
     let dog = common::Watchdog::new("abort of a waiting replay", Duration::from_secs(60));
     for aborter in [0usize, 1] {
         let comms = common::init_all(&Device::cpus(2)).unwrap();
@@ -454,7 +454,7 @@ fn an_abort_ends_a_replay_waiting_for_a_peer_that_never_replays() {
 /// error.
 #[test]
 fn a_replay_waiting_past_the_timeout_for_a_late_peer_is_not_timed_out() {
-    let env = Env::clean(VARS);
+    let env = Staged::clean(VARS);
     env.set(&[("OXCCL_TIMEOUT", "1")]);
     let count = 256;
     let comms = common::init_all(&Device::cpus(2)).unwrap();
@@ -489,7 +489,7 @@ fn a_replay_waiting_past_the_timeout_for_a_late_peer_is_not_timed_out() {
 /// [`oxccl::CapturedGraph::launch`]'s safety contract and is not tried.
 #[test]
 fn graphs_dropped_before_or_right_after_a_launch_leave_later_calls_exact() {
-    let env = Env::clean(VARS);
+    let env = Staged::clean(VARS);
     env.set(&[("OXCCL_CHECK_CALLS", "1"), ("OXCCL_TIMEOUT", "30")]);
     let (n, count) = (3usize, 777usize);
     let comms = common::init_all(&Device::cpus(n)).unwrap();
@@ -537,7 +537,7 @@ fn graphs_dropped_before_or_right_after_a_launch_leave_later_calls_exact() {
 /// data at all, and a later call is refused with the mismatch.
 #[test]
 fn a_call_check_mismatch_in_a_later_call_of_a_graph_stops_it_and_every_later_replay() {
-    let env = Env::clean(VARS);
+    let env = Staged::clean(VARS);
     env.set(&[("OXCCL_CHECK_CALLS", "1"), ("OXCCL_TIMEOUT", "20")]);
     let count = 64;
     let comms = common::init_all(&Device::cpus(2)).unwrap();
@@ -587,7 +587,7 @@ fn a_call_check_mismatch_in_a_later_call_of_a_graph_stops_it_and_every_later_rep
 /// as the README allows (only the replays' order matters), run exactly without a mismatch.
 #[test]
 fn with_the_call_check_graphs_captured_in_another_order_on_each_rank_replay_exactly() {
-    let env = Env::clean(VARS);
+    let env = Staged::clean(VARS);
     env.set(&[("OXCCL_CHECK_CALLS", "1"), ("OXCCL_TIMEOUT", "20")]);
     let count = 1000;
     let comms = common::init_all(&Device::cpus(2)).unwrap();

@@ -10,7 +10,7 @@
 use crate::common;
 
 use common::capture::{check_guarded, poisoned, replay};
-use common::env::Env;
+use common::env::{Env, Staged};
 use common::pattern::{all_reduce_want, elem, input, sum_elem, u32_bytes};
 use common::{BACK, FRONT, sentinel};
 use oxccl::{CapturedGraph, Comm, DataType, Device, DeviceBuffer, Error, RedOp, Stream};
@@ -419,7 +419,7 @@ fn a_net_group_with_a_send_to_itself_captured_at_its_end_replays_exactly() {
 }
 
 fn net_group_captured_at_its_end(with_self: bool) {
-    let env = Env::clean(VARS);
+    let env = Staged::clean(VARS);
     env.set(&[("NCCL_P2P_DISABLE", "1"), ("NCCL_SHM_DISABLE", "1")]);
     let (n, count) = (2usize, 100usize);
     let comms = common::init_all(&Device::cpus(n)).unwrap();

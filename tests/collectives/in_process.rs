@@ -15,7 +15,7 @@
 //! The same transports between CUDA ranks in one process are in `gpu_collectives`.
 use crate::common;
 
-use common::env::Env;
+use common::env::{Env, Staged};
 use oxccl::transport::TransportKind;
 use oxccl::{Algo, Comm, DataType, Device, Func, RedOp};
 use std::time::{Duration, Instant};
@@ -62,7 +62,7 @@ fn init_all_ranks_use_p2p_and_direct_pointers_by_default() {
 
 #[test]
 fn init_all_with_p2p_disabled_uses_shm_and_every_collective_stays_exact() {
-    let env = Env::clean(VARS);
+    let env = Staged::clean(VARS);
     env.set(&[("NCCL_P2P_DISABLE", "1")]);
     let devices = Device::cpus(3);
     let comms = common::init_all(&devices).unwrap();
@@ -88,7 +88,7 @@ fn init_all_with_p2p_disabled_uses_shm_and_every_collective_stays_exact() {
 
 #[test]
 fn init_all_with_p2p_and_shm_disabled_uses_net_through_the_proxy() {
-    let env = Env::clean(VARS);
+    let env = Staged::clean(VARS);
     for proto in common::protos() {
         env.set(&[("NCCL_P2P_DISABLE", "1"), ("NCCL_SHM_DISABLE", "1"), ("NCCL_PROTO", proto)]);
         let comms = common::init_all(&Device::cpus(2)).unwrap();
@@ -105,7 +105,7 @@ fn init_all_with_p2p_and_shm_disabled_uses_net_through_the_proxy() {
 
 #[test]
 fn test_node_trees_run_over_the_transport_of_each_pair() {
-    let env = Env::clean(VARS);
+    let env = Staged::clean(VARS);
     for (p2p_disable, want) in [("0", TransportKind::P2p), ("1", TransportKind::Shm)] {
         env.set(&[
             ("OXCCL_TEST_NODES", "2"),

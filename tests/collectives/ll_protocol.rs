@@ -7,7 +7,7 @@
 //! variables are process-global: one serial test per device kind.
 use crate::common;
 
-use common::env::Env;
+use common::env::Staged;
 use oxccl::{Algo, Comm, DataType, Device, DeviceBuffer, Proto, RedOp, Stream};
 
 struct Ranks {
@@ -30,7 +30,7 @@ fn sync(r: &Ranks) {
 }
 
 /// C11 (A): in-place Broadcast of arange(count) as int32 and int64, root cycling over every rank.
-fn broadcast_arange(env: &Env, devices: &[Device], proto: &str) {
+fn broadcast_arange(env: &Staged, devices: &[Device], proto: &str) {
     env.set(&[("NCCL_PROTO", proto)]);
     let n = devices.len();
     let r = ranks(devices, 7809 * 8);
@@ -81,7 +81,7 @@ fn broadcast_arange(env: &Env, devices: &[Device], proto: &str) {
 /// C11 (B): 1000 small AllReduces from `start` on, each checked; with `tree_nodes`, on the tree
 /// over that many test nodes (`OXCCL_TEST_NODES`, `NCCL_ALGO=tree`), whose connections start at
 /// the same step.
-fn all_reduces_across(env: &Env, devices: &[Device], proto: Proto, start: u64, tree_nodes: Option<usize>) {
+fn all_reduces_across(env: &Staged, devices: &[Device], proto: Proto, start: u64, tree_nodes: Option<usize>) {
     let n = devices.len();
     let (start_s, nodes) = (start.to_string(), tree_nodes.map(|t| t.to_string()));
     let mut vars = vec![
@@ -129,7 +129,7 @@ fn all_reduces_across(env: &Env, devices: &[Device], proto: Proto, start: u64, t
 
 /// Both parts of C11 on `devices`.
 fn c11(devices: &[Device], ranks_b: &[usize]) {
-    let env = Env::clean(&["PROTO", "TEST_INITIAL_STEP", "ALGO", "TEST_NODES"]);
+    let env = Staged::clean(&["PROTO", "TEST_INITIAL_STEP", "ALGO", "TEST_NODES"]);
     for proto in ["LL", "LL128", "Simple"] {
         broadcast_arange(&env, devices, proto);
     }
@@ -145,7 +145,7 @@ fn c11(devices: &[Device], ranks_b: &[usize]) {
 /// C11 (B) on the tree: every rank its own test node (with 4 ranks, the double binary tree has a
 /// rank with two children, so the reduce phase combines two receive peers per line).
 fn c11_tree(devices: &[Device]) {
-    let env = Env::clean(&["PROTO", "TEST_INITIAL_STEP", "ALGO", "TEST_NODES"]);
+    let env = Staged::clean(&["PROTO", "TEST_INITIAL_STEP", "ALGO", "TEST_NODES"]);
     for start in [(1u64 << 31) - 64, (1u64 << 32) - 64, 2 * ((1u64 << 31) - 1) - 64] {
         for proto in [Proto::Ll, Proto::Ll128] {
             all_reduces_across(&env, devices, proto, start, Some(devices.len()));

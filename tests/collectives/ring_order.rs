@@ -9,7 +9,7 @@
 //! test.
 use crate::common;
 
-use common::env::Env;
+use common::env::{Env, Staged};
 use common::topo::rotate;
 use oxccl::bootstrap::get_unique_id;
 use oxccl::graph::{ChannelRings, global_rings};
@@ -18,13 +18,27 @@ use oxccl::{Comm, DataType, Device, Func, RedOp};
 /// `NCCL_TOPO_FILE` set to the fixture `file` and `NCCL_MAX_NCHANNELS` to `nch` (their `OXCCL_`
 /// spellings unset) while the guard lives.
 fn set_topo(file: &str, nch: u32) -> Env {
-    let path = common::topo::fixture(file);
-    let env = Env::clean(&["TOPO_FILE", "MAX_NCHANNELS"]);
-    env.set(&[
-        ("NCCL_TOPO_FILE", path.to_str().unwrap()),
-        ("NCCL_MAX_NCHANNELS", &nch.to_string()),
-    ]);
+    let env = Env::clean(TOPO_VARS);
+    let (path, nch) = topo_values(file, nch);
+    env.set(&[("NCCL_TOPO_FILE", &path), ("NCCL_MAX_NCHANNELS", &nch)]);
     env
+}
+
+/// [`set_topo`]'s variables staged for the communicators the helpers create (tests that create
+/// theirs only through `common::init_all` and the matrix).
+fn stage_topo(file: &str, nch: u32) -> Staged {
+    let env = Staged::clean(TOPO_VARS);
+    let (path, nch) = topo_values(file, nch);
+    env.set(&[("NCCL_TOPO_FILE", &path), ("NCCL_MAX_NCHANNELS", &nch)]);
+    env
+}
+
+const TOPO_VARS: &[&str] = &["TOPO_FILE", "MAX_NCHANNELS"];
+
+/// The values of `NCCL_TOPO_FILE` (the fixture `file`) and `NCCL_MAX_NCHANNELS`.
+fn topo_values(file: &str, nch: u32) -> (String, String) {
+    let path = common::topo::fixture(file);
+    (path.to_str().unwrap().to_string(), nch.to_string())
 }
 
 /// 8 PCIe GPUs over two sockets, two per PCI switch, with ranks interleaved across the switches
@@ -54,7 +68,7 @@ fn check_comm_rings(comms: &[Comm], rings: &[Vec<usize>]) {
 
 #[test]
 fn init_all_follows_pcie_ring_and_collectives_stay_exact() {
-    let _env = set_topo("pcie-8gpu-interleaved-topo.xml", 4);
+    let _env = stage_topo("pcie-8gpu-interleaved-topo.xml", 4);
     let devices = Device::cpus(8);
     let comms = common::init_all(&devices).unwrap();
     check_comm_rings(&comms, &vec![PCIE_RING.to_vec(); 4]);
@@ -65,7 +79,7 @@ fn init_all_follows_pcie_ring_and_collectives_stay_exact() {
 #[test]
 fn init_all_per_channel_mesh_rings_and_collectives_stay_exact() {
     // 8 channels: channels 6 and 7 repeat searched channels 0 and 1 (NCCL's duplication).
-    let _env = set_topo("nvlink-mesh-4gpu-topo.xml", 8);
+    let _env = stage_topo("nvlink-mesh-4gpu-topo.xml", 8);
     let devices = Device::cpus(4);
     let comms = common::init_all(&devices).unwrap();
     let want: Vec<Vec<usize>> = (0..8).map(|c| MESH_RINGS[c % 6].to_vec()).collect();
@@ -80,7 +94,7 @@ fn init_all_per_channel_mesh_rings_and_collectives_stay_exact() {
 /// only to as many CPU ranks as the file has GPUs).
 #[test]
 fn other_rank_count_keeps_rank_order() {
-    let _env = set_topo("pcie-8gpu-interleaved-topo.xml", 2);
+    let _env = stage_topo("pcie-8gpu-interleaved-topo.xml", 2);
     let comms = common::init_all(&Device::cpus(3)).unwrap();
     check_comm_rings(&comms, &vec![vec![0, 1, 2]; 2]);
 }

@@ -8,7 +8,7 @@
 //! errors. GPU runs are in `gpu_collectives`.
 use crate::common;
 
-use common::env::Env;
+use common::env::{Env, Staged};
 use common::{BACK, FRONT, sentinel};
 use oxccl::{Comm, DataType, Device, DeviceBuffer, Error, Stream};
 
@@ -115,7 +115,7 @@ fn all_to_all(comms: &[Comm], block: usize, what: &str) {
 
 #[test]
 fn shifted_exchanges_are_exact_for_every_size_and_rank_count() {
-    let _env = Env::clean(VARS);
+    let _env = Staged::clean(VARS);
     for n in [2usize, 3, 5] {
         let comms = common::init_all(&Device::cpus(n)).unwrap();
         for (count, dtype) in [(0, DataType::F32), (1, DataType::U8), (3, DataType::F16), (1025, DataType::F32), (4099, DataType::F8E5M2), ((1 << 18) + 3, DataType::F64)] {
@@ -133,10 +133,10 @@ fn all_to_all_groups_over_p2p_shm_and_net() {
         (&[("NCCL_P2P_DISABLE", "1")][..], "SHM"),
         (&[("NCCL_P2P_DISABLE", "1"), ("NCCL_SHM_DISABLE", "1")][..], "NET"),
     ] {
-        let env = Env::clean(VARS);
+        let env = Staged::clean(VARS);
         env.set(vars);
         let n = if name == "NET" { 3 } else { 4 };
-        let comms = Comm::init_all(&Device::cpus(n)).unwrap();
+        let comms = common::init_all(&Device::cpus(n)).unwrap();
         for block in [0usize, 5, 4096 + 7, 600_000] {
             all_to_all(&comms, block, name);
         }
@@ -157,7 +157,7 @@ fn sends_take_ll_up_to_the_threshold_and_stay_exact_across_the_ll_flag_wrap() {
         ("NET", &[("NCCL_P2P_DISABLE", "1"), ("NCCL_SHM_DISABLE", "1")][..]),
     ] {
         for threshold in ["0", "16384", "1048576"] {
-            let env = Env::clean(VARS);
+            let env = Staged::clean(VARS);
             let mut all = vars.to_vec();
             all.extend([
                 ("NCCL_P2P_LL_THRESHOLD", threshold),
@@ -165,7 +165,7 @@ fn sends_take_ll_up_to_the_threshold_and_stay_exact_across_the_ll_flag_wrap() {
                 ("NCCL_LL_BUFFSIZE", "8192"),
             ]);
             env.set(&all);
-            let comms = Comm::init_all(&Device::cpus(3)).unwrap();
+            let comms = common::init_all(&Device::cpus(3)).unwrap();
             let what = |bytes: usize| format!("{transport}, threshold {threshold}, {bytes} bytes");
             for bytes in [1usize, 17, 16384, 16385, 100_000] {
                 for shift in 1..3 {
@@ -181,9 +181,9 @@ fn sends_take_ll_up_to_the_threshold_and_stay_exact_across_the_ll_flag_wrap() {
 
 #[test]
 fn several_channels_per_peer_split_a_transfer_and_keep_it_exact() {
-    let env = Env::clean(VARS);
+    let env = Staged::clean(VARS);
     env.set(&[("NCCL_NCHANNELS_PER_PEER", "3")]);
-    let comms = Comm::init_all(&Device::cpus(3)).unwrap();
+    let comms = common::init_all(&Device::cpus(3)).unwrap();
     for count in [1usize, 47, 100_003] {
         shifted_exchange(&comms, count, DataType::U8, 1, "3 channels per peer");
     }
@@ -730,7 +730,7 @@ fn many_calls_on_one_connection_in_one_group_are_exact_on_ll_and_simple() {
         ("NET", &[("NCCL_P2P_DISABLE", "1"), ("NCCL_SHM_DISABLE", "1")][..]),
     ] {
         for per_peer in ["1", "2"] {
-            let env = Env::clean(VARS);
+            let env = Staged::clean(VARS);
             let mut all = vars.to_vec();
             all.extend([
                 ("NCCL_NCHANNELS_PER_PEER", per_peer),
@@ -738,7 +738,7 @@ fn many_calls_on_one_connection_in_one_group_are_exact_on_ll_and_simple() {
                 ("NCCL_LL_BUFFSIZE", "8192"),
             ]);
             env.set(&all);
-            let comms = Comm::init_all(&Device::cpus(3)).unwrap();
+            let comms = common::init_all(&Device::cpus(3)).unwrap();
             for msgs in [7, 20] {
                 many_calls_per_connection(&comms, msgs, &format!("{transport}, {per_peer} channel(s) per peer, {msgs} messages"));
             }

@@ -18,11 +18,11 @@
 //! bad `OXCCL_TEST_NODES` fails init naming it; without forcing, the cost model picks the tree
 //! for a mid-size AllReduce over 4 nodes and the ring elsewhere; trees and rings interleave on the
 //! same communicator; an abort releases a tree AllReduce stuck on a rank that never called; each
-//! tree peer costs one FIFO. The environment is process-global, so every test holds
-//! `common::env::Env` (one at a time).
+//! tree peer costs one FIFO. The environment is process-global: every test stages its variables
+//! (`common::env::Staged`), set only while the helpers create its communicators.
 use crate::common;
 
-use common::env::Env;
+use common::env::Staged;
 use oxccl::{Algo, DataType, Device, Error, Func, Proto, RedOp};
 
 /// Counts run for every dtype × op: 0 is the no-op, 1..7 are shorter than one 16-byte pack (and
@@ -42,7 +42,7 @@ const VARS: &[&str] = &[
 
 /// The tree matrix on `nnodes` nodes of `per_node` ranks with `nch` channels for every call.
 fn tree_matrix(test: &str, nnodes: usize, per_node: usize, nch: u32) {
-    let env = Env::clean(VARS);
+    let env = Staged::clean(VARS);
     let (nodes, ch) = (nnodes.to_string(), nch.to_string());
     let devices = Device::cpus(nnodes * per_node);
     // One protocol at a time (`common::protos()`: every one, or OXCCL_TEST_PROTOS): the plan of
@@ -105,7 +105,7 @@ fn tree_4_nodes_2_ranks() {
 
 #[test]
 fn tree_on_one_node_is_refused_with_the_reason() {
-    let env = Env::clean(VARS);
+    let env = Staged::clean(VARS);
     // No nodes given, or one node: no trees, so NCCL_ALGO=tree leaves nothing implemented. Every
     // rank refuses before queuing anything.
     for nodes in [None, Some("1")] {
@@ -148,7 +148,7 @@ fn tree_on_one_node_is_refused_with_the_reason() {
 
 #[test]
 fn bad_test_nodes_fail_init_naming_the_variable() {
-    let env = Env::clean(VARS);
+    let env = Staged::clean(VARS);
     for v in ["3", "0", "5", "two", ""] {
         env.set(&[("OXCCL_TEST_NODES", v)]);
         let e = common::init_all(&Device::cpus(4))
@@ -167,7 +167,7 @@ fn bad_test_nodes_fail_init_naming_the_variable() {
 
 #[test]
 fn model_picks_tree_for_mid_sizes_and_both_interleave() {
-    let env = Env::clean(VARS);
+    let env = Staged::clean(VARS);
     env.set(&[("OXCCL_TEST_NODES", "4")]);
     let comms = common::init_all(&Device::cpus(8)).unwrap();
     // The host model (tuning::Model::for_fabric(Host)) on 8 ranks in 4 nodes (tree depth 3): 8
@@ -197,7 +197,7 @@ fn model_picks_tree_for_mid_sizes_and_both_interleave() {
 
 #[test]
 fn abort_releases_a_tree_all_reduce_waiting_for_a_missing_rank() {
-    let env = Env::clean(VARS);
+    let env = Staged::clean(VARS);
     // On each protocol: 4 ranks in 2 nodes; rank 3 never calls, so its parent (rank 2) and
     // everything above wait in the tree's spin loops until the abort flag is seen.
     for proto in [Proto::Ll, Proto::Ll128, Proto::Simple] {
@@ -243,7 +243,7 @@ fn abort_releases_a_tree_all_reduce_waiting_for_a_missing_rank() {
 
 #[test]
 fn tree_memory_is_one_fifo_per_tree_peer() {
-    let env = Env::clean(VARS);
+    let env = Staged::clean(VARS);
     let ring_only = common::init_all(&Device::cpus(2)).unwrap()[0].device_memory_bytes();
     env.set(&[("OXCCL_TEST_NODES", "2")]);
     let comms = common::init_all(&Device::cpus(2)).unwrap();
@@ -278,7 +278,7 @@ fn three_children_per_rank_on_every_protocol() {
         .max()
         .unwrap();
     assert_eq!(widest, 3, "{trees:?}");
-    let env = Env::clean(VARS);
+    let env = Staged::clean(VARS);
     let devices = Device::cpus(8);
     for proto in common::protos() {
         env.set(&[

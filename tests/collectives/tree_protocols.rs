@@ -14,11 +14,12 @@
 //!
 //! Inputs are small integers chosen per operator so that every reduction is exact in any order
 //! (see [`value`]); every rank's output must equal the expected bytes bit for bit (so the ranks
-//! agree bitwise too). The environment is process-global: every test holds `common::env::Env`
-//! (one at a time); each test also runs under a stall watchdog.
+//! agree bitwise too). The environment is process-global: every test stages its variables
+//! (`common::env::Staged`), set only while the helpers create its communicators; each test also
+//! runs under a stall watchdog.
 use crate::common;
 
-use common::env::Env;
+use common::env::Staged;
 use half::{bf16, f16};
 use oxccl::graph::{Pattern, Tree, double_binary_tree};
 use oxccl::{Algo, Choice, Comm, DataType, Device, DeviceBuffer, Func, Proto, RedOp, Stream};
@@ -327,7 +328,7 @@ fn run(
 
 /// Sets the tree environment: `NCCL_ALGO=tree`, `NCCL_PROTO=proto` (unless `None`), `nodes` test
 /// nodes, `nch` channels (min = max) unless 0, plus `extra`.
-fn tree_env(env: &Env, proto: Option<&str>, nodes: usize, nch: u32, extra: &[(&str, &str)]) {
+fn tree_env(env: &Staged, proto: Option<&str>, nodes: usize, nch: u32, extra: &[(&str, &str)]) {
     let (nodes, ch) = (nodes.to_string(), nch.to_string());
     let mut vars = vec![("NCCL_ALGO", "tree"), ("OXCCL_TEST_NODES", nodes.as_str())];
     if let Some(p) = proto {
@@ -358,7 +359,7 @@ const COUNTS: &[usize] = &[0, 1, 2, 3, 7, 15, 16, 17, 119, 120, 121, 1023];
 
 #[test]
 fn every_dtype_op_and_odd_count() {
-    let env = Env::clean(VARS);
+    let env = Staged::clean(VARS);
     let wd = watchdog("every_dtype_op_and_odd_count");
     // 4 ranks as 2 nodes of 2, 2 channels: each tree has a root with two children (its chain's
     // second rank and the other node's head) and a chain of depth 2 below the other head.
@@ -403,7 +404,7 @@ fn every_dtype_op_and_odd_count() {
 
 #[test]
 fn smallest_fifos_one_step_per_chunk() {
-    let env = Env::clean(VARS);
+    let env = Staged::clean(VARS);
     let wd = watchdog("smallest_fifos_one_step_per_chunk");
     // The smallest accepted sizes (host/params.rs): NCCL_LL_BUFFSIZE ≥ 64 × FIFO_STEPS × 16 =
     // 8192 bytes (8 slots of 64 lines: 512 data bytes per step), NCCL_LL128_BUFFSIZE ≥ 8 ×
@@ -452,7 +453,7 @@ fn smallest_fifos_one_step_per_chunk() {
 /// loops never let a rounded chunk exceed `chunk_elems` (`coll::loop_chunk`).
 #[test]
 fn odd_line_fifo_in_place_is_exact_on_tree_and_ring() {
-    let env = Env::clean(VARS);
+    let env = Staged::clean(VARS);
     let wd = watchdog("odd_line_fifo_in_place_is_exact_on_tree_and_ring");
     let mut faults = Vec::new();
     for (proto, var, size) in [
@@ -502,7 +503,7 @@ fn odd_line_fifo_in_place_is_exact_on_tree_and_ring() {
 
 #[test]
 fn odd_line_fifo_out_of_place_is_exact() {
-    let env = Env::clean(VARS);
+    let env = Staged::clean(VARS);
     let wd = watchdog("odd_line_fifo_out_of_place_is_exact");
     // The FIFOs of the fault above (65 LL lines, 9 LL128 lines per step), out of place, where the
     // overlapping chunks recompute the same values: exact on the tree over 4 ranks in 2 nodes,
@@ -549,7 +550,7 @@ fn max_arity(nranks: usize, nnodes: usize) -> usize {
 
 #[test]
 fn channel_counts_and_node_shapes() {
-    let env = Env::clean(VARS);
+    let env = Staged::clean(VARS);
     let wd = watchdog("channel_counts_and_node_shapes");
     // (ranks, nodes): one rank per node (binary trees only), chains of 2, 3 and 4 ranks.
     // (ranks, nodes, most children of any rank): one rank per node (binary trees only), chains of
@@ -639,7 +640,7 @@ fn counts_for(c: &Comm, wanted: &[(Algo, Proto)]) -> Vec<Option<usize>> {
 
 #[test]
 fn tree_and_ring_protocols_interleave_back_to_back() {
-    let env = Env::clean(VARS);
+    let env = Staged::clean(VARS);
     let wd = watchdog("tree_and_ring_protocols_interleave_back_to_back");
     // 8 ranks in 4 nodes of 2. With NCCL_ALGO=tree the model picks among tree LL, LL128 and
     // Simple by size; with nothing forced, among the ring and the tree. Each communicator runs its
@@ -723,7 +724,7 @@ fn tree_and_ring_protocols_interleave_back_to_back() {
 
 #[test]
 fn ll_flag_wrap_with_changing_protocols() {
-    let env = Env::clean(VARS);
+    let env = Staged::clean(VARS);
     let wd = watchdog("ll_flag_wrap_with_changing_protocols");
     // Connections start a few steps below the LL flag period (2^31 − 1: flags wrap to 1 and the
     // last 8 steps of the period clean their slots), below 2^32 and below the second period.
@@ -775,7 +776,7 @@ fn ll_flag_wrap_with_changing_protocols() {
 
 #[test]
 fn abort_releases_calls_waiting_for_the_root() {
-    let env = Env::clean(VARS);
+    let env = Staged::clean(VARS);
     let wd = watchdog("abort_releases_calls_waiting_for_the_root");
     // 6 ranks in 3 nodes of 2, 3 channels: rank 0 heads node 0, the root of tree 0 and interior
     // in tree 1 (odd node count); it never calls. A one-element call: its children wait to send
