@@ -278,10 +278,12 @@ pub fn run_block_threads(bid: u32, nthreads: u32, kind: TeamKind, body: impl Fn(
 /// turn; a fiber runs until it waits (a barrier, a warp exchange, a spin-wait), then the next
 /// one runs, and a fiber waiting at a barrier is skipped until that barrier moves. Once a round
 /// of the block saw a fiber spin-wait (for memory another host thread writes), the host thread
-/// yields its core; after a few rounds in which every fiber only spin-waited, it sleeps briefly.
+/// yields its core; after a few rounds in which every fiber only spin-waited, it sleeps briefly
+/// while the working blocks fill the cores.
 mod fiber {
     use super::{Barrier, THREAD, Team};
     use core::cell::Cell;
+    use core::sync::atomic::{AtomicU32, Ordering};
     use corosensei::stack::DefaultStack;
     use corosensei::{Coroutine, CoroutineResult, Yielder};
     use std::sync::Mutex;
@@ -292,14 +294,26 @@ mod fiber {
     /// Stacks kept for reuse by later blocks.
     const POOLED_STACKS: usize = 4096;
     /// Rounds in a row in which every resumed fiber only spin-waited (for memory another host
-    /// thread writes), after which the host thread sleeps for [`IDLE_SLEEP`] between rounds
-    /// instead of yielding: a yielding thread stays runnable, so many idle blocks of the ranks
-    /// sharing few cores kept taking turns with the ones that had work. Measured on the 2-core
-    /// machine: the `collectives` test binary 243 s with yields only, 210-211 s with sleeps after
-    /// 4 (20 µs) or 8 (50 µs) idle rounds.
+    /// thread writes), after which a block counts as idle. An idle block's host thread sleeps for
+    /// [`IDLE_SLEEP`] between rounds instead of yielding while at least as many blocks as the
+    /// machine has cores are working ([`WORKING`]): a yielding thread stays runnable, so with
+    /// more blocks than cores (the test suite's ranks) the idle ones kept taking turns with the
+    /// ones that had work; with fewer, a sleep only delays the block's reply. Measured on the
+    /// 2-core machine: the `collectives` test binary 243 s with yields only, 195 s sleeping at
+    /// every idle round, 196 s sleeping only while the working blocks fill the cores; `perf
+    /// all-reduce --backend cpu --ranks 2` at 8 bytes 70-110 µs with yields only, 150-180 µs
+    /// sleeping at every idle round, 51-57 µs sleeping only while the cores are full.
     const IDLE_ROUNDS_BEFORE_SLEEP: u32 = 4;
     /// The sleep of an idle block's host thread (Linux's default timer slack makes it about 70 µs).
     const IDLE_SLEEP: std::time::Duration = std::time::Duration::from_micros(20);
+    /// Fiber blocks of this process that are running and not idle.
+    static WORKING: AtomicU32 = AtomicU32::new(0);
+
+    /// The cores this process may run on.
+    fn cores() -> u32 {
+        static CORES: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+        *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get() as u32))
+    }
 
     /// A fiber stack between uses.
     struct Pooled(DefaultStack);
@@ -416,8 +430,11 @@ mod fiber {
         // A round that resumed no fiber (every live one parked: the block cannot go on, as on
         // a GPU) resumes all of them in the next, as if none were parked.
         let mut force = false;
-        // Rounds in a row in which every resumed fiber spin-waited.
+        // Rounds in a row in which every resumed fiber spin-waited, and whether that made the
+        // block idle (it then no longer counts in `WORKING`).
         let mut idle_rounds = 0u32;
+        let mut idle = false;
+        WORKING.fetch_add(1, Ordering::Relaxed);
         while live > 0 {
             SPUN.with(|c| c.set(0));
             let mut resumed = false;
@@ -450,11 +467,21 @@ mod fiber {
             } else {
                 idle_rounds = 0;
             }
-            if idle_rounds >= IDLE_ROUNDS_BEFORE_SLEEP {
+            if idle_rounds >= IDLE_ROUNDS_BEFORE_SLEEP && !idle {
+                idle = true;
+                WORKING.fetch_sub(1, Ordering::Relaxed);
+            } else if idle_rounds == 0 && idle {
+                idle = false;
+                WORKING.fetch_add(1, Ordering::Relaxed);
+            }
+            if idle && WORKING.load(Ordering::Relaxed) >= cores() {
                 std::thread::sleep(IDLE_SLEEP);
             } else if spins > 0 || force {
                 std::thread::yield_now();
             }
+        }
+        if !idle {
+            WORKING.fetch_sub(1, Ordering::Relaxed);
         }
         YIELDER.with(|c| c.set(core::ptr::null()));
         THREAD.with(|t| t.set((0, core::ptr::null())));
