@@ -959,6 +959,35 @@ mod tests {
         }
     }
 
+    /// Back-to-back exchanges, each with new values, never read a value of another exchange
+    /// (the two sets of slots alternate; host-thread lanes race each other here).
+    #[test]
+    fn back_to_back_shuffles_and_votes_see_only_their_own_round() {
+        for kind in KINDS {
+            let wrong = AtomicUsize::new(0);
+            let ok = run_block_threads(0, 64, kind, |tid| {
+                let lane = tid % WARP;
+                for round in 0..300u32 {
+                    let mask = 1 << (round % 5);
+                    // SAFETY: every thread of the team runs the same exchanges.
+                    let got = unsafe { shfl_xor(round * 1000 + tid, mask) };
+                    if got != round * 1000 + (tid - lane + (lane ^ mask)) {
+                        wrong.fetch_add(1, Ordering::Relaxed);
+                    }
+                    // Only lane `round % 32` of warp `round % 2` votes true.
+                    // SAFETY: as above.
+                    let any = unsafe { vote_any(lane == round % WARP && tid / WARP == round % 2) };
+                    if any != (tid / WARP == round % 2) {
+                        wrong.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+                true
+            });
+            assert!(ok, "{kind:?}");
+            assert_eq!(wrong.load(Ordering::Relaxed), 0, "{kind:?}");
+        }
+    }
+
     /// A vote is true on every lane of a warp exactly when one of its lanes voted true, and
     /// never sees the other warp's votes.
     #[test]
