@@ -50,9 +50,10 @@ impl Drop for Lock {
     }
 }
 
-/// Restores saved variables (the caller holds the lock exclusively).
+/// Restores saved variables, last saved first, so a name saved twice gets its first value back
+/// (the caller holds the lock exclusively).
 fn restore(saved: &[(String, Option<OsString>)]) {
-    for (k, v) in saved {
+    for (k, v) in saved.iter().rev() {
         // SAFETY: the caller holds the environment lock exclusively.
         unsafe {
             match v {

@@ -1,7 +1,8 @@
 //! Environment parameters (CASES.md C12): bad values are rejected at init with InvalidArgument
 //! naming the variable; odd values are rounded and still give exact results. Environment
 //! variables are process-global, so everything runs serially in one #[test] holding
-//! `common::env::Env`, and the variables are restored afterwards (even on failure).
+//! `common::env::Env`, and the variables are restored afterwards (even on failure). A second test
+//! checks the helpers' staged variables (`common::env::Staged`), which the long collective tests use.
 
 use crate::common;
 
@@ -287,4 +288,25 @@ fn env_params_serial() {
     drop(dog);
     drop(env);
     eprintln!("env_params_serial: {:.2?}", t0.elapsed());
+}
+
+/// The test helpers' staged variables (`common::env::Staged`): set while a helper holds the
+/// environment lock (`common::env::shared`), the value found before back afterwards, also for a
+/// name both cleared and set (saved twice, restored last saved first).
+#[test]
+fn staged_variables_are_set_only_while_a_helper_holds_the_lock() {
+    use common::env::{Staged, set_for_the_process, shared};
+    let read = || {
+        let _hold = shared();
+        std::env::var("OXCCL_STAGED_PROBE").ok()
+    };
+    set_for_the_process("OXCCL_STAGED_PROBE", "before");
+    let staged = Staged::clean(&["STAGED_PROBE"]);
+    assert_eq!(read(), None, "cleared while held");
+    staged.set(&[("OXCCL_STAGED_PROBE", "staged")]);
+    for _ in 0..2 {
+        assert_eq!(read().as_deref(), Some("staged"), "set while held");
+    }
+    drop(staged);
+    assert_eq!(read().as_deref(), Some("before"), "restored after every hold");
 }
