@@ -23,8 +23,8 @@
 //! `ncclCommGetAsyncError`. Ranks of an `init_all` (`ncclCommInitAll`, or a group holding every
 //! rank of an id) have no barrier and need no clique.
 use crate::types::{ncclComm, ncclComm_t, ncclResult_t};
-use std::cell::RefCell;
 use oxccl::{Comm, DataType, Device, Error, Result, Scalar, Stream};
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -255,8 +255,8 @@ thread_local! {
 }
 
 thread_local! {
-    static RECENT: std::cell::RefCell<Recent> = const {
-        std::cell::RefCell::new(Recent { epoch: u64::MAX, live: Vec::new() })
+    static RECENT: RefCell<Recent> = const {
+        RefCell::new(Recent { epoch: u64::MAX, live: Vec::new() })
     };
 }
 

@@ -437,15 +437,13 @@ mod fiber {
         WORKING.fetch_add(1, Ordering::Relaxed);
         while live > 0 {
             SPUN.with(|c| c.set(0));
-            let mut resumed = false;
-            let mut nresumed = 0u32;
+            let mut resumed = 0u32;
             for (slot, park) in fibers.iter_mut().zip(parked.iter_mut()) {
                 let Some(f) = slot else { continue };
                 if !force && still_parked(*park) {
                     continue;
                 }
-                resumed = true;
-                nresumed += 1;
+                resumed += 1;
                 // `PARKED` is empty here (taken after every resume): only a `park` fills it.
                 let step = f.resume(());
                 *park = PARKED.with(|p| p.take());
@@ -460,9 +458,9 @@ mod fiber {
                     }
                 }
             }
-            force = !resumed;
+            force = resumed == 0;
             let spins = SPUN.with(|c| c.get());
-            if resumed && spins == nresumed {
+            if resumed > 0 && spins == resumed {
                 idle_rounds += 1;
             } else {
                 idle_rounds = 0;
