@@ -1,31 +1,38 @@
-//! The call-signature check (beyond NCCL; `OXCCL_CHECK_CALLS=1` on the host), at the start of a
-//! checked collective's kernel: block 0 gathers every rank's [`CallSig`] of the call over ring
-//! channel 0 on the LL protocol (a ring AllGather of 32 bytes per rank, a step of four LL lines
-//! per hop, over the FIFOs the collectives use, so it runs over every transport) and compares
-//! them, while the other blocks wait for its verdict ([`CheckDesc::done`]). Every rank holds the
-//! same signatures and reaches the same verdict: on a mismatch each writes them to its
-//! host-visible [`CheckReport`] and sets [`DevComm::aborted`] to [`CALL_MISMATCH`], so no block
-//! of this call — nor of any later kernel — touches a buffer. A call of count 0 runs the check
-//! alone (`oxccl_check_call`). The host side is `comm/call_check.rs`.
+//! The call-signature check (beyond NCCL; `OXCCL_CHECK_CALLS=1` on the host), inside a checked
+//! collective's kernel: one block more than the call's channels, the last, gathers every rank's
+//! [`CallSig`] of the call over the first peer channel on the LL protocol (a ring AllGather of
+//! 32 bytes per rank, a step of four LL lines per hop, over FIFOs no collective uses, so it runs
+//! over every transport, beside the call's data) and compares them. Meanwhile the call's blocks
+//! move its data; each waits for the verdict ([`CheckDesc::done`]) at its [`gate`], before its
+//! first write to a user buffer — its output, or a peer's through a direct send — so the check
+//! overlaps the call's first hops. Every rank holds the same signatures and reaches the same
+//! verdict: on a mismatch each writes them to its host-visible [`CheckReport`] and sets
+//! [`DevComm::aborted`] to [`CALL_MISMATCH`]; the gated blocks stop at their gate, the blocks
+//! waiting on a FIFO see `aborted` in their abort polls, and no block of this call — nor of any
+//! later kernel — writes a user buffer. A call of count 0 runs the check alone
+//! (`oxccl_check_call`). The host side is `comm/call_check.rs`.
 use crate::abi::{
-    CALL_MISMATCH, CALL_SIG_WORDS, CHECK_HALTED, CallSig, CheckDesc, CheckReport, DevChannel, DevComm, DevRedOp, Proto,
+    CALL_MISMATCH, CALL_SIG_WORDS, CHECK_DIFFERENT, CHECK_HALTED, CallSig, CheckDesc, CheckReport, DevChannel, DevComm,
+    DevRedOp, Proto, SMEM_GATE,
 };
 use crate::arch;
-use crate::coll::RingCtx;
 use crate::proto::Primitives;
 use crate::proto::fan::Peers;
 use crate::proto::ll::Ll;
 use crate::reduce::{FuncSum, OpArgs};
 
-/// Block `bid` of a checked call's kernel: block 0 checks the call ([`check_call`]), the others
-/// wait for its verdict; with [`crate::abi::CHECK_VERDICT_ONLY`] in `desc`, every block only
-/// honours the verdict of the check kernel that ran before. Returns whether the call may go on (the same answer for every thread of
-/// the block). The waiting blocks rely on block 0 running meanwhile, as every oxccl kernel
-/// relies on its blocks and its peers' being resident together (a grid of at most one block per
-/// channel, fewer than the GPU's multiprocessors).
+/// Block `bid` of a checked call's kernel of `nblocks` blocks: the last block checks the call
+/// ([`check_call`]) and has no share of its data; every other block arms its [`gate`] and goes
+/// on to move data, waiting for the verdict only before its first write to a user buffer. With
+/// [`crate::abi::CHECK_VERDICT_ONLY`] in `desc`, every block only honours the verdict of the
+/// check kernel that ran before. Returns whether the block goes on to the call's works (the
+/// same answer for every thread of the block). The gates rely on the checking block running
+/// meanwhile, as every oxccl kernel relies on its blocks and its peers' being resident together
+/// (a grid of at most one block per channel and the checking block, fewer than the GPU's
+/// multiprocessors).
 ///
 /// # Safety
-/// As [`check_call`] for block 0; every thread of the block calls this.
+/// As [`check_call`] for the last block; every thread of the block calls this.
 #[cfg_attr(target_arch = "nvptx64", inline(always))]
 pub unsafe fn checked(
     comm: u64,
@@ -43,11 +50,77 @@ pub unsafe fn checked(
             // Checked by the check kernel before this one: every block honours its verdict.
             let comm = &*(comm as *const DevComm);
             !block_bool(tid == 0 && !same_verdict(comm), tid, smem)
-        } else if bid == 0 {
-            check_call(comm, desc, sig, nblocks > 1, tid, nthreads, smem)
+        } else if nblocks < 2 {
+            // No block to spare (a launch the host does not make): check, then move the data.
+            check_call(comm, desc, sig, false, tid, nthreads, smem)
+        } else if bid == nblocks - 1 {
+            check_call(comm, desc, sig, true, tid, nthreads, smem);
+            false
         } else {
-            await_verdict(comm, desc, sig[0], tid, smem)
+            arm_gate(comm, desc, sig[0], tid, smem);
+            true
         }
+    }
+}
+
+/// Arms the block's gate for the check of call `seq` (its words at [`SMEM_GATE`] in shared
+/// memory: the descriptor, the number, the comm block), visible to every thread after the
+/// barrier.
+///
+/// # Safety
+/// Every thread of the block calls it; `smem` is the kernel's shared memory.
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
+unsafe fn arm_gate(comm: u64, desc: u64, seq: u64, tid: u32, smem: *mut u32) {
+    // SAFETY: caller contract: the gate's three words lie inside the kernel's shared memory,
+    // 8-byte aligned, used by nothing else.
+    unsafe {
+        let g = smem.byte_add(SMEM_GATE) as *mut u64;
+        if tid == 0 {
+            g.write_volatile(desc);
+            g.add(1).write_volatile(seq);
+            g.add(2).write_volatile(comm);
+        }
+        arch::sync_threads();
+    }
+}
+
+/// The gate's word once the verdict said stop (descriptor addresses are 8-byte aligned).
+const GATE_SHUT: u64 = u64::MAX;
+
+/// The gate before a block's first write to a user buffer (its own output, or a peer's through
+/// a direct send) in a checked call's kernel: whether the block may write. The first pass waits
+/// for the checking block's verdict; later ones cost a shared-memory load. Every thread of the
+/// block calls it at the same point of the algorithm (`RingCtx::gate`, which skips it in an
+/// unchecked kernel, whose shared memory holds no gate).
+///
+/// # Safety
+/// Every thread of the block calls it; `smem` is the kernel's shared memory, whose gate words
+/// this block armed ([`checked`]).
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
+pub unsafe fn gate(tid: u32, smem: *mut u32) -> bool {
+    // SAFETY: caller contract (as `arm_gate`); the gate's word changes only between the two
+    // barriers below, which every thread reaches.
+    unsafe {
+        let g = smem.byte_add(SMEM_GATE) as *mut u64;
+        let desc = g.read_volatile();
+        if desc == 0 {
+            return true;
+        }
+        if desc == GATE_SHUT {
+            return false;
+        }
+        // Every thread has read the word before thread 0 rewrites it.
+        arch::sync_threads();
+        if tid == 0 {
+            let go = await_verdict(
+                &*(g.add(2).read_volatile() as *const DevComm),
+                desc as *const CheckDesc,
+                g.add(1).read_volatile(),
+            );
+            g.write_volatile(if go { 0 } else { GATE_SHUT });
+        }
+        arch::sync_threads();
+        g.read_volatile() == 0
     }
 }
 
@@ -97,15 +170,18 @@ unsafe fn same_verdict(comm: &DevComm) -> bool {
 
 /// Checks the call of signature `sig` on this block: gathers every rank's signature, compares
 /// (every thread, as the signatures arrive), sets `DevComm::aborted` on a mismatch and, when
-/// other blocks of the launch wait for the verdict (`waiters`), publishes it (`desc.done =
-/// sig[0]`, after `DevComm::aborted`). Returns whether the call may go on (the same answer for
+/// other blocks of the launch wait for the verdict (`waiters`), publishes it in `desc.done`
+/// (after `DevComm::aborted`). The gather is a ring AllGather over the communicator's first
+/// peer channel (the point-to-point channel at distance 1: its send connection goes to rank
+/// `rank + 1`, its receive connection comes from `rank − 1`), which no collective uses, so it
+/// runs beside the call's own channels. Returns whether the call may go on (the same answer for
 /// every thread of the block).
 ///
 /// # Safety
-/// `comm` is a set-up [`DevComm`] with at least one ring channel whose connections have LL
-/// buffers; `desc` its [`CheckDesc`]; `smem` is the kernel's shared memory; every thread of the
-/// block calls this; every rank of the communicator runs the check of its call of the same
-/// number.
+/// `comm` is a set-up [`DevComm`] of at least two ranks, whose first peer channel (index
+/// `nchannels`) has LL buffers; `desc` its [`CheckDesc`]; `smem` is the kernel's shared
+/// memory; every thread of the block calls this; every rank of the communicator runs the check
+/// of its call of the same number.
 #[cfg_attr(target_arch = "nvptx64", inline(always))]
 pub unsafe fn check_call(
     comm: u64,
@@ -120,14 +196,30 @@ pub unsafe fn check_call(
     // SAFETY: caller contract.
     let comm = unsafe { &*comm_ptr };
     let d = desc as *mut CheckDesc;
+    // The verdict for the launch's gated blocks, which act on its flags alone: an agreement is
+    // stored at once (nothing before it needs ordering, and a fence here would wait for the
+    // gather's stores into the peer's FIFO); a stop after `DevComm::aborted`, at GPU scope.
+    let publish = |flags: u64| {
+        if tid == 0 && waiters {
+            // SAFETY: the descriptor is this rank's (caller contract).
+            unsafe {
+                if flags != 0 {
+                    arch::fence_acq_rel_gpu();
+                }
+                arch::store_volatile_u64(&raw mut (*d).done, sig[0] | flags);
+            }
+        }
+    };
     // After a mismatch every rank skips its later checks alike, so no rank waits for a gather
     // its peers never start. (Device memory only: a host-mapped read here would put a PCIe round
     // trip before every checked call; an abort stops the gather's waits instead.)
     // SAFETY: caller contract.
     if unsafe { block_bool(tid == 0 && arch::load_volatile_u32(&raw const comm.aborted) != 0, tid, smem) } {
+        publish(CHECK_HALTED);
         return false;
     }
-    let n = comm.nranks as usize;
+    let n = comm.nranks as u64;
+    let me = comm.rank as u64;
     // SAFETY: the descriptor is valid (caller contract); the host wrote these fields at init.
     let (board, report) = unsafe { ((*d).board as *mut u64, (*d).report as *mut u64) };
     // Thread 0 keeps rank `r`'s signature in row `r` of the board.
@@ -143,15 +235,9 @@ pub unsafe fn check_call(
     // Every thread receives every signature (`recv_words`), so every thread compares them as
     // they arrive and reaches the same verdict without reading the board back.
     let mut same = true;
-    // SAFETY: caller contract: channel 0 exists with its ring and LL connections.
+    // SAFETY: caller contract: the first peer channel exists with LL connections.
     let aborted = unsafe {
-        let channel = comm.channels as *mut DevChannel;
-        let ring = RingCtx {
-            nranks: n as u64,
-            user_ranks: (*channel).ring.user_ranks as *const u32,
-            channel: 0,
-            nchannels: 1,
-        };
+        let channel = (comm.channels as *mut DevChannel).add(comm.nchannels as usize);
         let mut p = Ll::<u64, FuncSum>::new(
             tid,
             nthreads,
@@ -159,21 +245,21 @@ pub unsafe fn check_call(
             comm.buff_sizes[Proto::Ll as usize],
             board,
             board,
-            comm.abort_flag,
+            comm_ptr as u64,
             smem,
             OpArgs::new(DevRedOp::Sum, 0),
         );
         // A ring AllGather of one signature per rank, a step of four LL lines per hop: at hop
-        // `j` this rank passes on the signature of the rank `j - 1` hops upstream (its own
-        // first) and receives that of the rank `j` hops upstream from its previous rank.
+        // `j` this rank passes on the signature of rank `me − (j − 1)` (its own first) and
+        // receives that of rank `me − j` from rank `me − 1`.
         let mut cur = *sig;
-        put(ring.user_rank(0), &cur);
-        for j in 1..n as u64 {
+        put(me, &cur);
+        for j in 1..n {
             p.send_words(&cur);
             let Some(got) = p.recv_words::<CALL_SIG_WORDS>() else {
                 break;
             };
-            put(ring.user_rank(n as u64 - j), &got);
+            put((me + n - j) % n, &got);
             // Word by word (an array `==` is a `bcmp` of the parameter's address, which puts
             // the whole kernel parameter in local memory).
             for k in 0..CALL_SIG_WORDS {
@@ -182,28 +268,25 @@ pub unsafe fn check_call(
             cur = got;
         }
         let aborted = p.aborted();
+        if !aborted && same {
+            // The gated blocks go on as soon as the last signature is in.
+            publish(0);
+        }
         p.finish();
         aborted
     };
     // `aborted` is the block's (an abort seen by any thread reaches all through the LL
-    // primitives' shared word): after one, the board may be partial and no verdict is given;
-    // the call's other blocks learn it from here (they do not read the host's abort flag).
-    if tid == 0 && aborted && waiters {
-        // SAFETY: the descriptor is this rank's (caller contract).
-        unsafe {
-            arch::fence_acq_rel_gpu();
-            arch::store_volatile_u64(&raw mut (*d).done, sig[0] | CHECK_HALTED);
-        }
-    }
-    if tid == 0 && !aborted {
-        let header = core::mem::size_of::<CheckReport>() / 8;
-        // SAFETY: the report holds its header and `n` signatures (caller contract); the board
-        // rows were written by this thread during the gather; the comm block and the
-        // descriptor are this rank's, which its kernels may write (through the raw addresses,
-        // not `comm`).
-        unsafe {
-            if !same {
-                for i in 0..n * CALL_SIG_WORDS {
+    // primitives' shared word): after one, the board may be partial and no verdict is given.
+    if aborted {
+        publish(CHECK_HALTED);
+    } else {
+        if tid == 0 && !same {
+            let header = core::mem::size_of::<CheckReport>() / 8;
+            // SAFETY: the report holds its header and `n` signatures (caller contract); the
+            // board rows were written by this thread during the gather; the comm block is this
+            // rank's, which its kernels may write (through the raw address, not `comm`).
+            unsafe {
+                for i in 0..n as usize * CALL_SIG_WORDS {
                     arch::store_volatile_u64(report.add(header + i), board.add(i).read_volatile());
                 }
                 arch::store_volatile_u32(&raw mut (*comm_ptr).aborted, CALL_MISMATCH);
@@ -212,12 +295,9 @@ pub unsafe fn check_call(
                 // graph (number 0).
                 arch::store_release_sys_u64(report, if sig[0] == 0 { 1 } else { sig[0] });
             }
-            if waiters {
-                // The verdict for the call's other blocks, all on this GPU: `aborted` (set above
-                // or not) before it, at GPU scope.
-                arch::fence_acq_rel_gpu();
-                arch::store_volatile_u64(&raw mut (*d).done, sig[0]);
-            }
+        }
+        if !same {
+            publish(CHECK_DIFFERENT);
         }
     }
     // The block's shared memory is the collective's from here: every thread is past the
@@ -227,45 +307,38 @@ pub unsafe fn check_call(
     !aborted && same
 }
 
-/// A block other than the checking one: waits until block 0 has published the verdict of call
-/// `seq` — a verdict, or that its check stopped on an abort — or until `DevComm::aborted` says a
-/// mismatch stopped the communicator (block 0 then skips the check); whether the call may go on.
-/// Only device memory is polled: an abort reaches these blocks through block 0, whose gather
-/// watches the host's abort flag as every primitive does (the flag itself is looked at only
-/// every 65,536th look, a safety net).
+/// Thread 0 of a gated block: waits until the checking block has published the verdict of
+/// call `seq` — the calls agree, differ, or the check stopped on an abort — or until
+/// `DevComm::aborted` says the communicator stopped; whether the call may go on. Device memory
+/// is polled, the host's abort flag only every 65,536th look (a safety net: an abort reaches
+/// the verdict through the checking block's gather, which watches the flag as every primitive
+/// does).
 ///
 /// # Safety
-/// As [`check_call`].
+/// `desc` is the communicator's descriptor.
 #[cfg_attr(target_arch = "nvptx64", inline(always))]
-unsafe fn await_verdict(comm: u64, desc: u64, seq: u64, tid: u32, smem: *mut u32) -> bool {
-    // SAFETY: caller contract.
-    let comm = unsafe { &*(comm as *const DevComm) };
-    let d = desc as *const CheckDesc;
-    let mut go = false;
-    if tid == 0 {
-        let mut spins = 0u32;
-        loop {
-            // SAFETY: valid descriptor and flags (caller contract).
-            unsafe {
-                let done = arch::load_volatile_u64(&raw const (*d).done);
-                if done & !CHECK_HALTED >= seq {
-                    arch::fence_acq_rel_gpu();
-                    go = done & CHECK_HALTED == 0 && same_verdict(comm);
-                    break;
-                }
-                if spins % 64 == 63 && !same_verdict(comm) {
-                    break;
-                }
-                if spins % 65_536 == 65_535 && stopped(comm) {
-                    break;
-                }
+unsafe fn await_verdict(comm: &DevComm, desc: *const CheckDesc, seq: u64) -> bool {
+    let flags = CHECK_HALTED | CHECK_DIFFERENT;
+    let mut spins = 0u32;
+    loop {
+        // SAFETY: valid descriptor and flags (caller contract).
+        unsafe {
+            let done = arch::load_volatile_u64(&raw const (*desc).done);
+            if done & !flags >= seq {
+                // The verdict's flags say it all (a stop is published after
+                // `DevComm::aborted`); the gate orders the block's writes after this load.
+                return done & flags == 0;
             }
-            spins = spins.wrapping_add(1);
-            // Up to a channel's worth of blocks poll one word while block 0 gathers: each
-            // pauses between looks, so their reads do not crowd the gather's.
-            arch::nanosleep(if spins < 16 { 32 } else { 256 });
+            if spins % 64 == 63 && !same_verdict(comm) {
+                return false;
+            }
+            if spins % 65_536 == 65_535 && stopped(comm) {
+                return false;
+            }
         }
+        spins = spins.wrapping_add(1);
+        // Up to a channel's worth of blocks poll one word while the checking block gathers:
+        // each pauses between looks, so their reads do not crowd the gather's.
+        arch::nanosleep(if spins < 1024 { 32 } else { 256 });
     }
-    // SAFETY: every thread of the block calls it.
-    unsafe { block_bool(go, tid, smem) }
 }

@@ -130,20 +130,23 @@ pub unsafe fn run_kernel<T: Elem, Op: RedFn<T>, const FUNC: u8, const ALGO: u8, 
     nthreads: u32,
     smem: *mut u32,
 ) {
-    // The call-signature check first, when on: block 0 checks, the others wait for it; after
-    // a mismatch nothing is read or written (`crate::check`).
+    // The call-signature check, when on: the last block checks the call while the others
+    // move its data, each waiting for the verdict before its first write to a user buffer;
+    // after a mismatch no user buffer is written (`crate::check`).
     if args.check != 0 {
-        // The launch's blocks: the grid on the GPU; on the CPU target the largest channel count
-        // of its works, the grid the host launches.
+        // The launch's blocks: the grid on the GPU; on the CPU target the grid the host
+        // launches.
         #[cfg(target_arch = "nvptx64")]
         let nblocks = crate::arch::grid_dim();
         #[cfg(not(target_arch = "nvptx64"))]
-        let nblocks = (0..args.works()).map(|i| args.work_at(i).nchannels as u32).max().unwrap_or(1);
+        let nblocks = crate::abi::launch_blocks(args);
         // SAFETY: caller contract (a checked call's descriptor and signature).
         if !unsafe { crate::check::checked(args.comm, args.check, &args.sig, bid, nblocks, tid, nthreads, smem) } {
             return;
         }
     }
+    // The call's blocks pass the check's gate before their first write to a user buffer.
+    let gated = args.check != 0 && args.check & crate::abi::CHECK_VERDICT_ONLY == 0;
     // Only LL launches carry several works (`proto_batches`): the other protocols' bodies see
     // one work, read at constant parameter offsets.
     let n = if crate::abi::proto_batches(Proto::from_u8(PROTO).unwrap_or(Proto::Simple)) {
@@ -168,7 +171,7 @@ pub unsafe fn run_kernel<T: Elem, Op: RedFn<T>, const FUNC: u8, const ALGO: u8, 
         }
         if bid < w.nchannels as u32 {
             // SAFETY: forwarded caller contract.
-            unsafe { run_work::<T, Op, FUNC, ALGO, PROTO>(args.comm, &w, bid, tid, nthreads, smem) };
+            unsafe { run_work::<T, Op, FUNC, ALGO, PROTO>(args.comm, &w, gated, bid, tid, nthreads, smem) };
         }
         i += 1;
     }
@@ -185,6 +188,7 @@ pub unsafe fn run_kernel<T: Elem, Op: RedFn<T>, const FUNC: u8, const ALGO: u8, 
 unsafe fn run_work<T: Elem, Op: RedFn<T>, const FUNC: u8, const ALGO: u8, const PROTO: u8>(
     comm: u64,
     w: &WorkColl,
+    gated: bool,
     bid: u32,
     tid: u32,
     nthreads: u32,
@@ -208,7 +212,7 @@ unsafe fn run_work<T: Elem, Op: RedFn<T>, const FUNC: u8, const ALGO: u8, const 
             crate::arch::trap()
         }
         // SAFETY: forwarded caller contract.
-        unsafe { run_tree::<T, Op>(comm, w, bid, tid, nthreads, smem, op_args, proto) };
+        unsafe { run_tree::<T, Op>(comm, w, gated, bid, tid, nthreads, smem, op_args, proto) };
         return;
     }
     // SAFETY: caller contract.
@@ -219,6 +223,7 @@ unsafe fn run_work<T: Elem, Op: RedFn<T>, const FUNC: u8, const ALGO: u8, const 
             user_ranks: (*channel).ring.user_ranks as *const u32,
             channel: bid as u64,
             nchannels: w.nchannels as u64,
+            gated,
         };
         match proto {
             Proto::Simple => {
@@ -300,7 +305,7 @@ unsafe fn ring_ll<T: Elem, Op: RedFn<T>, const FUNC: u8>(
             comm.buff_sizes[Proto::Ll as usize],
             w.sendbuff as *const T,
             w.recvbuff as *mut T,
-            comm.abort_flag,
+            comm as *const DevComm as u64,
             smem,
             op_args,
         )
@@ -339,7 +344,7 @@ unsafe fn ring_ll128<T: Elem, Op: RedFn<T>, const FUNC: u8>(
             comm.buff_sizes[Proto::Ll128 as usize],
             w.sendbuff as *const T,
             w.recvbuff as *mut T,
-            comm.abort_flag,
+            comm as *const DevComm as u64,
             smem,
             op_args,
         )
@@ -444,6 +449,7 @@ fn run_ring<T, P: Primitives>(p: &mut P, ring: &RingCtx, comm: &DevComm, w: &Wor
 unsafe fn run_tree<T: Elem, Op: RedFn<T>>(
     comm: &DevComm,
     w: &WorkColl,
+    gated: bool,
     bid: u32,
     tid: u32,
     nthreads: u32,
@@ -462,7 +468,7 @@ unsafe fn run_tree<T: Elem, Op: RedFn<T>>(
     let esize = core::mem::size_of::<T>() as u64;
     let (input, output) = (w.sendbuff as *const T, w.recvbuff as *mut T);
     let buff = comm.buff_sizes[proto as usize];
-    let (abort, count, chunk) = (comm.abort_flag, w.count, w.chunk_elems);
+    let (abort, count, chunk) = (comm as *const DevComm as u64, w.count, w.chunk_elems);
     // SAFETY: caller contract: channel `bid` has a set-up tree.
     unsafe {
         let tree = (comm.trees as *mut DevTree).add(bid as usize);
@@ -471,6 +477,7 @@ unsafe fn run_tree<T: Elem, Op: RedFn<T>>(
             down0: (*tree).down[0],
             channel: bid as u64,
             nchannels: w.nchannels as u64,
+            gated,
         };
         // Each phase loads its connections, runs, and stores their steps back; the broadcast
         // phase starts only when the reduce phase was not aborted.

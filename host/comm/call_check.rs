@@ -9,10 +9,12 @@
 //! later call that differs from its peers'; when every later call is the same, the ranks wait
 //! for the missing one, which `OXCCL_TIMEOUT` then names.
 //!
-//! How: at the start of the call's own kernel ([`oxccl_gpu::check`]), block 0 gathers every
-//! rank's 32-byte [`CallSig`] over ring channel 0 on the LL protocol and compares them while the
-//! other blocks wait for its verdict; so it costs one small AllGather's latency per call, adds
-//! no kernel, and runs over every transport. Every rank gets the same signatures and the same
+//! How: inside the call's own kernel ([`oxccl_gpu::check`]), one block more than the call's
+//! channels gathers every rank's 32-byte [`CallSig`] over the first peer channel (which no
+//! collective uses) on the LL protocol and compares them, while the call's blocks move its data
+//! and wait for the verdict only before their first write to a user buffer; so the check's
+//! small AllGather overlaps the call's first hops, adds no kernel, and runs over every
+//! transport. Every rank gets the same signatures and the same
 //! verdict: on a mismatch each rank's kernels, this call's and every later one's, exit before
 //! touching a buffer, and [`Comm::get_async_error`] and every later call return `InvalidUsage`
 //! naming each group of ranks with the call it issued and the fields that differ. With the check

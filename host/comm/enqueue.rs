@@ -278,7 +278,7 @@ impl Comm {
                 "a launch of works of different kernel entries, or a checked launch of several works".into(),
             ));
         }
-        let grid = (0..nworks).map(|i| args.work_at(i).nchannels as u32).max().unwrap_or(1).max(1);
+        let grid = oxccl_gpu::abi::launch_blocks(&args);
         self.launches.fetch_add(1, Ordering::AcqRel);
         match (&self.res, stream) {
             (Res::Cuda(res), Stream::Cuda(s)) => {

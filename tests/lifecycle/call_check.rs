@@ -162,6 +162,20 @@ fn ranks_that_issued_different_calls_fail_every_rank_naming_them() {
             "operator",
         ),
     );
+    // Reduce on four ranks over two channels, one rank with another count. Only the root writes
+    // a user buffer, so only it waits for the verdict; the others keep passing data on until
+    // their peers stop feeding their FIFOs, and leave at the mismatch (`DevComm::aborted`).
+    let red = |count: usize| Call(Func::Reduce, count, 0, RedOp::Sum);
+    let red_text =
+        |count: usize| format!("reduce call #1 ({count} × float, op sum, root 0; ring/Simple on 2 channels)");
+    diverged(
+        &cpus(4),
+        &[red(big), red(big), red(big), red(big - 4096)],
+        &message(
+            &format!("ranks 0-2 issued {}; rank 3 issued {}", red_text(big), red_text(big - 4096)),
+            "count",
+        ),
+    );
     // A call of count 0 (a no-op in NCCL, still checked) against a real one, on four ranks.
     diverged(
         &cpus(4),

@@ -30,8 +30,13 @@ pub const DEFAULT_NTHREADS: u32 = 512;
 pub const MIN_NTHREADS: u32 = 64;
 pub const MAX_NTHREADS: u32 = 1024;
 pub const WARP_SIZE: u32 = 32;
-/// Bytes of kernel shared memory the kernel declares (see `arch::kernel_shared_mem`).
-pub const KERNEL_SMEM_BYTES: usize = 128;
+/// Bytes of kernel shared memory the kernel declares (see `arch::kernel_shared_mem`): the
+/// primitives' words, then the call check's gate at [`SMEM_GATE`].
+pub const KERNEL_SMEM_BYTES: usize = 160;
+/// Byte offset in the kernel's shared memory of the call check's gate (`crate::check::Gate`:
+/// three `u64`), which no primitive uses.
+pub const SMEM_GATE: usize = 128;
+const _: () = assert!(SMEM_GATE + 24 <= KERNEL_SMEM_BYTES);
 /// `WorkColl::redop_flags` bit: PreMulSum's scalar is device-resident (NCCL's
 /// `ncclScalarDevice`): `redop_arg` is its address, read by the kernel when it runs.
 pub const REDOP_SCALAR_DEVICE: u8 = 1;
@@ -411,7 +416,7 @@ pub const fn kernel_args_bytes(nworks: usize) -> usize {
 
 /// The kernel entry point (and PTX module) of the call-signature check alone
 /// (`OXCCL_CHECK_CALLS=1`), for a call of count 0, which has no kernel of its own: one block
-/// checks the call as a collective kernel's block 0 does ([`crate::check`]).
+/// checks the call as a collective kernel's checking block does ([`crate::check`]).
 pub const CHECK_KERNEL_NAME: &str = "oxccl_check_call";
 
 /// Words of one call's signature ([`CallSig`]).
@@ -436,15 +441,33 @@ pub struct CheckDesc {
     pub board: u64,
     /// Host-visible [`CheckReport`] followed by `nranks` signatures: written only on a mismatch.
     pub report: u64,
-    /// The call number whose check this rank finished last, with [`CHECK_HALTED`] set when
-    /// that check stopped on an abort: written by the checking block only when other blocks of
-    /// its launch wait for the verdict (a launch of several blocks), which they do on this.
+    /// The verdict on the call number whose check this rank finished last: the number, with
+    /// [`CHECK_HALTED`] set when that check stopped on an abort or found the communicator
+    /// stopped by an earlier mismatch, and with [`CHECK_DIFFERENT`] set when the ranks' calls
+    /// differ. Written by the checking block of a collective's kernel, which the kernel's other
+    /// blocks read at their gate (`crate::check::gate`).
     pub done: u64,
 }
 
-/// The bit of [`CheckDesc::done`] saying the check of that call stopped on an abort (no
-/// verdict; the call's other blocks stop too).
+/// The bit of [`CheckDesc::done`] saying the check of that call stopped on an abort, or found
+/// the communicator stopped (no verdict; the call's other blocks stop too).
 pub const CHECK_HALTED: u64 = 1 << 63;
+/// The bit of [`CheckDesc::done`] saying the ranks issued different calls (the call's other
+/// blocks stop before they write a user buffer).
+pub const CHECK_DIFFERENT: u64 = 1 << 62;
+
+/// Blocks of a launch of `args`: one per channel of its widest work, plus the checking block of
+/// a call checked inside its own kernel (the last block: [`KernelArgs::check`] set without
+/// [`CHECK_VERDICT_ONLY`]), which gathers the signatures while the others move data. Host side
+/// (a kernel reads its grid instead: indexing `more` would copy the parameter).
+#[cfg(not(target_arch = "nvptx64"))]
+pub fn launch_blocks(args: &KernelArgs) -> u32 {
+    let mut grid = 1u32;
+    for i in 0..args.works() {
+        grid = grid.max(args.work_at(i).nchannels as u32);
+    }
+    grid + u32::from(args.check != 0 && args.check & CHECK_VERDICT_ONLY == 0)
+}
 
 /// Flag bit of [`KernelArgs::check`] (descriptor addresses are 8-byte aligned): the call was
 /// checked by the check kernel just before it on its stream ([`CHECK_KERNEL_NAME`]), and the

@@ -24,6 +24,10 @@ pub fn ring<P: Primitives>(
         esize,
         #[cfg_attr(target_arch = "nvptx64", inline(always))]
         |off, len| {
+            // Every verb writes an output (the call check's gate first).
+            if !r.gate(p) {
+                return false;
+            }
             if me == root {
                 if in_place {
                     p.direct_send(off, off, len);

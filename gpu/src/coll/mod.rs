@@ -1,6 +1,8 @@
 //! Collective algorithms: ring and tree schedules over chunks, written only in terms of
 //! the [`crate::proto::Primitives`] verbs. Mirrors NCCL's `all_reduce.h`, `broadcast.h`, ...
 
+use crate::proto::Primitives;
+
 pub mod all_gather;
 pub mod all_reduce;
 pub mod broadcast;
@@ -18,9 +20,20 @@ pub struct RingCtx {
     /// This block's channel and the channel count of the operation.
     pub channel: u64,
     pub nchannels: u64,
+    /// Whether the kernel is a checked call's whose checking block runs beside this one: the
+    /// block passes its gate before its first write to a user buffer ([`RingCtx::gate`]).
+    pub gated: bool,
 }
 
 impl RingCtx {
+    /// The call check's gate ([`Primitives::gate`]) where the kernel has one, else open: every
+    /// algorithm calls it before its first verb that writes a user buffer. False when the call
+    /// must stop.
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
+    pub fn gate<P: Primitives>(&self, p: &mut P) -> bool {
+        !self.gated || p.gate()
+    }
+
     /// User rank `k` hops downstream of us.
     #[cfg_attr(target_arch = "nvptx64", inline(always))]
     pub fn user_rank(&self, k: u64) -> u64 {

@@ -143,7 +143,7 @@ unsafe fn ll<const NR: usize, const NS: usize>(
             size,
             buff,
             buff,
-            comm.abort_flag,
+            comm as *const DevComm as u64,
             smem,
             copy_args(),
         )

@@ -23,9 +23,17 @@ pub struct TreeCtx {
     /// This block's channel and the channel count of the operation.
     pub channel: u64,
     pub nchannels: u64,
+    /// As [`super::RingCtx::gated`].
+    pub gated: bool,
 }
 
 impl TreeCtx {
+    /// As [`super::RingCtx::gate`].
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
+    pub fn gate<P: Primitives>(&self, p: &mut P) -> bool {
+        !self.gated || p.gate()
+    }
+
     /// Offset and length (elements, the length possibly 0) of this channel's chunk in the loop
     /// iteration that starts at `grid_off` (the grid loop of [`super::channel_chunks`], written
     /// out here because a closure the compiler does not inline would keep the primitives in GPU
@@ -52,6 +60,10 @@ pub fn all_reduce_up<P: Primitives>(p: &mut P, t: &TreeCtx, count: u64, chunk_el
     while grid_off < count {
         let (off, len) = t.chunk(grid_off, count, chunk_elems, esize);
         if t.up == -1 {
+            // The phase's only write to a user buffer (the call check's gate first).
+            if !t.gate(p) {
+                return;
+            }
             p.recv_reduce_copy(off, off, len, true);
         } else if t.down0 == -1 {
             p.send(off, len);
@@ -80,6 +92,10 @@ pub fn all_reduce_down<P: Primitives + SendFromOutput>(
     let mut grid_off = 0u64;
     while grid_off < count {
         let (off, len) = t.chunk(grid_off, count, chunk_elems, esize);
+        // Every rank but the root writes its output (the call check's gate first).
+        if !t.gate(p) {
+            return;
+        }
         if t.up == -1 {
             p.send_from_output(off, len);
         } else if t.down0 == -1 {

@@ -11,7 +11,7 @@
 //! GPU and nothing lands in local memory.
 use super::each_peer;
 use crate::abi::{
-    ConnInfo, DevChannel, DevTree, FIFO_STEPS, MAX_TREE_ARITY, Proto, SPINS_BEFORE_CHECK_ABORT,
+    ConnInfo, DevChannel, DevComm, DevTree, FIFO_STEPS, MAX_TREE_ARITY, Proto, SPINS_BEFORE_CHECK_ABORT,
 };
 use crate::arch;
 
@@ -52,11 +52,24 @@ impl Peers {
     }
 }
 
-/// Whether the abort flag (0 or a valid address) is raised.
+/// Whether the communicator whose comm block is at `comm` (0: none) was stopped: its abort flag
+/// (host-mapped memory: `Comm::abort`, a timeout, a failed peer) or its [`DevComm::aborted`]
+/// (device memory: a call check's mismatch, or `Comm::abort` of a group with direct
+/// connections). Polled by every spin loop of the primitives.
 #[cfg_attr(target_arch = "nvptx64", inline(always))]
-pub fn abort_raised(flag: *const u32) -> bool {
-    // SAFETY: `flag` is 0 or valid (the primitives' constructor contract).
-    !flag.is_null() && unsafe { arch::load_volatile_u32(flag) } != 0
+pub fn abort_raised(comm: *const DevComm) -> bool {
+    if comm.is_null() {
+        return false;
+    }
+    // SAFETY: `comm` is a valid comm block (the primitives' constructor contract), whose abort
+    // flag is 0 or valid.
+    unsafe {
+        if arch::load_volatile_u32(&raw const (*comm).aborted) != 0 {
+            return true;
+        }
+        let flag = (*comm).abort_flag as *const u32;
+        !flag.is_null() && arch::load_volatile_u32(flag) != 0
+    }
 }
 
 /// Device-side state of one connection for the duration of a kernel; `B` is the protocol's line
@@ -174,7 +187,7 @@ impl<B, const NR: usize, const NS: usize> Fan<B, NR, NS> {
     /// Thread 0 waits for a free slot on every send peer, then the block learns whether to abort
     /// (through `smem[0]`); true to go on.
     #[cfg_attr(target_arch = "nvptx64", inline(always))]
-    pub fn wait_send_credit(&self, tid: u32, smem: *mut u32, abort_flag: *const u32) -> bool {
+    pub fn wait_send_credit(&self, tid: u32, smem: *mut u32, comm: *const DevComm) -> bool {
         if tid == 0 {
             let mut ok = true;
             each_peer::<NS>(|i| {
@@ -188,7 +201,7 @@ impl<B, const NR: usize, const NS: usize> Fan<B, NR, NS> {
                     spins += 1;
                     if spins == SPINS_BEFORE_CHECK_ABORT {
                         spins = 0;
-                        if abort_raised(abort_flag) {
+                        if abort_raised(comm) {
                             ok = false;
                             break;
                         }

@@ -13,7 +13,7 @@
 //! to be mistaken for a new one (NCCL's `NCCL_LL_CLEAN_MASK` cleanup).
 use super::fan::{Fan, Peers, abort_raised};
 use super::{Primitives, balanced_step, each_peer};
-use crate::abi::{FIFO_STEPS, LlFifoLine, MAX_TREE_ARITY, Proto, SPINS_BEFORE_CHECK_ABORT};
+use crate::abi::{DevComm, FIFO_STEPS, LlFifoLine, MAX_TREE_ARITY, Proto, SPINS_BEFORE_CHECK_ABORT};
 use crate::arch::{self, Pack};
 use crate::reduce::{Elem, OpArgs, RedFn, div_pack, pre_pack};
 use core::marker::PhantomData;
@@ -47,7 +47,8 @@ pub struct LlFan<T, Op, const NR: usize, const NS: usize> {
     conns: Fan<LlFifoLine, NR, NS>,
     /// Lines per step (slot).
     step_lines: u64,
-    abort_flag: *const u32,
+    /// The communicator's comm block, whose abort flag and `aborted` the spin loops poll.
+    comm: *const DevComm,
     smem: *mut u32,
     aborted: bool,
     /// Avg's post-division and PreMulSum's scalar.
@@ -142,7 +143,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> LlFan<T, Op, NR, N
         buff_size: u64,
         input: *const T,
         output: *mut T,
-        abort_flag: u64,
+        comm: u64,
         smem: *mut u32,
         op_args: OpArgs,
     ) -> Self {
@@ -154,7 +155,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> LlFan<T, Op, NR, N
             // SAFETY: forwarded caller contract.
             conns: unsafe { Fan::load(tid, smem, peers, Proto::Ll) },
             step_lines: buff_size / FIFO_STEPS / core::mem::size_of::<LlFifoLine>() as u64,
-            abort_flag: abort_flag as *const u32,
+            comm: comm as *const DevComm,
             smem,
             aborted: false,
             op_args,
@@ -190,7 +191,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> LlFan<T, Op, NR, N
             spins += 1;
             if spins == SPINS_BEFORE_CHECK_ABORT {
                 spins = 0;
-                if abort_raised(self.abort_flag) {
+                if abort_raised(self.comm) {
                     return None;
                 }
             }
@@ -207,7 +208,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> LlFan<T, Op, NR, N
     /// Thread 0 waits for a free slot on every send peer; then the block learns whether to abort.
     #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn wait_send_credit(&mut self) -> bool {
-        self.aborted = !self.conns.wait_send_credit(self.tid, self.smem, self.abort_flag);
+        self.aborted = !self.conns.wait_send_credit(self.tid, self.smem, self.comm);
         !self.aborted
     }
 
@@ -512,6 +513,15 @@ fn combine<T: Elem, Op: RedFn<T>>(args: &OpArgs, a: u64, b: u64) -> u64 {
 }
 
 impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Primitives for LlFan<T, Op, NR, NS> {
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
+    fn gate(&mut self) -> bool {
+        // SAFETY: every thread of the block runs the verbs alike (`aborted` is the block's);
+        // `smem` is the kernel's shared memory.
+        if !self.aborted && !unsafe { crate::check::gate(self.tid, self.smem) } {
+            self.aborted = true;
+        }
+        !self.aborted
+    }
     #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn send(&mut self, src: u64, n: u64) {
         self.generic_op::<false, true, true, false>(src, 0, n, false, u64::MAX)

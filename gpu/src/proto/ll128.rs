@@ -19,7 +19,7 @@
 use super::fan::{Fan, Peers, abort_raised};
 use super::ll::{load_partial, store_partial};
 use super::{Primitives, balanced_step, each_peer};
-use crate::abi::{FIFO_STEPS, MAX_TREE_ARITY, Proto, SPINS_BEFORE_CHECK_ABORT};
+use crate::abi::{DevComm, FIFO_STEPS, MAX_TREE_ARITY, Proto, SPINS_BEFORE_CHECK_ABORT};
 use crate::arch::{self, Pack};
 use crate::reduce::{Elem, OpArgs, RedFn, div_pack, pre_pack};
 use crate::unroll;
@@ -86,7 +86,8 @@ pub struct Ll128Fan<T, Op, const NR: usize, const NS: usize> {
     conns: Fan<u64, NR, NS>,
     /// Lines per step (slot).
     step_lines: u64,
-    abort_flag: *const u32,
+    /// The communicator's comm block, whose abort flag and `aborted` the spin loops poll.
+    comm: *const DevComm,
     smem: *mut u32,
     aborted: bool,
     /// Avg's post-division and PreMulSum's scalar.
@@ -121,7 +122,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
         buff_size: u64,
         input: *const T,
         output: *mut T,
-        abort_flag: u64,
+        comm: u64,
         smem: *mut u32,
         op_args: OpArgs,
     ) -> Self {
@@ -133,7 +134,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
             // SAFETY: forwarded caller contract.
             conns: unsafe { Fan::load(tid, smem, peers, Proto::Ll128) },
             step_lines: buff_size / FIFO_STEPS / LL128_LINE_BYTES,
-            abort_flag: abort_flag as *const u32,
+            comm: comm as *const DevComm,
             smem,
             aborted: false,
             op_args,
@@ -192,7 +193,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
             if spins == SPINS_BEFORE_CHECK_ABORT {
                 spins = 0;
                 // SAFETY: as above; every lane takes the same branch.
-                if unsafe { arch::vote_any(abort_raised(self.abort_flag)) } {
+                if unsafe { arch::vote_any(abort_raised(self.comm)) } {
                     return false;
                 }
             }
@@ -241,7 +242,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
             if spins == SPINS_BEFORE_CHECK_ABORT {
                 spins = 0;
                 // SAFETY: as above; every lane takes the same branch.
-                if unsafe { arch::vote_any(abort_raised(self.abort_flag)) } {
+                if unsafe { arch::vote_any(abort_raised(self.comm)) } {
                     return false;
                 }
             }
@@ -298,7 +299,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
     /// Thread 0 waits for a free slot on every send peer; then the block learns whether to abort.
     #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn wait_send_credit(&mut self) -> bool {
-        self.aborted = !self.conns.wait_send_credit(self.tid, self.smem, self.abort_flag);
+        self.aborted = !self.conns.wait_send_credit(self.tid, self.smem, self.comm);
         !self.aborted
     }
 
@@ -536,6 +537,15 @@ fn part_bytes(line: u64, part: u64, nbytes: u64) -> (u64, u64, u64) {
 }
 
 impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Primitives for Ll128Fan<T, Op, NR, NS> {
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
+    fn gate(&mut self) -> bool {
+        // SAFETY: every thread of the block runs the verbs alike (`aborted` is the block's);
+        // `smem` is the kernel's shared memory.
+        if !self.aborted && !unsafe { crate::check::gate(self.tid, self.smem) } {
+            self.aborted = true;
+        }
+        !self.aborted
+    }
     #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn send(&mut self, src: u64, n: u64) {
         self.generic_op::<false, true, true, false>(src, 0, n, false)

@@ -34,6 +34,11 @@ pub trait Primitives {
     fn copy_send(&mut self, src: u64, dst: u64, n: u64);
     /// True once the communicator's abort flag was seen; every verb is then a no-op.
     fn aborted(&self) -> bool;
+    /// The call check's gate ([`crate::check::gate`]): every algorithm calls it before its first
+    /// verb that writes a user buffer (its output, or a peer's through a direct send). False
+    /// when the call must stop (a mismatch or an abort): every verb is then a no-op, as after an
+    /// abort. Called only in a checked call's kernel (`crate::coll::RingCtx::gate`).
+    fn gate(&mut self) -> bool;
 
     // Direct verbs (NCCL's `directSend`, `directRecv`, ...): the same data movement, for a send
     // whose receiver only copies the data into its output at offset `dst` (its matching verb is

@@ -289,8 +289,14 @@ impl<T: Elem, Op: RedFn<T>> Simple<T, Op> {
             if spins == SPINS_BEFORE_CHECK_ABORT {
                 spins = 0;
                 let flag = ctl_get!(self.abort_flag) as *const u32;
-                // SAFETY: the abort flag is 0 or valid (constructor contract).
-                if !flag.is_null() && unsafe { arch::load_volatile_u32(flag) } != 0 {
+                let comm_aborted = ctl_get!(self.comm_aborted) as *const u32;
+                // SAFETY: the abort flag and `comm_aborted` are 0 or valid (constructor
+                // contract). `comm_aborted` stops a block waiting on a FIFO after a call
+                // check's mismatch.
+                if unsafe {
+                    (!comm_aborted.is_null() && arch::load_volatile_u32(comm_aborted) != 0)
+                        || (!flag.is_null() && arch::load_volatile_u32(flag) != 0)
+                } {
                     return false;
                 }
             }
@@ -798,6 +804,15 @@ fn host_share(tid: u32, nthreads: u32, from: u32, to: u32) -> (u32, u32) {
 }
 
 impl<T: Elem, Op: RedFn<T>> Primitives for Simple<T, Op> {
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
+    fn gate(&mut self) -> bool {
+        // SAFETY: every thread of the block runs the verbs alike (`aborted` is the block's);
+        // `smem` is the kernel's shared memory.
+        if !self.aborted && !unsafe { crate::check::gate(self.tid, self.smem) } {
+            self.aborted = true;
+        }
+        !self.aborted
+    }
     #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn send(&mut self, src: u64, n: u64) {
         self.generic_op::<false, true, true, false, false>(src, 0, n, false)

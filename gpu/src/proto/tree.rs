@@ -21,7 +21,7 @@
 use super::simple::{VOLATILE_SYNC, load_src, parse_unroll, read_src};
 use super::{Primitives, each_peer, tree_conns};
 use crate::abi::{
-    ConnInfo, DevTree, FIFO_STEPS, MAX_TREE_ARITY, PACK_BYTES, Proto, SPINS_BEFORE_CHECK_ABORT,
+    ConnInfo, DevComm, DevTree, FIFO_STEPS, MAX_TREE_ARITY, PACK_BYTES, Proto, SPINS_BEFORE_CHECK_ABORT,
 };
 use crate::arch::{self, Pack};
 use crate::reduce::{Elem, OpArgs, RedFn, div_pack, pre_elem, pre_pack};
@@ -93,7 +93,8 @@ pub struct TreeSimple<T, Op, const UP: bool> {
     nsend: usize,
     slot_bytes: u64,
     slice_elems: u64,
-    abort_flag: *const u32,
+    /// The communicator's comm block, whose abort flag and `aborted` the spin loops poll.
+    comm: *const DevComm,
     smem: *mut u32,
     aborted: bool,
     /// Avg's post-division and PreMulSum's scalar.
@@ -126,7 +127,8 @@ impl<T: Elem, Op: RedFn<T>, const UP: bool> TreeSimple<T, Op, UP> {
     /// # Safety
     /// `tree` is a set-up [`DevTree`] whose connections to each present peer have Simple buffers
     /// of `buff_size` bytes; `input`/`output` are valid for every offset the algorithm passes;
-    /// `smem` points at kernel shared memory; `abort_flag` is 0 or a valid flag address. All
+    /// `smem` points at kernel shared memory; `comm` is 0 or the address of the communicator's
+    /// [`DevComm`]. All
     /// threads of the block call it.
     #[allow(clippy::too_many_arguments)]
     #[cfg_attr(target_arch = "nvptx64", inline(always))]
@@ -137,7 +139,7 @@ impl<T: Elem, Op: RedFn<T>, const UP: bool> TreeSimple<T, Op, UP> {
         buff_size: u64,
         input: *const T,
         output: *mut T,
-        abort_flag: u64,
+        comm: u64,
         smem: *mut u32,
         op_args: OpArgs,
         slice_elems: u64,
@@ -174,7 +176,7 @@ impl<T: Elem, Op: RedFn<T>, const UP: bool> TreeSimple<T, Op, UP> {
             nsend: nsend.min(Self::MAX_SEND),
             slot_bytes,
             slice_elems,
-            abort_flag: abort_flag as *const u32,
+            comm: comm as *const DevComm,
             smem,
             aborted: false,
             op_args,
@@ -213,8 +215,7 @@ impl<T: Elem, Op: RedFn<T>, const UP: bool> TreeSimple<T, Op, UP> {
             spins += 1;
             if spins == SPINS_BEFORE_CHECK_ABORT {
                 spins = 0;
-                // SAFETY: `abort_flag` is 0 or valid (constructor contract).
-                if !self.abort_flag.is_null() && unsafe { arch::load_volatile_u32(self.abort_flag) } != 0 {
+                if super::fan::abort_raised(self.comm) {
                     return false;
                 }
             }
@@ -566,6 +567,15 @@ unsafe fn reduce_copy_fan<T: Elem, Op: RedFn<T>>(
 }
 
 impl<T: Elem, Op: RedFn<T>, const UP: bool> Primitives for TreeSimple<T, Op, UP> {
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
+    fn gate(&mut self) -> bool {
+        // SAFETY: every thread of the block runs the verbs alike (`aborted` is the block's);
+        // `smem` is the kernel's shared memory.
+        if !self.aborted && !unsafe { crate::check::gate(self.tid, self.smem) } {
+            self.aborted = true;
+        }
+        !self.aborted
+    }
     #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn send(&mut self, src: u64, n: u64) {
         self.generic_op::<false, true, true, false, false>(src, 0, n, false)
