@@ -18,6 +18,7 @@ pub const CHECK_EVERY: Duration = Duration::from_millis(100);
 
 /// Abort-flag value meaning "another rank failed" (as the proxy and `Comm` use it).
 const ABORTED_BY_PEER: u32 = crate::proxy::ABORTED_BY_PEER;
+use crate::proxy::ABORT_LINE_WHO;
 
 /// Start time of process `pid` (`/proc/<pid>/stat` field 22, clock ticks since boot) and whether
 /// it is a zombie; `None` when there is no such process. A live peer is one whose pid still has
@@ -152,10 +153,10 @@ fn run() {
             // SAFETY: the entry is in the list, so its `Watched` lives and the addresses are
             // valid (`watch`'s contract); dropping a `Watched` takes this lock first.
             unsafe {
-                raise(w.own_line, w.own_line + 4, dead);
+                raise(w.own_line, w.own_line + ABORT_LINE_WHO, dead);
                 raise(w.own_flag, 0, dead);
                 for &line in &w.host_lines {
-                    raise(line, line + 4, dead);
+                    raise(line, line + ABORT_LINE_WHO, dead);
                 }
             }
             false
@@ -184,20 +185,16 @@ mod tests {
         let pid = child.id();
         let start = proc_start(pid).map_or(1, |(t, _)| t);
         child.wait().expect("wait");
-        // Lines: [own flag, own who, host peer flag, host peer who], plus a private flag.
-        let lines = [
-            AtomicU32::new(0),
-            AtomicU32::new(0),
-            AtomicU32::new(0),
-            AtomicU32::new(0),
-        ];
+        // Two abort lines, own and a host peer's: [flag, stop, who, unused] each, plus a private
+        // flag.
+        let lines: [AtomicU32; 8] = std::array::from_fn(|_| AtomicU32::new(0));
         let private = AtomicU32::new(0);
         let addr = |a: &AtomicU32| a.as_ptr() as u64;
         let w = Watch {
             rank: 0,
             own_flag: addr(&private),
             own_line: addr(&lines[0]),
-            host_lines: vec![addr(&lines[2])],
+            host_lines: vec![addr(&lines[4])],
             peers: vec![(3, pid, start)],
         };
         // SAFETY: the atomics outlive the watch (dropped below before them).
@@ -209,7 +206,7 @@ mod tests {
         drop(watched);
         let got: Vec<u32> = lines.iter().map(|a| a.load(Ordering::Acquire)).collect();
         // Flags raised as "aborted by a peer", the raiser recorded as dead rank 3 + 1.
-        assert_eq!(got, vec![ABORTED_BY_PEER, 4, ABORTED_BY_PEER, 4]);
+        assert_eq!(got, vec![ABORTED_BY_PEER, 0, 4, 0, ABORTED_BY_PEER, 0, 4, 0]);
         assert_eq!(private.load(Ordering::Acquire), ABORTED_BY_PEER);
         // Nothing to watch: no entry.
         let none = Watch {

@@ -7,12 +7,12 @@
 //! first write to a user buffer — its output, or a peer's through a direct send — so the check
 //! overlaps the call's first hops. Every rank holds the same signatures and reaches the same
 //! verdict: on a mismatch each writes them to its host-visible [`CheckReport`] and sets
-//! [`DevComm::aborted`] to [`CALL_MISMATCH`]; the gated blocks stop at their gate, the blocks
-//! waiting on a FIFO see `aborted` in their abort polls, and no block of this call — nor of any
-//! later kernel — writes a user buffer. A call of count 0 runs the check alone
+//! [`DevComm::aborted`] and its abort line's stop word to [`CALL_MISMATCH`]; the gated blocks
+//! stop at their gate, the blocks waiting on a FIFO see the stop word in their abort polls, and
+//! no block of this call — nor of any later kernel — writes a user buffer. A call of count 0 runs the check alone
 //! (`oxccl_check_call`). The host side is `comm/call_check.rs`.
 use crate::abi::{
-    CALL_MISMATCH, CALL_SIG_WORDS, CHECK_DIFFERENT, CHECK_HALTED, CallSig, CheckDesc, CheckReport, DevChannel, DevComm,
+    ABORT_LINE_STOP, CALL_MISMATCH, CALL_SIG_WORDS, CHECK_DIFFERENT, CHECK_HALTED, CallSig, CheckDesc, CheckReport, DevChannel, DevComm,
     DevRedOp, Proto, SMEM_GATE,
 };
 use crate::arch;
@@ -153,7 +153,7 @@ unsafe fn stopped(comm: &DevComm) -> bool {
     // SAFETY: valid flag addresses (caller contract).
     unsafe {
         arch::load_volatile_u32(&raw const comm.aborted) != 0
-            || (comm.abort_flag != 0 && arch::load_volatile_u32(comm.abort_flag as *const u32) != 0)
+            || crate::proto::fan::abort_raised(comm.abort_flag as *const u32)
     }
 }
 
@@ -245,7 +245,7 @@ pub unsafe fn check_call(
             comm.buff_sizes[Proto::Ll as usize],
             board,
             board,
-            comm_ptr as u64,
+            comm.abort_flag,
             smem,
             OpArgs::new(DevRedOp::Sum, 0),
         );
@@ -290,6 +290,11 @@ pub unsafe fn check_call(
                     arch::store_volatile_u64(report.add(header + i), board.add(i).read_volatile());
                 }
                 arch::store_volatile_u32(&raw mut (*comm_ptr).aborted, CALL_MISMATCH);
+                // The call's blocks waiting on FIFOs that the peers' gated blocks stop feeding
+                // leave at their next look at the abort line.
+                if comm.abort_flag != 0 {
+                    arch::store_volatile_u32((comm.abort_flag as usize + ABORT_LINE_STOP) as *mut u32, CALL_MISMATCH);
+                }
                 arch::fence_acq_rel_sys();
                 // The report's header says it is written: the call's number, or 1 for a call of a
                 // graph (number 0).

@@ -305,7 +305,7 @@ unsafe fn ring_ll<T: Elem, Op: RedFn<T>, const FUNC: u8>(
             comm.buff_sizes[Proto::Ll as usize],
             w.sendbuff as *const T,
             w.recvbuff as *mut T,
-            comm as *const DevComm as u64,
+            comm.abort_flag,
             smem,
             op_args,
         )
@@ -344,7 +344,7 @@ unsafe fn ring_ll128<T: Elem, Op: RedFn<T>, const FUNC: u8>(
             comm.buff_sizes[Proto::Ll128 as usize],
             w.sendbuff as *const T,
             w.recvbuff as *mut T,
-            comm as *const DevComm as u64,
+            comm.abort_flag,
             smem,
             op_args,
         )
@@ -468,7 +468,7 @@ unsafe fn run_tree<T: Elem, Op: RedFn<T>>(
     let esize = core::mem::size_of::<T>() as u64;
     let (input, output) = (w.sendbuff as *const T, w.recvbuff as *mut T);
     let buff = comm.buff_sizes[proto as usize];
-    let (abort, count, chunk) = (comm as *const DevComm as u64, w.count, w.chunk_elems);
+    let (abort, count, chunk) = (comm.abort_flag, w.count, w.chunk_elems);
     // SAFETY: caller contract: channel `bid` has a set-up tree.
     unsafe {
         let tree = (comm.trees as *mut DevTree).add(bid as usize);

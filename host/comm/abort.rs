@@ -26,8 +26,11 @@ pub(super) const PEER_RUNNING_WAIT: Duration = Duration::from_secs(10);
 /// How long dropping a communicator waits for its last operation before it raises the abort flag.
 pub(super) const DROP_WAIT: Duration = Duration::from_secs(10);
 
-/// Bytes of one rank's line in the shared abort page: the flag its kernels poll (u32 at +0) and
-/// which rank raised it, plus one (u32 at +4). After every rank's line, each rank has a second
+/// Bytes of one rank's line in the shared abort page: the flag its kernels poll (u32 at +0), the
+/// stop word its own kernels raise when the call check finds the ranks' calls different (u32 at
+/// +4, `oxccl_gpu::abi::ABORT_LINE_STOP`; polled with the flag in one 8-byte load, never read or
+/// written by the host), and which rank raised the flag, plus one (u32 at
+/// [`crate::proxy::ABORT_LINE_WHO`]). After every rank's line, each rank has a second
 /// line holding how many calls it has issued (u64 at +0, for the timeout's message:
 /// `comm/timeout.rs`), apart from the flag its GPU kernels read all the time.
 pub(super) const ABORT_LINE_BYTES: usize = 64;
@@ -328,7 +331,7 @@ impl SharedAbort {
         let (flag, who) = unsafe {
             (
                 AtomicU32::from_ptr(self.line(self.rank) as *mut u32).load(Ordering::Acquire),
-                AtomicU32::from_ptr((self.line(self.rank) + 4) as *mut u32).load(Ordering::Acquire),
+                AtomicU32::from_ptr((self.line(self.rank) + crate::proxy::ABORT_LINE_WHO) as *mut u32).load(Ordering::Acquire),
             )
         };
         (flag == ABORTED_BY_PEER && who > 0).then(|| who as usize - 1)
@@ -339,7 +342,7 @@ impl SharedAbort {
         for r in (0..self.nranks).filter(|&r| r != self.rank) {
             // SAFETY: as in `raised_by_peer`.
             unsafe {
-                let _ = AtomicU32::from_ptr((self.line(r) + 4) as *mut u32).compare_exchange(
+                let _ = AtomicU32::from_ptr((self.line(r) + crate::proxy::ABORT_LINE_WHO) as *mut u32).compare_exchange(
                     0,
                     self.rank as u32 + 1,
                     Ordering::AcqRel,

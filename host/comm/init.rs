@@ -459,7 +459,7 @@ impl Comm {
         // (flag, then who raised it) and the host's other ranks' lines.
         let proxy_abort = crate::transport::ProxyAbort {
             flag: page.addr() + (rank * ABORT_LINE_BYTES) as u64,
-            who: page.addr() + (rank * ABORT_LINE_BYTES) as u64 + 4,
+            who: page.addr() + (rank * ABORT_LINE_BYTES) as u64 + crate::proxy::ABORT_LINE_WHO,
             host_lines: (0..nranks)
                 .filter(|&r| r != rank && peers[r].host == peers[rank].host)
                 .map(|r| page.addr() + (r * ABORT_LINE_BYTES) as u64)

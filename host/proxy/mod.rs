@@ -57,6 +57,10 @@ use progress::CommOps;
 /// Abort-flag value the proxy raises: "another rank failed" (the value `Comm` reports as a remote
 /// abort, see `comm/abort.rs`).
 pub const ABORTED_BY_PEER: u32 = 2;
+/// Byte offset in a rank's abort line of the `u32` naming who raised its flag (rank + 1): after
+/// the flag (+0) and the call check's stop word (+4, `oxccl_gpu::abi::ABORT_LINE_STOP`), which
+/// kernels poll together with the flag in one 8-byte load.
+pub const ABORT_LINE_WHO: u64 = 8;
 /// How long unregistering waits for staged steps and close messages to leave.
 const FLUSH_WAIT: Duration = Duration::from_secs(5);
 

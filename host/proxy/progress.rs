@@ -643,7 +643,7 @@ impl CommOps {
                 // SAFETY: the shared abort page outlives the registration (`register`'s contract
                 // covers the whole page); its lines are only accessed atomically.
                 unsafe {
-                    let _ = AtomicU32::from_ptr((line + 4) as *mut u32).compare_exchange(
+                    let _ = AtomicU32::from_ptr((line + super::ABORT_LINE_WHO) as *mut u32).compare_exchange(
                         0,
                         self.rank as u32 + 1,
                         Ordering::AcqRel,

@@ -660,7 +660,7 @@ mod tests {
                             ll128_buffsize: 0,
                             initial_step: 0,
                             abort_flag: abort.addr(),
-                            abort_who: abort.addr() + 4,
+                            abort_who: abort.addr() + crate::proxy::ABORT_LINE_WHO,
                             host_abort_lines: Vec::new(),
                         };
                         // SAFETY: `block` and `abort` outlive `net`, dropped first.

@@ -108,7 +108,7 @@ pub struct RingSetup<'a> {
     pub abort_flag: u64,
     /// Address of the `u32` naming who raised it (rank + 1); 0 when there is none.
     pub abort_who: u64,
-    /// The abort lines (flag at +0, who at +4) of the other ranks of this host, which a failed
+    /// The abort lines (flag at +0, who at [`crate::proxy::ABORT_LINE_WHO`]) of the other ranks of this host, which a failed
     /// NET connection raises too (see [`crate::proxy::ProxyComm::host_abort_lines`]).
     pub host_abort_lines: Vec<u64>,
 }

@@ -246,7 +246,11 @@ pub struct DevComm {
     /// it before its first direct write: a cheap local load, where `abort_flag` is host memory
     /// that dozens of blocks reading at once wait for in turn.
     pub aborted: u32,
-    /// Address of a `u32` in host-mapped memory; non-zero means abort (every spin loop polls it).
+    /// Address of the rank's abort line in host-mapped memory (8-byte aligned, at least 8
+    /// bytes): the abort flag (`u32` at +0, raised by the host: `Comm::abort`, a timeout, a
+    /// failed peer) and the stop word (`u32` at [`ABORT_LINE_STOP`], raised by the rank's own
+    /// call check on a mismatch). Every spin loop polls both with one load; either non-zero
+    /// means stop.
     pub abort_flag: u64,
     /// Address of `nchannels` [`DevChannel`]s.
     pub channels: u64,
@@ -428,8 +432,14 @@ pub const CALL_SIG_WORDS: usize = 4;
 pub type CallSig = [u64; CALL_SIG_WORDS];
 
 /// [`DevComm::aborted`] once a call-signature check found ranks disagreeing: every later kernel
-/// of the communicator exits at once (as on an abort).
+/// of the communicator exits at once (as on an abort). Also the value of the abort line's stop
+/// word then ([`ABORT_LINE_STOP`]), which ends the waits of the call's blocks.
 pub const CALL_MISMATCH: u32 = 2;
+
+/// Byte offset in a rank's abort line ([`DevComm::abort_flag`]) of the stop word: written only by
+/// the rank's call check on a mismatch, so that its blocks waiting on a FIFO its peers stopped
+/// feeding leave as on an abort. The host's abort logic never reads or writes it.
+pub const ABORT_LINE_STOP: usize = 4;
 
 /// A communicator's call-signature check in device memory, written by the host at init except
 /// `done`.

@@ -18,9 +18,7 @@ pub fn ring<P: Primitives>(p: &mut P, r: &RingCtx, count: u64, chunk_elems: u64,
         |chunk_off, len| {
             let out = |owner: u64| chunk_off + owner * count;
             // Every verb writes an output (the call check's gate first).
-            if !r.gate(p) {
-                return false;
-            }
+            r.gate(p);
             // Our own block: to the next rank, and into our output unless it is already there.
             // Every hop ends in the receiver's output at the block's place: direct sends.
             if in_place {

@@ -25,9 +25,7 @@ pub fn ring<P: Primitives>(
         #[cfg_attr(target_arch = "nvptx64", inline(always))]
         |off, len| {
             // Every verb writes an output (the call check's gate first).
-            if !r.gate(p) {
-                return false;
-            }
+            r.gate(p);
             if me == root {
                 if in_place {
                     p.direct_send(off, off, len);

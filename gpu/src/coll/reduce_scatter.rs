@@ -21,9 +21,7 @@ pub fn ring<P: Primitives>(p: &mut P, r: &RingCtx, count: u64, chunk_elems: u64,
                 p.recv_reduce_send(inp(r.user_rank(n - j)), len);
             }
             // The only write to a user buffer (the call check's gate first).
-            if !r.gate(p) {
-                return false;
-            }
+            r.gate(p);
             p.recv_reduce_copy(inp(r.user_rank(0)), chunk_off, len, true);
             !p.aborted()
         },

@@ -143,7 +143,7 @@ unsafe fn ll<const NR: usize, const NS: usize>(
             size,
             buff,
             buff,
-            comm as *const DevComm as u64,
+            comm.abort_flag,
             smem,
             copy_args(),
         )

@@ -61,9 +61,7 @@ pub fn all_reduce_up<P: Primitives>(p: &mut P, t: &TreeCtx, count: u64, chunk_el
         let (off, len) = t.chunk(grid_off, count, chunk_elems, esize);
         if t.up == -1 {
             // The phase's only write to a user buffer (the call check's gate first).
-            if !t.gate(p) {
-                return;
-            }
+            t.gate(p);
             p.recv_reduce_copy(off, off, len, true);
         } else if t.down0 == -1 {
             p.send(off, len);
@@ -93,9 +91,7 @@ pub fn all_reduce_down<P: Primitives + SendFromOutput>(
     while grid_off < count {
         let (off, len) = t.chunk(grid_off, count, chunk_elems, esize);
         // Every rank but the root writes its output (the call check's gate first).
-        if !t.gate(p) {
-            return;
-        }
+        t.gate(p);
         if t.up == -1 {
             p.send_from_output(off, len);
         } else if t.down0 == -1 {

@@ -11,7 +11,7 @@
 //! GPU and nothing lands in local memory.
 use super::each_peer;
 use crate::abi::{
-    ConnInfo, DevChannel, DevComm, DevTree, FIFO_STEPS, MAX_TREE_ARITY, Proto, SPINS_BEFORE_CHECK_ABORT,
+    ConnInfo, DevChannel, DevTree, FIFO_STEPS, MAX_TREE_ARITY, Proto, SPINS_BEFORE_CHECK_ABORT,
 };
 use crate::arch;
 
@@ -52,24 +52,20 @@ impl Peers {
     }
 }
 
-/// Whether the communicator whose comm block is at `comm` (0: none) was stopped: its abort flag
-/// (host-mapped memory: `Comm::abort`, a timeout, a failed peer) or its [`DevComm::aborted`]
-/// (device memory: a call check's mismatch, or `Comm::abort` of a group with direct
-/// connections). Polled by every spin loop of the primitives.
+/// Whether the communicator whose abort line is at `flag` (0: none) was stopped: the line's
+/// abort flag (`u32` at +0: `Comm::abort`, a timeout, a failed peer) or its stop word (`u32` at
+/// [`crate::abi::ABORT_LINE_STOP`]: this rank's call check found the ranks' calls different).
+/// One 8-byte load of host-mapped memory on the GPU (the flag's own load before the stop word
+/// existed, widened: a wider or second load measurably slowed LL128 loops); polled by every
+/// spin loop of the primitives.
 #[cfg_attr(target_arch = "nvptx64", inline(always))]
-pub fn abort_raised(comm: *const DevComm) -> bool {
-    if comm.is_null() {
+pub fn abort_raised(flag: *const u32) -> bool {
+    if flag.is_null() {
         return false;
     }
-    // SAFETY: `comm` is a valid comm block (the primitives' constructor contract), whose abort
-    // flag is 0 or valid.
-    unsafe {
-        if arch::load_volatile_u32(&raw const (*comm).aborted) != 0 {
-            return true;
-        }
-        let flag = (*comm).abort_flag as *const u32;
-        !flag.is_null() && arch::load_volatile_u32(flag) != 0
-    }
+    // SAFETY: `flag` is an 8-byte aligned abort line of at least 8 bytes (the primitives'
+    // constructor contract, `DevComm::abort_flag`).
+    unsafe { arch::load_volatile_u64(flag as *const u64) != 0 }
 }
 
 /// Device-side state of one connection for the duration of a kernel; `B` is the protocol's line
@@ -187,7 +183,7 @@ impl<B, const NR: usize, const NS: usize> Fan<B, NR, NS> {
     /// Thread 0 waits for a free slot on every send peer, then the block learns whether to abort
     /// (through `smem[0]`); true to go on.
     #[cfg_attr(target_arch = "nvptx64", inline(always))]
-    pub fn wait_send_credit(&self, tid: u32, smem: *mut u32, comm: *const DevComm) -> bool {
+    pub fn wait_send_credit(&self, tid: u32, smem: *mut u32, abort_flag: *const u32) -> bool {
         if tid == 0 {
             let mut ok = true;
             each_peer::<NS>(|i| {
@@ -201,7 +197,7 @@ impl<B, const NR: usize, const NS: usize> Fan<B, NR, NS> {
                     spins += 1;
                     if spins == SPINS_BEFORE_CHECK_ABORT {
                         spins = 0;
-                        if abort_raised(comm) {
+                        if abort_raised(abort_flag) {
                             ok = false;
                             break;
                         }

@@ -13,7 +13,7 @@
 //! to be mistaken for a new one (NCCL's `NCCL_LL_CLEAN_MASK` cleanup).
 use super::fan::{Fan, Peers, abort_raised};
 use super::{Primitives, balanced_step, each_peer};
-use crate::abi::{DevComm, FIFO_STEPS, LlFifoLine, MAX_TREE_ARITY, Proto, SPINS_BEFORE_CHECK_ABORT};
+use crate::abi::{FIFO_STEPS, LlFifoLine, MAX_TREE_ARITY, Proto, SPINS_BEFORE_CHECK_ABORT};
 use crate::arch::{self, Pack};
 use crate::reduce::{Elem, OpArgs, RedFn, div_pack, pre_pack};
 use core::marker::PhantomData;
@@ -47,8 +47,8 @@ pub struct LlFan<T, Op, const NR: usize, const NS: usize> {
     conns: Fan<LlFifoLine, NR, NS>,
     /// Lines per step (slot).
     step_lines: u64,
-    /// The communicator's comm block, whose abort flag and `aborted` the spin loops poll.
-    comm: *const DevComm,
+    /// The communicator's abort line, which the spin loops poll ([`super::fan::abort_raised`]).
+    abort_flag: *const u32,
     smem: *mut u32,
     aborted: bool,
     /// Avg's post-division and PreMulSum's scalar.
@@ -143,7 +143,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> LlFan<T, Op, NR, N
         buff_size: u64,
         input: *const T,
         output: *mut T,
-        comm: u64,
+        abort_flag: u64,
         smem: *mut u32,
         op_args: OpArgs,
     ) -> Self {
@@ -155,7 +155,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> LlFan<T, Op, NR, N
             // SAFETY: forwarded caller contract.
             conns: unsafe { Fan::load(tid, smem, peers, Proto::Ll) },
             step_lines: buff_size / FIFO_STEPS / core::mem::size_of::<LlFifoLine>() as u64,
-            comm: comm as *const DevComm,
+            abort_flag: abort_flag as *const u32,
             smem,
             aborted: false,
             op_args,
@@ -191,7 +191,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> LlFan<T, Op, NR, N
             spins += 1;
             if spins == SPINS_BEFORE_CHECK_ABORT {
                 spins = 0;
-                if abort_raised(self.comm) {
+                if abort_raised(self.abort_flag) {
                     return None;
                 }
             }
@@ -208,7 +208,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> LlFan<T, Op, NR, N
     /// Thread 0 waits for a free slot on every send peer; then the block learns whether to abort.
     #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn wait_send_credit(&mut self) -> bool {
-        self.aborted = !self.conns.wait_send_credit(self.tid, self.smem, self.comm);
+        self.aborted = !self.conns.wait_send_credit(self.tid, self.smem, self.abort_flag);
         !self.aborted
     }
 

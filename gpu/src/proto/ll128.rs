@@ -19,7 +19,7 @@
 use super::fan::{Fan, Peers, abort_raised};
 use super::ll::{load_partial, store_partial};
 use super::{Primitives, balanced_step, each_peer};
-use crate::abi::{DevComm, FIFO_STEPS, MAX_TREE_ARITY, Proto, SPINS_BEFORE_CHECK_ABORT};
+use crate::abi::{FIFO_STEPS, MAX_TREE_ARITY, Proto, SPINS_BEFORE_CHECK_ABORT};
 use crate::arch::{self, Pack};
 use crate::reduce::{Elem, OpArgs, RedFn, div_pack, pre_pack};
 use crate::unroll;
@@ -86,8 +86,8 @@ pub struct Ll128Fan<T, Op, const NR: usize, const NS: usize> {
     conns: Fan<u64, NR, NS>,
     /// Lines per step (slot).
     step_lines: u64,
-    /// The communicator's comm block, whose abort flag and `aborted` the spin loops poll.
-    comm: *const DevComm,
+    /// The communicator's abort line, which the spin loops poll ([`super::fan::abort_raised`]).
+    abort_flag: *const u32,
     smem: *mut u32,
     aborted: bool,
     /// Avg's post-division and PreMulSum's scalar.
@@ -122,7 +122,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
         buff_size: u64,
         input: *const T,
         output: *mut T,
-        comm: u64,
+        abort_flag: u64,
         smem: *mut u32,
         op_args: OpArgs,
     ) -> Self {
@@ -134,7 +134,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
             // SAFETY: forwarded caller contract.
             conns: unsafe { Fan::load(tid, smem, peers, Proto::Ll128) },
             step_lines: buff_size / FIFO_STEPS / LL128_LINE_BYTES,
-            comm: comm as *const DevComm,
+            abort_flag: abort_flag as *const u32,
             smem,
             aborted: false,
             op_args,
@@ -193,7 +193,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
             if spins == SPINS_BEFORE_CHECK_ABORT {
                 spins = 0;
                 // SAFETY: as above; every lane takes the same branch.
-                if unsafe { arch::vote_any(abort_raised(self.comm)) } {
+                if unsafe { arch::vote_any(abort_raised(self.abort_flag)) } {
                     return false;
                 }
             }
@@ -242,7 +242,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
             if spins == SPINS_BEFORE_CHECK_ABORT {
                 spins = 0;
                 // SAFETY: as above; every lane takes the same branch.
-                if unsafe { arch::vote_any(abort_raised(self.comm)) } {
+                if unsafe { arch::vote_any(abort_raised(self.abort_flag)) } {
                     return false;
                 }
             }
@@ -299,7 +299,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
     /// Thread 0 waits for a free slot on every send peer; then the block learns whether to abort.
     #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn wait_send_credit(&mut self) -> bool {
-        self.aborted = !self.conns.wait_send_credit(self.tid, self.smem, self.comm);
+        self.aborted = !self.conns.wait_send_credit(self.tid, self.smem, self.abort_flag);
         !self.aborted
     }
 

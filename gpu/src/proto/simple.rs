@@ -288,15 +288,7 @@ impl<T: Elem, Op: RedFn<T>> Simple<T, Op> {
             spins += 1;
             if spins == SPINS_BEFORE_CHECK_ABORT {
                 spins = 0;
-                let flag = ctl_get!(self.abort_flag) as *const u32;
-                let comm_aborted = ctl_get!(self.comm_aborted) as *const u32;
-                // SAFETY: the abort flag and `comm_aborted` are 0 or valid (constructor
-                // contract). `comm_aborted` stops a block waiting on a FIFO after a call
-                // check's mismatch.
-                if unsafe {
-                    (!comm_aborted.is_null() && arch::load_volatile_u32(comm_aborted) != 0)
-                        || (!flag.is_null() && arch::load_volatile_u32(flag) != 0)
-                } {
+                if super::fan::abort_raised(ctl_get!(self.abort_flag) as *const u32) {
                     return false;
                 }
             }

@@ -21,7 +21,7 @@
 use super::simple::{VOLATILE_SYNC, load_src, parse_unroll, read_src};
 use super::{Primitives, each_peer, tree_conns};
 use crate::abi::{
-    ConnInfo, DevComm, DevTree, FIFO_STEPS, MAX_TREE_ARITY, PACK_BYTES, Proto, SPINS_BEFORE_CHECK_ABORT,
+    ConnInfo, DevTree, FIFO_STEPS, MAX_TREE_ARITY, PACK_BYTES, Proto, SPINS_BEFORE_CHECK_ABORT,
 };
 use crate::arch::{self, Pack};
 use crate::reduce::{Elem, OpArgs, RedFn, div_pack, pre_elem, pre_pack};
@@ -93,8 +93,8 @@ pub struct TreeSimple<T, Op, const UP: bool> {
     nsend: usize,
     slot_bytes: u64,
     slice_elems: u64,
-    /// The communicator's comm block, whose abort flag and `aborted` the spin loops poll.
-    comm: *const DevComm,
+    /// The communicator's abort line, which the spin loops poll ([`super::fan::abort_raised`]).
+    abort_flag: *const u32,
     smem: *mut u32,
     aborted: bool,
     /// Avg's post-division and PreMulSum's scalar.
@@ -127,8 +127,8 @@ impl<T: Elem, Op: RedFn<T>, const UP: bool> TreeSimple<T, Op, UP> {
     /// # Safety
     /// `tree` is a set-up [`DevTree`] whose connections to each present peer have Simple buffers
     /// of `buff_size` bytes; `input`/`output` are valid for every offset the algorithm passes;
-    /// `smem` points at kernel shared memory; `comm` is 0 or the address of the communicator's
-    /// [`DevComm`]. All
+    /// `smem` points at kernel shared memory; `abort_flag` is 0 or the address of the
+    /// communicator's abort line (`DevComm::abort_flag`). All
     /// threads of the block call it.
     #[allow(clippy::too_many_arguments)]
     #[cfg_attr(target_arch = "nvptx64", inline(always))]
@@ -139,7 +139,7 @@ impl<T: Elem, Op: RedFn<T>, const UP: bool> TreeSimple<T, Op, UP> {
         buff_size: u64,
         input: *const T,
         output: *mut T,
-        comm: u64,
+        abort_flag: u64,
         smem: *mut u32,
         op_args: OpArgs,
         slice_elems: u64,
@@ -176,7 +176,7 @@ impl<T: Elem, Op: RedFn<T>, const UP: bool> TreeSimple<T, Op, UP> {
             nsend: nsend.min(Self::MAX_SEND),
             slot_bytes,
             slice_elems,
-            comm: comm as *const DevComm,
+            abort_flag: abort_flag as *const u32,
             smem,
             aborted: false,
             op_args,
@@ -215,7 +215,7 @@ impl<T: Elem, Op: RedFn<T>, const UP: bool> TreeSimple<T, Op, UP> {
             spins += 1;
             if spins == SPINS_BEFORE_CHECK_ABORT {
                 spins = 0;
-                if super::fan::abort_raised(self.comm) {
+                if super::fan::abort_raised(self.abort_flag) {
                     return false;
                 }
             }
