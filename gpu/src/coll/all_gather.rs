@@ -9,6 +9,10 @@ use crate::proto::Primitives;
 #[cfg_attr(target_arch = "nvptx64", inline(always))]
 pub fn ring<P: Primitives>(p: &mut P, r: &RingCtx, count: u64, chunk_elems: u64, esize: u64, in_place: bool) {
     let n = r.nranks;
+    // Every verb writes an output: the call check's gate comes first, outside the loop.
+    if !r.gate(p) {
+        return;
+    }
     channel_chunks(
         r,
         count,
@@ -17,8 +21,6 @@ pub fn ring<P: Primitives>(p: &mut P, r: &RingCtx, count: u64, chunk_elems: u64,
         #[cfg_attr(target_arch = "nvptx64", inline(always))]
         |chunk_off, len| {
             let out = |owner: u64| chunk_off + owner * count;
-            // Every verb writes an output (the call check's gate first).
-            r.gate(p);
             // Our own block: to the next rank, and into our output unless it is already there.
             // Every hop ends in the receiver's output at the block's place: direct sends.
             if in_place {

@@ -17,6 +17,10 @@ pub fn ring<P: Primitives>(
     in_place: bool,
 ) {
     let (me, next) = (r.user_rank(0), r.user_rank(1));
+    // Every verb writes an output: the call check's gate comes first, outside the loop.
+    if !r.gate(p) {
+        return;
+    }
     channel_chunks(
         r,
         count,
@@ -24,8 +28,6 @@ pub fn ring<P: Primitives>(
         esize,
         #[cfg_attr(target_arch = "nvptx64", inline(always))]
         |off, len| {
-            // Every verb writes an output (the call check's gate first).
-            r.gate(p);
             if me == root {
                 if in_place {
                     p.direct_send(off, off, len);
