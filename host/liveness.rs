@@ -43,7 +43,8 @@ pub struct Watch {
     pub rank: usize,
     /// Address of the `u32` flag this rank's kernels and calls poll.
     pub own_flag: u64,
-    /// Address of this rank's abort line (flag at +0, the raiser as rank + 1 at +4).
+    /// Address of this rank's abort line (flag at +0, the raiser as rank + 1 at
+    /// [`ABORT_LINE_WHO`]).
     pub own_line: u64,
     /// Abort lines of the host's other ranks (same layout).
     pub host_lines: Vec<u64>,

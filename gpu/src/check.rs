@@ -9,11 +9,11 @@
 //! verdict: on a mismatch each writes them to its host-visible [`CheckReport`] and sets
 //! [`DevComm::aborted`] and its abort line's stop word to [`CALL_MISMATCH`]; the gated blocks
 //! stop at their gate, the blocks waiting on a FIFO see the stop word in their abort polls, and
-//! no block of this call — nor of any later kernel — writes a user buffer. A call of count 0 runs the check alone
-//! (`oxccl_check_call`). The host side is `comm/call_check.rs`.
+//! no block of this call — nor of any later kernel — writes a user buffer. A call of count 0
+//! runs the check alone (`oxccl_check_call`). The host side is `comm/call_check.rs`.
 use crate::abi::{
-    ABORT_LINE_STOP, CALL_MISMATCH, CALL_SIG_WORDS, CHECK_DIFFERENT, CHECK_HALTED, CallSig, CheckDesc, CheckReport, DevChannel, DevComm,
-    DevRedOp, Proto, SMEM_GATE,
+    ABORT_LINE_STOP, CALL_MISMATCH, CALL_SIG_WORDS, CHECK_DIFFERENT, CHECK_HALTED, CallSig, CheckDesc,
+    CheckReport, DevChannel, DevComm, DevRedOp, Proto, SMEM_GATE,
 };
 use crate::arch;
 use crate::proto::Primitives;
@@ -50,8 +50,9 @@ pub unsafe fn checked(
             // Checked by the check kernel before this one: every block honours its verdict.
             let comm = &*(comm as *const DevComm);
             !block_bool(tid == 0 && !same_verdict(comm), tid, smem)
-        } else if nblocks < 2 {
-            // No block to spare (a launch the host does not make): check, then move the data.
+        } else if !gated(desc, nblocks) {
+            // No block to spare (a launch the host does not make): check, then move the data,
+            // ungated.
             check_call(comm, desc, sig, false, tid, nthreads, smem)
         } else if bid == nblocks - 1 {
             check_call(comm, desc, sig, true, tid, nthreads, smem);
@@ -61,6 +62,14 @@ pub unsafe fn checked(
             true
         }
     }
+}
+
+/// Whether the blocks of a checked launch of `nblocks` blocks with descriptor word `desc` pass a
+/// gate ([`checked`] armed it): a checking block runs beside them (not a launch that only
+/// honours the check kernel's verdict, [`crate::abi::CHECK_VERDICT_ONLY`]).
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
+pub fn gated(desc: u64, nblocks: u32) -> bool {
+    desc & crate::abi::CHECK_VERDICT_ONLY == 0 && nblocks >= 2
 }
 
 /// Arms the block's gate for the check of call `seq` (its words at [`SMEM_GATE`] in shared
@@ -157,8 +166,9 @@ unsafe fn stopped(comm: &DevComm) -> bool {
     }
 }
 
-/// Whether block 0's verdict lets the call go on: no mismatch (`DevComm::aborted`, device
-/// memory, written before the verdict). An abort after the verdict is the collective's to see.
+/// Whether no call check of the communicator found a mismatch (`DevComm::aborted`, device
+/// memory): what a launch that honours the check kernel's verdict reads, and what the gates poll
+/// while they wait.
 ///
 /// # Safety
 /// `comm` is a valid comm block.
@@ -293,7 +303,8 @@ pub unsafe fn check_call(
                 // The call's blocks waiting on FIFOs that the peers' gated blocks stop feeding
                 // leave at their next look at the abort line.
                 if comm.abort_flag != 0 {
-                    arch::store_volatile_u32((comm.abort_flag as usize + ABORT_LINE_STOP) as *mut u32, CALL_MISMATCH);
+                    let stop = (comm.abort_flag as usize + ABORT_LINE_STOP) as *mut u32;
+                    arch::store_volatile_u32(stop, CALL_MISMATCH);
                 }
                 arch::fence_acq_rel_sys();
                 // The report's header says it is written: the call's number, or 1 for a call of a

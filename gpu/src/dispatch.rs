@@ -110,8 +110,8 @@ pub fn entry_for(
 
 /// The body of one kernel entry: block `bid` of the launch `args` for element type `T`, operator
 /// `Op`, collective `FUNC`, algorithm `ALGO` and protocol `PROTO` (constants, so only that code
-/// is compiled in). A checked launch (one work) checks its call first; then the block runs the
-/// launch's works in order (`work(i)` is work `i`: the kernel reads them from its parameter, the
+/// is compiled in). In a checked launch (one work) the last block checks the call and the others
+/// arm their gate (`crate::check::checked`); then the block runs the launch's works in order (`work(i)` is work `i`: the kernel reads them from its parameter, the
 /// CPU target from `args`), each one only where `bid` is below its channel count, after a
 /// barrier that lets the previous work's connection steps and shared memory settle. Only LL
 /// entries loop over several works ([`crate::abi::proto_batches`]); the others run work 0 and
@@ -131,8 +131,9 @@ pub unsafe fn run_kernel<T: Elem, Op: RedFn<T>, const FUNC: u8, const ALGO: u8, 
     smem: *mut u32,
 ) {
     // The call-signature check, when on: the last block checks the call while the others
-    // move its data, each waiting for the verdict before its first write to a user buffer;
-    // after a mismatch no user buffer is written (`crate::check`).
+    // move its data, each waiting for the verdict before its first write to a user buffer (its
+    // gate, armed by `checked`); after a mismatch no user buffer is written (`crate::check`).
+    let mut gated = false;
     if args.check != 0 {
         // The launch's blocks: the grid on the GPU; on the CPU target the grid the host
         // launches.
@@ -144,9 +145,8 @@ pub unsafe fn run_kernel<T: Elem, Op: RedFn<T>, const FUNC: u8, const ALGO: u8, 
         if !unsafe { crate::check::checked(args.comm, args.check, &args.sig, bid, nblocks, tid, nthreads, smem) } {
             return;
         }
+        gated = crate::check::gated(args.check, nblocks);
     }
-    // The call's blocks pass the check's gate before their first write to a user buffer.
-    let gated = args.check != 0 && args.check & crate::abi::CHECK_VERDICT_ONLY == 0;
     // Only LL launches carry several works (`proto_batches`): the other protocols' bodies see
     // one work, read at constant parameter offsets.
     let n = if crate::abi::proto_batches(Proto::from_u8(PROTO).unwrap_or(Proto::Simple)) {

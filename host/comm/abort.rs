@@ -12,6 +12,7 @@ use super::*;
 /// the proxy and the liveness watch raise too).
 pub(super) const ABORTED_HERE: u32 = 1;
 pub(super) use crate::proxy::ABORTED_BY_PEER;
+use crate::proxy::ABORT_LINE_WHO;
 /// Abort-flag value of a revoked rank ([`Comm::revoke`]): its kernels exit as on an abort.
 pub(super) const REVOKING: u32 = 4;
 /// How long [`Comm::abort`] waits for in-flight operations to exit.
@@ -331,7 +332,7 @@ impl SharedAbort {
         let (flag, who) = unsafe {
             (
                 AtomicU32::from_ptr(self.line(self.rank) as *mut u32).load(Ordering::Acquire),
-                AtomicU32::from_ptr((self.line(self.rank) + crate::proxy::ABORT_LINE_WHO) as *mut u32).load(Ordering::Acquire),
+                AtomicU32::from_ptr((self.line(self.rank) + ABORT_LINE_WHO) as *mut u32).load(Ordering::Acquire),
             )
         };
         (flag == ABORTED_BY_PEER && who > 0).then(|| who as usize - 1)
@@ -342,7 +343,7 @@ impl SharedAbort {
         for r in (0..self.nranks).filter(|&r| r != self.rank) {
             // SAFETY: as in `raised_by_peer`.
             unsafe {
-                let _ = AtomicU32::from_ptr((self.line(r) + crate::proxy::ABORT_LINE_WHO) as *mut u32).compare_exchange(
+                let _ = AtomicU32::from_ptr((self.line(r) + ABORT_LINE_WHO) as *mut u32).compare_exchange(
                     0,
                     self.rank as u32 + 1,
                     Ordering::AcqRel,

@@ -1,6 +1,6 @@
 //! The call-signature check (beyond NCCL, opt-in: `OXCCL_CHECK_CALLS=1` or
 //! [`CommConfig::check_calls`], the same on every rank): before a collective
-//! moves any data, its ranks agree that they issued the same call — function, count, type,
+//! writes any user buffer, its ranks agree that they issued the same call — function, count, type,
 //! operator, root, and the algorithm, protocol and channels they planned, with the call's number
 //! among the communicator's checked collectives (count 0 included; the flight recorder numbers
 //! only the calls that move data). Ranks whose host programs diverged (called another
@@ -297,7 +297,7 @@ pub(super) fn mismatch_message(me: usize, sigs: &[CallSig]) -> String {
     }
     format!(
         "rank {me}: the ranks issued different calls (OXCCL_CHECK_CALLS): {}; they differ in {}; \
-         no data was moved, abort or destroy the communicator",
+         no user buffer was written, abort or destroy the communicator",
         calls.join("; "),
         fields.join(", ")
     )
@@ -446,7 +446,7 @@ mod tests {
             msg,
             "rank 2: the ranks issued different calls (OXCCL_CHECK_CALLS): ranks 0, 2, 3 issued allreduce call #3 \
              (1024 × float, op sum; ring/LL on 2 channels); rank 1 issued allreduce call #3 (1000 × float, op sum; \
-             ring/LL on 2 channels); they differ in count; no data was moved, abort or destroy the communicator"
+             ring/LL on 2 channels); they differ in count; no user buffer was written, abort or destroy the communicator"
         );
         let g = encode(
             3,
@@ -460,7 +460,7 @@ mod tests {
         let msg = mismatch_message(0, &[a, g]);
         assert!(
             msg.contains("rank 1 issued allgather call #3 (1024 × float; ring/Simple on 1 channel)")
-                && msg.ends_with("they differ in function, protocol, channels; no data was moved, abort or destroy the communicator"),
+                && msg.ends_with("they differ in function, protocol, channels; no user buffer was written, abort or destroy the communicator"),
             "{msg}"
         );
         // Every rank naming itself Reduce's root; a rank whose call had count 0.

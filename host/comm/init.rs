@@ -357,9 +357,10 @@ impl Comm {
         // `layout.nch` channels; only the first `nch` are set up and used.
         let mut nch = crate::tuning::Model::for_fabric(fabric).connected_channels(nch, params.min_nchannels);
         // Ranks sharing a GPU (OXCCL_ALLOW_SHARED_DEVICE=1) spin in kernels that must all be
-        // resident at once: at most SMs / ranks-per-GPU channels (one block each) per rank, or
-        // blocks waiting for an SM would wait forever for peers that cannot finish. Decided from
-        // every rank's information, so all agree.
+        // resident at once: at most SMs / ranks-per-GPU blocks per rank — one per channel, and
+        // with the call check on one more, its checking block — or blocks waiting for an SM
+        // would wait forever for peers that cannot finish. Decided from every rank's
+        // information (the check's setting is the same on every rank), so all agree.
         let same_gpu = |a: &PeerInfo, b: &PeerInfo| a.cuda && b.cuda && a.host == b.host && a.bus_id == b.bus_id;
         let per_gpu = peers
             .iter()
@@ -368,7 +369,7 @@ impl Comm {
             .unwrap_or(1);
         if per_gpu > 1 {
             let sms = peers.iter().filter(|p| p.cuda).map(|p| p.sms).min().unwrap_or(1);
-            let cap = (sms / per_gpu as u32).max(1);
+            let cap = (sms / per_gpu as u32).saturating_sub(u32::from(params.check_calls)).max(1);
             if nch > cap {
                 tracing::info!(target: "oxccl::init", rank, "{per_gpu} ranks share a GPU: {nch} channels capped to {cap} (SMs per rank)");
                 nch = cap;

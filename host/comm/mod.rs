@@ -17,7 +17,7 @@
 //! | `send_recv.rs` | send and receive: checks, works over the peer channels, launch | `collectives.cc`, `enqueue.cc` |
 //! | `enqueue.rs` | plan and launch of one call | `enqueue.cc` |
 //! | `abort.rs` | abort, async errors, finalize, destroy, teardown order | `init.cc` |
-//! | `call_check.rs` | `OXCCL_CHECK_CALLS=1`: ranks agree on each collective call before any data moves | — |
+//! | `call_check.rs` | `OXCCL_CHECK_CALLS=1`: ranks agree on each collective call before it writes a user buffer | — |
 //! | `timeout.rs` | calls that make no progress for `OXCCL_TIMEOUT` time out, naming who they wait for | (NCCL 2.30's `ncclTimeout`) |
 //! | `flight_recorder.rs` | each communicator's last calls, dumped as JSON; `analyze` (`oxccl trace`) | (PyTorch's flight recorder) |
 //! | `test_hooks.rs` | `OXCCL_TEST_NODES`, `OXCCL_TEST_TREE_PATTERN`: several hosts simulated on one | — |

@@ -885,7 +885,7 @@ fn the_call_check_compares_a_scopes_deferred_collectives() {
     .unwrap();
     let want = "the ranks issued different calls (OXCCL_CHECK_CALLS): ranks 0, 1 issued allreduce call #1 \
                 (1024 × float, op sum; ring/LL on 1 channel); rank 2 issued allreduce call #1 (1000 × float, \
-                op sum; ring/LL on 1 channel); they differ in count; no data was moved, abort or destroy the \
+                op sum; ring/LL on 1 channel); they differ in count; no user buffer was written, abort or destroy the \
                 communicator";
     for r in 0..n {
         streams[r].synchronize().unwrap();

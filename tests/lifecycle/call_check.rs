@@ -107,8 +107,8 @@ fn diverged(devices: &[Device], calls: &[Call], want: &str) {
 /// The text of a mismatch error after `rank r: `.
 fn message(calls: &str, fields: &str) -> String {
     format!(
-        "the ranks issued different calls (OXCCL_CHECK_CALLS): {calls}; they differ in {fields}; no data was \
-         moved, abort or destroy the communicator"
+        "the ranks issued different calls (OXCCL_CHECK_CALLS): {calls}; they differ in {fields}; no user buffer \
+         was written, abort or destroy the communicator"
     )
 }
 
@@ -148,8 +148,8 @@ fn ranks_that_issued_different_calls_fail_every_rank_naming_them() {
             "root",
         ),
     );
-    // Another operator on a call of two channels: block 1 of each rank waits for block 0's
-    // verdict and writes nothing either.
+    // Another operator on a call of two channels: both of each rank's data blocks wait at their
+    // gate for the checking block's verdict and write nothing.
     let big = 1 << 18;
     let reduce_op = |op: &str| -> String {
         format!("allreduce call #1 ({big} × float, op {op}; ring/Simple on 2 channels)")
@@ -164,7 +164,8 @@ fn ranks_that_issued_different_calls_fail_every_rank_naming_them() {
     );
     // Reduce on four ranks over two channels, one rank with another count. Only the root writes
     // a user buffer, so only it waits for the verdict; the others keep passing data on until
-    // their peers stop feeding their FIFOs, and leave at the mismatch (`DevComm::aborted`).
+    // their peers stop feeding their FIFOs, and leave at the mismatch (the abort line's stop
+    // word).
     let red = |count: usize| Call(Func::Reduce, count, 0, RedOp::Sum);
     let red_text =
         |count: usize| format!("reduce call #1 ({count} × float, op sum, root 0; ring/Simple on 2 channels)");
@@ -379,9 +380,9 @@ fn a_config_turns_the_check_on_and_sets_the_timeout() {
     );
 }
 
-/// A checked call on 4 channels whose peer never calls: block 0's gather sees the timeout's
-/// abort and tells the 3 waiting blocks (which poll device memory only), so the call times out
-/// in bounded time with every block gone and the buffer untouched.
+/// A checked call on 4 channels whose peer never calls: the checking block's gather and the 4
+/// data blocks (waiting on a FIFO or at their gate) see the timeout's abort, so the call times
+/// out in bounded time with every block gone and the buffer untouched.
 #[test]
 fn a_checked_call_whose_peer_never_calls_times_out_with_its_waiting_blocks() {
     let env = Env::clean(&["CHECK_CALLS", "TIMEOUT", "PROTO", "ALGO", "MIN_NCHANNELS", "MAX_NCHANNELS"]);

@@ -369,8 +369,8 @@ pub struct KernelArgs {
     /// Address of the communicator's [`DevComm`].
     pub comm: u64,
     /// Address of the communicator's [`CheckDesc`] when the call-signature check is on
-    /// (`OXCCL_CHECK_CALLS=1`), else 0: the kernel first checks the call ([`crate::check`]).
-    /// Set only in a launch of one work.
+    /// (`OXCCL_CHECK_CALLS=1`), else 0: the kernel's last block checks the call while the
+    /// others move its data ([`crate::check`]). Set only in a launch of one work.
     pub check: u64,
     /// The first work (the only one when `nworks` ≤ 1).
     pub work: WorkColl,
