@@ -668,8 +668,11 @@ fn role_collectives(comm: Comm) {
 }
 
 /// Loops AllReduce (f32 sum, `OXCCL_CHILD_COUNT` elements, in place) until an error arrives; with
-/// `OXCCL_CHILD_ABORT_MS` set, a second thread aborts this rank after that many ms (from the first
-/// finished call). Prints `LOOPING`, `GOT-ERROR <code>`, `ABORT-RETURNED`, `CHILD-EXITED`.
+/// `OXCCL_CHILD_ABORT_MS` set, a second thread aborts this rank after that many ms from its second
+/// finished call (which needs every rank's second call, so every rank has finished its first and
+/// printed `LOOPING` by then: an abort right after this rank's first call could cut a slower
+/// rank's first call short). Prints `LOOPING`, `GOT-ERROR <code>`, `ABORT-RETURNED`,
+/// `CHILD-EXITED`.
 fn role_loop(comm: Comm, rank: usize) {
     let count: usize = std::env::var("OXCCL_CHILD_COUNT").map_or(1 << 16, |v| v.parse().unwrap());
     let abort_ms: Option<u64> = std::env::var("OXCCL_CHILD_ABORT_MS")
@@ -707,6 +710,7 @@ fn role_loop(comm: Comm, rank: usize) {
             if iters == 0 {
                 let c = comm.last_choice().unwrap();
                 println!("LOOPING rank {rank} {:?} {:?}", c.algo, c.proto);
+            } else if iters == 1 {
                 started.store(true, std::sync::atomic::Ordering::Release);
             }
             iters += 1;
