@@ -109,13 +109,13 @@ pub fn entry_for(
 }
 
 /// The body of one kernel entry: block `bid` of the launch `args` for element type `T`, operator
-/// `Op`, collective `FUNC`, algorithm `ALGO` and protocol `PROTO` (constants, so only that code
-/// is compiled in). In a checked launch (one work) the last block checks the call and the others
-/// arm their gate (`crate::check::checked`); then the block runs the launch's works in order (`work(i)` is work `i`: the kernel reads them from its parameter, the
-/// CPU target from `args`), each one only where `bid` is below its channel count, after a
-/// barrier that lets the previous work's connection steps and shared memory settle. Only LL
-/// entries loop over several works ([`crate::abi::proto_batches`]); the others run work 0 and
-/// trap on a launch of more.
+/// `Op`, collective `FUNC`, algorithm `ALGO` and protocol `PROTO` (constants, so only that code is
+/// compiled in). In a checked launch (one work) the last block checks the call and the others arm
+/// their gate (`crate::check::checked`); then the block runs the launch's works in order (`work(i)`
+/// is work `i`: the kernel reads them from its parameter, the CPU target from `args`), each one
+/// only where `bid` is below its channel count, after a barrier that lets the previous work's
+/// connection steps and shared memory settle. Only LL entries loop over several works
+/// ([`crate::abi::proto_batches`]); the others run work 0 and trap on a launch of more.
 ///
 /// # Safety
 /// As [`run_block`], and every work's type, operator, collective and algorithm are those of the

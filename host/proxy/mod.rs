@@ -116,10 +116,10 @@ pub struct ProxyComm {
     /// abort line); 0 when there is none.
     pub abort_who: u64,
     /// The abort lines of the other ranks of this host (`init_rank`'s shared abort page: a `u32`
-    /// flag at the address, a `u32` naming the raiser as rank + 1 [`ABORT_LINE_WHO`] bytes on).
-    /// A failed connection raises them too, naming this rank: a host neighbour reached only by SHM would
-    /// otherwise wait forever for a rank whose kernel has left (e.g. ring 0 -SHM-> 1 -NET-> 2 on
-    /// two hosts: when 2 dies, 1's proxy notices, and 0 must stop waiting for 1's credits).
+    /// flag at the address, a `u32` naming the raiser as rank + 1 [`ABORT_LINE_WHO`] bytes on). A
+    /// failed connection raises them too, naming this rank: a host neighbour reached only by SHM
+    /// would otherwise wait forever for a rank whose kernel has left (e.g. ring 0 -SHM-> 1 -NET-> 2
+    /// on two hosts: when 2 dies, 1's proxy notices, and 0 must stop waiting for 1's credits).
     pub host_abort_lines: Vec<u64>,
     /// The network the connections belong to.
     pub net: Arc<dyn Net>,
