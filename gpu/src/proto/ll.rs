@@ -515,12 +515,7 @@ fn combine<T: Elem, Op: RedFn<T>>(args: &OpArgs, a: u64, b: u64) -> u64 {
 impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Primitives for LlFan<T, Op, NR, NS> {
     #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn gate(&mut self) -> bool {
-        // SAFETY: every thread of the block runs the verbs alike (`aborted` is the block's);
-        // `smem` is the kernel's shared memory.
-        if !self.aborted && !unsafe { crate::check::gate(self.tid, self.smem) } {
-            self.aborted = true;
-        }
-        !self.aborted
+        super::pass_gate(&mut self.aborted, self.tid, self.smem)
     }
     #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn send(&mut self, src: u64, n: u64) {

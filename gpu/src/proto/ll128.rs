@@ -539,12 +539,7 @@ fn part_bytes(line: u64, part: u64, nbytes: u64) -> (u64, u64, u64) {
 impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Primitives for Ll128Fan<T, Op, NR, NS> {
     #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn gate(&mut self) -> bool {
-        // SAFETY: every thread of the block runs the verbs alike (`aborted` is the block's);
-        // `smem` is the kernel's shared memory.
-        if !self.aborted && !unsafe { crate::check::gate(self.tid, self.smem) } {
-            self.aborted = true;
-        }
-        !self.aborted
+        super::pass_gate(&mut self.aborted, self.tid, self.smem)
     }
     #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn send(&mut self, src: u64, n: u64) {

@@ -75,6 +75,19 @@ pub trait Primitives {
     }
 }
 
+/// [`Primitives::gate`] for a primitive whose block-wide abort state is `aborted`: passes the
+/// call check's gate ([`crate::check::gate`]) unless already aborted; a closed gate sets
+/// `aborted`, so every later verb is a no-op. Whether the block may go on.
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
+pub(crate) fn pass_gate(aborted: &mut bool, tid: u32, smem: *mut u32) -> bool {
+    // SAFETY: every thread of the block runs the verbs, and so the gate, alike (`aborted` is the
+    // block's); `smem` is the kernel's shared memory (the primitives' constructor contract).
+    if !*aborted && !unsafe { crate::check::gate(tid, smem) } {
+        *aborted = true;
+    }
+    !*aborted
+}
+
 /// Calls `f(0)`, …, `f(N - 1)` for `N ≤ 3` (a connection fan's peers): written out, so that once
 /// inlined every peer index is a constant and per-peer arrays stay in GPU registers (a loop the
 /// compiler might not unroll would index them at run time, through local memory).

@@ -798,12 +798,7 @@ fn host_share(tid: u32, nthreads: u32, from: u32, to: u32) -> (u32, u32) {
 impl<T: Elem, Op: RedFn<T>> Primitives for Simple<T, Op> {
     #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn gate(&mut self) -> bool {
-        // SAFETY: every thread of the block runs the verbs alike (`aborted` is the block's);
-        // `smem` is the kernel's shared memory.
-        if !self.aborted && !unsafe { crate::check::gate(self.tid, self.smem) } {
-            self.aborted = true;
-        }
-        !self.aborted
+        super::pass_gate(&mut self.aborted, self.tid, self.smem)
     }
     #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn send(&mut self, src: u64, n: u64) {
