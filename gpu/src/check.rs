@@ -50,9 +50,10 @@ pub unsafe fn checked(
             // Checked by the check kernel before this one: every block honours its verdict.
             let comm = &*(comm as *const DevComm);
             !block_bool(tid == 0 && !same_verdict(comm), tid, smem)
-        } else if !gated(desc, nblocks) {
-            // No block to spare (a launch the host does not make): check, then move the data,
-            // ungated.
+        } else if nblocks < 2 {
+            // No block to spare (a launch the host does not make): check, then move the data
+            // past a gate armed open.
+            arm_gate(comm, 0, 0, tid, smem);
             check_call(comm, desc, sig, false, tid, nthreads, smem)
         } else if bid == nblocks - 1 {
             check_call(comm, desc, sig, true, tid, nthreads, smem);
@@ -64,17 +65,9 @@ pub unsafe fn checked(
     }
 }
 
-/// Whether the blocks of a checked launch of `nblocks` blocks with descriptor word `desc` pass a
-/// gate ([`checked`] armed it): a checking block runs beside them (not a launch that only
-/// honours the check kernel's verdict, [`crate::abi::CHECK_VERDICT_ONLY`]).
-#[cfg_attr(target_arch = "nvptx64", inline(always))]
-pub fn gated(desc: u64, nblocks: u32) -> bool {
-    desc & crate::abi::CHECK_VERDICT_ONLY == 0 && nblocks >= 2
-}
-
 /// Arms the block's gate for the check of call `seq` (its words at [`SMEM_GATE`] in shared
 /// memory: the descriptor, the number, the comm block), visible to every thread after the
-/// barrier.
+/// barrier. A gate armed with descriptor 0 stays open.
 ///
 /// # Safety
 /// Every thread of the block calls it; `smem` is the kernel's shared memory.

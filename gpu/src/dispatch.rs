@@ -133,7 +133,6 @@ pub unsafe fn run_kernel<T: Elem, Op: RedFn<T>, const FUNC: u8, const ALGO: u8, 
     // The call-signature check, when on: the last block checks the call while the others
     // move its data, each waiting for the verdict before its first write to a user buffer (its
     // gate, armed by `checked`); after a mismatch no user buffer is written (`crate::check`).
-    let mut gated = false;
     if args.check != 0 {
         // The launch's blocks: the grid on the GPU; on the CPU target the grid the host
         // launches.
@@ -145,8 +144,11 @@ pub unsafe fn run_kernel<T: Elem, Op: RedFn<T>, const FUNC: u8, const ALGO: u8, 
         if !unsafe { crate::check::checked(args.comm, args.check, &args.sig, bid, nblocks, tid, nthreads, smem) } {
             return;
         }
-        gated = crate::check::gated(args.check, nblocks);
     }
+    // Its data blocks pass their gate: a checking block runs beside them (not in a launch that
+    // honours the check kernel's verdict). Computed from the arguments alone: with the check
+    // off the kernel's code is as without it (measured).
+    let gated = args.check != 0 && args.check & crate::abi::CHECK_VERDICT_ONLY == 0;
     // Only LL launches carry several works (`proto_batches`): the other protocols' bodies see
     // one work, read at constant parameter offsets.
     let n = if crate::abi::proto_batches(Proto::from_u8(PROTO).unwrap_or(Proto::Simple)) {
