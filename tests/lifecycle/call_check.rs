@@ -304,7 +304,10 @@ fn the_sequence_number_counts_the_calls_before() {
 
 /// With the check on, matching calls of every collective on every protocol give exact results,
 /// in place and out of place, guards intact (the collective matrix on a few pairs and counts,
-/// count 0 included).
+/// count 0 included). 40,003 elements make a channel's first chunk large enough on LL and
+/// LL128 for Broadcast's root to send it before the gate, and AllGather's ranks its head or all
+/// of it, every rank splitting that chunk's verbs there alike (`coll::ahead_elems` in the
+/// kernels).
 #[test]
 fn matching_calls_run_exactly_with_the_check_on() {
     let env = Env::clean(VARS);
@@ -323,7 +326,7 @@ fn matching_calls_run_exactly_with_the_check_on() {
             &Device::cpus(3),
             &common::Matrix {
                 func,
-                counts: &[0, 1, 1023],
+                counts: &[0, 1, 1023, 40_003],
                 extra_counts: &[],
                 extra_pairs: &[],
                 protos: Some(common::PROTOS),

@@ -62,28 +62,65 @@ pub fn loop_chunk(chunk_elems: u64, remaining: u64, parts: u64, esize: u64) -> u
     )
 }
 
+/// The smallest chunk a checked call's sender sends before the call check's gate: below it the
+/// local copy after the gate costs more than the overlap gains (the check's cost there is below
+/// 1 µs without it).
+pub const AHEAD_MIN_BYTES: u64 = 8 << 10;
+
+/// The largest chunk an AllGather rank sends whole before the gate; of a larger one it sends
+/// half (measured on an H100: whole chunks up to 64 KiB, halves of 120 KiB chunks).
+pub const AHEAD_WHOLE_MAX_BYTES: u64 = 64 << 10;
+
+/// How many leading elements of a checked AllGather's first chunk of `n` elements of `esize`
+/// bytes its sender sends before the call check's gate, so that the check overlaps the first
+/// hop: 0 unless the primitives send to a FIFO ([`Primitives::sends_to_fifo`]) and the chunk
+/// holds [`AHEAD_MIN_BYTES`]; the whole chunk up to [`AHEAD_WHOLE_MAX_BYTES`], else half of it
+/// in whole 16-byte packs. Every rank computes the same number from `n`, and splits every verb
+/// on that chunk there alike.
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
+pub fn ahead_elems<P: Primitives>(p: &P, n: u64, esize: u64) -> u64 {
+    let bytes = n * esize;
+    if !p.sends_to_fifo() || bytes < AHEAD_MIN_BYTES {
+        0
+    } else if bytes <= AHEAD_WHOLE_MAX_BYTES {
+        n
+    } else {
+        let per = crate::abi::PACK_BYTES / esize;
+        n / 2 / per * per
+    }
+}
+
+/// This channel's chunk of the loop at grid offset `grid_off` (a multiple of `nchannels ×
+/// chunk_elems` below `count`): its offset and length, the length possibly 0 on the last loop.
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
+pub fn chunk_at(r: &RingCtx, grid_off: u64, count: u64, chunk_elems: u64, esize: u64) -> (u64, u64) {
+    let real_chunk = loop_chunk(chunk_elems, count - grid_off, r.nchannels, esize);
+    let off = grid_off + r.channel * real_chunk;
+    let len = if off >= count {
+        0
+    } else {
+        core::cmp::min(real_chunk, count - off)
+    };
+    (off, len)
+}
+
 /// Walks this channel's chunks of a `count`-element vector cut per loop into `nchannels` chunks of
 /// at most `chunk_elems` (NCCL's grid loop of the one-block-per-rank collectives): calls
-/// `step(offset, len)` once per loop, `len` possibly 0 on the last loop; stops when it returns
-/// `false` (abort).
+/// `step(offset, len)` once per loop ([`chunk_at`]) from grid offset `from` (0, or past loops
+/// the caller ran itself); stops when it returns `false` (abort).
 #[cfg_attr(target_arch = "nvptx64", inline(always))]
 pub fn channel_chunks(
     r: &RingCtx,
+    from: u64,
     count: u64,
     chunk_elems: u64,
     esize: u64,
     mut step: impl FnMut(u64, u64) -> bool,
 ) {
     let loop_size = r.nchannels * chunk_elems;
-    let mut grid_off = 0u64;
+    let mut grid_off = from;
     while grid_off < count {
-        let real_chunk = loop_chunk(chunk_elems, count - grid_off, r.nchannels, esize);
-        let off = grid_off + r.channel * real_chunk;
-        let len = if off >= count {
-            0
-        } else {
-            core::cmp::min(real_chunk, count - off)
-        };
+        let (off, len) = chunk_at(r, grid_off, count, chunk_elems, esize);
         if !step(off, len) {
             return;
         }

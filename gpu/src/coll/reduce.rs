@@ -9,6 +9,7 @@ pub fn ring<P: Primitives>(p: &mut P, r: &RingCtx, count: u64, root: u64, chunk_
     let (me, prev) = (r.user_rank(0), r.user_rank(r.nranks - 1));
     channel_chunks(
         r,
+        0,
         count,
         chunk_elems,
         esize,

@@ -10,6 +10,7 @@ pub fn ring<P: Primitives>(p: &mut P, r: &RingCtx, count: u64, chunk_elems: u64,
     let n = r.nranks;
     channel_chunks(
         r,
+        0,
         count,
         chunk_elems,
         esize,

@@ -80,6 +80,7 @@ impl Lanes {
 /// [`TreeLl128Up`] and [`TreeLl128Down`].
 pub struct Ll128Fan<T, Op, const NR: usize, const NS: usize> {
     tid: u32,
+    nthreads: u32,
     lanes: Lanes,
     input: *const T,
     output: *mut T,
@@ -128,6 +129,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
     ) -> Self {
         Ll128Fan {
             tid,
+            nthreads,
             lanes: Lanes::new(tid, nthreads),
             input,
             output,
@@ -540,6 +542,20 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Primitives for Ll1
     #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn gate(&mut self) -> bool {
         super::pass_gate(&mut self.aborted, self.tid, self.smem)
+    }
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
+    fn copy(&mut self, src: u64, dst: u64, n: u64) {
+        if !self.aborted {
+            // SAFETY: the algorithm passes offsets inside both buffers, which are disjoint
+            // where it copies (an out-of-place call); every thread runs the verb.
+            unsafe {
+                super::local_copy::<T, Op>(self.tid, self.nthreads, self.input, self.output, src, dst, n, &self.op_args)
+            }
+        }
+    }
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
+    fn sends_to_fifo(&self) -> bool {
+        true
     }
     #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn send(&mut self, src: u64, n: u64) {

@@ -39,6 +39,18 @@ pub trait Primitives {
     /// when the call must stop (a mismatch or an abort): every verb is then a no-op, as after an
     /// abort. Called only in a checked call's kernel (`crate::coll::RingCtx::gate`).
     fn gate(&mut self) -> bool;
+    /// input[src..src+n] → output[dst..dst+n] over no connection: the local copy of a chunk
+    /// whose sender sent it before the call check's gate ([`Primitives::sends_to_fifo`]).
+    fn copy(&mut self, src: u64, dst: u64, n: u64);
+    /// Whether [`Primitives::send`] of up to a chunk writes only the next rank's FIFO, never a
+    /// user buffer, and completes without the receiver (LL and LL128, whose chunk is one FIFO
+    /// step; not Simple, whose direct sends write the receiver's output): a checked call's
+    /// sender may then send before the call check's gate (beyond NCCL; see
+    /// `crate::coll::ahead_elems`).
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
+    fn sends_to_fifo(&self) -> bool {
+        false
+    }
 
     // Direct verbs (NCCL's `directSend`, `directRecv`, ...): the same data movement, for a send
     // whose receiver only copies the data into its output at offset `dst` (its matching verb is
@@ -86,6 +98,42 @@ pub(crate) fn pass_gate(aborted: &mut bool, tid: u32, smem: *mut u32) -> bool {
         *aborted = true;
     }
     !*aborted
+}
+
+/// [`Primitives::copy`] for a block of `nthreads` threads: `input[src..src+n]` →
+/// `output[dst..dst+n]`, elements of `T` (Simple's `reduce_copy` with one source and no
+/// operation).
+///
+/// # Safety
+/// Both ranges are valid for `n` elements and do not overlap; every thread of the block calls
+/// this.
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn local_copy<T: crate::reduce::Elem, Op: crate::reduce::RedFn<T>>(
+    tid: u32,
+    nthreads: u32,
+    input: *const T,
+    output: *mut T,
+    src: u64,
+    dst: u64,
+    n: u64,
+    args: &crate::reduce::OpArgs,
+) {
+    // SAFETY: caller contract.
+    unsafe {
+        simple::reduce_copy::<T, Op, false, false>(
+            tid,
+            nthreads,
+            input.wrapping_add(src as usize) as *const u8,
+            core::ptr::null(),
+            output.wrapping_add(dst as usize) as *mut u8,
+            core::ptr::null_mut(),
+            n,
+            0,
+            simple::PreOn::None,
+            args,
+        )
+    }
 }
 
 /// Calls `f(0)`, …, `f(N - 1)` for `N ≤ 3` (a connection fan's peers): written out, so that once

@@ -572,6 +572,16 @@ impl<T: Elem, Op: RedFn<T>, const UP: bool> Primitives for TreeSimple<T, Op, UP>
         super::pass_gate(&mut self.aborted, self.tid, self.smem)
     }
     #[cfg_attr(target_arch = "nvptx64", inline(always))]
+    fn copy(&mut self, src: u64, dst: u64, n: u64) {
+        if !self.aborted {
+            // SAFETY: the algorithm passes offsets inside both buffers, which are disjoint
+            // where it copies (an out-of-place call); every thread runs the verb.
+            unsafe {
+                super::local_copy::<T, Op>(self.tid, self.nthreads, self.input, self.output, src, dst, n, &self.op_args)
+            }
+        }
+    }
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn send(&mut self, src: u64, n: u64) {
         self.generic_op::<false, true, true, false, false>(src, 0, n, false)
     }
