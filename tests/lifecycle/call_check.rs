@@ -305,8 +305,9 @@ fn the_sequence_number_counts_the_calls_before() {
 /// With the check on, matching calls of every collective on every protocol give exact results,
 /// in place and out of place, guards intact (the collective matrix on a few pairs and counts,
 /// count 0 included). 40,003 elements make a channel's first chunk large enough on LL and
-/// LL128 for AllGather's ranks to send it, or its head, before the gate, every rank splitting
-/// that chunk's verbs there alike (`coll::ahead_elems` in the kernels).
+/// LL128 for AllGather's ranks to send it, or its head, before the gate (float; the int8
+/// kernels gate first), every rank splitting that chunk's verbs there alike
+/// (`coll::ahead_elems` in the kernels).
 #[test]
 fn matching_calls_run_exactly_with_the_check_on() {
     let env = Env::clean(VARS);
