@@ -145,9 +145,10 @@ pub unsafe fn run_kernel<T: Elem, Op: RedFn<T>, const FUNC: u8, const ALGO: u8, 
             return;
         }
     }
-    // Its data blocks pass their gate: a checking block runs beside them (not in a launch that
-    // honours the check kernel's verdict). Computed from the arguments alone: with the check
-    // off the kernel's code is as without it (measured).
+    // Its data blocks pass their gate: a checking block runs beside them (in a one-block launch,
+    // which the host does not make, the block checked first and armed the gate open; not in a
+    // launch that honours the check kernel's verdict). Computed from the arguments alone: with
+    // the check off the kernel's code is as without it (measured).
     let gated = args.check != 0 && args.check & crate::abi::CHECK_VERDICT_ONLY == 0;
     // Only LL launches carry several works (`proto_batches`): the other protocols' bodies see
     // one work, read at constant parameter offsets.

@@ -11,14 +11,27 @@ use common::env::Env;
 use oxccl::{Comm, CommConfig, DataType, Device, DeviceBuffer, Error, Func, RedOp};
 use std::time::{Duration, Instant};
 
-/// Every variable a test here may set: cleared (both spellings) around each init.
-const VARS: &[&str] = &["CHECK_CALLS", "TIMEOUT", "PROTO", "ALGO"];
+/// Every variable a test here may set, and those that size the chunks the tests' calls cut:
+/// cleared (both spellings) around each init.
+const VARS: &[&str] = &[
+    "CHECK_CALLS",
+    "TIMEOUT",
+    "PROTO",
+    "ALGO",
+    "MIN_NCHANNELS",
+    "MAX_NCHANNELS",
+    "BUFFSIZE",
+    "LL_BUFFSIZE",
+    "LL128_BUFFSIZE",
+];
 
 /// Communicators over `devices` with the check on (and a timeout, so that a check that failed to
-/// stop a diverged call ends the test with an error instead of a hang).
-fn init(devices: &[Device]) -> Vec<Comm> {
+/// stop a diverged call ends the test with an error instead of a hang), and `extra` variables.
+fn init(devices: &[Device], extra: &[(&str, &str)]) -> Vec<Comm> {
     let env = Env::clean(VARS);
-    env.set(&[("OXCCL_CHECK_CALLS", "1"), ("OXCCL_TIMEOUT", "20")]);
+    let mut vars = vec![("OXCCL_CHECK_CALLS", "1"), ("OXCCL_TIMEOUT", "20")];
+    vars.extend_from_slice(extra);
+    env.set(&vars);
     common::init_all(devices).unwrap()
 }
 
@@ -33,9 +46,10 @@ const BYTES: usize = 4 * 4096 * 4;
 /// Each rank `r` issues `calls[r]` (float) from one thread, out of place, with both buffers
 /// filled with a pattern; then every stream drains within seconds and every rank's error is
 /// `InvalidUsage` whose message, after `rank r: `, is `want`; no byte of any buffer changed; a
-/// later call returns the same error at once; abort and drop work.
-fn diverged(devices: &[Device], calls: &[Call], want: &str) {
-    let comms = init(devices);
+/// later call returns the same error at once; abort and drop work. `extra`: variables for the
+/// communicators.
+fn diverged(devices: &[Device], extra: &[(&str, &str)], calls: &[Call], want: &str) {
+    let comms = init(devices, extra);
     let n = comms.len();
     let streams = common::streams(&comms);
     let bytes = BYTES.max(4 * n * calls.iter().map(|c| c.1).max().unwrap_or(0));
@@ -119,6 +133,7 @@ fn ranks_that_issued_different_calls_fail_every_rank_naming_them() {
     let ar = |count| Call(Func::AllReduce, count, 0, RedOp::Sum);
     diverged(
         &cpus(3),
+        &[],
         &[ar(1024), ar(1024), ar(1000)],
         &message(
             "ranks 0, 1 issued allreduce call #1 (1024 × float, op sum; ring/LL on 1 channel); rank 2 issued \
@@ -129,6 +144,7 @@ fn ranks_that_issued_different_calls_fail_every_rank_naming_them() {
     // Another collective: AllReduce against AllGather of the same count.
     diverged(
         &cpus(2),
+        &[],
         &[ar(256), Call(Func::AllGather, 256, 0, RedOp::Sum)],
         &message(
             "rank 0 issued allreduce call #1 (256 × float, op sum; ring/LL on 1 channel); rank 1 issued \
@@ -140,6 +156,7 @@ fn ranks_that_issued_different_calls_fail_every_rank_naming_them() {
     let reduce = |root| Call(Func::Reduce, 64, root, RedOp::Sum);
     diverged(
         &cpus(3),
+        &[],
         &[reduce(0), reduce(1), reduce(2)],
         &message(
             "rank 0 issued reduce call #1 (64 × float, op sum, root 0; ring/LL on 1 channel); rank 1 issued \
@@ -156,6 +173,7 @@ fn ranks_that_issued_different_calls_fail_every_rank_naming_them() {
     };
     diverged(
         &cpus(2),
+        &[],
         &[Call(Func::AllReduce, big, 0, RedOp::Sum), Call(Func::AllReduce, big, 0, RedOp::Max)],
         &message(
             &format!("rank 0 issued {}; rank 1 issued {}", reduce_op("sum"), reduce_op("max")),
@@ -171,6 +189,7 @@ fn ranks_that_issued_different_calls_fail_every_rank_naming_them() {
         |count: usize| format!("reduce call #1 ({count} × float, op sum, root 0; ring/Simple on 2 channels)");
     diverged(
         &cpus(4),
+        &[],
         &[red(big), red(big), red(big), red(big - 4096)],
         &message(
             &format!("ranks 0-2 issued {}; rank 3 issued {}", red_text(big), red_text(big - 4096)),
@@ -180,11 +199,26 @@ fn ranks_that_issued_different_calls_fail_every_rank_naming_them() {
     // A call of count 0 (a no-op in NCCL, still checked) against a real one, on four ranks.
     diverged(
         &cpus(4),
+        &[],
         &[ar(0), ar(4096), ar(4096), ar(4096)],
         &message(
             "rank 0 issued allreduce call #1 (0 × float, op sum); ranks 1-3 issued allreduce call #1 (4096 × \
              float, op sum; ring/Simple on 1 channel)",
             "count, algorithm, protocol, channels",
+        ),
+    );
+    // AllGather on LL128 on three ranks, one with another count: every rank sends its first
+    // chunk's head before the gate (`coll::ahead_elems`; each at its own split), and no rank
+    // takes it in.
+    let ag = |count: usize| Call(Func::AllGather, count, 0, RedOp::Sum);
+    let ag_text = |count: usize| format!("allgather call #1 ({count} × float; ring/LL128 on 2 channels)");
+    diverged(
+        &cpus(3),
+        &[("NCCL_PROTO", "LL128")],
+        &[ag(40_003), ag(40_003), ag(36_000)],
+        &message(
+            &format!("ranks 0, 1 issued {}; rank 2 issued {}", ag_text(40_003), ag_text(36_000)),
+            "count",
         ),
     );
 }
@@ -197,7 +231,7 @@ fn ranks_that_issued_different_calls_fail_every_rank_naming_them_gpu() {
         return;
     };
     let _gpu = common::gpu_lock();
-    let comms = init(&devices);
+    let comms = init(&devices, &[]);
     let plan = comms[0]
         .choice_for(Func::AllReduce, 1024, DataType::F32)
         .unwrap()
@@ -222,6 +256,7 @@ fn ranks_that_issued_different_calls_fail_every_rank_naming_them_gpu() {
     }
     diverged(
         &devices,
+        &[],
         &[Call(Func::AllReduce, 1024, 0, RedOp::Sum), Call(Func::AllReduce, 1000, 0, RedOp::Sum)],
         &message(
             &format!(
@@ -240,7 +275,7 @@ fn ranks_that_issued_different_calls_fail_every_rank_naming_them_gpu() {
 /// and records the mismatched one with its outcome.
 #[test]
 fn the_sequence_number_counts_the_calls_before() {
-    let comms = init(&Device::cpus(2));
+    let comms = init(&Device::cpus(2), &[]);
     let streams = common::streams(&comms);
     let bufs: Vec<_> = comms.iter().map(|c| c.device().alloc(64 * 4).unwrap()).collect();
     for (r, b) in bufs.iter().enumerate() {

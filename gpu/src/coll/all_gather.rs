@@ -43,9 +43,11 @@ pub fn ring<P: Primitives>(p: &mut P, r: &RingCtx, count: u64, chunk_elems: u64,
 }
 
 /// [`ring`] in a checked call's kernel (`r.gated`, `count` > 0) of elements of at least
-/// [`AHEAD_MIN_ELEM_BYTES`] on a FIFO protocol ([`Primitives::sends_to_fifo`]): the first chunk, or its head ([`ahead_elems`]), goes to the next
-/// rank before the call check's gate, every verb on that chunk split there on every rank. A
-/// function of its own, so the unchecked loop above keeps its code.
+/// [`AHEAD_MIN_ELEM_BYTES`] on a FIFO protocol ([`Primitives::sends_to_fifo`]): the first
+/// chunk, or its head ([`ahead_elems`]), goes to the next rank before the call check's gate,
+/// every verb on that chunk split there on every rank (nothing goes before the gate when
+/// `ahead_elems` is 0: a chunk under 8 KiB). A function of its own, so the unchecked loop above
+/// keeps its code.
 #[cfg_attr(target_arch = "nvptx64", inline(always))]
 fn ring_sending_ahead<P: Primitives>(
     p: &mut P,

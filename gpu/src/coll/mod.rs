@@ -20,8 +20,9 @@ pub struct RingCtx {
     /// This block's channel and the channel count of the operation.
     pub channel: u64,
     pub nchannels: u64,
-    /// Whether the kernel is a checked call's whose checking block runs beside this one: the
-    /// block passes its gate before its first write to a user buffer ([`RingCtx::gate`]).
+    /// Whether the kernel is a checked call's whose checking block runs beside this one (or, in
+    /// a one-block checked launch, checked the call first and armed the gate open): the block
+    /// passes its gate before its first write to a user buffer ([`RingCtx::gate`]).
     pub gated: bool,
 }
 

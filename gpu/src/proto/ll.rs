@@ -523,7 +523,16 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Primitives for LlF
             // SAFETY: the algorithm passes offsets inside both buffers, which are disjoint
             // where it copies (an out-of-place call); every thread runs the verb.
             unsafe {
-                super::local_copy::<T, Op>(self.tid, self.nthreads, self.input, self.output, src, dst, n, &self.op_args)
+                super::local_copy::<T, Op>(
+                    self.tid,
+                    self.nthreads,
+                    self.input,
+                    self.output,
+                    src,
+                    dst,
+                    n,
+                    &self.op_args,
+                )
             }
         }
     }

@@ -42,11 +42,11 @@ pub trait Primitives {
     /// input[src..src+n] → output[dst..dst+n] over no connection: the local copy of a chunk
     /// whose sender sent it before the call check's gate ([`Primitives::sends_to_fifo`]).
     fn copy(&mut self, src: u64, dst: u64, n: u64);
-    /// Whether [`Primitives::send`] of up to a chunk writes only the next rank's FIFO, never a
-    /// user buffer, and completes without the receiver (LL and LL128, whose chunk is one FIFO
-    /// step; not Simple, whose direct sends write the receiver's output): a checked call's
-    /// sender may then send before the call check's gate (beyond NCCL; see
-    /// `crate::coll::ahead_elems`).
+    /// Whether [`Primitives::send`] of up to a chunk writes only its send peers' FIFOs, never a
+    /// user buffer, and needs no step of the receiver's kernel (LL and LL128, whose chunk is one
+    /// FIFO step, at most two when split, within the slots the previous kernels freed; not
+    /// Simple, whose direct sends write the receiver's output): a checked call's sender may then
+    /// send before the call check's gate (beyond NCCL; see `crate::coll::ahead_elems`).
     #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn sends_to_fifo(&self) -> bool {
         false

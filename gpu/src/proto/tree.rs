@@ -577,7 +577,16 @@ impl<T: Elem, Op: RedFn<T>, const UP: bool> Primitives for TreeSimple<T, Op, UP>
             // SAFETY: the algorithm passes offsets inside both buffers, which are disjoint
             // where it copies (an out-of-place call); every thread runs the verb.
             unsafe {
-                super::local_copy::<T, Op>(self.tid, self.nthreads, self.input, self.output, src, dst, n, &self.op_args)
+                super::local_copy::<T, Op>(
+                    self.tid,
+                    self.nthreads,
+                    self.input,
+                    self.output,
+                    src,
+                    dst,
+                    n,
+                    &self.op_args,
+                )
             }
         }
     }
