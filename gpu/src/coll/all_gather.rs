@@ -93,7 +93,7 @@ fn ring_sending_ahead<P: Primitives>(
     // The call check's gate comes before the first write to a user buffer. Our first chunk,
     // or its head, goes to the next rank's FIFO before it (where a send writes no user buffer),
     // so the check overlaps the first hop; its copy into our output comes after.
-    let (chunk_off, len) = chunk_at(r, 0, count, chunk_elems, esize);
+    let (chunk_off, len) = chunk_at(r.channel, r.nchannels, 0, count, chunk_elems, esize);
     let ahead = ahead_elems(p, len, esize);
     p.send(chunk_off, ahead);
     if !r.gate(p) || !step(p, chunk_off, len, ahead) {

@@ -96,12 +96,20 @@ pub fn ahead_elems<P: Primitives>(p: &P, n: u64, esize: u64) -> u64 {
     }
 }
 
-/// This channel's chunk of the loop at grid offset `grid_off` (a multiple of `nchannels ×
-/// chunk_elems` below `count`): its offset and length, the length possibly 0 on the last loop.
+/// Channel `channel`'s chunk (of `nchannels`) of the loop at grid offset `grid_off` (a multiple
+/// of `nchannels × chunk_elems` below `count`): its offset and length in elements, the length
+/// possibly 0 on the last loop. Rings and trees cut their loops alike.
 #[cfg_attr(target_arch = "nvptx64", inline(always))]
-pub fn chunk_at(r: &RingCtx, grid_off: u64, count: u64, chunk_elems: u64, esize: u64) -> (u64, u64) {
-    let real_chunk = loop_chunk(chunk_elems, count - grid_off, r.nchannels, esize);
-    let off = grid_off + r.channel * real_chunk;
+pub fn chunk_at(
+    channel: u64,
+    nchannels: u64,
+    grid_off: u64,
+    count: u64,
+    chunk_elems: u64,
+    esize: u64,
+) -> (u64, u64) {
+    let real_chunk = loop_chunk(chunk_elems, count - grid_off, nchannels, esize);
+    let off = grid_off + channel * real_chunk;
     let len = if off >= count {
         0
     } else {
@@ -126,7 +134,7 @@ pub fn channel_chunks(
     let loop_size = r.nchannels * chunk_elems;
     let mut grid_off = from;
     while grid_off < count {
-        let (off, len) = chunk_at(r, grid_off, count, chunk_elems, esize);
+        let (off, len) = chunk_at(r.channel, r.nchannels, grid_off, count, chunk_elems, esize);
         if !step(off, len) {
             return;
         }

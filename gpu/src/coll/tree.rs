@@ -9,7 +9,6 @@
 //! tree (NCCL gives tree 0 and tree 1 their own channels too). Each final value is computed once,
 //! at the root, so every rank ends up with identical bits. Every rank walks the same chunks in the
 //! same order, so both ends of each tree connection see the same sequence of steps.
-use super::loop_chunk;
 use crate::proto::Primitives;
 use crate::proto::tree::SendFromOutput;
 
@@ -35,19 +34,12 @@ impl TreeCtx {
     }
 
     /// Offset and length (elements, the length possibly 0) of this channel's chunk in the loop
-    /// iteration that starts at `grid_off` (the grid loop of [`super::channel_chunks`], written
-    /// out here because a closure the compiler does not inline would keep the primitives in GPU
-    /// local memory).
+    /// iteration that starts at `grid_off` ([`super::chunk_at`]; the grid loop of
+    /// [`super::channel_chunks`] is written out in the tree's phases because a closure the
+    /// compiler does not inline would keep the primitives in GPU local memory).
     #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn chunk(&self, grid_off: u64, count: u64, chunk_elems: u64, esize: u64) -> (u64, u64) {
-        let real_chunk = loop_chunk(chunk_elems, count - grid_off, self.nchannels, esize);
-        let off = grid_off + self.channel * real_chunk;
-        let len = if off >= count {
-            0
-        } else {
-            core::cmp::min(real_chunk, count - off)
-        };
-        (off, len)
+        super::chunk_at(self.channel, self.nchannels, grid_off, count, chunk_elems, esize)
     }
 }
 
