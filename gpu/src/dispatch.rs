@@ -36,12 +36,14 @@ pub struct Entry {
     pub proto: Proto,
     pub dtype: DataType,
     pub op: KernelOp,
+    /// The entry of calls with the call check on ([`crate::abi::checked_entry`]).
+    pub checked: bool,
 }
 
 /// The kernel entry table, as built (`OXCCL_ONLY_FUNCS` may have filtered it), and the CPU
 /// target's dispatch over it.
 macro_rules! entries {
-    ($($name:ident => $func:ident, $algo:ident, $proto:ident, $dt:ident, $t:ty, $opv:ident, $op:ty;)*) => {
+    ($($name:ident => $func:ident, $algo:ident, $proto:ident, $dt:ident, $t:ty, $opv:ident, $op:ty, $checked:literal;)*) => {
         /// Every kernel entry of this build, in table order.
         pub const ENTRIES: &[Entry] = &[$(Entry {
             name: stringify!($name),
@@ -50,6 +52,7 @@ macro_rules! entries {
             proto: Proto::$proto,
             dtype: DataType::$dt,
             op: KernelOp::$opv,
+            checked: $checked,
         }),*];
 
         /// Runs block `bid` (one channel) of the launch `args` — its works in order, [`run_kernel`]
@@ -67,11 +70,13 @@ macro_rules! entries {
                 return false;
             };
             let (dtype, op) = crate::abi::kernel_variant(func, dtype, op);
-            let key = (func, algo, proto, dtype, op);
+            let key = (func, algo, proto, dtype, op, crate::abi::checked_entry(func, args.check != 0));
             $(
-                if key == (Func::$func, Algo::$algo, Proto::$proto, DataType::$dt, KernelOp::$opv) {
+                if key == (Func::$func, Algo::$algo, Proto::$proto, DataType::$dt, KernelOp::$opv, $checked) {
                     // The host instantiates one body per (collective, algorithm, protocol,
-                    // type) and applies the call's operator at run time (`FuncAny`).
+                    // type) and applies the call's operator at run time (`FuncAny`); a
+                    // checked entry shares its unchecked twin's body, which sends ahead of the
+                    // gate only in a checked call (`AHEAD`, chosen at run time by `gated`).
                     // SAFETY: forwarded caller contract; the row's type is the work's
                     // (kernel_variant) and `FuncAny` applies the work's operator.
                     unsafe {
@@ -81,6 +86,7 @@ macro_rules! entries {
                             { Func::$func as u8 },
                             { Algo::$algo as u8 },
                             { Proto::$proto as u8 },
+                            true,
                         >(args, |i| args.work_at(i), bid, tid, nthreads, smem)
                     };
                     return true;
@@ -94,23 +100,28 @@ macro_rules! entries {
 include!(concat!(env!("OUT_DIR"), "/entries.rs"));
 
 /// The table entry that runs `func` with `algo` and `proto` on `dtype` and `op` in this build,
-/// if any.
+/// if any; `checked` when the call check is on ([`crate::abi::checked_entry`]).
 pub fn entry_for(
     func: Func,
     algo: Algo,
     proto: Proto,
     dtype: DataType,
     op: DevRedOp,
+    checked: bool,
 ) -> Option<&'static Entry> {
     let (dtype, op) = crate::abi::kernel_variant(func, dtype, op);
+    let checked = crate::abi::checked_entry(func, checked);
     ENTRIES
         .iter()
-        .find(|e| (e.func, e.algo, e.proto, e.dtype, e.op) == (func, algo, proto, dtype, op))
+        .find(|e| (e.func, e.algo, e.proto, e.dtype, e.op, e.checked) == (func, algo, proto, dtype, op, checked))
 }
 
 /// The body of one kernel entry: block `bid` of the launch `args` for element type `T`, operator
 /// `Op`, collective `FUNC`, algorithm `ALGO` and protocol `PROTO` (constants, so only that code is
-/// compiled in). In a checked launch (one work) the last block checks the call and the others arm
+/// compiled in); `AHEAD`: the entry holds the sends ahead of the call check's gate of a checked
+/// call (Broadcast's and AllGather's checked entries on the GPU, every body on the CPU target,
+/// where a checked call takes them by its `gated` flag; [`crate::abi::checked_entry`]). In a
+/// checked launch (one work) the last block checks the call and the others arm
 /// their gate (`crate::check::checked`); then the block runs the launch's works in order (`work(i)`
 /// is work `i`: the kernel reads them from its parameter, the CPU target from `args`), each one
 /// only where `bid` is below its channel count, after a barrier that lets the previous work's
@@ -122,7 +133,14 @@ pub fn entry_for(
 /// entry (`kernel_variant` of them), and so is its protocol.
 #[cfg_attr(target_arch = "nvptx64", inline(always))]
 #[cfg_attr(not(target_arch = "nvptx64"), inline(never))]
-pub unsafe fn run_kernel<T: Elem, Op: RedFn<T>, const FUNC: u8, const ALGO: u8, const PROTO: u8>(
+pub unsafe fn run_kernel<
+    T: Elem,
+    Op: RedFn<T>,
+    const FUNC: u8,
+    const ALGO: u8,
+    const PROTO: u8,
+    const AHEAD: bool,
+>(
     args: &KernelArgs,
     work: impl Fn(u32) -> WorkColl,
     bid: u32,
@@ -174,7 +192,7 @@ pub unsafe fn run_kernel<T: Elem, Op: RedFn<T>, const FUNC: u8, const ALGO: u8, 
         }
         if bid < w.nchannels as u32 {
             // SAFETY: forwarded caller contract.
-            unsafe { run_work::<T, Op, FUNC, ALGO, PROTO>(args.comm, &w, gated, bid, tid, nthreads, smem) };
+            unsafe { run_work::<T, Op, FUNC, ALGO, PROTO>(args.comm, &w, gated, AHEAD && gated, bid, tid, nthreads, smem) };
         }
         i += 1;
     }
@@ -192,6 +210,7 @@ unsafe fn run_work<T: Elem, Op: RedFn<T>, const FUNC: u8, const ALGO: u8, const 
     comm: u64,
     w: &WorkColl,
     gated: bool,
+    ahead: bool,
     bid: u32,
     tid: u32,
     nthreads: u32,
@@ -227,6 +246,7 @@ unsafe fn run_work<T: Elem, Op: RedFn<T>, const FUNC: u8, const ALGO: u8, const 
             channel: bid as u64,
             nchannels: w.nchannels as u64,
             gated,
+            ahead,
         };
         match proto {
             Proto::Simple => {
@@ -567,10 +587,14 @@ mod tests {
                 for &proto in Proto::ALL {
                     for &dtype in DataType::ALL {
                         for &op in DevRedOp::ALL {
-                            let e = entry_for(func, algo, proto, dtype, op)
-                                .unwrap_or_else(|| panic!("no entry for {func} {algo} {proto} {dtype} {op}"));
-                            assert_eq!(e.name, kernel_name_for(func, algo, proto, dtype, op).as_str());
-                            used.insert(e.name);
+                            for checked in [false, true] {
+                                let e = entry_for(func, algo, proto, dtype, op, checked).unwrap_or_else(|| {
+                                    panic!("no entry for {func} {algo} {proto} {dtype} {op} (checked: {checked})")
+                                });
+                                assert_eq!(e.name, kernel_name_for(func, algo, proto, dtype, op, checked).as_str());
+                                assert_eq!(e.checked, crate::abi::checked_entry(func, checked));
+                                used.insert(e.name);
+                            }
                         }
                     }
                 }
@@ -579,8 +603,8 @@ mod tests {
         assert_eq!(used.len(), ENTRIES.len(), "entries no call uses");
         // 3 protocols × (4 reducing (collective, algorithm) pairs × 12 types × 2 operator
         // entries (Sum, which Avg runs too, and Any), and Broadcast and AllGather × 4 element
-        // sizes).
-        assert_eq!(ENTRIES.len(), 3 * (4 * 12 * 2 + 2 * 4));
+        // sizes × unchecked and checked).
+        assert_eq!(ENTRIES.len(), 3 * (4 * 12 * 2 + 2 * 4 * 2));
         let names: std::collections::BTreeSet<_> = ENTRIES.iter().map(|e| e.name).collect();
         assert_eq!(names.len(), ENTRIES.len(), "duplicate entry names");
     }

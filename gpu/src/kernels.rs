@@ -2,7 +2,9 @@
 //! that gpu/build.rs generates (func × algo × protocol × element type × operator), named
 //! `oxccl_<func>[_tree]_<proto>_<dtype>_<op>` after the ABI enums' names
 //! ([`crate::abi::kernel_name_for`]).
-//! Broadcast and AllGather only move bytes, so they have one entry per element size; Avg runs the
+//! Broadcast and AllGather only move bytes, so they have one entry per element size, and a
+//! second one (`_checked`) for calls with the call check on, which sends ahead of the check's
+//! gate ([`crate::abi::checked_entry`]); Avg runs the
 //! sum entry (its post-division is read at run time), and Prod, Max, Min and PreMulSum their
 //! type's `any` entry (its operator is read at run time); each entry runs one protocol
 //! ([`crate::dispatch::run_kernel`]). build.rs splits the linked PTX into one module per entry
@@ -18,7 +20,7 @@ use half::{bf16, f16};
 
 /// One `extern "ptx-kernel"` entry point per row of the generated table (gpu/build.rs).
 macro_rules! entries {
-    ($($name:ident => $func:ident, $algo:ident, $proto:ident, $dt:ident, $t:ty, $opv:ident, $op:ty;)*) => {$(
+    ($($name:ident => $func:ident, $algo:ident, $proto:ident, $dt:ident, $t:ty, $opv:ident, $op:ty, $checked:literal;)*) => {$(
         /// Collective kernel: grid = the largest `nchannels` of the launch's works, block =
         /// `NCCL_NTHREADS` threads.
         ///
@@ -72,6 +74,7 @@ macro_rules! entries {
                     { Func::$func as u8 },
                     { Algo::$algo as u8 },
                     { Proto::$proto as u8 },
+                    $checked,
                 >(
                     &args,
                     work,

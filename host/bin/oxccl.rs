@@ -636,9 +636,11 @@ fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
             print!("{line}");
         }
         wrong += table::total_wrong(&rows);
-        if let (Backend::Oxccl(_), Some(Device::Cuda(o))) = (&main, devices.first()) {
-            // The kernel module of each (algorithm, protocol) a collective's sweep ran; the
-            // point-to-point kernel (loaded at init when there are peers) for the others.
+        if let (Backend::Oxccl(comms), Some(Device::Cuda(o))) = (&main, devices.first()) {
+            // The kernel module of each (algorithm, protocol) a collective's sweep ran (its
+            // checked entry when the main run checks its calls); the point-to-point kernel
+            // (loaded at init when there are peers) for the others.
+            let checked = comms.first().is_some_and(|c| c.params().check_calls);
             let names: Vec<String> = match op {
                 Op::Coll(func) => rows
                     .iter()
@@ -646,7 +648,7 @@ fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
                     .collect::<std::collections::BTreeSet<_>>()
                     .into_iter()
                     .map(|(algo, proto)| {
-                        oxccl::kernel_name_for(func, algo, proto, a.dtype, a.op).as_str().to_string()
+                        oxccl::kernel_name_for(func, algo, proto, a.dtype, a.op, checked).as_str().to_string()
                     })
                     .collect(),
                 Op::P2p(_) if nranks > 1 => vec![oxccl_gpu::abi::P2P_KERNEL_NAME.to_string()],

@@ -282,7 +282,7 @@ impl Comm {
         self.launches.fetch_add(1, Ordering::AcqRel);
         match (&self.res, stream) {
             (Res::Cuda(res), Stream::Cuda(s)) => {
-                let name = oxccl_gpu::abi::kernel_name_for(func, algo, proto, dtype, op);
+                let name = oxccl_gpu::abi::kernel_name_for(func, algo, proto, dtype, op, args.check != 0);
                 let bytes = oxccl_gpu::abi::kernel_args_bytes(nworks as usize);
                 let n = self.launch_cuda(res, s, captured, &[name.as_str()], |m| {
                     s.launch_prefix(&m[0], grid, self.params.nthreads, &args, bytes)
@@ -295,9 +295,10 @@ impl Comm {
                 Ok(())
             }
             (Res::Cpu(res), Stream::Cpu(s)) => {
-                if oxccl_gpu::dispatch::entry_for(func, algo, proto, dtype, op).is_none() {
+                let checked = args.check != 0;
+                if oxccl_gpu::dispatch::entry_for(func, algo, proto, dtype, op, checked).is_none() {
                     return Err(crate::kernels::not_built(
-                        oxccl_gpu::abi::kernel_name_for(func, algo, proto, dtype, op).as_str(),
+                        oxccl_gpu::abi::kernel_name_for(func, algo, proto, dtype, op, checked).as_str(),
                     ));
                 }
                 let blocks = self.cpu_blocks(res, grid, recorded);

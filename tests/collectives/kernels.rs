@@ -218,7 +218,7 @@ fn every_all_reduce_kernel_has_a_module() {
             // and the other reducing collectives' (PreMulSum's included), on every protocol.
             for k in [
                 kernel_name(Func::AllReduce, proto, dt, op),
-                kernel_name_for(Func::AllReduce, Algo::Tree, proto, dt, op),
+                kernel_name_for(Func::AllReduce, Algo::Tree, proto, dt, op, false),
                 kernel_name(Func::Reduce, proto, dt, op),
                 kernel_name(Func::ReduceScatter, proto, dt, op),
             ] {

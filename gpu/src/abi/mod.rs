@@ -52,19 +52,30 @@ pub const SPINS_BEFORE_CHECK_ABORT: u32 = 1;
 /// ring, e.g. `oxccl_allreduce_simple_float_sum` (`_any` for the operators chosen at run time):
 /// each is also the name of its own PTX module (see build.rs).
 pub fn kernel_name(func: Func, proto: Proto, dtype: DataType, op: impl Into<DevRedOp>) -> KernelName {
-    kernel_name_for(func, Algo::Ring, proto, dtype, op)
+    kernel_name_for(func, Algo::Ring, proto, dtype, op, false)
+}
+
+/// Whether a call of `func` runs a kernel entry of its own when the call check is on
+/// (`checked`): Broadcast and AllGather, whose checked entries send ahead of the check's gate
+/// (`crate::coll::all_gather`, `crate::coll::broadcast`) while their unchecked entries keep the
+/// code they have without the check. The other collectives' entries serve both.
+pub const fn checked_entry(func: Func, checked: bool) -> bool {
+    checked && matches!(func, Func::Broadcast | Func::AllGather)
 }
 
 /// Name of the kernel entry point for a (collective, algorithm, protocol, element type,
-/// operator): `oxccl_<func>[_tree]_<proto>_<dtype>_<op>` (the tree, AllReduce only, has its own
-/// entries), with the type and operator of [`kernel_variant`] — the kernel entry table's rules
-/// (gpu/build.rs), so a program JIT-compiles only the protocols and algorithms it runs.
+/// operator) call, `checked` when the call check is on: `oxccl_<func>[_tree]_<proto>_<dtype>_<op>`
+/// (the tree, AllReduce only, has its own entries), with the type and operator of
+/// [`kernel_variant`] — the kernel entry table's rules (gpu/build.rs), so a program JIT-compiles
+/// only the protocols and algorithms it runs — and a `_checked` suffix where the call has a
+/// checked entry of its own ([`checked_entry`]).
 pub fn kernel_name_for(
     func: Func,
     algo: Algo,
     proto: Proto,
     dtype: DataType,
     op: impl Into<DevRedOp>,
+    checked: bool,
 ) -> KernelName {
     let (dtype, op) = kernel_variant(func, dtype, op.into());
     let mut n = KernelName { buf: [0; 64], len: 0 };
@@ -84,6 +95,7 @@ pub fn kernel_name_for(
         dtype.name(),
         "_",
         op.name(),
+        if checked_entry(func, checked) { "_checked" } else { "" },
     ] {
         for &b in part.as_bytes() {
             n.buf[n.len] = b;

@@ -8,7 +8,7 @@ use crate::proto::Primitives;
 /// the input is the output at `rank × count`.
 #[cfg_attr(target_arch = "nvptx64", inline(always))]
 pub fn ring<P: Primitives>(p: &mut P, r: &RingCtx, count: u64, chunk_elems: u64, esize: u64, in_place: bool) {
-    if r.gated && count > 0 && esize >= AHEAD_MIN_ELEM_BYTES && p.sends_to_fifo() {
+    if r.ahead && count > 0 && esize >= AHEAD_MIN_ELEM_BYTES && p.sends_to_fifo() {
         ring_sending_ahead(p, r, count, chunk_elems, esize, in_place);
         return;
     }
@@ -42,12 +42,12 @@ pub fn ring<P: Primitives>(p: &mut P, r: &RingCtx, count: u64, chunk_elems: u64,
     );
 }
 
-/// [`ring`] in a checked call's kernel (`r.gated`, `count` > 0) of elements of at least
+/// [`ring`] in a checked call's kernel (`r.ahead`, `count` > 0) of elements of at least
 /// [`AHEAD_MIN_ELEM_BYTES`] on a FIFO protocol ([`Primitives::sends_to_fifo`]): the first
 /// chunk, or its head ([`ahead_elems`]), goes to the next rank before the call check's gate,
 /// every verb on that chunk split there on every rank (nothing goes before the gate when
-/// `ahead_elems` is 0: a chunk under 8 KiB). A function of its own, so the unchecked loop above
-/// keeps its code.
+/// `ahead_elems` is 0: a chunk under 8 KiB). Only the checked entries hold it (`r.ahead`): the
+/// unchecked entries keep the loop above as it is without the check.
 #[cfg_attr(target_arch = "nvptx64", inline(always))]
 fn ring_sending_ahead<P: Primitives>(
     p: &mut P,

@@ -24,6 +24,11 @@ pub struct RingCtx {
     /// a one-block checked launch, checked the call first and armed the gate open): the block
     /// passes its gate before its first write to a user buffer ([`RingCtx::gate`]).
     pub gated: bool,
+    /// Whether a gated block may send ahead of its gate where its collective does (Broadcast's
+    /// root and AllGather's ranks on LL and LL128): only in the checked entries of those
+    /// collectives ([`crate::abi::checked_entry`]; on the CPU target in every body), so the
+    /// entries of unchecked calls keep the code they have without the check.
+    pub ahead: bool,
 }
 
 impl RingCtx {
