@@ -9,7 +9,8 @@
 //! stay separate functions, so the CPU target builds in parallel code units of reasonable size.
 //! The host also compiles one body per (collective, algorithm, protocol, type) rather than per
 //! row: the call's operator is applied at run time by [`crate::reduce::FuncAny`] (168 bodies for
-//! the 312 rows), through the same per-type reduction functions the GPU's operators use.
+//! the 336 rows: Broadcast's and AllGather's checked entries share their unchecked twins' body),
+//! through the same per-type reduction functions the GPU's operators use.
 use crate::abi::{
     Algo, DataType, DevChannel, DevComm, DevRedOp, Func, KernelArgs, KernelOp, Proto, REDOP_SCALAR_DEVICE,
     WorkColl,

@@ -221,6 +221,19 @@ fn ranks_that_issued_different_calls_fail_every_rank_naming_them() {
             "count",
         ),
     );
+    // Broadcast on LL128 on three ranks, one with another count: the root sends its first chunk
+    // before the gate, and no rank takes it in.
+    let bc = |count: usize| Call(Func::Broadcast, count, 0, RedOp::Sum);
+    let bc_text = |count: usize| format!("broadcast call #1 ({count} × float, root 0; ring/LL128 on 2 channels)");
+    diverged(
+        &cpus(3),
+        &[("NCCL_PROTO", "LL128")],
+        &[bc(40_003), bc(40_003), bc(36_000)],
+        &message(
+            &format!("ranks 0, 1 issued {}; rank 2 issued {}", bc_text(40_003), bc_text(36_000)),
+            "count",
+        ),
+    );
 }
 
 #[test]
@@ -340,9 +353,9 @@ fn the_sequence_number_counts_the_calls_before() {
 /// With the check on, matching calls of every collective on every protocol give exact results,
 /// in place and out of place, guards intact (the collective matrix on a few pairs and counts,
 /// count 0 included). 40,003 elements make a channel's first chunk large enough on LL and
-/// LL128 for AllGather's ranks to send it, or its head, before the gate (float; the int8
-/// kernels gate first), every rank splitting that chunk's verbs there alike
-/// (`coll::ahead_elems` in the kernels).
+/// LL128 for Broadcast's root to send it before the gate, and AllGather's ranks it or its head
+/// (float; the int8 kernels gate first), every rank splitting that chunk's verbs there alike
+/// (`coll::ahead_elems` in the kernels' checked entries).
 #[test]
 fn matching_calls_run_exactly_with_the_check_on() {
     let env = Env::clean(VARS);
