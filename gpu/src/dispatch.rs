@@ -71,13 +71,15 @@ macro_rules! entries {
                 return false;
             };
             let (dtype, op) = crate::abi::kernel_variant(func, dtype, op);
-            let key = (func, algo, proto, dtype, op, crate::abi::checked_entry(func, args.check != 0));
+            let checked = crate::abi::runs_checked_entry(&args.work, args.check);
+            let key = (func, algo, proto, dtype, op, crate::abi::checked_entry(func, checked));
             $(
                 if key == (Func::$func, Algo::$algo, Proto::$proto, DataType::$dt, KernelOp::$opv, $checked) {
                     // The host instantiates one body per (collective, algorithm, protocol,
                     // type) and applies the call's operator at run time (`FuncAny`); a
                     // checked entry shares its unchecked twin's body, which sends ahead of the
-                    // gate only in a checked call (`AHEAD`, chosen at run time by `gated`).
+                    // gate only where the GPU runs the checked entry (`AHEAD`, chosen at run
+                    // time by `runs_checked_entry`).
                     // SAFETY: forwarded caller contract; the row's type is the work's
                     // (kernel_variant) and `FuncAny` applies the work's operator.
                     unsafe {
@@ -101,7 +103,8 @@ macro_rules! entries {
 include!(concat!(env!("OUT_DIR"), "/entries.rs"));
 
 /// The table entry that runs `func` with `algo` and `proto` on `dtype` and `op` in this build,
-/// if any; `checked` when the call check is on ([`crate::abi::checked_entry`]).
+/// if any; `checked` when the launch runs its collective's checked entry
+/// ([`crate::abi::runs_checked_entry`], [`crate::abi::checked_entry`]).
 pub fn entry_for(
     func: Func,
     algo: Algo,
@@ -121,7 +124,8 @@ pub fn entry_for(
 /// `Op`, collective `FUNC`, algorithm `ALGO` and protocol `PROTO` (constants, so only that code is
 /// compiled in); `AHEAD`: the entry holds the sends ahead of the call check's gate of a checked
 /// call (Broadcast's and AllGather's checked entries on the GPU, every body on the CPU target,
-/// where a checked call takes them by its `gated` flag; [`crate::abi::checked_entry`]). In a
+/// where a gated block takes them where the GPU would run the checked entry:
+/// [`crate::abi::runs_checked_entry`]). In a
 /// checked launch (one work) the last block checks the call and the others arm
 /// their gate (`crate::check::checked`); then the block runs the launch's works in order (`work(i)`
 /// is work `i`: the kernel reads them from its parameter, the CPU target from `args`), each one
@@ -193,7 +197,15 @@ pub unsafe fn run_kernel<
         }
         if bid < w.nchannels as u32 {
             // SAFETY: forwarded caller contract.
+            #[cfg(target_arch = "nvptx64")]
             unsafe { run_work::<T, Op, FUNC, ALGO, PROTO>(args.comm, &w, gated, AHEAD && gated, bid, tid, nthreads, smem) };
+            // The CPU target's bodies are every entry's: they send ahead where the GPU would run
+            // the checked entry.
+            #[cfg(not(target_arch = "nvptx64"))]
+            let ahead = AHEAD && gated && crate::abi::runs_checked_entry(&w, args.check);
+            // SAFETY: forwarded caller contract.
+            #[cfg(not(target_arch = "nvptx64"))]
+            unsafe { run_work::<T, Op, FUNC, ALGO, PROTO>(args.comm, &w, gated, ahead, bid, tid, nthreads, smem) };
         }
         i += 1;
     }
@@ -569,7 +581,31 @@ unsafe fn run_tree<T: Elem, Op: RedFn<T>>(
 #[cfg(test)]
 mod tests {
     use super::{ENTRIES, entry_for};
-    use crate::abi::{Algo, DataType, DevRedOp, Func, Proto, kernel_name_for};
+    use crate::abi::{Algo, DataType, DevRedOp, Func, Proto, WorkColl, kernel_name_for, runs_checked_entry};
+
+    /// A checked launch runs Broadcast's checked entry at every count and AllGather's while
+    /// each channel moves its share in one loop; unchecked launches and the other collectives
+    /// run the plain entries.
+    #[test]
+    fn a_checked_launch_runs_the_checked_entry_of_broadcast_and_of_one_loop_allgathers() {
+        let work = |func: Func, count: u64| {
+            let mut w: WorkColl = bytemuck::Zeroable::zeroed();
+            (w.func, w.count, w.nchannels, w.chunk_elems) = (func as u8, count, 4, 1000);
+            w
+        };
+        // Check descriptors are 8-byte aligned addresses.
+        let check = 0x1000;
+        for count in [0, 1, 4000, 4001, 1 << 20] {
+            assert!(runs_checked_entry(&work(Func::Broadcast, count), check), "{count}");
+            assert_eq!(runs_checked_entry(&work(Func::AllGather, count), check), count <= 4000, "{count}");
+            for func in [Func::Broadcast, Func::AllGather] {
+                assert!(!runs_checked_entry(&work(func, count), 0), "{func} {count}");
+            }
+            for func in [Func::AllReduce, Func::Reduce, Func::ReduceScatter] {
+                assert!(!runs_checked_entry(&work(func, count), check), "{func} {count}");
+            }
+        }
+    }
 
     /// Every call the host can make has exactly one entry, named as `kernel_name_for` names it,
     /// and the table holds nothing else (skipped in a build filtered by `OXCCL_ONLY_FUNCS`).

@@ -282,7 +282,8 @@ impl Comm {
         self.launches.fetch_add(1, Ordering::AcqRel);
         match (&self.res, stream) {
             (Res::Cuda(res), Stream::Cuda(s)) => {
-                let name = oxccl_gpu::abi::kernel_name_for(func, algo, proto, dtype, op, args.check != 0);
+                let checked = oxccl_gpu::abi::runs_checked_entry(&args.work, args.check);
+                let name = oxccl_gpu::abi::kernel_name_for(func, algo, proto, dtype, op, checked);
                 let bytes = oxccl_gpu::abi::kernel_args_bytes(nworks as usize);
                 let n = self.launch_cuda(res, s, captured, &[name.as_str()], |m| {
                     s.launch_prefix(&m[0], grid, self.params.nthreads, &args, bytes)
@@ -295,7 +296,7 @@ impl Comm {
                 Ok(())
             }
             (Res::Cpu(res), Stream::Cpu(s)) => {
-                let checked = args.check != 0;
+                let checked = oxccl_gpu::abi::runs_checked_entry(&args.work, args.check);
                 if oxccl_gpu::dispatch::entry_for(func, algo, proto, dtype, op, checked).is_none() {
                     return Err(crate::kernels::not_built(
                         oxccl_gpu::abi::kernel_name_for(func, algo, proto, dtype, op, checked).as_str(),

@@ -55,12 +55,30 @@ pub fn kernel_name(func: Func, proto: Proto, dtype: DataType, op: impl Into<DevR
     kernel_name_for(func, Algo::Ring, proto, dtype, op, false)
 }
 
-/// Whether a call of `func` runs a kernel entry of its own when the call check is on
-/// (`checked`): Broadcast and AllGather, whose checked entries send ahead of the check's gate
-/// (`crate::coll::all_gather`, `crate::coll::broadcast`) while their unchecked entries keep the
-/// code they have without the check. The other collectives' entries serve both.
+/// Whether `checked`, a launch's choice of its collective's checked entry, names an entry of
+/// its own for `func`: Broadcast and AllGather have one (`…_checked`), which sends ahead of the
+/// call check's gate (`crate::coll::all_gather`, `crate::coll::broadcast`), while their
+/// unchecked entries keep the code they have without the check. The other collectives' entries
+/// serve both. Which launches choose it: [`runs_checked_entry`].
 pub const fn checked_entry(func: Func, checked: bool) -> bool {
     checked && matches!(func, Func::Broadcast | Func::AllGather)
+}
+
+/// Whether a launch of work `w` whose [`KernelArgs::check`] is `check` runs its collective's
+/// checked entry ([`checked_entry`]): every checked Broadcast; a checked AllGather only when
+/// each channel moves its share in one loop (`count ≤ nchannels × chunk_elems`). A checked
+/// AllGather of more loops runs the unchecked entry, which gates before its loop: on an H100
+/// the checked entry's later loops ran slower than the unchecked entry's (16 MiB: +8 µs, 32 MiB:
+/// +13 µs, against +3.5 µs for gating first; docs/benchmarks.md), a cause not found. The host
+/// launches by it, and the CPU target's bodies send ahead by it.
+#[cfg(not(target_arch = "nvptx64"))]
+pub fn runs_checked_entry(w: &WorkColl, check: u64) -> bool {
+    check != 0
+        && match Func::from_u8(w.func) {
+            Some(Func::Broadcast) => true,
+            Some(Func::AllGather) => w.count <= w.nchannels as u64 * w.chunk_elems,
+            _ => false,
+        }
 }
 
 /// Name of the kernel entry point for a (collective, algorithm, protocol, element type,

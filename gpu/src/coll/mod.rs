@@ -26,8 +26,9 @@ pub struct RingCtx {
     pub gated: bool,
     /// Whether a gated block may send ahead of its gate where its collective does (Broadcast's
     /// root and AllGather's ranks on LL and LL128): only in the checked entries of those
-    /// collectives ([`crate::abi::checked_entry`]; on the CPU target in every body), so the
-    /// entries of unchecked calls keep the code they have without the check.
+    /// collectives ([`crate::abi::checked_entry`]; on the CPU target in every body, where the GPU
+    /// would run the checked entry: `crate::abi::runs_checked_entry`), so the entries of
+    /// unchecked calls keep the code they have without the check.
     pub ahead: bool,
 }
 
