@@ -136,17 +136,17 @@ pub mod kernels {
         crate::Error::InvalidUsage(format!("kernel {name} is not in this build: {how}"))
     }
 
-    /// The `OXCCL_ONLY_FUNCS` pattern that names exactly the collective entry `name`
+    /// The `OXCCL_ONLY_FUNCS` pattern that names the collective entry `name`
     /// (`oxccl_<func>[_tree]_<protocol>_<type>_<operator>[_checked]`, as `gpu/build.rs` names
-    /// them): `"<func> ring|tree <protocol> <type> <operator>[ checked]"`; `None` for the other
-    /// kernels (the check and point-to-point kernels, which every build holds). (The pattern
-    /// without `checked` names a byte-moving entry and its checked twin, which the same calls
-    /// run with the call check on.)
+    /// them): `"<func> ring|tree <protocol> <type> <operator>"`; `None` for the other kernels
+    /// (the check and point-to-point kernels, which every build holds). For a byte-moving entry
+    /// the pattern also names its twin (`_checked` or not): the same calls run either, by the
+    /// call check and the call's size (`oxccl_gpu::abi::runs_checked_entry`).
     fn filter_words(name: &str) -> Option<String> {
         let parts: Vec<&str> = name.strip_prefix("oxccl_")?.split('_').collect();
         match parts.as_slice() {
             [func, "tree", proto, dtype, op] => Some(format!("{func} tree {proto} {dtype} {op}")),
-            [func, proto, dtype, op, "checked"] => Some(format!("{func} ring {proto} {dtype} {op} checked")),
+            [func, proto, dtype, op, "checked"] => Some(format!("{func} ring {proto} {dtype} {op}")),
             [func, proto, dtype, op] => Some(format!("{func} ring {proto} {dtype} {op}")),
             _ => None,
         }
@@ -172,8 +172,9 @@ pub mod kernels {
             assert!(e.contains("OXCCL_ONLY_FUNCS=\"allreduce float sum|broadcast ring ll uint32 sum\""), "{e}");
             let e = not_built_with("oxccl_allreduce_tree_ll128_half_any", "float").to_string();
             assert!(e.contains("\"allreduce tree ll128 half any\""), "{e}");
+            // A checked entry's pattern builds its twin too.
             let e = not_built_with("oxccl_allgather_ll128_uint32_sum_checked", "float").to_string();
-            assert!(e.contains("\"allgather ring ll128 uint32 sum checked\""), "{e}");
+            assert!(e.contains("add the pattern \"allgather ring ll128 uint32 sum\""), "{e}");
             // Not filtered (the PTX was skipped), or not a collective entry: no pattern.
             for (name, only) in [("oxccl_allreduce_ll_float_sum", ""), ("oxccl_check_call", "float")] {
                 let e = not_built_with(name, only).to_string();
@@ -183,13 +184,13 @@ pub mod kernels {
 
         #[test]
         fn every_entry_of_the_table_has_its_pattern() {
-            // The table as built (every entry in CI): each name's pattern spells the name.
+            // The table as built (every entry in CI): each name's pattern spells the name (a
+            // checked entry's, its plain twin's name).
             for e in oxccl_gpu::dispatch::ENTRIES {
                 let words = filter_words(e.name).unwrap_or_else(|| panic!("{}: no pattern", e.name));
                 let w: Vec<&str> = words.split(' ').collect();
                 let tree = if w[1] == "tree" { "_tree" } else { "" };
-                let checked = if w.get(5) == Some(&"checked") { "_checked" } else { "" };
-                assert_eq!(e.checked, !checked.is_empty(), "{}", e.name);
+                let checked = if e.checked { "_checked" } else { "" };
                 assert_eq!(format!("oxccl_{}{tree}_{}_{}_{}{checked}", w[0], w[2], w[3], w[4]), e.name);
             }
         }

@@ -581,11 +581,14 @@ unsafe fn run_tree<T: Elem, Op: RedFn<T>>(
 #[cfg(test)]
 mod tests {
     use super::{ENTRIES, entry_for};
-    use crate::abi::{Algo, DataType, DevRedOp, Func, Proto, WorkColl, kernel_name_for, runs_checked_entry};
+    use crate::abi::{
+        Algo, CHECK_VERDICT_ONLY, DataType, DevRedOp, Func, Proto, WorkColl, kernel_name_for, runs_checked_entry,
+    };
 
-    /// A checked launch runs Broadcast's checked entry at every count and AllGather's while
-    /// each channel moves its share in one loop; unchecked launches and the other collectives
-    /// run the plain entries.
+    /// A launch checked in its kernel runs Broadcast's checked entry at every count and
+    /// AllGather's while each channel moves its share in one loop; unchecked launches, launches
+    /// that only honour the check kernel's verdict and the other collectives run the plain
+    /// entries.
     #[test]
     fn a_checked_launch_runs_the_checked_entry_of_broadcast_and_of_one_loop_allgathers() {
         let work = |func: Func, count: u64| {
@@ -600,6 +603,7 @@ mod tests {
             assert_eq!(runs_checked_entry(&work(Func::AllGather, count), check), count <= 4000, "{count}");
             for func in [Func::Broadcast, Func::AllGather] {
                 assert!(!runs_checked_entry(&work(func, count), 0), "{func} {count}");
+                assert!(!runs_checked_entry(&work(func, count), check | CHECK_VERDICT_ONLY), "{func} {count}");
             }
             for func in [Func::AllReduce, Func::Reduce, Func::ReduceScatter] {
                 assert!(!runs_checked_entry(&work(func, count), check), "{func} {count}");

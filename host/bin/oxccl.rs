@@ -636,26 +636,31 @@ fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
             print!("{line}");
         }
         wrong += table::total_wrong(&rows);
-        if let (Backend::Oxccl(comms), Some(Device::Cuda(o))) = (&main, devices.first()) {
-            // The kernel module of each (algorithm, protocol) a collective's sweep ran (its
-            // checked entry when the main run checks its calls); the point-to-point kernel
-            // (loaded at init when there are peers) for the others.
-            let checked = comms.first().is_some_and(|c| c.params().check_calls);
+        if let (Backend::Oxccl(_), Some(Device::Cuda(o))) = (&main, devices.first()) {
+            // The kernel module of each (algorithm, protocol) a collective's sweep ran — its
+            // plain entry, its checked one (Broadcast and AllGather with the call check on), or
+            // both, whichever the sweep loaded; the point-to-point kernel (loaded at init when
+            // there are peers) for the others.
+            let ctx = oxccl::cuda::Context::get(*o)?;
             let names: Vec<String> = match op {
                 Op::Coll(func) => rows
                     .iter()
                     .filter_map(|r| r.choice.map(|c| (c.algo, c.proto)))
                     .collect::<std::collections::BTreeSet<_>>()
                     .into_iter()
-                    .map(|(algo, proto)| {
-                        oxccl::kernel_name_for(func, algo, proto, a.dtype, a.op, checked).as_str().to_string()
+                    .flat_map(|(algo, proto)| {
+                        [false, true].map(|checked| oxccl::kernel_name_for(func, algo, proto, a.dtype, a.op, checked))
                     })
+                    .map(|n| n.as_str().to_string())
+                    .collect::<std::collections::BTreeSet<_>>()
+                    .into_iter()
+                    .filter(|n| ctx.loaded_kernel(n).is_some())
                     .collect(),
                 Op::P2p(_) if nranks > 1 => vec![oxccl_gpu::abi::P2P_KERNEL_NAME.to_string()],
                 Op::P2p(_) => Vec::new(),
             };
             for name in names {
-                let m = oxccl::cuda::Context::get(*o)?.kernel(&name)?;
+                let m = ctx.kernel(&name)?;
                 println!(
                     "# kernel {name}: PTX {} bytes, JIT {:.1} ms, {} registers, {} bytes local memory per thread",
                     oxccl::kernels::module(&name).map_or(0, |m| m.len()),

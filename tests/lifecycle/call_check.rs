@@ -352,10 +352,12 @@ fn the_sequence_number_counts_the_calls_before() {
 
 /// With the check on, matching calls of every collective on every protocol give exact results,
 /// in place and out of place, guards intact (the collective matrix on a few pairs and counts,
-/// count 0 included). 40,003 elements make a channel's first chunk large enough on LL and
-/// LL128 for Broadcast's root to send it before the gate, and AllGather's ranks it or its head
-/// (float; the int8 kernels gate first), every rank splitting that chunk's verbs there alike
-/// (`coll::ahead_elems` in the kernels' checked entries).
+/// count 0 included). On the CPU target (1 or 2 channels), 12,000 elements make a first chunk
+/// of 24–48 KB, which Broadcast's root sends before the gate on LL and LL128 and AllGather's
+/// ranks whole; 40,003 a chunk of 80 KB on LL128, whose head AllGather's ranks send (every rank
+/// splitting that chunk's verbs there alike: `coll::ahead_elems` in the kernels' checked
+/// entries) and more than one loop on LL, where a checked AllGather runs its plain entry
+/// (`abi::runs_checked_entry`). Float; the int8 kernels gate first.
 #[test]
 fn matching_calls_run_exactly_with_the_check_on() {
     let env = Env::clean(VARS);
@@ -374,7 +376,7 @@ fn matching_calls_run_exactly_with_the_check_on() {
             &Device::cpus(3),
             &common::Matrix {
                 func,
-                counts: &[0, 1, 1023, 40_003],
+                counts: &[0, 1, 1023, 12_000, 40_003],
                 extra_counts: &[],
                 extra_pairs: &[],
                 protos: Some(common::PROTOS),

@@ -65,15 +65,18 @@ pub const fn checked_entry(func: Func, checked: bool) -> bool {
 }
 
 /// Whether a launch of work `w` whose [`KernelArgs::check`] is `check` runs its collective's
-/// checked entry ([`checked_entry`]): every checked Broadcast; a checked AllGather only when
-/// each channel moves its share in one loop (`count ≤ nchannels × chunk_elems`). A checked
-/// AllGather of more loops runs the unchecked entry, which gates before its loop: on an H100
+/// checked entry ([`checked_entry`]): every Broadcast checked inside its kernel; an AllGather
+/// so checked only when each channel moves its share in one loop (`count ≤ nchannels ×
+/// chunk_elems`). A launch that only honours the check kernel's verdict
+/// ([`CHECK_VERDICT_ONLY`]: a captured call) has no gate to send ahead of and runs the unchecked
+/// entry, as does a checked AllGather of more loops, which gates before its loop: on an H100
 /// the checked entry's later loops ran slower than the unchecked entry's (16 MiB: +8 µs, 32 MiB:
 /// +13 µs, against +3.5 µs for gating first; docs/benchmarks.md), a cause not found. The host
 /// launches by it, and the CPU target's bodies send ahead by it.
 #[cfg(not(target_arch = "nvptx64"))]
 pub fn runs_checked_entry(w: &WorkColl, check: u64) -> bool {
     check != 0
+        && check & CHECK_VERDICT_ONLY == 0
         && match Func::from_u8(w.func) {
             Some(Func::Broadcast) => true,
             Some(Func::AllGather) => w.count <= w.nchannels as u64 * w.chunk_elems,

@@ -148,7 +148,7 @@ pub(super) fn kernel_table(filter: &str) -> Result<(), Box<dyn std::error::Error
         _ => None,
     };
     println!(
-        "\n# {:<40} {:>10} {:>10} {:>6} {:>8}",
+        "\n# {:<44} {:>10} {:>10} {:>6} {:>8}",
         "kernel module", "PTX bytes", "JIT ms", "regs", "local B"
     );
     let (mut n, mut bytes, mut jit) = (0usize, 0usize, 0.0f64);
@@ -164,13 +164,13 @@ pub(super) fn kernel_table(filter: &str) -> Result<(), Box<dyn std::error::Error
                 let m = ctx.kernel(name)?;
                 jit += m.load_seconds;
                 println!(
-                    "  {name:<40} {ptx:>10} {:>10.1} {:>6} {:>8}",
+                    "  {name:<44} {ptx:>10} {:>10.1} {:>6} {:>8}",
                     m.load_seconds * 1e3,
                     m.num_regs,
                     m.local_bytes
                 );
             }
-            None => println!("  {name:<40} {ptx:>10} {:>10} {:>6} {:>8}", "-", "-", "-"),
+            None => println!("  {name:<44} {ptx:>10} {:>10} {:>6} {:>8}", "-", "-", "-"),
         }
     }
     println!(
