@@ -62,7 +62,7 @@ struct Row {
     proto: (&'static str, &'static str),
     dtype: Dtype,
     op: (&'static str, &'static str, &'static str, &'static [&'static str]),
-    /// The entry of checked calls ([`crate::abi::checked_entry`]).
+    /// The entry of checked launches ([`crate::abi::checked_entry`]).
     checked: bool,
 }
 

@@ -37,7 +37,8 @@ pub struct Entry {
     pub proto: Proto,
     pub dtype: DataType,
     pub op: KernelOp,
-    /// The entry of calls with the call check on ([`crate::abi::checked_entry`]).
+    /// The entry of checked launches ([`crate::abi::checked_entry`],
+    /// [`crate::abi::runs_checked_entry`]).
     pub checked: bool,
 }
 

@@ -85,7 +85,8 @@ pub fn runs_checked_entry(w: &WorkColl, check: u64) -> bool {
 }
 
 /// Name of the kernel entry point for a (collective, algorithm, protocol, element type,
-/// operator) call, `checked` when the call check is on: `oxccl_<func>[_tree]_<proto>_<dtype>_<op>`
+/// operator) call, `checked` when its launch runs the checked entry ([`runs_checked_entry`]):
+/// `oxccl_<func>[_tree]_<proto>_<dtype>_<op>`
 /// (the tree, AllReduce only, has its own entries), with the type and operator of
 /// [`kernel_variant`] — the kernel entry table's rules (gpu/build.rs), so a program JIT-compiles
 /// only the protocols and algorithms it runs — and a `_checked` suffix where the call has a

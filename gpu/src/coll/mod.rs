@@ -78,9 +78,10 @@ pub const AHEAD_MIN_BYTES: u64 = 8 << 10;
 /// half (measured on an H100: whole chunks up to 64 KiB, halves of 120 KiB chunks).
 pub const AHEAD_WHOLE_MAX_BYTES: u64 = 64 << 10;
 
-/// The smallest element for which AllGather sends before the gate: the kernels of 1- and 2-byte
-/// types have no registers to spare for the first loop's second copy (on an H100 LL128's 16-bit
-/// entry spilled 208 bytes instead of 64, and ran 3–4 % slower with the check off).
+/// The smallest element for which AllGather's checked entries send before the gate. The 1- and
+/// 2-byte entries gate first: sending ahead made LL128's 16-bit kernel spill 208 bytes instead
+/// of 64 (ptxas), and it was measured faster at 2–8 MiB only in a filtered build, whose PTX is
+/// not the full build's (docs/benchmarks.md).
 pub const AHEAD_MIN_ELEM_BYTES: u64 = 4;
 
 /// How many leading elements of a checked AllGather's first chunk of `n` elements of `esize`
