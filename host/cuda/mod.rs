@@ -11,6 +11,9 @@ use std::collections::HashMap;
 use std::ffi::{CStr, CString, c_void};
 use std::sync::{Arc, Mutex, OnceLock};
 
+mod current;
+pub use current::KeepCurrent;
+
 /// Calls a driver function and maps its result.
 macro_rules! cu {
     ($call:ident ( $($arg:expr),* $(,)? )) => {{
@@ -137,9 +140,10 @@ impl Context {
         Ok(c)
     }
 
-    /// Makes this context current on the calling thread.
+    /// Makes this context current on the calling thread (inside a [`KeepCurrent`] scope, lazily:
+    /// `current.rs`).
     pub fn bind(&self) -> Result<()> {
-        cu!(cuCtxSetCurrent(self.ctx))
+        current::make_current(self.ctx)
     }
 
     /// Device name (e.g. "NVIDIA H200").

@@ -35,38 +35,7 @@ pub(crate) fn current_device() -> Result<usize> {
     Ok(dev.max(0) as usize)
 }
 
-/// Keeps the calling thread's current context: restores it when dropped if it changed. Does
-/// nothing without a driver.
-pub(crate) struct KeepCurrent {
-    saved: Option<sys::CUcontext>,
-}
-
-impl KeepCurrent {
-    /// Notes the current context.
-    pub(crate) fn new() -> KeepCurrent {
-        if !oxccl::cuda::has_driver() {
-            return KeepCurrent { saved: None };
-        }
-        let mut ctx = std::ptr::null_mut();
-        // SAFETY: the driver is loaded; the out-pointer is valid.
-        let ok = unsafe { sys::cuCtxGetCurrent(&mut ctx) } == CUresult::CUDA_SUCCESS;
-        KeepCurrent { saved: ok.then_some(ctx) }
-    }
-}
-
-impl Drop for KeepCurrent {
-    fn drop(&mut self) {
-        let Some(saved) = self.saved else { return };
-        let mut now = std::ptr::null_mut();
-        // SAFETY: the driver is loaded (a context was noted); the out-pointer is valid.
-        let ok = unsafe { sys::cuCtxGetCurrent(&mut now) } == CUresult::CUDA_SUCCESS;
-        if ok && now != saved {
-            // SAFETY: `saved` was current on this thread when the call began (or NULL, which
-            // unbinds); the caller still owns it.
-            let r = unsafe { sys::cuCtxSetCurrent(saved) };
-            if r != CUresult::CUDA_SUCCESS {
-                tracing::warn!(target: "oxccl::nccl", "restoring the caller's CUDA context: {r:?}");
-            }
-        }
-    }
-}
+/// Keeps the calling thread's current context across a call: oxccl's scope
+/// ([`oxccl::cuda::KeepCurrent`]), whose binds note the caller's context lazily and whose end
+/// restores it if a bind replaced it. Does nothing without a driver.
+pub(crate) use oxccl::cuda::KeepCurrent;

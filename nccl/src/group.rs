@@ -60,20 +60,37 @@ use std::cell::RefCell;
 use std::ffi::c_int;
 use std::sync::Arc;
 
-thread_local! {
-    /// The first error of a call refused inside this thread's group (module docs).
-    static REFUSED: RefCell<Option<Error>> = const { RefCell::new(None) };
+/// What this thread's group holds for its outermost end, besides what oxccl's group queues.
+#[derive(Default)]
+struct Outermost {
+    /// The first error of a call refused inside the group (module docs).
+    refused: Option<Error>,
+    /// The inits issued inside the group.
+    inits: Vec<Deferred>,
+    /// The splits and shrinks issued inside the group.
+    splits: Vec<DeferredSplit>,
+    /// The finalizes and destroys issued inside the group.
+    teardowns: Vec<(Arc<Live>, Teardown)>,
+}
+
+impl Outermost {
+    /// Whether the group holds nothing but oxccl's queued work (the common group of calls).
+    fn is_empty(&self) -> bool {
+        self.refused.is_none() && self.inits.is_empty() && self.splits.is_empty() && self.teardowns.is_empty()
+    }
 }
 
 thread_local! {
-    /// The finalizes and destroys issued inside this thread's group, for its outermost end.
-    static TEARDOWNS: RefCell<Vec<(Arc<Live>, Teardown)>> = const { RefCell::new(Vec::new()) };
+    /// This thread's group's part (one thread-local: a group's end takes it in one access).
+    static OUTERMOST: RefCell<Outermost> = const {
+        RefCell::new(Outermost { refused: None, inits: Vec::new(), splits: Vec::new(), teardowns: Vec::new() })
+    };
 }
 
 /// Records a finalize or destroy issued inside this thread's group: carried out at the group's
 /// outermost end, after the group's work is launched (module docs).
 pub(crate) fn defer_teardown(live: Arc<Live>, kind: Teardown) {
-    TEARDOWNS.with(|t| t.borrow_mut().push((live, kind)));
+    OUTERMOST.with(|o| o.borrow_mut().teardowns.push((live, kind)));
 }
 
 /// Carries out a group's deferred finalizes and destroys in the order issued; the first error.
@@ -95,8 +112,8 @@ pub(crate) fn noting_refusal(call: impl FnOnce() -> Result<()>) -> Result<()> {
     if let Err(e) = &r
         && oxccl::group::group_depth() > 0
     {
-        REFUSED.with(|f| {
-            f.borrow_mut().get_or_insert_with(|| e.clone());
+        OUTERMOST.with(|o| {
+            o.borrow_mut().refused.get_or_insert_with(|| e.clone());
         });
     }
     r
@@ -110,16 +127,12 @@ struct Deferred {
     device: Device,
 }
 
-thread_local! {
-    static DEFERRED: RefCell<Vec<Deferred>> = const { RefCell::new(Vec::new()) };
-}
-
 /// Records an init for the end of this thread's group (`handle` is pending until then): oxccl's
 /// [`oxccl::group::init_rank`], whose communicator the outermost end publishes.
 pub(crate) fn defer_init(handle: u64, nranks: usize, rank: usize, id: [u8; 128], device: Device) -> Result<()> {
     let pending = oxccl::group::init_rank(nranks, &UniqueId::from_bytes(&id)?, rank, device)?;
-    DEFERRED.with(|d| {
-        d.borrow_mut().push(Deferred {
+    OUTERMOST.with(|o| {
+        o.borrow_mut().inits.push(Deferred {
             handle,
             pending,
             id,
@@ -145,14 +158,10 @@ struct DeferredSplit {
     how: Derive,
 }
 
-thread_local! {
-    static SPLITS: RefCell<Vec<DeferredSplit>> = const { RefCell::new(Vec::new()) };
-}
-
 /// Records a split or shrink for the end of this thread's group (`handle`, if any, is pending
 /// until then).
 pub(crate) fn defer_split(handle: Option<u64>, parent: Arc<Live>, how: Derive) {
-    SPLITS.with(|d| d.borrow_mut().push(DeferredSplit { handle, parent, how }));
+    OUTERMOST.with(|o| o.borrow_mut().splits.push(DeferredSplit { handle, parent, how }));
 }
 
 /// Carries out one deferred split or shrink on the calling thread and names its pending handle
@@ -252,12 +261,16 @@ fn publish(inits: Vec<Deferred>) {
 /// `ncclGroupEnd`: at the outermost end, the deferred inits, then oxccl's group end (the queued
 /// sends and receives).
 fn group_end() -> Result<()> {
-    let Some((inits, splits, teardowns)) = end_level("ncclGroupEnd")? else {
+    let Some(level) = end_level("ncclGroupEnd")? else {
         return oxccl::group_end();
     };
     let _keep = KeepCurrent::new();
+    if level.is_empty() {
+        return oxccl::group_end();
+    }
+    let Outermost { refused, inits, splits, teardowns } = level;
     let split = if splits.is_empty() { Ok(()) } else { run_splits(splits) };
-    if let Some(refused) = REFUSED.with(|f| f.borrow_mut().take()) {
+    if let Some(refused) = refused {
         // A call of the group was refused: none of its work runs (module docs).
         let ended = oxccl::group::abandon_end();
         publish(inits);
@@ -279,17 +292,13 @@ fn group_end() -> Result<()> {
     split.and(ended).and(torn)
 }
 
-/// What the outermost end of this thread's group takes: its inits, its splits and shrinks, and its
-/// finalizes and destroys (`None` at an inner end). `InvalidUsage` naming `what` outside a group.
-#[allow(clippy::type_complexity)]
-fn end_level(what: &str) -> Result<Option<(Vec<Deferred>, Vec<DeferredSplit>, Vec<(Arc<Live>, Teardown)>)>> {
+/// What the outermost end of this thread's group takes: its refused call's error, its inits,
+/// its splits and shrinks, and its finalizes and destroys (`None` at an inner end).
+/// `InvalidUsage` naming `what` outside a group.
+fn end_level(what: &str) -> Result<Option<Outermost>> {
     match oxccl::group::group_depth() {
         0 => Err(Error::InvalidUsage(format!("{what} without a matching ncclGroupStart on this thread"))),
-        1 => Ok(Some((
-            DEFERRED.with(|d| std::mem::take(&mut *d.borrow_mut())),
-            SPLITS.with(|d| std::mem::take(&mut *d.borrow_mut())),
-            TEARDOWNS.with(|t| std::mem::take(&mut *t.borrow_mut())),
-        ))),
+        1 => Ok(Some(OUTERMOST.with(|o| std::mem::take(&mut *o.borrow_mut())))),
         _ => Ok(None),
     }
 }
@@ -299,12 +308,13 @@ fn end_level(what: &str) -> Result<Option<(Vec<Deferred>, Vec<DeferredSplit>, Ve
 /// receives (its inits, splits, shrinks, finalizes and destroys are carried out); `None` at an
 /// inner end.
 fn simulate_end() -> Result<Option<f64>> {
-    let Some((inits, splits, teardowns)) = end_level("ncclGroupSimulateEnd")? else {
+    let Some(level) = end_level("ncclGroupSimulateEnd")? else {
         oxccl::group::simulate_end()?;
         return Ok(None);
     };
     let _keep = KeepCurrent::new();
-    REFUSED.with(|f| f.borrow_mut().take());
+    // The group's refused call is forgotten with the rest of its work.
+    let Outermost { inits, splits, teardowns, .. } = level;
     let split = if splits.is_empty() { Ok(()) } else { run_splits(splits) };
     let ended = oxccl::group::simulate_end();
     publish(inits);

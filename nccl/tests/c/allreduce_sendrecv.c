@@ -9,6 +9,8 @@
  *   4. an ncclAllReduce group and a Send/Recv group captured into a CUDA graph per rank
  *      (cudaStreamBeginCapture, thread-local mode, one thread capturing both ranks' streams),
  *      replayed three times with new inputs written between the replays;
+ *   5. the caller's current context after calls, grouped and not, with the primary context
+ *      current and with none (NCCL gives the caller back the device it found);
  * and prints "C-ABI OK" (exit 0) or what was wrong (exit 1).
  *
  * Rules for two ranks sharing one GPU (README: OXCCL_ALLOW_SHARED_DEVICE): each rank's kernel
@@ -21,6 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <cuda.h>
 #include <cuda_runtime.h>
 
 #include "nccl.h"
@@ -37,6 +40,15 @@ static int failures = 0;
     cudaError_t e_ = (cmd);                                                                   \
     if (e_ != cudaSuccess) {                                                                  \
       printf("C-ABI FAILED: %s:%d: %s: %s\n", __FILE__, __LINE__, #cmd, cudaGetErrorString(e_)); \
+      exit(1);                                                                                \
+    }                                                                                         \
+  } while (0)
+
+#define CUCHECK(cmd)                                                                          \
+  do {                                                                                        \
+    CUresult e_ = (cmd);                                                                      \
+    if (e_ != CUDA_SUCCESS) {                                                                 \
+      printf("C-ABI FAILED: %s:%d: %s returned %d\n", __FILE__, __LINE__, #cmd, (int)e_);       \
       exit(1);                                                                                \
     }                                                                                         \
   } while (0)
@@ -286,6 +298,42 @@ int main(void) {
              ncclGetLastError(NULL));
       failures++;
     }
+  }
+
+  /* 5. The caller's current context: oxccl makes the communicator's context current to launch,
+   * and every call gives the caller's back, whether it was the same one or none at all. */
+  {
+    CUcontext primary = NULL, now = NULL;
+    CUCHECK(cuCtxGetCurrent(&primary));
+    for (int round = 0; round < 2; round++) {
+      CUcontext before = round == 0 ? primary : NULL;
+      const char* which = round == 0 ? "the primary context" : "no context";
+      CUCHECK(cuCtxSetCurrent(before));
+      for (int r = 0; r < NRANKS; r++)
+        NCCLCHECK(ncclAllReduce(ar_send[r], ar_recv[r], AR_COUNT, ncclFloat, ncclSum, comms[r], streams[r]));
+      CUCHECK(cuCtxGetCurrent(&now));
+      if (now != before) {
+        printf("ncclAllReduce with %s current left context %p current\n", which, (void*)now);
+        failures++;
+      }
+      NCCLCHECK(ncclGroupStart());
+      for (int r = 0; r < NRANKS; r++)
+        NCCLCHECK(ncclAllReduce(ar_send[r], ar_recv[r], AR_COUNT, ncclFloat, ncclSum, comms[r], streams[r]));
+      NCCLCHECK(ncclGroupEnd());
+      CUCHECK(cuCtxGetCurrent(&now));
+      if (now != before) {
+        printf("a group of ncclAllReduce with %s current left context %p current\n", which, (void*)now);
+        failures++;
+      }
+      CUCHECK(cuCtxSetCurrent(primary));
+      sync_all(streams);
+      for (size_t i = 0; i < AR_COUNT; i++) want[i] = (float)(3 * (int)(i % 1000));
+      for (int r = 0; r < NRANKS; r++) {
+        to_host(host, ar_recv[r], AR_COUNT);
+        check("ncclAllReduce (context kept)", r, host, want, AR_COUNT);
+      }
+    }
+    step("the caller's current context kept (the primary one, and none; grouped and not)");
   }
 
   for (int r = 0; r < NRANKS; r++) NCCLCHECK(ncclCommDestroy(comms[r]));

@@ -5,7 +5,7 @@
 #   nccl/tests/c/run.sh <directory holding oxccl's libnccl.so>     e.g. target/release
 #
 # The program is compiled with nvcc (or, without it, gcc against $CUDA_HOME, default
-# /usr/local/cuda), linked with -lnccl -lcudart, and run with that directory first on the
+# /usr/local/cuda), linked with -lnccl -lcudart -lcuda, and run with that directory first on the
 # library path, so it loads oxccl's libnccl.so.2 rather than a system NCCL (checked with ldd).
 # Exit status: the program's (0 and "C-ABI OK" when every check passed).
 set -euo pipefail
@@ -29,11 +29,11 @@ src="$here/allreduce_sendrecv.c"
 exe="$work/allreduce_sendrecv"
 # oxccl's header comes first: a system nccl.h (/usr/include) must not be picked up.
 if command -v nvcc >/dev/null 2>&1; then
-    nvcc -O2 -I"$here/../../include" -o "$exe" "$src" -L"$work" -lnccl -lcudart \
+    nvcc -O2 -I"$here/../../include" -o "$exe" "$src" -L"$work" -lnccl -lcudart -lcuda \
         -Xlinker -rpath -Xlinker "$work"
 else
     gcc -O2 -std=gnu11 -Wall -I"$here/../../include" -I"$cuda/include" -o "$exe" "$src" \
-        -L"$work" -lnccl -L"$cuda/lib64" -lcudart -Wl,-rpath,"$work"
+        -L"$work" -lnccl -L"$cuda/lib64" -lcudart -L"$cuda/lib64/stubs" -lcuda -Wl,-rpath,"$work"
 fi
 
 export LD_LIBRARY_PATH="$work${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
