@@ -85,9 +85,7 @@ impl Drop for KeepCurrent {
         if s.depth > 0 {
             return;
         }
-        if let (Some(found), Some(bound)) = (s.found, s.bound)
-            && found != bound
-        {
+        if let Some(found) = s.to_restore() {
             // SAFETY: `found` was current on this thread when the scope's first bind ran (or is
             // NULL, which unbinds); the caller still owns it.
             let r = unsafe { sys::cuCtxSetCurrent(found) };
@@ -108,21 +106,118 @@ pub(super) fn make_current(ctx: sys::CUcontext) -> Result<()> {
             "cuCtxSetCurrent",
         );
     }
-    if scope.bound == Some(ctx) {
-        return Ok(());
-    }
-    let mut next = scope;
-    if scope.found.is_none() {
-        let mut cur = std::ptr::null_mut();
-        // SAFETY: the driver is loaded (a scope is only active with one); the out-pointer is valid.
-        super::check(unsafe { sys::cuCtxGetCurrent(&mut cur) }, "cuCtxGetCurrent")?;
-        next.found = Some(cur);
-    }
-    if next.found != Some(ctx) || scope.bound.is_some() {
+    let found = match scope.found {
+        Some(f) => f,
+        None => {
+            let mut cur = std::ptr::null_mut();
+            // SAFETY: the driver is loaded (a scope is only active with one); the out-pointer is
+            // valid.
+            super::check(unsafe { sys::cuCtxGetCurrent(&mut cur) }, "cuCtxGetCurrent")?;
+            cur
+        }
+    };
+    let (set, next) = scope.bind(ctx, found);
+    if set {
         // SAFETY: `ctx` is a retained primary context.
         super::check(unsafe { sys::cuCtxSetCurrent(ctx) }, "cuCtxSetCurrent")?;
     }
-    next.bound = Some(ctx);
     let _ = SCOPE.try_with(|s| s.set(next));
     Ok(())
+}
+
+impl Scope {
+    /// A bind of `ctx` inside this scope, `found` being the context current before the scope's
+    /// first bind (asked of the driver when `self.found` is `None`): whether it must call
+    /// `cuCtxSetCurrent`, and the scope after it.
+    fn bind(self, ctx: sys::CUcontext, found: sys::CUcontext) -> (bool, Scope) {
+        let set = match self.bound {
+            // Only oxccl's binds change the context inside a scope.
+            Some(b) => b != ctx,
+            None => found != ctx,
+        };
+        (
+            set,
+            Scope {
+                found: Some(found),
+                bound: Some(ctx),
+                ..self
+            },
+        )
+    }
+
+    /// The context the end of this (outermost) scope makes current again: the one found, when a
+    /// bind replaced it.
+    fn to_restore(self) -> Option<sys::CUcontext> {
+        match (self.found, self.bound) {
+            (Some(found), Some(bound)) if found != bound => Some(found),
+            _ => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ctx(n: usize) -> sys::CUcontext {
+        n as sys::CUcontext
+    }
+
+    fn scope() -> Scope {
+        Scope { depth: 1, ..OUTSIDE }
+    }
+
+    #[test]
+    fn a_bind_of_the_context_found_makes_no_call_and_nothing_is_restored() {
+        let (set, s) = scope().bind(ctx(8), ctx(8));
+        assert!(!set);
+        assert_eq!((s.found, s.bound), (Some(ctx(8)), Some(ctx(8))));
+        assert_eq!(s.to_restore(), None);
+        // Binding it again: no call either.
+        assert!(!s.bind(ctx(8), ctx(8)).0);
+    }
+
+    #[test]
+    fn a_bind_that_replaces_the_callers_context_is_undone_at_the_end() {
+        // The caller had context 16 current, or none (NULL).
+        for caller in [ctx(16), std::ptr::null_mut()] {
+            let (set, s) = scope().bind(ctx(8), caller);
+            assert!(set);
+            assert_eq!(s.to_restore(), Some(caller));
+            // A second bind of the same context inside the scope makes no call.
+            let (set, s) = s.bind(ctx(8), caller);
+            assert!(!set);
+            assert_eq!(s.to_restore(), Some(caller));
+        }
+    }
+
+    #[test]
+    fn binds_of_several_contexts_each_call_and_the_callers_comes_back() {
+        // The caller's own context first, then another rank's, then the caller's again.
+        let (set, s) = scope().bind(ctx(8), ctx(8));
+        assert!(!set);
+        let (set, s) = s.bind(ctx(24), ctx(8));
+        assert!(set);
+        assert_eq!(s.to_restore(), Some(ctx(8)));
+        let (set, s) = s.bind(ctx(8), ctx(8));
+        assert!(set);
+        assert_eq!(s.to_restore(), None);
+    }
+
+    #[test]
+    fn a_scope_without_binds_restores_nothing() {
+        assert_eq!(scope().to_restore(), None);
+        assert_eq!(OUTSIDE.to_restore(), None);
+    }
+
+    #[test]
+    fn a_scope_without_a_driver_is_inactive() {
+        if crate::cuda::has_driver() {
+            println!("SKIPPED: a_scope_without_a_driver_is_inactive: this machine has a CUDA driver");
+            return;
+        }
+        let k = KeepCurrent::new();
+        assert!(!k.active);
+        assert_eq!(SCOPE.with(|s| s.get().depth), 0);
+    }
 }
