@@ -298,7 +298,11 @@ fn group_end() -> Result<()> {
 fn end_level(what: &str) -> Result<Option<Outermost>> {
     match oxccl::group::group_depth() {
         0 => Err(Error::InvalidUsage(format!("{what} without a matching ncclGroupStart on this thread"))),
-        1 => Ok(Some(OUTERMOST.with(|o| std::mem::take(&mut *o.borrow_mut())))),
+        // Taken only when it holds something: a group of calls alone moves nothing.
+        1 => Ok(Some(OUTERMOST.with(|o| {
+            let mut o = o.borrow_mut();
+            if o.is_empty() { Outermost::default() } else { std::mem::take(&mut *o) }
+        }))),
         _ => Ok(None),
     }
 }
