@@ -308,6 +308,13 @@ int main(void) {
     for (int round = 0; round < 2; round++) {
       CUcontext before = round == 0 ? primary : NULL;
       const char* which = round == 0 ? "the primary context" : "no context";
+      /* Inputs of this round (section 4 left others), outputs poisoned. */
+      for (int r = 0; r < NRANKS; r++) {
+        for (size_t i = 0; i < AR_COUNT; i++) host[i] = (float)((r + 1) * (round + 5) + (int)(i % 400));
+        CUDACHECK(cudaMemcpy(ar_send[r], host, AR_COUNT * sizeof(float), cudaMemcpyHostToDevice));
+        CUDACHECK(cudaMemset(ar_recv[r], 0xff, AR_COUNT * sizeof(float)));
+      }
+      CUDACHECK(cudaDeviceSynchronize());
       CUCHECK(cuCtxSetCurrent(before));
       for (int r = 0; r < NRANKS; r++)
         NCCLCHECK(ncclAllReduce(ar_send[r], ar_recv[r], AR_COUNT, ncclFloat, ncclSum, comms[r], streams[r]));
@@ -327,7 +334,7 @@ int main(void) {
       }
       CUCHECK(cuCtxSetCurrent(primary));
       sync_all(streams);
-      for (size_t i = 0; i < AR_COUNT; i++) want[i] = (float)(3 * (int)(i % 1000));
+      for (size_t i = 0; i < AR_COUNT; i++) want[i] = (float)(3 * (round + 5) + 2 * (int)(i % 400));
       for (int r = 0; r < NRANKS; r++) {
         to_host(host, ar_recv[r], AR_COUNT);
         check("ncclAllReduce (context kept)", r, host, want, AR_COUNT);
