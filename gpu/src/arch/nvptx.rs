@@ -406,3 +406,13 @@ pub fn f32_to_f16(f: f32) -> u16 {
     }
     h
 }
+
+/// `x`, hidden from the optimizer (a `mov`, no cost): what is known of it — a small upper
+/// bound, say — no longer drives unrolling, so a loop over it stays a loop.
+#[inline(always)]
+pub fn opaque_u64(x: u64) -> u64 {
+    let r: u64;
+    // SAFETY: a register move.
+    unsafe { asm!("mov.u64 {r}, {x};", r = out(reg64) r, x = in(reg64) x, options(pure, nomem, nostack)) }
+    r
+}

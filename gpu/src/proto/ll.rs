@@ -76,6 +76,9 @@ pub(crate) unsafe fn load_partial(p: *const u8, nbytes: u64, esize: u64) -> u64 
     }
     let mut v = 0u64;
     let mut i = 0;
+    // A loop, not written out: its temporaries would hold registers the hot loops around need.
+    #[cfg(target_arch = "nvptx64")]
+    let nbytes = crate::arch::opaque_u64(nbytes);
     while i < nbytes {
         // SAFETY: element-sized, element-aligned loads inside the caller's range.
         let e = unsafe {
@@ -105,6 +108,9 @@ pub(crate) unsafe fn store_partial(p: *mut u8, v: u64, nbytes: u64, esize: u64) 
         return;
     }
     let mut i = 0;
+    // As in `load_partial`.
+    #[cfg(target_arch = "nvptx64")]
+    let nbytes = crate::arch::opaque_u64(nbytes);
     while i < nbytes {
         let e = v >> (8 * i);
         // SAFETY: element-sized, element-aligned stores inside the caller's range.
@@ -323,7 +329,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> LlFan<T, Op, NR, N
                     if self.tid == 0 {
                         // What this peer receives: the data lines, or the whole slot if it cleans.
                         let lines = if clean_s[i] { self.step_lines } else { nlines };
-                        super::announce_step_lines(c.sizes, c.step, lines);
+                        super::announce_step_lines(c.sizes(), c.step, lines);
                     }
                 }
             });
@@ -420,7 +426,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> LlFan<T, Op, NR, N
         let slot = c.buff.wrapping_add(((c.step % FIFO_STEPS) * self.step_lines) as usize);
         let total = if ll_clean(c.step) { self.step_lines } else { W as u64 };
         if self.tid == 0 {
-            super::announce_step_lines(c.sizes, c.step, total);
+            super::announce_step_lines(c.sizes(), c.step, total);
         }
         let mut line = self.tid as u64;
         while line < total {

@@ -53,22 +53,22 @@ pub const fn ll128_flag(step: u64) -> u64 {
 #[derive(Clone, Copy)]
 struct Lanes {
     /// First line this thread works on; then every `stride` lines.
-    group: u64,
-    stride: u64,
+    group: u32,
+    stride: u32,
     /// First part (16-byte piece) of the line this thread owns; it owns [`PARTS`] of them.
-    part0: u64,
+    part0: u32,
     /// First line of this thread's warp: loop bounds use it so a warp stays converged.
-    warp_group: u64,
+    warp_group: u32,
 }
 
 impl Lanes {
     fn new(tid: u32, nthreads: u32) -> Self {
-        let (tid, n) = (tid as u64, nthreads as u64);
+        let parts = LL128_LINE_PARTS as u32;
         Lanes {
-            group: tid / LL128_LINE_PARTS,
-            stride: n / LL128_LINE_PARTS,
-            part0: tid % LL128_LINE_PARTS,
-            warp_group: tid / 32 * (32 / LL128_LINE_PARTS),
+            group: tid / parts,
+            stride: nthreads / parts,
+            part0: tid % parts,
+            warp_group: tid / 32 * (32 / parts),
         }
     }
 }
@@ -86,7 +86,7 @@ pub struct Ll128Fan<T, Op, const NR: usize, const NS: usize> {
     output: *mut T,
     conns: Fan<u64, NR, NS>,
     /// Lines per step (slot).
-    step_lines: u64,
+    step_lines: u32,
     /// The communicator's abort line, which the spin loops poll ([`super::fan::abort_raised`]).
     abort_flag: *const u32,
     smem: *mut u32,
@@ -135,7 +135,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
             output,
             // SAFETY: forwarded caller contract.
             conns: unsafe { Fan::load(tid, smem, peers, Proto::Ll128) },
-            step_lines: buff_size / FIFO_STEPS / LL128_LINE_BYTES,
+            step_lines: (buff_size / FIFO_STEPS / LL128_LINE_BYTES) as u32,
             abort_flag: abort_flag as *const u32,
             smem,
             aborted: false,
@@ -147,7 +147,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
 
     /// Elements of `T` one step carries (120 data bytes per line).
     pub fn step_elems(&self) -> u64 {
-        self.step_lines * LL128_DATA_BYTES / core::mem::size_of::<T>() as u64
+        self.step_lines as u64 * LL128_DATA_BYTES / core::mem::size_of::<T>() as u64
     }
 
     /// Stores the connection steps back for the next kernel.
@@ -175,7 +175,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
     ) -> bool {
         let mut spins = 0u32;
         let p = self.lanes.part0;
-        let flag_part = p == LL128_LINE_PARTS - 1;
+        let flag_part = p as u64 == LL128_LINE_PARTS - 1;
         loop {
             let mut stale = false;
             unroll::each::<UNROLL>(#[cfg_attr(target_arch = "nvptx64", inline(always))] |u| {
@@ -216,7 +216,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
     ) -> bool {
         let mut spins = 0u32;
         let p = self.lanes.part0;
-        let flag_part = p == LL128_LINE_PARTS - 1;
+        let flag_part = p as u64 == LL128_LINE_PARTS - 1;
         loop {
             let mut stale = false;
             for u in 0..UNROLL {
@@ -257,7 +257,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
     #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn write_parts(&self, line: *mut u64, w: [u64; 2 * PARTS], flag: u64) {
         let p = self.lanes.part0;
-        let hi = if p == LL128_LINE_PARTS - 1 { flag } else { w[1] };
+        let hi = if p as u64 == LL128_LINE_PARTS - 1 { flag } else { w[1] };
         // SAFETY: the part lies inside the peer's slot, 16-byte aligned.
         unsafe { arch::store_volatile_v2_u64(line.add(2 * p as usize), w[0], hi) }
     }
@@ -285,7 +285,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
     fn publish_flags(&self, lines: &[[*mut u64; NS]; UNROLL], flags: &[u64; NS], active: &[bool; UNROLL], nsend: usize) {
         // SAFETY: the caller keeps the warp converged.
         unsafe { arch::sync_warp() };
-        if self.lanes.part0 != LL128_LINE_PARTS - 1 {
+        if self.lanes.part0 as u64 != LL128_LINE_PARTS - 1 {
             return;
         }
         for u in 0..UNROLL {
@@ -315,7 +315,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
         slots: &[*mut u64; NR],
         flags: &[u64; NR],
         nrecv: usize,
-        line: &[u64; UNROLL],
+        line: &[u32; UNROLL],
         active: &[bool; UNROLL],
         w: &mut [[u64; 2 * PARTS]; UNROLL],
     ) -> bool {
@@ -384,6 +384,8 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
             }
             let nbytes = len * esize;
             let nlines = nbytes.div_ceil(LL128_DATA_BYTES);
+            // A step's lines and bytes fit 32 bits (a slot is a part of the connection's buffer).
+            let (nlines32, nbytes32) = (nlines as u32, nbytes as u32);
             // Per peer: this step's flag and slot.
             let mut fr = [0u64; NR];
             let mut slot_r = [core::ptr::null_mut::<u64>(); NR];
@@ -403,25 +405,25 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
                     fs[i] = ll128_flag(c.step);
                     slot_s[i] = c.buff.wrapping_add((c.step % FIFO_STEPS) as usize * step_words);
                     if self.tid == 0 {
-                        super::announce_step_lines(c.sizes, c.step, nlines);
+                        super::announce_step_lines(c.sizes(), c.step, nlines);
                     }
                 }
             });
             let in_base = self.input.wrapping_add((src + done) as usize) as *const u8;
             let out_base = self.output.wrapping_add((dst + done) as usize) as *mut u8;
             let mut aborted = false;
-            let mut j = 0u64;
+            let mut j = 0u32;
             // Bounded by the warp's first line so every lane of a warp runs the same iterations.
-            while lanes.warp_group + j * lanes.stride < nlines {
-                let mut line = [0u64; UNROLL];
+            while lanes.warp_group + j * lanes.stride < nlines32 {
+                let mut line = [0u32; UNROLL];
                 let mut active = [false; UNROLL];
                 let mut src_w = [[0u64; 2 * PARTS]; UNROLL];
                 unroll::each::<UNROLL>(#[cfg_attr(target_arch = "nvptx64", inline(always))] |u| {
-                    line[u] = lanes.group + (j + u as u64) * lanes.stride;
-                    active[u] = line[u] < nlines;
+                    line[u] = lanes.group + (j + u as u32) * lanes.stride;
+                    active[u] = line[u] < nlines32;
                     if SRC && active[u] {
                         for i in 0..PARTS {
-                            let (off, lo_b, hi_b) = part_bytes(line[u], lanes.part0 + i as u64, nbytes);
+                            let (off, lo_b, hi_b) = part_bytes(line[u], lanes.part0 + i as u32, nbytes32);
                             // SAFETY: `lo_b + hi_b` bytes at `off` lie inside the caller's input.
                             unsafe {
                                 src_w[u][2 * i] = load_partial(in_base.add(off as usize), lo_b, esize);
@@ -431,7 +433,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
                         }
                     }
                 });
-                j += UNROLL as u64;
+                j += UNROLL as u32;
                 // The receive peers' lines folded into `w`.
                 let mut w = [[0u64; 2 * PARTS]; UNROLL];
                 if !self.fold_recv(&slot_r, &fr, nrecv, &line, &active, &mut w) {
@@ -443,7 +445,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
                 unroll::each::<UNROLL>(#[cfg_attr(target_arch = "nvptx64", inline(always))] |u| {
                     if active[u] {
                         for i in 0..PARTS {
-                            let (off, lo_b, hi_b) = part_bytes(line[u], lanes.part0 + i as u64, nbytes);
+                            let (off, lo_b, hi_b) = part_bytes(line[u], lanes.part0 + i as u32, nbytes32);
                             let mut v = words_pack(&w[u], i);
                             if SRC {
                                 // PreMulSum scales this rank's input before it is combined.
@@ -531,10 +533,10 @@ fn pack_words(w: &mut [u64; 2 * PARTS], q: usize, v: Pack) {
 /// bytes are data in its low and high word, given the step's `nbytes` (the last part of a line
 /// carries 8 data bytes, the others 16).
 #[cfg_attr(target_arch = "nvptx64", inline(always))]
-fn part_bytes(line: u64, part: u64, nbytes: u64) -> (u64, u64, u64) {
-    let off = line * LL128_DATA_BYTES + part * 16;
-    let cap = if part == LL128_LINE_PARTS - 1 { 8 } else { 16 };
-    let valid = core::cmp::min(cap, nbytes.saturating_sub(off));
+fn part_bytes(line: u32, part: u32, nbytes: u32) -> (u32, u64, u64) {
+    let off = line * LL128_DATA_BYTES as u32 + part * 16;
+    let cap = if part as u64 == LL128_LINE_PARTS - 1 { 8 } else { 16 };
+    let valid = core::cmp::min(cap, nbytes.saturating_sub(off)) as u64;
     (off, core::cmp::min(8, valid), valid.saturating_sub(8))
 }
 
