@@ -335,12 +335,14 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> LlFan<T, Op, NR, N
             });
             let in_base = self.input.wrapping_add((src + done) as usize) as *const u8;
             let out_base = self.output.wrapping_add((dst + done) as usize) as *mut u8;
-            let mut line = self.tid as u64;
+            // A step's lines and bytes fit 32 bits (a slot is a part of the connection's buffer).
+            let (total32, nlines32, nbytes32) = (total as u32, nlines as u32, nbytes as u32);
+            let mut line = self.tid;
             let mut aborted = false;
-            while line < total {
+            while line < total32 {
                 let k = line as usize;
-                if line < nlines {
-                    let valid = core::cmp::min(8, nbytes - line * 8);
+                if line < nlines32 {
+                    let valid = core::cmp::min(8, nbytes32 - line * 8) as u64;
                     // SAFETY: `valid` bytes at this offset are inside the caller's buffers.
                     let mut v = if SRC {
                         let x = unsafe { load_partial(in_base.add(k * 8), valid, esize) };
@@ -371,7 +373,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> LlFan<T, Op, NR, N
                         let out = if keep_bytes == u64::MAX {
                             valid
                         } else {
-                            core::cmp::min(valid, keep_bytes.saturating_sub(done * esize + line * 8))
+                            core::cmp::min(valid, keep_bytes.saturating_sub(done * esize + line as u64 * 8))
                         };
                         if out > 0 {
                             // SAFETY: as for the load; `out` ≤ `valid` bytes, a whole number of
@@ -391,7 +393,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> LlFan<T, Op, NR, N
                         }
                     });
                 }
-                line += self.nthreads as u64;
+                line += self.nthreads;
             }
             // Free the received slots once every thread has read its lines; share any abort.
             // SAFETY: every thread reaches the barriers; only thread 0 posts the credits.
