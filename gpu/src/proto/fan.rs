@@ -73,6 +73,9 @@ pub fn abort_raised(flag: *const u32) -> bool {
 pub struct LineConn<B> {
     pub info: *mut ConnInfo,
     pub buff: *mut B,
+    pub head: *mut u64,
+    /// Step sizes a proxy reads (`ConnInfo::sizes`); null when none are wanted.
+    pub sizes: *mut u64,
     pub step: u64,
 }
 
@@ -84,25 +87,11 @@ impl<B> Clone for LineConn<B> {
 impl<B> Copy for LineConn<B> {}
 
 impl<B> LineConn<B> {
-    /// The connection's head counter (`ConnInfo::head`), read when thread 0 needs it rather
-    /// than kept in every thread's registers.
-    #[cfg_attr(target_arch = "nvptx64", inline(always))]
-    pub fn head(&self) -> *mut u64 {
-        // SAFETY: `info` is the connection this was loaded from (set up for the kernel).
-        unsafe { arch::load_volatile_u64(&raw const (*self.info).head) as *mut u64 }
-    }
-
-    /// Step sizes a proxy reads (`ConnInfo::sizes`); null when none are wanted. Read when
-    /// thread 0 needs them.
-    #[cfg_attr(target_arch = "nvptx64", inline(always))]
-    pub fn sizes(&self) -> *mut u64 {
-        // SAFETY: as `head`.
-        unsafe { arch::load_volatile_u64(&raw const (*self.info).sizes) as *mut u64 }
-    }
-
     const NONE: Self = LineConn {
         info: core::ptr::null_mut(),
         buff: core::ptr::null_mut(),
+        head: core::ptr::null_mut(),
+        sizes: core::ptr::null_mut(),
         step: 0,
     };
 
@@ -115,6 +104,8 @@ impl<B> LineConn<B> {
         LineConn {
             info,
             buff: c.buffs[proto as usize] as *mut B,
+            head: c.head as *mut u64,
+            sizes: c.sizes as *mut u64,
             step: c.step,
         }
     }
@@ -199,7 +190,7 @@ impl<B, const NR: usize, const NS: usize> Fan<B, NR, NS> {
                 if i >= self.nsend || !ok {
                     return;
                 }
-                let (head, want) = (self.send[i].head(), self.send[i].step + 1);
+                let (head, want) = (self.send[i].head, self.send[i].step + 1);
                 let mut spins = 0u32;
                 // SAFETY: `head` is this connection's counter.
                 while unsafe { arch::load_volatile_u64(head) } + FIFO_STEPS < want {
@@ -235,7 +226,7 @@ impl<B, const NR: usize, const NS: usize> Fan<B, NR, NS> {
             each_peer::<NR>(|i| {
                 if i < nrecv {
                     // SAFETY: the connection's head counter.
-                    unsafe { arch::store_volatile_u64(self.recv[i].head(), self.recv[i].step + 1) };
+                    unsafe { arch::store_volatile_u64(self.recv[i].head, self.recv[i].step + 1) };
                 }
             });
         }

@@ -329,7 +329,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> LlFan<T, Op, NR, N
                     if self.tid == 0 {
                         // What this peer receives: the data lines, or the whole slot if it cleans.
                         let lines = if clean_s[i] { self.step_lines } else { nlines };
-                        super::announce_step_lines(c.sizes(), c.step, lines);
+                        super::announce_step_lines(c.sizes, c.step, lines);
                     }
                 }
             });
@@ -428,7 +428,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> LlFan<T, Op, NR, N
         let slot = c.buff.wrapping_add(((c.step % FIFO_STEPS) * self.step_lines) as usize);
         let total = if ll_clean(c.step) { self.step_lines } else { W as u64 };
         if self.tid == 0 {
-            super::announce_step_lines(c.sizes(), c.step, total);
+            super::announce_step_lines(c.sizes, c.step, total);
         }
         let mut line = self.tid as u64;
         while line < total {

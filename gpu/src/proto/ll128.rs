@@ -405,7 +405,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
                     fs[i] = ll128_flag(c.step);
                     slot_s[i] = c.buff.wrapping_add((c.step % FIFO_STEPS) as usize * step_words);
                     if self.tid == 0 {
-                        super::announce_step_lines(c.sizes(), c.step, nlines);
+                        super::announce_step_lines(c.sizes, c.step, nlines);
                     }
                 }
             });
