@@ -662,11 +662,14 @@ fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
             for name in names {
                 let m = ctx.kernel(&name)?;
                 println!(
-                    "# kernel {name}: PTX {} bytes, JIT {:.1} ms, {} registers, {} bytes local memory per thread",
+                    "# kernel {name}: PTX {} bytes, JIT {:.1} ms, {} registers, {} bytes local memory per thread, \
+                     {} bytes shared memory per block{}",
                     oxccl::kernels::module(&name).map_or(0, |m| m.len()),
                     m.load_seconds * 1e3,
                     m.num_regs,
-                    m.local_bytes
+                    m.local_bytes,
+                    m.shared_bytes,
+                    if m.smem_spilling { " (spills to shared memory allowed)" } else { "" }
                 );
             }
         }

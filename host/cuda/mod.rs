@@ -12,6 +12,7 @@ use std::ffi::{CStr, CString, c_void};
 use std::sync::{Arc, Mutex, OnceLock};
 
 mod current;
+pub mod ptx;
 pub use current::KeepCurrent;
 
 /// Calls a driver function and maps its result.
@@ -264,6 +265,11 @@ pub struct Module {
     pub num_regs: i32,
     /// Bytes of local (stack/spill) memory per thread.
     pub local_bytes: i32,
+    /// Bytes of static shared memory per block (the kernel's own, plus the registers the JIT
+    /// spilled there: [`ptx::with_smem_spilling`]).
+    pub shared_bytes: i32,
+    /// Whether the JIT was allowed to spill registers to shared memory ([`ptx`]).
+    pub smem_spilling: bool,
     /// Most threads per block the kernel can be launched with.
     pub max_threads: u32,
 }
@@ -275,7 +281,16 @@ unsafe impl Sync for Module {}
 impl Module {
     fn load(ctx: &Context, name: &str, ptx: &str) -> Result<Module> {
         ctx.bind()?;
-        let image = CString::new(ptx).map_err(|_| Error::Internal("PTX contains a NUL byte".into()))?;
+        let env = std::env::var("OXCCL_SMEM_SPILLING").ok();
+        let (driver, cc) = (driver_version()?, ctx.compute_capability()?);
+        let rewritten = if ptx::smem_spilling_applies(driver, cc, env.as_deref())? {
+            ptx::with_smem_spilling(ptx, MAX_JIT_THREADS)
+        } else {
+            None
+        };
+        let smem_spilling = rewritten.is_some();
+        let image = CString::new(rewritten.as_deref().unwrap_or(ptx))
+            .map_err(|_| Error::Internal("PTX contains a NUL byte".into()))?;
         let t = std::time::Instant::now();
         let mut module = std::ptr::null_mut();
         // Cap registers so that blocks of MAX_JIT_THREADS threads fit one SM's 64K registers.
@@ -300,14 +315,17 @@ impl Module {
         use sys::CUfunction_attribute as A;
         let num_regs = attr(A::CU_FUNC_ATTRIBUTE_NUM_REGS)?;
         let local_bytes = attr(A::CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES)?;
+        let shared_bytes = attr(A::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)?;
         let max_threads = attr(A::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK)?.max(32) as u32;
-        tracing::debug!(target: "oxccl::init", device = ctx.ordinal, kernel = name, load_seconds, num_regs, local_bytes, max_threads, "PTX module loaded");
+        tracing::debug!(target: "oxccl::init", device = ctx.ordinal, kernel = name, load_seconds, num_regs, local_bytes, shared_bytes, smem_spilling, max_threads, "PTX module loaded");
         Ok(Module {
             _module: module,
             kernel,
             load_seconds,
             num_regs,
             local_bytes,
+            shared_bytes,
+            smem_spilling,
             max_threads,
         })
     }

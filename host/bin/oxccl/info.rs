@@ -5,7 +5,8 @@ use super::*;
 #[derive(clap::Args)]
 pub(super) struct InfoArgs {
     /// Also list the kernel modules: PTX bytes each, and on GPU 0 (when there is one) the JIT
-    /// time, registers per thread and local memory per thread of each, loaded now. An optional
+    /// time, registers per thread, local memory per thread and shared memory per block of each
+    /// (with the registers the JIT spilled there, OXCCL_SMEM_SPILLING), loaded now. An optional
     /// substring keeps only the modules whose name contains it (e.g. `--kernels allreduce_float`).
     #[arg(long, value_name = "FILTER", num_args = 0..=1, default_missing_value = "")]
     kernels: Option<String>,
@@ -141,17 +142,18 @@ pub(super) fn first_call(lib: &str) -> Result<(), Box<dyn std::error::Error>> {
 }
 
 /// `oxccl info --kernels`: one line per module whose name contains `filter`: PTX bytes, and on
-/// GPU 0 the cold-or-cached JIT time, registers and local memory per thread.
+/// GPU 0 the cold-or-cached JIT time, registers and local memory per thread, shared memory per
+/// block.
 pub(super) fn kernel_table(filter: &str) -> Result<(), Box<dyn std::error::Error>> {
     let ctx = match oxccl::cuda::driver() {
         Ok(()) if !Device::all_cuda().is_empty() => Some(oxccl::cuda::Context::get(0)?),
         _ => None,
     };
     println!(
-        "\n# {:<44} {:>10} {:>10} {:>6} {:>8}",
-        "kernel module", "PTX bytes", "JIT ms", "regs", "local B"
+        "\n# {:<44} {:>10} {:>10} {:>6} {:>8} {:>8}",
+        "kernel module", "PTX bytes", "JIT ms", "regs", "local B", "smem B"
     );
-    let (mut n, mut bytes, mut jit) = (0usize, 0usize, 0.0f64);
+    let (mut n, mut bytes, mut jit, mut local) = (0usize, 0usize, 0.0f64, 0usize);
     for (name, _) in oxccl::kernels::PTX_MODULES
         .iter()
         .filter(|(n, _)| n.contains(filter))
@@ -163,21 +165,24 @@ pub(super) fn kernel_table(filter: &str) -> Result<(), Box<dyn std::error::Error
             Some(ctx) => {
                 let m = ctx.kernel(name)?;
                 jit += m.load_seconds;
+                local += usize::from(m.local_bytes > 0);
                 println!(
-                    "  {name:<44} {ptx:>10} {:>10.1} {:>6} {:>8}",
+                    "  {name:<44} {ptx:>10} {:>10.1} {:>6} {:>8} {:>8}",
                     m.load_seconds * 1e3,
                     m.num_regs,
-                    m.local_bytes
+                    m.local_bytes,
+                    m.shared_bytes
                 );
             }
-            None => println!("  {name:<44} {ptx:>10} {:>10} {:>6} {:>8}", "-", "-", "-"),
+            None => println!("  {name:<44} {ptx:>10} {:>10} {:>6} {:>8} {:>8}", "-", "-", "-", "-"),
         }
     }
     println!(
         "# {n} modules, {bytes} PTX bytes{}",
         if ctx.is_some() {
             format!(
-                ", {:.2} s JIT in all (GPU 0; the driver's JIT cache makes a second run fast)",
+                ", {:.2} s JIT in all (GPU 0; the driver's JIT cache makes a second run fast), \
+                 {local} with local memory",
                 jit
             )
         } else {

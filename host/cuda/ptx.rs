@@ -1,0 +1,159 @@
+//! What a kernel module's PTX becomes before the driver's JIT sees it.
+//!
+//! The embedded modules target `sm_70` / PTX ISA 7.0 (README: Layout), so every driver of the
+//! CUDA 12/13 era JITs them on Volta and later. Where the driver and the GPU allow more,
+//! [`with_smem_spilling`] asks the JIT to put the registers it spills in shared memory instead of
+//! local memory (ptxas' `enable_smem_spilling`, PTX ISA 8.7, `sm_75` and later): a kernel capped at
+//! [`super::MAX_JIT_THREADS`] threads keeps its spilled values on the SM, in shared memory the
+//! collective kernels leave unused, and needs no local memory. ptxas falls back to local memory
+//! for whatever does not fit the block's 48 KiB of static shared memory.
+//!
+//! `OXCCL_SMEM_SPILLING=0` loads the modules as built (to compare the two on one binary).
+
+use crate::error::{Error, Result};
+
+/// The PTX ISA version the shared-memory spilling pragma needs.
+const SMEM_SPILLING_ISA: (u32, u32) = (8, 7);
+/// The first target the pragma is accepted for.
+const SMEM_SPILLING_SM: u32 = 75;
+/// The first driver whose JIT reads PTX ISA 8.7 (CUDA 12.8, as `cuDriverGetVersion` reports it).
+pub const SMEM_SPILLING_DRIVER: i32 = 12080;
+
+/// Whether modules loaded on a device of compute capability `cc` (× 10, e.g. 90) under driver
+/// `driver` (e.g. 13000) get [`with_smem_spilling`]: both new enough, and `OXCCL_SMEM_SPILLING`
+/// (its value `env`: `0` or `1`, default `1`) not `0`. Another value is an error naming the
+/// variable.
+pub fn smem_spilling_applies(driver: i32, cc: u32, env: Option<&str>) -> Result<bool> {
+    let wanted = match env.map(str::trim) {
+        None | Some("1") => true,
+        Some("0") => false,
+        Some(v) => {
+            return Err(Error::invalid(format!(
+                "OXCCL_SMEM_SPILLING={v:?} is not 0 or 1 (1, the default, lets the JIT spill \
+                 registers to shared memory where the driver and GPU allow it)"
+            )));
+        }
+    };
+    Ok(wanted && driver >= SMEM_SPILLING_DRIVER && cc >= SMEM_SPILLING_SM)
+}
+
+/// `ptx` with every kernel entry bounded to `max_threads` threads per block and one block per SM
+/// (`.maxntid`, `.minnctapersm`: how much shared memory each thread may spill into, and the
+/// register budget the JIT's cap gives already) and opted in to shared-memory
+/// spilling (`.pragma "enable_smem_spilling"` as the body's first statement); the header raised to
+/// PTX ISA 8.7 and `sm_75` where it is older. `None` when `ptx` has no `.version` or `.target`
+/// line, or no entry: the caller loads it unchanged.
+pub fn with_smem_spilling(ptx: &str, max_threads: u32) -> Option<String> {
+    let mut out = String::with_capacity(ptx.len() + 256);
+    let (mut version, mut target, mut entries) = (false, false, 0usize);
+    // Inside an entry's header (from `.entry` to its body's `{`), and whether it has bounds.
+    let (mut header, mut bounded) = (false, false);
+    for line in ptx.split_inclusive('\n') {
+        let t = line.trim();
+        if let Some(v) = t.strip_prefix(".version ") {
+            let (major, minor) = v.trim().split_once('.')?;
+            let have = (major.parse::<u32>().ok()?, minor.parse::<u32>().ok()?);
+            let (major, minor) = have.max(SMEM_SPILLING_ISA);
+            out.push_str(&format!(".version {major}.{minor}\n"));
+            version = true;
+            continue;
+        }
+        if let Some(v) = t.strip_prefix(".target ") {
+            let mut parts = v.split(',').map(str::trim);
+            let sm = parts.next()?.strip_prefix("sm_")?;
+            // A suffix (`sm_90a`) names features the module uses: leave such a target alone.
+            let num: u32 = sm.parse().ok()?;
+            let rest: Vec<&str> = parts.collect();
+            out.push_str(&format!(".target sm_{}", num.max(SMEM_SPILLING_SM)));
+            for r in rest {
+                out.push_str(", ");
+                out.push_str(r);
+            }
+            out.push('\n');
+            target = true;
+            continue;
+        }
+        if t.starts_with(".entry ") || t.contains(" .entry ") {
+            header = true;
+            bounded = false;
+        } else if header && t.starts_with(".maxntid") {
+            bounded = true;
+        } else if header && t == "{" {
+            if !bounded {
+                // One block per SM is enough: without it ptxas halves the registers to fit two
+                // (64 a thread at 512 threads) and spills far more.
+                out.push_str(&format!(".maxntid {max_threads}, 1, 1\n.minnctapersm 1\n"));
+            }
+            out.push_str(line);
+            out.push_str("\t.pragma \"enable_smem_spilling\";\n");
+            header = false;
+            entries += 1;
+            continue;
+        }
+        out.push_str(line);
+    }
+    (version && target && entries > 0).then_some(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MODULE: &str = "//\n// Generated by LLVM NVPTX Back-End\n//\n\n.version 7.0\n.target sm_70\n\
+        .address_size 64\n\n.visible .entry oxccl_allreduce_simple_int8_any(\n\
+        \t.param .align 8 .b8 oxccl_allreduce_simple_int8_any_param_0[2104]\n)\n{\n\
+        \t.reg .pred \t%p<618>;\n\tret;\n\n}\n.func helper()\n{\n\tret;\n}\n";
+
+    #[test]
+    fn an_entry_gets_bounds_and_the_pragma_and_the_header_is_raised() {
+        let out = with_smem_spilling(MODULE, 512).expect("a module with an entry");
+        let expected = "//\n// Generated by LLVM NVPTX Back-End\n//\n\n.version 8.7\n.target sm_75\n\
+            .address_size 64\n\n.visible .entry oxccl_allreduce_simple_int8_any(\n\
+            \t.param .align 8 .b8 oxccl_allreduce_simple_int8_any_param_0[2104]\n)\n\
+            .maxntid 512, 1, 1\n.minnctapersm 1\n{\n\t.pragma \"enable_smem_spilling\";\n\
+            \t.reg .pred \t%p<618>;\n\tret;\n\n}\n.func helper()\n{\n\tret;\n}\n";
+        assert_eq!(out, expected);
+    }
+
+    #[test]
+    fn newer_headers_and_existing_bounds_are_kept() {
+        let ptx = ".version 9.0\n.target sm_90, debug\n.address_size 64\n\
+            .entry k(\n)\n.maxntid 256, 1, 1\n{\n\tret;\n}\n";
+        let out = with_smem_spilling(ptx, 512).expect("a module with an entry");
+        assert_eq!(
+            out,
+            ".version 9.0\n.target sm_90, debug\n.address_size 64\n\
+             .entry k(\n)\n.maxntid 256, 1, 1\n{\n\t.pragma \"enable_smem_spilling\";\n\tret;\n}\n"
+        );
+    }
+
+    #[test]
+    fn every_entry_of_a_module_is_opted_in() {
+        let ptx = ".version 7.0\n.target sm_70\n.entry a(\n)\n{\n\tret;\n}\n.entry b(\n)\n{\n\tret;\n}\n";
+        let out = with_smem_spilling(ptx, 384).expect("two entries");
+        let opted_in = ".maxntid 384, 1, 1\n.minnctapersm 1\n{\n\t.pragma \"enable_smem_spilling\";\n";
+        assert_eq!(out.matches(opted_in).count(), 2);
+    }
+
+    #[test]
+    fn modules_it_cannot_read_are_left_to_the_caller() {
+        // No entry, no header, an arch-specific target, a version that is not a number.
+        assert_eq!(with_smem_spilling(".version 7.0\n.target sm_70\n.func f()\n{\n}\n", 512), None);
+        assert_eq!(with_smem_spilling(".entry k(\n)\n{\n}\n", 512), None);
+        assert_eq!(with_smem_spilling(".version 8.0\n.target sm_90a\n.entry k(\n)\n{\n}\n", 512), None);
+        assert_eq!(with_smem_spilling(".version x\n.target sm_70\n.entry k(\n)\n{\n}\n", 512), None);
+    }
+
+    #[test]
+    fn the_driver_the_gpu_and_the_variable_decide() {
+        let applies = |d, cc, env| smem_spilling_applies(d, cc, env).expect("a valid value");
+        assert!(applies(13000, 90, None));
+        assert!(applies(12080, 75, Some("1")));
+        assert!(!applies(12060, 90, None), "CUDA 12.6's JIT predates PTX ISA 8.7");
+        assert!(!applies(13000, 70, None), "Volta has no shared-memory spilling");
+        assert!(!applies(13000, 90, Some("0")));
+        assert!(!applies(13000, 90, Some(" 0 ")));
+        let e = smem_spilling_applies(13000, 90, Some("yes")).expect_err("not 0 or 1");
+        assert!(e.to_string().contains("OXCCL_SMEM_SPILLING=\"yes\" is not 0 or 1"), "{e}");
+    }
+}
