@@ -366,6 +366,10 @@ fp8_elem!(F8E5M2);
 /// the fixed operators ignore them (their code is a constant, so only it is compiled in), while
 /// [`FuncAny`] reads the call's operator from them.
 pub trait RedFn<T: Elem>: Copy {
+    /// True for [`FuncAny`]: the operator is the call's, read at run time, so every operator's
+    /// code is in the kernel.
+    const RUNTIME_OP: bool = false;
+
     /// True for PreMulSum: this rank's input is multiplied by the call's scalar
     /// ([`OpArgs::scalar`]) before it is combined (NCCL's `applyPreOp` of `FuncPreMulSum`).
     const PRE_MUL: bool = false;
@@ -551,6 +555,7 @@ const OP_MIN: u32 = DevRedOp::Min as u32;
 const OP_PRE_MUL_SUM: u32 = DevRedOp::PreMulSum as u32;
 
 impl<T: Elem> RedFn<T> for FuncAny {
+    const RUNTIME_OP: bool = true;
     #[inline(always)]
     fn pre_mul(args: &OpArgs) -> bool {
         args.op == OP_PRE_MUL_SUM

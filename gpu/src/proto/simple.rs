@@ -719,26 +719,11 @@ pub(crate) unsafe fn reduce_copy<T: Elem, Op: RedFn<T>, const TWO_SRC: bool, con
     let (mut i, end) = host_share(tid, nthreads, 0, npacks);
     // SAFETY (whole block): indices stay below `end` ≤ `npacks`, inside the caller's ranges.
     unsafe {
-        while i + (UNROLL as u32 - 1) * stride < end {
-            let mut v = [Pack::default(); UNROLL];
-            let mut w = [Pack::default(); UNROLL];
-            crate::unroll::each::<UNROLL>(|u| v[u] = load_src(ps0.add((i + u as u32 * stride) as usize)));
-            if TWO_SRC {
-                crate::unroll::each::<UNROLL>(|u| w[u] = load_src(ps1.add((i + u as u32 * stride) as usize)));
-            }
-            crate::unroll::each::<UNROLL>(
-                #[cfg_attr(target_arch = "nvptx64", inline(always))]
-                |u| {
-                    let r = op(v[u], w[u]);
-                    let k = (i + u as u32 * stride) as usize;
-                    arch::store_v4(pd0.add(k), r);
-                    if TWO_DST {
-                        arch::store_v4(pd1.add(k), r);
-                    }
-                },
-            );
-            i += UNROLL as u32 * stride;
-        }
+        i = if narrow_runtime_op::<T, Op>() {
+            pack_rounds::<TWO_SRC, TWO_DST, 2>(i, end, stride, [ps0, ps1], [pd0, pd1], &op)
+        } else {
+            pack_rounds::<TWO_SRC, TWO_DST, UNROLL>(i, end, stride, [ps0, ps1], [pd0, pd1], &op)
+        };
         while i < end {
             let a = load_src(ps0.add(i as usize));
             let b = if TWO_SRC {
@@ -783,6 +768,58 @@ pub(crate) unsafe fn reduce_copy<T: Elem, Op: RedFn<T>, const TWO_SRC: bool, con
             e += stride;
         }
     }
+}
+
+/// Whether [`reduce_copy`] keeps 2 loads per source in flight instead of [`UNROLL`]: a 1-byte type
+/// under the call's operator read at run time ([`RedFn::RUNTIME_OP`]). Its 16 lanes a pack, for
+/// each operator, need the registers that 4 loads in flight would take; with 2 the AllReduce
+/// kernel's spills fit the shared memory the JIT may spill to (host `cuda/ptx.rs`).
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
+const fn narrow_runtime_op<T: Elem, Op: RedFn<T>>() -> bool {
+    Op::RUNTIME_OP && core::mem::size_of::<T>() == 1 && UNROLL > 2
+}
+
+/// [`reduce_copy`]'s unrolled rounds: from pack `i`, while `U` packs `stride` apart remain below
+/// `end`, loads `U` packs of each source, then stores `op` of them to each destination. Returns
+/// the first pack not done.
+///
+/// # Safety
+/// As [`reduce_copy`]: every pack index below `end` is valid in each pointer in use.
+#[allow(clippy::too_many_arguments)]
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
+unsafe fn pack_rounds<const TWO_SRC: bool, const TWO_DST: bool, const U: usize>(
+    mut i: u32,
+    end: u32,
+    stride: u32,
+    src: [*const Pack; 2],
+    dst: [*mut Pack; 2],
+    op: &impl Fn(Pack, Pack) -> Pack,
+) -> u32 {
+    let ([ps0, ps1], [pd0, pd1]) = (src, dst);
+    // SAFETY (whole block): indices stay below `end`, inside the caller's ranges.
+    unsafe {
+        while i + (U as u32 - 1) * stride < end {
+            let mut v = [Pack::default(); U];
+            let mut w = [Pack::default(); U];
+            crate::unroll::each::<U>(|u| v[u] = load_src(ps0.add((i + u as u32 * stride) as usize)));
+            if TWO_SRC {
+                crate::unroll::each::<U>(|u| w[u] = load_src(ps1.add((i + u as u32 * stride) as usize)));
+            }
+            crate::unroll::each::<U>(
+                #[cfg_attr(target_arch = "nvptx64", inline(always))]
+                |u| {
+                    let r = op(v[u], w[u]);
+                    let k = (i + u as u32 * stride) as usize;
+                    arch::store_v4(pd0.add(k), r);
+                    if TWO_DST {
+                        arch::store_v4(pd1.add(k), r);
+                    }
+                },
+            );
+            i += U as u32 * stride;
+        }
+    }
+    i
 }
 
 /// The indices in `from..to` thread `tid` of a block of `nthreads` handles on the host, as the
