@@ -310,12 +310,12 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
     /// Written out per peer (present peers are the leading ones) so nothing lands in GPU local
     /// memory. Every lane of the warp calls it together.
     #[cfg_attr(target_arch = "nvptx64", inline(always))]
-    fn fold_recv(
+    fn fold_recv<I: LineIdx>(
         &self,
         slots: &[*mut u64; NR],
         flags: &[u64; NR],
         nrecv: usize,
-        line: &[u32; UNROLL],
+        line: &[I; UNROLL],
         active: &[bool; UNROLL],
         w: &mut [[u64; 2 * PARTS]; UNROLL],
     ) -> bool {
@@ -324,7 +324,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
         let at = |slot: *mut u64| {
             let mut a = [core::ptr::null::<u64>(); UNROLL];
             unroll::each::<UNROLL>(#[cfg_attr(target_arch = "nvptx64", inline(always))] |u| {
-                a[u] = slot.wrapping_add(line[u] as usize * line_words);
+                a[u] = slot.wrapping_add(line[u].idx() * line_words);
             });
             a
         };
@@ -365,6 +365,22 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
         n: u64,
         post: bool,
     ) {
+        if core::mem::size_of::<T>() < 4 {
+            self.generic_op_with::<u32, RECV, SEND, SRC, DST>(src, dst, n, post)
+        } else {
+            self.generic_op_with::<u64, RECV, SEND, SRC, DST>(src, dst, n, post)
+        }
+    }
+
+    /// [`Self::generic_op`] with a step's line arithmetic in `I` ([`LineIdx`]).
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
+    fn generic_op_with<I: LineIdx, const RECV: bool, const SEND: bool, const SRC: bool, const DST: bool>(
+        &mut self,
+        src: u64,
+        dst: u64,
+        n: u64,
+        post: bool,
+    ) {
         if self.aborted {
             return;
         }
@@ -375,6 +391,8 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
         let div = if post { self.op_args.postdiv } else { 0 };
         let (nrecv, nsend) = self.conns.counts::<RECV, SEND>();
         let lanes = self.lanes;
+        let (group, stride, part0, warp_group) =
+            (I::of(lanes.group), I::of(lanes.stride), I::of(lanes.part0), I::of(lanes.warp_group));
         let line_words = (LL128_LINE_BYTES / 8) as usize;
         let mut done = 0u64;
         while done < n {
@@ -385,7 +403,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
             let nbytes = len * esize;
             let nlines = nbytes.div_ceil(LL128_DATA_BYTES);
             // A step's lines and bytes fit 32 bits (a slot is a part of the connection's buffer).
-            let (nlines32, nbytes32) = (nlines as u32, nbytes as u32);
+            let (nlines_i, nbytes_i) = (I::of_u64(nlines), I::of_u64(nbytes));
             // Per peer: this step's flag and slot.
             let mut fr = [0u64; NR];
             let mut slot_r = [core::ptr::null_mut::<u64>(); NR];
@@ -412,28 +430,28 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
             let in_base = self.input.wrapping_add((src + done) as usize) as *const u8;
             let out_base = self.output.wrapping_add((dst + done) as usize) as *mut u8;
             let mut aborted = false;
-            let mut j = 0u32;
+            let mut j = I::of(0);
             // Bounded by the warp's first line so every lane of a warp runs the same iterations.
-            while lanes.warp_group + j * lanes.stride < nlines32 {
-                let mut line = [0u32; UNROLL];
+            while warp_group + j * stride < nlines_i {
+                let mut line = [I::of(0); UNROLL];
                 let mut active = [false; UNROLL];
                 let mut src_w = [[0u64; 2 * PARTS]; UNROLL];
                 unroll::each::<UNROLL>(#[cfg_attr(target_arch = "nvptx64", inline(always))] |u| {
-                    line[u] = lanes.group + (j + u as u32) * lanes.stride;
-                    active[u] = line[u] < nlines32;
+                    line[u] = group + (j + I::of(u as u32)) * stride;
+                    active[u] = line[u] < nlines_i;
                     if SRC && active[u] {
                         for i in 0..PARTS {
-                            let (off, lo_b, hi_b) = part_bytes(line[u], lanes.part0 + i as u32, nbytes32);
+                            let (off, lo_b, hi_b) = part_bytes(line[u], part0 + I::of(i as u32), nbytes_i);
                             // SAFETY: `lo_b + hi_b` bytes at `off` lie inside the caller's input.
                             unsafe {
-                                src_w[u][2 * i] = load_partial(in_base.add(off as usize), lo_b, esize);
+                                src_w[u][2 * i] = load_partial(in_base.add(off.idx()), lo_b, esize);
                                 src_w[u][2 * i + 1] =
-                                    load_partial(in_base.add(off as usize + 8), hi_b, esize);
+                                    load_partial(in_base.add(off.idx() + 8), hi_b, esize);
                             }
                         }
                     }
                 });
-                j += UNROLL as u32;
+                j = j + I::of(UNROLL as u32);
                 // The receive peers' lines folded into `w`.
                 let mut w = [[0u64; 2 * PARTS]; UNROLL];
                 if !self.fold_recv(&slot_r, &fr, nrecv, &line, &active, &mut w) {
@@ -445,7 +463,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
                 unroll::each::<UNROLL>(#[cfg_attr(target_arch = "nvptx64", inline(always))] |u| {
                     if active[u] {
                         for i in 0..PARTS {
-                            let (off, lo_b, hi_b) = part_bytes(line[u], lanes.part0 + i as u32, nbytes32);
+                            let (off, lo_b, hi_b) = part_bytes(line[u], part0 + I::of(i as u32), nbytes_i);
                             let mut v = words_pack(&w[u], i);
                             if SRC {
                                 // PreMulSum scales this rank's input before it is combined.
@@ -464,9 +482,9 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
                             if DST {
                                 // SAFETY: `lo_b + hi_b` bytes at `off` lie inside the caller's output.
                                 unsafe {
-                                    store_partial(out_base.add(off as usize), w[u][2 * i], lo_b, esize);
+                                    store_partial(out_base.add(off.idx()), w[u][2 * i], lo_b, esize);
                                     store_partial(
-                                        out_base.add(off as usize + 8),
+                                        out_base.add(off.idx() + 8),
                                         w[u][2 * i + 1],
                                         hi_b,
                                         esize,
@@ -478,7 +496,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
                             if i < nsend {
                                 // The line lies inside peer i's slot.
                                 self.write_parts(
-                                    slot_s[i].wrapping_add(line[u] as usize * line_words),
+                                    slot_s[i].wrapping_add(line[u].idx() * line_words),
                                     w[u],
                                     fs[i],
                                 );
@@ -491,7 +509,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
                     let mut at = [[core::ptr::null_mut::<u64>(); NS]; UNROLL];
                     for u in 0..UNROLL {
                         for i in 0..nsend {
-                            at[u][i] = slot_s[i].wrapping_add(line[u] as usize * line_words);
+                            at[u][i] = slot_s[i].wrapping_add(line[u].idx() * line_words);
                         }
                     }
                     self.publish_flags(&at, &fs, &active, nsend);
@@ -515,6 +533,38 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
     }
 }
 
+/// The integer type of a step's line arithmetic (line indices, byte offsets): 32 bits for 1- and
+/// 2-byte elements, 64 bits for the others, each the faster on the H100 (docs/benchmarks.md). The
+/// narrow types' reductions need the registers 64-bit line arithmetic takes: their kernels spilled
+/// with it, and the 16-bit ones run 5–16 % faster without. The 4- and 8-byte kernels spill with
+/// neither, and float AllReduce ran 4–6 % slower at 8–32 MiB with 32 bits.
+trait LineIdx: Copy + PartialOrd + core::ops::Add<Output = Self> + core::ops::Mul<Output = Self> {
+    fn of(x: u32) -> Self;
+    /// `x`, which fits 32 bits (a step's lines and bytes: a slot is part of one buffer).
+    fn of_u64(x: u64) -> Self;
+    fn idx(self) -> usize;
+    fn wide(self) -> u64;
+    fn saturating_sub(self, o: Self) -> Self;
+}
+
+macro_rules! line_idx {
+    ($($t:ty),*) => {$(
+        impl LineIdx for $t {
+            #[inline(always)]
+            fn of(x: u32) -> Self { x as $t }
+            #[inline(always)]
+            fn of_u64(x: u64) -> Self { x as $t }
+            #[inline(always)]
+            fn idx(self) -> usize { self as usize }
+            #[inline(always)]
+            fn wide(self) -> u64 { self as u64 }
+            #[inline(always)]
+            fn saturating_sub(self, o: Self) -> Self { <$t>::saturating_sub(self, o) }
+        }
+    )*};
+}
+line_idx!(u32, u64);
+
 /// Part `q` (two words) of a line's words as a pack.
 #[cfg_attr(target_arch = "nvptx64", inline(always))]
 fn words_pack(w: &[u64; 2 * PARTS], q: usize) -> Pack {
@@ -533,10 +583,10 @@ fn pack_words(w: &mut [u64; 2 * PARTS], q: usize, v: Pack) {
 /// bytes are data in its low and high word, given the step's `nbytes` (the last part of a line
 /// carries 8 data bytes, the others 16).
 #[cfg_attr(target_arch = "nvptx64", inline(always))]
-fn part_bytes(line: u32, part: u32, nbytes: u32) -> (u32, u64, u64) {
-    let off = line * LL128_DATA_BYTES as u32 + part * 16;
-    let cap = if part as u64 == LL128_LINE_PARTS - 1 { 8 } else { 16 };
-    let valid = core::cmp::min(cap, nbytes.saturating_sub(off)) as u64;
+fn part_bytes<I: LineIdx>(line: I, part: I, nbytes: I) -> (I, u64, u64) {
+    let off = line * I::of(LL128_DATA_BYTES as u32) + part * I::of(16);
+    let cap = if part == I::of(LL128_LINE_PARTS as u32 - 1) { 8 } else { 16 };
+    let valid = core::cmp::min(cap, nbytes.saturating_sub(off).wide());
     (off, core::cmp::min(8, valid), valid.saturating_sub(8))
 }
 
