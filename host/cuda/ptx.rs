@@ -145,6 +145,25 @@ mod tests {
     }
 
     #[test]
+    fn every_built_module_is_rewritten_with_its_entry_opted_in() {
+        let modules = crate::kernels::PTX_MODULES;
+        if modules.is_empty() {
+            eprintln!("skipped: this build has no kernel modules (OXCCL_SKIP_PTX)");
+            return;
+        }
+        for (name, _) in modules {
+            let ptx = crate::kernels::module(name).expect("an embedded module inflates");
+            let out = with_smem_spilling(&ptx, 512).unwrap_or_else(|| panic!("{name} was not rewritten"));
+            let entries = ptx.lines().filter(|l| l.contains(".entry ")).count();
+            assert_eq!(entries, 1, "{name}: one entry per module");
+            let opted_in = ".maxntid 512, 1, 1\n.minnctapersm 1\n{\n\t.pragma \"enable_smem_spilling\";\n";
+            assert_eq!(out.matches(opted_in).count(), 1, "{name}");
+            assert!(out.contains("\n.version 8.7\n.target sm_75\n"), "{name}: header raised");
+            assert_eq!(out.len(), ptx.len() + opted_in.len() - 2, "{name}: nothing else changed");
+        }
+    }
+
+    #[test]
     fn the_driver_the_gpu_and_the_variable_decide() {
         let applies = |d, cc, env| smem_spilling_applies(d, cc, env).expect("a valid value");
         assert!(applies(13000, 90, None));
