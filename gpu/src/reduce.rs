@@ -14,8 +14,63 @@ use crate::fp8::{self, F8E4M3, F8E5M2};
 use crate::unroll;
 use half::{bf16, f16};
 
+/// The integer type of a step's line arithmetic in LL128 (`proto/ll128.rs`: line indices, byte
+/// offsets), an element type's [`Elem::Line`]: 32 bits for 1- and 2-byte elements, 64 bits for the
+/// others, each the faster on the H100 (docs/benchmarks.md). The
+/// narrow types' reductions need the registers 64-bit line arithmetic takes: their kernels spilled
+/// with it, and the 16-bit ones run 5–16 % faster without. The 4- and 8-byte kernels spill with
+/// neither, and float AllReduce ran 4–6 % slower at 8–32 MiB with 32 bits.
+pub trait LineIdx: Copy + PartialOrd + core::ops::Add<Output = Self> + core::ops::Mul<Output = Self> {
+    fn of(x: u32) -> Self;
+    /// `x`, which fits 32 bits (a step's lines and bytes: a slot is part of one buffer).
+    fn of_u64(x: u64) -> Self;
+    fn idx(self) -> usize;
+    fn wide(self) -> u64;
+    fn saturating_sub(self, o: Self) -> Self;
+}
+
+macro_rules! line_idx {
+    ($($t:ty),*) => {$(
+        impl LineIdx for $t {
+            #[inline(always)]
+            fn of(x: u32) -> Self { x as $t }
+            #[inline(always)]
+            fn of_u64(x: u64) -> Self { x as $t }
+            #[inline(always)]
+            fn idx(self) -> usize { self as usize }
+            #[inline(always)]
+            fn wide(self) -> u64 { self as u64 }
+            #[inline(always)]
+            fn saturating_sub(self, o: Self) -> Self { <$t>::saturating_sub(self, o) }
+        }
+    )*};
+}
+line_idx!(u32, u64);
+
+/// An element size in bytes, to name [`Elem::Line`] by size (`Width<{ size_of::<T>() }>`).
+pub struct Width<const N: usize>;
+
+/// The [`LineIdx`] of the element size a [`Width`] names.
+pub trait LineOfWidth {
+    type Idx: LineIdx;
+}
+impl LineOfWidth for Width<1> {
+    type Idx = u32;
+}
+impl LineOfWidth for Width<2> {
+    type Idx = u32;
+}
+impl LineOfWidth for Width<4> {
+    type Idx = u64;
+}
+impl LineOfWidth for Width<8> {
+    type Idx = u64;
+}
+
 /// An element type the kernels can move and reduce.
 pub trait Elem: Copy + 'static {
+    /// The integer type of LL128's line arithmetic for this type ([`LineIdx`]).
+    type Line: LineIdx;
     /// Elements in one 16-byte [`Pack`].
     const PER_PACK: usize = 16 / core::mem::size_of::<Self>();
     fn sum(a: Self, b: Self) -> Self;
@@ -84,6 +139,7 @@ fn lanes<T: Elem>(a: Pack, b: Pack, f: impl Fn(T, T) -> T) -> Pack {
 macro_rules! int_elem {
     ($($t:ty),*) => {$(
         impl Elem for $t {
+            type Line = <Width<{ core::mem::size_of::<$t>() }> as LineOfWidth>::Idx;
             #[inline(always)] fn sum(a: Self, b: Self) -> Self { a.wrapping_add(b) }
             #[inline(always)] fn prod(a: Self, b: Self) -> Self { a.wrapping_mul(b) }
             #[inline(always)] fn min(a: Self, b: Self) -> Self { if b < a { b } else { a } }
@@ -97,6 +153,7 @@ int_elem!(i8, u8, i32, u32, i64, u64);
 macro_rules! float_elem {
     ($($t:ty),*) => {$(
         impl Elem for $t {
+            type Line = <Width<{ core::mem::size_of::<$t>() }> as LineOfWidth>::Idx;
             #[inline(always)] fn sum(a: Self, b: Self) -> Self { a + b }
             #[inline(always)] fn prod(a: Self, b: Self) -> Self { a * b }
             #[inline(always)] fn min(a: Self, b: Self) -> Self { if b < a { b } else { a } }
@@ -197,6 +254,7 @@ impl Half16 for bf16 {
 macro_rules! half_elem {
     ($t:ty, $sum:expr, $prod:expr) => {
         impl Elem for $t {
+            type Line = <Width<{ core::mem::size_of::<$t>() }> as LineOfWidth>::Idx;
             #[inline(always)]
             fn sum(a: Self, b: Self) -> Self {
                 <$t>::from_bits(Self::map2(a.to_bits().into(), b.to_bits().into(), |x, y| x + y) as u16)
@@ -304,6 +362,7 @@ fn fp8_div4<T: fp8::Fp8>(a: u32, n: u32) -> u32 {
 macro_rules! fp8_elem {
     ($t:ty) => {
         impl Elem for $t {
+            type Line = <Width<{ core::mem::size_of::<$t>() }> as LineOfWidth>::Idx;
             #[inline(always)]
             fn sum(a: Self, b: Self) -> Self {
                 Self(fp8_map4::<Self>(a.0.into(), b.0.into(), arch::f16x2_add) as u8)

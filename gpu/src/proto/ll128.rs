@@ -21,7 +21,7 @@ use super::ll::{load_partial, store_partial};
 use super::{Primitives, balanced_step, each_peer};
 use crate::abi::{FIFO_STEPS, MAX_TREE_ARITY, Proto, SPINS_BEFORE_CHECK_ABORT};
 use crate::arch::{self, Pack};
-use crate::reduce::{Elem, OpArgs, RedFn, div_pack, pre_pack};
+use crate::reduce::{Elem, LineIdx, OpArgs, RedFn, div_pack, pre_pack};
 use crate::unroll;
 use core::marker::PhantomData;
 
@@ -365,14 +365,11 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
         n: u64,
         post: bool,
     ) {
-        if core::mem::size_of::<T>() < 4 {
-            self.generic_op_with::<u32, RECV, SEND, SRC, DST>(src, dst, n, post)
-        } else {
-            self.generic_op_with::<u64, RECV, SEND, SRC, DST>(src, dst, n, post)
-        }
+        self.generic_op_with::<T::Line, RECV, SEND, SRC, DST>(src, dst, n, post)
     }
 
-    /// [`Self::generic_op`] with a step's line arithmetic in `I` ([`LineIdx`]).
+    /// [`Self::generic_op`] with a step's line arithmetic in `I` (the element type's
+    /// [`Elem::Line`](crate::reduce::Elem::Line)).
     #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn generic_op_with<I: LineIdx, const RECV: bool, const SEND: bool, const SRC: bool, const DST: bool>(
         &mut self,
@@ -532,38 +529,6 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
         }
     }
 }
-
-/// The integer type of a step's line arithmetic (line indices, byte offsets): 32 bits for 1- and
-/// 2-byte elements, 64 bits for the others, each the faster on the H100 (docs/benchmarks.md). The
-/// narrow types' reductions need the registers 64-bit line arithmetic takes: their kernels spilled
-/// with it, and the 16-bit ones run 5–16 % faster without. The 4- and 8-byte kernels spill with
-/// neither, and float AllReduce ran 4–6 % slower at 8–32 MiB with 32 bits.
-trait LineIdx: Copy + PartialOrd + core::ops::Add<Output = Self> + core::ops::Mul<Output = Self> {
-    fn of(x: u32) -> Self;
-    /// `x`, which fits 32 bits (a step's lines and bytes: a slot is part of one buffer).
-    fn of_u64(x: u64) -> Self;
-    fn idx(self) -> usize;
-    fn wide(self) -> u64;
-    fn saturating_sub(self, o: Self) -> Self;
-}
-
-macro_rules! line_idx {
-    ($($t:ty),*) => {$(
-        impl LineIdx for $t {
-            #[inline(always)]
-            fn of(x: u32) -> Self { x as $t }
-            #[inline(always)]
-            fn of_u64(x: u64) -> Self { x as $t }
-            #[inline(always)]
-            fn idx(self) -> usize { self as usize }
-            #[inline(always)]
-            fn wide(self) -> u64 { self as u64 }
-            #[inline(always)]
-            fn saturating_sub(self, o: Self) -> Self { <$t>::saturating_sub(self, o) }
-        }
-    )*};
-}
-line_idx!(u32, u64);
 
 /// Part `q` (two words) of a line's words as a pack.
 #[cfg_attr(target_arch = "nvptx64", inline(always))]
