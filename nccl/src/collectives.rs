@@ -18,10 +18,17 @@ pub type cudaStream_t = *mut c_void;
 
 /// The operator of value `op` on `live` for a call on `dtype`: a built-in, or one of its
 /// PreMulSum operators (`redop.rs`).
+#[inline(always)]
 fn reduce_op(live: &Live, op: ncclRedOp_t, dtype: DataType) -> Result<ReduceOp<'static>> {
-    if let Some(o) = builtin_op(op) {
-        return Ok(o.into());
+    match builtin_op(op) {
+        Some(o) => Ok(o.into()),
+        None => premul_op(live, op, dtype),
     }
+}
+
+/// [`reduce_op`] for a value that is not a built-in operator: one of `live`'s PreMulSum
+/// operators on `dtype`.
+fn premul_op(live: &Live, op: ncclRedOp_t, dtype: DataType) -> Result<ReduceOp<'static>> {
     let entry = premul_index(op).and_then(|i| live.redops().get(i).copied().flatten());
     match entry {
         Some(PreMul { dtype: d, scalar: PreMulScalar::Host(s) }) if d == dtype => Ok(ReduceOp::PreMulSum(s)),
@@ -43,6 +50,7 @@ fn reduce_op(live: &Live, op: ncclRedOp_t, dtype: DataType) -> Result<ReduceOp<'
 }
 
 /// The communicator of a call, usable for new work.
+#[inline(always)]
 fn live(comm: ncclComm_t) -> Result<std::sync::Arc<Live>> {
     let live = handles::get(comm)?;
     live.check_not_finalizing()?;
@@ -55,6 +63,7 @@ fn live(comm: ncclComm_t) -> Result<std::sync::Arc<Live>> {
 /// The buffers are valid for the sizes `func` needs with `count` on the rank's device until
 /// the work has run; `stream` as [`Live::stream`].
 #[allow(clippy::too_many_arguments)]
+#[inline(always)]
 unsafe fn collective(
     comm: ncclComm_t,
     func: Func,
@@ -75,6 +84,7 @@ unsafe fn collective(
 /// # Safety
 /// As [`collective`].
 #[allow(clippy::too_many_arguments)]
+#[inline(always)]
 unsafe fn collective_now(
     comm: ncclComm_t,
     func: Func,

@@ -34,6 +34,7 @@ pub(crate) fn last_error() -> String {
 }
 
 /// Records and logs `e`, a failure of function `name`; returns its code.
+#[cold]
 pub(crate) fn fail(name: &str, e: &Error) -> ncclResult_t {
     let msg = format!("{name}: {e}");
     tracing::warn!(target: "oxccl::nccl", "{msg}");
@@ -50,22 +51,28 @@ fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
 
 /// Runs the body of exported function `name`: `ncclSuccess`, the error's code (its message kept
 /// for `ncclGetLastError`), or `ncclInternalError` when the body panicked (never unwinding into
-/// the caller).
+/// the caller). Inlined into each entry point, so the body's arguments are not packed into a
+/// closure and unpacked again on every call.
+#[inline(always)]
 pub(crate) fn call(name: &str, f: impl FnOnce() -> Result<()>) -> ncclResult_t {
     init_logging();
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(Ok(())) => ncclSuccess,
         Ok(Err(e)) => fail(name, &e),
-        Err(p) => {
-            let e = Error::Internal(format!("panic: {}", panic_text(&*p)));
-            let code = fail(name, &e);
-            debug_assert_eq!(code, ncclInternalError);
-            code
-        }
+        Err(p) => panicked(name, p),
     }
 }
 
+/// [`call`]'s result for a body that panicked with `p`: `ncclInternalError`, its message kept.
+#[cold]
+fn panicked(name: &str, p: Box<dyn std::any::Any + Send>) -> ncclResult_t {
+    let code = fail(name, &Error::Internal(format!("panic: {}", panic_text(&*p))));
+    debug_assert_eq!(code, ncclInternalError);
+    code
+}
+
 /// As [`call`] for a function returning `T`: `fallback` when the body panicked.
+#[inline(always)]
 pub(crate) fn guard<T>(name: &str, fallback: T, f: impl FnOnce() -> T) -> T {
     init_logging();
     catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|p| {
@@ -84,9 +91,18 @@ pub(crate) fn non_null<T>(name: &str, p: *const T) -> Result<()> {
 
 /// Installs the stderr subscriber once, when `OXCCL_LOG` or `NCCL_DEBUG` asks for one (module
 /// docs).
+#[inline(always)]
 fn init_logging() {
     static ONCE: OnceLock<()> = OnceLock::new();
-    ONCE.get_or_init(|| {
+    if ONCE.get().is_none() {
+        init_logging_once(&ONCE);
+    }
+}
+
+/// [`init_logging`]'s first call.
+#[cold]
+fn init_logging_once(once: &OnceLock<()>) {
+    once.get_or_init(|| {
         let debug = std::env::var("NCCL_DEBUG").ok().map(|v| v.to_ascii_uppercase());
         let filter = match std::env::var("OXCCL_LOG") {
             Ok(f) => Some(f),

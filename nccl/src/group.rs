@@ -107,16 +107,23 @@ fn run_teardowns(teardowns: Vec<(Arc<Live>, Teardown)>) -> Result<()> {
 
 /// Runs `call` (a collective or point-to-point call's body); inside a group, its error is also
 /// the group's ([`group_end`] then runs none of the group's work).
+#[inline(always)]
 pub(crate) fn noting_refusal(call: impl FnOnce() -> Result<()>) -> Result<()> {
     let r = call();
-    if let Err(e) = &r
-        && oxccl::group::group_depth() > 0
-    {
+    if let Err(e) = &r {
+        note_refusal(e);
+    }
+    r
+}
+
+/// Notes `e` as the group's refused call when this thread is inside a group ([`noting_refusal`]).
+#[cold]
+fn note_refusal(e: &Error) {
+    if oxccl::group::group_depth() > 0 {
         OUTERMOST.with(|o| {
             o.borrow_mut().refused.get_or_insert_with(|| e.clone());
         });
     }
-    r
 }
 
 /// An init issued inside a group: its handle and oxccl's pending communicator.
@@ -265,9 +272,9 @@ fn group_end() -> Result<()> {
         return oxccl::group_end();
     };
     let _keep = KeepCurrent::new();
-    if level.is_empty() {
+    let Some(level) = level else {
         return oxccl::group_end();
-    }
+    };
     let Outermost { refused, inits, splits, teardowns } = level;
     let split = if splits.is_empty() { Ok(()) } else { run_splits(splits) };
     if let Some(refused) = refused {
@@ -293,15 +300,15 @@ fn group_end() -> Result<()> {
 }
 
 /// What the outermost end of this thread's group takes: its refused call's error, its inits,
-/// its splits and shrinks, and its finalizes and destroys (`None` at an inner end).
-/// `InvalidUsage` naming `what` outside a group.
-fn end_level(what: &str) -> Result<Option<Outermost>> {
+/// its splits and shrinks, and its finalizes and destroys (`Some(None)` when it holds none of
+/// them, `None` at an inner end). `InvalidUsage` naming `what` outside a group.
+fn end_level(what: &str) -> Result<Option<Option<Outermost>>> {
     match oxccl::group::group_depth() {
         0 => Err(Error::InvalidUsage(format!("{what} without a matching ncclGroupStart on this thread"))),
         // Taken only when it holds something: a group of calls alone moves nothing.
         1 => Ok(Some(OUTERMOST.with(|o| {
             let mut o = o.borrow_mut();
-            if o.is_empty() { Outermost::default() } else { std::mem::take(&mut *o) }
+            (!o.is_empty()).then(|| std::mem::take(&mut *o))
         }))),
         _ => Ok(None),
     }
@@ -318,7 +325,7 @@ fn simulate_end() -> Result<Option<f64>> {
     };
     let _keep = KeepCurrent::new();
     // The group's refused call is forgotten with the rest of its work.
-    let Outermost { inits, splits, teardowns, .. } = level;
+    let Outermost { inits, splits, teardowns, .. } = level.unwrap_or_default();
     let split = if splits.is_empty() { Ok(()) } else { run_splits(splits) };
     let ended = oxccl::group::simulate_end();
     publish(inits);

@@ -104,11 +104,24 @@ impl Live {
     /// # Safety
     /// `raw` is NULL or a stream of the rank's device, valid until the work `f` queues on it was
     /// launched (for calls in a group: the group's end).
+    #[inline(always)]
     pub(crate) unsafe fn with_stream<R>(&self, raw: *mut std::ffi::c_void, f: impl FnOnce(&Stream) -> R) -> R {
-        let ctx = match &self.target {
-            Target::Cpu(s) => return f(s),
-            Target::Cuda(ctx) => ctx,
-        };
+        match &self.target {
+            Target::Cpu(s) => f(s),
+            // SAFETY: the caller's contract.
+            Target::Cuda(ctx) => unsafe { Self::with_cuda_stream(ctx, raw, f) },
+        }
+    }
+
+    /// [`Live::with_stream`] on a rank of a CUDA device: the stream `raw` of context `ctx`.
+    ///
+    /// # Safety
+    /// As [`Live::with_stream`].
+    unsafe fn with_cuda_stream<R>(
+        ctx: &Arc<oxccl::cuda::Context>,
+        raw: *mut std::ffi::c_void,
+        f: impl FnOnce(&Stream) -> R,
+    ) -> R {
         let key = (Arc::as_ptr(ctx) as usize, raw as usize);
         // A stream is only a raw handle and its context: a handle the caller destroyed and the
         // driver gave out again names the same stream value, so the cache never goes stale.
@@ -135,14 +148,21 @@ impl Live {
     }
 
     /// `InvalidUsage` once finalize was asked for.
+    #[inline(always)]
     pub(crate) fn check_not_finalizing(&self) -> Result<()> {
         if self.finalizing.load(Ordering::Acquire) {
-            return Err(Error::InvalidUsage(format!(
-                "rank {}: ncclCommFinalize was called on this communicator; only ncclCommDestroy is allowed after it",
-                self.comm.rank()
-            )));
+            return Err(self.finalizing_error());
         }
         Ok(())
+    }
+
+    /// [`Live::check_not_finalizing`]'s error.
+    #[cold]
+    fn finalizing_error(&self) -> Error {
+        Error::InvalidUsage(format!(
+            "rank {}: ncclCommFinalize was called on this communicator; only ncclCommDestroy is allowed after it",
+            self.comm.rank()
+        ))
     }
 
     pub(crate) fn redops(&self) -> MutexGuard<'_, Vec<Option<PreMul>>> {
@@ -340,11 +360,21 @@ pub(crate) enum NotReady {
 /// The communicator of `comm`, or why there is none: `Err(Ok(..))` for a pending or failed
 /// init, `Err(Err(..))` for a NULL, destroyed or foreign handle.
 pub(crate) fn lookup(comm: ncclComm_t) -> std::result::Result<Arc<Live>, std::result::Result<NotReady, Error>> {
-    let id = id_of(comm).map_err(Err)?;
+    match recent(comm) {
+        Some(l) => Ok(l),
+        None => lookup_locked(comm),
+    }
+}
+
+/// The communicator of `comm` from this thread's [`RECENT`] handles, while the table is
+/// unchanged since they were read (every call's path: no lock).
+#[inline(always)]
+fn recent(comm: ncclComm_t) -> Option<Arc<Live>> {
+    let id = comm.addr() as u64;
     let reg = registry();
     // `try_with`: a call from a destructor run after this thread's locals were torn down (at
     // thread or process exit) takes the locked path instead of panicking.
-    let hit = RECENT
+    RECENT
         .try_with(|r| {
             let r = r.borrow();
             if r.epoch != reg.epoch.load(Ordering::Acquire) {
@@ -353,10 +383,14 @@ pub(crate) fn lookup(comm: ncclComm_t) -> std::result::Result<Arc<Live>, std::re
             r.live.iter().find(|(h, _)| *h == id).and_then(|(_, l)| l.upgrade())
         })
         .ok()
-        .flatten();
-    if let Some(l) = hit {
-        return Ok(l);
-    }
+        .flatten()
+}
+
+/// [`lookup`] in the table, under its lock; remembers the communicator in [`RECENT`].
+#[inline(never)]
+fn lookup_locked(comm: ncclComm_t) -> std::result::Result<Arc<Live>, std::result::Result<NotReady, Error>> {
+    let id = id_of(comm).map_err(Err)?;
+    let reg = registry();
     let slots = reg.slots();
     let epoch = reg.epoch.load(Ordering::Acquire);
     match slots.get(&id) {
@@ -380,8 +414,18 @@ pub(crate) fn lookup(comm: ncclComm_t) -> std::result::Result<Arc<Live>, std::re
 
 /// The communicator of `comm`. Errors: `InvalidArgument` for a NULL, destroyed or foreign
 /// handle; `InvalidUsage` for an init still waiting for its group's end, or one that failed.
+#[inline(always)]
 pub(crate) fn get(comm: ncclComm_t) -> Result<Arc<Live>> {
-    lookup(comm).map_err(|e| match e {
+    match recent(comm) {
+        Some(l) => Ok(l),
+        None => get_locked(comm),
+    }
+}
+
+/// [`get`] past this thread's recent handles.
+#[inline(never)]
+fn get_locked(comm: ncclComm_t) -> Result<Arc<Live>> {
+    lookup_locked(comm).map_err(|e| match e {
         Err(e) => e,
         Ok(NotReady::Pending) => Error::InvalidUsage(format!(
             "comm {:#x} is created at the end of the group it was initialized in (ncclGroupEnd); call ncclGroupEnd first",
