@@ -13,7 +13,9 @@
 //! - Rust: the same in this process: `Comm::init_all` on `Device::Cpu(0..2)`, a stream per rank,
 //!   `oxccl::group_start`, `Comm::collective_raw`, `oxccl::group_end`.
 //!
-//! ROUNDS (default 3) rounds alternate the two sides; each prints ns per group of 2 calls.
+//! ROUNDS (default 3) rounds alternate the two sides; each prints ns per group of 2 calls, of
+//! wall time and of the calling thread's CPU time (steadier on a machine shared with other
+//! work: time spent descheduled is left out).
 #[path = "../tests/abi/common.rs"]
 #[allow(dead_code)]
 mod common;
@@ -25,8 +27,23 @@ use std::time::Instant;
 
 const NRANKS: usize = 2;
 
-/// The Rust side of one round: (grouped, plain) ns per group of 2 calls.
-fn rust_round(comms: &[Comm], streams: &[Stream], iters: usize) -> Result<(f64, f64)> {
+/// ns per group of 2 calls: wall time and the thread's CPU time.
+#[derive(Clone, Copy)]
+struct Ns {
+    wall: f64,
+    cpu: f64,
+}
+
+/// The calling thread's CPU time in ns.
+fn thread_cpu_ns() -> f64 {
+    let mut t = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: a valid out-pointer; the clock exists on Linux.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut t) };
+    t.tv_sec as f64 * 1e9 + t.tv_nsec as f64
+}
+
+/// The Rust side of one round: (grouped, plain).
+fn rust_round(comms: &[Comm], streams: &[Stream], iters: usize) -> Result<(Ns, Ns)> {
     let buf = [0f32; NRANKS];
     let one = |grouped: bool| -> Result<()> {
         if grouped {
@@ -42,16 +59,20 @@ fn rust_round(comms: &[Comm], streams: &[Stream], iters: usize) -> Result<(f64, 
         }
         Ok(())
     };
-    let mut out = [0.0; 2];
+    let mut out = [Ns { wall: 0.0, cpu: 0.0 }; 2];
     for (i, grouped) in [true, false].into_iter().enumerate() {
         for _ in 0..iters / 10 {
             one(grouped)?;
         }
-        let t0 = Instant::now();
+        let (t0, c0) = (Instant::now(), thread_cpu_ns());
         for _ in 0..iters {
             one(grouped)?;
         }
-        out[i] = t0.elapsed().as_nanos() as f64 / iters as f64;
+        let cpu = thread_cpu_ns() - c0;
+        out[i] = Ns {
+            wall: t0.elapsed().as_nanos() as f64 / iters as f64,
+            cpu: cpu / iters as f64,
+        };
     }
     Ok((out[0], out[1]))
 }
@@ -86,8 +107,8 @@ fn build_c(dir: &Path) -> PathBuf {
     exe
 }
 
-/// The C side of one round: (grouped, plain) ns per group of 2 calls.
-fn c_round(exe: &Path, iters: usize) -> (f64, f64) {
+/// The C side of one round: (grouped, plain).
+fn c_round(exe: &Path, iters: usize) -> (Ns, Ns) {
     let out = Command::new(exe)
         .arg(iters.to_string())
         .env("OXCCL_NCCL_TARGET", "cpu")
@@ -96,9 +117,12 @@ fn c_round(exe: &Path, iters: usize) -> (f64, f64) {
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{}: {text}{}", exe.display(), String::from_utf8_lossy(&out.stderr));
-    let value = |key: &str| -> f64 {
+    let value = |key: &str| -> Ns {
         text.lines()
-            .find_map(|l| l.strip_prefix(key)?.trim().parse().ok())
+            .find_map(|l| {
+                let mut v = l.strip_prefix(key)?.split_whitespace().map(|x| x.parse::<f64>().ok());
+                Some(Ns { wall: v.next()??, cpu: v.next()?? })
+            })
             .unwrap_or_else(|| panic!("no `{key}` line in {text:?}"))
     };
     (value("grouped "), value("plain "))
@@ -115,15 +139,23 @@ fn main() -> Result<()> {
     let comms = Comm::init_all(&devices)?;
     let streams = devices.iter().map(|d| d.new_stream()).collect::<Result<Vec<_>>>()?;
     println!("# {iters} groups of 2 AllReduce of count 0 on {NRANKS} CPU-target ranks, ns per group");
-    println!("# round  C grouped  Rust grouped  C-Rust  |  C plain  Rust plain  C-Rust");
+    println!("#        grouped: C  Rust  C-Rust  |  plain: C  Rust  C-Rust");
     for round in 1..=rounds {
         let (cg, cp) = c_round(&exe, iters);
         let (rg, rp) = rust_round(&comms, &streams, iters)?;
-        println!(
-            "{round:7}  {cg:9.1}  {rg:12.1}  {:6.1}  |  {cp:7.1}  {rp:10.1}  {:6.1}",
-            cg - rg,
-            cp - rp
-        );
+        let row = |what: &str, c: [f64; 2], r: [f64; 2]| {
+            println!(
+                "{round} {what:4}  {:7.1} {:7.1} {:6.1}  |  {:7.1} {:7.1} {:6.1}",
+                c[0],
+                r[0],
+                c[0] - r[0],
+                c[1],
+                r[1],
+                c[1] - r[1]
+            )
+        };
+        row("wall", [cg.wall, cp.wall], [rg.wall, rp.wall]);
+        row("cpu", [cg.cpu, cp.cpu], [rg.cpu, rp.cpu]);
     }
     for c in comms {
         c.destroy()?;
