@@ -49,12 +49,13 @@ fn premul_op(live: &Live, op: ncclRedOp_t, dtype: DataType) -> Result<ReduceOp<'
     }
 }
 
-/// The communicator of a call, usable for new work.
+/// Runs `f` on the communicator of a call, usable for new work ([`handles::with_live`]).
 #[inline(always)]
-fn live(comm: ncclComm_t) -> Result<std::sync::Arc<Live>> {
-    let live = handles::get(comm)?;
-    live.check_not_finalizing()?;
-    Ok(live)
+fn with_live<R>(comm: ncclComm_t, f: impl FnOnce(&Live) -> Result<R>) -> Result<R> {
+    handles::with_live(comm, |live| {
+        live.check_not_finalizing()?;
+        f(live)
+    })
 }
 
 /// One collective on raw addresses (`op` is `None` for Broadcast and AllGather).
@@ -96,10 +97,32 @@ unsafe fn collective_now(
     root: c_int,
     stream: cudaStream_t,
 ) -> Result<()> {
-    let live = live(comm)?;
+    with_live(comm, |live| {
+        // SAFETY: forwarded caller contract.
+        unsafe { collective_on(live, func, send, recv, count, datatype, op, root, stream) }
+    })
+}
+
+/// [`collective_now`] on the call's communicator.
+///
+/// # Safety
+/// As [`collective`].
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn collective_on(
+    live: &Live,
+    func: Func,
+    send: *const c_void,
+    recv: *mut c_void,
+    count: usize,
+    datatype: ncclDataType_t,
+    op: Option<ncclRedOp_t>,
+    root: c_int,
+    stream: cudaStream_t,
+) -> Result<()> {
     let dtype = data_type(datatype)?;
     let op = match op {
-        Some(op) => reduce_op(&live, op, dtype)?,
+        Some(op) => reduce_op(live, op, dtype)?,
         None => oxccl::RedOp::Sum.into(),
     };
     let root = if matches!(func, Func::Broadcast | Func::Reduce) { non_negative("root", root)? } else { 0 };
@@ -245,15 +268,14 @@ nccl_api! {
         comm: ncclComm_t,
         stream: cudaStream_t,
     ) {
-        crate::group::noting_refusal(|| {
-            let live = live(comm)?;
+        crate::group::noting_refusal(|| with_live(comm, |live| {
             let dtype = data_type(datatype)?;
             let peer = non_negative("peer", peer)?;
             let _keep = KeepCurrent::new();
             // SAFETY: the caller's contract: `count` elements at `sendbuff` until the send has run, a
             // stream of the rank's device.
             unsafe { live.with_stream(stream, |s| live.comm.send_raw(sendbuff as u64, count, dtype, peer, s)) }
-        })
+        }))
     }
 
     /// Receives `count` elements from rank `peer` (see `ncclSend`).
@@ -265,15 +287,14 @@ nccl_api! {
         comm: ncclComm_t,
         stream: cudaStream_t,
     ) {
-        crate::group::noting_refusal(|| {
-            let live = live(comm)?;
+        crate::group::noting_refusal(|| with_live(comm, |live| {
             let dtype = data_type(datatype)?;
             let peer = non_negative("peer", peer)?;
             let _keep = KeepCurrent::new();
             // SAFETY: the caller's contract: `count` elements at `recvbuff` until the receive has run, a
             // stream of the rank's device.
             unsafe { live.with_stream(stream, |s| live.comm.recv_raw(recvbuff as u64, count, dtype, peer, s)) }
-        })
+        }))
     }
 
     /// Block `p` of `sendbuff` (`count` elements at element `p × count`) goes to rank `p`, whose
@@ -287,8 +308,7 @@ nccl_api! {
         comm: ncclComm_t,
         stream: cudaStream_t,
     ) {
-        crate::group::noting_refusal(|| {
-            let live = live(comm)?;
+        crate::group::noting_refusal(|| with_live(comm, |live| {
             let dtype = data_type(datatype)?;
             let n = live.comm.count();
             let bytes = bytes_of(count, dtype)?;
@@ -318,7 +338,7 @@ nccl_api! {
             };
             // SAFETY: the caller's contract (a stream of the rank's device).
             unsafe { live.with_stream(stream, run) }
-        })
+        }))
     }
 
     /// Every rank's `count` elements go to rank `root`, into block `r` of its `recvbuff`
@@ -332,8 +352,7 @@ nccl_api! {
         comm: ncclComm_t,
         stream: cudaStream_t,
     ) {
-        crate::group::noting_refusal(|| {
-            let live = live(comm)?;
+        crate::group::noting_refusal(|| with_live(comm, |live| {
             let dtype = data_type(datatype)?;
             let (n, me) = (live.comm.count(), live.comm.user_rank());
             let root = non_negative("root", root)?;
@@ -366,7 +385,7 @@ nccl_api! {
             };
             // SAFETY: the caller's contract (a stream of the rank's device).
             unsafe { live.with_stream(stream, run) }
-        })
+        }))
     }
 
     /// Block `p` of the root's `sendbuff` goes to rank `p`'s `recvbuff` (`sendbuff` is read on
@@ -380,8 +399,7 @@ nccl_api! {
         comm: ncclComm_t,
         stream: cudaStream_t,
     ) {
-        crate::group::noting_refusal(|| {
-            let live = live(comm)?;
+        crate::group::noting_refusal(|| with_live(comm, |live| {
             let dtype = data_type(datatype)?;
             let (n, me) = (live.comm.count(), live.comm.user_rank());
             let root = non_negative("root", root)?;
@@ -414,6 +432,6 @@ nccl_api! {
             };
             // SAFETY: the caller's contract (a stream of the rank's device).
             unsafe { live.with_stream(stream, run) }
-        })
+        }))
     }
 }

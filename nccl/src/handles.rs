@@ -22,6 +22,7 @@
 //! whose deferred finalize another thread is carrying out waits for it). A deferred finalize's failure is reported by that rank's
 //! `ncclCommGetAsyncError`. Ranks of an `init_all` (`ncclCommInitAll`, or a group holding every
 //! rank of an id) have no barrier and need no clique.
+use crate::pins::{self, Pin, ThreadPin};
 use crate::types::{ncclComm, ncclComm_t, ncclResult_t};
 use oxccl::{Comm, DataType, Device, Error, Result, Scalar, Stream};
 use std::cell::RefCell;
@@ -70,6 +71,9 @@ pub(crate) enum PreMulScalar {
 
 /// A communicator behind a handle.
 pub(crate) struct Live {
+    /// Waits, when the communicator is dropped, for the calls still borrowing it (`pins.rs`);
+    /// the first field, so it is dropped before the others.
+    _unpinned: Unpinned,
     pub(crate) id: u64,
     pub(crate) comm: Comm,
     pub(crate) target: Target,
@@ -86,6 +90,7 @@ pub(crate) struct Live {
 impl Live {
     pub(crate) fn new(id: u64, comm: Comm, target: Target, clique: Option<Arc<Clique>>) -> Live {
         Live {
+            _unpinned: Unpinned(id),
             id,
             comm,
             target,
@@ -167,6 +172,17 @@ impl Live {
 
     pub(crate) fn redops(&self) -> MutexGuard<'_, Vec<Option<PreMul>>> {
         self.redops.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// Handle `.0`'s wait for the calls borrowing its communicator (the first field of a [`Live`]).
+struct Unpinned(u64);
+
+impl Drop for Unpinned {
+    fn drop(&mut self) {
+        // The communicator left the table before its last reference went (its epoch moved):
+        // no new call pins it, and a call pinning it now returns.
+        pins::wait_unpinned(self.0, None);
     }
 }
 
@@ -257,10 +273,12 @@ impl Drop for SlotsMut<'_> {
 
 /// Handles a thread looked up recently, for [`lookup`] without the table's lock: (epoch of the
 /// table they were read at, (handle, communicator) pairs). Weak, so a destroyed communicator is
-/// not kept alive by a thread that once called it.
+/// not kept alive by a thread that once called it. With the thread's pin, which [`with_live`]
+/// borrows them through (created with the first entry).
 struct Recent {
     epoch: u64,
     live: Vec<(u64, Weak<Live>)>,
+    pin: Option<ThreadPin>,
 }
 
 /// How many handles [`Recent`] keeps per thread (a thread driving the GPUs of a node).
@@ -276,7 +294,7 @@ thread_local! {
 
 thread_local! {
     static RECENT: RefCell<Recent> = const {
-        RefCell::new(Recent { epoch: u64::MAX, live: Vec::new() })
+        RefCell::new(Recent { epoch: u64::MAX, live: Vec::new(), pin: None })
     };
 }
 
@@ -403,6 +421,7 @@ fn lookup_locked(comm: ncclComm_t) -> std::result::Result<Arc<Live>, std::result
                     r.live.clear();
                 }
                 r.live.push((id, Arc::downgrade(l)));
+                r.pin.get_or_insert_with(ThreadPin::new);
             });
             Ok(l.clone())
         }
@@ -410,6 +429,72 @@ fn lookup_locked(comm: ncclComm_t) -> std::result::Result<Arc<Live>, std::result
         Some(Slot::Failed { code, msg }) => Err(Ok(NotReady::Failed(*code, msg.clone()))),
         None => Err(Err(dead(id))),
     }
+}
+
+/// Runs `f` on the communicator of `comm` (errors: as [`get`]). A communicator among this
+/// thread's recent handles is borrowed under the thread's pin, without touching its reference
+/// count (`pins.rs`); any other through [`get`].
+#[inline(always)]
+pub(crate) fn with_live<R>(comm: ncclComm_t, f: impl FnOnce(&Live) -> Result<R>) -> Result<R> {
+    let borrowed = borrow(comm);
+    let held;
+    let live = match &borrowed {
+        Some(b) => b.live(),
+        None => {
+            held = get(comm)?;
+            &*held
+        }
+    };
+    // One call of `f`, inlined here.
+    f(live)
+}
+
+/// A communicator borrowed under this thread's pin, released when dropped.
+struct Borrowed {
+    pin: *const Pin,
+    live: *const Live,
+}
+
+impl Borrowed {
+    fn live(&self) -> &Live {
+        // SAFETY: pinned while `self` lives: the communicator was in the table when the pin was
+        // set, and nothing drops it before the pin is cleared (`pins.rs`; `Unpinned`, `take`).
+        unsafe { &*self.live }
+    }
+}
+
+impl Drop for Borrowed {
+    #[inline(always)]
+    fn drop(&mut self) {
+        // SAFETY: the thread's pin, owned by its `RECENT`, which lives until the thread's
+        // locals are torn down (never during a call that borrowed through it).
+        unsafe { &*self.pin }.clear();
+    }
+}
+
+/// `comm`'s communicator from this thread's recent handles, pinned; `None` when they do not
+/// hold it, the table changed since they were read, or the pin is taken (a call inside a call).
+#[inline(always)]
+fn borrow(comm: ncclComm_t) -> Option<Borrowed> {
+    let id = comm.addr() as u64;
+    let reg = registry();
+    RECENT
+        .try_with(|r| {
+            let r = r.borrow();
+            let pin = r.pin.as_ref()?.pin();
+            let live = r.live.iter().find(|(h, _)| *h == id)?.1.as_ptr();
+            if pin.is_set() {
+                return None;
+            }
+            pin.set(id);
+            if r.epoch != reg.epoch.load(Ordering::Acquire) {
+                pin.clear();
+                return None;
+            }
+            Some(Borrowed { pin, live })
+        })
+        .ok()
+        .flatten()
 }
 
 /// The communicator of `comm`. Errors: `InvalidArgument` for a NULL, destroyed or foreign
@@ -460,10 +545,28 @@ pub(crate) fn remove(comm: ncclComm_t) -> Result<Option<Arc<Live>>> {
 /// How long a destroy waits for calls still running on the communicator in other threads.
 const IN_USE_WAIT: Duration = Duration::from_secs(10);
 
-/// `live` once no other thread holds it (a call in progress); `InvalidUsage` after 10 s (the
-/// last holder's drop then frees it).
+/// `live` (out of the table) once no other thread holds or borrows it (a call in progress);
+/// `InvalidUsage` after 10 s (the last holder's drop, or the borrowing call's return, then
+/// frees it).
 fn take(mut live: Arc<Live>) -> Result<Live> {
     let start = Instant::now();
+    if !pins::wait_unpinned(live.id, Some(start + IN_USE_WAIT)) {
+        let id = live.id;
+        // Freed once the call returns, on a thread of its own (the last reference's drop waits
+        // for the call: `Unpinned`); kept for good if no thread can be started.
+        let (tx, rx) = std::sync::mpsc::channel::<Arc<Live>>();
+        match std::thread::Builder::new().name("oxccl-nccl-free".into()).spawn(move || drop(rx.recv())) {
+            Ok(_) => {
+                if let Err(unsent) = tx.send(live) {
+                    std::mem::forget(unsent.0);
+                }
+            }
+            Err(_) => std::mem::forget(live),
+        }
+        return Err(Error::InvalidUsage(format!(
+            "comm {id:#x}: destroyed while another thread kept using it for {IN_USE_WAIT:?}; it is freed when that call returns"
+        )));
+    }
     loop {
         match Arc::try_unwrap(live) {
             Ok(l) => return Ok(l),

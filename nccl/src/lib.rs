@@ -11,6 +11,7 @@
 //! | `types.rs` | the C types: result codes, data types, operators, `ncclUniqueId`, `ncclConfig_t`, `ncclSimInfo_t` | `nccl.h` |
 //! | `errors.rs` | every call's wrapper (no panic crosses the boundary), the thread's last error, `ncclGetErrorString`, `ncclGetLastError`, `NCCL_DEBUG` | `debug.cc`, `argcheck.cc` |
 //! | `handles.rs` | `ncclComm_t` values and what they name; finalize and destroy of ranks sharing a process | `comm.h`, `init.cc`'s `commReclaim` |
+//! | `pins.rs` | which communicator each thread's call is using, so a call borrows it without a reference count and a destroy waits for it | |
 //! | `init.rs` | version, unique id, the inits, the config, finalize, destroy, abort, queries | `init.cc` |
 //! | `group.rs` | groups, inits deferred to the outermost group end | `group.cc` |
 //! | `collectives.rs` | the collectives, send and receive, all-to-all, gather, scatter | `collectives.cc` |
@@ -117,5 +118,6 @@ pub mod group;
 mod handles;
 pub mod init;
 pub mod mem;
+mod pins;
 pub mod redop;
 pub mod types;

@@ -848,3 +848,41 @@ fn revoke_stops_a_stuck_call_and_the_communicator_still_splits() {
         destroy(c);
     }
 }
+
+/// A destroy while another thread keeps calling the communicator (each call borrowing it from
+/// its thread's recent handles): every call either runs or is refused as destroyed, the destroy
+/// succeeds, and nothing is used after it was freed.
+#[test]
+fn a_destroy_while_another_thread_calls() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let api = nccl();
+    for round in 0..20 {
+        let mut comm = null_mut();
+        // SAFETY: one writable handle; devlist NULL.
+        unsafe { expect((api.init_all)(&mut comm, 1, std::ptr::null()), SUCCESS, &[]) };
+        let calls = AtomicUsize::new(0);
+        let handle = comm as usize;
+        std::thread::scope(|s| {
+            let caller = s.spawn(|| {
+                let mut buf = [0f32; 1];
+                loop {
+                    let p = mptr(&mut buf);
+                    // SAFETY: count 0 on a one-element host buffer; the handle may be destroyed.
+                    let r = unsafe { (api.all_reduce)(p, p, 0, FLOAT, SUM, handle as Comm, null_mut()) };
+                    if r != SUCCESS {
+                        expect(r, INVALID_ARGUMENT, &["ncclAllReduce", "already destroyed"]);
+                        return;
+                    }
+                    calls.fetch_add(1, Ordering::Relaxed);
+                }
+            });
+            let start = Instant::now();
+            while calls.load(Ordering::Relaxed) < 100 * (round + 1) && start.elapsed() < Duration::from_secs(10) {
+                std::thread::yield_now();
+            }
+            // SAFETY: a live handle, destroyed once.
+            expect(unsafe { (api.destroy)(comm) }, SUCCESS, &[]);
+            caller.join().unwrap();
+        });
+    }
+}
