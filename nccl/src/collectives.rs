@@ -10,24 +10,14 @@ use crate::handles::{self, Live, PreMul, PreMulScalar};
 use crate::types::{
     builtin_op, data_type, ncclComm_t, ncclDataType_t, ncclNumOps, ncclRedOp_t, non_negative, premul_index,
 };
-use oxccl::{DataType, DevSlice, Error, Func, ReduceOp, Result};
+use oxccl::{DataType, DevSlice, Error, Func, RedOp, ReduceOp, Result};
 use std::ffi::{c_int, c_void};
 
 /// `cudaStream_t`: an opaque pointer (`CUstream`); NULL is the legacy default stream.
 pub type cudaStream_t = *mut c_void;
 
-/// The operator of value `op` on `live` for a call on `dtype`: a built-in, or one of its
-/// PreMulSum operators (`redop.rs`).
-#[inline(always)]
-fn reduce_op(live: &Live, op: ncclRedOp_t, dtype: DataType) -> Result<ReduceOp<'static>> {
-    match builtin_op(op) {
-        Some(o) => Ok(o.into()),
-        None => premul_op(live, op, dtype),
-    }
-}
-
-/// [`reduce_op`] for a value that is not a built-in operator: one of `live`'s PreMulSum
-/// operators on `dtype`.
+/// The operator of value `op` on `live` for a call on `dtype`, for a value that is not a
+/// built-in operator: one of `live`'s PreMulSum operators (`redop.rs`).
 fn premul_op(live: &Live, op: ncclRedOp_t, dtype: DataType) -> Result<ReduceOp<'static>> {
     let entry = premul_index(op).and_then(|i| live.redops().get(i).copied().flatten());
     match entry {
@@ -121,9 +111,12 @@ unsafe fn collective_on(
     stream: cudaStream_t,
 ) -> Result<()> {
     let dtype = data_type(datatype)?;
-    let op = match op {
-        Some(op) => reduce_op(live, op, dtype)?,
-        None => oxccl::RedOp::Sum.into(),
+    // A built-in operator goes to oxccl as the `RedOp` it is (as a Rust caller passes one: a
+    // byte, not a `ReduceOp` assembled on the stack); a PreMulSum one as its `ReduceOp`.
+    let builtin = op.map_or(Some(RedOp::Sum), builtin_op);
+    let premul = match (op, builtin) {
+        (Some(op), None) => Some(premul_op(live, op, dtype)?),
+        _ => None,
     };
     let root = if matches!(func, Func::Broadcast | Func::Reduce) { non_negative("root", root)? } else { 0 };
     let (send, recv) = (send as u64, recv as u64);
@@ -131,8 +124,32 @@ unsafe fn collective_on(
     // (NCCL launches a group's work at its end), which makes no driver call: the caller's
     // context is left alone without being noted (the end notes and restores it).
     let _keep = (oxccl::group::group_depth() == 0).then(KeepCurrent::new);
-    // SAFETY: the caller's contract (NCCL's: valid device buffers of the documented sizes, a
-    // stream of the rank's device).
+    // SAFETY (both): the caller's contract (NCCL's: valid device buffers of the documented
+    // sizes, a stream of the rank's device).
+    match premul {
+        None => unsafe { launch(live, func, send, recv, count, dtype, builtin.unwrap_or(RedOp::Sum), root, stream) },
+        Some(op) => unsafe { launch(live, func, send, recv, count, dtype, op, root, stream) },
+    }
+}
+
+/// oxccl's `Comm::collective_raw` of `live` on the call's stream.
+///
+/// # Safety
+/// As [`collective`].
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn launch<'a>(
+    live: &Live,
+    func: Func,
+    send: u64,
+    recv: u64,
+    count: usize,
+    dtype: DataType,
+    op: impl Into<ReduceOp<'a>>,
+    root: usize,
+    stream: cudaStream_t,
+) -> Result<()> {
+    // SAFETY: the caller's contract.
     unsafe { live.with_stream(stream, |s| live.comm.collective_raw(func, send, recv, count, dtype, op, root, s)) }
 }
 
