@@ -52,15 +52,16 @@ fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
 /// Runs the body of exported function `name`: `ncclSuccess`, the error's code (its message kept
 /// for `ncclGetLastError`), or `ncclInternalError` when the body panicked (never unwinding into
 /// the caller). Inlined into each entry point, so the body's arguments are not packed into a
-/// closure and unpacked again on every call.
+/// closure and unpacked again on every call; the body's result becomes its code inside the
+/// unwinding guard, so only the code leaves it (a successful call copies no `Result`).
 #[inline(always)]
 pub(crate) fn call(name: &str, f: impl FnOnce() -> Result<()>) -> ncclResult_t {
     init_logging();
-    match catch_unwind(AssertUnwindSafe(f)) {
-        Ok(Ok(())) => ncclSuccess,
-        Ok(Err(e)) => fail(name, &e),
-        Err(p) => panicked(name, p),
-    }
+    let code = catch_unwind(AssertUnwindSafe(|| match f() {
+        Ok(()) => ncclSuccess,
+        Err(e) => fail(name, &e),
+    }));
+    code.unwrap_or_else(|p| panicked(name, p))
 }
 
 /// [`call`]'s result for a body that panicked with `p`: `ncclInternalError`, its message kept.
