@@ -11,6 +11,12 @@
 //! - `Failed`: an init that failed at its group's end; calls report that failure until the
 //!   handle is destroyed or aborted.
 //!
+//! **Lookups.** A thread keeps the handles it used recently ([`RECENT`]), valid while the
+//! table's change count is unchanged. A collective, send or receive borrows its communicator
+//! from there under the thread's pin ([`with_live`], `pins.rs`), touching no reference count;
+//! other calls, and a handle not among the recent ones, take an `Arc` ([`get`]). A destroy or
+//! abort waits for the calls that borrow or hold the communicator.
+//!
 //! **Teardown of ranks sharing a process.** oxccl's `init_rank` communicators meet at a
 //! bootstrap barrier when finalized or destroyed, so one thread cannot finalize or destroy
 //! several ranks of one communicator one after another (NCCL can: the last local rank frees
