@@ -124,10 +124,11 @@ unsafe fn collective_on(
     // (NCCL launches a group's work at its end), which makes no driver call: the caller's
     // context is left alone without being noted (the end notes and restores it).
     let _keep = (oxccl::group::group_depth() == 0).then(KeepCurrent::new);
-    // SAFETY (both): the caller's contract (NCCL's: valid device buffers of the documented
-    // sizes, a stream of the rank's device).
     match premul {
+        // SAFETY: the caller's contract (NCCL's: valid device buffers of the documented sizes, a
+        // stream of the rank's device).
         None => unsafe { launch(live, func, send, recv, count, dtype, builtin.unwrap_or(RedOp::Sum), root, stream) },
+        // SAFETY: as above.
         Some(op) => unsafe { launch(live, func, send, recv, count, dtype, op, root, stream) },
     }
 }
