@@ -719,9 +719,7 @@ pub(crate) unsafe fn reduce_copy<T: Elem, Op: RedFn<T>, const TWO_SRC: bool, con
     let (mut i, end) = host_share(tid, nthreads, 0, npacks);
     // SAFETY (whole block): indices stay below `end` ≤ `npacks`, inside the caller's ranges.
     unsafe {
-        // An inline `const` (not a call) so that the build instantiates only the loop this
-        // kernel takes: the collector skips a branch whose condition is a constant.
-        i = if const { narrow_runtime_op::<T, Op>() } {
+        i = if narrow_runtime_op::<T, Op>() {
             pack_rounds::<TWO_SRC, TWO_DST, 2>(i, end, stride, [ps0, ps1], [pd0, pd1], &op)
         } else {
             pack_rounds::<TWO_SRC, TWO_DST, UNROLL>(i, end, stride, [ps0, ps1], [pd0, pd1], &op)
