@@ -66,34 +66,15 @@ unsafe fn collective(
     root: c_int,
     stream: cudaStream_t,
 ) -> Result<()> {
-    // SAFETY: forwarded caller contract.
-    crate::group::noting_refusal(|| unsafe { collective_now(comm, func, send, recv, count, datatype, op, root, stream) })
-}
-
-/// [`collective`] without noting a refusal for the group.
-///
-/// # Safety
-/// As [`collective`].
-#[allow(clippy::too_many_arguments)]
-#[inline(always)]
-unsafe fn collective_now(
-    comm: ncclComm_t,
-    func: Func,
-    send: *const c_void,
-    recv: *mut c_void,
-    count: usize,
-    datatype: ncclDataType_t,
-    op: Option<ncclRedOp_t>,
-    root: c_int,
-    stream: cudaStream_t,
-) -> Result<()> {
-    with_live(comm, |live| {
-        // SAFETY: forwarded caller contract.
-        unsafe { collective_on(live, func, send, recv, count, datatype, op, root, stream) }
+    crate::group::noting_refusal(|| {
+        with_live(comm, |live| {
+            // SAFETY: forwarded caller contract.
+            unsafe { collective_on(live, func, send, recv, count, datatype, op, root, stream) }
+        })
     })
 }
 
-/// [`collective_now`] on the call's communicator.
+/// [`collective`] on the call's communicator.
 ///
 /// # Safety
 /// As [`collective`].
