@@ -48,7 +48,9 @@ fn with_live<R>(comm: ncclComm_t, f: impl FnOnce(&Live) -> Result<R>) -> Result<
     })
 }
 
-/// One collective on raw addresses (`op` is `None` for Broadcast and AllGather).
+/// One collective on raw addresses (`op` is `None` for Broadcast and AllGather). No closure
+/// between the entry point and oxccl's call: a closure's body called from several entry points
+/// stays a function of its own, which packs the arguments and unpacks them again on every call.
 ///
 /// # Safety
 /// The buffers are valid for the sizes `func` needs with `count` on the rank's device until
@@ -66,12 +68,32 @@ unsafe fn collective(
     root: c_int,
     stream: cudaStream_t,
 ) -> Result<()> {
-    crate::group::noting_refusal(|| {
-        with_live(comm, |live| {
-            // SAFETY: forwarded caller contract.
-            unsafe { collective_on(live, func, send, recv, count, datatype, op, root, stream) }
-        })
-    })
+    // SAFETY: forwarded caller contract.
+    let r = unsafe { collective_checked(comm, func, send, recv, count, datatype, op, root, stream) };
+    crate::group::noted(r)
+}
+
+/// [`collective`] before its refusal is noted.
+///
+/// # Safety
+/// As [`collective`].
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn collective_checked(
+    comm: ncclComm_t,
+    func: Func,
+    send: *const c_void,
+    recv: *mut c_void,
+    count: usize,
+    datatype: ncclDataType_t,
+    op: Option<ncclRedOp_t>,
+    root: c_int,
+    stream: cudaStream_t,
+) -> Result<()> {
+    let live = handles::live(comm)?;
+    live.check_not_finalizing()?;
+    // SAFETY: forwarded caller contract.
+    unsafe { collective_on(&live, func, send, recv, count, datatype, op, root, stream) }
 }
 
 /// [`collective`] on the call's communicator.
@@ -131,8 +153,10 @@ unsafe fn launch<'a>(
     root: usize,
     stream: cudaStream_t,
 ) -> Result<()> {
+    // A closure of values, not of references to them: built on the branch that needs it (a
+    // CUDA rank's), not before the branch on every call.
     // SAFETY: the caller's contract.
-    unsafe { live.with_stream(stream, |s| live.comm.collective_raw(func, send, recv, count, dtype, op, root, s)) }
+    unsafe { live.with_stream(stream, move |s| live.comm.collective_raw(func, send, recv, count, dtype, op, root, s)) }
 }
 
 /// Runs `f` (sends and receives) as one group inside the caller's (if any): the first error of

@@ -109,7 +109,13 @@ fn run_teardowns(teardowns: Vec<(Arc<Live>, Teardown)>) -> Result<()> {
 /// the group's ([`group_end`] then runs none of the group's work).
 #[inline(always)]
 pub(crate) fn noting_refusal(call: impl FnOnce() -> Result<()>) -> Result<()> {
-    let r = call();
+    noted(call())
+}
+
+/// `r`, a collective or point-to-point call's result, its error noted as the group's
+/// ([`noting_refusal`]).
+#[inline(always)]
+pub(crate) fn noted(r: Result<()>) -> Result<()> {
     if let Err(e) = &r {
         note_refusal(e);
     }
@@ -268,14 +274,25 @@ fn publish(inits: Vec<Deferred>) {
 /// `ncclGroupEnd`: at the outermost end, the deferred inits, then oxccl's group end (the queued
 /// sends and receives).
 fn group_end() -> Result<()> {
-    let Some(level) = end_level("ncclGroupEnd")? else {
-        return oxccl::group_end();
-    };
+    match oxccl::group::group_depth() {
+        0 => return Err(no_group("ncclGroupEnd")),
+        1 => {}
+        _ => return oxccl::group_end(),
+    }
     let _keep = KeepCurrent::new();
-    let Some(level) = level else {
+    // A group of calls alone (the common one) holds nothing here: oxccl's end is all of it,
+    // and nothing of this thread's part is moved.
+    if OUTERMOST.with(|o| o.borrow().is_empty()) {
         return oxccl::group_end();
-    };
-    let Outermost { refused, inits, splits, teardowns } = level;
+    }
+    end_outermost()
+}
+
+/// [`group_end`] of an outermost group that holds inits, splits, shrinks, finalizes, destroys
+/// or a refused call.
+#[inline(never)]
+fn end_outermost() -> Result<()> {
+    let Outermost { refused, inits, splits, teardowns } = OUTERMOST.with(|o| std::mem::take(&mut *o.borrow_mut()));
     let split = if splits.is_empty() { Ok(()) } else { run_splits(splits) };
     if let Some(refused) = refused {
         // A call of the group was refused: none of its work runs (module docs).
@@ -299,12 +316,18 @@ fn group_end() -> Result<()> {
     split.and(ended).and(torn)
 }
 
+/// `InvalidUsage`: `what` outside a group.
+#[cold]
+fn no_group(what: &str) -> Error {
+    Error::InvalidUsage(format!("{what} without a matching ncclGroupStart on this thread"))
+}
+
 /// What the outermost end of this thread's group takes: its refused call's error, its inits,
 /// its splits and shrinks, and its finalizes and destroys (`Some(None)` when it holds none of
 /// them, `None` at an inner end). `InvalidUsage` naming `what` outside a group.
 fn end_level(what: &str) -> Result<Option<Option<Outermost>>> {
     match oxccl::group::group_depth() {
-        0 => Err(Error::InvalidUsage(format!("{what} without a matching ncclGroupStart on this thread"))),
+        0 => Err(no_group(what)),
         // Taken only when it holds something: a group of calls alone moves nothing.
         1 => Ok(Some(OUTERMOST.with(|o| {
             let mut o = o.borrow_mut();

@@ -13,7 +13,7 @@
 //!
 //! **Lookups.** A thread keeps the handles it used recently ([`RECENT`]), valid while the
 //! table's change count is unchanged. A collective, send or receive borrows its communicator
-//! from there under the thread's pin ([`with_live`], `pins.rs`), touching no reference count;
+//! from there under the thread's pin ([`live`], `pins.rs`), touching no reference count;
 //! other calls, and a handle not among the recent ones, take an `Arc` ([`get`]). A destroy or
 //! abort waits for the calls that borrow or hold the communicator.
 //!
@@ -279,7 +279,7 @@ impl Drop for SlotsMut<'_> {
 
 /// Handles a thread looked up recently, for [`lookup`] without the table's lock: (epoch of the
 /// table they were read at, (handle, communicator) pairs). Weak, so a destroyed communicator is
-/// not kept alive by a thread that once called it. With the thread's pin, which [`with_live`]
+/// not kept alive by a thread that once called it. With the thread's pin, which [`live`]
 /// borrows them through (created with the first entry).
 struct Recent {
     epoch: u64,
@@ -437,31 +437,51 @@ fn lookup_locked(comm: ncclComm_t) -> std::result::Result<Arc<Live>, std::result
     }
 }
 
-/// Runs `f` on the communicator of `comm` (errors: as [`get`]). A communicator among this
-/// thread's recent handles is borrowed under the thread's pin, without touching its reference
-/// count (`pins.rs`); any other through [`get`].
+/// Runs `f` on the communicator of `comm` (errors: as [`get`]): [`live`]'s.
 #[inline(always)]
 pub(crate) fn with_live<R>(comm: ncclComm_t, f: impl FnOnce(&Live) -> Result<R>) -> Result<R> {
-    let borrowed = borrow(comm);
-    let held;
-    let live = match &borrowed {
-        Some(b) => b.live(),
-        None => {
-            held = get(comm)?;
-            &*held
+    let live = live(comm)?;
+    f(&live)
+}
+
+/// The communicator of `comm` for one call (errors: as [`get`]). One among this thread's recent
+/// handles is borrowed under the thread's pin, without touching its reference count
+/// (`pins.rs`); any other is held through [`get`]. A guard rather than a closure's argument, so
+/// the call's body is inlined into its entry point instead of being packed into a closure.
+#[inline(always)]
+pub(crate) fn live(comm: ncclComm_t) -> Result<CallLive> {
+    Ok(match borrow(comm) {
+        Some(b) => CallLive::Borrowed(b),
+        None => CallLive::Held(get(comm)?),
+    })
+}
+
+/// The communicator of a call ([`live`]): borrowed under the thread's pin (released when
+/// dropped), or held.
+pub(crate) enum CallLive {
+    Borrowed(Borrowed),
+    Held(Arc<Live>),
+}
+
+impl std::ops::Deref for CallLive {
+    type Target = Live;
+    #[inline(always)]
+    fn deref(&self) -> &Live {
+        match self {
+            CallLive::Borrowed(b) => b.live(),
+            CallLive::Held(l) => l,
         }
-    };
-    // One call of `f`, inlined here.
-    f(live)
+    }
 }
 
 /// A communicator borrowed under this thread's pin, released when dropped.
-struct Borrowed {
+pub(crate) struct Borrowed {
     pin: *const Pin,
     live: *const Live,
 }
 
 impl Borrowed {
+    #[inline(always)]
     fn live(&self) -> &Live {
         // SAFETY: pinned while `self` lives: the communicator was in the table when the pin was
         // set, and nothing drops it before the pin is cleared (`pins.rs`; `Unpinned`, `take`).
