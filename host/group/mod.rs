@@ -97,8 +97,22 @@ impl Drop for Group {
 /// The last id given to an outermost group of any thread.
 static LAST_GROUP_ID: AtomicU64 = AtomicU64::new(0);
 
+impl Group {
+    /// A thread's group before its first [`group_start`].
+    const NONE: Group = Group {
+        depth: 0,
+        id: 0,
+        queued: Vec::new(),
+        collectives: Vec::new(),
+        inits: Vec::new(),
+        refused: None,
+    };
+}
+
 thread_local! {
-    static GROUP: RefCell<Group> = RefCell::new(Group::default());
+    // Initialized in place (`const`): every call in a group and every group's start and end
+    // reads it, so each access is one check of the slot's state, not a lazy initializer's call.
+    static GROUP: RefCell<Group> = const { RefCell::new(Group::NONE) };
 }
 
 /// Starts a group on this thread, or a nested one (NCCL's `ncclGroupStart`). Every call must
@@ -247,12 +261,14 @@ pub fn group<R>(f: impl FnOnce() -> R) -> Result<R> {
 }
 
 /// The depth of this thread's group (0: none).
+#[inline]
 pub fn group_depth() -> usize {
     GROUP.with(|g| g.borrow().depth)
 }
 
 /// The id of this thread's outermost group, unique in the process (`None` outside a group):
 /// what the flight recorder tells a communicator's groups apart by.
+#[inline]
 pub(crate) fn current_group() -> Option<u64> {
     GROUP.with(|g| {
         let g = g.borrow();
@@ -261,17 +277,26 @@ pub(crate) fn current_group() -> Option<u64> {
 }
 
 /// `r`, its error noted as the first refused call of this thread's open group (none open:
-/// nothing noted). A [`scope`] whose group has one runs none of its work.
+/// nothing noted). A [`scope`] whose group has one runs none of its work. Inlined: a call's
+/// success costs one test here, the refusal's noting is out of line ([`note_refused`]).
+#[inline]
 pub(crate) fn noted<T>(r: Result<T>) -> Result<T> {
     if let Err(e) = &r {
-        GROUP.with(|g| {
-            let mut g = g.borrow_mut();
-            if g.depth > 0 && g.refused.is_none() {
-                g.refused = Some(e.clone());
-            }
-        });
+        note_refused(e);
     }
     r
+}
+
+/// [`noted`]'s refusal: `e` noted as the group's first refused call, if a group is open.
+#[cold]
+#[inline(never)]
+fn note_refused(e: &Error) {
+    GROUP.with(|g| {
+        let mut g = g.borrow_mut();
+        if g.depth > 0 && g.refused.is_none() {
+            g.refused = Some(e.clone());
+        }
+    });
 }
 
 /// The first call refused in this thread's open group, taken.
