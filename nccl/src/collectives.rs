@@ -39,13 +39,19 @@ fn premul_op(live: &Live, op: ncclRedOp_t, dtype: DataType) -> Result<ReduceOp<'
     }
 }
 
-/// Runs `f` on the communicator of a call, usable for new work ([`handles::with_live`]).
+/// The communicator of a call ([`handles::live`]), refused once finalize was asked for.
+#[inline(always)]
+fn usable(comm: ncclComm_t) -> Result<handles::CallLive> {
+    let live = handles::live(comm)?;
+    live.check_not_finalizing()?;
+    Ok(live)
+}
+
+/// Runs `f` on the communicator of a call, usable for new work ([`usable`]).
 #[inline(always)]
 fn with_live<R>(comm: ncclComm_t, f: impl FnOnce(&Live) -> Result<R>) -> Result<R> {
-    handles::with_live(comm, |live| {
-        live.check_not_finalizing()?;
-        f(live)
-    })
+    let live = usable(comm)?;
+    f(&live)
 }
 
 /// One collective on raw addresses (`op` is `None` for Broadcast and AllGather). No closure
@@ -90,8 +96,7 @@ unsafe fn collective_checked(
     root: c_int,
     stream: cudaStream_t,
 ) -> Result<()> {
-    let live = handles::live(comm)?;
-    live.check_not_finalizing()?;
+    let live = usable(comm)?;
     // SAFETY: forwarded caller contract.
     unsafe { collective_on(&live, func, send, recv, count, datatype, op, root, stream) }
 }

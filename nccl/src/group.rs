@@ -274,10 +274,8 @@ fn publish(inits: Vec<Deferred>) {
 /// `ncclGroupEnd`: at the outermost end, the deferred inits, then oxccl's group end (the queued
 /// sends and receives).
 fn group_end() -> Result<()> {
-    match oxccl::group::group_depth() {
-        0 => return Err(no_group("ncclGroupEnd")),
-        1 => {}
-        _ => return oxccl::group_end(),
+    if !at_outermost("ncclGroupEnd")? {
+        return oxccl::group_end();
     }
     let _keep = KeepCurrent::new();
     // A group of calls alone (the common one) holds nothing here: oxccl's end is all of it,
@@ -292,7 +290,7 @@ fn group_end() -> Result<()> {
 /// or a refused call.
 #[inline(never)]
 fn end_outermost() -> Result<()> {
-    let Outermost { refused, inits, splits, teardowns } = OUTERMOST.with(|o| std::mem::take(&mut *o.borrow_mut()));
+    let Outermost { refused, inits, splits, teardowns } = take_outermost();
     let split = if splits.is_empty() { Ok(()) } else { run_splits(splits) };
     if let Some(refused) = refused {
         // A call of the group was refused: none of its work runs (module docs).
@@ -322,19 +320,20 @@ fn no_group(what: &str) -> Error {
     Error::InvalidUsage(format!("{what} without a matching ncclGroupStart on this thread"))
 }
 
-/// What the outermost end of this thread's group takes: its refused call's error, its inits,
-/// its splits and shrinks, and its finalizes and destroys (`Some(None)` when it holds none of
-/// them, `None` at an inner end). `InvalidUsage` naming `what` outside a group.
-fn end_level(what: &str) -> Result<Option<Option<Outermost>>> {
+/// Whether the end `what` ends this thread's outermost group (false: an inner one).
+/// `InvalidUsage` naming `what` outside a group.
+#[inline(always)]
+fn at_outermost(what: &str) -> Result<bool> {
     match oxccl::group::group_depth() {
         0 => Err(no_group(what)),
-        // Taken only when it holds something: a group of calls alone moves nothing.
-        1 => Ok(Some(OUTERMOST.with(|o| {
-            let mut o = o.borrow_mut();
-            (!o.is_empty()).then(|| std::mem::take(&mut *o))
-        }))),
-        _ => Ok(None),
+        depth => Ok(depth == 1),
     }
+}
+
+/// What the outermost end of this thread's group takes: its refused call's error, its inits,
+/// its splits and shrinks, and its finalizes and destroys.
+fn take_outermost() -> Outermost {
+    OUTERMOST.with(|o| std::mem::take(&mut *o.borrow_mut()))
 }
 
 /// `ncclGroupSimulateEnd` after its argument's checks: at the outermost end, the model's time of
@@ -342,13 +341,13 @@ fn end_level(what: &str) -> Result<Option<Option<Outermost>>> {
 /// receives (its inits, splits, shrinks, finalizes and destroys are carried out); `None` at an
 /// inner end.
 fn simulate_end() -> Result<Option<f64>> {
-    let Some(level) = end_level("ncclGroupSimulateEnd")? else {
+    if !at_outermost("ncclGroupSimulateEnd")? {
         oxccl::group::simulate_end()?;
         return Ok(None);
-    };
+    }
     let _keep = KeepCurrent::new();
     // The group's refused call is forgotten with the rest of its work.
-    let Outermost { inits, splits, teardowns, .. } = level.unwrap_or_default();
+    let Outermost { inits, splits, teardowns, .. } = take_outermost();
     let split = if splits.is_empty() { Ok(()) } else { run_splits(splits) };
     let ended = oxccl::group::simulate_end();
     publish(inits);

@@ -437,13 +437,6 @@ fn lookup_locked(comm: ncclComm_t) -> std::result::Result<Arc<Live>, std::result
     }
 }
 
-/// Runs `f` on the communicator of `comm` (errors: as [`get`]): [`live`]'s.
-#[inline(always)]
-pub(crate) fn with_live<R>(comm: ncclComm_t, f: impl FnOnce(&Live) -> Result<R>) -> Result<R> {
-    let live = live(comm)?;
-    f(&live)
-}
-
 /// The communicator of `comm` for one call (errors: as [`get`]). One among this thread's recent
 /// handles is borrowed under the thread's pin, without touching its reference count
 /// (`pins.rs`); any other is held through [`get`]. A guard rather than a closure's argument, so
