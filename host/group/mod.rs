@@ -70,7 +70,6 @@ pub(crate) struct Queued {
     pub(crate) comm: crate::Comm,
 }
 
-#[derive(Default)]
 struct Group {
     depth: usize,
     /// The outermost group's id ([`current_group`]), while `depth > 0`.
