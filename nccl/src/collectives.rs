@@ -6,7 +6,7 @@
 //! root, operator and stream of each call and names what is wrong; this layer checks the C
 //! arguments (handle, type, operator value, negative ranks) first.
 use crate::cuda::KeepCurrent;
-use crate::handles::{self, Live, PreMul, PreMulScalar};
+use crate::handles::{self, CallLive, Live, PreMul, PreMulScalar};
 use crate::types::{
     builtin_op, data_type, ncclComm_t, ncclDataType_t, ncclNumOps, ncclRedOp_t, non_negative, premul_index,
 };
@@ -49,7 +49,7 @@ fn usable(comm: ncclComm_t) -> Result<handles::CallLive> {
 
 /// Runs `f` on the communicator of a call, usable for new work ([`usable`]).
 #[inline(always)]
-fn with_live<R>(comm: ncclComm_t, f: impl FnOnce(&Live) -> Result<R>) -> Result<R> {
+fn with_live<R>(comm: ncclComm_t, f: impl FnOnce(&CallLive) -> Result<R>) -> Result<R> {
     let live = usable(comm)?;
     f(&live)
 }
@@ -60,7 +60,7 @@ fn with_live<R>(comm: ncclComm_t, f: impl FnOnce(&Live) -> Result<R>) -> Result<
 ///
 /// # Safety
 /// The buffers are valid for the sizes `func` needs with `count` on the rank's device until
-/// the work has run; `stream` as [`Live::stream`].
+/// the work has run; `stream` as [`CallLive::with_stream`].
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn collective(
@@ -108,7 +108,7 @@ unsafe fn collective_checked(
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn collective_on(
-    live: &Live,
+    live: &CallLive,
     func: Func,
     send: *const c_void,
     recv: *mut c_void,
@@ -148,7 +148,7 @@ unsafe fn collective_on(
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn launch<'a>(
-    live: &Live,
+    live: &CallLive,
     func: Func,
     send: u64,
     recv: u64,

@@ -107,57 +107,6 @@ impl Live {
         }
     }
 
-    /// Runs `f` with the stream of a call: the caller's `cudaStream_t` on the rank's device
-    /// (NULL: the legacy default stream), or the rank's own CPU stream (the argument is ignored
-    /// there). A CUDA stream is kept per thread for the next calls on the same handle (`STREAMS`),
-    /// so a call borrows it instead of building its own.
-    ///
-    /// # Safety
-    /// `raw` is NULL or a stream of the rank's device, valid until the work `f` queues on it was
-    /// launched (for calls in a group: the group's end).
-    #[inline(always)]
-    pub(crate) unsafe fn with_stream<R>(&self, raw: *mut std::ffi::c_void, f: impl FnOnce(&Stream) -> R) -> R {
-        match &self.target {
-            Target::Cpu(s) => f(s),
-            // SAFETY: the caller's contract.
-            Target::Cuda(ctx) => unsafe { Self::with_cuda_stream(ctx, raw, f) },
-        }
-    }
-
-    /// [`Live::with_stream`] on a rank of a CUDA device: the stream `raw` of context `ctx`.
-    ///
-    /// # Safety
-    /// As [`Live::with_stream`].
-    unsafe fn with_cuda_stream<R>(
-        ctx: &Arc<oxccl::cuda::Context>,
-        raw: *mut std::ffi::c_void,
-        f: impl FnOnce(&Stream) -> R,
-    ) -> R {
-        let key = (Arc::as_ptr(ctx) as usize, raw as usize);
-        // A stream is only a raw handle and its context: a handle the caller destroyed and the
-        // driver gave out again names the same stream value, so the cache never goes stale.
-        // SAFETY (both): the caller's contract.
-        let make = || Stream::Cuda(unsafe { oxccl::cuda::Stream::from_raw(ctx, raw.cast()) });
-        // This thread's locals are gone (a call from a destructor at thread exit): no cache.
-        if STREAMS.try_with(|_| ()).is_err() {
-            return f(&make());
-        }
-        STREAMS.with(|c| match c.try_borrow_mut() {
-            Ok(mut c) => {
-                if let Some(i) = c.iter().position(|(k, _)| *k == key) {
-                    // The most recent first: a thread's calls mostly reuse a stream or two.
-                    c[..=i].rotate_right(1);
-                } else {
-                    c.truncate(RECENT_STREAMS - 1);
-                    c.insert(0, (key, make()));
-                }
-                f(&c[0].1)
-            }
-            // A call inside a call's borrow (none does so today): its own stream.
-            Err(_) => f(&make()),
-        })
-    }
-
     /// `InvalidUsage` once finalize was asked for.
     #[inline(always)]
     pub(crate) fn check_not_finalizing(&self) -> Result<()> {
@@ -290,17 +239,26 @@ struct Recent {
 /// How many handles [`Recent`] keeps per thread (a thread driving the GPUs of a node).
 const RECENT_HANDLES: usize = 16;
 
-/// The streams [`Live::with_stream`] keeps per thread.
+/// The streams [`CallLive::with_stream`] keeps per thread.
 const RECENT_STREAMS: usize = 8;
 
-thread_local! {
-    /// This thread's recent CUDA streams, most recent first: ((context, raw handle), stream).
-    static STREAMS: RefCell<Vec<((usize, usize), Stream)>> = const { RefCell::new(Vec::new()) };
+/// A thread's recent CUDA streams, most recent first: ((context, raw handle), stream).
+type Streams = Vec<((usize, usize), Stream)>;
+
+/// What a thread keeps for its calls: its recent handles, and its recent CUDA streams
+/// ([`CallLive::with_stream`]). One thread-local, so a call on a CUDA rank reaches both through
+/// one access.
+struct ThreadCalls {
+    recent: RefCell<Recent>,
+    streams: RefCell<Streams>,
 }
 
 thread_local! {
-    static RECENT: RefCell<Recent> = const {
-        RefCell::new(Recent { epoch: u64::MAX, live: Vec::new(), pin: None })
+    static RECENT: ThreadCalls = const {
+        ThreadCalls {
+            recent: RefCell::new(Recent { epoch: u64::MAX, live: Vec::new(), pin: None }),
+            streams: RefCell::new(Vec::new()),
+        }
     };
 }
 
@@ -399,8 +357,8 @@ fn recent(comm: ncclComm_t) -> Option<Arc<Live>> {
     // `try_with`: a call from a destructor run after this thread's locals were torn down (at
     // thread or process exit) takes the locked path instead of panicking.
     RECENT
-        .try_with(|r| {
-            let r = r.borrow();
+        .try_with(|t| {
+            let r = t.recent.borrow();
             if r.epoch != reg.epoch.load(Ordering::Acquire) {
                 return None;
             }
@@ -420,8 +378,8 @@ fn lookup_locked(comm: ncclComm_t) -> std::result::Result<Arc<Live>, std::result
     match slots.get(&id) {
         Some(Slot::Ready(l)) => {
             // Nothing to remember once this thread's locals are gone (`try_with`).
-            let _ = RECENT.try_with(|r| {
-                let mut r = r.borrow_mut();
+            let _ = RECENT.try_with(|t| {
+                let mut r = t.recent.borrow_mut();
                 if r.epoch != epoch || r.live.len() == RECENT_HANDLES {
                     r.epoch = epoch;
                     r.live.clear();
@@ -456,6 +414,85 @@ pub(crate) enum CallLive {
     Held(Arc<Live>),
 }
 
+impl CallLive {
+    /// Runs `f` with the stream of the call: the caller's `cudaStream_t` on the rank's device
+    /// (NULL: the legacy default stream), or the rank's own CPU stream (the argument is ignored
+    /// there). A CUDA stream is kept per thread for the next calls on the same handle (the
+    /// thread's [`RECENT`] streams), so a call borrows it instead of building its own; a
+    /// borrowed communicator's call reaches them through its borrow, with no second access to
+    /// the thread's locals.
+    ///
+    /// # Safety
+    /// `raw` is NULL or a stream of the rank's device, valid until the work `f` queues on it was
+    /// launched (for calls in a group: the group's end).
+    #[inline(always)]
+    pub(crate) unsafe fn with_stream<R>(&self, raw: *mut std::ffi::c_void, f: impl FnOnce(&Stream) -> R) -> R {
+        match &self.target {
+            Target::Cpu(s) => f(s),
+            Target::Cuda(ctx) => {
+                let streams = match self {
+                    CallLive::Borrowed(b) => Some(b.streams()),
+                    CallLive::Held(_) => None,
+                };
+                // SAFETY: the caller's contract.
+                unsafe { with_cuda_stream(ctx, raw, streams, f) }
+            }
+        }
+    }
+}
+
+/// [`CallLive::with_stream`] on a rank of a CUDA device: the stream `raw` of context `ctx`, from
+/// `streams` (this thread's, reached through a borrow) or, without them, from this thread's
+/// [`RECENT`] streams.
+///
+/// # Safety
+/// As [`CallLive::with_stream`].
+unsafe fn with_cuda_stream<R>(
+    ctx: &Arc<oxccl::cuda::Context>,
+    raw: *mut std::ffi::c_void,
+    streams: Option<&RefCell<Streams>>,
+    f: impl FnOnce(&Stream) -> R,
+) -> R {
+    let key = (Arc::as_ptr(ctx) as usize, raw as usize);
+    // A stream is only a raw handle and its context: a handle the caller destroyed and the
+    // driver gave out again names the same stream value, so the cache never goes stale.
+    // SAFETY (both): the caller's contract.
+    let make = || Stream::Cuda(unsafe { oxccl::cuda::Stream::from_raw(ctx, raw.cast()) });
+    if let Some(streams) = streams {
+        return cached_stream(streams, key, make, f);
+    }
+    // This thread's locals are gone (a call from a destructor at thread exit): no cache.
+    if RECENT.try_with(|_| ()).is_err() {
+        return f(&make());
+    }
+    RECENT.with(|t| cached_stream(&t.streams, key, make, f))
+}
+
+/// Runs `f` with the stream of `key` in `streams`, made by `make` and kept there if missing
+/// (the most recent first).
+#[inline(always)]
+fn cached_stream<R>(
+    streams: &RefCell<Streams>,
+    key: (usize, usize),
+    make: impl Fn() -> Stream,
+    f: impl FnOnce(&Stream) -> R,
+) -> R {
+    match streams.try_borrow_mut() {
+        Ok(mut c) => {
+            if let Some(i) = c.iter().position(|(k, _)| *k == key) {
+                // The most recent first: a thread's calls mostly reuse a stream or two.
+                c[..=i].rotate_right(1);
+            } else {
+                c.truncate(RECENT_STREAMS - 1);
+                c.insert(0, (key, make()));
+            }
+            f(&c[0].1)
+        }
+        // A call inside a call's borrow (none does so today): its own stream.
+        Err(_) => f(&make()),
+    }
+}
+
 impl std::ops::Deref for CallLive {
     type Target = Live;
     #[inline(always)]
@@ -467,10 +504,12 @@ impl std::ops::Deref for CallLive {
     }
 }
 
-/// A communicator borrowed under this thread's pin, released when dropped.
+/// A communicator borrowed under this thread's pin, released when dropped; with the thread's
+/// streams (its [`RECENT`]'s), which the call reaches through it.
 pub(crate) struct Borrowed {
     pin: *const Pin,
     live: *const Live,
+    streams: *const RefCell<Streams>,
 }
 
 impl Borrowed {
@@ -479,6 +518,14 @@ impl Borrowed {
         // SAFETY: pinned while `self` lives: the communicator was in the table when the pin was
         // set, and nothing drops it before the pin is cleared (`pins.rs`; `Unpinned`, `take`).
         unsafe { &*self.live }
+    }
+
+    /// This thread's streams.
+    #[inline(always)]
+    fn streams(&self) -> &RefCell<Streams> {
+        // SAFETY: in this thread's `RECENT`, which lives until the thread's locals are torn
+        // down (never during a call that borrowed through it; `Borrowed` is not `Send`).
+        unsafe { &*self.streams }
     }
 }
 
@@ -498,8 +545,8 @@ fn borrow(comm: ncclComm_t) -> Option<Borrowed> {
     let id = comm.addr() as u64;
     let reg = registry();
     RECENT
-        .try_with(|r| {
-            let r = r.borrow();
+        .try_with(|t| {
+            let r = t.recent.borrow();
             let pin = r.pin.as_ref()?.pin();
             let live = r.live.iter().find(|(h, _)| *h == id)?.1.as_ptr();
             if pin.is_set() {
@@ -510,7 +557,11 @@ fn borrow(comm: ncclComm_t) -> Option<Borrowed> {
                 pin.clear();
                 return None;
             }
-            Some(Borrowed { pin, live })
+            Some(Borrowed {
+                pin,
+                live,
+                streams: &t.streams,
+            })
         })
         .ok()
         .flatten()
