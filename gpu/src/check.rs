@@ -213,6 +213,17 @@ pub unsafe fn check_call(
             }
         }
     };
+    // What the gather needs of the comm block and the descriptor, loaded before the look at
+    // `DevComm::aborted` below so that the loads travel together: the first send waits for one
+    // round trip to memory fewer.
+    let n = comm.nranks as u64;
+    let me = comm.rank as u64;
+    // SAFETY: caller contract: the first peer channel (index `nchannels`) exists.
+    let channel = unsafe { (comm.channels as *mut DevChannel).add(comm.nchannels as usize) };
+    let ll_bytes = comm.buff_sizes[Proto::Ll as usize];
+    let abort_flag = comm.abort_flag;
+    // SAFETY: the descriptor is valid (caller contract); the host wrote these fields at init.
+    let (board, report) = unsafe { ((*d).board as *mut u64, (*d).report as *mut u64) };
     // After a mismatch every rank skips its later checks alike, so no rank waits for a gather
     // its peers never start. (Device memory only: a host-mapped read here would put a PCIe round
     // trip before every checked call; an abort stops the gather's waits instead.)
@@ -221,10 +232,6 @@ pub unsafe fn check_call(
         publish(CHECK_HALTED);
         return false;
     }
-    let n = comm.nranks as u64;
-    let me = comm.rank as u64;
-    // SAFETY: the descriptor is valid (caller contract); the host wrote these fields at init.
-    let (board, report) = unsafe { ((*d).board as *mut u64, (*d).report as *mut u64) };
     // Thread 0 keeps rank `r`'s signature in row `r` of the board.
     let put = |r: u64, words: &CallSig| {
         if tid == 0 {
@@ -240,15 +247,14 @@ pub unsafe fn check_call(
     let mut same = true;
     // SAFETY: caller contract: the first peer channel exists with LL connections.
     let aborted = unsafe {
-        let channel = (comm.channels as *mut DevChannel).add(comm.nchannels as usize);
         let mut p = Ll::<u64, FuncSum>::new(
             tid,
             nthreads,
             Peers::Ring(channel),
-            comm.buff_sizes[Proto::Ll as usize],
+            ll_bytes,
             board,
             board,
-            comm.abort_flag,
+            abort_flag,
             smem,
             OpArgs::new(DevRedOp::Sum, 0),
         );

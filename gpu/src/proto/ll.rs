@@ -205,6 +205,39 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> LlFan<T, Op, NR, N
         }
     }
 
+    /// Spins until the `W` lines from `first` on all hold `flag` twice; their words, and false
+    /// on abort. Each look loads every line, so once they are all there one round trip to
+    /// memory sees them, not one per line.
+    #[cfg_attr(target_arch = "nvptx64", inline(always))]
+    fn read_lines<const W: usize>(&self, first: *const LlFifoLine, flag: u32) -> ([u64; W], bool) {
+        let mut v = [0u64; W];
+        let mut spins = 0u32;
+        loop {
+            let mut all = true;
+            for (k, w) in v.iter_mut().enumerate() {
+                // SAFETY: the `W` lines lie inside the receive slot (caller contract).
+                let Pack([d1, f1, d2, f2]) =
+                    unsafe { arch::load_volatile_v4(first.wrapping_add(k) as *const Pack) };
+                if f1 == flag && f2 == flag {
+                    *w = d1 as u64 | (d2 as u64) << 32;
+                } else {
+                    all = false;
+                }
+            }
+            if all {
+                return (v, true);
+            }
+            spins += 1;
+            if spins == SPINS_BEFORE_CHECK_ABORT {
+                spins = 0;
+                if abort_raised(self.abort_flag) {
+                    return (v, false);
+                }
+            }
+            arch::spin_pause();
+        }
+    }
+
     #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn write_line(line: *mut LlFifoLine, v: u64, flag: u32) {
         // SAFETY: the line lies inside the peer's receive slot.
@@ -459,16 +492,7 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> LlFan<T, Op, NR, N
         let total = if ll_clean(c.step) { self.step_lines } else { W as u64 };
         // Every thread reads the `W` lines (the warp's loads of one line coalesce); a cleaning
         // step's other lines are drained by the threads they fall to.
-        let mut v = [0u64; W];
-        let mut ok = true;
-        for (k, w) in v.iter_mut().enumerate() {
-            if ok {
-                match self.read_line(slot.wrapping_add(k), flag) {
-                    Some(x) => *w = x,
-                    None => ok = false,
-                }
-            }
-        }
+        let (v, mut ok) = self.read_lines::<W>(slot, flag);
         let mut line = self.tid as u64;
         while ok && line < total {
             if line >= W as u64 {
