@@ -73,7 +73,7 @@ macro_rules! entries {
             };
             let (dtype, op) = crate::abi::kernel_variant(func, dtype, op);
             let checked = crate::abi::runs_checked_entry(&args.work, args.check);
-            let key = (func, algo, proto, dtype, op, crate::abi::checked_entry(func, checked));
+            let key = (func, algo, proto, dtype, op, crate::abi::checked_entry(func, proto, dtype, checked));
             $(
                 if key == (Func::$func, Algo::$algo, Proto::$proto, DataType::$dt, KernelOp::$opv, $checked) {
                     // The host instantiates one body per (collective, algorithm, protocol,
@@ -115,7 +115,7 @@ pub fn entry_for(
     checked: bool,
 ) -> Option<&'static Entry> {
     let (dtype, op) = crate::abi::kernel_variant(func, dtype, op);
-    let checked = crate::abi::checked_entry(func, checked);
+    let checked = crate::abi::checked_entry(func, proto, dtype, checked);
     ENTRIES
         .iter()
         .find(|e| (e.func, e.algo, e.proto, e.dtype, e.op, e.checked) == (func, algo, proto, dtype, op, checked))
@@ -634,7 +634,7 @@ mod tests {
                                     panic!("no entry for {func} {algo} {proto} {dtype} {op} (checked: {checked})")
                                 });
                                 assert_eq!(e.name, kernel_name_for(func, algo, proto, dtype, op, checked).as_str());
-                                assert_eq!(e.checked, crate::abi::checked_entry(func, checked));
+                                assert_eq!(e.checked, crate::abi::checked_entry(func, proto, e.dtype, checked));
                                 used.insert(e.name);
                             }
                         }
@@ -645,8 +645,9 @@ mod tests {
         assert_eq!(used.len(), ENTRIES.len(), "entries no call uses");
         // 3 protocols × (4 reducing (collective, algorithm) pairs × 12 types × 2 operator
         // entries (Sum, which Avg runs too, and Any), and Broadcast and AllGather × 4 element
-        // sizes × unchecked and checked).
-        assert_eq!(ENTRIES.len(), 3 * (4 * 12 * 2 + 2 * 4 * 2));
+        // sizes), and the checked entries: Broadcast's 4 sizes and AllGather's 4- and 8-byte
+        // ones, on LL and LL128.
+        assert_eq!(ENTRIES.len(), 3 * (4 * 12 * 2 + 2 * 4) + 2 * (4 + 2));
         let names: std::collections::BTreeSet<_> = ENTRIES.iter().map(|e| e.name).collect();
         assert_eq!(names.len(), ENTRIES.len(), "duplicate entry names");
     }

@@ -56,12 +56,21 @@ pub fn kernel_name(func: Func, proto: Proto, dtype: DataType, op: impl Into<DevR
 }
 
 /// Whether `checked`, a launch's choice of its collective's checked entry, names an entry of
-/// its own for `func`: Broadcast and AllGather have one (`…_checked`), which sends ahead of the
-/// call check's gate (`crate::coll::all_gather`, `crate::coll::broadcast`), while their
-/// unchecked entries keep the code they have without the check. The other collectives' entries
-/// serve both. Which launches choose it: [`runs_checked_entry`].
-pub const fn checked_entry(func: Func, checked: bool) -> bool {
-    checked && matches!(func, Func::Broadcast | Func::AllGather)
+/// its own for `func` on `proto` with elements of `dtype`'s size: where the checked code sends
+/// ahead of the call check's gate (`crate::coll::all_gather`, `crate::coll::broadcast`), so
+/// that the unchecked entry keeps the code it has without the check. That is Broadcast on LL
+/// and LL128, and AllGather there for elements of at least
+/// [`crate::coll::AHEAD_MIN_ELEM_BYTES`]; a send ahead writes a FIFO, so nothing on Simple. Elsewhere the checked
+/// code is the unchecked entry's, which serves both (it gates first). Which launches choose
+/// it: [`runs_checked_entry`].
+pub const fn checked_entry(func: Func, proto: Proto, dtype: DataType, checked: bool) -> bool {
+    checked
+        && !matches!(proto, Proto::Simple)
+        && match func {
+            Func::Broadcast => true,
+            Func::AllGather => dtype.size() as u64 >= crate::coll::AHEAD_MIN_ELEM_BYTES,
+            _ => false,
+        }
 }
 
 /// Whether a launch of work `w` whose [`KernelArgs::check`] is `check` runs its collective's
@@ -100,6 +109,7 @@ pub fn kernel_name_for(
     checked: bool,
 ) -> KernelName {
     let (dtype, op) = kernel_variant(func, dtype, op.into());
+    let suffix = if checked_entry(func, proto, dtype, checked) { "_checked" } else { "" };
     let mut n = KernelName { buf: [0; 64], len: 0 };
     let tree = if algo == Algo::Tree { "_tree" } else { "" };
     let proto = match proto {
@@ -117,7 +127,7 @@ pub fn kernel_name_for(
         dtype.name(),
         "_",
         op.name(),
-        if checked_entry(func, checked) { "_checked" } else { "" },
+        suffix,
     ] {
         for &b in part.as_bytes() {
             n.buf[n.len] = b;
