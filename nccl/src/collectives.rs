@@ -75,17 +75,17 @@ unsafe fn collective(
     stream: cudaStream_t,
 ) -> Result<()> {
     // SAFETY: forwarded caller contract.
-    let r = unsafe { collective_checked(comm, func, send, recv, count, datatype, op, root, stream) };
+    let r = unsafe { collective_on(comm, func, send, recv, count, datatype, op, root, stream) };
     crate::group::noted(r)
 }
 
-/// [`collective`] before its refusal is noted.
+/// [`collective`] before its refusal is noted: on the call's usable communicator ([`usable`]).
 ///
 /// # Safety
 /// As [`collective`].
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn collective_checked(
+unsafe fn collective_on(
     comm: ncclComm_t,
     func: Func,
     send: *const c_void,
@@ -96,28 +96,7 @@ unsafe fn collective_checked(
     root: c_int,
     stream: cudaStream_t,
 ) -> Result<()> {
-    let live = usable(comm)?;
-    // SAFETY: forwarded caller contract.
-    unsafe { collective_on(&live, func, send, recv, count, datatype, op, root, stream) }
-}
-
-/// [`collective`] on the call's communicator.
-///
-/// # Safety
-/// As [`collective`].
-#[allow(clippy::too_many_arguments)]
-#[inline(always)]
-unsafe fn collective_on(
-    live: &CallLive,
-    func: Func,
-    send: *const c_void,
-    recv: *mut c_void,
-    count: usize,
-    datatype: ncclDataType_t,
-    op: Option<ncclRedOp_t>,
-    root: c_int,
-    stream: cudaStream_t,
-) -> Result<()> {
+    let live = &usable(comm)?;
     let dtype = data_type(datatype)?;
     // A built-in operator goes to oxccl as the `RedOp` it is (as a Rust caller passes one: a
     // byte, not a `ReduceOp` assembled on the stack); a PreMulSum one as its `ReduceOp`.
