@@ -9,9 +9,7 @@
 //! per hop, over FIFOs no collective uses). Meanwhile the call's blocks move its data; each
 //! waits for the verdict ([`CheckDesc::done`]) at its [`gate`], before its first write to a
 //! user buffer — its output, or a peer's through a direct send — so the check overlaps the
-//! call's first hops; with rows and few peers a gated block also reads the rows itself and goes
-//! on as soon as every peer's equals its own. Every rank holds the same signatures and reaches
-//! the same verdict: on a mismatch each writes them to its host-visible [`CheckReport`] and sets
+//! call's first hops. Every rank holds the same signatures and reaches the same verdict: on a mismatch each writes them to its host-visible [`CheckReport`] and sets
 //! [`DevComm::aborted`] and its abort line's stop word to [`CALL_MISMATCH`]; the gated blocks
 //! stop at their gate, the blocks waiting on a FIFO see the stop word in their abort polls, and
 //! no block of this call — nor of any later kernel — writes a user buffer. A call of count 0
@@ -60,38 +58,34 @@ pub unsafe fn checked(
         } else if nblocks < 2 {
             // No block to spare (a launch the host does not make): check, then move the data
             // past a gate armed open.
-            arm_gate(comm, 0, &[0; CALL_SIG_WORDS], tid, smem);
+            arm_gate(comm, 0, 0, tid, smem);
             check_call(comm, desc, sig, false, tid, nthreads, smem)
         } else if bid == nblocks - 1 {
             check_call(comm, desc, sig, true, tid, nthreads, smem);
             false
         } else {
-            arm_gate(comm, desc, sig, tid, smem);
+            arm_gate(comm, desc, sig[0], tid, smem);
             true
         }
     }
 }
 
-/// Arms the block's gate for the check of the call of signature `sig` (its words at
-/// [`SMEM_GATE`] in shared memory: the descriptor, the call number `sig[0]`, the comm block,
-/// then the signature's other words), visible to every thread after the barrier. A gate armed
-/// with descriptor 0 stays open.
+/// Arms the block's gate for the check of call `seq` (its words at [`SMEM_GATE`] in shared
+/// memory: the descriptor, the number, the comm block), visible to every thread after the
+/// barrier. A gate armed with descriptor 0 stays open.
 ///
 /// # Safety
 /// Every thread of the block calls it; `smem` is the kernel's shared memory.
 #[cfg_attr(target_arch = "nvptx64", inline(always))]
-unsafe fn arm_gate(comm: u64, desc: u64, sig: &CallSig, tid: u32, smem: *mut u32) {
-    // SAFETY: caller contract: the gate's six words lie inside the kernel's shared memory,
+unsafe fn arm_gate(comm: u64, desc: u64, seq: u64, tid: u32, smem: *mut u32) {
+    // SAFETY: caller contract: the gate's three words lie inside the kernel's shared memory,
     // 8-byte aligned, used by nothing else.
     unsafe {
         let g = smem.byte_add(SMEM_GATE) as *mut u64;
         if tid == 0 {
             g.write_volatile(desc);
-            g.add(1).write_volatile(sig[0]);
+            g.add(1).write_volatile(seq);
             g.add(2).write_volatile(comm);
-            for k in 1..CALL_SIG_WORDS {
-                g.add(2 + k).write_volatile(sig[k]);
-            }
         }
         arch::sync_threads();
     }
@@ -125,13 +119,11 @@ pub unsafe fn gate(tid: u32, smem: *mut u32) -> bool {
         // Every thread has read the word before thread 0 rewrites it.
         arch::sync_threads();
         if tid == 0 {
-            let sig = [
+            let go = await_verdict(
+                &*(g.add(2).read_volatile() as *const DevComm),
+                desc as *const CheckDesc,
                 g.add(1).read_volatile(),
-                g.add(3).read_volatile(),
-                g.add(4).read_volatile(),
-                g.add(5).read_volatile(),
-            ];
-            let go = await_verdict(&*(g.add(2).read_volatile() as *const DevComm), desc as *const CheckDesc, &sig);
+            );
             g.write_volatile(if go { 0 } else { GATE_SHUT });
         }
         arch::sync_threads();
@@ -355,10 +347,6 @@ pub unsafe fn check_call(
     !aborted && same
 }
 
-/// The most peers whose rows a gated block reads itself while it waits ([`rows_agree`]); with
-/// more it waits for the checking block's verdict alone.
-const GATE_ROW_PEERS: u64 = 8;
-
 /// Word `k` of `sig`, picked with constant indices (a register array, never local memory).
 #[cfg_attr(target_arch = "nvptx64", inline(always))]
 fn sig_word(sig: &CallSig, k: u64) -> u64 {
@@ -497,62 +485,27 @@ unsafe fn exchange_rows(
     }
 }
 
-/// Whether every peer's row of call `sig[0]` is in and equal to `sig` (a gated block's own
-/// look at the rows, [`GATE_ROW_PEERS`] peers at most; a row that differs never agrees, and the
-/// block waits for the checking block's verdict).
-///
-/// # Safety
-/// As [`exchange_rows`]' table.
-#[cfg_attr(target_arch = "nvptx64", inline(always))]
-unsafe fn rows_agree(desc: *const CheckDesc, sig: &CallSig, n: u64) -> bool {
-    let flag = check_row_flag(sig[0]);
-    let mut all = true;
-    let mut dist = 1;
-    while dist < n {
-        // SAFETY: caller contract.
-        unsafe {
-            let row = row_slot(desc, dist, true, sig[0]);
-            for (k, w) in sig.iter().enumerate() {
-                let Pack([d1, f1, d2, f2]) = arch::load_volatile_v4(row.add(k));
-                all &= f1 == flag && f2 == flag && (d1 as u64 | (d2 as u64) << 32) == *w;
-            }
-        }
-        dist += 1;
-    }
-    all
-}
-
 /// Thread 0 of a gated block: waits until the checking block has published the verdict of
-/// the call of signature `sig` — the calls agree, differ, or the check stopped on an abort — or
-/// until `DevComm::aborted` says the communicator stopped; whether the call may go on. Where
-/// the ranks write their signatures straight into each other's rows (`CheckDesc::direct`) and
-/// the peers are few, the block also reads the rows itself, and goes on as soon as every peer's
-/// is in and equal to its own: the verdict the checking block will reach, one publication
-/// sooner. Device memory is polled, the host's abort flag only every 65,536th look (a safety
-/// net: an abort reaches the verdict through the checking block's exchange, which watches the
-/// flag as every primitive does).
+/// call `seq` — the calls agree, differ, or the check stopped on an abort — or until
+/// `DevComm::aborted` says the communicator stopped; whether the call may go on. Device memory
+/// is polled, the host's abort flag only every 65,536th look (a safety net: an abort reaches
+/// the verdict through the checking block's exchange, which watches the flag as every
+/// primitive does).
 ///
 /// # Safety
 /// `desc` is the communicator's descriptor.
 #[cfg_attr(target_arch = "nvptx64", inline(always))]
-unsafe fn await_verdict(comm: &DevComm, desc: *const CheckDesc, sig: &CallSig) -> bool {
+unsafe fn await_verdict(comm: &DevComm, desc: *const CheckDesc, seq: u64) -> bool {
     let flags = CHECK_HALTED | CHECK_DIFFERENT;
-    let seq = sig[0];
-    let n = comm.nranks as u64;
-    // SAFETY: valid descriptor (caller contract).
-    let rows = seq != 0 && unsafe { (*desc).direct } != 0 && n - 1 <= GATE_ROW_PEERS;
     let mut spins = 0u32;
     loop {
-        // SAFETY: valid descriptor and flags (caller contract); `rows` says it has a table.
+        // SAFETY: valid descriptor and flags (caller contract).
         unsafe {
             let done = arch::load_volatile_u64(&raw const (*desc).done);
             if done & !flags >= seq {
                 // The verdict's flags say it all (a stop is published after
                 // `DevComm::aborted`); the gate orders the block's writes after this load.
                 return done & flags == 0;
-            }
-            if rows && rows_agree(desc, sig, n) {
-                return true;
             }
             if spins % 64 == 63 && !same_verdict(comm) {
                 return false;
