@@ -1,25 +1,20 @@
 //! The call-signature check (beyond NCCL; `OXCCL_CHECK_CALLS=1` on the host), inside a checked
-//! collective's kernel: one block more than the call's channels, the last, exchanges every
-//! rank's [`CallSig`] of the call and compares them. Where every peer's connection memory is
-//! reachable (P2P or SHM: [`CheckDesc::direct`]) each rank writes its signature straight into a
-//! row of its own at every peer (four LL lines, flagged by the call's number) and reads its
-//! peers' from its own rows: one store and one look, no credit, no connection to load. Else
-//! (a NET peer, or a graph's call, which has no number) it gathers them over the first peer
-//! channel on the LL protocol (a ring AllGather of 32 bytes per rank, a step of four LL lines
-//! per hop, over FIFOs no collective uses). Meanwhile the call's blocks move its data; each
-//! waits for the verdict ([`CheckDesc::done`]) at its [`gate`], before its first write to a
-//! user buffer — its output, or a peer's through a direct send — so the check overlaps the
-//! call's first hops. Every rank holds the same signatures and reaches the same verdict: on a mismatch each writes them to its host-visible [`CheckReport`] and sets
+//! collective's kernel: one block more than the call's channels, the last, gathers every rank's
+//! [`CallSig`] of the call over the first peer channel on the LL protocol (a ring AllGather of
+//! 32 bytes per rank, a step of four LL lines per hop, over FIFOs no collective uses, so it runs
+//! over every transport, beside the call's data) and compares them. Meanwhile the call's blocks
+//! move its data; each waits for the verdict ([`CheckDesc::done`]) at its [`gate`], before its
+//! first write to a user buffer — its output, or a peer's through a direct send — so the check
+//! overlaps the call's first hops. Every rank holds the same signatures and reaches the same
+//! verdict: on a mismatch each writes them to its host-visible [`CheckReport`] and sets
 //! [`DevComm::aborted`] and its abort line's stop word to [`CALL_MISMATCH`]; the gated blocks
 //! stop at their gate, the blocks waiting on a FIFO see the stop word in their abort polls, and
 //! no block of this call — nor of any later kernel — writes a user buffer. A call of count 0
 //! runs the check alone (`oxccl_check_call`). The host side is `comm/call_check.rs`.
 use crate::abi::{
-    ABORT_LINE_STOP, CALL_MISMATCH, CALL_SIG_WORDS, CHECK_DIFFERENT, CHECK_HALTED, CHECK_ROW_SLOT_BYTES,
-    CHECK_ROWS_OFFSET, CallSig, CheckDesc, CheckReport, DevChannel, DevComm, DevRedOp, Proto, SMEM_GATE,
-    SPINS_BEFORE_CHECK_ABORT, WARP_SIZE, check_row_flag,
+    ABORT_LINE_STOP, CALL_MISMATCH, CALL_SIG_WORDS, CHECK_DIFFERENT, CHECK_HALTED, CallSig, CheckDesc,
+    CheckReport, DevChannel, DevComm, DevRedOp, Proto, SMEM_GATE,
 };
-use crate::arch::Pack;
 use crate::arch;
 use crate::proto::Primitives;
 use crate::proto::fan::Peers;
@@ -218,7 +213,7 @@ pub unsafe fn check_call(
             }
         }
     };
-    // What the check needs of the comm block and the descriptor, loaded before the look at
+    // What the gather needs of the comm block and the descriptor, loaded before the look at
     // `DevComm::aborted` below so that the loads travel together: the first send waits for one
     // round trip to memory fewer.
     let n = comm.nranks as u64;
@@ -228,89 +223,69 @@ pub unsafe fn check_call(
     let ll_bytes = comm.buff_sizes[Proto::Ll as usize];
     let abort_flag = comm.abort_flag;
     // SAFETY: the descriptor is valid (caller contract); the host wrote these fields at init.
-    let (board, report, direct) = unsafe { ((*d).board as *mut u64, (*d).report as *mut u64, (*d).direct) };
-    // Calls of number 0 (a graph's, replayed under one number) always gather: a row's flag
-    // comes from the number.
-    let rows = direct != 0 && sig[0] != 0;
-    let (aborted, same) = if rows {
-        // SAFETY: caller contract; `direct` says the descriptor holds the row table.
-        match unsafe { exchange_rows(comm, d, sig, board, tid, smem) } {
-            Some(v) => v,
-            None => {
-                publish(CHECK_HALTED);
-                return false;
+    let (board, report) = unsafe { ((*d).board as *mut u64, (*d).report as *mut u64) };
+    // After a mismatch every rank skips its later checks alike, so no rank waits for a gather
+    // its peers never start. (Device memory only: a host-mapped read here would put a PCIe round
+    // trip before every checked call; an abort stops the gather's waits instead.)
+    // SAFETY: caller contract.
+    if unsafe { block_bool(tid == 0 && arch::load_volatile_u32(&raw const comm.aborted) != 0, tid, smem) } {
+        publish(CHECK_HALTED);
+        return false;
+    }
+    // Thread 0 keeps rank `r`'s signature in row `r` of the board.
+    let put = |r: u64, words: &CallSig| {
+        if tid == 0 {
+            for (k, v) in words.iter().enumerate() {
+                // SAFETY: row `r` < `n` of the board, which holds `n` signatures (caller
+                // contract).
+                unsafe { board.add(r as usize * CALL_SIG_WORDS + k).write_volatile(*v) };
             }
         }
-    } else {
-        // After a mismatch every rank skips its later checks alike, so no rank waits for a
-        // gather its peers never start. (Device memory only: a host-mapped read here would put
-        // a PCIe round trip before every checked call; an abort stops the gather's waits
-        // instead.)
-        // SAFETY: caller contract.
-        if unsafe { block_bool(tid == 0 && arch::load_volatile_u32(&raw const comm.aborted) != 0, tid, smem) } {
-            publish(CHECK_HALTED);
-            return false;
+    };
+    // Every thread receives every signature (`recv_words`), so every thread compares them as
+    // they arrive and reaches the same verdict without reading the board back.
+    let mut same = true;
+    // SAFETY: caller contract: the first peer channel exists with LL connections.
+    let aborted = unsafe {
+        let mut p = Ll::<u64, FuncSum>::new(
+            tid,
+            nthreads,
+            Peers::Ring(channel),
+            ll_bytes,
+            board,
+            board,
+            abort_flag,
+            smem,
+            OpArgs::new(DevRedOp::Sum, 0),
+        );
+        // A ring AllGather of one signature per rank, a step of four LL lines per hop: at hop
+        // `j` this rank passes on the signature of rank `me − (j − 1)` (its own first) and
+        // receives that of rank `me − j` from rank `me − 1`.
+        let mut cur = *sig;
+        put(me, &cur);
+        for j in 1..n {
+            p.send_words(&cur);
+            let Some(got) = p.recv_words::<CALL_SIG_WORDS>() else {
+                break;
+            };
+            put((me + n - j) % n, &got);
+            // Word by word (an array `==` is a `bcmp` of the parameter's address, which puts
+            // the whole kernel parameter in local memory).
+            for k in 0..CALL_SIG_WORDS {
+                same &= got[k] == sig[k];
+            }
+            cur = got;
         }
-        // Thread 0 keeps rank `r`'s signature in row `r` of the board.
-        let put = |r: u64, words: &CallSig| {
-            if tid == 0 {
-                for (k, v) in words.iter().enumerate() {
-                    // SAFETY: row `r` < `n` of the board, which holds `n` signatures (caller
-                    // contract).
-                    unsafe { board.add(r as usize * CALL_SIG_WORDS + k).write_volatile(*v) };
-                }
-            }
-        };
-        // Every thread receives every signature (`recv_words`), so every thread compares them
-        // as they arrive and reaches the same verdict without reading the board back.
-        let mut same = true;
-        // SAFETY: caller contract: the first peer channel exists with LL connections.
-        let aborted = unsafe {
-            let mut p = Ll::<u64, FuncSum>::new(
-                tid,
-                nthreads,
-                Peers::Ring(channel),
-                ll_bytes,
-                board,
-                board,
-                abort_flag,
-                smem,
-                OpArgs::new(DevRedOp::Sum, 0),
-            );
-            // A ring AllGather of one signature per rank, a step of four LL lines per hop: at
-            // hop `j` this rank passes on the signature of rank `me − (j − 1)` (its own first)
-            // and receives that of rank `me − j` from rank `me − 1`.
-            let mut cur = *sig;
-            put(me, &cur);
-            for j in 1..n {
-                p.send_words(&cur);
-                let Some(got) = p.recv_words::<CALL_SIG_WORDS>() else {
-                    break;
-                };
-                put((me + n - j) % n, &got);
-                // Word by word (an array `==` is a `bcmp` of the parameter's address, which
-                // puts the whole kernel parameter in local memory).
-                for k in 0..CALL_SIG_WORDS {
-                    same &= got[k] == sig[k];
-                }
-                cur = got;
-            }
-            let aborted = p.aborted();
-            if !aborted && same {
-                // The gated blocks go on as soon as the last signature is in.
-                publish(0);
-            }
-            p.finish();
-            aborted
-        };
-        (aborted, same)
+        let aborted = p.aborted();
+        if !aborted && same {
+            // The gated blocks go on as soon as the last signature is in.
+            publish(0);
+        }
+        p.finish();
+        aborted
     };
     // `aborted` is the block's (an abort seen by any thread reaches all through the LL
-    // primitives' shared word, or the exchange's vote): after one, the board may be partial
-    // and no verdict is given.
-    if rows && !aborted && same {
-        publish(0);
-    }
+    // primitives' shared word): after one, the board may be partial and no verdict is given.
     if aborted {
         publish(CHECK_HALTED);
     } else {
@@ -347,150 +322,12 @@ pub unsafe fn check_call(
     !aborted && same
 }
 
-/// Word `k` of `sig`, picked with constant indices (a register array, never local memory).
-#[cfg_attr(target_arch = "nvptx64", inline(always))]
-fn sig_word(sig: &CallSig, k: u64) -> u64 {
-    let mut x = 0;
-    for (i, w) in sig.iter().enumerate() {
-        if k == i as u64 {
-            x = *w;
-        }
-    }
-    x
-}
-
-/// Row `dist` of the descriptor's table (`CheckDesc::direct`): where this rank writes its
-/// signature for rank `rank + dist` (`inbound` false) or finds that of rank `rank − dist`,
-/// offset to the slot of call `seq`.
-///
-/// # Safety
-/// `desc` holds a row table with entry `dist` ([`CHECK_ROWS_OFFSET`], padded by
-/// [`crate::abi::CHECK_ROWS_PAD`]).
-#[cfg_attr(target_arch = "nvptx64", inline(always))]
-unsafe fn row_slot(desc: *const CheckDesc, dist: u64, inbound: bool, seq: u64) -> *mut Pack {
-    // SAFETY: caller contract; the table never changes after init (a plain, cacheable load).
-    let row = unsafe { ((desc as *const u8).add(CHECK_ROWS_OFFSET) as *const u64).add(2 * dist as usize + inbound as usize).read() };
-    (row + (seq & 1) * CHECK_ROW_SLOT_BYTES) as *mut Pack
-}
-
-/// Spins until the LL line at `line` holds `flag` twice; its word, or `None` on abort (the
-/// abort line at `abort_flag`, polled as the primitives do).
-///
-/// # Safety
-/// `line` is a 16-byte aligned row line.
-#[cfg_attr(target_arch = "nvptx64", inline(always))]
-unsafe fn poll_row_line(line: *const Pack, flag: u32, abort_flag: *const u32) -> Option<u64> {
-    let mut spins = 0u32;
-    loop {
-        // SAFETY: caller contract.
-        let Pack([d1, f1, d2, f2]) = unsafe { arch::load_volatile_v4(line) };
-        if f1 == flag && f2 == flag {
-            return Some(d1 as u64 | (d2 as u64) << 32);
-        }
-        spins += 1;
-        if spins == SPINS_BEFORE_CHECK_ABORT {
-            spins = 0;
-            if crate::proto::fan::abort_raised(abort_flag) {
-                return None;
-            }
-        }
-        arch::spin_pause();
-    }
-}
-
-/// The signatures exchanged straight through the peers' memory ([`CheckDesc::direct`]): the
-/// block's first warp writes this rank's signature into its row at every peer (lane `l` of a
-/// pass line `l % 4` for the peer at distance `l / 4 + 1`), then reads every peer's from its
-/// own rows, comparing each word as it arrives and keeping the signatures on the board by rank.
-/// No credit to wait for and no connection to load: the row addresses are the descriptor's.
-/// `None` when the communicator was stopped by an earlier mismatch (nothing written, as every
-/// rank does); else whether the exchange stopped on an abort and whether every signature is
-/// this rank's, the same for every thread of the block. Word 0 of `smem` carries the answer
-/// past a barrier: the caller's next barrier must come before shared memory is used again.
-///
-/// # Safety
-/// As [`check_call`], with a row table in `desc` and `sig[0]` ≠ 0; every thread of the block
-/// calls it.
-#[cfg_attr(target_arch = "nvptx64", inline(always))]
-unsafe fn exchange_rows(
-    comm: &DevComm,
-    desc: *mut CheckDesc,
-    sig: &CallSig,
-    board: *mut u64,
-    tid: u32,
-    smem: *mut u32,
-) -> Option<(bool, bool)> {
-    let (n, me) = (comm.nranks as u64, comm.rank as u64);
-    let abort_flag = comm.abort_flag as *const u32;
-    let seq = sig[0];
-    let flag = check_row_flag(seq);
-    let words = CALL_SIG_WORDS as u64;
-    let lines = (n - 1) * words;
-    if tid < WARP_SIZE {
-        // SAFETY: caller contract: the comm block, the descriptor's table (padded so that every
-        // lane's entry of a pass lies inside it), the rows it names and the board.
-        unsafe {
-            let halted = arch::load_volatile_u32(&raw const comm.aborted) != 0;
-            let (mut aborted, mut differs) = (false, false);
-            if !halted {
-                let mut base = 0;
-                while base < lines {
-                    let line = base + tid as u64;
-                    let out = row_slot(desc, line / words + 1, false, seq);
-                    if line < lines {
-                        let v = sig_word(sig, line % words);
-                        let at = out.add((line % words) as usize);
-                        arch::store_volatile_v4(at, Pack([v as u32, flag, (v >> 32) as u32, flag]));
-                    }
-                    base += WARP_SIZE as u64;
-                }
-                base = 0;
-                while base < lines {
-                    let line = base + tid as u64;
-                    let (dist, k) = (line / words + 1, line % words);
-                    let inbound = row_slot(desc, dist, true, seq);
-                    if line < lines && !aborted {
-                        match poll_row_line(inbound.add(k as usize), flag, abort_flag) {
-                            Some(v) => {
-                                differs |= v != sig_word(sig, k);
-                                board.add((((me + n - dist) % n) * words + k) as usize).write_volatile(v);
-                            }
-                            None => aborted = true,
-                        }
-                    }
-                    base += WARP_SIZE as u64;
-                }
-                if tid == 0 {
-                    for (k, v) in sig.iter().enumerate() {
-                        board.add(me as usize * CALL_SIG_WORDS + k).write_volatile(*v);
-                    }
-                }
-            }
-            let aborted = arch::vote_any(aborted);
-            let differs = arch::vote_any(differs);
-            if tid == 0 {
-                smem.write_volatile(halted as u32 | (aborted as u32) << 1 | (differs as u32) << 2);
-            }
-        }
-    }
-    // SAFETY: every thread of the block reaches the barrier; word 0 was written before it.
-    let v = unsafe {
-        arch::sync_threads();
-        smem.read_volatile()
-    };
-    if v & 1 != 0 {
-        None
-    } else {
-        Some((v & 2 != 0, v & 4 == 0))
-    }
-}
-
 /// Thread 0 of a gated block: waits until the checking block has published the verdict of
 /// call `seq` — the calls agree, differ, or the check stopped on an abort — or until
 /// `DevComm::aborted` says the communicator stopped; whether the call may go on. Device memory
 /// is polled, the host's abort flag only every 65,536th look (a safety net: an abort reaches
-/// the verdict through the checking block's exchange, which watches the flag as every
-/// primitive does).
+/// the verdict through the checking block's gather, which watches the flag as every primitive
+/// does).
 ///
 /// # Safety
 /// `desc` is the communicator's descriptor.
@@ -515,11 +352,8 @@ unsafe fn await_verdict(comm: &DevComm, desc: *const CheckDesc, seq: u64) -> boo
             }
         }
         spins = spins.wrapping_add(1);
-        // The first looks follow each other at once (the verdict's usual wait is a few
-        // microseconds); later ones pause, so that up to a channel's worth of blocks polling do
-        // not crowd the checking block's reads.
-        if spins >= 64 {
-            arch::nanosleep(if spins < 1024 { 32 } else { 256 });
-        }
+        // Up to a channel's worth of blocks poll one word while the checking block gathers:
+        // each pauses between looks, so their reads do not crowd the gather's.
+        arch::nanosleep(if spins < 1024 { 32 } else { 256 });
     }
 }

@@ -10,14 +10,11 @@
 //! for the missing one, which `OXCCL_TIMEOUT` then names.
 //!
 //! How: inside the call's own kernel ([`oxccl_gpu::check`]), one block more than the call's
-//! channels exchanges every rank's 32-byte [`CallSig`] and compares them, while the call's
-//! blocks move its data and wait for the verdict only before their first write to a user
-//! buffer; so the exchange overlaps the call's first hops and adds no kernel. Where every
-//! rank's peers are reached through P2P or SHM, each rank writes its signature straight into a
-//! row of its own in each peer's connection memory (a line past the tail counter of the first
-//! peer channel of their distance, [`super::channel::check_rows`]); over NET it gathers them
-//! over the first peer channel (which no collective uses) on the LL protocol, which runs over
-//! every transport. Every rank gets the same signatures and the same
+//! channels gathers every rank's 32-byte [`CallSig`] over the first peer channel (which no
+//! collective uses) on the LL protocol and compares them, while the call's blocks move its data
+//! and wait for the verdict only before their first write to a user buffer; so the check's
+//! small AllGather overlaps the call's first hops, adds no kernel, and runs over every
+//! transport. Every rank gets the same signatures and the same
 //! verdict: on a mismatch each rank's kernels, this call's and every later one's, exit before
 //! touching a buffer, and [`Comm::get_async_error`] and every later call return `InvalidUsage`
 //! naming each group of ranks with the call it issued and the fields that differ. With the check
@@ -28,9 +25,7 @@
 //! signature first, and the call's own kernel then honours that verdict
 //! (`CHECK_VERDICT_ONLY`), so graphs captured in another order on each rank replay alike.
 use super::*;
-use oxccl_gpu::abi::{
-    CALL_SIG_WORDS, CHECK_KERNEL_NAME, CHECK_ROWS_OFFSET, CallSig, CheckArgs, CheckDesc, CheckReport,
-};
+use oxccl_gpu::abi::{CALL_SIG_WORDS, CHECK_KERNEL_NAME, CallSig, CheckArgs, CheckDesc, CheckReport};
 use std::sync::OnceLock;
 
 /// Bytes of one signature.
@@ -66,14 +61,7 @@ impl CallCheck {
     /// its kernel, loaded now (a load while a peer's kernel spins could wait for it; a kernel
     /// that cannot be loaded fails the init rather than the first call, where the peers would
     /// wait for this rank's gather).
-    /// `rows`: the rank's row table ([`super::channel::check_rows`]) when every rank's
-    /// signature can go straight into its peers' memory, `None` to gather over LL FIFOs.
-    pub(super) fn for_rank(
-        params: &Params,
-        nranks: usize,
-        res: &Res,
-        rows: Option<Vec<[u64; 2]>>,
-    ) -> Result<Option<CallCheck>> {
+    pub(super) fn for_rank(params: &Params, nranks: usize, res: &Res) -> Result<Option<CallCheck>> {
         if !params.check_calls || nranks < 2 {
             return Ok(None);
         }
@@ -84,17 +72,16 @@ impl CallCheck {
             }
             Res::Cpu(_) => None,
         };
-        CallCheck::new(ctx, nranks, rows).map(Some)
+        CallCheck::new(ctx, nranks).map(Some)
     }
 
     /// The check's memory for a rank of `nranks` on `ctx` (the CPU target when `None`), its
-    /// descriptor and row table (`rows`, if any) written.
-    fn new(ctx: Option<&Arc<cuda::Context>>, nranks: usize, rows: Option<Vec<[u64; 2]>>) -> Result<CallCheck> {
-        // The row table starts a 128-byte line after the descriptor, the board on the line
-        // after the table: the blocks waiting on `done` do not poll the lines the check writes.
-        const _: () = assert!(size_of::<CheckDesc>() <= CHECK_ROWS_OFFSET);
-        let table: Vec<u8> = rows.iter().flatten().flat_map(|r| r.map(u64::to_ne_bytes)).flatten().collect();
-        let desc = (CHECK_ROWS_OFFSET + table.len()).next_multiple_of(128);
+    /// descriptor written.
+    fn new(ctx: Option<&Arc<cuda::Context>>, nranks: usize) -> Result<CallCheck> {
+        // The board starts a 128-byte line after the descriptor: the blocks waiting on `done`
+        // do not poll the line the gather writes.
+        let desc = 128;
+        const _: () = assert!(size_of::<CheckDesc>() <= 128);
         let board = desc + nranks * SIG_BYTES;
         let report = size_of::<CheckReport>() + nranks * SIG_BYTES;
         let mem = match ctx {
@@ -115,18 +102,12 @@ impl CallCheck {
             board: base + desc as u64,
             report: report_addr,
             done: 0,
-            direct: if rows.is_some() { nranks as u64 } else { 0 },
         };
-        let mut head = vec![0u8; CHECK_ROWS_OFFSET + table.len()];
-        head[..size_of::<CheckDesc>()].copy_from_slice(bytemuck::bytes_of(&d));
-        head[CHECK_ROWS_OFFSET..].copy_from_slice(&table);
         match &mem {
-            Mem::Cuda { board, .. } => board.write(0, &head)?,
-            // SAFETY: the allocation holds the descriptor and the table at its start (host
-            // memory no kernel uses yet).
-            Mem::Cpu { board, .. } => unsafe {
-                std::ptr::copy_nonoverlapping(head.as_ptr(), board.addr() as *mut u8, head.len())
-            },
+            Mem::Cuda { board, .. } => board.write(0, bytemuck::bytes_of(&d))?,
+            // SAFETY: the allocation holds the descriptor at its start (16-aligned host memory
+            // no kernel uses yet).
+            Mem::Cpu { board, .. } => unsafe { (board.addr() as *mut CheckDesc).write(d) },
         }
         Ok(CallCheck {
             nranks,
@@ -435,45 +416,6 @@ mod tests {
             chunk_elems: 0,
             slice_elems: 0,
         })
-    }
-
-    /// A CPU `init_all` group (every pair in one address space) writes its signatures into the
-    /// peers' rows: each rank's descriptor says so, and the row a rank writes for each peer is the
-    /// one that peer reads.
-    #[test]
-    fn in_process_ranks_check_through_each_others_rows() {
-        let n = 3;
-        let comms = Comm::init_all_config(&crate::mem::Device::cpus(n), &CommConfig::default().with_check_calls(true))
-            .unwrap();
-        let tables: Vec<(CheckDesc, Vec<[u64; 2]>, u64)> = comms
-            .iter()
-            .map(|c| {
-                let check = c.call_check.as_ref().expect("the check is on");
-                let Mem::Cpu { board, .. } = &*check.mem else {
-                    panic!("CPU memory expected")
-                };
-                // SAFETY: the descriptor and its table of `n` + pad entries lie at the start of
-                // the allocation; no kernel runs.
-                unsafe {
-                    let d = (board.addr() as *const CheckDesc).read();
-                    let t = (board.addr() as *const u8).add(CHECK_ROWS_OFFSET) as *const [u64; 2];
-                    (d, (0..n).map(|i| t.add(i).read()).collect(), board.addr())
-                }
-            })
-            .collect();
-        let table_bytes = 16 * (n + oxccl_gpu::abi::CHECK_ROWS_PAD) as u64;
-        for (r, (d, t, base)) in tables.iter().enumerate() {
-            assert_eq!(d.direct, n as u64, "rank {r}");
-            assert_eq!(
-                d.board - base,
-                (CHECK_ROWS_OFFSET as u64 + table_bytes).next_multiple_of(128),
-                "rank {r}: the board starts on the line after the table"
-            );
-            for dist in 1..n {
-                assert_eq!(t[dist][0], tables[(r + dist) % n].1[dist][1], "rank {r}, distance {dist}");
-                assert_ne!(t[dist][0], 0);
-            }
-        }
     }
 
     #[test]

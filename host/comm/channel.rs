@@ -3,7 +3,6 @@
 //! exchange of direct connections, the NET step sizes, and the trees (per-channel tree
 //! connections on CUDA and on the CPU target), with the ring order each channel follows.
 use super::*;
-use oxccl_gpu::abi::{CHECK_ROW_FROM_TAIL, CHECK_ROW_SLOT_BYTES};
 
 /// Builds rank `r`'s communicator block: [`DevComm`], its channels (ring + connections), and the
 /// user-rank arrays of each channel's ring (`rings`: channel `c`'s prev, next, index and user ranks,
@@ -139,51 +138,6 @@ pub(super) fn direct_pointers(mut block: Vec<u8>, nch: u32, nranks: usize, param
     }
     tracing::debug!(target: "oxccl::init", nranks, nch, "ring connections via P2P/direct pointer");
     block
-}
-
-/// Whether the call check's signatures can go straight into the peers' rows
-/// ([`check_rows`]) on a communicator of `peer`'s ranks whose rank `a` reaches rank `b` through
-/// `transport(a, b)`: when the first peer channel of every distance, on every rank, connects
-/// both ways through P2P or SHM (a NET connection writes a staging block of the sender's, not
-/// the receiver's memory). Every rank decides from every pair, so all agree.
-pub(super) fn check_rows_reach_peers(
-    peer: PeerChannels,
-    transport: impl Fn(usize, usize) -> crate::transport::TransportKind,
-) -> bool {
-    let n = peer.nranks as usize;
-    n > 1
-        && (0..n).all(|a| {
-            (1..n).all(|d| {
-                let (next, prev) = peer.neighbours(peer.first + (d as u32 - 1) * peer.per_peer, a);
-                [next, prev]
-                    .iter()
-                    .all(|&b| transport(a, b) != crate::transport::TransportKind::Net)
-            })
-        })
-}
-
-/// The call check's row table of the rank whose comm block is `block` (a [`build_comm_block`]
-/// result with `peer`'s channels): per distance `d` in `1..nranks` (entry 0 unused) the row it
-/// writes at rank `r + d` and the row rank `r − d` writes in its memory, past the tail counters
-/// of the first peer channel of distance `d` (its send and receive connections), then
-/// [`oxccl_gpu::abi::CHECK_ROWS_PAD`] unused entries. Only meaningful where both ends of those
-/// connections address the same memory (P2P or SHM, not a NET staging block).
-pub(super) fn check_rows(block: &[u8], peer: PeerChannels) -> Vec<[u64; 2]> {
-    let n = peer.nranks as usize;
-    let mut rows = vec![[0u64; 2]; n + oxccl_gpu::abi::CHECK_ROWS_PAD];
-    for (d, row) in rows.iter_mut().enumerate().take(n).skip(1) {
-        let c = (peer.first + (d as u32 - 1) * peer.per_peer) as usize;
-        let ch = size_of::<DevComm>() + c * size_of::<DevChannel>();
-        let tail = |conn: usize| -> u64 {
-            let at = ch + conn + std::mem::offset_of!(ConnInfo, tail);
-            u64::from_ne_bytes(block[at..at + 8].try_into().expect("8 bytes"))
-        };
-        *row = [
-            tail(std::mem::offset_of!(DevChannel, send)) + CHECK_ROW_FROM_TAIL,
-            tail(std::mem::offset_of!(DevChannel, recv)) + CHECK_ROW_FROM_TAIL,
-        ];
-    }
-    rows
 }
 
 /// Sets the `trees` field of the [`DevComm`] at the start of `block` (a [`build_comm_block`]
@@ -599,18 +553,11 @@ pub(super) fn build_dev_trees(
     Ok(out)
 }
 
-/// Bytes reserved per tree peer slot for the two step counters (head, tail), each on its own
-/// 128-byte line.
+/// Bytes reserved per channel for the two step counters (head, tail), each on its own 128-byte line.
 pub(super) const COUNTERS_BYTES: u64 = 256;
-/// Bytes reserved per ring or peer channel: the two counters' lines and a third for the call
-/// check's row of the receive connection's sender ([`oxccl_gpu::abi::CHECK_ROW_FROM_TAIL`] past
-/// the tail).
-pub(super) const CHANNEL_COUNTERS_BYTES: u64 = COUNTERS_BYTES + 128;
-const _: () = assert!(128 + CHECK_ROW_FROM_TAIL + 2 * CHECK_ROW_SLOT_BYTES <= CHANNEL_COUNTERS_BYTES);
 
 /// Layout of one rank's connection memory: per channel a Simple receive buffer, then per channel
-/// the counters block (head of the send connection at +0, tail of the receive connection at +128,
-/// the call check's row of that connection's sender at +256).
+/// the counters block (head of the send connection at +0, tail of the receive connection at +128).
 pub(super) struct ConnLayout {
     pub(super) buffsize: u64,
     pub(super) ll_buffsize: u64,
@@ -631,7 +578,7 @@ impl ConnLayout {
         self.buffsize + self.ll_buffsize + self.ll128_buffsize
     }
     pub(super) fn bytes(&self) -> u64 {
-        self.nch * (self.per_channel() + CHANNEL_COUNTERS_BYTES)
+        self.nch * (self.per_channel() + COUNTERS_BYTES)
     }
     /// The Simple receive buffer of channel `c`.
     pub(super) fn buff(&self, base: u64, c: u64) -> u64 {
@@ -653,7 +600,7 @@ impl ConnLayout {
     }
 
     pub(super) fn head(&self, base: u64, c: u64) -> u64 {
-        base + self.nch * self.per_channel() + c * CHANNEL_COUNTERS_BYTES
+        base + self.nch * self.per_channel() + c * COUNTERS_BYTES
     }
     pub(super) fn tail(&self, base: u64, c: u64) -> u64 {
         self.head(base, c) + 128
@@ -741,61 +688,6 @@ mod direct_tests {
             ch.iter()
                 .all(|ch| ch.send.ptr_exchange == 0 && ch.recv.ptr_exchange == 0)
         );
-    }
-
-    #[test]
-    fn call_check_rows_pair_each_sender_with_its_receiver() {
-        let params = Params::default();
-        let peer = PeerChannels {
-            first: 2,
-            per_peer: 2,
-            nranks: 3,
-        };
-        let layout = ConnLayout::new(&params, peer.total());
-        let bases = [0x1000_0000_0000u64, 0x2000_0000_0000, 0x3000_0000_0000];
-        let rings = ChannelRings::new(vec![vec![0, 1, 2], vec![0, 2, 1]], 3).unwrap();
-        let rows: Vec<Vec<[u64; 2]>> = (0..3)
-            .map(|r| {
-                let block = build_comm_block(r, 3, 2, &layout, &bases, 0x5000, 0x6000, &params, &rings, peer);
-                check_rows(&block, peer)
-            })
-            .collect();
-        for (r, table) in rows.iter().enumerate() {
-            assert_eq!(table.len(), 3 + oxccl_gpu::abi::CHECK_ROWS_PAD, "rank {r}");
-            assert_eq!(table[0], [0, 0], "rank {r}: entry 0 is unused");
-            assert!(table[3..].iter().all(|e| *e == [0, 0]), "rank {r}: padding");
-            for d in 1..3 {
-                let to = (r + d) % 3;
-                // The first peer channel of distance d (channels 2-3: distance 1, 4-5: distance
-                // 2): rank r writes the line past the tail counter of rank r + d's copy of it,
-                // which is where rank r + d reads rank r's signature.
-                let c = 2 + 2 * (d as u64 - 1);
-                assert_eq!(table[d][0], layout.tail(bases[to], c) + CHECK_ROW_FROM_TAIL, "rank {r}, distance {d}");
-                assert_eq!(rows[to][d][1], table[d][0], "rank {r} -> {to}");
-                // Both slots lie on the counters block's third line, after the tail's.
-                let line = table[d][0] - layout.head(bases[to], c);
-                assert_eq!(line, 256, "rank {r}, distance {d}");
-                assert!(line + 2 * CHECK_ROW_SLOT_BYTES <= CHANNEL_COUNTERS_BYTES);
-            }
-        }
-    }
-
-    #[test]
-    fn call_check_rows_need_no_net_connection_on_any_first_peer_channel() {
-        use crate::transport::TransportKind::{Net, P2p, Shm};
-        let peer = PeerChannels {
-            first: 4,
-            per_peer: 2,
-            nranks: 4,
-        };
-        assert!(check_rows_reach_peers(peer, |_, _| P2p));
-        assert!(check_rows_reach_peers(peer, |a, b| if a / 2 == b / 2 { P2p } else { Shm }));
-        // Rank 3's send at distance 2 (to rank 1) over NET: no rank writes rows.
-        assert!(!check_rows_reach_peers(peer, |a, b| if (a, b) == (3, 1) { Net } else { P2p }));
-        // Rank 1's receive at distance 3 (from rank 2) over NET.
-        assert!(!check_rows_reach_peers(peer, |a, b| if (a, b) == (1, 2) { Net } else { Shm }));
-        let alone = PeerChannels { nranks: 1, ..peer };
-        assert!(!check_rows_reach_peers(alone, |_, _| P2p));
     }
 
     /// A direct Broadcast leaves the receiver's Simple FIFOs untouched (its data went straight to

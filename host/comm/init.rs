@@ -688,15 +688,15 @@ impl Comm {
             }
             regions.push(timeout::Region {
                 addr,
-                bytes: nch_all * CHANNEL_COUNTERS_BYTES as usize,
+                bytes: nch_all * COUNTERS_BYTES as usize,
             });
             at
         };
         let ring_counters: Vec<timeout::RingCounters> = (0..nch as usize)
             .map(|c| timeout::RingCounters {
                 channel: c,
-                head_at: region_at(own_split[c][0], &mut regions) + c * CHANNEL_COUNTERS_BYTES as usize,
-                tail_at: region_at(own_split[c][1], &mut regions) + c * CHANNEL_COUNTERS_BYTES as usize + 128,
+                head_at: region_at(own_split[c][0], &mut regions) + c * COUNTERS_BYTES as usize,
+                tail_at: region_at(own_split[c][1], &mut regions) + c * COUNTERS_BYTES as usize + 128,
                 next: rings.next(c, rank),
                 prev: rings.prev(c, rank),
             })
@@ -754,13 +754,6 @@ impl Comm {
             && (0..nranks).all(|a| {
                 (0..nch as usize).all(|c| select_transport(&mp.peers, a, rings.next(c, a)) == TransportKind::P2p)
             });
-        // The call check's signatures go straight into the peers' rows when the first peer
-        // channel of every distance reaches the peer's own memory on every rank (P2P or SHM;
-        // a NET connection writes a local staging block). Decided from every pair, so all
-        // ranks agree.
-        let check_rows = params.check_calls
-            && channel::check_rows_reach_peers(peer_ch, |a, b| select_transport(&mp.peers, a, b));
-        let mut rows = None;
         // The ranks of this process group on this rank's GPU (their launches go in step).
         let sharing: Vec<usize> = match &process {
             Some(_) if is_cuda => (0..nranks)
@@ -790,9 +783,6 @@ impl Comm {
                 if direct {
                     bytes = direct_pointers(bytes, nch, nranks, &params);
                 }
-                if check_rows {
-                    rows = Some(channel::check_rows(&bytes, peer_ch));
-                }
                 // SAFETY: the block was allocated with exactly this size; nothing else uses it yet.
                 unsafe {
                     std::ptr::copy_nonoverlapping(bytes.as_ptr(), comm_mem.addr() as *mut u8, bytes.len())
@@ -821,9 +811,6 @@ impl Comm {
                 set_trees(&mut bytes, tree_array);
                 if direct {
                     bytes = direct_pointers(bytes, nch, nranks, &params);
-                }
-                if check_rows {
-                    rows = Some(channel::check_rows(&bytes, peer_ch));
                 }
                 block.write(0, &bytes)?;
                 let dev_comm = block.ptr;
@@ -855,7 +842,7 @@ impl Comm {
             Res::Cuda(r) => Some(&r.ctx),
             Res::Cpu(_) => None,
         })?);
-        let call_check = call_check::CallCheck::for_rank(&params, nranks, &res, rows)?;
+        let call_check = call_check::CallCheck::for_rank(&params, nranks, &res)?;
         let p2p_module = match &res {
             Res::Cuda(r) if nranks > 1 => match r.ctx.kernel(oxccl_gpu::abi::P2P_KERNEL_NAME) {
                 Ok(m) => Some(m),

@@ -511,10 +511,9 @@ fn run_pair_with_tiny_dev_shm(test: &str, cpu: bool, env: &[(&str, &str)]) -> Op
 }
 
 /// The bytes one rank's connection memory needs with default buffers (4 MiB Simple, 512 KiB LL,
-/// 1 MiB LL128 per channel, plus 384 bytes per channel of counters and the call check's row)
-/// for `nch` channels.
+/// 1 MiB LL128 per channel, plus 256 bytes of counters per channel) for `nch` channels.
 fn conn_bytes(nch: usize) -> usize {
-    nch * ((4 << 20) + (512 << 10) + (1 << 20) + 384)
+    nch * ((4 << 20) + (512 << 10) + (1 << 20) + 256)
 }
 
 /// Each rank's `INIT-ERR` line must say that /dev/shm is too small, how many bytes it needed and
@@ -540,7 +539,7 @@ fn assert_too_small(test: &str, out: &str, bytes: usize) {
 fn too_small_dev_shm_names_bytes_and_path_cpu() {
     let test = "too_small_dev_shm_names_bytes_and_path_cpu";
     // CPU target, default 2 ring channels and 1 peer channel (1 per peer, 1 peer): 3 ×
-    // 5,767,552 = 17,302,656 bytes of connection memory, more than the 1 MiB tmpfs holds.
+    // 5,767,424 = 17,302,272 bytes of connection memory, more than the 1 MiB tmpfs holds.
     if let Some(out) = run_pair_with_tiny_dev_shm(test, true, &[]) {
         assert_too_small(test, &out, conn_bytes(3));
     }
@@ -553,13 +552,12 @@ fn too_small_dev_shm_names_bytes_and_path_gpu_shm() {
         return;
     }
     // CUDA through SHM, 4 ring channels and 8 peer channels (8 per peer for 2 GPU ranks):
-    // 12 × 5,767,552 = 69,210,624 bytes, which the segment rounds up to whole 4 KiB pages
-    // (cuMemHostRegister maps pages): 69,214,208.
+    // 12 × 5,767,424 = 69,209,088 bytes (a whole number of pages).
     if let Some(out) = run_pair_with_tiny_dev_shm(
         test,
         false,
         &[("NCCL_P2P_DISABLE", "1"), ("NCCL_MAX_NCHANNELS", "4")],
     ) {
-        assert_too_small(test, &out, conn_bytes(12).next_multiple_of(4096));
+        assert_too_small(test, &out, conn_bytes(12));
     }
 }

@@ -180,24 +180,11 @@ fn mismatched_call_settings_fail_or_agree_never_hang() {
 
 #[test]
 fn diverged_calls_fail_every_rank_with_the_call_check_on() {
-    // Three ranks as processes on two simulated hosts (SHM inside host a, NET to host b): the
-    // check gathers the signatures over the first peer channel's LL FIFOs.
-    diverged_calls_fail_every_rank(&["a", "a", "b"]);
-}
-
-#[test]
-fn diverged_calls_fail_every_rank_whose_signatures_go_through_shared_memory_rows() {
-    // Three ranks as processes on one simulated host (SHM between every pair): each rank writes
-    // its signature straight into its peers' rows.
-    diverged_calls_fail_every_rank(&["a", "a", "a"]);
-}
-
-/// OXCCL_CHECK_CALLS=1, three ranks as processes on the simulated hosts `on`; rank 2 issues
-/// another count. Every rank fails the call with InvalidUsage naming both groups and the count,
-/// in bounded time, with no byte of its buffers changed, and its next call returns the same
-/// error.
-fn diverged_calls_fail_every_rank(on: &[&str]) {
-    let mut envs = hosts(on);
+    // OXCCL_CHECK_CALLS=1, three ranks as processes on two simulated hosts (SHM inside host a,
+    // NET to host b); rank 2 issues another count. Every rank fails the call with InvalidUsage
+    // naming both groups and the count, in bounded time, with no byte of its buffers changed, and
+    // its next call returns the same error.
+    let mut envs = hosts(&["a", "a", "b"]);
     for (r, count) in ["1024", "1024", "1000"].iter().enumerate() {
         envs[r].push(("OXCCL_CHILD_COUNT", count.to_string()));
     }

@@ -33,7 +33,7 @@ pub const WARP_SIZE: u32 = 32;
 /// Bytes of kernel shared memory the kernel declares (see `arch::kernel_shared_mem`): the
 /// primitives' words, then the call check's gate at [`SMEM_GATE`].
 pub const KERNEL_SMEM_BYTES: usize = 160;
-/// Byte offset in the kernel's shared memory of the call check's gate (`crate::check::gate`:
+/// Byte offset in the kernel's shared memory of the call check's gate (`crate::check::Gate`:
 /// three `u64`), which no primitive uses.
 pub const SMEM_GATE: usize = 128;
 const _: () = assert!(SMEM_GATE + 24 <= KERNEL_SMEM_BYTES);
@@ -501,35 +501,6 @@ pub struct CheckDesc {
     /// differ. Written by the checking block of a collective's kernel, which the kernel's other
     /// blocks read at their gate (`crate::check::gate`).
     pub done: u64,
-    /// The number of ranks when the ranks write their signatures straight into each other's
-    /// memory ([`CHECK_ROWS_OFFSET`]: every peer's connection memory is reachable, P2P or SHM),
-    /// 0 when the check gathers them over the first peer channel's LL FIFOs instead (a NET
-    /// peer). Calls of number 0 (a graph's) always gather.
-    pub direct: u64,
-}
-
-/// Byte offset from a [`CheckDesc`] of its row table when [`CheckDesc::direct`] is set: per
-/// distance `d` (entry `d`, `d` in `1..nranks`; entry 0 and [`CHECK_ROWS_PAD`] entries past the
-/// last unused and zero) two addresses, where this rank writes its signature for rank
-/// `rank + d` and where it finds that of rank `rank − d`. Each is a row of two slots (by the
-/// call number's parity) of [`CALL_SIG_WORDS`] LL lines, in the receiver's connection memory
-/// ([`CHECK_ROW_FROM_TAIL`] bytes past the tail counter of the first peer channel of distance
-/// `d`). A slot is reused two calls later: by then its reader's kernel of the call before has
-/// ended, which read it.
-pub const CHECK_ROWS_OFFSET: usize = 128;
-/// Unused entries past the row table's last (the checking warp's lanes load their entry before
-/// they know whether they have one: every load stays inside the table).
-pub const CHECK_ROWS_PAD: usize = WARP_SIZE as usize / CALL_SIG_WORDS;
-/// Bytes from a connection's tail counter to the call check's row of that connection's sender
-/// (a line of its own in the receiver's counters block).
-pub const CHECK_ROW_FROM_TAIL: u64 = 128;
-/// Bytes of one slot of a call check row: [`CALL_SIG_WORDS`] LL lines of 16 bytes.
-pub const CHECK_ROW_SLOT_BYTES: u64 = CALL_SIG_WORDS as u64 * 16;
-
-/// The flag of the LL lines of call `seq`'s signature in a row slot (`seq % 2`): never 0 (the
-/// slot's value before any write) and never the flag of the call two before.
-pub fn check_row_flag(seq: u64) -> u32 {
-    ((seq >> 1) as u32).wrapping_add(1)
 }
 
 /// The bit of [`CheckDesc::done`] saying the check of that call stopped on an abort, or found
@@ -584,7 +555,7 @@ pub struct CheckReport {
 const _: () = assert!(
     core::mem::size_of::<CheckArgs>() == 48
         && core::mem::size_of::<CheckReport>() == 16
-        && core::mem::size_of::<CheckDesc>() == 32
+        && core::mem::size_of::<CheckDesc>() == 24
 );
 
 /// Most point-to-point works (one thread block each) of one launch: every send and receive of
