@@ -1,8 +1,13 @@
 //! The call-signature check (beyond NCCL; `OXCCL_CHECK_CALLS=1` on the host), inside a checked
-//! collective's kernel: one block more than the call's channels, the last, gathers every rank's
-//! [`CallSig`] of the call over the first peer channel on the LL protocol (a ring AllGather of
-//! 32 bytes per rank, a step of four LL lines per hop, over FIFOs no collective uses, so it runs
-//! over every transport, beside the call's data) and compares them. Meanwhile the call's blocks
+//! collective's kernel: one block more than the call's channels, the last, collects every
+//! rank's [`CallSig`] of the call and compares them. Ranks of one process group find the
+//! signatures in their rows ([`CheckDesc::rows`]), which every rank's host wrote when it
+//! launched the call, so no rank waits for a peer's kernel to start; once a call agrees, the
+//! checking block also looks at the next call's rows and, when every rank's host has launched
+//! it alike, publishes its agreement ahead ([`look_ahead`]): the next kernel's blocks then wait
+//! for nothing. Other ranks gather the signatures over the first peer channel on the LL protocol
+//! (a ring AllGather of 32 bytes per rank, a step of four LL lines per hop, over FIFOs no
+//! collective uses, so it runs over every transport, beside the call's data). Meanwhile the call's blocks
 //! move its data; each waits for the verdict ([`CheckDesc::done`]) at its [`gate`], before its
 //! first write to a user buffer — its output, or a peer's through a direct send — so the check
 //! overlaps the call's first hops. Every rank holds the same signatures and reaches the same
@@ -13,8 +18,10 @@
 //! runs the check alone (`oxccl_check_call`). The host side is `comm/call_check.rs`.
 use crate::abi::{
     ABORT_LINE_STOP, CALL_MISMATCH, CALL_SIG_WORDS, CHECK_DIFFERENT, CHECK_HALTED, CallSig, CheckDesc,
-    CheckReport, DevChannel, DevComm, DevRedOp, Proto, SMEM_GATE,
+    CheckReport, DevChannel, DevComm, DevRedOp, Proto, SMEM_GATE, SPINS_BEFORE_CHECK_ABORT, WARP_SIZE,
+    check_row_flag, check_row_offset,
 };
+use crate::arch::Pack;
 use crate::arch;
 use crate::proto::Primitives;
 use crate::proto::fan::Peers;
@@ -223,7 +230,35 @@ pub unsafe fn check_call(
     let ll_bytes = comm.buff_sizes[Proto::Ll as usize];
     let abort_flag = comm.abort_flag;
     // SAFETY: the descriptor is valid (caller contract); the host wrote these fields at init.
-    let (board, report) = unsafe { ((*d).board as *mut u64, (*d).report as *mut u64) };
+    let (board, report, rows) = unsafe { ((*d).board as *mut u64, (*d).report as *mut u64, (*d).rows) };
+    if rows != 0 && sig[0] != 0 {
+        // The hosts wrote the signatures into the rows (a graph's calls, of number 0, gather).
+        // SAFETY: caller contract; `rows` is the descriptor's block.
+        let (aborted, same) = unsafe {
+            if block_bool(tid == 0 && published_ahead(d, sig[0]), tid, smem) {
+                // The kernel before found this call's signatures and published the agreement.
+                look_ahead(d, rows, sig[0], n, me, tid);
+                arch::sync_threads();
+                return true;
+            }
+            match read_rows(comm, rows, sig, board, tid, smem) {
+                Some(v) => v,
+                None => {
+                    publish(CHECK_HALTED);
+                    return false;
+                }
+            }
+        };
+        if !aborted && same {
+            publish(0);
+        }
+        if !aborted {
+            // SAFETY: as above.
+            unsafe { look_ahead(if same { d } else { core::ptr::null_mut() }, rows, sig[0], n, me, tid) };
+        }
+        // SAFETY: caller contract: the report, board and comm block.
+        return unsafe { conclude(comm_ptr, report, board, sig, aborted, same, tid, publish) };
+    }
     // After a mismatch every rank skips its later checks alike, so no rank waits for a gather
     // its peers never start. (Device memory only: a host-mapped read here would put a PCIe round
     // trip before every checked call; an abort stops the gather's waits instead.)
@@ -284,8 +319,36 @@ pub unsafe fn check_call(
         p.finish();
         aborted
     };
+    // SAFETY: caller contract: the report, board and comm block.
+    unsafe { conclude(comm_ptr, report, board, sig, aborted, same, tid, publish) }
+}
+
+/// The end of a check whose signatures are on the board: on a mismatch (`same` false) thread 0
+/// copies them to the report and stops the communicator; the verdict for the gated blocks
+/// (`publish`) when the check stopped on an abort or found a mismatch. Returns whether the call
+/// may go on.
+///
+/// # Safety
+/// As [`check_call`], `report` and `board` the descriptor's; every thread of the block calls
+/// it with the same `aborted` and `same`.
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
+#[allow(clippy::too_many_arguments)]
+unsafe fn conclude(
+    comm_ptr: *mut DevComm,
+    report: *mut u64,
+    board: *mut u64,
+    sig: &CallSig,
+    aborted: bool,
+    same: bool,
+    tid: u32,
+    publish: impl Fn(u64),
+) -> bool {
+    // SAFETY: caller contract.
+    let comm = unsafe { &*comm_ptr };
+    let n = comm.nranks as u64;
     // `aborted` is the block's (an abort seen by any thread reaches all through the LL
-    // primitives' shared word): after one, the board may be partial and no verdict is given.
+    // primitives' shared word, or the rows' vote): after one, the board may be partial and no
+    // verdict is given.
     if aborted {
         publish(CHECK_HALTED);
     } else {
@@ -320,6 +383,170 @@ pub unsafe fn check_call(
     // SAFETY: every thread of the block calls this.
     unsafe { arch::sync_threads() };
     !aborted && same
+}
+
+/// Whether the kernel before published call `seq`'s agreement ahead ([`look_ahead`]).
+///
+/// # Safety
+/// `d` is the rank's descriptor.
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
+unsafe fn published_ahead(d: *const CheckDesc, seq: u64) -> bool {
+    // SAFETY: caller contract.
+    let done = unsafe { arch::load_volatile_u64(&raw const (*d).done) };
+    done & (CHECK_HALTED | CHECK_DIFFERENT) == 0 && done >= seq
+}
+
+/// Word `k` of `sig`, picked with constant indices (a register array, never local memory).
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
+fn sig_word(sig: &CallSig, k: u64) -> u64 {
+    let mut x = 0;
+    for (i, w) in sig.iter().enumerate() {
+        if k == i as u64 {
+            x = *w;
+        }
+    }
+    x
+}
+
+/// The row line at `line` once it holds `flag` twice: its word, or `None` on abort (the abort
+/// line at `abort_flag`, polled as the primitives do).
+///
+/// # Safety
+/// `line` is a 16-byte aligned line of a rows block.
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
+unsafe fn poll_row_line(line: *const Pack, flag: u32, abort_flag: *const u32) -> Option<u64> {
+    let mut spins = 0u32;
+    loop {
+        // SAFETY: caller contract.
+        let Pack([lo, f1, hi, f2]) = unsafe { arch::load_volatile_v4(line) };
+        if f1 == flag && f2 == flag {
+            return Some(lo as u64 | (hi as u64) << 32);
+        }
+        spins += 1;
+        if spins == SPINS_BEFORE_CHECK_ABORT {
+            spins = 0;
+            if crate::proto::fan::abort_raised(abort_flag) {
+                return None;
+            }
+        }
+        arch::spin_pause();
+    }
+}
+
+/// The peers' signatures of call `sig[0]` from this rank's rows ([`CheckDesc::rows`], written
+/// by the peers' hosts): the block's first warp waits for each line (lane `l` of a pass reads
+/// line `l % 4` of writer `l / 4`), compares it with this rank's word and keeps it on the board
+/// by rank. `None` when the communicator was stopped by an earlier mismatch (as every rank
+/// finds); else whether the wait stopped on an abort and whether every signature is this
+/// rank's, the same for every thread of the block. Word 0 of `smem` carries the answer past a
+/// barrier: the caller's next barrier must come before shared memory is used again.
+///
+/// # Safety
+/// As [`check_call`], `rows` the descriptor's block, `board` its board; every thread of the
+/// block calls it.
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
+unsafe fn read_rows(
+    comm: &DevComm,
+    rows: u64,
+    sig: &CallSig,
+    board: *mut u64,
+    tid: u32,
+    smem: *mut u32,
+) -> Option<(bool, bool)> {
+    let (n, me, seq) = (comm.nranks as u64, comm.rank as u64, sig[0]);
+    let abort_flag = comm.abort_flag as *const u32;
+    let flag = check_row_flag(seq);
+    let words = CALL_SIG_WORDS as u64;
+    if tid < WARP_SIZE {
+        // SAFETY: caller contract: the comm block, the rows block of `n` writers and the board
+        // of `n` signatures.
+        unsafe {
+            let halted = arch::load_volatile_u32(&raw const comm.aborted) != 0;
+            let (mut aborted, mut differs) = (false, false);
+            if !halted {
+                let mut base = 0;
+                while base < n * words {
+                    let line = base + tid as u64;
+                    let (writer, k) = (line / words, line % words);
+                    if line < n * words && writer != me && !aborted {
+                        let at = (rows + check_row_offset(writer, seq)) as *const Pack;
+                        match poll_row_line(at.add(k as usize), flag, abort_flag) {
+                            Some(v) => {
+                                differs |= v != sig_word(sig, k);
+                                board.add(line as usize).write_volatile(v);
+                            }
+                            None => aborted = true,
+                        }
+                    }
+                    base += WARP_SIZE as u64;
+                }
+                if tid == 0 {
+                    for (k, v) in sig.iter().enumerate() {
+                        board.add(me as usize * CALL_SIG_WORDS + k).write_volatile(*v);
+                    }
+                }
+            }
+            let aborted = arch::vote_any(aborted);
+            let differs = arch::vote_any(differs);
+            if tid == 0 {
+                smem.write_volatile(halted as u32 | (aborted as u32) << 1 | (differs as u32) << 2);
+            }
+        }
+    }
+    // SAFETY: every thread of the block reaches the barrier; word 0 was written before it.
+    let v = unsafe {
+        arch::sync_threads();
+        smem.read_volatile()
+    };
+    if v & 1 != 0 { None } else { Some((v & 2 != 0, v & 4 == 0)) }
+}
+
+/// After this rank's check of call `seq` agreed: the block's first warp looks once at every
+/// rank's row slot of call `seq + 1` (this rank's own included, which its host wrote when it
+/// launched that call); when all are in and equal, thread 0 publishes that call's agreement in
+/// `d` (unless null), so the next kernel's gated blocks find their verdict at once and its
+/// checking block waits for no row. Then thread 0 stores `seq` in the rows' header: every slot
+/// of a call up to `seq + 1` has been read for the last time by this rank.
+///
+/// # Safety
+/// `rows` is a rows block of `n` writers, this rank `me`; `d` this rank's descriptor or null;
+/// the block's first warp calls it together.
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
+unsafe fn look_ahead(d: *mut CheckDesc, rows: u64, seq: u64, n: u64, me: u64, tid: u32) {
+    if tid >= WARP_SIZE {
+        return;
+    }
+    let next = seq + 1;
+    let flag = check_row_flag(next);
+    let words = CALL_SIG_WORDS as u64;
+    let mut apart = false;
+    let mut base = 0;
+    while base < n * words {
+        let line = base + tid as u64;
+        if line < n * words {
+            let (writer, k) = (line / words, line % words);
+            // SAFETY: caller contract: every writer's slot lies inside the block.
+            unsafe {
+                let at = (rows + check_row_offset(writer, next)) as *const Pack;
+                let own = (rows + check_row_offset(me, next)) as *const Pack;
+                let Pack([lo, f1, hi, f2]) = arch::load_volatile_v4(at.add(k as usize));
+                let Pack([olo, g1, ohi, g2]) = arch::load_volatile_v4(own.add(k as usize));
+                apart |= f1 != flag || f2 != flag || g1 != flag || g2 != flag || lo != olo || hi != ohi;
+            }
+        }
+        base += WARP_SIZE as u64;
+    }
+    // SAFETY: every lane of the first warp votes.
+    let apart = unsafe { arch::vote_any(apart) };
+    if tid == 0 {
+        // SAFETY: caller contract: the descriptor and the rows' header are this rank's.
+        unsafe {
+            if !apart && !d.is_null() {
+                arch::store_volatile_u64(&raw mut (*d).done, next);
+            }
+            arch::store_volatile_u64(rows as *mut u64, seq);
+        }
+    }
 }
 
 /// Thread 0 of a gated block: waits until the checking block has published the verdict of

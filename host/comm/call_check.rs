@@ -10,11 +10,15 @@
 //! for the missing one, which `OXCCL_TIMEOUT` then names.
 //!
 //! How: inside the call's own kernel ([`oxccl_gpu::check`]), one block more than the call's
-//! channels gathers every rank's 32-byte [`CallSig`] over the first peer channel (which no
-//! collective uses) on the LL protocol and compares them, while the call's blocks move its data
-//! and wait for the verdict only before their first write to a user buffer; so the check's
-//! small AllGather overlaps the call's first hops, adds no kernel, and runs over every
-//! transport. Every rank gets the same signatures and the same
+//! channels collects every rank's 32-byte [`CallSig`] and compares them, while the call's blocks
+//! move its data and wait for the verdict only before their first write to a user buffer; so
+//! the check adds no kernel. Ranks of one process group ([`Comm::init_all`]) write their
+//! signature at launch into a slot of every rank's rows ([`RowsMem`], host memory the kernels
+//! read), so a checking block waits for no peer's kernel, and it publishes the next call's
+//! agreement ahead when every host has launched it already: a host running ahead of the GPUs,
+//! as a busy application's does, has its calls checked before their kernels start. Other ranks
+//! gather the signatures over the first peer channel (which no collective uses) on the LL
+//! protocol, over every transport. Every rank gets the same signatures and the same
 //! verdict: on a mismatch each rank's kernels, this call's and every later one's, exit before
 //! touching a buffer, and [`Comm::get_async_error`] and every later call return `InvalidUsage`
 //! naming each group of ranks with the call it issued and the fields that differ. With the check
@@ -25,7 +29,10 @@
 //! signature first, and the call's own kernel then honours that verdict
 //! (`CHECK_VERDICT_ONLY`), so graphs captured in another order on each rank replay alike.
 use super::*;
-use oxccl_gpu::abi::{CALL_SIG_WORDS, CHECK_KERNEL_NAME, CallSig, CheckArgs, CheckDesc, CheckReport};
+use oxccl_gpu::abi::{
+    CALL_SIG_WORDS, CHECK_KERNEL_NAME, CHECK_ROW_SLOTS, CallSig, CheckArgs, CheckDesc, CheckReport, check_row_flag,
+    check_row_line, check_row_offset, check_rows_bytes,
+};
 use std::sync::OnceLock;
 
 /// Bytes of one signature.
@@ -44,6 +51,42 @@ enum Mem {
     },
 }
 
+/// A rank's signature rows ([`CheckDesc::rows`]): host memory, mapped for its kernels on a GPU,
+/// which the hosts of its process group write into. Kept by the [`ProcessGroup`], so it lives
+/// as long as any rank of the group may write or read it.
+pub(super) enum RowsMem {
+    Cuda(cuda::HostMapped),
+    Cpu(HostMem),
+}
+
+impl RowsMem {
+    /// The rows of a rank of `nranks` on `ctx` (the CPU target when `None`), zeroed: no slot
+    /// holds a call's flag, the header says no call was checked.
+    fn new(ctx: Option<&Arc<cuda::Context>>, nranks: usize) -> Result<RowsMem> {
+        let bytes = check_rows_bytes(nranks as u64) as usize;
+        Ok(match ctx {
+            Some(ctx) => RowsMem::Cuda(cuda::HostMapped::zeroed(ctx, bytes)?),
+            None => RowsMem::Cpu(HostMem::zeroed(bytes)?),
+        })
+    }
+
+    /// The address the host writes through.
+    fn host(&self) -> usize {
+        match self {
+            RowsMem::Cuda(m) => m.host_ptr() as usize,
+            RowsMem::Cpu(m) => m.addr() as usize,
+        }
+    }
+
+    /// The address the rank's kernels read ([`CheckDesc::rows`]).
+    fn dev(&self) -> u64 {
+        match self {
+            RowsMem::Cuda(m) => m.dev_ptr(),
+            RowsMem::Cpu(m) => m.addr(),
+        }
+    }
+}
+
 /// A communicator's call-signature check (present when `OXCCL_CHECK_CALLS=1` and it has more
 /// than one rank).
 pub(super) struct CallCheck {
@@ -54,6 +97,10 @@ pub(super) struct CallCheck {
     seq: AtomicU64,
     /// The mismatch, once the host has seen the report (every later call returns it).
     error: OnceLock<Error>,
+    /// In a process group: every rank's rows' host address, by rank, looked up at the first
+    /// checked call (every rank registered its rows before any init returned); `None` when the
+    /// check gathers.
+    rows: Option<(Arc<ProcessGroup>, OnceLock<Vec<usize>>)>,
 }
 
 impl CallCheck {
@@ -61,7 +108,15 @@ impl CallCheck {
     /// its kernel, loaded now (a load while a peer's kernel spins could wait for it; a kernel
     /// that cannot be loaded fails the init rather than the first call, where the peers would
     /// wait for this rank's gather).
-    pub(super) fn for_rank(params: &Params, nranks: usize, res: &Res) -> Result<Option<CallCheck>> {
+    /// In a process group (`process`: the group and this rank), the rank's signature rows are
+    /// allocated and registered in the group: its peers' hosts write their signatures into
+    /// them. Ranks in other processes gather the signatures over LL FIFOs.
+    pub(super) fn for_rank(
+        params: &Params,
+        nranks: usize,
+        res: &Res,
+        process: Option<(&Arc<ProcessGroup>, usize)>,
+    ) -> Result<Option<CallCheck>> {
         if !params.check_calls || nranks < 2 {
             return Ok(None);
         }
@@ -72,12 +127,23 @@ impl CallCheck {
             }
             Res::Cpu(_) => None,
         };
-        CallCheck::new(ctx, nranks).map(Some)
+        let rows = match process {
+            Some((group, rank)) => {
+                let mem = Arc::new(RowsMem::new(ctx, nranks)?);
+                let dev = mem.dev();
+                if group.check_rows[rank].set(mem).is_err() {
+                    return Err(Error::Internal(format!("rank {rank}'s call check rows registered twice")));
+                }
+                Some((group.clone(), dev))
+            }
+            None => None,
+        };
+        CallCheck::new(ctx, nranks, rows).map(Some)
     }
 
     /// The check's memory for a rank of `nranks` on `ctx` (the CPU target when `None`), its
-    /// descriptor written.
-    fn new(ctx: Option<&Arc<cuda::Context>>, nranks: usize) -> Result<CallCheck> {
+    /// descriptor written; `rows`: the process group and this rank's rows' device address.
+    fn new(ctx: Option<&Arc<cuda::Context>>, nranks: usize, rows: Option<(Arc<ProcessGroup>, u64)>) -> Result<CallCheck> {
         // The board starts a 128-byte line after the descriptor: the blocks waiting on `done`
         // do not poll the line the gather writes.
         let desc = 128;
@@ -102,6 +168,7 @@ impl CallCheck {
             board: base + desc as u64,
             report: report_addr,
             done: 0,
+            rows: rows.as_ref().map_or(0, |r| r.1),
         };
         match &mem {
             Mem::Cuda { board, .. } => board.write(0, bytemuck::bytes_of(&d))?,
@@ -114,6 +181,7 @@ impl CallCheck {
             mem: Arc::new(mem),
             seq: AtomicU64::new(0),
             error: OnceLock::new(),
+            rows: rows.map(|r| (r.0, OnceLock::new())),
         })
     }
 
@@ -320,14 +388,97 @@ impl Comm {
         root: usize,
         choice: Option<Choice>,
         captured: bool,
-    ) -> Option<CheckArgs> {
-        let cc = self.call_check.as_ref()?;
+    ) -> Result<Option<CheckArgs>> {
+        let Some(cc) = self.call_check.as_ref() else {
+            return Ok(None);
+        };
         let seq = if captured { 0 } else { cc.seq.fetch_add(1, Ordering::AcqRel) + 1 };
-        Some(CheckArgs {
+        let sig = encode(seq, func, count, dtype, op, root, choice);
+        if seq != 0 {
+            self.write_rows(cc, &sig)?;
+        }
+        Ok(Some(CheckArgs {
             comm: self.dev_comm,
             check: cc.desc_addr(),
-            sig: encode(seq, func, count, dtype, op, root, choice),
-        })
+            sig,
+        }))
+    }
+
+    /// In a process group: this rank's signature `sig` of call `sig[0]` (≥ 1) written into its
+    /// slot in every rank's rows ([`CheckDesc::rows`]; its own too, where its kernels look ahead
+    /// at it), so that no rank's checking block waits for this rank's kernel. A slot is reused
+    /// [`CHECK_ROW_SLOTS`] calls later: first this waits until that rank's kernels have checked
+    /// the call that used it last ([`Comm::await_row_slot`]). Nothing to do when the check
+    /// gathers.
+    fn write_rows(&self, cc: &CallCheck, sig: &CallSig) -> Result<()> {
+        let Some((group, hosts)) = &cc.rows else {
+            return Ok(());
+        };
+        let hosts = hosts.get_or_init(|| group.check_rows.iter().map(|m| m.get().map_or(0, |m| m.host())).collect());
+        let seq = sig[0];
+        let flag = check_row_flag(seq);
+        for (reader, &base) in hosts.iter().enumerate() {
+            if base == 0 {
+                return Err(Error::Internal(format!("rank {reader}'s call check rows were never registered")));
+            }
+            self.await_row_slot(reader, base, seq)?;
+            let slot = base + check_row_offset(self.rank as u64, seq) as usize;
+            for (k, &word) in sig.iter().enumerate() {
+                for (h, half) in check_row_line(word, flag).into_iter().enumerate() {
+                    // SAFETY: the slot lies inside `reader`'s rows (`check_rows_bytes`), which
+                    // the process group this communicator holds keeps; each half is one aligned
+                    // `u64`, stored whole for the kernel that polls it.
+                    unsafe { AtomicU64::from_ptr((slot + 16 * k + 8 * h) as *mut u64).store(half, Ordering::Release) };
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits until rank `reader`'s kernels (its rows at host address `base`) have checked call
+    /// `seq − CHECK_ROW_SLOTS`, the last to use this rank's slot of call `seq` there (the rows'
+    /// header: `look_ahead` in `oxccl_gpu::check`). Only a host more than
+    /// [`CHECK_ROW_SLOTS`] checked calls ahead of that rank's GPU waits, as it would for a full
+    /// launch queue. Errors: this communicator aborted (the abort's error), or no progress for
+    /// the call timeout (`NCCL_TIMEOUT`; 600 s when timeouts are off): `Timeout` naming the rank
+    /// and the calls.
+    fn await_row_slot(&self, reader: usize, base: usize, seq: u64) -> Result<()> {
+        if seq <= CHECK_ROW_SLOTS {
+            return Ok(());
+        }
+        let need = seq - CHECK_ROW_SLOTS;
+        // SAFETY: the header is the rows' first word (see `write_rows`).
+        let header = unsafe { AtomicU64::from_ptr(base as *mut u64) };
+        let limit = self.params.timeout.unwrap_or(std::time::Duration::from_secs(600));
+        let mut seen = header.load(Ordering::Acquire);
+        let mut since = std::time::Instant::now();
+        let mut spins = 0u32;
+        while seen < need {
+            if self.flag_state() != 0 {
+                return Err(self.get_async_error().err().unwrap_or_else(|| {
+                    Error::InvalidUsage(format!("rank {}: the communicator was aborted", self.rank))
+                }));
+            }
+            if since.elapsed() > limit {
+                return Err(Error::Timeout(format!(
+                    "rank {}: call check: launching checked call {seq} needs rank {reader}'s kernels to have \
+                     checked call {need}, and they stayed at call {seen} for {limit:?}",
+                    self.rank
+                )));
+            }
+            spins = spins.saturating_add(1);
+            if spins < 64 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::sleep(std::time::Duration::from_micros(20));
+            }
+            let now = header.load(Ordering::Acquire);
+            if now != seen {
+                seen = now;
+                since = std::time::Instant::now();
+            }
+        }
+        Ok(())
     }
 
     /// Queues the check `args` alone (a call of count 0): on a GPU as one call of the launch
@@ -416,6 +567,126 @@ mod tests {
             chunk_elems: 0,
             slice_elems: 0,
         })
+    }
+
+    /// `n` CPU ranks of one process group with the check on (and `timeout`, if any).
+    fn checked_group(n: usize, timeout: Option<std::time::Duration>) -> Vec<Comm> {
+        let mut config = CommConfig::default().with_check_calls(true);
+        if let Some(t) = timeout {
+            config = config.with_timeout(t);
+        }
+        Comm::init_all_config(&crate::mem::Device::cpus(n), &config).expect("CPU ranks")
+    }
+
+    /// Rank `reader`'s rows as its host sees them.
+    fn rows_of(comms: &[Comm], reader: usize) -> usize {
+        comms[0].process.as_ref().expect("a process group").check_rows[reader].get().expect("rows").host()
+    }
+
+    /// Writer `writer`'s signature in `reader`'s slot of call `seq`, if that slot holds the
+    /// call's flag.
+    fn read_slot(comms: &[Comm], reader: usize, writer: usize, seq: u64) -> Option<CallSig> {
+        let at = rows_of(comms, reader) + check_row_offset(writer as u64, seq) as usize;
+        let flag = check_row_flag(seq) as u64;
+        let mut sig = [0u64; CALL_SIG_WORDS];
+        for (k, w) in sig.iter_mut().enumerate() {
+            // SAFETY: the slot lies inside the rows, which the group keeps; no kernel runs.
+            let (a, b) = unsafe { (((at + 16 * k) as *const u64).read_volatile(), ((at + 16 * k + 8) as *const u64).read_volatile()) };
+            if a >> 32 != flag || b >> 32 != flag {
+                return None;
+            }
+            *w = (a & 0xffff_ffff) | (b & 0xffff_ffff) << 32;
+        }
+        Some(sig)
+    }
+
+    /// Stores `seq` in `reader`'s rows' header, as its kernels do once they checked that call.
+    fn mark_checked(comms: &[Comm], reader: usize, seq: u64) {
+        // SAFETY: the header is the rows' first word, kept by the group.
+        unsafe { AtomicU64::from_ptr(rows_of(comms, reader) as *mut u64).store(seq, Ordering::Release) };
+    }
+
+    /// In a process group each rank's launch writes its signature into its slot of the call in
+    /// every rank's rows, its own included, with the call's flag; a later call of the same slot
+    /// index replaces it with the next flag.
+    #[test]
+    fn a_launch_writes_its_signature_into_every_ranks_rows() {
+        let comms = checked_group(3, None);
+        let ring = choice(Algo::Ring, Proto::Ll, 2);
+        let args: Vec<CheckArgs> = comms
+            .iter()
+            .enumerate()
+            .map(|(r, c)| {
+                c.check_args(Func::AllReduce, 100 + r, DataType::F32, DevRedOp::Sum, 0, ring, false)
+                    .expect("no wait for call 1")
+                    .expect("the check is on")
+            })
+            .collect();
+        for (w, a) in args.iter().enumerate() {
+            assert_eq!(a.sig[0], 1, "rank {w}'s first checked call is number 1");
+            assert_eq!(a.sig, encode(1, Func::AllReduce, 100 + w, DataType::F32, DevRedOp::Sum, 0, ring));
+            for reader in 0..3 {
+                assert_eq!(read_slot(&comms, reader, w, 1), Some(a.sig), "rank {w}'s signature at rank {reader}");
+                assert_eq!(read_slot(&comms, reader, w, 2), None, "no call 2 yet");
+            }
+        }
+        // A captured call takes no number and writes nothing.
+        let g = comms[1].check_args(Func::AllReduce, 1, DataType::F32, DevRedOp::Sum, 0, ring, true).unwrap().unwrap();
+        assert_eq!(g.sig[0], 0);
+        assert_eq!(read_slot(&comms, 0, 1, 2), None);
+        // Calls 2 ..= CHECK_ROW_SLOTS + 1 of rank 1, its readers having checked call 1: the last
+        // reuses call 1's slot with the next flag.
+        for reader in 0..3 {
+            mark_checked(&comms, reader, 1);
+        }
+        for _ in 2..=CHECK_ROW_SLOTS + 1 {
+            comms[1].check_args(Func::AllGather, 7, DataType::F32, DevRedOp::Sum, 0, ring, false).unwrap();
+        }
+        let last = encode(CHECK_ROW_SLOTS + 1, Func::AllGather, 7, DataType::F32, DevRedOp::Sum, 0, ring);
+        assert_eq!(read_slot(&comms, 2, 1, CHECK_ROW_SLOTS + 1), Some(last));
+        assert_eq!(read_slot(&comms, 2, 1, 1), None, "call 1's flag is gone from the reused slot");
+        assert_eq!(read_slot(&comms, 2, 0, 1), Some(args[0].sig), "rank 0's slot is untouched");
+    }
+
+    /// A host [`CHECK_ROW_SLOTS`] calls ahead of a rank's kernels waits for them before it
+    /// reuses a slot, and fails with `Timeout` naming that rank and both calls when they make no
+    /// progress for the call timeout.
+    #[test]
+    fn a_host_too_far_ahead_waits_for_the_readers_then_times_out() {
+        let comms = checked_group(2, Some(std::time::Duration::from_millis(300)));
+        let ring = choice(Algo::Ring, Proto::Ll, 2);
+        let launch = |c: &Comm| c.check_args(Func::AllReduce, 8, DataType::F32, DevRedOp::Sum, 0, ring, false);
+        for _ in 0..CHECK_ROW_SLOTS {
+            launch(&comms[0]).expect("a free slot at every rank");
+        }
+        // Call CHECK_ROW_SLOTS + 1 needs both ranks to have checked call 1: rank 1 has, rank 0
+        // (its own kernels) has not.
+        mark_checked(&comms, 1, 1);
+        let start = std::time::Instant::now();
+        let e = launch(&comms[0]).expect_err("rank 0's kernels never checked call 1");
+        assert!(start.elapsed() >= std::time::Duration::from_millis(300));
+        assert_eq!(e.code(), crate::error::ResultCode::Timeout);
+        let msg = e.to_string();
+        assert!(
+            msg.contains(&format!("launching checked call {} needs rank 0's kernels to have checked call 1", CHECK_ROW_SLOTS + 1))
+                && msg.contains("stayed at call 0"),
+            "{msg}"
+        );
+        // Progress lets the next launch through (the failed one took its number): the waiting
+        // host goes on once both ranks' kernels checked call 2, the last of that slot.
+        mark_checked(&comms, 1, 2);
+        let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        std::thread::scope(|s| {
+            let marker = s.spawn(|| {
+                std::thread::sleep(std::time::Duration::from_millis(50));
+                done.store(true, Ordering::Release);
+                mark_checked(&comms, 0, 2);
+            });
+            let sig = launch(&comms[0]).expect("rank 0's kernels caught up").expect("on");
+            assert!(done.load(Ordering::Acquire), "the launch waited for the header");
+            assert_eq!(sig.sig[0], CHECK_ROW_SLOTS + 2);
+            marker.join().unwrap();
+        });
     }
 
     #[test]

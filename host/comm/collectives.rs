@@ -416,7 +416,7 @@ impl Comm {
                 return Ok(());
             }
             let call = record(None);
-            return match self.check_args(func, 0, dtype, dev_op, root, None, captured) {
+            return match self.check_args(func, 0, dtype, dev_op, root, None, captured)? {
                 Some(check) => {
                     let recorded = self.begin_call(call, captured);
                     self.launch_check(check, stream, captured, recorded)

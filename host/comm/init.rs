@@ -842,7 +842,7 @@ impl Comm {
             Res::Cuda(r) => Some(&r.ctx),
             Res::Cpu(_) => None,
         })?);
-        let call_check = call_check::CallCheck::for_rank(&params, nranks, &res)?;
+        let call_check = call_check::CallCheck::for_rank(&params, nranks, &res, process.as_ref().map(|p| (p, rank)))?;
         let p2p_module = match &res {
             Res::Cuda(r) if nranks > 1 => match r.ctx.kernel(oxccl_gpu::abi::P2P_KERNEL_NAME) {
                 Ok(m) => Some(m),

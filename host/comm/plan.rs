@@ -179,7 +179,7 @@ impl Comm {
     /// the call check when it is on.
     pub(super) fn launch_one(&self, p: PlannedColl, captured: bool, stream: &Stream) -> Result<()> {
         let r = &p.record;
-        let mut check = self.check_args(r.func, r.count, r.dtype, r.op, r.root, r.choice, captured);
+        let mut check = self.check_args(r.func, r.count, r.dtype, r.op, r.root, r.choice, captured)?;
         let recorded = self.begin_call(p.record, captured);
         if captured && let Some(c) = check.take() {
             // A captured call has no number (its graph's launches run it): the check kernel

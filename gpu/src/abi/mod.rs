@@ -499,8 +499,50 @@ pub struct CheckDesc {
     /// [`CHECK_HALTED`] set when that check stopped on an abort or found the communicator
     /// stopped by an earlier mismatch, and with [`CHECK_DIFFERENT`] set when the ranks' calls
     /// differ. Written by the checking block of a collective's kernel, which the kernel's other
-    /// blocks read at their gate (`crate::check::gate`).
+    /// blocks read at their gate (`crate::check::gate`); a checking block that finds the next
+    /// call's signatures in [`CheckDesc::rows`] already publishes that call's agreement.
     pub done: u64,
+    /// This rank's signature rows, or 0 when the check gathers the signatures over LL FIFOs:
+    /// host memory (mapped for this rank's kernels) that the host of every rank of the
+    /// communicator writes its signature into when it launches a call, so that the checking
+    /// block reads every peer's signature without waiting for the peer's kernel. A
+    /// [`CHECK_ROWS_HEADER`]-byte header (word 0: the number of the last call whose check this
+    /// rank's kernels finished, which the writers wait on before they reuse a slot), then per
+    /// writer rank [`CHECK_ROW_SLOTS`] slots of one signature ([`check_row_offset`]).
+    pub rows: u64,
+}
+
+/// Signature slots per writer in a rank's [`CheckDesc::rows`]: a rank's host launches at most
+/// this many checked calls ahead of the calls every peer's kernels have checked.
+pub const CHECK_ROW_SLOTS: u64 = 1024;
+/// Bytes of one row slot: [`CALL_SIG_WORDS`] lines of 16 bytes, each two `u64` of one half of a
+/// signature word and the slot's flag ([`check_row_line`]).
+pub const CHECK_ROW_SLOT_BYTES: u64 = CALL_SIG_WORDS as u64 * 16;
+/// Bytes before the first row of a [`CheckDesc::rows`] block.
+pub const CHECK_ROWS_HEADER: u64 = 128;
+
+/// Bytes of the [`CheckDesc::rows`] block of a communicator of `nranks` ranks.
+pub const fn check_rows_bytes(nranks: u64) -> u64 {
+    CHECK_ROWS_HEADER + nranks * CHECK_ROW_SLOTS * CHECK_ROW_SLOT_BYTES
+}
+
+/// Byte offset in a [`CheckDesc::rows`] block of the slot of call `seq` (≥ 1) written by rank
+/// `writer`.
+pub const fn check_row_offset(writer: u64, seq: u64) -> u64 {
+    CHECK_ROWS_HEADER + (writer * CHECK_ROW_SLOTS + seq % CHECK_ROW_SLOTS) * CHECK_ROW_SLOT_BYTES
+}
+
+/// The flag of call `seq`'s lines in its row slot: never 0 (a slot's value before any write)
+/// and never the flag of the slot's previous call (`seq − CHECK_ROW_SLOTS`).
+pub const fn check_row_flag(seq: u64) -> u32 {
+    (seq / CHECK_ROW_SLOTS) as u32 + 1
+}
+
+/// Line `k` of a row slot holding signature word `word` for a call of flag `flag`: two `u64`
+/// (as `u32`s: low half, flag, high half, flag), each written whole, so a reader that finds the
+/// flag in both has the word.
+pub const fn check_row_line(word: u64, flag: u32) -> [u64; 2] {
+    [(word & 0xffff_ffff) | (flag as u64) << 32, (word >> 32) | (flag as u64) << 32]
 }
 
 /// The bit of [`CheckDesc::done`] saying the check of that call stopped on an abort, or found
@@ -555,7 +597,7 @@ pub struct CheckReport {
 const _: () = assert!(
     core::mem::size_of::<CheckArgs>() == 48
         && core::mem::size_of::<CheckReport>() == 16
-        && core::mem::size_of::<CheckDesc>() == 24
+        && core::mem::size_of::<CheckDesc>() == 32
 );
 
 /// Most point-to-point works (one thread block each) of one launch: every send and receive of
