@@ -1,6 +1,6 @@
 //! The call-signature check (beyond NCCL; `OXCCL_CHECK_CALLS=1` on the host), inside a checked
 //! collective's kernel: one block more than the call's channels, the last, collects every
-//! rank's [`CallSig`] of the call and compares them. Ranks of one process group find the
+//! rank's [`CallSig`] of the call and compares them. Ranks of one host find the
 //! signatures in their rows ([`CheckDesc::rows`]), which every rank's host wrote when it
 //! launched the call, so no rank waits for a peer's kernel to start; once a call agrees, the
 //! checking block also looks at the next call's rows and, when every rank's host has launched

@@ -12,9 +12,9 @@
 //! How: inside the call's own kernel ([`oxccl_gpu::check`]), one block more than the call's
 //! channels collects every rank's 32-byte [`CallSig`] and compares them, while the call's blocks
 //! move its data and wait for the verdict only before their first write to a user buffer; so
-//! the check adds no kernel. Ranks of one process group ([`Comm::init_all`]) write their
-//! signature at launch into a slot of every rank's rows ([`RowsMem`], host memory the kernels
-//! read), so a checking block waits for no peer's kernel, and it publishes the next call's
+//! the check adds no kernel. Ranks of one host write their signature at launch into a slot of
+//! every rank's rows ([`RowsMem`], `/dev/shm` memory the kernels read), so a checking block
+//! waits for no peer's kernel, and it publishes the next call's
 //! agreement ahead when every host has launched it already: a host running ahead of the GPUs,
 //! as a busy application's does, has its calls checked before their kernels start. Other ranks
 //! gather the signatures over the first peer channel (which no collective uses) on the LL
@@ -51,40 +51,91 @@ enum Mem {
     },
 }
 
-/// A rank's signature rows ([`CheckDesc::rows`]): host memory, mapped for its kernels on a GPU,
-/// which the hosts of its process group write into. Kept by the [`ProcessGroup`], so it lives
-/// as long as any rank of the group may write or read it.
+/// A rank's signature rows ([`CheckDesc::rows`]): a `/dev/shm` segment (on a GPU registered with
+/// the driver, which maps it for the rank's kernels) that the hosts of every rank of the
+/// communicator map and write into, in one process or several of one host.
 pub(super) enum RowsMem {
-    Cuda(cuda::HostMapped),
-    Cpu(HostMem),
+    Cuda(crate::transport::shm::RegisteredShm),
+    Cpu(crate::cpu::ShmSegment),
 }
 
 impl RowsMem {
-    /// The rows of a rank of `nranks` on `ctx` (the CPU target when `None`), zeroed: no slot
-    /// holds a call's flag, the header says no call was checked.
-    fn new(ctx: Option<&Arc<cuda::Context>>, nranks: usize) -> Result<RowsMem> {
+    /// Creates rank rows `/dev/shm/<name>` for a communicator of `nranks` on `ctx` (the CPU
+    /// target when `None`), zeroed: no slot holds a call's flag, the header says no call was
+    /// checked. Errors: a `/dev/shm` without the room (`System`, naming the bytes and the path).
+    pub(super) fn create(ctx: Option<&Arc<cuda::Context>>, name: &str, nranks: usize) -> Result<RowsMem> {
         let bytes = check_rows_bytes(nranks as u64) as usize;
         Ok(match ctx {
-            Some(ctx) => RowsMem::Cuda(cuda::HostMapped::zeroed(ctx, bytes)?),
-            None => RowsMem::Cpu(HostMem::zeroed(bytes)?),
+            Some(ctx) => RowsMem::Cuda(crate::transport::shm::RegisteredShm::create_with(ctx, name, bytes, &[], 0)?),
+            None => RowsMem::Cpu(crate::cpu::ShmSegment::create(name, crate::transport::shm::page_round(bytes))?),
         })
     }
 
-    /// The address the host writes through.
-    fn host(&self) -> usize {
+    fn seg(&self) -> &crate::cpu::ShmSegment {
         match self {
-            RowsMem::Cuda(m) => m.host_ptr() as usize,
-            RowsMem::Cpu(m) => m.addr() as usize,
+            RowsMem::Cuda(m) => &m.seg,
+            RowsMem::Cpu(m) => m,
         }
+    }
+
+    /// Removes the name (once every rank has mapped the rows).
+    pub(super) fn unlink(&self) -> Result<()> {
+        self.seg().unlink()
     }
 
     /// The address the rank's kernels read ([`CheckDesc::rows`]).
     fn dev(&self) -> u64 {
         match self {
-            RowsMem::Cuda(m) => m.dev_ptr(),
+            RowsMem::Cuda(m) => m.dev_base(),
             RowsMem::Cpu(m) => m.addr(),
         }
     }
+}
+
+/// The rows a rank's host writes into: its own and every peer's, by rank (`crate::cpu::
+/// ShmSegment::open` of the names `rows_name` gives), all of them in one host's `/dev/shm`.
+pub(super) struct Rows {
+    own: RowsMem,
+    /// Every rank's rows' host address, by rank.
+    hosts: Vec<usize>,
+    /// The peers' rows mapped here (kept for `hosts`).
+    _peers: Vec<crate::cpu::ShmSegment>,
+}
+
+impl Rows {
+    /// `own` (this rank's `rank`) with every peer's rows mapped: `names[p]` is rank `p`'s
+    /// segment, `nranks` ranks. Errors: a peer's segment that cannot be mapped.
+    pub(super) fn map(own: RowsMem, rank: usize, names: &[String]) -> Result<Rows> {
+        let bytes = crate::transport::shm::page_round(check_rows_bytes(names.len() as u64) as usize);
+        let mut peers = Vec::new();
+        let mut hosts = Vec::with_capacity(names.len());
+        for (p, name) in names.iter().enumerate() {
+            if p == rank {
+                hosts.push(own.seg().addr() as usize);
+            } else {
+                let seg = crate::cpu::ShmSegment::open(name, bytes).map_err(|e| {
+                    Error::InvalidUsage(format!(
+                        "rank {rank}: the call-signature check is on here but rank {p} offers no call \
+                         check rows ({e}): OXCCL_CHECK_CALLS (CommConfig::check_calls) must be the \
+                         same on every rank"
+                    ))
+                })?;
+                hosts.push(seg.addr() as usize);
+                peers.push(seg);
+            }
+        }
+        Ok(Rows { own, hosts, _peers: peers })
+    }
+
+    /// Removes this rank's name (once every rank has mapped the rows).
+    pub(super) fn unlink(&self) -> Result<()> {
+        self.own.unlink()
+    }
+}
+
+/// The name of the rows of the rank whose connection memory's `/dev/shm` name is `conn_name`.
+pub(super) fn rows_name(conn_name: &str) -> String {
+    format!("{conn_name}-check")
 }
 
 /// A communicator's call-signature check (present when `OXCCL_CHECK_CALLS=1` and it has more
@@ -97,10 +148,10 @@ pub(super) struct CallCheck {
     seq: AtomicU64,
     /// The mismatch, once the host has seen the report (every later call returns it).
     error: OnceLock<Error>,
-    /// In a process group: every rank's rows' host address, by rank, looked up at the first
-    /// checked call (every rank registered its rows before any init returned); `None` when the
-    /// check gathers.
-    rows: Option<(Arc<ProcessGroup>, OnceLock<Vec<usize>>)>,
+    /// The rows of every rank when the ranks share one host (`None`: the check gathers). The
+    /// own rows are also in `mem`'s keeping through this struct, which the communicator holds
+    /// until its kernels are done.
+    rows: Option<Arc<Rows>>,
 }
 
 impl CallCheck {
@@ -108,15 +159,9 @@ impl CallCheck {
     /// its kernel, loaded now (a load while a peer's kernel spins could wait for it; a kernel
     /// that cannot be loaded fails the init rather than the first call, where the peers would
     /// wait for this rank's gather).
-    /// In a process group (`process`: the group and this rank), the rank's signature rows are
-    /// allocated and registered in the group: its peers' hosts write their signatures into
-    /// them. Ranks in other processes gather the signatures over LL FIFOs.
-    pub(super) fn for_rank(
-        params: &Params,
-        nranks: usize,
-        res: &Res,
-        process: Option<(&Arc<ProcessGroup>, usize)>,
-    ) -> Result<Option<CallCheck>> {
+    /// `rows`: every rank's rows when the ranks share one host ([`Rows::map`]), `None` to
+    /// gather the signatures over LL FIFOs.
+    pub(super) fn for_rank(params: &Params, nranks: usize, res: &Res, rows: Option<Rows>) -> Result<Option<CallCheck>> {
         if !params.check_calls || nranks < 2 {
             return Ok(None);
         }
@@ -127,23 +172,12 @@ impl CallCheck {
             }
             Res::Cpu(_) => None,
         };
-        let rows = match process {
-            Some((group, rank)) => {
-                let mem = Arc::new(RowsMem::new(ctx, nranks)?);
-                let dev = mem.dev();
-                if group.check_rows[rank].set(mem).is_err() {
-                    return Err(Error::Internal(format!("rank {rank}'s call check rows registered twice")));
-                }
-                Some((group.clone(), dev))
-            }
-            None => None,
-        };
-        CallCheck::new(ctx, nranks, rows).map(Some)
+        CallCheck::new(ctx, nranks, rows.map(Arc::new)).map(Some)
     }
 
     /// The check's memory for a rank of `nranks` on `ctx` (the CPU target when `None`), its
-    /// descriptor written; `rows`: the process group and this rank's rows' device address.
-    fn new(ctx: Option<&Arc<cuda::Context>>, nranks: usize, rows: Option<(Arc<ProcessGroup>, u64)>) -> Result<CallCheck> {
+    /// descriptor written; `rows`: every rank's rows, if the ranks share a host.
+    fn new(ctx: Option<&Arc<cuda::Context>>, nranks: usize, rows: Option<Arc<Rows>>) -> Result<CallCheck> {
         // The board starts a 128-byte line after the descriptor: the blocks waiting on `done`
         // do not poll the line the gather writes.
         let desc = 128;
@@ -168,7 +202,7 @@ impl CallCheck {
             board: base + desc as u64,
             report: report_addr,
             done: 0,
-            rows: rows.as_ref().map_or(0, |r| r.1),
+            rows: rows.as_ref().map_or(0, |r| r.own.dev()),
         };
         match &mem {
             Mem::Cuda { board, .. } => board.write(0, bytemuck::bytes_of(&d))?,
@@ -181,7 +215,7 @@ impl CallCheck {
             mem: Arc::new(mem),
             seq: AtomicU64::new(0),
             error: OnceLock::new(),
-            rows: rows.map(|r| (r.0, OnceLock::new())),
+            rows,
         })
     }
 
@@ -404,29 +438,25 @@ impl Comm {
         }))
     }
 
-    /// In a process group: this rank's signature `sig` of call `sig[0]` (≥ 1) written into its
+    /// With rows: this rank's signature `sig` of call `sig[0]` (≥ 1) written into its
     /// slot in every rank's rows ([`CheckDesc::rows`]; its own too, where its kernels look ahead
     /// at it), so that no rank's checking block waits for this rank's kernel. A slot is reused
     /// [`CHECK_ROW_SLOTS`] calls later: first this waits until that rank's kernels have checked
     /// the call that used it last ([`Comm::await_row_slot`]). Nothing to do when the check
     /// gathers.
     fn write_rows(&self, cc: &CallCheck, sig: &CallSig) -> Result<()> {
-        let Some((group, hosts)) = &cc.rows else {
+        let Some(rows) = &cc.rows else {
             return Ok(());
         };
-        let hosts = hosts.get_or_init(|| group.check_rows.iter().map(|m| m.get().map_or(0, |m| m.host())).collect());
         let seq = sig[0];
         let flag = check_row_flag(seq);
-        for (reader, &base) in hosts.iter().enumerate() {
-            if base == 0 {
-                return Err(Error::Internal(format!("rank {reader}'s call check rows were never registered")));
-            }
+        for (reader, &base) in rows.hosts.iter().enumerate() {
             self.await_row_slot(reader, base, seq)?;
             let slot = base + check_row_offset(self.rank as u64, seq) as usize;
             for (k, &word) in sig.iter().enumerate() {
                 for (h, half) in check_row_line(word, flag).into_iter().enumerate() {
                     // SAFETY: the slot lies inside `reader`'s rows (`check_rows_bytes`), which
-                    // the process group this communicator holds keeps; each half is one aligned
+                    // `rows` keeps mapped; each half is one aligned
                     // `u64`, stored whole for the kernel that polls it.
                     unsafe { AtomicU64::from_ptr((slot + 16 * k + 8 * h) as *mut u64).store(half, Ordering::Release) };
                 }
@@ -506,13 +536,14 @@ impl Comm {
         };
         let nthreads = self.params.cpu_nthreads;
         let mem = cc.mem.clone();
+        let rows = cc.rows.clone();
         self.cpu_blocks(res, 1, recorded.as_slice()).launch(
             s,
             &self.inflight,
             move |_, tid, smem| {
-                let _board_and_report = &mem;
+                let _board_report_and_rows = (&mem, &rows);
                 // SAFETY: the comm block is kept by the launch's `group`, the descriptor, board
-                // and report by `mem`; every rank of the communicator queues the check of its
+                // and report by `mem`, the rows by `rows`; every rank of the communicator queues the check of its
                 // call `seq` (the setting is the same on every rank).
                 unsafe { oxccl_gpu::check::check_call(args.comm, args.check, &args.sig, false, tid, nthreads, smem) };
                 true
@@ -569,7 +600,7 @@ mod tests {
         })
     }
 
-    /// `n` CPU ranks of one process group with the check on (and `timeout`, if any).
+    /// `n` CPU ranks of one process (one host) with the check on (and `timeout`, if any).
     fn checked_group(n: usize, timeout: Option<std::time::Duration>) -> Vec<Comm> {
         let mut config = CommConfig::default().with_check_calls(true);
         if let Some(t) = timeout {
@@ -578,9 +609,9 @@ mod tests {
         Comm::init_all_config(&crate::mem::Device::cpus(n), &config).expect("CPU ranks")
     }
 
-    /// Rank `reader`'s rows as its host sees them.
+    /// Rank `reader`'s rows as rank 0's host sees them.
     fn rows_of(comms: &[Comm], reader: usize) -> usize {
-        comms[0].process.as_ref().expect("a process group").check_rows[reader].get().expect("rows").host()
+        comms[0].call_check.as_ref().expect("the check is on").rows.as_ref().expect("rows").hosts[reader]
     }
 
     /// Writer `writer`'s signature in `reader`'s slot of call `seq`, if that slot holds the
@@ -606,7 +637,7 @@ mod tests {
         unsafe { AtomicU64::from_ptr(rows_of(comms, reader) as *mut u64).store(seq, Ordering::Release) };
     }
 
-    /// In a process group each rank's launch writes its signature into its slot of the call in
+    /// Ranks of one host: each rank's launch writes its signature into its slot of the call in
     /// every rank's rows, its own included, with the call's flag; a later call of the same slot
     /// index replaces it with the next flag.
     #[test]

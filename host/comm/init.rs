@@ -198,6 +198,7 @@ impl Comm {
             let _ = std::fs::remove_file(format!("{prefix}-r{rank}"));
             let _ = std::fs::remove_file(format!("{prefix}-r{rank}-abort"));
             let _ = std::fs::remove_file(format!("{prefix}-r{rank}-tree"));
+            let _ = std::fs::remove_file(call_check::rows_name(&format!("{prefix}-r{rank}")));
         }
         result
     }
@@ -284,6 +285,13 @@ impl Comm {
         let page_bytes = abort_page_bytes(nranks);
         let page_name = format!("{own_name}-abort");
         let created_page = crate::cpu::ShmSegment::create(&page_name, page_bytes)?;
+        // The call check's rows (`call_check.rs`), which the peers' hosts write into when the
+        // ranks share a host (mapped once the peers are known).
+        let check_rows = if params.check_calls && nranks > 1 {
+            Some(call_check::RowsMem::create(ctx.as_ref(), &call_check::rows_name(&own_name), nranks)?)
+        } else {
+            None
+        };
         let me = PeerInfo::local(
             device,
             ctx.as_deref(),
@@ -660,8 +668,26 @@ impl Comm {
             }
         }
         phases.mark("connections (P2P/SHM/NET)");
+        // The call check's rows: every rank's mapped when all ranks share this host (every
+        // rank decides from the same peer list), else dropped (the check gathers).
+        let check_rows = match check_rows {
+            Some(own) if mp_peers_share_host(&peers) => {
+                let names: Vec<String> = peers.iter().map(|p| call_check::rows_name(&p.shm_name)).collect();
+                Some(call_check::Rows::map(own, rank, &names)?)
+            }
+            Some(own) => {
+                own.unlink()?;
+                None
+            }
+            None => None,
+        };
         // Every rank has mapped what it needs: the names can go (the mappings stay).
         bootstrap.barrier()?;
+        if let Some(rows) = &check_rows
+            && let Err(e) = rows.unlink()
+        {
+            tracing::warn!(target: "oxccl::init", "{e}");
+        }
         let unlinked = match &own {
             OwnConn::Shm(s) => s.unlink(),
             OwnConn::Host(_) | OwnConn::Dev(_) => Ok(()),
@@ -842,7 +868,7 @@ impl Comm {
             Res::Cuda(r) => Some(&r.ctx),
             Res::Cpu(_) => None,
         })?);
-        let call_check = call_check::CallCheck::for_rank(&params, nranks, &res, process.as_ref().map(|p| (p, rank)))?;
+        let call_check = call_check::CallCheck::for_rank(&params, nranks, &res, check_rows)?;
         let p2p_module = match &res {
             Res::Cuda(r) if nranks > 1 => match r.ctx.kernel(oxccl_gpu::abi::P2P_KERNEL_NAME) {
                 Ok(m) => Some(m),
@@ -985,4 +1011,10 @@ fn device_index(device: Device) -> usize {
     match device {
         Device::Cuda(o) | Device::Cpu(o) => o,
     }
+}
+
+/// Whether every rank of `peers` is on one host (NCCL's hostHash: equal host names), so that
+/// each can map the others' `/dev/shm` segments.
+fn mp_peers_share_host(peers: &[PeerInfo]) -> bool {
+    peers.iter().all(|p| p.host == peers[0].host)
 }

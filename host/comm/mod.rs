@@ -240,9 +240,6 @@ struct CpuGroup {
 /// caller's buffers).
 pub(super) struct ProcessGroup {
     members: Vec<std::sync::OnceLock<Member>>,
-    /// Every rank's call check rows (`call_check.rs`) when the check is on: each rank's host
-    /// writes its signatures into all of them.
-    check_rows: Vec<std::sync::OnceLock<Arc<call_check::RowsMem>>>,
 }
 
 /// One rank of a [`ProcessGroup`].
@@ -261,7 +258,6 @@ impl ProcessGroup {
     fn new(nranks: usize) -> ProcessGroup {
         ProcessGroup {
             members: (0..nranks).map(|_| std::sync::OnceLock::new()).collect(),
-            check_rows: (0..nranks).map(|_| std::sync::OnceLock::new()).collect(),
         }
     }
 

@@ -181,10 +181,24 @@ fn mismatched_call_settings_fail_or_agree_never_hang() {
 #[test]
 fn diverged_calls_fail_every_rank_with_the_call_check_on() {
     // OXCCL_CHECK_CALLS=1, three ranks as processes on two simulated hosts (SHM inside host a,
-    // NET to host b); rank 2 issues another count. Every rank fails the call with InvalidUsage
-    // naming both groups and the count, in bounded time, with no byte of its buffers changed, and
-    // its next call returns the same error.
-    let mut envs = hosts(&["a", "a", "b"]);
+    // NET to host b: the check gathers the signatures over LL FIFOs); rank 2 issues another
+    // count. Every rank fails the call with InvalidUsage naming both groups and the count, in
+    // bounded time, with no byte of its buffers changed, and its next call returns the same
+    // error.
+    diverged_calls_fail_every_rank(&["a", "a", "b"]);
+}
+
+#[test]
+fn diverged_calls_of_one_hosts_processes_fail_every_rank_with_the_call_check_on() {
+    // As above with the three processes on one host: each rank's host writes its signature into
+    // every rank's `/dev/shm` rows at launch, which the checking blocks read.
+    diverged_calls_fail_every_rank(&["a", "a", "a"]);
+}
+
+/// Three rank processes on `layout`'s simulated hosts, the check on, rank 2 issuing another
+/// count: every rank's error and its next call's, in bounded time, buffers untouched.
+fn diverged_calls_fail_every_rank(layout: &[&str]) {
+    let mut envs = hosts(layout);
     for (r, count) in ["1024", "1024", "1000"].iter().enumerate() {
         envs[r].push(("OXCCL_CHILD_COUNT", count.to_string()));
     }
