@@ -104,7 +104,8 @@ pub(super) struct Rows {
 
 impl Rows {
     /// `own` (this rank's `rank`) with every peer's rows mapped: `names[p]` is rank `p`'s
-    /// segment, `nranks` ranks. Errors: a peer's segment that cannot be mapped.
+    /// segment, `nranks` ranks. Errors: `InvalidUsage` for a peer's segment that cannot be
+    /// mapped (a host name shared by ranks that do not share `/dev/shm`).
     pub(super) fn map(own: RowsMem, rank: usize, names: &[String]) -> Result<Rows> {
         let bytes = crate::transport::shm::page_round(check_rows_bytes(names.len() as u64) as usize);
         let mut peers = Vec::new();
@@ -115,9 +116,8 @@ impl Rows {
             } else {
                 let seg = crate::cpu::ShmSegment::open(name, bytes).map_err(|e| {
                     Error::InvalidUsage(format!(
-                        "rank {rank}: the call-signature check is on here but rank {p} offers no call \
-                         check rows ({e}): OXCCL_CHECK_CALLS (CommConfig::check_calls) must be the \
-                         same on every rank"
+                        "rank {rank}: rank {p}'s call check rows cannot be mapped ({e}): the ranks \
+                         of one host (equal host names) must share its /dev/shm"
                     ))
                 })?;
                 hosts.push(seg.addr() as usize);

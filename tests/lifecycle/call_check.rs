@@ -433,6 +433,30 @@ fn a_config_turns_the_check_on_and_sets_the_timeout() {
     );
 }
 
+/// The check on one rank only (`CommConfig::check_calls`, which every rank must set alike):
+/// init fails on both ranks in bounded time, naming the setting and each rank's value, before
+/// any rank maps its peers' call check rows.
+#[test]
+fn the_check_on_one_rank_only_fails_init_naming_the_setting() {
+    let _env = Env::clean(VARS);
+    let id = common::unique_id();
+    let t = Instant::now();
+    let results = common::on_threads(2, |r| {
+        let config = CommConfig::default().with_check_calls(r == 0);
+        Comm::init_rank_config(2, &id, r, Device::Cpu(r), &config).map(|_| ())
+    });
+    assert!(t.elapsed() < Duration::from_secs(60), "{:?}", t.elapsed());
+    for (r, res) in results.iter().enumerate() {
+        let e = res.as_ref().expect_err("the ranks disagree on the check");
+        assert!(matches!(e, Error::InvalidUsage(_)), "rank {r}: {e:?}");
+        assert_eq!(
+            e.to_string(),
+            format!("invalid usage: rank {r}: OXCCL_CHECK_CALLS differs across ranks: rank 0 has 1, rank 1 has 0 (every rank must set the same value)"),
+            "rank {r}"
+        );
+    }
+}
+
 /// A checked call on 4 channels whose peer never calls: the checking block's gather and the 4
 /// data blocks (waiting on a FIFO or at their gate) see the timeout's abort, so the call times
 /// out in bounded time with every block gone and the buffer untouched.
