@@ -209,8 +209,10 @@ pub unsafe fn check_call(
     // The verdict for the launch's gated blocks, which act on its flags alone: an agreement is
     // stored at once (nothing before it needs ordering, and a fence here would wait for the
     // gather's stores into the peer's FIFO); a stop after `DevComm::aborted`, at GPU scope.
+    // A mismatch is stored even with no waiters (a graph's check kernel, a call of count 0):
+    // a later kernel's gates and checking block must not act on an agreement published ahead.
     let publish = |flags: u64| {
-        if tid == 0 && waiters {
+        if tid == 0 && (waiters || flags & CHECK_DIFFERENT != 0) {
             // SAFETY: the descriptor is this rank's (caller contract).
             unsafe {
                 if flags != 0 {
@@ -235,7 +237,7 @@ pub unsafe fn check_call(
         // The hosts wrote the signatures into the rows (a graph's calls, of number 0, gather).
         // SAFETY: caller contract; `rows` is the descriptor's block.
         let (aborted, same) = unsafe {
-            if block_bool(tid == 0 && published_ahead(d, sig[0]), tid, smem) {
+            if block_bool(tid == 0 && published_ahead(comm, d, sig[0]), tid, smem) {
                 // The kernel before found this call's signatures and published the agreement.
                 look_ahead(d, rows, sig[0], n, me, tid);
                 arch::sync_threads();
@@ -385,15 +387,17 @@ unsafe fn conclude(
     !aborted && same
 }
 
-/// Whether the kernel before published call `seq`'s agreement ahead ([`look_ahead`]).
+/// Whether the kernel before published call `seq`'s agreement ahead ([`look_ahead`]) and no
+/// check stopped the communicator since.
 ///
 /// # Safety
-/// `d` is the rank's descriptor.
+/// `comm` and `d` are the rank's comm block and descriptor.
 #[cfg_attr(target_arch = "nvptx64", inline(always))]
-unsafe fn published_ahead(d: *const CheckDesc, seq: u64) -> bool {
-    // SAFETY: caller contract.
-    let done = unsafe { arch::load_volatile_u64(&raw const (*d).done) };
-    done & (CHECK_HALTED | CHECK_DIFFERENT) == 0 && done >= seq
+unsafe fn published_ahead(comm: &DevComm, d: *const CheckDesc, seq: u64) -> bool {
+    // SAFETY: caller contract (two loads in flight together).
+    let (done, aborted) =
+        unsafe { (arch::load_volatile_u64(&raw const (*d).done), arch::load_volatile_u32(&raw const comm.aborted)) };
+    aborted == 0 && done & (CHECK_HALTED | CHECK_DIFFERENT) == 0 && done >= seq
 }
 
 /// Word `k` of `sig`, picked with constant indices (a register array, never local memory).
@@ -461,7 +465,9 @@ unsafe fn read_rows(
         // SAFETY: caller contract: the comm block, the rows block of `n` writers and the board
         // of `n` signatures.
         unsafe {
-            let halted = arch::load_volatile_u32(&raw const comm.aborted) != 0;
+            // One answer for the warp: an abort stopping the communicator meanwhile must not
+            // leave a lane's line uncompared.
+            let halted = arch::vote_any(arch::load_volatile_u32(&raw const comm.aborted) != 0);
             let (mut aborted, mut differs) = (false, false);
             if !halted {
                 let mut base = 0;
@@ -544,6 +550,8 @@ unsafe fn look_ahead(d: *mut CheckDesc, rows: u64, seq: u64, n: u64, me: u64, ti
             if !apart && !d.is_null() {
                 arch::store_volatile_u64(&raw mut (*d).done, next);
             }
+            // The slots' loads are done before a writer may reuse them.
+            arch::fence_acq_rel_sys();
             arch::store_volatile_u64(rows as *mut u64, seq);
         }
     }

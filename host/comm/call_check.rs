@@ -60,10 +60,25 @@ pub(super) enum RowsMem {
 }
 
 impl RowsMem {
+    /// The rows a rank whose connection memory is `/dev/shm/<conn_name>` offers its peers
+    /// when its settings turn the check on and it has peers ([`RowsMem::create`]), `None`
+    /// otherwise; mapped or dropped once the peers are known ([`Rows::for_peers`]).
+    pub(super) fn offer(
+        params: &Params,
+        ctx: Option<&Arc<cuda::Context>>,
+        conn_name: &str,
+        nranks: usize,
+    ) -> Result<Option<RowsMem>> {
+        if !params.check_calls || nranks < 2 {
+            return Ok(None);
+        }
+        RowsMem::create(ctx, &rows_name(conn_name), nranks).map(Some)
+    }
+
     /// Creates rank rows `/dev/shm/<name>` for a communicator of `nranks` on `ctx` (the CPU
     /// target when `None`), zeroed: no slot holds a call's flag, the header says no call was
     /// checked. Errors: a `/dev/shm` without the room (`System`, naming the bytes and the path).
-    pub(super) fn create(ctx: Option<&Arc<cuda::Context>>, name: &str, nranks: usize) -> Result<RowsMem> {
+    fn create(ctx: Option<&Arc<cuda::Context>>, name: &str, nranks: usize) -> Result<RowsMem> {
         let bytes = check_rows_bytes(nranks as u64) as usize;
         Ok(match ctx {
             Some(ctx) => RowsMem::Cuda(crate::transport::shm::RegisteredShm::create_with(ctx, name, bytes, &[], 0)?),
@@ -79,7 +94,7 @@ impl RowsMem {
     }
 
     /// Removes the name (once every rank has mapped the rows).
-    pub(super) fn unlink(&self) -> Result<()> {
+    fn unlink(&self) -> Result<()> {
         self.seg().unlink()
     }
 
@@ -103,10 +118,27 @@ pub(super) struct Rows {
 }
 
 impl Rows {
+    /// The rows of a communicator whose ranks are `peers`, this rank `rank` offering `own`:
+    /// every rank's mapped when all share one host (NCCL's hostHash: equal host names, every
+    /// rank deciding from the same list), else `None` with `own` unlinked and dropped (the check
+    /// gathers). Errors: as [`Rows::map`], and unlinking's.
+    pub(super) fn for_peers(own: Option<RowsMem>, rank: usize, peers: &[crate::transport::PeerInfo]) -> Result<Option<Rows>> {
+        let Some(own) = own else {
+            return Ok(None);
+        };
+        if peers.iter().all(|p| p.host == peers[0].host) {
+            let names: Vec<String> = peers.iter().map(|p| rows_name(&p.shm_name)).collect();
+            Rows::map(own, rank, &names).map(Some)
+        } else {
+            own.unlink()?;
+            Ok(None)
+        }
+    }
+
     /// `own` (this rank's `rank`) with every peer's rows mapped: `names[p]` is rank `p`'s
     /// segment, `nranks` ranks. Errors: `InvalidUsage` for a peer's segment that cannot be
     /// mapped (a host name shared by ranks that do not share `/dev/shm`).
-    pub(super) fn map(own: RowsMem, rank: usize, names: &[String]) -> Result<Rows> {
+    fn map(own: RowsMem, rank: usize, names: &[String]) -> Result<Rows> {
         let bytes = crate::transport::shm::page_round(check_rows_bytes(names.len() as u64) as usize);
         let mut peers = Vec::new();
         let mut hosts = Vec::with_capacity(names.len());
@@ -131,6 +163,13 @@ impl Rows {
     pub(super) fn unlink(&self) -> Result<()> {
         self.own.unlink()
     }
+}
+
+/// A communicator's call check memory held by a queued CPU-target launch ([`CallCheck::held`]),
+/// which may outlive the communicator's drop.
+pub(super) struct CheckHeld {
+    _mem: Arc<Mem>,
+    _rows: Option<Arc<Rows>>,
 }
 
 /// The name of the rows of the rank whose connection memory's `/dev/shm` name is `conn_name`.
@@ -217,6 +256,14 @@ impl CallCheck {
             error: OnceLock::new(),
             rows,
         })
+    }
+
+    /// The descriptor, board, report and rows, held for a queued launch that uses them.
+    pub(super) fn held(&self) -> CheckHeld {
+        CheckHeld {
+            _mem: self.mem.clone(),
+            _rows: self.rows.clone(),
+        }
     }
 
     /// The descriptor's address as kernels see it ([`KernelArgs::check`]).
@@ -450,8 +497,15 @@ impl Comm {
         };
         let seq = sig[0];
         let flag = check_row_flag(seq);
+        // Every slot free before any is written: a rank never holds a part of a call's
+        // signatures. A call numbered but never launched would shift this rank's later calls
+        // against its peers' kernels, which the rows cannot see: the communicator stops.
         for (reader, &base) in rows.hosts.iter().enumerate() {
-            self.await_row_slot(reader, base, seq)?;
+            if let Err(e) = self.await_row_slot(reader, base, seq) {
+                return Err(self.stop_checking(seq, e));
+            }
+        }
+        for &base in &rows.hosts {
             let slot = base + check_row_offset(self.rank as u64, seq) as usize;
             for (k, &word) in sig.iter().enumerate() {
                 for (h, half) in check_row_line(word, flag).into_iter().enumerate() {
@@ -463,6 +517,24 @@ impl Comm {
             }
         }
         Ok(())
+    }
+
+    /// After checked call `seq` was numbered but could not be launched (`e`, returned): every
+    /// later call of this rank returns `InvalidUsage` saying so (through
+    /// [`Comm::call_mismatch`], as after a mismatch), since its numbers no longer pair with its
+    /// peers' kernels; its peers' kernels of call `seq` wait for it until their timeout.
+    pub(super) fn stop_checking(&self, seq: u64, e: Error) -> Error {
+        if let Some(cc) = self.call_check.as_ref() {
+            let stop = Error::InvalidUsage(format!(
+                "rank {}: checked call #{seq} was numbered by the call check but not launched ({e}); \
+                 the communicator's later calls cannot be checked against its peers': abort or \
+                 destroy it",
+                self.rank
+            ));
+            tracing::error!(target: "oxccl::coll", rank = self.rank, "{stop}");
+            let _ = cc.error.get_or_init(|| stop);
+        }
+        e
     }
 
     /// Waits until rank `reader`'s kernels (its rows at host address `base`) have checked call
@@ -484,7 +556,7 @@ impl Comm {
         let mut since = std::time::Instant::now();
         let mut spins = 0u32;
         while seen < need {
-            if self.flag_state() != 0 {
+            if self.flag_state() != 0 || self.call_mismatch().is_some() {
                 return Err(self.get_async_error().err().unwrap_or_else(|| {
                     Error::InvalidUsage(format!("rank {}: the communicator was aborted", self.rank))
                 }));
@@ -680,44 +752,63 @@ mod tests {
     }
 
     /// A host [`CHECK_ROW_SLOTS`] calls ahead of a rank's kernels waits for them before it
-    /// reuses a slot, and fails with `Timeout` naming that rank and both calls when they make no
-    /// progress for the call timeout.
+    /// reuses a slot, and goes on once they checked the call that last used it.
     #[test]
-    fn a_host_too_far_ahead_waits_for_the_readers_then_times_out() {
+    fn a_host_too_far_ahead_waits_for_the_readers() {
+        let comms = checked_group(2, None);
+        let ring = choice(Algo::Ring, Proto::Ll, 2);
+        for _ in 0..CHECK_ROW_SLOTS {
+            comms[0].check_args(Func::AllReduce, 8, DataType::F32, DevRedOp::Sum, 0, ring, false).expect("a free slot");
+        }
+        // Call CHECK_ROW_SLOTS + 1 needs both ranks' kernels to have checked call 1.
+        mark_checked(&comms, 1, 1);
+        let done = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|s| {
+            let marker = s.spawn(|| {
+                std::thread::sleep(std::time::Duration::from_millis(50));
+                done.store(true, Ordering::Release);
+                mark_checked(&comms, 0, 1);
+            });
+            let a = comms[0].check_args(Func::AllReduce, 8, DataType::F32, DevRedOp::Sum, 0, ring, false);
+            assert!(done.load(Ordering::Acquire), "the launch waited for rank 0's header");
+            assert_eq!(a.expect("rank 0's kernels caught up").expect("on").sig[0], CHECK_ROW_SLOTS + 1);
+            marker.join().unwrap();
+        });
+        assert!(comms[0].call_mismatch().is_none());
+    }
+
+    /// A host whose readers make no progress for the call timeout fails that launch with
+    /// `Timeout` naming the rank and both calls, having written no rank's slot, and stops the
+    /// check: its later calls return `InvalidUsage` naming the call that took a number.
+    #[test]
+    fn a_host_too_far_ahead_of_a_stalled_rank_times_out_and_stops_checking() {
         let comms = checked_group(2, Some(std::time::Duration::from_millis(300)));
         let ring = choice(Algo::Ring, Proto::Ll, 2);
         let launch = |c: &Comm| c.check_args(Func::AllReduce, 8, DataType::F32, DevRedOp::Sum, 0, ring, false);
         for _ in 0..CHECK_ROW_SLOTS {
             launch(&comms[0]).expect("a free slot at every rank");
         }
-        // Call CHECK_ROW_SLOTS + 1 needs both ranks to have checked call 1: rank 1 has, rank 0
-        // (its own kernels) has not.
-        mark_checked(&comms, 1, 1);
+        // Rank 0's own kernels checked call 1, rank 1's did not: rank 0's slot is free, rank
+        // 1's is not.
+        mark_checked(&comms, 0, 1);
         let start = std::time::Instant::now();
-        let e = launch(&comms[0]).expect_err("rank 0's kernels never checked call 1");
+        let e = launch(&comms[0]).expect_err("rank 1's kernels never checked call 1");
         assert!(start.elapsed() >= std::time::Duration::from_millis(300));
         assert_eq!(e.code(), crate::error::ResultCode::Timeout);
         let msg = e.to_string();
         assert!(
-            msg.contains(&format!("launching checked call {} needs rank 0's kernels to have checked call 1", CHECK_ROW_SLOTS + 1))
+            msg.contains(&format!("launching checked call {} needs rank 1's kernels to have checked call 1", CHECK_ROW_SLOTS + 1))
                 && msg.contains("stayed at call 0"),
             "{msg}"
         );
-        // Progress lets the next launch through (the failed one took its number): the waiting
-        // host goes on once both ranks' kernels checked call 2, the last of that slot.
-        mark_checked(&comms, 1, 2);
-        let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        std::thread::scope(|s| {
-            let marker = s.spawn(|| {
-                std::thread::sleep(std::time::Duration::from_millis(50));
-                done.store(true, Ordering::Release);
-                mark_checked(&comms, 0, 2);
-            });
-            let sig = launch(&comms[0]).expect("rank 0's kernels caught up").expect("on");
-            assert!(done.load(Ordering::Acquire), "the launch waited for the header");
-            assert_eq!(sig.sig[0], CHECK_ROW_SLOTS + 2);
-            marker.join().unwrap();
-        });
+        let seq = CHECK_ROW_SLOTS + 1;
+        assert_eq!(read_slot(&comms, 0, 0, seq), None, "no slot written: not even the free one");
+        let stop = comms[0].call_mismatch().expect("the check stopped").to_string();
+        assert!(
+            stop.starts_with(&format!("invalid usage: rank 0: checked call #{seq} was numbered by the call check but not launched (timeout: "))
+                && stop.ends_with("abort or destroy it"),
+            "{stop}"
+        );
     }
 
     #[test]

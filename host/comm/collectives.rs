@@ -419,7 +419,9 @@ impl Comm {
             return match self.check_args(func, 0, dtype, dev_op, root, None, captured)? {
                 Some(check) => {
                     let recorded = self.begin_call(call, captured);
+                    let seq = check.sig[0];
                     self.launch_check(check, stream, captured, recorded)
+                        .map_err(|e| if seq != 0 { self.stop_checking(seq, e) } else { e })
                 }
                 None => {
                     self.record_empty_call(call);

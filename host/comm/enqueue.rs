@@ -303,7 +303,9 @@ impl Comm {
                     ));
                 }
                 let blocks = self.cpu_blocks(res, grid, recorded);
-                launch_cpu(args, blocks, s, &self.inflight)
+                // A checked launch keeps the check's memory until its blocks end.
+                let held = if args.check != 0 { self.call_check.as_ref().map(|c| c.held()) } else { None };
+                launch_cpu(args, blocks, s, &self.inflight, held)
             }
             _ => Err(Error::invalid(
                 "stream and communicator are of different backends",
@@ -459,10 +461,13 @@ pub(super) fn launch_cpu(
     blocks: CpuBlocks,
     stream: &CpuStream,
     inflight: &Arc<AtomicUsize>,
+    held: Option<super::call_check::CheckHeld>,
 ) -> Result<()> {
     let nthreads = blocks.nthreads;
     blocks.launch(stream, inflight, move |b, tid, smem| {
-        // SAFETY: `args.comm` is this rank's comm block, kept alive by the launch's `group`;
+        let _check_memory = &held;
+        // SAFETY: `args.comm` is this rank's comm block, kept alive by the launch's `group`, the
+        // call check's memory (if checked) by `held`;
         // the buffers are the caller's (all_reduce_raw contract); `smem` is this block's,
         // shared by its threads as on the GPU. `false` (no entry for the work) cannot happen:
         // `launch` checked it.

@@ -7,6 +7,7 @@
 //! settings every rank must share; the channels and the communicator block are in `channel.rs`;
 //! the links to each neighbour through the pair's transport ([`crate::transport`]).
 use super::*;
+use super::init_phases::InitPhases;
 
 pub(super) fn check_devices(devices: &[Device]) -> Result<()> {
     if devices.is_empty() {
@@ -285,13 +286,8 @@ impl Comm {
         let page_bytes = abort_page_bytes(nranks);
         let page_name = format!("{own_name}-abort");
         let created_page = crate::cpu::ShmSegment::create(&page_name, page_bytes)?;
-        // The call check's rows (`call_check.rs`), which the peers' hosts write into when the
-        // ranks share a host (mapped once the peers are known).
-        let check_rows = if params.check_calls && nranks > 1 {
-            Some(call_check::RowsMem::create(ctx.as_ref(), &call_check::rows_name(&own_name), nranks)?)
-        } else {
-            None
-        };
+        // The call check's rows, mapped once the peers are known (`call_check.rs`).
+        let check_rows = call_check::RowsMem::offer(&params, ctx.as_ref(), &own_name, nranks)?;
         let me = PeerInfo::local(
             device,
             ctx.as_deref(),
@@ -670,29 +666,15 @@ impl Comm {
         phases.mark("connections (P2P/SHM/NET)");
         // The call check's rows: every rank's mapped when all ranks share this host (every
         // rank decides from the same peer list), else dropped (the check gathers).
-        let check_rows = match check_rows {
-            Some(own) if mp_peers_share_host(&peers) => {
-                let names: Vec<String> = peers.iter().map(|p| call_check::rows_name(&p.shm_name)).collect();
-                Some(call_check::Rows::map(own, rank, &names)?)
-            }
-            Some(own) => {
-                own.unlink()?;
-                None
-            }
-            None => None,
-        };
+        let check_rows = call_check::Rows::for_peers(check_rows, rank, &peers)?;
         // Every rank has mapped what it needs: the names can go (the mappings stay).
         bootstrap.barrier()?;
-        if let Some(rows) = &check_rows
-            && let Err(e) = rows.unlink()
-        {
-            tracing::warn!(target: "oxccl::init", "{e}");
-        }
         let unlinked = match &own {
             OwnConn::Shm(s) => s.unlink(),
             OwnConn::Host(_) | OwnConn::Dev(_) => Ok(()),
         }
         .and(host_conns.shm.as_ref().map_or(Ok(()), |m| m.seg.unlink()))
+        .and(check_rows.as_ref().map_or(Ok(()), |r| r.unlink()))
         .and(rank_trees::unlink(&tree_mem));
         if let Err(e) = unlinked.and(if rank == leader { page.unlink() } else { Ok(()) }) {
             tracing::warn!(target: "oxccl::init", "{e}");
@@ -946,37 +928,6 @@ impl Comm {
     }
 }
 
-/// Times the phases of one `init_rank` for debug logs (`OXCCL_LOG=oxccl::init=debug`): each
-/// [`InitPhases::mark`] logs the milliseconds since the previous mark.
-pub(super) struct InitPhases {
-    pub(super) rank: usize,
-    pub(super) start: Instant,
-    pub(super) last: std::cell::Cell<Instant>,
-}
-
-impl InitPhases {
-    pub(super) fn start(rank: usize) -> InitPhases {
-        let now = Instant::now();
-        InitPhases {
-            rank,
-            start: now,
-            last: std::cell::Cell::new(now),
-        }
-    }
-
-    pub(super) fn mark(&self, phase: &str) {
-        let now = Instant::now();
-        let ms = (now - self.last.get()).as_secs_f64() * 1e3;
-        self.last.set(now);
-        tracing::debug!(target: "oxccl::init", rank = self.rank, ms = format!("{ms:.2}"), "init_rank phase: {phase}");
-    }
-
-    pub(super) fn total_ms(&self) -> String {
-        format!("{:.2}", self.start.elapsed().as_secs_f64() * 1e3)
-    }
-}
-
-
 /// A short tag of a unique id, so segment names of different communicators never collide.
 pub(super) fn id_tag(id: &crate::bootstrap::UniqueId) -> u64 {
     crate::hash::fnv1a_64(&id.to_bytes()) & 0xffff_ffff
@@ -1011,10 +962,4 @@ fn device_index(device: Device) -> usize {
     match device {
         Device::Cuda(o) | Device::Cpu(o) => o,
     }
-}
-
-/// Whether every rank of `peers` is on one host (NCCL's hostHash: equal host names), so that
-/// each can map the others' `/dev/shm` segments.
-fn mp_peers_share_host(peers: &[PeerInfo]) -> bool {
-    peers.iter().all(|p| p.host == peers[0].host)
 }

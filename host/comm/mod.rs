@@ -8,6 +8,7 @@
 //! | file | what | NCCL |
 //! |---|---|---|
 //! | `init.rs` | [`Comm::init_all`], [`Comm::init_rank`] (and their `_config` forms) | `init.cc` |
+//! | `init_phases.rs` | the phase timer of one setup, for debug logs | — |
 //! | `launcher.rs` | [`Comm::from_env`]: one rank per process from a launcher's variables | — |
 //! | `peer_info.rs` | checks of what ranks tell each other at init, settings every rank must share | `init.cc` |
 //! | `channel.rs` | channels, connection layout, the communicator block | `channel.cc` |
@@ -59,6 +60,7 @@ mod channel;
 mod collectives;
 mod enqueue;
 mod init;
+mod init_phases;
 mod launcher;
 mod peer_info;
 mod plan;

@@ -191,6 +191,7 @@ impl Comm {
                 ..c
             });
         }
+        let seq = check.map_or(0, |c| c.sig[0]);
         self.launch(
             KernelArgs {
                 comm: self.dev_comm,
@@ -204,6 +205,7 @@ impl Comm {
             captured,
             recorded.as_slice(),
         )
+        .map_err(|e| if seq != 0 { self.stop_checking(seq, e) } else { e })
     }
 
     /// Launches `batch` — planned calls of this communicator for `stream`, in the order issued,

@@ -350,6 +350,53 @@ fn the_sequence_number_counts_the_calls_before() {
     }
 }
 
+/// Calls queued with no wait between them, a mismatch among them: the calls before it complete
+/// exactly, whether their kernels found the next calls' signatures already written (and
+/// published their agreement ahead) or not; the diverged call and every call queued after it
+/// write nothing, on every rank, and all report the mismatch. Several rounds, so that the
+/// hosts' launches and the kernels interleave differently.
+#[test]
+fn a_mismatch_among_queued_calls_stops_it_and_every_later_call() {
+    for round in 0..4 {
+        // A fresh pair each round: the communicator stops at its mismatch.
+        let comms = init(&Device::cpus(2), &[]);
+        let streams = common::streams(&comms);
+        let bufs: Vec<_> = comms.iter().map(|c| c.device().alloc(64 * 4).unwrap()).collect();
+        let later: Vec<_> = comms.iter().map(|c| c.device().alloc(64 * 4).unwrap()).collect();
+        for (r, (b, l)) in bufs.iter().zip(&later).enumerate() {
+            b.write(0, &(r as u32 + 1).to_ne_bytes().repeat(64)).unwrap();
+            l.write(0, &7u32.to_ne_bytes().repeat(64)).unwrap();
+        }
+        for r in 0..2 {
+            for _ in 0..3 {
+                comms[r].all_reduce(&bufs[r], &bufs[r], 64, DataType::U32, RedOp::Sum, &streams[r]).unwrap();
+            }
+            // Call 4 differs in count on rank 1; call 5 matches again.
+            let n = if r == 1 { 60 } else { 64 };
+            comms[r].all_reduce(&later[r], &later[r], n, DataType::U32, RedOp::Sum, &streams[r]).unwrap();
+            if let Err(e) = comms[r].all_reduce(&later[r], &later[r], 64, DataType::U32, RedOp::Sum, &streams[r]) {
+                // The host read the mismatch's report first: the call is refused at once.
+                assert!(e.to_string().contains("call #4"), "round {round}, rank {r}: {e}");
+            }
+        }
+        common::sync_all(&streams, "four queued calls, the fourth diverged");
+        for r in 0..2 {
+            // 1 + 2 = 3, then 6, then 12.
+            assert_eq!(bufs[r].to_vec().unwrap(), 12u32.to_ne_bytes().repeat(64), "round {round}, rank {r}");
+            assert_eq!(
+                later[r].to_vec().unwrap(),
+                7u32.to_ne_bytes().repeat(64),
+                "round {round}, rank {r}: written at or after the mismatch"
+            );
+            let m = comms[r].get_async_error().unwrap_err().to_string();
+            assert!(m.contains("allreduce call #4") && m.contains("they differ in count"), "round {round}, rank {r}: {m}");
+        }
+        for c in &comms {
+            c.abort().unwrap();
+        }
+    }
+}
+
 /// With the check on, matching calls of every collective on every protocol give exact results,
 /// in place and out of place, guards intact (the collective matrix on a few pairs and counts,
 /// count 0 included). On the CPU target (1 or 2 channels), 12,000 elements make a first chunk
