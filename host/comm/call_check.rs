@@ -60,19 +60,21 @@ pub(super) enum RowsMem {
 }
 
 impl RowsMem {
-    /// The rows a rank whose connection memory is `/dev/shm/<conn_name>` offers its peers
-    /// when its settings turn the check on and it has peers ([`RowsMem::create`]), `None`
-    /// otherwise; mapped or dropped once the peers are known ([`Rows::for_peers`]).
+    /// The rows a rank whose connection memory is `/dev/shm/<conn_name>` offers the other
+    /// ranks of `peers` ([`RowsMem::create`]) when its settings turn the check on and every rank
+    /// is on its host (NCCL's hostHash: equal host names; every rank decides from the same
+    /// list), `None` otherwise (the check gathers); mapped once every rank has offered its own
+    /// ([`Rows::map`]).
     pub(super) fn offer(
         params: &Params,
         ctx: Option<&Arc<cuda::Context>>,
         conn_name: &str,
-        nranks: usize,
+        peers: &[crate::transport::PeerInfo],
     ) -> Result<Option<RowsMem>> {
-        if !params.check_calls || nranks < 2 {
+        if !params.check_calls || peers.len() < 2 || !peers.iter().all(|p| p.host == peers[0].host) {
             return Ok(None);
         }
-        RowsMem::create(ctx, &rows_name(conn_name), nranks).map(Some)
+        RowsMem::create(ctx, &rows_name(conn_name), peers.len()).map(Some)
     }
 
     /// Creates rank rows `/dev/shm/<name>` for a communicator of `nranks` on `ctx` (the CPU
@@ -118,21 +120,14 @@ pub(super) struct Rows {
 }
 
 impl Rows {
-    /// The rows of a communicator whose ranks are `peers`, this rank `rank` offering `own`:
-    /// every rank's mapped when all share one host (NCCL's hostHash: equal host names, every
-    /// rank deciding from the same list), else `None` with `own` unlinked and dropped (the check
-    /// gathers). Errors: as [`Rows::map`], and unlinking's.
+    /// Every rank's rows, this rank `rank` offering `own` (`None`: the check gathers), the ranks
+    /// `peers`. Errors: as [`Rows::map`].
     pub(super) fn for_peers(own: Option<RowsMem>, rank: usize, peers: &[crate::transport::PeerInfo]) -> Result<Option<Rows>> {
         let Some(own) = own else {
             return Ok(None);
         };
-        if peers.iter().all(|p| p.host == peers[0].host) {
-            let names: Vec<String> = peers.iter().map(|p| rows_name(&p.shm_name)).collect();
-            Rows::map(own, rank, &names).map(Some)
-        } else {
-            own.unlink()?;
-            Ok(None)
-        }
+        let names: Vec<String> = peers.iter().map(|p| rows_name(&p.shm_name)).collect();
+        Rows::map(own, rank, &names).map(Some)
     }
 
     /// `own` (this rank's `rank`) with every peer's rows mapped: `names[p]` is rank `p`'s

@@ -286,8 +286,6 @@ impl Comm {
         let page_bytes = abort_page_bytes(nranks);
         let page_name = format!("{own_name}-abort");
         let created_page = crate::cpu::ShmSegment::create(&page_name, page_bytes)?;
-        // The call check's rows, mapped once the peers are known (`call_check.rs`).
-        let check_rows = call_check::RowsMem::offer(&params, ctx.as_ref(), &own_name, nranks)?;
         let me = PeerInfo::local(
             device,
             ctx.as_deref(),
@@ -305,6 +303,9 @@ impl Comm {
             .map(|(r, b)| PeerInfo::decode(r, b))
             .collect::<Result<_>>()?;
         check_peers(rank, &peers)?;
+        // The call check's rows when the ranks share this host (`call_check.rs`): created before
+        // the ring graphs' all-gather below, mapped by the peers after it.
+        let check_rows = call_check::RowsMem::offer(&params, ctx.as_ref(), &own_name, &peers)?;
         // This machine's topology, built once for this init on first use (NCCL_P2P_LEVEL when a
         // level applies, the ring search on CUDA).
         let topo = LocalTopo::default();
