@@ -582,6 +582,52 @@ fn a_call_check_mismatch_in_a_later_call_of_a_graph_stops_it_and_every_later_rep
     });
 }
 
+/// With the call check on, a graph whose call differs between the ranks, replayed between two
+/// matching eager calls queued with no wait between them: the first eager call is exact; the
+/// replay writes nothing; the eager call after it writes nothing either, or is refused at once,
+/// even where the first call's kernel found its signatures already written and published its
+/// agreement ahead (the replay's check stops the communicator after that). Several fresh pairs,
+/// so that the hosts' launches and the kernels interleave differently.
+#[test]
+fn a_graph_mismatch_stops_an_eager_call_agreed_ahead() {
+    let env = Staged::clean(VARS);
+    env.set(&[("OXCCL_CHECK_CALLS", "1"), ("OXCCL_TIMEOUT", "20")]);
+    let count = 64;
+    for round in 0..6 {
+        let comms = common::init_all(&Device::cpus(2)).unwrap();
+        let barrier = Barrier::new(2);
+        common::on_threads(2, |r| {
+            let c = &comms[r];
+            let dev = c.device();
+            let stream = dev.new_stream().unwrap();
+            let src = dev.alloc(count * 4).unwrap();
+            src.write(0, &input(r, count, 6)).unwrap();
+            let outs = [0u8, 1, 2].map(|salt| poisoned(dev, count * 4, salt));
+            let data = |i: usize| outs[i].slice(FRONT, count * 4).unwrap();
+            let op = if r == 0 { RedOp::Sum } else { RedOp::Max };
+            let capture = dev.new_stream().unwrap();
+            capture.begin_capture().unwrap();
+            c.all_reduce(&src, data(1), count, DataType::U32, op, &capture).unwrap();
+            let graph = capture.end_capture().unwrap();
+            barrier.wait();
+            sum_u32(c, &src, data(0), count, &stream);
+            // SAFETY: the buffers and communicator live until the synchronize below.
+            unsafe { graph.launch(&stream) }.unwrap();
+            let after = c.all_reduce(&src, data(2), count, DataType::U32, RedOp::Sum, &stream);
+            stream.synchronize().unwrap();
+            let what = format!("round {round}, rank {r}");
+            check_guarded(&outs[0], 0, &all_reduce_want(2, count, 6), &format!("{what}: the first eager call"));
+            check_guarded(&outs[1], 1, &[], &format!("{what}: the graph's call"));
+            check_guarded(&outs[2], 2, &[], &format!("{what}: the eager call after the graph"));
+            if let Err(e) = after {
+                assert!(e.to_string().contains("the ranks issued different calls"), "{what}: {e}");
+            }
+            let m = c.get_async_error().unwrap_err().to_string();
+            assert!(m.contains("they differ in operator"), "{what}: {m}");
+        });
+    }
+}
+
 /// With the call check on, graphs captured in another order on each rank — rank 0 captures
 /// AllReduce A then B, rank 1 B then A — and replayed in the same order (A, then B) on both,
 /// as the README allows (only the replays' order matters), run exactly without a mismatch.
