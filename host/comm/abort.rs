@@ -243,6 +243,18 @@ impl Comm {
         ))
     }
 
+    /// The error of a communicator that may launch no more work, `None` while it runs: Remote
+    /// (another rank aborted), Timeout (a call of this rank timed out) or InvalidUsage (this rank
+    /// aborted, or the call check stopped it), as [`Comm::get_async_error`] reports it.
+    pub(super) fn stopped_error(&self) -> Option<Error> {
+        if self.flag_state() == 0 && self.call_mismatch().is_none() {
+            return None;
+        }
+        Some(self.get_async_error().err().unwrap_or_else(|| {
+            Error::InvalidUsage(format!("rank {}: the communicator was aborted", self.rank))
+        }))
+    }
+
     pub(super) fn flag_state(&self) -> u32 {
         let v = self.abort_flag().load(Ordering::Acquire);
         if v == 0 && self.init_rank_res().abort.raised_by_peer().is_some() {

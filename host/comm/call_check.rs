@@ -182,9 +182,8 @@ pub(super) struct CallCheck {
     seq: AtomicU64,
     /// The mismatch, once the host has seen the report (every later call returns it).
     error: OnceLock<Error>,
-    /// The rows of every rank when the ranks share one host (`None`: the check gathers). The
-    /// own rows are also in `mem`'s keeping through this struct, which the communicator holds
-    /// until its kernels are done.
+    /// The rows of every rank when the ranks share one host (`None`: the check gathers); shared,
+    /// as `mem` is, with queued CPU-target launches ([`CallCheck::held`]).
     rows: Option<Arc<Rows>>,
 }
 
@@ -504,9 +503,9 @@ impl Comm {
             let slot = base + check_row_offset(self.rank as u64, seq) as usize;
             for (k, &word) in sig.iter().enumerate() {
                 for (h, half) in check_row_line(word, flag).into_iter().enumerate() {
-                    // SAFETY: the slot lies inside `reader`'s rows (`check_rows_bytes`), which
-                    // `rows` keeps mapped; each half is one aligned
-                    // `u64`, stored whole for the kernel that polls it.
+                    // SAFETY: the slot lies inside one rank's rows (`check_rows_bytes`), which
+                    // `rows` keeps mapped; each half is one aligned `u64`, stored whole for the
+                    // kernel that polls it.
                     unsafe { AtomicU64::from_ptr((slot + 16 * k + 8 * h) as *mut u64).store(half, Ordering::Release) };
                 }
             }
@@ -551,10 +550,8 @@ impl Comm {
         let mut since = std::time::Instant::now();
         let mut spins = 0u32;
         while seen < need {
-            if self.flag_state() != 0 || self.call_mismatch().is_some() {
-                return Err(self.get_async_error().err().unwrap_or_else(|| {
-                    Error::InvalidUsage(format!("rank {}: the communicator was aborted", self.rank))
-                }));
+            if let Some(e) = self.stopped_error() {
+                return Err(e);
             }
             if since.elapsed() > limit {
                 return Err(Error::Timeout(format!(
@@ -602,16 +599,15 @@ impl Comm {
             return Err(Error::Internal("a call check without its memory".into()));
         };
         let nthreads = self.params.cpu_nthreads;
-        let mem = cc.mem.clone();
-        let rows = cc.rows.clone();
+        let held = cc.held();
         self.cpu_blocks(res, 1, recorded.as_slice()).launch(
             s,
             &self.inflight,
             move |_, tid, smem| {
-                let _board_report_and_rows = (&mem, &rows);
-                // SAFETY: the comm block is kept by the launch's `group`, the descriptor, board
-                // and report by `mem`, the rows by `rows`; every rank of the communicator queues the check of its
-                // call `seq` (the setting is the same on every rank).
+                let _check_memory = &held;
+                // SAFETY: the comm block is kept by the launch's `group`, the descriptor, board,
+                // report and rows by `held`; every rank of the communicator queues the check of
+                // its call `seq` (the setting is the same on every rank).
                 unsafe { oxccl_gpu::check::check_call(args.comm, args.check, &args.sig, false, tid, nthreads, smem) };
                 true
             },

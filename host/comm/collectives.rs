@@ -523,12 +523,8 @@ impl Comm {
             }
         };
         self.check_not_revoked(func.name())?;
-        if self.flag_state() != 0 || self.call_mismatch().is_some() {
-            // Remote (another rank aborted), Timeout (a call of this rank timed out) or
-            // InvalidUsage (this rank aborted, or ranks issued different calls).
-            return Err(self.get_async_error().err().unwrap_or_else(|| {
-                Error::InvalidUsage(format!("rank {}: the communicator was aborted", self.rank))
-            }));
+        if let Some(e) = self.stopped_error() {
+            return Err(e);
         }
         if self.finalized.load(Ordering::Acquire) {
             return Err(Error::InvalidUsage(format!(

@@ -391,11 +391,8 @@ impl Comm {
     /// That this rank may still launch work: not aborted (here or by a peer), no call found
     /// diverging, not finalized; the error as [`Comm::get_async_error`] reports it otherwise.
     pub(crate) fn check_launchable(&self) -> Result<()> {
-        if self.flag_state() != 0 || self.call_mismatch().is_some() {
-            return self.get_async_error().and(Err(Error::InvalidUsage(format!(
-                "rank {}: the communicator was aborted",
-                self.rank
-            ))));
+        if let Some(e) = self.stopped_error() {
+            return Err(e);
         }
         if self.finalized.load(Ordering::Acquire) {
             return Err(Error::InvalidUsage(format!(
