@@ -32,8 +32,10 @@ use crate::reduce::{FuncSum, OpArgs};
 /// ([`check_call`]) and has no share of its data; every other block arms its [`gate`] and goes
 /// on to move data, waiting for the verdict only before its first write to a user buffer. With
 /// [`crate::abi::CHECK_VERDICT_ONLY`] in `desc`, every block only honours the verdict of the
-/// check kernel that ran before. Returns whether the block goes on to the call's works (the
-/// same answer for every thread of the block). The gates rely on the checking block running
+/// check kernel that ran before. Returns `None` when the block stops, else what its gate needs
+/// ([`gate`]): thread 0's look at the verdict word ([`CheckDesc::done`]), taken as it armed the
+/// gate so that the load's time passes while the block sets up (0 in every other thread and
+/// where the block has no gate). The answer is the same for every thread of the block. The gates rely on the checking block running
 /// meanwhile, as every oxccl kernel relies on its blocks and its peers' being resident together
 /// (a grid of at most one block per channel and the checking block, fewer than the GPU's
 /// multiprocessors).
@@ -50,24 +52,27 @@ pub unsafe fn checked(
     tid: u32,
     nthreads: u32,
     smem: *mut u32,
-) -> bool {
+) -> Option<u64> {
     // SAFETY: forwarded caller contract.
     unsafe {
         if desc & crate::abi::CHECK_VERDICT_ONLY != 0 {
             // Checked by the check kernel before this one: every block honours its verdict.
             let comm = &*(comm as *const DevComm);
-            !block_bool(tid == 0 && !same_verdict(comm), tid, smem)
+            (!block_bool(tid == 0 && !same_verdict(comm), tid, smem)).then_some(0)
         } else if nblocks < 2 {
             // No block to spare (a launch the host does not make): check, then move the data
             // past a gate armed open.
             arm_gate(comm, 0, 0, tid, smem);
-            check_call(comm, desc, sig, false, tid, nthreads, smem)
+            check_call(comm, desc, sig, false, tid, nthreads, smem).then_some(0)
         } else if bid == nblocks - 1 {
             check_call(comm, desc, sig, true, tid, nthreads, smem);
-            false
+            None
         } else {
             arm_gate(comm, desc, sig[0], tid, smem);
-            true
+            // The verdict is most often published before the kernel starts (by the kernel
+            // before: `look_ahead`); loaded here and first used at the gate, the load costs the
+            // gate nothing.
+            Some(if tid == 0 { arch::load_volatile_u64(&raw const (*(desc as *const CheckDesc)).done) } else { 0 })
         }
     }
 }
@@ -97,16 +102,18 @@ unsafe fn arm_gate(comm: u64, desc: u64, seq: u64, tid: u32, smem: *mut u32) {
 const GATE_SHUT: u64 = u64::MAX;
 
 /// The gate before a block's first write to a user buffer (its own output, or a peer's through
-/// a direct send) in a checked call's kernel: whether the block may write. The first pass waits
-/// for the checking block's verdict; later ones cost a shared-memory load. Every thread of the
-/// block calls it at the same point of the algorithm (`RingCtx::gate`, which skips it in an
-/// unchecked kernel, whose shared memory holds no gate).
+/// a direct send) in a checked call's kernel: whether the block may write. The first pass takes
+/// the verdict from `seen` (thread 0's look at the verdict word when the block armed the gate,
+/// as [`checked`] returned it) when that look found it, else waits for the checking block's;
+/// later passes cost a shared-memory load. Every thread of the block calls it at the same point
+/// of the algorithm (`RingCtx::gate`, which skips it in an unchecked kernel, whose shared memory
+/// holds no gate).
 ///
 /// # Safety
 /// Every thread of the block calls it; `smem` is the kernel's shared memory, whose gate words
 /// this block armed ([`checked`]).
 #[cfg_attr(target_arch = "nvptx64", inline(always))]
-pub unsafe fn gate(tid: u32, smem: *mut u32) -> bool {
+pub unsafe fn gate(tid: u32, smem: *mut u32, seen: u64) -> bool {
     // SAFETY: caller contract (as `arm_gate`); the gate's word changes only between the two
     // barriers below, which every thread reaches.
     unsafe {
@@ -121,11 +128,11 @@ pub unsafe fn gate(tid: u32, smem: *mut u32) -> bool {
         // Every thread has read the word before thread 0 rewrites it.
         arch::sync_threads();
         if tid == 0 {
-            let go = await_verdict(
-                &*(g.add(2).read_volatile() as *const DevComm),
-                desc as *const CheckDesc,
-                g.add(1).read_volatile(),
-            );
+            let seq = g.add(1).read_volatile();
+            let go = match verdict(seen, seq) {
+                Some(go) => go,
+                None => await_verdict(&*(g.add(2).read_volatile() as *const DevComm), desc as *const CheckDesc, seq),
+            };
             g.write_volatile(if go { 0 } else { GATE_SHUT });
         }
         arch::sync_threads();
@@ -568,16 +575,13 @@ unsafe fn look_ahead(d: *mut CheckDesc, rows: u64, seq: u64, n: u64, me: u64, ti
 /// `desc` is the communicator's descriptor.
 #[cfg_attr(target_arch = "nvptx64", inline(always))]
 unsafe fn await_verdict(comm: &DevComm, desc: *const CheckDesc, seq: u64) -> bool {
-    let flags = CHECK_HALTED | CHECK_DIFFERENT;
     let mut spins = 0u32;
     loop {
         // SAFETY: valid descriptor and flags (caller contract).
         unsafe {
-            let done = arch::load_volatile_u64(&raw const (*desc).done);
-            if done & !flags >= seq {
-                // The verdict's flags say it all (a stop is published after
-                // `DevComm::aborted`); the gate orders the block's writes after this load.
-                return done & flags == 0;
+            // The gate orders the block's writes after this load.
+            if let Some(go) = verdict(arch::load_volatile_u64(&raw const (*desc).done), seq) {
+                return go;
             }
             if spins % 64 == 63 && !same_verdict(comm) {
                 return false;
@@ -590,5 +594,36 @@ unsafe fn await_verdict(comm: &DevComm, desc: *const CheckDesc, seq: u64) -> boo
         // Up to a channel's worth of blocks poll one word while the checking block gathers:
         // each pauses between looks, so their reads do not crowd the gather's.
         arch::nanosleep(if spins < 1024 { 32 } else { 256 });
+    }
+}
+
+/// The verdict of call `seq` in the verdict word `done` ([`CheckDesc::done`]), once given:
+/// whether the call may go on. The word's flags say it all: a stop is published after
+/// `DevComm::aborted`, and an agreement stays true once found (a mismatch of a call between
+/// two kernels, a graph's, rewrites the word before the later kernel starts).
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
+fn verdict(done: u64, seq: u64) -> Option<bool> {
+    let flags = CHECK_HALTED | CHECK_DIFFERENT;
+    (done & !flags >= seq).then_some(done & flags == 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_verdict_word_gives_call_seqs_verdict_only_once_it_reaches_that_call() {
+        // Not yet given: the word holds an earlier call's agreement or stop.
+        assert_eq!(verdict(0, 7), None);
+        assert_eq!(verdict(6, 7), None);
+        assert_eq!(verdict(6 | CHECK_DIFFERENT, 7), None);
+        assert_eq!(verdict(6 | CHECK_HALTED, 7), None);
+        // A graph's mismatch (number 0) before an eager call agreed ahead.
+        assert_eq!(verdict(CHECK_DIFFERENT, 7), None);
+        // Given for this call, or agreed ahead for the next one.
+        assert_eq!(verdict(7, 7), Some(true));
+        assert_eq!(verdict(8, 7), Some(true));
+        assert_eq!(verdict(7 | CHECK_DIFFERENT, 7), Some(false));
+        assert_eq!(verdict(7 | CHECK_HALTED, 7), Some(false));
     }
 }

@@ -24,6 +24,9 @@ pub struct RingCtx {
     /// a one-block checked launch, checked the call first and armed the gate open): the block
     /// passes its gate before its first write to a user buffer ([`RingCtx::gate`]).
     pub gated: bool,
+    /// What the gate's first pass needs: thread 0's look at the verdict word as the block armed
+    /// its gate (`crate::check::checked`).
+    pub seen: u64,
     /// Whether a gated block may send ahead of its gate where its collective does (Broadcast's
     /// root and AllGather's ranks on LL and LL128): only in the checked entries of those
     /// collectives ([`crate::abi::checked_entry`]; on the CPU target in every body, where the GPU
@@ -38,7 +41,7 @@ impl RingCtx {
     /// must stop.
     #[cfg_attr(target_arch = "nvptx64", inline(always))]
     pub fn gate<P: Primitives>(&self, p: &mut P) -> bool {
-        !self.gated || p.gate()
+        !self.gated || p.gate(self.seen)
     }
 
     /// User rank `k` hops downstream of us.

@@ -24,13 +24,15 @@ pub struct TreeCtx {
     pub nchannels: u64,
     /// As [`super::RingCtx::gated`].
     pub gated: bool,
+    /// As [`super::RingCtx::seen`].
+    pub seen: u64,
 }
 
 impl TreeCtx {
     /// As [`super::RingCtx::gate`].
     #[cfg_attr(target_arch = "nvptx64", inline(always))]
     pub fn gate<P: Primitives>(&self, p: &mut P) -> bool {
-        !self.gated || p.gate()
+        !self.gated || p.gate(self.seen)
     }
 
     /// Offset and length (elements, the length possibly 0) of this channel's chunk in the loop

@@ -546,8 +546,8 @@ fn combine<T: Elem, Op: RedFn<T>>(args: &OpArgs, a: u64, b: u64) -> u64 {
 
 impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Primitives for LlFan<T, Op, NR, NS> {
     #[cfg_attr(target_arch = "nvptx64", inline(always))]
-    fn gate(&mut self) -> bool {
-        super::pass_gate(&mut self.aborted, self.tid, self.smem)
+    fn gate(&mut self, seen: u64) -> bool {
+        super::pass_gate(&mut self.aborted, self.tid, self.smem, seen)
     }
     #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn copy(&mut self, src: u64, dst: u64, n: u64) {

@@ -557,8 +557,8 @@ fn part_bytes<I: LineIdx>(line: I, part: I, nbytes: I) -> (I, u64, u64) {
 
 impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Primitives for Ll128Fan<T, Op, NR, NS> {
     #[cfg_attr(target_arch = "nvptx64", inline(always))]
-    fn gate(&mut self) -> bool {
-        super::pass_gate(&mut self.aborted, self.tid, self.smem)
+    fn gate(&mut self, seen: u64) -> bool {
+        super::pass_gate(&mut self.aborted, self.tid, self.smem, seen)
     }
     #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn copy(&mut self, src: u64, dst: u64, n: u64) {

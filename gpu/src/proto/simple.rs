@@ -834,8 +834,8 @@ fn host_share(tid: u32, nthreads: u32, from: u32, to: u32) -> (u32, u32) {
 
 impl<T: Elem, Op: RedFn<T>> Primitives for Simple<T, Op> {
     #[cfg_attr(target_arch = "nvptx64", inline(always))]
-    fn gate(&mut self) -> bool {
-        super::pass_gate(&mut self.aborted, self.tid, self.smem)
+    fn gate(&mut self, seen: u64) -> bool {
+        super::pass_gate(&mut self.aborted, self.tid, self.smem, seen)
     }
     #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn copy(&mut self, src: u64, dst: u64, n: u64) {

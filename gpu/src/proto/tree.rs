@@ -568,8 +568,8 @@ unsafe fn reduce_copy_fan<T: Elem, Op: RedFn<T>>(
 
 impl<T: Elem, Op: RedFn<T>, const UP: bool> Primitives for TreeSimple<T, Op, UP> {
     #[cfg_attr(target_arch = "nvptx64", inline(always))]
-    fn gate(&mut self) -> bool {
-        super::pass_gate(&mut self.aborted, self.tid, self.smem)
+    fn gate(&mut self, seen: u64) -> bool {
+        super::pass_gate(&mut self.aborted, self.tid, self.smem, seen)
     }
     #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn copy(&mut self, src: u64, dst: u64, n: u64) {
