@@ -13,10 +13,13 @@
 //! channels collects every rank's 32-byte [`CallSig`] and compares them, while the call's blocks
 //! move its data and wait for the verdict only before their first write to a user buffer; so
 //! the check adds no kernel. Ranks of one host write their signature at launch into a slot of
-//! every rank's rows ([`RowsMem`], `/dev/shm` memory the kernels read), so a checking block
-//! waits for no peer's kernel, and it publishes the next call's
-//! agreement ahead when every host has launched it already: a host running ahead of the GPUs,
-//! as a busy application's does, has its calls checked before their kernels start. Other ranks
+//! every rank's rows ([`RowsMem`], `/dev/shm` memory the kernels read). A host that finds there
+//! every rank's signature of the call and of every call before it, all equal, launches the
+//! call's kernel without the check ([`Comm::agreed_on_host`]): hosts that launch their calls
+//! together, ahead of their GPUs, as a busy application's do, have them checked at no GPU time.
+//! Otherwise the checking block reads the signatures there, so it waits for no peer's kernel,
+//! and it publishes the next call's agreement ahead when every host has launched it already.
+//! Other ranks
 //! gather the signatures over the first peer channel (which no collective uses) on the LL
 //! protocol, over every transport. Every rank gets the same signatures and the same
 //! verdict: on a mismatch each rank's kernels, this call's and every later one's, exit before
