@@ -32,11 +32,11 @@ use crate::reduce::{FuncSum, OpArgs};
 /// ([`check_call`]) and has no share of its data; every other block arms its [`gate`] and goes
 /// on to move data, waiting for the verdict only before its first write to a user buffer. With
 /// [`crate::abi::CHECK_VERDICT_ONLY`] in `desc`, every block only honours the verdict of the
-/// check kernel that ran before. Returns `None` when the block stops, else what its gate needs
-/// ([`gate`]): thread 0's look at the verdict word ([`CheckDesc::done`]), taken as it armed the
-/// gate so that the load's time passes while the block sets up (0 in every other thread and
-/// where the block has no gate). The answer is the same for every thread of the block. The gates rely on the checking block running
-/// meanwhile, as every oxccl kernel relies on its blocks and its peers' being resident together
+/// check kernel that ran before. Returns `None` when the block stops (in every thread of the
+/// block alike), else what its gate needs ([`gate`]): thread 0's look at the verdict word
+/// ([`CheckDesc::done`]), taken as it armed the gate so that the load's time passes while the
+/// block sets up (0 in every other thread and where the block has no gate). The gates rely on
+/// the checking block running meanwhile, as every oxccl kernel relies on its blocks and its peers' being resident together
 /// (a grid of at most one block per channel and the checking block, fewer than the GPU's
 /// multiprocessors).
 ///
