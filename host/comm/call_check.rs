@@ -13,10 +13,13 @@
 //! channels collects every rank's 32-byte [`CallSig`] and compares them, while the call's blocks
 //! move its data and wait for the verdict only before their first write to a user buffer; so
 //! the check adds no kernel. Ranks of one host write their signature at launch into a slot of
-//! every rank's rows ([`RowsMem`], `/dev/shm` memory the kernels read), so a checking block
-//! waits for no peer's kernel, and it publishes the next call's
-//! agreement ahead when every host has launched it already: a host running ahead of the GPUs,
-//! as a busy application's does, has its calls checked before their kernels start. Other ranks
+//! every rank's rows ([`RowsMem`], `/dev/shm` memory the kernels read). A host that finds there
+//! every rank's signature of the call and of every call before it, all equal, launches the
+//! call's kernel without the check ([`Comm::agreed_on_host`]): hosts that launch their calls
+//! together, ahead of their GPUs, as a busy application's do, have them checked at no GPU time.
+//! Otherwise the checking block reads the signatures there, so it waits for no peer's kernel,
+//! and it publishes the next call's agreement ahead when every host has launched it already.
+//! Other ranks
 //! gather the signatures over the first peer channel (which no collective uses) on the LL
 //! protocol, over every transport. Every rank gets the same signatures and the same
 //! verdict: on a mismatch each rank's kernels, this call's and every later one's, exit before
@@ -30,7 +33,7 @@
 //! (`CHECK_VERDICT_ONLY`), so graphs captured in another order on each rank replay alike.
 use super::*;
 use oxccl_gpu::abi::{
-    CALL_SIG_WORDS, CHECK_KERNEL_NAME, CHECK_ROW_SLOTS, CallSig, CheckArgs, CheckDesc, CheckReport, check_row_flag,
+    CALL_SIG_WORDS, CHECK_AGREED, CHECK_KERNEL_NAME, CHECK_ROW_SLOTS, CHECK_ROWS_HOST_WORD, CallSig, CheckArgs, CheckDesc, CheckReport, check_row_flag,
     check_row_line, check_row_offset, check_rows_bytes,
 };
 use std::sync::OnceLock;
@@ -167,6 +170,32 @@ pub(super) struct CheckHeld {
     _rows: Option<Arc<Rows>>,
 }
 
+/// Whether every rank's signature of call `seq` (≥ 1) is in the rows at host address `base` of
+/// a communicator of `nranks`, all equal (`Some(true)`), some differ (`Some(false)`), or some
+/// rank's is not in yet (`None`).
+fn slots_agree(base: usize, nranks: usize, seq: u64) -> Option<bool> {
+    let flag = check_row_flag(seq);
+    let mut first = None;
+    let mut same = true;
+    for writer in 0..nranks {
+        let slot = base + check_row_offset(writer as u64, seq) as usize;
+        let mut sig = [0u64; CALL_SIG_WORDS];
+        for (k, word) in sig.iter_mut().enumerate() {
+            // SAFETY: the slot lies inside the rows (`check_rows_bytes`), which the caller keeps
+            // mapped; each half is one aligned `u64`, stored whole by its writer (`write_rows`).
+            let [lo, hi] = unsafe {
+                [0, 8].map(|h| AtomicU64::from_ptr((slot + 16 * k + h) as *mut u64).load(Ordering::Acquire))
+            };
+            if (lo >> 32) as u32 != flag || (hi >> 32) as u32 != flag {
+                return None;
+            }
+            *word = (lo & 0xffff_ffff) | (hi & 0xffff_ffff) << 32;
+        }
+        same &= *first.get_or_insert(sig) == sig;
+    }
+    Some(same)
+}
+
 /// The name of the rows of the rank whose connection memory's `/dev/shm` name is `conn_name`.
 pub(super) fn rows_name(conn_name: &str) -> String {
     format!("{conn_name}-check")
@@ -185,6 +214,33 @@ pub(super) struct CallCheck {
     /// The rows of every rank when the ranks share one host (`None`: the check gathers); shared,
     /// as `mem` is, with queued CPU-target launches ([`CallCheck::held`]).
     rows: Option<Arc<Rows>>,
+    /// What this rank's host found agreed in its rows ([`Comm::agreed_on_host`]).
+    agreement: Mutex<HostAgreement>,
+    /// A checked call was captured into a graph: its mismatch shows only on the GPU, at a
+    /// launch of the graph the host does not see, so from then on every numbered call runs its
+    /// kernel's check (the host finds none agreed).
+    captured: std::sync::atomic::AtomicBool,
+}
+
+/// How long a host that launches a call before some peer's host did waits for that peer's
+/// signature, to find the call agreed and launch its kernel unchecked
+/// ([`Comm::agreed_on_host`]); the ranks of a busy application launch each call within
+/// microseconds of each other, far ahead of their GPUs.
+const AGREE_WAIT: Duration = Duration::from_micros(50);
+/// Launches for which a host whose wait for a late peer timed out does not wait again (a peer
+/// always late costs its leader one wait in this many calls).
+const AGREE_WAIT_PAUSE: u32 = 64;
+
+/// What a rank's host found of its calls in its rows (one host).
+#[derive(Default)]
+struct HostAgreement {
+    /// Every call up to this number has every rank's signature in the rows, all equal.
+    agreed: u64,
+    /// This rank's calls launched with their kernels' check, in order, whose check its kernels
+    /// may not have finished (their slots are still read).
+    checking: std::collections::VecDeque<u64>,
+    /// Launches left before this host waits for a late peer again.
+    no_wait: u32,
 }
 
 impl CallCheck {
@@ -249,6 +305,8 @@ impl CallCheck {
             seq: AtomicU64::new(0),
             error: OnceLock::new(),
             rows,
+            agreement: Mutex::new(HostAgreement::default()),
+            captured: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -449,7 +507,10 @@ pub(super) fn mismatch_message(me: usize, sigs: &[CallSig]) -> String {
 impl Comm {
     /// With the check on: this rank's next call numbered and signed, as its kernel's
     /// [`KernelArgs::check`] and [`KernelArgs::sig`] (or, for a call of count 0, the check
-    /// kernel's alone, [`Comm::launch_check`]); `None` with the check off. A call `captured`
+    /// kernel's alone, [`Comm::launch_check`]); `None` with the check off. `check` holds
+    /// [`CHECK_AGREED`] when this rank's host found the call, and every call before it, agreed
+    /// by every rank ([`Comm::agreed_on_host`]): its kernel then checks nothing
+    /// ([`oxccl_gpu::abi::agreed_launch_check`]), and a call of count 0 launches nothing. A call `captured`
     /// into a CUDA graph is signed with number 0 and takes no number: its graph's launches run
     /// it in an order the capture does not know, so the ranks compare the call, not when it was
     /// captured (graphs captured in another order on each rank replay alike).
@@ -467,16 +528,86 @@ impl Comm {
         let Some(cc) = self.call_check.as_ref() else {
             return Ok(None);
         };
+        if captured {
+            cc.captured.store(true, Ordering::Release);
+        }
         let seq = if captured { 0 } else { cc.seq.fetch_add(1, Ordering::AcqRel) + 1 };
         let sig = encode(seq, func, count, dtype, op, root, choice);
+        let mut check = cc.desc_addr();
         if seq != 0 {
             self.write_rows(cc, &sig)?;
+            if self.agreed_on_host(cc, &sig) {
+                check |= CHECK_AGREED;
+            }
         }
         Ok(Some(CheckArgs {
             comm: self.dev_comm,
-            check: cc.desc_addr(),
+            check,
             sig,
         }))
+    }
+
+    /// With rows, once this rank wrote its signature `sig` of call `seq` (`sig[0]`, ≥ 1):
+    /// whether every rank's signature of every call up to `seq` is in this rank's rows, all
+    /// equal. Then no GPU needs to check the call: its kernel runs unchecked, so a host ahead of
+    /// its GPU, as a busy application's is, gives its calls the check at no GPU time. A peer
+    /// whose signature of `seq` is not in yet is waited for up to [`AGREE_WAIT`] (not again for
+    /// [`AGREE_WAIT_PAUSE`] launches after a wait that timed out). Otherwise the call's kernel
+    /// checks it as before, and so does every later call's once a call differs (the host never
+    /// finds one agreed past it), so a mismatch still stops every rank's kernels of that call and
+    /// of every later one before they write a user buffer. Also tells the writers, in the rows'
+    /// host word, which of this rank's slots no reader here looks at again.
+    fn agreed_on_host(&self, cc: &CallCheck, sig: &CallSig) -> bool {
+        let Some(rows) = &cc.rows else {
+            return false;
+        };
+        let Ok(mut a) = cc.agreement.lock() else {
+            return false;
+        };
+        let seq = sig[0];
+        let own = rows.hosts[self.rank];
+        let found = !cc.captured.load(Ordering::Acquire) && {
+            // The calls whose kernels check them, or that were not all in at their launch.
+            while a.agreed + 1 < seq && slots_agree(own, cc.nranks, a.agreed + 1) == Some(true) {
+                a.agreed += 1;
+            }
+            a.agreed + 1 == seq && {
+                let mut now = slots_agree(own, cc.nranks, seq);
+                if now.is_none() && a.no_wait == 0 {
+                    let start = Instant::now();
+                    while now.is_none() && start.elapsed() < AGREE_WAIT {
+                        std::hint::spin_loop();
+                        now = slots_agree(own, cc.nranks, seq);
+                    }
+                    if now.is_none() {
+                        a.no_wait = AGREE_WAIT_PAUSE;
+                    }
+                } else {
+                    a.no_wait = a.no_wait.saturating_sub(1);
+                }
+                now == Some(true)
+            }
+        };
+        if found {
+            a.agreed = seq;
+        } else {
+            a.checking.push_back(seq);
+        }
+        // Slots this rank reads no more: the host's up to `agreed`, its kernels' up to the
+        // first call they may not have checked yet (the kernels' header word).
+        // SAFETY: the header's words lie at the start of the rows, kept mapped by `rows`.
+        let (kernels, host) = unsafe {
+            (AtomicU64::from_ptr(own as *mut u64), AtomicU64::from_ptr((own + CHECK_ROWS_HOST_WORD) as *mut u64))
+        };
+        let checked = kernels.load(Ordering::Acquire);
+        while a.checking.front().is_some_and(|&s| s <= checked) {
+            a.checking.pop_front();
+        }
+        let free = a.checking.front().map_or(a.agreed, |&s| a.agreed.min(s - 1));
+        if free > host.load(Ordering::Relaxed) {
+            host.store(free, Ordering::Release);
+        }
+        found
     }
 
     /// With rows: this rank's signature `sig` of call `sig[0]` (≥ 1) written into its
@@ -532,8 +663,9 @@ impl Comm {
     }
 
     /// Waits until rank `reader`'s kernels (its rows at host address `base`) have checked call
-    /// `seq − CHECK_ROW_SLOTS`, the last to use this rank's slot of call `seq` there (the rows'
-    /// header: `look_ahead` in `oxccl_gpu::check`). Only a host more than
+    /// `seq − CHECK_ROW_SLOTS`, the last to use this rank's slot of call `seq` there, or its host
+    /// found it agreed and no kernel there reads it (the rows' header: the kernels' word,
+    /// `look_ahead` in `oxccl_gpu::check`, and the host's, [`Comm::agreed_on_host`]). Only a host more than
     /// [`CHECK_ROW_SLOTS`] checked calls ahead of that rank's GPU waits, as it would for a full
     /// launch queue. Errors: this communicator aborted (the abort's error), or no progress for
     /// the call timeout (`NCCL_TIMEOUT`; 600 s when timeouts are off): `Timeout` naming the rank
@@ -543,10 +675,13 @@ impl Comm {
             return Ok(());
         }
         let need = seq - CHECK_ROW_SLOTS;
-        // SAFETY: the header is the rows' first word (see `write_rows`).
-        let header = unsafe { AtomicU64::from_ptr(base as *mut u64) };
+        // SAFETY: the header's words lie at the start of the rows (see `write_rows`).
+        let (kernels, host) = unsafe {
+            (AtomicU64::from_ptr(base as *mut u64), AtomicU64::from_ptr((base + CHECK_ROWS_HOST_WORD) as *mut u64))
+        };
+        let header = || kernels.load(Ordering::Acquire).max(host.load(Ordering::Acquire));
         let limit = self.params.timeout.unwrap_or(std::time::Duration::from_secs(600));
-        let mut seen = header.load(Ordering::Acquire);
+        let mut seen = header();
         let mut since = std::time::Instant::now();
         let mut spins = 0u32;
         while seen < need {
@@ -566,7 +701,7 @@ impl Comm {
             } else {
                 std::thread::sleep(std::time::Duration::from_micros(20));
             }
-            let now = header.load(Ordering::Acquire);
+            let now = header();
             if now != seen {
                 seen = now;
                 since = std::time::Instant::now();
@@ -740,6 +875,58 @@ mod tests {
         assert_eq!(read_slot(&comms, 2, 1, CHECK_ROW_SLOTS + 1), Some(last));
         assert_eq!(read_slot(&comms, 2, 1, 1), None, "call 1's flag is gone from the reused slot");
         assert_eq!(read_slot(&comms, 2, 0, 1), Some(args[0].sig), "rank 0's slot is untouched");
+    }
+
+    /// Rank `r`'s host word of its rows' header ([`CHECK_ROWS_HOST_WORD`]).
+    fn host_word(comms: &[Comm], r: usize) -> u64 {
+        // SAFETY: the word lies in the rows' header, kept by the group.
+        unsafe { AtomicU64::from_ptr((rows_of(comms, r) + CHECK_ROWS_HOST_WORD) as *mut u64).load(Ordering::Acquire) }
+    }
+
+    /// Ranks of one host: a call whose signatures the launching host finds in its rows from
+    /// every rank, all equal, with every call before it, is marked agreed ([`CHECK_AGREED`]) and
+    /// frees its slots in the host's word; a call a peer has not launched yet, or one that
+    /// differs, is checked by its kernel, and so is every call after one that differs; a call
+    /// of a communicator that captured a checked call into a graph too.
+    #[test]
+    fn a_call_every_rank_launched_alike_runs_unchecked() {
+        let comms = checked_group(2, None);
+        let ring = choice(Algo::Ring, Proto::Ll, 2);
+        let launch = |r: usize, count: usize| {
+            comms[r].check_args(Func::AllReduce, count, DataType::F32, DevRedOp::Sum, 0, ring, false).unwrap().unwrap()
+        };
+        let desc = |r: usize| comms[r].call_check.as_ref().unwrap().desc_addr();
+        // Call 1: rank 0 launches first and waits for rank 1's signature in vain (nothing else
+        // runs), so its kernel checks the call; rank 1 then finds the call agreed.
+        let start = Instant::now();
+        assert_eq!(launch(0, 8).check, desc(0), "rank 1's signature is not in yet");
+        assert!(start.elapsed() >= AGREE_WAIT, "rank 0 waited for rank 1's signature");
+        let one = launch(1, 8);
+        assert_eq!((one.check, one.sig[0]), (desc(1) | CHECK_AGREED, 1), "rank 1's kernel of call 1 checks nothing");
+        assert_eq!((host_word(&comms, 0), host_word(&comms, 1)), (0, 1), "rank 0's kernel still reads call 1's slots");
+        // Call 2 differs (count 8 against 9): both kernels check it, rank 0's without a wait.
+        let start = Instant::now();
+        assert_eq!(launch(0, 8).check, desc(0));
+        assert!(start.elapsed() < AGREE_WAIT, "no wait again right after one timed out");
+        assert_eq!(launch(1, 9).check, desc(1), "the ranks' calls 2 differ");
+        // Rank 0's kernels checked call 1: its host frees call 1's slots.
+        mark_checked(&comms, 0, 1);
+        // Call 3 is alike, but after a call that differs every call is checked by its kernel.
+        assert_eq!(launch(1, 8).check, desc(1));
+        assert_eq!(launch(0, 8).check, desc(0));
+        assert_eq!((host_word(&comms, 0), host_word(&comms, 1)), (1, 1));
+
+        // A count of 0 found agreed launches nothing; after a captured call, none is found agreed.
+        let comms = checked_group(2, None);
+        let desc = |r: usize| comms[r].call_check.as_ref().unwrap().desc_addr();
+        let zero = |r: usize| comms[r].check_args(Func::Broadcast, 0, DataType::F32, DevRedOp::Sum, 1, None, false).unwrap().unwrap();
+        assert_eq!(zero(0).check, desc(0));
+        assert_eq!(zero(1).check, desc(1) | CHECK_AGREED, "rank 1's call 1 of count 0 found agreed");
+        for c in &comms {
+            c.check_args(Func::AllReduce, 4, DataType::F32, DevRedOp::Sum, 0, ring, true).unwrap();
+        }
+        assert_eq!(zero(0).check, desc(0));
+        assert_eq!(zero(1).check, desc(1), "a graph's mismatch shows only on the GPU");
     }
 
     /// A host [`CHECK_ROW_SLOTS`] calls ahead of a rank's kernels waits for them before it

@@ -417,13 +417,14 @@ impl Comm {
             }
             let call = record(None);
             return match self.check_args(func, 0, dtype, dev_op, root, None, captured)? {
-                Some(check) => {
+                Some(check) if check.check & oxccl_gpu::abi::CHECK_AGREED == 0 => {
                     let recorded = self.begin_call(call, captured);
                     let seq = check.sig[0];
                     self.launch_check(check, stream, captured, recorded)
                         .map_err(|e| if seq != 0 { self.stop_checking(seq, e) } else { e })
                 }
-                None => {
+                // The check off, or the call found agreed by this rank's host: nothing to launch.
+                _ => {
                     self.record_empty_call(call);
                     Ok(())
                 }
