@@ -33,7 +33,7 @@
 //! (`CHECK_VERDICT_ONLY`), so graphs captured in another order on each rank replay alike.
 use super::*;
 use oxccl_gpu::abi::{
-    CALL_SIG_WORDS, CHECK_AGREED, CHECK_KERNEL_NAME, CHECK_ROW_SLOTS, CHECK_ROWS_HOST_WORD, CallSig, CheckArgs, CheckDesc, CheckReport, check_row_flag,
+    CALL_SIG_WORDS, CHECK_AGREED, CHECK_KERNEL_NAME, CHECK_ROW_SLOTS, CHECK_ROWS_CHECKED, CHECK_ROWS_HOST_WORD, CallSig, CheckArgs, CheckDesc, CheckReport, check_row_flag,
     check_row_line, check_row_offset, check_rows_bytes,
 };
 use std::sync::OnceLock;
@@ -196,6 +196,44 @@ fn slots_agree(base: usize, nranks: usize, seq: u64) -> Option<bool> {
     Some(same)
 }
 
+/// The entry for call `seq` of the table, in the rows at host address `base`, of the calls their
+/// host launched with their kernel's check ([`CHECK_ROWS_CHECKED`]).
+///
+/// # Safety
+/// `base` is a rows block ([`check_rows_bytes`]) that stays mapped while the entry is used.
+unsafe fn checked_entry<'a>(base: usize, seq: u64) -> &'a AtomicU64 {
+    // SAFETY: the table's `CHECK_ROW_SLOTS` aligned words lie in the rows' header (caller
+    // contract).
+    unsafe { AtomicU64::from_ptr((base + CHECK_ROWS_CHECKED + 8 * (seq % CHECK_ROW_SLOTS) as usize) as *mut u64) }
+}
+
+/// What the header of the rows at host address `base` says of their slots of call `need` (≥ 1):
+/// whether no kernel of their rank reads them again, so that a writer may reuse them for call
+/// `need + CHECK_ROW_SLOTS`; and the last call the rank's host launched and the last its kernels
+/// checked. Its kernels read the slots of a call their host launched with the check
+/// (`read_rows` in `oxccl_gpu::check`); its host's reads ([`slots_agree`]) and the kernels'
+/// look at the next call's slots (`look_ahead`) check each word's flag, so a slot reused reads
+/// as not yet written. The slots are free once the host launched `need` and none of the calls
+/// after the last its kernels checked, up to `need`, was launched with the check. Only the last
+/// [`CHECK_ROW_SLOTS`] calls up to `need` are looked at: the host launched call
+/// `c + CHECK_ROW_SLOTS` only once its own slots of `c` were free, and a table entry that holds a
+/// later number than its call says the same.
+fn row_slot_free(base: usize, need: u64) -> (bool, u64, u64) {
+    // SAFETY: the header's words lie at the start of the rows, which the caller keeps mapped.
+    let (kernels, host) = unsafe {
+        (AtomicU64::from_ptr(base as *mut u64), AtomicU64::from_ptr((base + CHECK_ROWS_HOST_WORD) as *mut u64))
+    };
+    // The host word first: the table's entries of the calls up to it are stored before it.
+    let launched = host.load(Ordering::Acquire);
+    let checked = kernels.load(Ordering::Acquire);
+    let free = launched >= need
+        && (checked >= need
+            || (checked.max(need.saturating_sub(CHECK_ROW_SLOTS)) + 1..=need)
+                // SAFETY: the table lies in the rows' header, which the caller keeps mapped.
+                .all(|c| unsafe { checked_entry(base, c) }.load(Ordering::Acquire) != c));
+    (free, launched, checked)
+}
+
 /// The name of the rows of the rank whose connection memory's `/dev/shm` name is `conn_name`.
 pub(super) fn rows_name(conn_name: &str) -> String {
     format!("{conn_name}-check")
@@ -236,9 +274,9 @@ const AGREE_WAIT_PAUSE: u32 = 64;
 struct HostAgreement {
     /// Every call up to this number has every rank's signature in the rows, all equal.
     agreed: u64,
-    /// This rank's calls launched with their kernels' check, in order, whose check its kernels
-    /// may not have finished (their slots are still read).
-    checking: std::collections::VecDeque<u64>,
+    /// Calls this host launched, and of those the ones it found agreed (launched unchecked).
+    launched: u64,
+    found: u64,
     /// Launches left before this host waits for a late peer again.
     no_wait: u32,
 }
@@ -555,8 +593,9 @@ impl Comm {
     /// [`AGREE_WAIT_PAUSE`] launches after a wait that timed out). Otherwise the call's kernel
     /// checks it as before, and so does every later call's once a call differs (the host never
     /// finds one agreed past it), so a mismatch still stops every rank's kernels of that call and
-    /// of every later one before they write a user buffer. Also tells the writers, in the rows'
-    /// host word, which of this rank's slots no reader here looks at again.
+    /// of every later one before they write a user buffer. Also tells the writers which of this
+    /// rank's slots its kernels read: a call launched with the check goes into the rows' table
+    /// ([`CHECK_ROWS_CHECKED`]) before the host word says it was launched ([`row_slot_free`]).
     fn agreed_on_host(&self, cc: &CallCheck, sig: &CallSig) -> bool {
         let Some(rows) = &cc.rows else {
             return false;
@@ -588,25 +627,17 @@ impl Comm {
                 now == Some(true)
             }
         };
+        a.launched += 1;
         if found {
             a.agreed = seq;
+            a.found += 1;
         } else {
-            a.checking.push_back(seq);
+            // SAFETY: the table lies in the rows' header, kept mapped by `rows`.
+            unsafe { checked_entry(own, seq) }.store(seq, Ordering::Release);
         }
-        // Slots this rank reads no more: the host's up to `agreed`, its kernels' up to the
-        // first call they may not have checked yet (the kernels' header word).
-        // SAFETY: the header's words lie at the start of the rows, kept mapped by `rows`.
-        let (kernels, host) = unsafe {
-            (AtomicU64::from_ptr(own as *mut u64), AtomicU64::from_ptr((own + CHECK_ROWS_HOST_WORD) as *mut u64))
-        };
-        let checked = kernels.load(Ordering::Acquire);
-        while a.checking.front().is_some_and(|&s| s <= checked) {
-            a.checking.pop_front();
-        }
-        let free = a.checking.front().map_or(a.agreed, |&s| a.agreed.min(s - 1));
-        if free > host.load(Ordering::Relaxed) {
-            host.store(free, Ordering::Release);
-        }
+        // SAFETY: the host word lies in the rows' header, kept mapped by `rows`. A rank's calls
+        // are launched one at a time (as NCCL's), so `seq` only grows here.
+        unsafe { AtomicU64::from_ptr((own + CHECK_ROWS_HOST_WORD) as *mut u64) }.fetch_max(seq, Ordering::AcqRel);
         found
     }
 
@@ -662,36 +693,32 @@ impl Comm {
         e
     }
 
-    /// Waits until rank `reader`'s kernels (its rows at host address `base`) have checked call
-    /// `seq − CHECK_ROW_SLOTS`, the last to use this rank's slot of call `seq` there, or its host
-    /// found it agreed and no kernel there reads it (the rows' header: the kernels' word,
-    /// `look_ahead` in `oxccl_gpu::check`, and the host's, [`Comm::agreed_on_host`]). Only a host more than
-    /// [`CHECK_ROW_SLOTS`] checked calls ahead of that rank's GPU waits, as it would for a full
-    /// launch queue. Errors: this communicator aborted (the abort's error), or no progress for
-    /// the call timeout (`NCCL_TIMEOUT`; 600 s when timeouts are off): `Timeout` naming the rank
-    /// and the calls.
+    /// Waits until no kernel of rank `reader` (its rows at host address `base`) reads its slots
+    /// of call `seq − CHECK_ROW_SLOTS` again, the last to use this rank's slot of call `seq`
+    /// there ([`row_slot_free`]): that rank's host launched that call, and its kernels checked
+    /// every call up to it that it launched with the check. Only a host more than
+    /// [`CHECK_ROW_SLOTS`] calls ahead of that rank's host, or of its GPU's checks, waits, as it
+    /// would for a full launch queue. Errors: this communicator aborted (the abort's error), or no
+    /// progress for the call timeout (`NCCL_TIMEOUT`; 600 s when timeouts are off): `Timeout`
+    /// naming the rank and the calls.
     fn await_row_slot(&self, reader: usize, base: usize, seq: u64) -> Result<()> {
         if seq <= CHECK_ROW_SLOTS {
             return Ok(());
         }
         let need = seq - CHECK_ROW_SLOTS;
-        // SAFETY: the header's words lie at the start of the rows (see `write_rows`).
-        let (kernels, host) = unsafe {
-            (AtomicU64::from_ptr(base as *mut u64), AtomicU64::from_ptr((base + CHECK_ROWS_HOST_WORD) as *mut u64))
-        };
-        let header = || kernels.load(Ordering::Acquire).max(host.load(Ordering::Acquire));
         let limit = self.params.timeout.unwrap_or(std::time::Duration::from_secs(600));
-        let mut seen = header();
+        let (mut free, mut launched, mut checked) = row_slot_free(base, need);
         let mut since = std::time::Instant::now();
         let mut spins = 0u32;
-        while seen < need {
+        while !free {
             if let Some(e) = self.stopped_error() {
                 return Err(e);
             }
             if since.elapsed() > limit {
                 return Err(Error::Timeout(format!(
-                    "rank {}: call check: launching checked call {seq} needs rank {reader}'s kernels to have \
-                     checked call {need}, and they stayed at call {seen} for {limit:?}",
+                    "rank {}: call check: launching checked call {seq} needs rank {reader}'s host to have \
+                     launched call {need} and its kernels to have checked the calls it launched checked up to \
+                     it; they stayed at calls {launched} and {checked} for {limit:?}",
                     self.rank
                 )));
             }
@@ -701,11 +728,11 @@ impl Comm {
             } else {
                 std::thread::sleep(std::time::Duration::from_micros(20));
             }
-            let now = header();
-            if now != seen {
-                seen = now;
+            let now = row_slot_free(base, need);
+            if (now.1, now.2) != (launched, checked) {
                 since = std::time::Instant::now();
             }
+            (free, launched, checked) = now;
         }
         Ok(())
     }
@@ -829,10 +856,15 @@ mod tests {
         Some(sig)
     }
 
-    /// Stores `seq` in `reader`'s rows' header, as its kernels do once they checked that call.
+    /// Stores `seq` in `reader`'s rows' header, as its kernels do once they checked that call
+    /// (and as its host did when it launched the call).
     fn mark_checked(comms: &[Comm], reader: usize, seq: u64) {
-        // SAFETY: the header is the rows' first word, kept by the group.
-        unsafe { AtomicU64::from_ptr(rows_of(comms, reader) as *mut u64).store(seq, Ordering::Release) };
+        let base = rows_of(comms, reader);
+        // SAFETY: the header's words lie at the start of the rows, kept by the group.
+        unsafe {
+            AtomicU64::from_ptr((base + CHECK_ROWS_HOST_WORD) as *mut u64).fetch_max(seq, Ordering::AcqRel);
+            AtomicU64::from_ptr(base as *mut u64).store(seq, Ordering::Release);
+        }
     }
 
     /// Ranks of one host: each rank's launch writes its signature into its slot of the call in
@@ -883,11 +915,19 @@ mod tests {
         unsafe { AtomicU64::from_ptr((rows_of(comms, r) + CHECK_ROWS_HOST_WORD) as *mut u64).load(Ordering::Acquire) }
     }
 
+    /// Whether rank `r`'s host launched call `seq` with its kernel's check, by the rows' table
+    /// ([`CHECK_ROWS_CHECKED`]).
+    fn launched_checked(comms: &[Comm], r: usize, seq: u64) -> bool {
+        // SAFETY: the table lies in the rows' header, kept by the group.
+        unsafe { checked_entry(rows_of(comms, r), seq) }.load(Ordering::Acquire) == seq
+    }
+
     /// Ranks of one host: a call whose signatures the launching host finds in its rows from
-    /// every rank, all equal, with every call before it, is marked agreed ([`CHECK_AGREED`]) and
-    /// frees its slots in the host's word; a call a peer has not launched yet, or one that
-    /// differs, is checked by its kernel, and so is every call after one that differs; a call
-    /// of a communicator that captured a checked call into a graph too.
+    /// every rank, all equal, with every call before it, is marked agreed ([`CHECK_AGREED`]);
+    /// a call a peer has not launched yet, or one that differs, is checked by its kernel and
+    /// goes into the rows' table, and so is every call after one that differs; a call of a
+    /// communicator that captured a checked call into a graph too. The host word says which
+    /// call the host launched last.
     #[test]
     fn a_call_every_rank_launched_alike_runs_unchecked() {
         let comms = checked_group(2, None);
@@ -903,18 +943,25 @@ mod tests {
         assert!(start.elapsed() >= AGREE_WAIT, "rank 0 waited for rank 1's signature");
         let one = launch(1, 8);
         assert_eq!((one.check, one.sig[0]), (desc(1) | CHECK_AGREED, 1), "rank 1's kernel of call 1 checks nothing");
-        assert_eq!((host_word(&comms, 0), host_word(&comms, 1)), (0, 1), "rank 0's kernel still reads call 1's slots");
+        assert_eq!((host_word(&comms, 0), host_word(&comms, 1)), (1, 1), "both hosts launched call 1");
+        assert!(launched_checked(&comms, 0, 1) && !launched_checked(&comms, 1, 1));
+        assert!(!row_slot_free(rows_of(&comms, 0), 1).0, "rank 0's kernel still reads call 1's slots");
+        assert_eq!(row_slot_free(rows_of(&comms, 1), 1), (true, 1, 0), "no kernel of rank 1 reads them");
         // Call 2 differs (count 8 against 9): both kernels check it, rank 0's without a wait.
         let start = Instant::now();
         assert_eq!(launch(0, 8).check, desc(0));
         assert!(start.elapsed() < AGREE_WAIT, "no wait again right after one timed out");
         assert_eq!(launch(1, 9).check, desc(1), "the ranks' calls 2 differ");
-        // Rank 0's kernels checked call 1: its host frees call 1's slots.
+        assert!(launched_checked(&comms, 0, 2) && launched_checked(&comms, 1, 2));
+        // Rank 0's kernels checked call 1: its slots of call 1 are free, those of call 2 not.
         mark_checked(&comms, 0, 1);
+        assert_eq!(row_slot_free(rows_of(&comms, 0), 1), (true, 2, 1));
+        assert!(!row_slot_free(rows_of(&comms, 0), 2).0);
         // Call 3 is alike, but after a call that differs every call is checked by its kernel.
         assert_eq!(launch(1, 8).check, desc(1));
         assert_eq!(launch(0, 8).check, desc(0));
-        assert_eq!((host_word(&comms, 0), host_word(&comms, 1)), (1, 1));
+        assert!(launched_checked(&comms, 0, 3) && launched_checked(&comms, 1, 3));
+        assert_eq!((host_word(&comms, 0), host_word(&comms, 1)), (3, 3));
 
         // A count of 0 found agreed launches nothing; after a captured call, none is found agreed.
         let comms = checked_group(2, None);
@@ -955,6 +1002,49 @@ mod tests {
         assert!(comms[0].call_mismatch().is_none());
     }
 
+    /// A rank whose host found calls agreed frees their slots without launching again: once its
+    /// kernels checked the last call it launched with the check, a peer far ahead reuses the
+    /// slots of every call it launched, though that host launches nothing more (as on a GPU
+    /// shared by the ranks, where it waits for the peer's next launch). Slots of a call it has
+    /// not launched stay taken.
+    #[test]
+    fn slots_of_calls_found_agreed_are_free_once_the_kernels_checked_the_calls_before() {
+        let comms = checked_group(2, Some(std::time::Duration::from_millis(300)));
+        let ring = choice(Algo::Ring, Proto::Ll, 2);
+        let launch = |r: usize| comms[r].check_args(Func::AllReduce, 8, DataType::F32, DevRedOp::Sum, 0, ring, false);
+        let desc = |r: usize| comms[r].call_check.as_ref().unwrap().desc_addr();
+        // Call 1: rank 0 launches first, so its kernel checks the call. Calls 2 ..=
+        // CHECK_ROW_SLOTS: rank 1 launches first, and rank 0 finds each agreed.
+        assert_eq!(launch(0).unwrap().unwrap().check, desc(0));
+        launch(1).unwrap();
+        for seq in 2..=CHECK_ROW_SLOTS {
+            launch(1).unwrap();
+            let a = launch(0).unwrap().unwrap();
+            assert_eq!((a.sig[0], a.check), (seq, desc(0) | CHECK_AGREED));
+        }
+        // Rank 1's kernels checked its calls; rank 0's GPU checks call 1 after its host's last
+        // launch. Until then rank 0's slots of call 1 stay taken.
+        mark_checked(&comms, 1, CHECK_ROW_SLOTS);
+        assert!(!row_slot_free(rows_of(&comms, 0), 1).0);
+        mark_checked(&comms, 0, 1);
+        let start = Instant::now();
+        for seq in CHECK_ROW_SLOTS + 1..=2 * CHECK_ROW_SLOTS {
+            assert_eq!(launch(1).expect("a free slot at rank 0").expect("on").sig[0], seq);
+        }
+        assert!(start.elapsed() < std::time::Duration::from_millis(300), "no launch waited for its timeout");
+        // Rank 0's host never launched call CHECK_ROW_SLOTS + 1.
+        let e = launch(1).expect_err("rank 0's slots of its next call are not free");
+        assert_eq!(e.code(), crate::error::ResultCode::Timeout);
+        let need = CHECK_ROW_SLOTS + 1;
+        assert!(
+            e.to_string().contains(&format!(
+                "needs rank 0's host to have launched call {need} and its kernels to have checked the calls it \
+                 launched checked up to it; they stayed at calls {CHECK_ROW_SLOTS} and 1 for 300ms"
+            )),
+            "{e}"
+        );
+    }
+
     /// A host whose readers make no progress for the call timeout fails that launch with
     /// `Timeout` naming the rank and both calls, having written no rank's slot, and stops the
     /// check: its later calls return `InvalidUsage` naming the call that took a number.
@@ -975,8 +1065,10 @@ mod tests {
         assert_eq!(e.code(), crate::error::ResultCode::Timeout);
         let msg = e.to_string();
         assert!(
-            msg.contains(&format!("launching checked call {} needs rank 1's kernels to have checked call 1", CHECK_ROW_SLOTS + 1))
-                && msg.contains("stayed at call 0"),
+            msg.contains(&format!(
+                "launching checked call {} needs rank 1's host to have launched call 1 and its kernels to have checked",
+                CHECK_ROW_SLOTS + 1
+            )) && msg.contains("they stayed at calls 0 and 0 for 300ms"),
             "{msg}"
         );
         let seq = CHECK_ROW_SLOTS + 1;

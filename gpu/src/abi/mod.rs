@@ -507,9 +507,10 @@ pub struct CheckDesc {
     /// communicator writes its signature into when it launches a call, so that the checking
     /// block reads every peer's signature without waiting for the peer's kernel. A
     /// [`CHECK_ROWS_HEADER`]-byte header (word 0: the number of the last call whose check this
-    /// rank's kernels finished; at [`CHECK_ROWS_HOST_WORD`], the last call up to which its host
-    /// found every call agreed and no kernel of the rank reads a slot again; the writers wait on
-    /// the larger before they reuse a slot), then per
+    /// rank's kernels finished; at [`CHECK_ROWS_HOST_WORD`], the last call this rank's host
+    /// launched; at [`CHECK_ROWS_CHECKED`], a table that holds at index `seq % CHECK_ROW_SLOTS`
+    /// the number `seq` of each call the host launched with its kernel's check, so that a writer
+    /// finds out without that host which slots no kernel of the rank reads again), then per
     /// writer rank [`CHECK_ROW_SLOTS`] slots of one signature ([`check_row_offset`]).
     pub rows: u64,
 }
@@ -520,10 +521,15 @@ pub const CHECK_ROW_SLOTS: u64 = 1024;
 /// Bytes of one row slot: [`CALL_SIG_WORDS`] lines of 16 bytes, each two `u64` of one half of a
 /// signature word and the slot's flag ([`check_row_line`]).
 pub const CHECK_ROW_SLOT_BYTES: u64 = CALL_SIG_WORDS as u64 * 16;
-/// Bytes before the first row of a [`CheckDesc::rows`] block.
-pub const CHECK_ROWS_HEADER: u64 = 128;
-/// Byte offset in a [`CheckDesc::rows`] block of its host's word of the header.
+/// Byte offset in a [`CheckDesc::rows`] block of its host's word of the header: the last call
+/// the rank's host launched.
 pub const CHECK_ROWS_HOST_WORD: usize = 8;
+/// Byte offset in a [`CheckDesc::rows`] block of its table of the calls its host launched with
+/// their kernel's check: [`CHECK_ROW_SLOTS`] `u64`s, index `seq % CHECK_ROW_SLOTS` holding `seq`.
+pub const CHECK_ROWS_CHECKED: usize = 128;
+/// Bytes before the first row of a [`CheckDesc::rows`] block: the header's words and the table
+/// at [`CHECK_ROWS_CHECKED`].
+pub const CHECK_ROWS_HEADER: u64 = CHECK_ROWS_CHECKED as u64 + CHECK_ROW_SLOTS * 8;
 
 /// Bytes of the [`CheckDesc::rows`] block of a communicator of `nranks` ranks.
 pub const fn check_rows_bytes(nranks: u64) -> u64 {
