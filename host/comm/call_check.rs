@@ -777,6 +777,18 @@ impl Comm {
         )
     }
 
+    /// With the call-signature check on and the ranks on one host (their signatures in shared
+    /// rows): how many numbered calls this rank's host has launched, and how many of those it
+    /// found agreed by every rank before their launch, so that their kernels ran without the
+    /// check. `None` with the check off, or when the check gathers the signatures on the GPUs
+    /// (ranks on several hosts), where every call's kernel checks it.
+    pub fn calls_found_agreed(&self) -> Option<(u64, u64)> {
+        let cc = self.call_check.as_ref()?;
+        cc.rows.as_ref()?;
+        let a = cc.agreement.lock().ok()?;
+        Some((a.launched, a.found))
+    }
+
     /// The error of a call-signature mismatch once a check reported one (and from then on).
     pub(super) fn call_mismatch(&self) -> Option<Error> {
         let cc = self.call_check.as_ref()?;
@@ -962,6 +974,7 @@ mod tests {
         assert_eq!(launch(0, 8).check, desc(0));
         assert!(launched_checked(&comms, 0, 3) && launched_checked(&comms, 1, 3));
         assert_eq!((host_word(&comms, 0), host_word(&comms, 1)), (3, 3));
+        assert_eq!((comms[0].calls_found_agreed(), comms[1].calls_found_agreed()), (Some((3, 0)), Some((3, 1))));
 
         // A count of 0 found agreed launches nothing; after a captured call, none is found agreed.
         let comms = checked_group(2, None);
