@@ -243,6 +243,11 @@ struct PerfArgs {
     /// issued as one group.
     #[arg(long)]
     group: bool,
+    /// Issue each local rank's timed collectives from a thread of its own, as a process per
+    /// rank would (oxccl, `--ranks` of two or more; not with `--group`, whose calls one thread
+    /// issues). The `#wrong` checks still run from one thread.
+    #[arg(long, conflicts_with = "group")]
+    threads: bool,
 }
 
 fn size_arg(s: &str) -> Result<u64, String> {
@@ -621,6 +626,7 @@ fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
                     iters: a.iters,
                     check: a.check,
                     group: a.group,
+                    threads: a.threads,
                 };
                 sweep(&bench, &main, reference.as_ref(), &cfg, print_row)?
             }

@@ -30,6 +30,9 @@ pub struct PerfConfig {
     /// the calls, [`crate::group_end`]), as the NCCL backend always does with
     /// ncclGroupStart/ncclGroupEnd; else one call after the other.
     pub group: bool,
+    /// oxccl, several local ranks: issue each local rank's timed calls from a thread of its own,
+    /// as a process per rank would, instead of one thread issuing every rank's call in turn.
+    pub threads: bool,
 }
 
 /// A set of ranks that can run the collective: oxccl communicators, or NCCL's.
@@ -298,9 +301,58 @@ impl Bench {
 
     /// Seconds per iteration of `iters` back-to-back collectives on every rank, after `warmup`.
     pub fn time(&self, b: &Backend, cfg: &PerfConfig, count: usize, in_place: bool) -> Result<f64> {
+        if let (true, Backend::Oxccl(comms)) = (cfg.threads, b)
+            && comms.len() > 1
+        {
+            return self.time_threads(b, comms, cfg, count, in_place);
+        }
         self.time_launches(b, cfg.warmup, cfg.iters, || {
             b.launch_all(&self.bufs, &self.streams, &self.ranks, cfg, count, in_place)
         })
+    }
+
+    /// [`Bench::time`] with each local rank's calls issued by a thread of its own
+    /// ([`PerfConfig::threads`]): the clock starts once every thread is ready to launch.
+    fn time_threads(&self, b: &Backend, comms: &[Comm], cfg: &PerfConfig, count: usize, in_place: bool) -> Result<f64> {
+        let (func, dtype, op) = (cfg.func, cfg.dtype, cfg.op);
+        // `n` calls on every rank, each rank's from its own thread; the start instant once all
+        // are ready.
+        let run = |n: usize| -> Result<Instant> {
+            let ready = std::sync::Barrier::new(comms.len() + 1);
+            std::thread::scope(|s| {
+                let threads: Vec<_> = comms
+                    .iter()
+                    .enumerate()
+                    .map(|(r, c)| {
+                        let (send, recv) = call_addrs(func, &self.bufs[r], self.ranks[r], count, dtype, in_place);
+                        let (stream, ready) = (&self.streams[r], &ready);
+                        s.spawn(move || -> Result<()> {
+                            ready.wait();
+                            for _ in 0..n {
+                                // SAFETY: as in `Backend::launch_all`: the buffers hold the
+                                // sweep's largest message on rank r's device and stay alive
+                                // until the synchronize that follows.
+                                unsafe { c.collective_raw(func, send, recv, count, dtype, op, ROOT, stream) }?;
+                            }
+                            Ok(())
+                        })
+                    })
+                    .collect();
+                ready.wait();
+                let start = Instant::now();
+                for t in threads {
+                    t.join().map_err(|_| Error::Internal("a rank's launching thread panicked".into()))??;
+                }
+                Ok(start)
+            })
+        };
+        run(cfg.warmup)?;
+        self.sync()?;
+        let t = run(cfg.iters.max(1))?;
+        self.sync()?;
+        let ns = (t.elapsed().as_secs_f64() * 1e9) as u64;
+        let ns = self.across_ranks(b, ns, RedOp::Max)?;
+        Ok(ns as f64 * 1e-9 / cfg.iters.max(1) as f64)
     }
 
     /// Seconds per iteration of `iters` (at least 1) back-to-back calls of `launch` (which queues
