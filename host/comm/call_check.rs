@@ -265,9 +265,13 @@ pub(super) struct CallCheck {
 /// ([`Comm::agreed_on_host`]); the ranks of a busy application launch each call within
 /// microseconds of each other, far ahead of their GPUs.
 const AGREE_WAIT: Duration = Duration::from_micros(50);
-/// Launches for which a host whose wait for a late peer timed out does not wait again (a peer
-/// always late costs its leader one wait in this many calls).
+/// Launches for which a host whose wait for a late peer timed out does not wait again, doubled
+/// after each further wait that times out up to [`AGREE_WAIT_PAUSE_MAX`], and back to this after
+/// a wait that finds the peer's signature: a peer always late (as when one thread launches every
+/// rank's calls in turn) costs its leader one wait in thousands of calls.
 const AGREE_WAIT_PAUSE: u32 = 64;
+/// The longest pause between two waits for a late peer ([`AGREE_WAIT_PAUSE`]).
+const AGREE_WAIT_PAUSE_MAX: u32 = 4096;
 
 /// What a rank's host found of its calls in its rows (one host).
 #[derive(Default)]
@@ -277,8 +281,10 @@ struct HostAgreement {
     /// Calls this host launched, and of those the ones it found agreed (launched unchecked).
     launched: u64,
     found: u64,
-    /// Launches left before this host waits for a late peer again.
+    /// Launches left before this host waits for a late peer again, and the pause after its next
+    /// wait that times out (0: [`AGREE_WAIT_PAUSE`]).
     no_wait: u32,
+    pause: u32,
 }
 
 impl CallCheck {
@@ -590,7 +596,7 @@ impl Comm {
     /// equal. Then no GPU needs to check the call: its kernel runs unchecked, so a host ahead of
     /// its GPU, as a busy application's is, gives its calls the check at no GPU time. A peer
     /// whose signature of `seq` is not in yet is waited for up to [`AGREE_WAIT`] (not again for
-    /// [`AGREE_WAIT_PAUSE`] launches after a wait that timed out). Otherwise the call's kernel
+    /// [`AGREE_WAIT_PAUSE`] launches or more after a wait that timed out). Otherwise the call's kernel
     /// checks it as before, and so does every later call's once a call differs (the host never
     /// finds one agreed past it), so a mismatch still stops every rank's kernels of that call and
     /// of every later one before they write a user buffer. Also tells the writers which of this
@@ -619,7 +625,10 @@ impl Comm {
                         now = slots_agree(own, cc.nranks, seq);
                     }
                     if now.is_none() {
-                        a.no_wait = AGREE_WAIT_PAUSE;
+                        a.no_wait = a.pause.max(AGREE_WAIT_PAUSE);
+                        a.pause = (a.no_wait * 2).min(AGREE_WAIT_PAUSE_MAX);
+                    } else {
+                        a.pause = AGREE_WAIT_PAUSE;
                     }
                 } else {
                     a.no_wait = a.no_wait.saturating_sub(1);
@@ -987,6 +996,38 @@ mod tests {
         }
         assert_eq!(zero(0).check, desc(0));
         assert_eq!(zero(1).check, desc(1), "a graph's mismatch shows only on the GPU");
+    }
+
+    /// A host whose peer is always late waits for it less and less often: after each wait that
+    /// times out it launches twice as many calls without one (from [`AGREE_WAIT_PAUSE`] up to
+    /// [`AGREE_WAIT_PAUSE_MAX`]).
+    #[test]
+    fn a_host_waits_for_an_always_late_peer_ever_more_rarely() {
+        let comms = checked_group(2, None);
+        let ring = choice(Algo::Ring, Proto::Ll, 2);
+        let launch = |r: usize| comms[r].check_args(Func::AllReduce, 8, DataType::F32, DevRedOp::Sum, 0, ring, false).unwrap();
+        let state = || {
+            let a = comms[0].call_check.as_ref().unwrap().agreement.lock().unwrap();
+            (a.no_wait, a.pause)
+        };
+        // Rank 0 launches each call before rank 1 (their kernels keep up): its waits come at
+        // calls 1, 66, 195, ... and their pauses double.
+        let mut waits = Vec::new();
+        for seq in 1..=5000u64 {
+            let before = state().0;
+            launch(0);
+            if before == 0 {
+                waits.push((seq, state()));
+            }
+            launch(1);
+            mark_checked(&comms, 0, seq);
+            mark_checked(&comms, 1, seq);
+        }
+        let expect: Vec<(u64, (u32, u32))> = [(1, 64), (66, 128), (195, 256), (452, 512), (965, 1024), (1990, 2048), (4039, 4096)]
+            .into_iter()
+            .map(|(seq, pause)| (seq, (pause, (2 * pause).min(AGREE_WAIT_PAUSE_MAX))))
+            .collect();
+        assert_eq!(waits, expect);
     }
 
     /// A host [`CHECK_ROW_SLOTS`] calls ahead of a rank's kernels waits for them before it
