@@ -423,8 +423,15 @@ impl Comm {
                     self.launch_check(check, stream, captured, recorded)
                         .map_err(|e| if seq != 0 { self.stop_checking(seq, e) } else { e })
                 }
-                // The check off, or the call found agreed by this rank's host: nothing to launch.
-                _ => {
+                // Found agreed by this rank's host: nothing to launch, but a peer's host may have
+                // launched the check kernel for it, so it counts as one launch of the ordering.
+                Some(_) => {
+                    self.record_empty_call(call);
+                    self.count_as_launch();
+                    Ok(())
+                }
+                // The check off: nothing to launch on any rank.
+                None => {
                     self.record_empty_call(call);
                     Ok(())
                 }
