@@ -573,6 +573,9 @@ fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     if a.group && !nccl_main {
         println!("# oxccl: each iteration's calls of this process's ranks issued as one group");
     }
+    if a.threads && !nccl_main && ranks.len() > 1 {
+        println!("# oxccl: each of this process's ranks issues its timed calls from a thread of its own");
+    }
     for (d, r) in devices.iter().zip(&ranks) {
         match d {
             Device::Cuda(o) => {

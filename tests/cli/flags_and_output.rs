@@ -133,6 +133,35 @@ fn group_issues_the_ranks_calls_as_one_group_and_stays_exact() {
     }
 }
 
+/// `--threads` issues each rank's timed calls from a thread of its own and says so; every
+/// collective stays exact on 3 ranks, out of place and in place, and the call check's
+/// reference too. It cannot be combined with `--group`, whose calls one thread issues.
+#[test]
+fn threads_issue_each_ranks_calls_from_its_own_thread_and_stay_exact() {
+    let out = oxccl()
+        .args(["perf", "all", "--backend", "cpu", "--ranks", "3", "-b", "8", "-e", "64K", "-f", "32", "--threads"])
+        .args(["--compare", "checked"])
+        .output()
+        .expect("run oxccl");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("# oxccl: each of this process's ranks issues its timed calls from a thread of its own"), "{text}");
+    assert_eq!(text.matches("# Out of bounds values : 0 OK").count(), 5, "{text}");
+    let rows: Vec<Vec<&str>> = text
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    assert!(rows.len() >= 10, "{text}");
+    for r in &rows {
+        assert_eq!((r[8], r[12]), ("0", "0"), "{r:?}");
+    }
+    let out = oxccl().args(["perf", "all-reduce", "--backend", "cpu", "--ranks", "2", "--threads", "--group"]).output().expect("run oxccl");
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("'--threads' cannot be used with '--group'"), "{err}");
+}
+
 /// `--compare checked` times every size with the call-signature check off (the main columns)
 /// and on (the reference columns, named "checked"), both exact; `--compare nccl` still needs
 /// GPUs.
