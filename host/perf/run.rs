@@ -316,23 +316,31 @@ impl Bench {
     fn time_threads(&self, b: &Backend, comms: &[Comm], cfg: &PerfConfig, count: usize, in_place: bool) -> Result<f64> {
         let (func, dtype, op) = (cfg.func, cfg.dtype, cfg.op);
         // `n` calls on every rank, each rank's from its own thread; the start instant once all
-        // are ready.
+        // are ready. After a refused call no thread launches more (as `launch_all` stops).
         let run = |n: usize| -> Result<Instant> {
             let ready = std::sync::Barrier::new(comms.len() + 1);
+            let stop = std::sync::atomic::AtomicBool::new(false);
             std::thread::scope(|s| {
                 let threads: Vec<_> = comms
                     .iter()
                     .enumerate()
                     .map(|(r, c)| {
                         let (send, recv) = call_addrs(func, &self.bufs[r], self.ranks[r], count, dtype, in_place);
-                        let (stream, ready) = (&self.streams[r], &ready);
+                        let (stream, ready, stop) = (&self.streams[r], &ready, &stop);
                         s.spawn(move || -> Result<()> {
                             ready.wait();
                             for _ in 0..n {
+                                if stop.load(std::sync::atomic::Ordering::Acquire) {
+                                    break;
+                                }
                                 // SAFETY: as in `Backend::launch_all`: the buffers hold the
                                 // sweep's largest message on rank r's device and stay alive
                                 // until the synchronize that follows.
-                                unsafe { c.collective_raw(func, send, recv, count, dtype, op, ROOT, stream) }?;
+                                let r = unsafe { c.collective_raw(func, send, recv, count, dtype, op, ROOT, stream) };
+                                if r.is_err() {
+                                    stop.store(true, std::sync::atomic::Ordering::Release);
+                                    return r;
+                                }
                             }
                             Ok(())
                         })
