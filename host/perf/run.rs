@@ -358,9 +358,15 @@ impl Bench {
         self.sync()?;
         let t = run(cfg.iters.max(1))?;
         self.sync()?;
-        let ns = (t.elapsed().as_secs_f64() * 1e9) as u64;
+        self.per_iteration(b, t, cfg.iters)
+    }
+
+    /// Seconds per iteration of `iters` (at least 1) timed from `start` to now, the slowest
+    /// rank's when other processes hold ranks (every rank's operation is only done when all are).
+    fn per_iteration(&self, b: &Backend, start: Instant, iters: usize) -> Result<f64> {
+        let ns = (start.elapsed().as_secs_f64() * 1e9) as u64;
         let ns = self.across_ranks(b, ns, RedOp::Max)?;
-        Ok(ns as f64 * 1e-9 / cfg.iters.max(1) as f64)
+        Ok(ns as f64 * 1e-9 / iters.max(1) as f64)
     }
 
     /// Seconds per iteration of `iters` (at least 1) back-to-back calls of `launch` (which queues
@@ -383,10 +389,7 @@ impl Bench {
             launch()?;
         }
         self.sync()?;
-        let ns = (t.elapsed().as_secs_f64() * 1e9) as u64;
-        // The slowest rank's time, as every rank's operation is only done when all are.
-        let ns = self.across_ranks(b, ns, RedOp::Max)?;
-        Ok(ns as f64 * 1e-9 / iters.max(1) as f64)
+        self.per_iteration(b, t, iters)
     }
 
     /// Runs the collective once per check repetition with exact inputs and poisoned outputs and

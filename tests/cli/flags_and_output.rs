@@ -108,6 +108,21 @@ fn bad_flags_are_named_as_flags() {
     }
 }
 
+/// The output `text` of `oxccl perf all`: five collectives, each with its "0 OK" line, and rows
+/// of 0 wrong out of place and in place.
+fn assert_all_exact(text: &str) {
+    assert_eq!(text.matches("# Out of bounds values : 0 OK").count(), 5, "{text}");
+    let rows: Vec<Vec<&str>> = text
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    assert!(rows.len() >= 10, "{text}");
+    for r in &rows {
+        assert_eq!((r[8], r[12]), ("0", "0"), "{r:?}");
+    }
+}
+
 /// `--group` issues each iteration's calls of the process's ranks as one group (what a C
 /// caller's ncclGroupStart/ncclGroupEnd does) and says so; every collective stays exact on 3
 /// ranks, out of place and in place.
@@ -120,17 +135,7 @@ fn group_issues_the_ranks_calls_as_one_group_and_stays_exact() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
     assert!(text.contains("# oxccl: each iteration's calls of this process's ranks issued as one group"), "{text}");
-    // Five collectives, each with its "0 OK" line and rows of 0 wrong out of place and in place.
-    assert_eq!(text.matches("# Out of bounds values : 0 OK").count(), 5, "{text}");
-    let rows: Vec<Vec<&str>> = text
-        .lines()
-        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
-        .map(|l| l.split_whitespace().collect())
-        .collect();
-    assert!(rows.len() >= 10, "{text}");
-    for r in &rows {
-        assert_eq!((r[8], r[12]), ("0", "0"), "{r:?}");
-    }
+    assert_all_exact(&text);
 }
 
 /// `--threads` issues each rank's timed calls from a thread of its own and says so; every
@@ -146,16 +151,7 @@ fn threads_issue_each_ranks_calls_from_its_own_thread_and_stay_exact() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
     assert!(text.contains("# oxccl: each of this process's ranks issues its timed calls from a thread of its own"), "{text}");
-    assert_eq!(text.matches("# Out of bounds values : 0 OK").count(), 5, "{text}");
-    let rows: Vec<Vec<&str>> = text
-        .lines()
-        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
-        .map(|l| l.split_whitespace().collect())
-        .collect();
-    assert!(rows.len() >= 10, "{text}");
-    for r in &rows {
-        assert_eq!((r[8], r[12]), ("0", "0"), "{r:?}");
-    }
+    assert_all_exact(&text);
     let out = oxccl().args(["perf", "all-reduce", "--backend", "cpu", "--ranks", "2", "--threads", "--group"]).output().expect("run oxccl");
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
