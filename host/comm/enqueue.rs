@@ -378,6 +378,16 @@ impl Comm {
         }
     }
 
+    /// A call that launches nothing on this rank where a peer's may launch a kernel for it (a
+    /// call of count 0 that this rank's host found agreed, which a peer's host may have checked
+    /// with the check kernel): one launch of the ordering, as the peer counts its kernel, so the
+    /// ranks sharing a GPU keep the same numbers for their calls.
+    pub(super) fn count_as_launch(&self) {
+        if let Res::Cuda(res) = &self.res {
+            res.launch.issued.fetch_add(1, Ordering::AcqRel);
+        }
+    }
+
     /// Queues one call's kernels on this CUDA rank's stream `s` in launch order with the ranks of
     /// its process group (module docs): after the calls of the ranks sharing its GPU; the
     /// modules `names` loaded first (one not loaded yet only once every rank of the group has
