@@ -17,6 +17,9 @@
 //! every rank's signature of the call and of every call before it, all equal, launches the
 //! call's kernel without the check ([`Comm::agreed_on_host`]): hosts that launch their calls
 //! together, ahead of their GPUs, as a busy application's do, have them checked at no GPU time.
+//! A group's end signs every call it holds before it launches any
+//! ([`Comm::presign_collective`]), so one thread ending a group of every rank's calls has them
+//! all found agreed.
 //! Otherwise the checking block reads the signatures there, so it waits for no peer's kernel,
 //! and it publishes the next call's agreement ahead when every host has launched it already.
 //! Other ranks
@@ -258,13 +261,20 @@ pub(super) struct CallCheck {
     /// launch of the graph the host does not see, so from then on every numbered call runs its
     /// kernel's check (the host finds none agreed).
     captured: std::sync::atomic::AtomicBool,
+    /// Calls numbered and signed ahead of their launch, in order ([`Comm::presign_collective`]):
+    /// their launch takes the number and the signature instead of numbering the call.
+    presigned: Mutex<std::collections::VecDeque<CallSig>>,
 }
 
 /// How long a host that launches a call before some peer's host did waits for that peer's
 /// signature, to find the call agreed and launch its kernel unchecked
 /// ([`Comm::agreed_on_host`]); the ranks of a busy application launch each call within
-/// microseconds of each other, far ahead of their GPUs.
+/// microseconds of each other, far ahead of their GPUs. On a GPU the host waits only while its
+/// GPU still holds two of its launches or more ([`LaunchState::busy`]), so the wait never leaves
+/// the GPU idle, and up to [`AGREE_WAIT_BUSY`].
 const AGREE_WAIT: Duration = Duration::from_micros(50);
+/// The longest wait for a late peer's signature of a host whose GPU is busy ([`AGREE_WAIT`]).
+const AGREE_WAIT_BUSY: Duration = Duration::from_micros(200);
 /// Launches for which a host whose wait for a late peer timed out does not wait again, doubled
 /// after each further wait that times out up to [`AGREE_WAIT_PAUSE_MAX`], and back to this after
 /// a wait that finds the peer's signature: a peer always late (as when one thread launches every
@@ -351,6 +361,7 @@ impl CallCheck {
             rows,
             agreement: Mutex::new(HostAgreement::default()),
             captured: std::sync::atomic::AtomicBool::new(false),
+            presigned: Mutex::new(std::collections::VecDeque::new()),
         })
     }
 
@@ -575,11 +586,35 @@ impl Comm {
         if captured {
             cc.captured.store(true, Ordering::Release);
         }
-        let seq = if captured { 0 } else { cc.seq.fetch_add(1, Ordering::AcqRel) + 1 };
-        let sig = encode(seq, func, count, dtype, op, root, choice);
+        let ahead = if captured { None } else { cc.presigned.lock().ok().and_then(|mut q| q.pop_front()) };
+        let sig = match ahead {
+            Some(sig) => {
+                let now = encode(sig[0], func, count, dtype, op, root, choice);
+                if now != sig {
+                    return Err(self.stop_checking(
+                        sig[0],
+                        Error::Internal(format!(
+                            "rank {}: the call launched as checked call #{} ({}) is not the call signed for it ({})",
+                            self.rank,
+                            sig[0],
+                            describe(&now),
+                            describe(&sig)
+                        )),
+                    ));
+                }
+                sig
+            }
+            None => {
+                let seq = if captured { 0 } else { cc.seq.fetch_add(1, Ordering::AcqRel) + 1 };
+                let sig = encode(seq, func, count, dtype, op, root, choice);
+                if seq != 0 {
+                    self.write_rows(cc, &sig)?;
+                }
+                sig
+            }
+        };
         let mut check = cc.desc_addr();
-        if seq != 0 {
-            self.write_rows(cc, &sig)?;
+        if sig[0] != 0 {
             if self.agreed_on_host(cc, &sig) {
                 check |= CHECK_AGREED;
             }
@@ -591,12 +626,96 @@ impl Comm {
         }))
     }
 
+    /// For a group's end (`group/collectives.rs`): with the check on and the ranks' rows shared,
+    /// numbers this rank's next collective (`func` on `count` elements of `dtype` with `op` and
+    /// `root`, on `stream`, as [`Comm::collective_raw`] takes it) and writes its signature into
+    /// every rank's rows now, before the group launches any of its calls; the call's launch takes
+    /// that number ([`Comm::check_args`]). So when one thread ends a group holding every rank's
+    /// calls, each rank's host finds its peers' signatures in its rows at its launch, and the
+    /// calls run without their kernels' check, as those of ranks launched from threads or
+    /// processes of their own do. Returns whether the call was signed: `false` (nothing done)
+    /// with the check off or gathering, for a call the launch will refuse or that a capture takes
+    /// (it has no number), and where a slot of the call is still in use
+    /// ([`row_slot_free`]; signing never waits). The caller stops signing a rank's calls at the
+    /// first `false`, so numbers keep the calls' order. Nothing is queued, nor any buffer read.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn presign_collective(
+        &self,
+        func: Func,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dtype: DataType,
+        op: &crate::redop::ReduceOp<'_>,
+        root: usize,
+        stream: &Stream,
+    ) -> bool {
+        let Some(cc) = self.call_check.as_ref() else {
+            return false;
+        };
+        let Some(rows) = &cc.rows else {
+            return false;
+        };
+        let Ok((dev_op, _, _, recv_bytes, captured)) =
+            self.checked_call(func, send, recv, count, dtype, op, root, stream, collectives::Capture::Now)
+        else {
+            return false;
+        };
+        if captured || cc.error.get().is_some() {
+            return false;
+        }
+        let choice = if count == 0 {
+            None
+        } else {
+            let esize = dtype.size() as u64;
+            match self.plan(func, self.call_bytes(func, count, recv_bytes, esize), esize) {
+                Ok(c) => Some(c),
+                Err(_) => return false,
+            }
+        };
+        let Ok(mut ahead) = cc.presigned.lock() else {
+            return false;
+        };
+        let seq = cc.seq.load(Ordering::Acquire) + 1;
+        if seq > CHECK_ROW_SLOTS && !rows.hosts.iter().all(|&base| row_slot_free(base, seq - CHECK_ROW_SLOTS).0) {
+            return false;
+        }
+        cc.seq.store(seq, Ordering::Release);
+        let sig = encode(seq, func, count, dtype, dev_op, root, choice);
+        // The slots are free (above): this returns at once.
+        if let Err(e) = self.write_rows(cc, &sig) {
+            self.stop_checking(seq, e);
+            return false;
+        }
+        ahead.push_back(sig);
+        true
+    }
+
+    /// After a group's launches: calls signed ahead ([`Comm::presign_collective`]) that were
+    /// never launched (their launch failed before it reached the check) hold numbers this rank's
+    /// later calls cannot take, so the check stops, as after a numbered call that was not
+    /// launched ([`Comm::stop_checking`]).
+    pub(crate) fn drop_presigned(&self) {
+        let Some(cc) = self.call_check.as_ref() else {
+            return;
+        };
+        let left = cc.presigned.lock().ok().and_then(|mut q| {
+            let first = q.front().map(|s| s[0]);
+            q.clear();
+            first
+        });
+        if let Some(seq) = left {
+            self.stop_checking(seq, Error::Internal(format!("rank {}: checked call #{seq} was signed at its group's end but not launched", self.rank)));
+        }
+    }
+
     /// With rows, once this rank wrote its signature `sig` of call `seq` (`sig[0]`, ≥ 1):
     /// whether every rank's signature of every call up to `seq` is in this rank's rows, all
     /// equal. Then no GPU needs to check the call: its kernel runs unchecked, so a host ahead of
     /// its GPU, as a busy application's is, gives its calls the check at no GPU time. A peer
-    /// whose signature of `seq` is not in yet is waited for up to [`AGREE_WAIT`] (not again for
-    /// [`AGREE_WAIT_PAUSE`] launches or more after a wait that timed out). Otherwise the call's kernel
+    /// whose signature of `seq` is not in yet is waited for up to [`AGREE_WAIT`] (on a GPU only
+    /// while it is busy, up to [`AGREE_WAIT_BUSY`]; not again for [`AGREE_WAIT_PAUSE`] launches
+    /// or more after a wait that timed out). Otherwise the call's kernel
     /// checks it as before, and so does every later call's once a call differs (the host never
     /// finds one agreed past it), so a mismatch still stops every rank's kernels of that call and
     /// of every later one before they write a user buffer. Also tells the writers which of this
@@ -618,9 +737,19 @@ impl Comm {
             }
             a.agreed + 1 == seq && {
                 let mut now = slots_agree(own, cc.nranks, seq);
-                if now.is_none() && a.no_wait == 0 {
+                // On a GPU: whether waiting now leaves the GPU with work (a wait that would not
+                // is skipped, and does not lengthen the pause), and for how long.
+                let busy = || match &self.res {
+                    Res::Cuda(r) => r.launch.busy(),
+                    Res::Cpu(_) => true,
+                };
+                let limit = match &self.res {
+                    Res::Cuda(_) => AGREE_WAIT_BUSY,
+                    Res::Cpu(_) => AGREE_WAIT,
+                };
+                if now.is_none() && a.no_wait == 0 && busy() {
                     let start = Instant::now();
-                    while now.is_none() && start.elapsed() < AGREE_WAIT {
+                    while now.is_none() && start.elapsed() < limit && busy() {
                         std::hint::spin_loop();
                         now = slots_agree(own, cc.nranks, seq);
                     }
@@ -996,6 +1125,35 @@ mod tests {
         }
         assert_eq!(zero(0).check, desc(0));
         assert_eq!(zero(1).check, desc(1), "a graph's mismatch shows only on the GPU");
+    }
+
+    /// A call launched in place of the call signed ahead for it ([`Comm::presign_collective`])
+    /// is refused naming both, and the check stops (its numbers no longer pair with the
+    /// peers'); a call signed ahead but never launched stops it too.
+    #[test]
+    fn a_launch_that_is_not_the_call_signed_ahead_stops_the_check() {
+        let comms = checked_group(2, None);
+        let ring = choice(Algo::Ring, Proto::Ll, 1);
+        let signed = encode(1, Func::AllReduce, 8, DataType::F32, DevRedOp::Sum, 0, ring);
+        let cc = comms[0].call_check.as_ref().unwrap();
+        cc.presigned.lock().unwrap().push_back(signed);
+        cc.seq.store(1, Ordering::Release);
+        let e = comms[0].check_args(Func::AllReduce, 9, DataType::F32, DevRedOp::Sum, 0, ring, false).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "internal error: rank 0: the call launched as checked call #1 (allreduce call #1 (9 × float, op sum; ring/LL on \
+             1 channel)) is not the call signed for it (allreduce call #1 (8 × float, op sum; ring/LL on 1 channel))"
+        );
+        let later = comms[0].call_mismatch().expect("the check stopped");
+        assert!(later.to_string().contains("checked call #1 was numbered by the call check but not launched"), "{later}");
+
+        let cc = comms[1].call_check.as_ref().unwrap();
+        cc.presigned.lock().unwrap().push_back(encode(1, Func::AllReduce, 8, DataType::F32, DevRedOp::Sum, 0, ring));
+        assert!(comms[1].call_mismatch().is_none());
+        comms[1].drop_presigned();
+        assert!(cc.presigned.lock().unwrap().is_empty());
+        let later = comms[1].call_mismatch().expect("the check stopped");
+        assert!(later.to_string().contains("signed at its group's end but not launched"), "{later}");
     }
 
     /// A host whose peer is always late waits for it less and less often: after each wait that

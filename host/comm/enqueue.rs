@@ -174,6 +174,14 @@ impl LaunchState {
         }
     }
 
+    /// Whether this rank's GPU holds at least two of its launches not yet completed (the one
+    /// before the newest has not), so that its host may pause for a while without the GPU
+    /// running out of this rank's work. False on an error of the query.
+    pub(super) fn busy(&self) -> bool {
+        let n = self.recorded.load(Ordering::Acquire);
+        n >= 2 && matches!(self.completed(n - 2), Ok(false))
+    }
+
     /// True when nothing this rank launched is still queued or running.
     pub(super) fn idle(&self) -> Result<bool> {
         Ok(!self.launched.load(Ordering::Acquire) || self.last_complete()?)

@@ -533,3 +533,71 @@ fn a_checked_call_whose_peer_never_calls_times_out_with_its_waiting_blocks() {
         c.abort().unwrap();
     }
 }
+
+/// One thread ending a group that holds every rank's calls (as nccl-tests drives the GPUs of
+/// one process) has every call found agreed by every rank's host before its launch, count 0
+/// included: the group's end signs each rank's calls before it launches any, so no kernel checks
+/// them. Results stay exact; calls that differ inside a group are still caught on every rank,
+/// with no byte of the output written. CPU target, 3 ranks as threads of one process.
+#[test]
+fn a_group_of_every_ranks_calls_from_one_thread_is_found_agreed_before_its_launch() {
+    let comms = init(&Device::cpus(3), &[]);
+    let n = comms.len();
+    let streams = common::streams(&comms);
+    let count = 1000;
+    let floats = |v: f32, len: usize| -> Vec<u8> { (0..len).flat_map(|_| v.to_ne_bytes()).collect() };
+    let alloc = |r: usize, data: &[u8]| {
+        let b = comms[r].device().alloc(4 * count).unwrap();
+        b.write(0, data).unwrap();
+        b
+    };
+    let sends: Vec<_> = (0..n).map(|r| alloc(r, &floats((r + 1) as f32, count))).collect();
+    let groups = 4;
+    for g in 0..groups {
+        let recvs: Vec<_> = (0..n).map(|r| alloc(r, &common::sentinel(4 * count, 7 + r as u8))).collect();
+        oxccl::group_start().unwrap();
+        for r in 0..n {
+            comms[r].all_reduce(&sends[r], &recvs[r], count, DataType::F32, RedOp::Sum, &streams[r]).unwrap();
+            comms[r].broadcast(Some((&sends[r]).into()), &recvs[r], 0, DataType::F32, 1, &streams[r]).unwrap();
+            comms[r].all_reduce(&recvs[r], &recvs[r], count, DataType::F32, RedOp::Sum, &streams[r]).unwrap();
+        }
+        oxccl::group_end().unwrap();
+        common::sync_all(&streams, "the group's calls");
+        for r in 0..n {
+            // 1 + 2 + 3 on each rank, then that sum over the ranks.
+            assert!(recvs[r].to_vec().unwrap() == floats(18.0, count), "group {g}, rank {r}: not 18.0 everywhere");
+        }
+    }
+    let calls = 3 * groups as u64;
+    for (r, c) in comms.iter().enumerate() {
+        assert_eq!(c.calls_found_agreed(), Some((calls, calls)), "rank {r}: (calls launched, found agreed)");
+    }
+
+    // Rank 2 issues another count inside the group: every rank's kernel checks the call and stops it.
+    let recvs: Vec<_> = (0..n).map(|r| alloc(r, &common::sentinel(4 * count, 9 + r as u8))).collect();
+    oxccl::group_start().unwrap();
+    for r in 0..n {
+        let c = if r == 2 { count - 1 } else { count };
+        comms[r].all_reduce(&sends[r], &recvs[r], c, DataType::F32, RedOp::Sum, &streams[r]).unwrap();
+    }
+    oxccl::group_end().unwrap();
+    let seq = calls + 1;
+    let want = message(
+        &format!(
+            "ranks 0, 1 issued allreduce call #{seq} ({count} × float, op sum; ring/LL on 1 channel); rank 2 issued \
+             allreduce call #{seq} ({} × float, op sum; ring/LL on 1 channel)",
+            count - 1
+        ),
+        "count",
+    );
+    for r in 0..n {
+        let _ = streams[r].synchronize();
+        let e = comms[r].get_async_error().unwrap_err();
+        assert_eq!(e.to_string(), format!("invalid usage: rank {r}: {want}"), "rank {r}");
+        assert!(recvs[r].to_vec().unwrap() == common::sentinel(4 * count, 9 + r as u8), "rank {r}: its output was written");
+    }
+    assert_eq!(comms[0].calls_found_agreed(), Some((calls + 1, calls)), "rank 0 found the differing call not agreed");
+    for c in &comms {
+        c.abort().unwrap();
+    }
+}
