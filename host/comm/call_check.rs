@@ -123,6 +123,9 @@ pub(super) struct Rows {
     hosts: Vec<usize>,
     /// The peers' rows mapped here (kept for `hosts`).
     _peers: Vec<crate::cpu::ShmSegment>,
+    /// By rank: the last call whose slots this rank's host found free in that rank's rows
+    /// ([`Rows::slot_free`]).
+    free: Vec<AtomicU64>,
 }
 
 impl Rows {
@@ -157,12 +160,33 @@ impl Rows {
                 peers.push(seg);
             }
         }
-        Ok(Rows { own, hosts, _peers: peers })
+        let free = (0..names.len()).map(|_| AtomicU64::new(0)).collect();
+        Ok(Rows {
+            own,
+            hosts,
+            _peers: peers,
+            free,
+        })
     }
 
     /// Removes this rank's name (once every rank has mapped the rows).
     pub(super) fn unlink(&self) -> Result<()> {
         self.own.unlink()
+    }
+
+    /// [`row_slot_free`] of call `need` in rank `reader`'s rows, from the last call whose slots
+    /// were found free there; the words it read, or `need` twice when that call's slots were
+    /// known free.
+    fn slot_free(&self, reader: usize, need: u64) -> (bool, u64, u64) {
+        let known = self.free[reader].load(Ordering::Acquire);
+        if need <= known {
+            return (true, need, need);
+        }
+        let found = row_slot_free(self.hosts[reader], need, known);
+        if found.0 {
+            self.free[reader].fetch_max(need, Ordering::AcqRel);
+        }
+        found
     }
 }
 
@@ -220,8 +244,11 @@ unsafe fn checked_entry<'a>(base: usize, seq: u64) -> &'a AtomicU64 {
 /// after the last its kernels checked, up to `need`, was launched with the check. Only the last
 /// [`CHECK_ROW_SLOTS`] calls up to `need` are looked at: the host launched call
 /// `c + CHECK_ROW_SLOTS` only once its own slots of `c` were free, and a table entry that holds a
-/// later number than its call says the same.
-fn row_slot_free(base: usize, need: u64) -> (bool, u64, u64) {
+/// later number than its call says the same. Nor are those up to `known`, a call whose slots were
+/// found free before: slots once free stay free, and so do every earlier call's (a call is
+/// entered in the table before its host word says it was launched), so a writer that keeps what
+/// it found looks at about one entry per call ([`Rows::slot_free`]).
+fn row_slot_free(base: usize, need: u64, known: u64) -> (bool, u64, u64) {
     // SAFETY: the header's words lie at the start of the rows, which the caller keeps mapped.
     let (kernels, host) = unsafe {
         (AtomicU64::from_ptr(base as *mut u64), AtomicU64::from_ptr((base + CHECK_ROWS_HOST_WORD) as *mut u64))
@@ -231,7 +258,7 @@ fn row_slot_free(base: usize, need: u64) -> (bool, u64, u64) {
     let checked = kernels.load(Ordering::Acquire);
     let free = launched >= need
         && (checked >= need
-            || (checked.max(need.saturating_sub(CHECK_ROW_SLOTS)) + 1..=need)
+            || (checked.max(known).max(need.saturating_sub(CHECK_ROW_SLOTS)) + 1..=need)
                 // SAFETY: the table lies in the rows' header, which the caller keeps mapped.
                 .all(|c| unsafe { checked_entry(base, c) }.load(Ordering::Acquire) != c));
     (free, launched, checked)
@@ -677,7 +704,7 @@ impl Comm {
             return false;
         };
         let seq = cc.seq.load(Ordering::Acquire) + 1;
-        if seq > CHECK_ROW_SLOTS && !rows.hosts.iter().all(|&base| row_slot_free(base, seq - CHECK_ROW_SLOTS).0) {
+        if seq > CHECK_ROW_SLOTS && !(0..cc.nranks).all(|reader| rows.slot_free(reader, seq - CHECK_ROW_SLOTS).0) {
             return false;
         }
         cc.seq.store(seq, Ordering::Release);
@@ -794,8 +821,8 @@ impl Comm {
         // Every slot free before any is written: a rank never holds a part of a call's
         // signatures. A call numbered but never launched would shift this rank's later calls
         // against its peers' kernels, which the rows cannot see: the communicator stops.
-        for (reader, &base) in rows.hosts.iter().enumerate() {
-            if let Err(e) = self.await_row_slot(reader, base, seq) {
+        for reader in 0..rows.hosts.len() {
+            if let Err(e) = self.await_row_slot(rows, reader, seq) {
                 return Err(self.stop_checking(seq, e));
             }
         }
@@ -831,7 +858,7 @@ impl Comm {
         e
     }
 
-    /// Waits until no kernel of rank `reader` (its rows at host address `base`) reads its slots
+    /// Waits until no kernel of rank `reader` (its rows in `rows`) reads its slots
     /// of call `seq − CHECK_ROW_SLOTS` again, the last to use this rank's slot of call `seq`
     /// there ([`row_slot_free`]): that rank's host launched that call, and its kernels checked
     /// every call up to it that it launched with the check. Only a host more than
@@ -839,13 +866,13 @@ impl Comm {
     /// would for a full launch queue. Errors: this communicator aborted (the abort's error), or no
     /// progress for the call timeout (`NCCL_TIMEOUT`; 600 s when timeouts are off): `Timeout`
     /// naming the rank and the calls.
-    fn await_row_slot(&self, reader: usize, base: usize, seq: u64) -> Result<()> {
+    fn await_row_slot(&self, rows: &Rows, reader: usize, seq: u64) -> Result<()> {
         if seq <= CHECK_ROW_SLOTS {
             return Ok(());
         }
         let need = seq - CHECK_ROW_SLOTS;
         let limit = self.params.timeout.unwrap_or(std::time::Duration::from_secs(600));
-        let (mut free, mut launched, mut checked) = row_slot_free(base, need);
+        let (mut free, mut launched, mut checked) = rows.slot_free(reader, need);
         let mut since = std::time::Instant::now();
         let mut spins = 0u32;
         while !free {
@@ -866,7 +893,7 @@ impl Comm {
             } else {
                 std::thread::sleep(std::time::Duration::from_micros(20));
             }
-            let now = row_slot_free(base, need);
+            let now = rows.slot_free(reader, need);
             if (now.1, now.2) != (launched, checked) {
                 since = std::time::Instant::now();
             }
@@ -1095,8 +1122,8 @@ mod tests {
         assert_eq!((one.check, one.sig[0]), (desc(1) | CHECK_AGREED, 1), "rank 1's kernel of call 1 checks nothing");
         assert_eq!((host_word(&comms, 0), host_word(&comms, 1)), (1, 1), "both hosts launched call 1");
         assert!(launched_checked(&comms, 0, 1) && !launched_checked(&comms, 1, 1));
-        assert!(!row_slot_free(rows_of(&comms, 0), 1).0, "rank 0's kernel still reads call 1's slots");
-        assert_eq!(row_slot_free(rows_of(&comms, 1), 1), (true, 1, 0), "no kernel of rank 1 reads them");
+        assert!(!row_slot_free(rows_of(&comms, 0), 1, 0).0, "rank 0's kernel still reads call 1's slots");
+        assert_eq!(row_slot_free(rows_of(&comms, 1), 1, 0), (true, 1, 0), "no kernel of rank 1 reads them");
         // Call 2 differs (count 8 against 9): both kernels check it, rank 0's without a wait.
         let start = Instant::now();
         assert_eq!(launch(0, 8).check, desc(0));
@@ -1105,8 +1132,8 @@ mod tests {
         assert!(launched_checked(&comms, 0, 2) && launched_checked(&comms, 1, 2));
         // Rank 0's kernels checked call 1: its slots of call 1 are free, those of call 2 not.
         mark_checked(&comms, 0, 1);
-        assert_eq!(row_slot_free(rows_of(&comms, 0), 1), (true, 2, 1));
-        assert!(!row_slot_free(rows_of(&comms, 0), 2).0);
+        assert_eq!(row_slot_free(rows_of(&comms, 0), 1, 0), (true, 2, 1));
+        assert!(!row_slot_free(rows_of(&comms, 0), 2, 0).0);
         // Call 3 is alike, but after a call that differs every call is checked by its kernel.
         assert_eq!(launch(1, 8).check, desc(1));
         assert_eq!(launch(0, 8).check, desc(0));
@@ -1237,13 +1264,22 @@ mod tests {
         // Rank 1's kernels checked its calls; rank 0's GPU checks call 1 after its host's last
         // launch. Until then rank 0's slots of call 1 stay taken.
         mark_checked(&comms, 1, CHECK_ROW_SLOTS);
-        assert!(!row_slot_free(rows_of(&comms, 0), 1).0);
+        assert!(!row_slot_free(rows_of(&comms, 0), 1, 0).0);
         mark_checked(&comms, 0, 1);
         let start = Instant::now();
         for seq in CHECK_ROW_SLOTS + 1..=2 * CHECK_ROW_SLOTS {
             assert_eq!(launch(1).expect("a free slot at rank 0").expect("on").sig[0], seq);
         }
         assert!(start.elapsed() < std::time::Duration::from_millis(300), "no launch waited for its timeout");
+        // Rank 1's host keeps what it found: the last call whose slots are free in rank 0's rows,
+        // so it does not look at the table's entries of the calls up to it again.
+        let rows = comms[1].call_check.as_ref().unwrap().rows.clone().unwrap();
+        assert_eq!(rows.free[0].load(Ordering::Acquire), CHECK_ROW_SLOTS);
+        // SAFETY: the table lies in rank 0's rows, which the group keeps; no kernel runs.
+        unsafe { checked_entry(rows_of(&comms, 0), 2) }.store(2, Ordering::Release);
+        assert!(!row_slot_free(rows_of(&comms, 0), 2, 1).0, "an entry of call 2 looked at says it is read");
+        assert!(row_slot_free(rows_of(&comms, 0), 2, 2).0, "but not once call 2's slots were found free");
+        assert!(rows.slot_free(0, 2).0);
         // Rank 0's host never launched call CHECK_ROW_SLOTS + 1.
         let e = launch(1).expect_err("rank 0's slots of its next call are not free");
         assert_eq!(e.code(), crate::error::ResultCode::Timeout);
