@@ -32,12 +32,11 @@ use crate::reduce::{FuncSum, OpArgs};
 /// ([`check_call`]) and has no share of its data; every other block arms its [`gate`] and goes
 /// on to move data, waiting for the verdict only before its first write to a user buffer. With
 /// [`crate::abi::CHECK_VERDICT_ONLY`] in `desc`, every block only honours the verdict of the
-/// check kernel that ran before; with [`crate::abi::CHECK_AGREED`], every block's gate is open.
-/// Returns `None` when the block stops (in every thread of the block alike), else what its gate
-/// needs ([`gate`]): thread 0's look at the verdict word ([`CheckDesc::done`]), taken as it armed
-/// the gate so that the load's time passes while the block sets up (0 in every other thread and
-/// where the block has no gate). The gates rely on the checking block running meanwhile, as
-/// every oxccl kernel relies on its blocks and its peers' being resident together
+/// check kernel that ran before. Returns `None` when the block stops (in every thread of the
+/// block alike), else what its gate needs ([`gate`]): thread 0's look at the verdict word
+/// ([`CheckDesc::done`]), taken as it armed the gate so that the load's time passes while the
+/// block sets up (0 in every other thread and where the block has no gate). The gates rely on
+/// the checking block running meanwhile, as every oxccl kernel relies on its blocks and its peers' being resident together
 /// (a grid of at most one block per channel and the checking block, fewer than the GPU's
 /// multiprocessors).
 ///
@@ -56,11 +55,7 @@ pub unsafe fn checked(
 ) -> Option<u64> {
     // SAFETY: forwarded caller contract.
     unsafe {
-        if desc & crate::abi::CHECK_AGREED != 0 {
-            // Found agreed by the host before the launch: every gate open.
-            arm_gate(comm, 0, 0, tid, smem);
-            Some(0)
-        } else if desc & crate::abi::CHECK_VERDICT_ONLY != 0 {
+        if desc & crate::abi::CHECK_VERDICT_ONLY != 0 {
             // Checked by the check kernel before this one: every block honours its verdict.
             let comm = &*(comm as *const DevComm);
             (!block_bool(tid == 0 && !same_verdict(comm), tid, smem)).then_some(0)
@@ -630,31 +625,5 @@ mod tests {
         assert_eq!(verdict(8, 7), Some(true));
         assert_eq!(verdict(7 | CHECK_DIFFERENT, 7), Some(false));
         assert_eq!(verdict(7 | CHECK_HALTED, 7), Some(false));
-    }
-
-    #[test]
-    fn a_call_found_agreed_keeps_its_check_word_only_where_it_runs_the_checked_entry() {
-        use crate::abi::{CHECK_AGREED, CHECK_VERDICT_ONLY, Func, WorkColl, agreed_launch_check};
-        let desc = 0x1000;
-        let work = |func: Func, count: u64| WorkColl {
-            func: func as u8,
-            count,
-            nchannels: 2,
-            chunk_elems: 100,
-            ..WorkColl::default()
-        };
-        let agreed = desc | CHECK_AGREED;
-        // No checked entry: launched unchecked.
-        assert_eq!(agreed_launch_check(&work(Func::AllReduce, 1000), agreed), 0);
-        assert_eq!(agreed_launch_check(&work(Func::Reduce, 10), agreed), 0);
-        // An AllGather of more than one loop gates before its loop in the unchecked entry.
-        assert_eq!(agreed_launch_check(&work(Func::AllGather, 201), agreed), 0);
-        // The checked entry cuts its first chunk's steps as a peer's checked launch does.
-        assert_eq!(agreed_launch_check(&work(Func::AllGather, 200), agreed), agreed);
-        assert_eq!(agreed_launch_check(&work(Func::Broadcast, 1000), agreed), agreed);
-        // Calls the host did not find agreed keep their word.
-        assert_eq!(agreed_launch_check(&work(Func::AllReduce, 1000), desc), desc);
-        assert_eq!(agreed_launch_check(&work(Func::AllReduce, 1000), desc | CHECK_VERDICT_ONLY), desc | CHECK_VERDICT_ONLY);
-        assert_eq!(agreed_launch_check(&work(Func::AllReduce, 1000), 0), 0);
     }
 }

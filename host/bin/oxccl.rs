@@ -608,11 +608,6 @@ fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     }
     let mut wrong = 0;
     let mut all_rows: Vec<(Op, Vec<table::Row>)> = Vec::new();
-    // Per rank of the checked reference: calls launched and calls found agreed, before a sweep.
-    let mut agreed_before: Vec<(u64, u64)> = match &reference {
-        Some(Backend::Oxccl(comms)) => comms.iter().map(|c| c.calls_found_agreed().unwrap_or_default()).collect(),
-        _ => Vec::new(),
-    };
     let ops = a.collective.ops();
     for op in ops.iter().copied() {
         println!("#\n# {}", op.name());
@@ -648,20 +643,6 @@ fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         print!("{}", table::footer_for(&rows, ref_name));
         if let Some(line) = table::choices_line(&rows) {
             print!("{line}");
-        }
-        if let (Some(CompareArg::Checked), Some(Backend::Oxccl(comms))) = (a.compare, reference.as_ref()) {
-            // How many of this sweep's checked calls ran without the GPU's check.
-            let counts: Vec<(u64, u64)> = comms.iter().filter_map(|c| c.calls_found_agreed()).collect();
-            if counts.len() == comms.len() {
-                let line: Vec<String> = counts
-                    .iter()
-                    .zip(&agreed_before)
-                    .enumerate()
-                    .map(|(r, (now, before))| format!("rank {r} {} of {}", now.1 - before.1, now.0 - before.0))
-                    .collect();
-                println!("# checked calls found agreed by their hosts (run without the GPU's check): {}", line.join(", "));
-                agreed_before = counts;
-            }
         }
         wrong += table::total_wrong(&rows);
         if let (Backend::Oxccl(_), Some(Device::Cuda(o))) = (&main, devices.first()) {

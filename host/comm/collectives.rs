@@ -417,20 +417,12 @@ impl Comm {
             }
             let call = record(None);
             return match self.check_args(func, 0, dtype, dev_op, root, None, captured)? {
-                Some(check) if check.check & oxccl_gpu::abi::CHECK_AGREED == 0 => {
+                Some(check) => {
                     let recorded = self.begin_call(call, captured);
                     let seq = check.sig[0];
                     self.launch_check(check, stream, captured, recorded)
                         .map_err(|e| if seq != 0 { self.stop_checking(seq, e) } else { e })
                 }
-                // Found agreed by this rank's host: nothing to launch, but a peer's host may have
-                // launched the check kernel for it, so it counts as one launch of the ordering.
-                Some(_) => {
-                    self.record_empty_call(call);
-                    self.count_as_launch();
-                    Ok(())
-                }
-                // The check off: nothing to launch on any rank.
                 None => {
                     self.record_empty_call(call);
                     Ok(())

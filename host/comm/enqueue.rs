@@ -174,14 +174,6 @@ impl LaunchState {
         }
     }
 
-    /// Whether this rank's GPU holds at least two of its launches not yet completed (the one
-    /// before the newest has not), so that its host may pause for a while without the GPU
-    /// running out of this rank's work. False on an error of the query.
-    pub(super) fn busy(&self) -> bool {
-        let n = self.recorded.load(Ordering::Acquire);
-        n >= 2 && matches!(self.completed(n - 2), Ok(false))
-    }
-
     /// True when nothing this rank launched is still queued or running.
     pub(super) fn idle(&self) -> Result<bool> {
         Ok(!self.launched.load(Ordering::Acquire) || self.last_complete()?)
@@ -383,16 +375,6 @@ impl Comm {
             rank: self.rank,
             watch: self.watch.clone(),
             recorded: recorded.to_vec(),
-        }
-    }
-
-    /// A call that launches nothing on this rank where a peer's may launch a kernel for it (a
-    /// call of count 0 that this rank's host found agreed, which a peer's host may have checked
-    /// with the check kernel): one launch of the ordering, as the peer counts its kernel, so the
-    /// ranks sharing a GPU keep the same numbers for their calls.
-    pub(super) fn count_as_launch(&self) {
-        if let Res::Cuda(res) = &self.res {
-            res.launch.issued.fetch_add(1, Ordering::AcqRel);
         }
     }
 

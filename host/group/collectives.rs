@@ -7,8 +7,7 @@
 //! the second of any — so one thread may end a group holding several ranks' calls even when
 //! those ranks share a GPU and launch in step (`comm/enqueue.rs`). Every rank of a
 //! communicator batches alike: its calls, their plans and so their kernel entries are the same
-//! on every rank. With the call-signature check on (which launches each call alone), every
-//! rank's calls are signed before any is launched ([`Comm::presign_collective`]).
+//! on every rank.
 use crate::comm::{Comm, Planned, PlannedColl};
 use crate::error::{Error, Result};
 use crate::mem::Stream;
@@ -96,16 +95,6 @@ pub unsafe fn launch_collectives(calls: Vec<CollTask<'_>>) -> Result<()> {
             None => queues.push(vec![c]),
         }
     }
-    // With the call check on, each rank's calls are signed before any is launched, so every
-    // rank's host finds its peers' signatures at its launch (`Comm::presign_collective`).
-    for q in &queues {
-        for c in q {
-            if !c.comm.presign_collective(c.func, c.send, c.recv, c.count, c.dtype, &c.op, c.root, c.stream) {
-                break;
-            }
-        }
-    }
-    let comms: Vec<&Comm> = queues.iter().map(|q| q[0].comm).collect();
     // SAFETY: forwarded caller contract.
     let mut turns: Vec<_> = queues
         .into_iter()
@@ -124,9 +113,6 @@ pub unsafe fn launch_collectives(calls: Vec<CollTask<'_>>) -> Result<()> {
             }
         }
         if !any {
-            for comm in comms {
-                comm.drop_presigned();
-            }
             return first;
         }
     }

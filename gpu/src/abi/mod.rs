@@ -507,10 +507,7 @@ pub struct CheckDesc {
     /// communicator writes its signature into when it launches a call, so that the checking
     /// block reads every peer's signature without waiting for the peer's kernel. A
     /// [`CHECK_ROWS_HEADER`]-byte header (word 0: the number of the last call whose check this
-    /// rank's kernels finished; at [`CHECK_ROWS_HOST_WORD`], the last call this rank's host
-    /// launched; at [`CHECK_ROWS_CHECKED`], a table that holds at index `seq % CHECK_ROW_SLOTS`
-    /// the number `seq` of each call the host launched with its kernel's check, so that a writer
-    /// finds out without that host which slots no kernel of the rank reads again), then per
+    /// rank's kernels finished, which the writers wait on before they reuse a slot), then per
     /// writer rank [`CHECK_ROW_SLOTS`] slots of one signature ([`check_row_offset`]).
     pub rows: u64,
 }
@@ -521,15 +518,8 @@ pub const CHECK_ROW_SLOTS: u64 = 1024;
 /// Bytes of one row slot: [`CALL_SIG_WORDS`] lines of 16 bytes, each two `u64` of one half of a
 /// signature word and the slot's flag ([`check_row_line`]).
 pub const CHECK_ROW_SLOT_BYTES: u64 = CALL_SIG_WORDS as u64 * 16;
-/// Byte offset in a [`CheckDesc::rows`] block of its host's word of the header: the last call
-/// the rank's host launched.
-pub const CHECK_ROWS_HOST_WORD: usize = 8;
-/// Byte offset in a [`CheckDesc::rows`] block of its table of the calls its host launched with
-/// their kernel's check: [`CHECK_ROW_SLOTS`] `u64`s, index `seq % CHECK_ROW_SLOTS` holding `seq`.
-pub const CHECK_ROWS_CHECKED: usize = 128;
-/// Bytes before the first row of a [`CheckDesc::rows`] block: the header's words and the table
-/// at [`CHECK_ROWS_CHECKED`].
-pub const CHECK_ROWS_HEADER: u64 = CHECK_ROWS_CHECKED as u64 + CHECK_ROW_SLOTS * 8;
+/// Bytes before the first row of a [`CheckDesc::rows`] block.
+pub const CHECK_ROWS_HEADER: u64 = 128;
 
 /// Bytes of the [`CheckDesc::rows`] block of a communicator of `nranks` ranks.
 pub const fn check_rows_bytes(nranks: u64) -> u64 {
@@ -564,7 +554,7 @@ pub const CHECK_DIFFERENT: u64 = 1 << 62;
 
 /// Blocks of a launch of `args`: one per channel of its widest work, plus the checking block of
 /// a call checked inside its own kernel (the last block: [`KernelArgs::check`] set without
-/// [`CHECK_VERDICT_ONLY`] or [`CHECK_AGREED`]), which gathers the signatures while the others move data. Host side
+/// [`CHECK_VERDICT_ONLY`]), which gathers the signatures while the others move data. Host side
 /// (a kernel reads its grid instead: indexing `more` would copy the parameter).
 #[cfg(not(target_arch = "nvptx64"))]
 pub fn launch_blocks(args: &KernelArgs) -> u32 {
@@ -572,7 +562,7 @@ pub fn launch_blocks(args: &KernelArgs) -> u32 {
     for i in 0..args.works() {
         grid = grid.max(args.work_at(i).nchannels as u32);
     }
-    grid + u32::from(args.check != 0 && args.check & (CHECK_VERDICT_ONLY | CHECK_AGREED) == 0)
+    grid + u32::from(args.check != 0 && args.check & CHECK_VERDICT_ONLY == 0)
 }
 
 /// Flag bit of [`KernelArgs::check`] (descriptor addresses are 8-byte aligned): the call was
@@ -581,22 +571,6 @@ pub fn launch_blocks(args: &KernelArgs) -> u32 {
 /// captured into a CUDA graph is checked so: its signature has no number (it runs at its
 /// graph's launches), and a single-block check needs none to hand its verdict on.
 pub const CHECK_VERDICT_ONLY: u64 = 1;
-
-/// Flag bit of [`KernelArgs::check`]: the rank's host found the call, and every call before it,
-/// agreed by every rank before the launch (their signatures in its rows), so the kernel has no
-/// checking block and its gates stay open. Only where the call runs its collective's checked
-/// entry ([`runs_checked_entry`]), whose first chunk's steps are cut where a peer's checked
-/// launch of the call cuts them; elsewhere such a call is launched unchecked
-/// ([`agreed_launch_check`]).
-pub const CHECK_AGREED: u64 = 2;
-
-/// The [`KernelArgs::check`] of work `w`'s launch for the check word `check` the host gave its
-/// call: with [`CHECK_AGREED`], 0 (unchecked) unless the launch runs its collective's checked
-/// entry.
-#[cfg(not(target_arch = "nvptx64"))]
-pub fn agreed_launch_check(w: &WorkColl, check: u64) -> u64 {
-    if check & CHECK_AGREED != 0 && !runs_checked_entry(w, check) { 0 } else { check }
-}
 
 /// The by-value argument of the check kernel alone ([`CHECK_KERNEL_NAME`]), one block.
 #[repr(C)]
