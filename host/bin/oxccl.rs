@@ -160,6 +160,11 @@ enum CompareArg {
     /// oxccl itself with the call-signature check on (`OXCCL_CHECK_CALLS=1`; the main run has
     /// it off): what the check costs, in the same run.
     Checked,
+    /// oxccl itself again: a second set of communicators with the main run's settings, timed
+    /// as any reference is (after the main run, size by size). What the comparison itself adds
+    /// (an A/A run), to read `--compare checked` against.
+    #[value(name = "self")]
+    Itself,
 }
 
 impl CompareArg {
@@ -168,6 +173,7 @@ impl CompareArg {
         match self {
             CompareArg::Nccl => ("nccl", "NCCL"),
             CompareArg::Checked => ("checked", "checked"),
+            CompareArg::Itself => ("self", "self"),
         }
     }
 }
@@ -462,6 +468,13 @@ fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         Some(p) => (vec![p.device], a.backend == BackendArg::Nccl),
         None => devices_for(&a)?,
     };
+    if nccl_main && let Some(c @ (CompareArg::Checked | CompareArg::Itself)) = a.compare {
+        return Err(format!(
+            "--compare {} compares oxccl with itself; with --backend nccl use --compare nccl or none",
+            c.labels().0
+        )
+        .into());
+    }
     let (ranks, nranks): (Vec<usize>, usize) = match &proc_rank {
         Some(p) => (vec![p.rank], p.nranks),
         None => ((0..devices.len()).collect(), devices.len()),
@@ -545,6 +558,7 @@ fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     let reference = match a.compare {
         Some(CompareArg::Nccl) => Some(nccl_comms("--compare nccl")?),
         Some(CompareArg::Checked) => Some(oxccl_comms(&oxccl::CommConfig::default().with_check_calls(true))?),
+        Some(CompareArg::Itself) => Some(oxccl_comms(&config)?),
         None => None,
     };
     let free_ref = free();
@@ -713,6 +727,7 @@ fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         match a.compare {
             Some(CompareArg::Nccl) => " vs NCCL",
             Some(CompareArg::Checked) => " vs itself with OXCCL_CHECK_CALLS=1",
+            Some(CompareArg::Itself) => " vs itself",
             None => "",
         },
         nranks,
@@ -759,8 +774,8 @@ fn perf(a: PerfArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
 /// each child times its inits; rank 0 prints the table.
 fn init_bench(a: InitBenchArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     use oxccl::perf::init_bench::{self as ib, InitBenchConfig, Target};
-    if a.compare == Some(CompareArg::Checked) {
-        return Err("init-bench: --compare checked times calls, not inits; use --compare nccl".into());
+    if matches!(a.compare, Some(CompareArg::Checked | CompareArg::Itself)) {
+        return Err("init-bench: --compare checked and --compare self time calls, not inits; use --compare nccl".into());
     }
     let cfg = InitBenchConfig {
         procs: a.procs,

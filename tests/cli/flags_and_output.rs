@@ -158,6 +158,33 @@ fn threads_issue_each_ranks_calls_from_its_own_thread_and_stay_exact() {
     assert!(err.contains("'--threads' cannot be used with '--group'"), "{err}");
 }
 
+/// `--compare self` times every collective and size twice, on two sets of communicators with
+/// the same settings (the reference columns named "self"), both exact: the comparison's own spread, to
+/// read `--compare checked` against. `init-bench` refuses it, naming the flag.
+#[test]
+fn compare_self_times_a_second_set_of_communicators_in_the_same_run() {
+    let out = oxccl()
+        .args(["perf", "all", "--backend", "cpu", "--ranks", "2", "-b", "8", "-e", "4K", "-f", "8", "--compare", "self"])
+        .output()
+        .expect("run oxccl");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("self out-of-place") && text.contains("self in-place"), "{text}");
+    assert!(text.contains("# Avg self bandwidth   : "), "{text}");
+    assert_all_exact(&text);
+    // Five collectives of sizes 8, 64, 512 and 4096 B, each with the reference's two times and
+    // the ratio.
+    let rows: Vec<&str> = text.lines().filter(|l| !l.starts_with('#') && !l.trim().is_empty()).collect();
+    assert_eq!(rows.len(), 20, "{text}");
+    for r in rows {
+        assert_eq!(r.split_whitespace().count(), 18, "{r}");
+    }
+    let out = oxccl().args(["init-bench", "--compare", "self"]).output().expect("run oxccl");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--compare checked and --compare self time calls, not inits"), "{err}");
+}
+
 /// `--compare checked` times every size with the call-signature check off (the main columns)
 /// and on (the reference columns, named "checked"), both exact; `--compare nccl` still needs
 /// GPUs.
