@@ -158,27 +158,32 @@ fn threads_issue_each_ranks_calls_from_its_own_thread_and_stay_exact() {
     assert!(err.contains("'--threads' cannot be used with '--group'"), "{err}");
 }
 
+/// The output of `oxccl perf` run with `args` and a reference labelled `label` (`--compare`):
+/// a success, the reference's columns and footer line, and `rows` rows (sizes, summed over the
+/// collectives), each with the reference's two times and the ratio (18 fields).
+fn compared(args: &[&str], label: &str, rows: usize) -> String {
+    let out = oxccl().args(args).args(["--compare", label]).output().expect("run oxccl");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains(&format!("{label} out-of-place")) && text.contains(&format!("{label} in-place")), "{text}");
+    assert!(text.contains(&format!("# Avg {label} bandwidth")), "{text}");
+    let lines: Vec<&str> = text.lines().filter(|l| !l.starts_with('#') && !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), rows, "{text}");
+    for l in lines {
+        assert_eq!(l.split_whitespace().count(), 18, "{l}");
+    }
+    text
+}
+
 /// `--compare self` times every collective and size twice, on two sets of communicators with
 /// the same settings (the reference columns named "self"), both exact: the comparison's own spread, to
 /// read `--compare checked` against. `init-bench` refuses it, naming the flag.
 #[test]
 fn compare_self_times_a_second_set_of_communicators_in_the_same_run() {
-    let out = oxccl()
-        .args(["perf", "all", "--backend", "cpu", "--ranks", "2", "-b", "8", "-e", "4K", "-f", "8", "--compare", "self"])
-        .output()
-        .expect("run oxccl");
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
-    assert!(text.contains("self out-of-place") && text.contains("self in-place"), "{text}");
+    // Five collectives of sizes 8, 64, 512 and 4096 B.
+    let text = compared(&["perf", "all", "--backend", "cpu", "--ranks", "2", "-b", "8", "-e", "4K", "-f", "8"], "self", 20);
     assert!(text.contains("# Avg self bandwidth   : "), "{text}");
     assert_all_exact(&text);
-    // Five collectives of sizes 8, 64, 512 and 4096 B, each with the reference's two times and
-    // the ratio.
-    let rows: Vec<&str> = text.lines().filter(|l| !l.starts_with('#') && !l.trim().is_empty()).collect();
-    assert_eq!(rows.len(), 20, "{text}");
-    for r in rows {
-        assert_eq!(r.split_whitespace().count(), 18, "{r}");
-    }
     let out = oxccl().args(["init-bench", "--compare", "self"]).output().expect("run oxccl");
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
@@ -190,20 +195,9 @@ fn compare_self_times_a_second_set_of_communicators_in_the_same_run() {
 /// GPUs.
 #[test]
 fn compare_checked_times_the_call_check_in_the_same_run() {
-    let out = oxccl()
-        .args(["perf", "all-reduce", "--backend", "cpu", "--ranks", "2", "-b", "8", "-e", "4K", "-f", "8", "--compare", "checked"])
-        .output()
-        .expect("run oxccl");
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
-    assert!(text.contains("checked out-of-place") && text.contains("checked in-place"), "{text}");
+    // Sizes 8, 64, 512 and 4096 B.
+    let text = compared(&["perf", "all-reduce", "--backend", "cpu", "--ranks", "2", "-b", "8", "-e", "4K", "-f", "8"], "checked", 4);
     assert!(text.contains("# Out of bounds values : 0 OK") && text.contains("# Avg checked bandwidth: "), "{text}");
-    // Sizes 8, 64, 512 and 4096 B, each with the reference's two times and the ratio.
-    let rows: Vec<&str> = text.lines().filter(|l| !l.starts_with('#') && !l.trim().is_empty()).collect();
-    assert_eq!(rows.len(), 4, "{text}");
-    for r in rows {
-        assert_eq!(r.split_whitespace().count(), 18, "{r}");
-    }
     let out = oxccl()
         .args(["perf", "all-reduce", "--backend", "cpu", "--compare", "nccl"])
         .output()
