@@ -117,6 +117,11 @@ pub(super) struct Rows {
     hosts: Vec<usize>,
     /// The peers' rows mapped here (kept for `hosts`).
     _peers: Vec<crate::cpu::ShmSegment>,
+    /// By rank: the last call that rank's kernels were found to have checked (its rows'
+    /// header, read by [`Comm::await_row_slot`]). The GPU rewrites a header at every checked
+    /// call, so a host read of it misses the cache: a writer reads it again only once a slot
+    /// past what it last found is needed.
+    checked: Vec<AtomicU64>,
 }
 
 impl Rows {
@@ -151,7 +156,8 @@ impl Rows {
                 peers.push(seg);
             }
         }
-        Ok(Rows { own, hosts, _peers: peers })
+        let checked = (0..names.len()).map(|_| AtomicU64::new(0)).collect();
+        Ok(Rows { own, hosts, _peers: peers, checked })
     }
 
     /// Removes this rank's name (once every rank has mapped the rows).
@@ -494,8 +500,8 @@ impl Comm {
         // Every slot free before any is written: a rank never holds a part of a call's
         // signatures. A call numbered but never launched would shift this rank's later calls
         // against its peers' kernels, which the rows cannot see: the communicator stops.
-        for (reader, &base) in rows.hosts.iter().enumerate() {
-            if let Err(e) = self.await_row_slot(reader, base, seq) {
+        for (reader, (&base, checked)) in rows.hosts.iter().zip(&rows.checked).enumerate() {
+            if let Err(e) = self.await_row_slot(reader, base, checked, seq) {
                 return Err(self.stop_checking(seq, e));
             }
         }
@@ -533,16 +539,21 @@ impl Comm {
 
     /// Waits until rank `reader`'s kernels (its rows at host address `base`) have checked call
     /// `seq − CHECK_ROW_SLOTS`, the last to use this rank's slot of call `seq` there (the rows'
-    /// header: `look_ahead` in `oxccl_gpu::check`). Only a host more than
+    /// header: `look_ahead` in `oxccl_gpu::check`). `checked` is the last header value found
+    /// ([`Rows::checked`]): the header is read only when that falls short. Only a host more than
     /// [`CHECK_ROW_SLOTS`] checked calls ahead of that rank's GPU waits, as it would for a full
     /// launch queue. Errors: this communicator aborted (the abort's error), or no progress for
     /// the call timeout (`NCCL_TIMEOUT`; 600 s when timeouts are off): `Timeout` naming the rank
     /// and the calls.
-    fn await_row_slot(&self, reader: usize, base: usize, seq: u64) -> Result<()> {
+    fn await_row_slot(&self, reader: usize, base: usize, checked: &AtomicU64, seq: u64) -> Result<()> {
         if seq <= CHECK_ROW_SLOTS {
             return Ok(());
         }
         let need = seq - CHECK_ROW_SLOTS;
+        // Acquire: what the read that found it ordered before this rank's slot writes.
+        if checked.load(Ordering::Acquire) >= need {
+            return Ok(());
+        }
         // SAFETY: the header is the rows' first word (see `write_rows`).
         let header = unsafe { AtomicU64::from_ptr(base as *mut u64) };
         let limit = self.params.timeout.unwrap_or(std::time::Duration::from_secs(600));
@@ -572,6 +583,7 @@ impl Comm {
                 since = std::time::Instant::now();
             }
         }
+        checked.fetch_max(seen, Ordering::AcqRel);
         Ok(())
     }
 
@@ -768,6 +780,32 @@ mod tests {
         assert!(comms[0].call_mismatch().is_none());
     }
 
+    /// A writer reads a reader's rows' header only for a slot past the last call it found that
+    /// reader's kernels had checked: with the header found at call 500, calls up to
+    /// 500 + CHECK_ROW_SLOTS launch without reading it (here a header set back to 0 would make
+    /// them wait), and the next one reads it again.
+    #[test]
+    fn a_writer_reads_a_readers_header_again_only_past_the_call_it_last_found_checked() {
+        let comms = checked_group(2, Some(std::time::Duration::from_millis(200)));
+        let ring = choice(Algo::Ring, Proto::Ll, 2);
+        let launch = |c: &Comm| c.check_args(Func::AllReduce, 8, DataType::F32, DevRedOp::Sum, 0, ring, false);
+        for _ in 0..CHECK_ROW_SLOTS {
+            launch(&comms[0]).expect("a free slot at every rank");
+        }
+        mark_checked(&comms, 0, 500);
+        mark_checked(&comms, 1, 500);
+        assert_eq!(launch(&comms[0]).expect("call 1025 needs call 1").expect("on").sig[0], CHECK_ROW_SLOTS + 1);
+        mark_checked(&comms, 0, 0);
+        mark_checked(&comms, 1, 0);
+        let start = std::time::Instant::now();
+        for seq in CHECK_ROW_SLOTS + 2..=CHECK_ROW_SLOTS + 500 {
+            assert_eq!(launch(&comms[0]).expect("found free at call 500").expect("on").sig[0], seq);
+        }
+        assert!(start.elapsed() < std::time::Duration::from_millis(200), "no launch waited");
+        let e = launch(&comms[0]).expect_err("call 1525 needs call 501: the header is read again");
+        assert_eq!(e.code(), crate::error::ResultCode::Timeout);
+        assert!(e.to_string().contains("needs rank 0's kernels to have checked call 501"), "{e}");
+    }
     /// A host whose readers make no progress for the call timeout fails that launch with
     /// `Timeout` naming the rank and both calls, having written no rank's slot, and stops the
     /// check: its later calls return `InvalidUsage` naming the call that took a number.
