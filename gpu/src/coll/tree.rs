@@ -22,17 +22,15 @@ pub struct TreeCtx {
     /// This block's channel and the channel count of the operation.
     pub channel: u64,
     pub nchannels: u64,
-    /// As [`super::RingCtx::gated`].
-    pub gated: bool,
-    /// As [`super::RingCtx::seen`].
-    pub seen: u64,
+    /// As [`super::RingCtx::check`].
+    pub check: crate::check::Gate,
 }
 
 impl TreeCtx {
     /// As [`super::RingCtx::gate`].
     #[cfg_attr(target_arch = "nvptx64", inline(always))]
     pub fn gate<P: Primitives>(&self, p: &mut P) -> bool {
-        !self.gated || p.gate(self.seen)
+        self.check.desc == 0 || p.gate(&self.check)
     }
 
     /// Offset and length (elements, the length possibly 0) of this channel's chunk in the loop
