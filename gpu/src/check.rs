@@ -18,7 +18,7 @@
 //! runs the check alone (`oxccl_check_call`). The host side is `comm/call_check.rs`.
 use crate::abi::{
     ABORT_LINE_STOP, CALL_MISMATCH, CALL_SIG_WORDS, CHECK_DIFFERENT, CHECK_HALTED, CallSig, CheckDesc,
-    CheckReport, DevChannel, DevComm, DevRedOp, Proto, SPINS_BEFORE_CHECK_ABORT, WARP_SIZE,
+    CheckReport, DevChannel, DevComm, DevRedOp, Proto, SMEM_GATE, SPINS_BEFORE_CHECK_ABORT, WARP_SIZE,
     check_row_flag, check_row_offset,
 };
 use crate::arch::Pack;
@@ -28,42 +28,21 @@ use crate::proto::fan::Peers;
 use crate::proto::ll::Ll;
 use crate::reduce::{FuncSum, OpArgs};
 
-/// A data block's gate of a checked call, per thread: where the verdict word lies, the call's
-/// number, and this thread's look at the word as its block started ([`checked`]). Each thread
-/// decides from the verdict word alone, and the word gives one verdict per call once given
-/// ([`verdict`]), so every thread of a block decides alike with no barrier between them. A gate
-/// of descriptor 0 is open ([`Gate::OPEN`]).
-#[derive(Clone, Copy)]
-pub struct Gate {
-    /// The call's [`CheckDesc`] (its address), 0 for no gate.
-    pub desc: u64,
-    /// The call's number on the communicator (`CallSig` word 0).
-    pub seq: u64,
-    /// This thread's load of [`CheckDesc::done`] as the block started: taken then and first
-    /// used at the gate, so the load's time passes while the block moves data.
-    pub seen: u64,
-}
-
-impl Gate {
-    /// No gate: an unchecked call's kernel, or a block that checked its call first.
-    pub const OPEN: Gate = Gate { desc: 0, seq: 0, seen: 0 };
-}
-
 /// Block `bid` of a checked call's kernel of `nblocks` blocks: the last block checks the call
-/// ([`check_call`]) and has no share of its data; every other block goes on to move data, each
-/// thread waiting for the verdict only at its [`gate`], before its first write to a user
-/// buffer. With [`crate::abi::CHECK_VERDICT_ONLY`] in `desc`, every block only honours the
-/// verdict of the check kernel that ran before. Returns `None` when the block stops (in every
-/// thread of the block alike), else the thread's [`Gate`] ([`Gate::OPEN`] where the block has
-/// none). The gates rely on the checking block running meanwhile, as every oxccl kernel relies on
-/// its blocks and its peers' being resident together (a grid of at most one block per channel
-/// and the checking block, fewer than the GPU's multiprocessors), and on it publishing a verdict
-/// on every path ([`check_call`]).
+/// ([`check_call`]) and has no share of its data; every other block arms its [`gate`] and goes
+/// on to move data, waiting for the verdict only before its first write to a user buffer. With
+/// [`crate::abi::CHECK_VERDICT_ONLY`] in `desc`, every block only honours the verdict of the
+/// check kernel that ran before. Returns `None` when the block stops (in every thread of the
+/// block alike), else what its gate needs ([`gate`]): thread 0's look at the verdict word
+/// ([`CheckDesc::done`]), taken as it armed the gate so that the load's time passes while the
+/// block sets up (0 in every other thread and where the block has no gate). The gates rely on
+/// the checking block running meanwhile, as every oxccl kernel relies on its blocks and its peers' being resident together
+/// (a grid of at most one block per channel and the checking block, fewer than the GPU's
+/// multiprocessors).
 ///
 /// # Safety
 /// As [`check_call`] for the last block; every thread of the block calls this.
 #[cfg_attr(target_arch = "nvptx64", inline(always))]
-#[allow(clippy::too_many_arguments)]
 pub unsafe fn checked(
     comm: u64,
     desc: u64,
@@ -73,48 +52,91 @@ pub unsafe fn checked(
     tid: u32,
     nthreads: u32,
     smem: *mut u32,
-) -> Option<Gate> {
+) -> Option<u64> {
     // SAFETY: forwarded caller contract.
     unsafe {
         if desc & crate::abi::CHECK_VERDICT_ONLY != 0 {
             // Checked by the check kernel before this one: every block honours its verdict.
             let comm = &*(comm as *const DevComm);
-            (!block_bool(tid == 0 && !same_verdict(comm), tid, smem)).then_some(Gate::OPEN)
+            (!block_bool(tid == 0 && !same_verdict(comm), tid, smem)).then_some(0)
         } else if nblocks < 2 {
             // No block to spare (a launch the host does not make): check, then move the data
-            // with no gate.
-            check_call(comm, desc, sig, false, tid, nthreads, smem).then_some(Gate::OPEN)
+            // past a gate armed open.
+            arm_gate(comm, 0, 0, tid, smem);
+            check_call(comm, desc, sig, false, tid, nthreads, smem).then_some(0)
         } else if bid == nblocks - 1 {
             check_call(comm, desc, sig, true, tid, nthreads, smem);
             None
         } else {
+            arm_gate(comm, desc, sig[0], tid, smem);
             // The verdict is most often published before the kernel starts (by the kernel
-            // before: `look_ahead`). Every thread loads the word (one load per warp, all its
-            // lanes at one address); the load's time passes before the gate first uses it.
-            let seen = arch::load_volatile_u64(&raw const (*(desc as *const CheckDesc)).done);
-            Some(Gate { desc, seq: sig[0], seen })
+            // before: `look_ahead`); loaded here and first used at the gate, the load costs the
+            // gate nothing.
+            Some(if tid == 0 { arch::load_volatile_u64(&raw const (*(desc as *const CheckDesc)).done) } else { 0 })
         }
     }
 }
 
-/// The gate before a thread's first write to a user buffer (its own output, or a peer's through
-/// a direct send) in a checked call's kernel: whether the thread may write. It takes the verdict
-/// from its look at the verdict word as the block started ([`Gate::seen`]) when that look found
-/// it, else waits for the checking block's. Every thread of the block reaches the same answer
-/// (see [`Gate`]); the primitives call it once (`crate::proto::pass_gate`) at the same point of
-/// the algorithm in every thread (`RingCtx::gate`, which skips it in an unchecked kernel).
+/// Arms the block's gate for the check of call `seq` (its words at [`SMEM_GATE`] in shared
+/// memory: the descriptor, the number, the comm block), visible to every thread after the
+/// barrier. A gate armed with descriptor 0 stays open.
 ///
 /// # Safety
-/// `g.desc` is 0 or the communicator's descriptor.
+/// Every thread of the block calls it; `smem` is the kernel's shared memory.
 #[cfg_attr(target_arch = "nvptx64", inline(always))]
-pub unsafe fn gate(g: &Gate) -> bool {
-    if g.desc == 0 {
-        return true;
+unsafe fn arm_gate(comm: u64, desc: u64, seq: u64, tid: u32, smem: *mut u32) {
+    // SAFETY: caller contract: the gate's three words lie inside the kernel's shared memory,
+    // 8-byte aligned, used by nothing else.
+    unsafe {
+        let g = smem.byte_add(SMEM_GATE) as *mut u64;
+        if tid == 0 {
+            g.write_volatile(desc);
+            g.add(1).write_volatile(seq);
+            g.add(2).write_volatile(comm);
+        }
+        arch::sync_threads();
     }
-    match verdict(g.seen, g.seq) {
-        Some(go) => go,
-        // SAFETY: caller contract.
-        None => unsafe { await_verdict(g.desc as *const CheckDesc, g.seq) },
+}
+
+/// The gate's word once the verdict said stop (descriptor addresses are 8-byte aligned).
+const GATE_SHUT: u64 = u64::MAX;
+
+/// The gate before a block's first write to a user buffer (its own output, or a peer's through
+/// a direct send) in a checked call's kernel: whether the block may write. The first pass takes
+/// the verdict from `seen` (thread 0's look at the verdict word when the block armed the gate,
+/// as [`checked`] returned it) when that look found it, else waits for the checking block's;
+/// later passes cost a shared-memory load. Every thread of the block calls it at the same point
+/// of the algorithm (`RingCtx::gate`, which skips it in an unchecked kernel, whose shared memory
+/// holds no gate).
+///
+/// # Safety
+/// Every thread of the block calls it; `smem` is the kernel's shared memory, whose gate words
+/// this block armed ([`checked`]).
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
+pub unsafe fn gate(tid: u32, smem: *mut u32, seen: u64) -> bool {
+    // SAFETY: caller contract (as `arm_gate`); the gate's word changes only between the two
+    // barriers below, which every thread reaches.
+    unsafe {
+        let g = smem.byte_add(SMEM_GATE) as *mut u64;
+        let desc = g.read_volatile();
+        if desc == 0 {
+            return true;
+        }
+        if desc == GATE_SHUT {
+            return false;
+        }
+        // Every thread has read the word before thread 0 rewrites it.
+        arch::sync_threads();
+        if tid == 0 {
+            let seq = g.add(1).read_volatile();
+            let go = match verdict(seen, seq) {
+                Some(go) => go,
+                None => await_verdict(&*(g.add(2).read_volatile() as *const DevComm), desc as *const CheckDesc, seq),
+            };
+            g.write_volatile(if go { 0 } else { GATE_SHUT });
+        }
+        arch::sync_threads();
+        g.read_volatile() == 0
     }
 }
 
@@ -138,8 +160,22 @@ unsafe fn block_bool(value: bool, tid: u32, smem: *mut u32) -> bool {
     }
 }
 
+/// Whether this rank's abort flag (host-mapped) or `DevComm::aborted` is raised.
+///
+/// # Safety
+/// `comm` is a valid comm block.
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
+unsafe fn stopped(comm: &DevComm) -> bool {
+    // SAFETY: valid flag addresses (caller contract).
+    unsafe {
+        arch::load_volatile_u32(&raw const comm.aborted) != 0
+            || crate::proto::fan::abort_raised(comm.abort_flag as *const u32)
+    }
+}
+
 /// Whether no call check of the communicator found a mismatch (`DevComm::aborted`, device
-/// memory): what a launch that honours the check kernel's verdict reads.
+/// memory): what a launch that honours the check kernel's verdict reads, and what the gates poll
+/// while they wait.
 ///
 /// # Safety
 /// `comm` is a valid comm block.
@@ -528,23 +564,31 @@ unsafe fn look_ahead(d: *mut CheckDesc, rows: u64, seq: u64, n: u64, me: u64, ti
     }
 }
 
-/// A gated thread ([`gate`]): waits until the checking block has published the verdict of
-/// call `seq` — the calls agree, differ, or the check stopped on an abort or on a communicator
-/// an earlier mismatch stopped — and returns whether the call may go on. Only the verdict word
-/// is read, so every thread of the block, whenever it looks, reaches the same answer: the
-/// checking block publishes one on every path, an abort reaching it through its waits, which
-/// watch the abort flag as every primitive does.
+/// Thread 0 of a gated block: waits until the checking block has published the verdict of
+/// call `seq` — the calls agree, differ, or the check stopped on an abort — or until
+/// `DevComm::aborted` says the communicator stopped; whether the call may go on. Device memory
+/// is polled, the host's abort flag only every 65,536th look (a safety net: an abort reaches
+/// the verdict through the checking block's gather, which watches the flag as every primitive
+/// does).
 ///
 /// # Safety
 /// `desc` is the communicator's descriptor.
 #[cfg_attr(target_arch = "nvptx64", inline(always))]
-unsafe fn await_verdict(desc: *const CheckDesc, seq: u64) -> bool {
+unsafe fn await_verdict(comm: &DevComm, desc: *const CheckDesc, seq: u64) -> bool {
     let mut spins = 0u32;
     loop {
-        // SAFETY: a valid descriptor (caller contract). The gate orders the thread's writes
-        // after this load.
-        if let Some(go) = verdict(unsafe { arch::load_volatile_u64(&raw const (*desc).done) }, seq) {
-            return go;
+        // SAFETY: valid descriptor and flags (caller contract).
+        unsafe {
+            // The gate orders the block's writes after this load.
+            if let Some(go) = verdict(arch::load_volatile_u64(&raw const (*desc).done), seq) {
+                return go;
+            }
+            if spins % 64 == 63 && !same_verdict(comm) {
+                return false;
+            }
+            if spins % 65_536 == 65_535 && stopped(comm) {
+                return false;
+            }
         }
         spins = spins.wrapping_add(1);
         // Up to a channel's worth of blocks poll one word while the checking block gathers:

@@ -157,7 +157,7 @@ pub unsafe fn run_kernel<
     // The call-signature check, when on: the last block checks the call while the others
     // move its data, each waiting for the verdict before its first write to a user buffer (its
     // gate, armed by `checked`); after a mismatch no user buffer is written (`crate::check`).
-    let mut gate = crate::check::Gate::OPEN;
+    let mut seen = 0;
     if args.check != 0 {
         // The launch's blocks: the grid on the GPU; on the CPU target the grid the host
         // launches.
@@ -167,7 +167,7 @@ pub unsafe fn run_kernel<
         let nblocks = crate::abi::launch_blocks(args);
         // SAFETY: caller contract (a checked call's descriptor and signature).
         match unsafe { crate::check::checked(args.comm, args.check, &args.sig, bid, nblocks, tid, nthreads, smem) } {
-            Some(g) => gate = g,
+            Some(v) => seen = v,
             None => return,
         }
     }
@@ -201,14 +201,14 @@ pub unsafe fn run_kernel<
         if bid < w.nchannels as u32 {
             // SAFETY: forwarded caller contract.
             #[cfg(target_arch = "nvptx64")]
-            unsafe { run_work::<T, Op, FUNC, ALGO, PROTO>(args.comm, &w, gate, AHEAD && gated, bid, tid, nthreads, smem) };
+            unsafe { run_work::<T, Op, FUNC, ALGO, PROTO>(args.comm, &w, gated, seen, AHEAD && gated, bid, tid, nthreads, smem) };
             // The CPU target's bodies are every entry's: they send ahead where the GPU would run
             // the checked entry.
             #[cfg(not(target_arch = "nvptx64"))]
             let ahead = AHEAD && gated && crate::abi::runs_checked_entry(&w, args.check);
             // SAFETY: forwarded caller contract.
             #[cfg(not(target_arch = "nvptx64"))]
-            unsafe { run_work::<T, Op, FUNC, ALGO, PROTO>(args.comm, &w, gate, ahead, bid, tid, nthreads, smem) };
+            unsafe { run_work::<T, Op, FUNC, ALGO, PROTO>(args.comm, &w, gated, seen, ahead, bid, tid, nthreads, smem) };
         }
         i += 1;
     }
@@ -218,7 +218,7 @@ pub unsafe fn run_kernel<
 /// entry: its post-division by `nranks` is read from `w.redop` here, as is the operator of an
 /// `Any` entry.
 ///
-/// `gate` is [`RingCtx::check`].
+/// `gated` and `seen` are [`RingCtx::gated`] and [`RingCtx::seen`].
 ///
 /// # Safety
 /// As [`run_kernel`]; `bid < w.nchannels`.
@@ -228,7 +228,8 @@ pub unsafe fn run_kernel<
 unsafe fn run_work<T: Elem, Op: RedFn<T>, const FUNC: u8, const ALGO: u8, const PROTO: u8>(
     comm: u64,
     w: &WorkColl,
-    gate: crate::check::Gate,
+    gated: bool,
+    seen: u64,
     ahead: bool,
     bid: u32,
     tid: u32,
@@ -253,7 +254,7 @@ unsafe fn run_work<T: Elem, Op: RedFn<T>, const FUNC: u8, const ALGO: u8, const 
             crate::arch::trap()
         }
         // SAFETY: forwarded caller contract.
-        unsafe { run_tree::<T, Op>(comm, w, gate, bid, tid, nthreads, smem, op_args, proto) };
+        unsafe { run_tree::<T, Op>(comm, w, gated, seen, bid, tid, nthreads, smem, op_args, proto) };
         return;
     }
     // SAFETY: caller contract.
@@ -264,7 +265,8 @@ unsafe fn run_work<T: Elem, Op: RedFn<T>, const FUNC: u8, const ALGO: u8, const 
             user_ranks: (*channel).ring.user_ranks as *const u32,
             channel: bid as u64,
             nchannels: w.nchannels as u64,
-            check: gate,
+            gated,
+            seen,
             ahead,
         };
         match proto {
@@ -491,7 +493,8 @@ fn run_ring<T, P: Primitives>(p: &mut P, ring: &RingCtx, comm: &DevComm, w: &Wor
 unsafe fn run_tree<T: Elem, Op: RedFn<T>>(
     comm: &DevComm,
     w: &WorkColl,
-    gate: crate::check::Gate,
+    gated: bool,
+    seen: u64,
     bid: u32,
     tid: u32,
     nthreads: u32,
@@ -519,7 +522,8 @@ unsafe fn run_tree<T: Elem, Op: RedFn<T>>(
             down0: (*tree).down[0],
             channel: bid as u64,
             nchannels: w.nchannels as u64,
-            check: gate,
+            gated,
+            seen,
         };
         // Each phase loads its connections, runs, and stores their steps back; the broadcast
         // phase starts only when the reduce phase was not aborted.

@@ -31,8 +31,12 @@ pub const MIN_NTHREADS: u32 = 64;
 pub const MAX_NTHREADS: u32 = 1024;
 pub const WARP_SIZE: u32 = 32;
 /// Bytes of kernel shared memory the kernel declares (see `arch::kernel_shared_mem`): the
-/// primitives' words.
-pub const KERNEL_SMEM_BYTES: usize = 128;
+/// primitives' words, then the call check's gate at [`SMEM_GATE`].
+pub const KERNEL_SMEM_BYTES: usize = 160;
+/// Byte offset in the kernel's shared memory of the call check's gate (`crate::check::Gate`:
+/// three `u64`), which no primitive uses.
+pub const SMEM_GATE: usize = 128;
+const _: () = assert!(SMEM_GATE + 24 <= KERNEL_SMEM_BYTES);
 /// `WorkColl::redop_flags` bit: PreMulSum's scalar is device-resident (NCCL's
 /// `ncclScalarDevice`): `redop_arg` is its address, read by the kernel when it runs.
 pub const REDOP_SCALAR_DEVICE: u8 = 1;

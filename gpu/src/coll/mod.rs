@@ -20,10 +20,13 @@ pub struct RingCtx {
     /// This block's channel and the channel count of the operation.
     pub channel: u64,
     pub nchannels: u64,
-    /// The thread's call check gate ([`crate::check::Gate`]; [`crate::check::Gate::OPEN`] in an
-    /// unchecked kernel, or in a one-block checked launch, which checked the call first): the
-    /// block passes it before its first write to a user buffer ([`RingCtx::gate`]).
-    pub check: crate::check::Gate,
+    /// Whether the kernel is a checked call's whose checking block runs beside this one (or, in
+    /// a one-block checked launch, checked the call first and armed the gate open): the block
+    /// passes its gate before its first write to a user buffer ([`RingCtx::gate`]).
+    pub gated: bool,
+    /// What the gate's first pass needs: thread 0's look at the verdict word as the block armed
+    /// its gate (`crate::check::checked`).
+    pub seen: u64,
     /// Whether a gated block may send ahead of its gate where its collective does (Broadcast's
     /// root and AllGather's ranks on LL and LL128): only in the checked entries of those
     /// collectives ([`crate::abi::checked_entry`]; on the CPU target in every body, where the GPU
@@ -38,7 +41,7 @@ impl RingCtx {
     /// must stop.
     #[cfg_attr(target_arch = "nvptx64", inline(always))]
     pub fn gate<P: Primitives>(&self, p: &mut P) -> bool {
-        self.check.desc == 0 || p.gate(&self.check)
+        !self.gated || p.gate(self.seen)
     }
 
     /// User rank `k` hops downstream of us.

@@ -22,15 +22,17 @@ pub struct TreeCtx {
     /// This block's channel and the channel count of the operation.
     pub channel: u64,
     pub nchannels: u64,
-    /// As [`super::RingCtx::check`].
-    pub check: crate::check::Gate,
+    /// As [`super::RingCtx::gated`].
+    pub gated: bool,
+    /// As [`super::RingCtx::seen`].
+    pub seen: u64,
 }
 
 impl TreeCtx {
     /// As [`super::RingCtx::gate`].
     #[cfg_attr(target_arch = "nvptx64", inline(always))]
     pub fn gate<P: Primitives>(&self, p: &mut P) -> bool {
-        self.check.desc == 0 || p.gate(&self.check)
+        !self.gated || p.gate(self.seen)
     }
 
     /// Offset and length (elements, the length possibly 0) of this channel's chunk in the loop

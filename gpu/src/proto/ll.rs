@@ -51,8 +51,6 @@ pub struct LlFan<T, Op, const NR: usize, const NS: usize> {
     abort_flag: *const u32,
     smem: *mut u32,
     aborted: bool,
-    /// Whether this thread passed the call check's gate ([`super::pass_gate`]).
-    gate_passed: bool,
     /// Avg's post-division and PreMulSum's scalar.
     op_args: OpArgs,
     /// False while the source is the output, which PreMulSum must not scale again
@@ -166,7 +164,6 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> LlFan<T, Op, NR, N
             abort_flag: abort_flag as *const u32,
             smem,
             aborted: false,
-            gate_passed: false,
             op_args,
             pre_input: true,
             _op: PhantomData,
@@ -549,8 +546,8 @@ fn combine<T: Elem, Op: RedFn<T>>(args: &OpArgs, a: u64, b: u64) -> u64 {
 
 impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Primitives for LlFan<T, Op, NR, NS> {
     #[cfg_attr(target_arch = "nvptx64", inline(always))]
-    fn gate(&mut self, g: &crate::check::Gate) -> bool {
-        super::pass_gate(&mut self.aborted, &mut self.gate_passed, g)
+    fn gate(&mut self, seen: u64) -> bool {
+        super::pass_gate(&mut self.aborted, self.tid, self.smem, seen)
     }
     #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn copy(&mut self, src: u64, dst: u64, n: u64) {

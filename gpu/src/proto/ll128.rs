@@ -91,8 +91,6 @@ pub struct Ll128Fan<T, Op, const NR: usize, const NS: usize> {
     abort_flag: *const u32,
     smem: *mut u32,
     aborted: bool,
-    /// Whether this thread passed the call check's gate ([`super::pass_gate`]).
-    gate_passed: bool,
     /// Avg's post-division and PreMulSum's scalar.
     op_args: OpArgs,
     /// False while the source is the output, which PreMulSum must not scale again
@@ -141,7 +139,6 @@ impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Ll128Fan<T, Op, NR
             abort_flag: abort_flag as *const u32,
             smem,
             aborted: false,
-            gate_passed: false,
             op_args,
             pre_input: true,
             _op: PhantomData,
@@ -560,8 +557,8 @@ fn part_bytes<I: LineIdx>(line: I, part: I, nbytes: I) -> (I, u64, u64) {
 
 impl<T: Elem, Op: RedFn<T>, const NR: usize, const NS: usize> Primitives for Ll128Fan<T, Op, NR, NS> {
     #[cfg_attr(target_arch = "nvptx64", inline(always))]
-    fn gate(&mut self, g: &crate::check::Gate) -> bool {
-        super::pass_gate(&mut self.aborted, &mut self.gate_passed, g)
+    fn gate(&mut self, seen: u64) -> bool {
+        super::pass_gate(&mut self.aborted, self.tid, self.smem, seen)
     }
     #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn copy(&mut self, src: u64, dst: u64, n: u64) {

@@ -37,9 +37,9 @@ pub trait Primitives {
     /// The call check's gate ([`crate::check::gate`]): every algorithm calls it before its first
     /// verb that writes a user buffer (its output, or a peer's through a direct send). False
     /// when the call must stop (a mismatch or an abort): every verb is then a no-op, as after an
-    /// abort. Called only in a checked call's kernel (`crate::coll::RingCtx::gate`), with the
-    /// thread's gate as [`crate::check::checked`] returned it.
-    fn gate(&mut self, g: &crate::check::Gate) -> bool;
+    /// abort. Called only in a checked call's kernel (`crate::coll::RingCtx::gate`), with
+    /// `seen` as [`crate::check::checked`] returned it.
+    fn gate(&mut self, seen: u64) -> bool;
     /// input[src..src+n] → output[dst..dst+n] over no connection: the local copy of a chunk
     /// whose sender sent it before the call check's gate ([`Primitives::sends_to_fifo`]).
     fn copy(&mut self, src: u64, dst: u64, n: u64);
@@ -88,20 +88,15 @@ pub trait Primitives {
     }
 }
 
-/// [`Primitives::gate`] for a primitive whose block-wide abort state is `aborted`: the first
-/// pass waits at the call check's gate ([`crate::check::gate`]) unless already aborted, later
-/// passes cost nothing (`passed`); a closed gate sets `aborted`, so every later verb is a no-op.
-/// Every thread of the block reaches the same answer, without a barrier. Whether the block may
-/// go on.
+/// [`Primitives::gate`] for a primitive whose block-wide abort state is `aborted`: passes the
+/// call check's gate ([`crate::check::gate`]) unless already aborted; a closed gate sets
+/// `aborted`, so every later verb is a no-op. Whether the block may go on.
 #[cfg_attr(target_arch = "nvptx64", inline(always))]
-pub(crate) fn pass_gate(aborted: &mut bool, passed: &mut bool, g: &crate::check::Gate) -> bool {
-    if !*aborted && !*passed {
-        // SAFETY: `g` is the thread's gate as `crate::check::checked` returned it.
-        if unsafe { crate::check::gate(g) } {
-            *passed = true;
-        } else {
-            *aborted = true;
-        }
+pub(crate) fn pass_gate(aborted: &mut bool, tid: u32, smem: *mut u32, seen: u64) -> bool {
+    // SAFETY: every thread of the block runs the verbs, and so the gate, alike (`aborted` is the
+    // block's); `smem` is the kernel's shared memory (the primitives' constructor contract).
+    if !*aborted && !unsafe { crate::check::gate(tid, smem, seen) } {
+        *aborted = true;
     }
     !*aborted
 }

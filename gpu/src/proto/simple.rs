@@ -81,8 +81,6 @@ pub struct Simple<T, Op> {
     steps_per_slice: u32,
     smem: *mut u32,
     aborted: bool,
-    /// Whether this thread passed the call check's gate ([`super::pass_gate`]).
-    gate_passed: bool,
     /// Avg's post-division and PreMulSum's scalar.
     op_args: OpArgs,
     /// The next rank's output for this kernel, once a direct send fetched it from the pointer
@@ -193,7 +191,6 @@ impl<T: Elem, Op: RedFn<T>> Simple<T, Op> {
             steps_per_slice: steps_per_slice as u32,
             smem,
             aborted: false,
-            gate_passed: false,
             op_args,
             peer_output: core::ptr::null_mut(),
             _op: PhantomData,
@@ -837,8 +834,8 @@ fn host_share(tid: u32, nthreads: u32, from: u32, to: u32) -> (u32, u32) {
 
 impl<T: Elem, Op: RedFn<T>> Primitives for Simple<T, Op> {
     #[cfg_attr(target_arch = "nvptx64", inline(always))]
-    fn gate(&mut self, g: &crate::check::Gate) -> bool {
-        super::pass_gate(&mut self.aborted, &mut self.gate_passed, g)
+    fn gate(&mut self, seen: u64) -> bool {
+        super::pass_gate(&mut self.aborted, self.tid, self.smem, seen)
     }
     #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn copy(&mut self, src: u64, dst: u64, n: u64) {

@@ -97,8 +97,6 @@ pub struct TreeSimple<T, Op, const UP: bool> {
     abort_flag: *const u32,
     smem: *mut u32,
     aborted: bool,
-    /// Whether this thread passed the call check's gate ([`super::pass_gate`]).
-    gate_passed: bool,
     /// Avg's post-division and PreMulSum's scalar.
     op_args: OpArgs,
     _op: PhantomData<Op>,
@@ -181,7 +179,6 @@ impl<T: Elem, Op: RedFn<T>, const UP: bool> TreeSimple<T, Op, UP> {
             abort_flag: abort_flag as *const u32,
             smem,
             aborted: false,
-            gate_passed: false,
             op_args,
             _op: PhantomData,
         }
@@ -571,8 +568,8 @@ unsafe fn reduce_copy_fan<T: Elem, Op: RedFn<T>>(
 
 impl<T: Elem, Op: RedFn<T>, const UP: bool> Primitives for TreeSimple<T, Op, UP> {
     #[cfg_attr(target_arch = "nvptx64", inline(always))]
-    fn gate(&mut self, g: &crate::check::Gate) -> bool {
-        super::pass_gate(&mut self.aborted, &mut self.gate_passed, g)
+    fn gate(&mut self, seen: u64) -> bool {
+        super::pass_gate(&mut self.aborted, self.tid, self.smem, seen)
     }
     #[cfg_attr(target_arch = "nvptx64", inline(always))]
     fn copy(&mut self, src: u64, dst: u64, n: u64) {
