@@ -684,6 +684,21 @@ mod tests {
         Comm::init_all_config(&crate::mem::Device::cpus(n), &config).expect("CPU ranks")
     }
 
+    /// A checked AllReduce of 8 floats by `c`, as a launch numbers and signs it.
+    fn launch(c: &Comm) -> Result<Option<CheckArgs>> {
+        c.check_args(Func::AllReduce, 8, DataType::F32, DevRedOp::Sum, 0, choice(Algo::Ring, Proto::Ll, 2), false)
+    }
+
+    /// Two checked ranks (with `timeout`, if any) whose rank 0 launched calls 1 ..=
+    /// [`CHECK_ROW_SLOTS`]: its next call reuses call 1's slots.
+    fn every_slot_used(timeout: Option<std::time::Duration>) -> Vec<Comm> {
+        let comms = checked_group(2, timeout);
+        for _ in 0..CHECK_ROW_SLOTS {
+            launch(&comms[0]).expect("a free slot at every rank");
+        }
+        comms
+    }
+
     /// Rank `reader`'s rows as rank 0's host sees them.
     fn rows_of(comms: &[Comm], reader: usize) -> usize {
         comms[0].call_check.as_ref().expect("the check is on").rows.as_ref().expect("rows").hosts[reader]
@@ -758,11 +773,7 @@ mod tests {
     /// reuses a slot, and goes on once they checked the call that last used it.
     #[test]
     fn a_host_too_far_ahead_waits_for_the_readers() {
-        let comms = checked_group(2, None);
-        let ring = choice(Algo::Ring, Proto::Ll, 2);
-        for _ in 0..CHECK_ROW_SLOTS {
-            comms[0].check_args(Func::AllReduce, 8, DataType::F32, DevRedOp::Sum, 0, ring, false).expect("a free slot");
-        }
+        let comms = every_slot_used(None);
         // Call CHECK_ROW_SLOTS + 1 needs both ranks' kernels to have checked call 1.
         mark_checked(&comms, 1, 1);
         let done = std::sync::atomic::AtomicBool::new(false);
@@ -772,7 +783,7 @@ mod tests {
                 done.store(true, Ordering::Release);
                 mark_checked(&comms, 0, 1);
             });
-            let a = comms[0].check_args(Func::AllReduce, 8, DataType::F32, DevRedOp::Sum, 0, ring, false);
+            let a = launch(&comms[0]);
             assert!(done.load(Ordering::Acquire), "the launch waited for rank 0's header");
             assert_eq!(a.expect("rank 0's kernels caught up").expect("on").sig[0], CHECK_ROW_SLOTS + 1);
             marker.join().unwrap();
@@ -786,12 +797,7 @@ mod tests {
     /// them wait), and the next one reads it again.
     #[test]
     fn a_writer_reads_a_readers_header_again_only_past_the_call_it_last_found_checked() {
-        let comms = checked_group(2, Some(std::time::Duration::from_millis(200)));
-        let ring = choice(Algo::Ring, Proto::Ll, 2);
-        let launch = |c: &Comm| c.check_args(Func::AllReduce, 8, DataType::F32, DevRedOp::Sum, 0, ring, false);
-        for _ in 0..CHECK_ROW_SLOTS {
-            launch(&comms[0]).expect("a free slot at every rank");
-        }
+        let comms = every_slot_used(Some(std::time::Duration::from_millis(200)));
         mark_checked(&comms, 0, 500);
         mark_checked(&comms, 1, 500);
         assert_eq!(launch(&comms[0]).expect("call 1025 needs call 1").expect("on").sig[0], CHECK_ROW_SLOTS + 1);
@@ -810,12 +816,7 @@ mod tests {
     /// check: its later calls return `InvalidUsage` naming the call that took a number.
     #[test]
     fn a_host_too_far_ahead_of_a_stalled_rank_times_out_and_stops_checking() {
-        let comms = checked_group(2, Some(std::time::Duration::from_millis(300)));
-        let ring = choice(Algo::Ring, Proto::Ll, 2);
-        let launch = |c: &Comm| c.check_args(Func::AllReduce, 8, DataType::F32, DevRedOp::Sum, 0, ring, false);
-        for _ in 0..CHECK_ROW_SLOTS {
-            launch(&comms[0]).expect("a free slot at every rank");
-        }
+        let comms = every_slot_used(Some(std::time::Duration::from_millis(300)));
         // Rank 0's own kernels checked call 1, rank 1's did not: rank 0's slot is free, rank
         // 1's is not.
         mark_checked(&comms, 0, 1);
