@@ -65,8 +65,8 @@ pub struct Params {
     /// (preemptive and parallel, so timing-dependent bugs of a block's threads can show).
     pub cpu_team: TeamKind,
     /// How long a call may make no progress before it times out (`OXCCL_TIMEOUT` /
-    /// `NCCL_TIMEOUT`, seconds, fractions allowed, up to 10^6; `0` turns timeouts off), see
-    /// `comm/timeout.rs`; default 600 s.
+    /// `NCCL_TIMEOUT`, seconds, fractions allowed: 0, or [`MIN_TIMEOUT`] to 10^6 s; `0` turns
+    /// timeouts off), see `comm/timeout.rs`; default 600 s.
     pub timeout: Option<std::time::Duration>,
     /// Calls the flight recorder keeps per communicator (`OXCCL_FLIGHT_RECORDER_SIZE`, 0 to
     /// 1000000; 0 keeps none), see `comm/flight_recorder.rs`; default 64.
@@ -102,7 +102,7 @@ pub struct Params {
 #[non_exhaustive]
 pub struct CommConfig {
     /// How long a call may make no progress before it times out (`OXCCL_TIMEOUT`; see
-    /// [`Params::timeout`]): at most 10^6 s; `Duration::ZERO` turns timeouts off.
+    /// [`Params::timeout`]): [`MIN_TIMEOUT`] to 10^6 s; `Duration::ZERO` turns timeouts off.
     pub timeout: Option<std::time::Duration>,
     /// The call-signature check ([`Params::check_calls`], `OXCCL_CHECK_CALLS`); every rank must
     /// choose the same.
@@ -126,9 +126,9 @@ impl CommConfig {
     /// and its range.
     pub fn apply(&self, mut params: Params) -> Result<Params> {
         if let Some(t) = self.timeout {
-            if t > std::time::Duration::from_secs(1_000_000) {
+            if t > std::time::Duration::from_secs(1_000_000) || (!t.is_zero() && t < MIN_TIMEOUT) {
                 return Err(Error::invalid(format!(
-                    "CommConfig::timeout {t:?} is out of range (accepted: 0 to 1000000 s; 0 turns call timeouts off)"
+                    "CommConfig::timeout {t:?} is out of range (accepted: 0, or 0.1 to 1000000 s; 0 turns call timeouts off)"
                 )));
             }
             params.timeout = (!t.is_zero()).then_some(t);
@@ -151,6 +151,11 @@ pub const MAX_P2P_NCHANNELS_PER_PEER: u32 = 8;
 /// Default of [`Params::timeout`]: a call that makes no progress for 10 minutes times out (a
 /// progressing call never does, however long it takes).
 pub const DEFAULT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(600);
+
+/// Shortest call timeout but 0 (off): 0.1 s. A shorter limit comes near the interval at which
+/// the watch samples the progress counters (10 ms at the least, `comm/timeout.rs`), so calls that
+/// progress could time out; one below 1 ns would be zero.
+pub const MIN_TIMEOUT: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// Default threads per CPU-target block: two warps, as fibers of one host thread.
 pub const DEFAULT_CPU_NTHREADS: u32 = 64;
@@ -217,10 +222,10 @@ impl Params {
                 .trim()
                 .parse()
                 .ok()
-                .filter(|s: &f64| s.is_finite() && (0.0..=1e6).contains(s))
+                .filter(|s: &f64| s.is_finite() && (*s == 0.0 || (MIN_TIMEOUT.as_secs_f64()..=1e6).contains(s)))
                 .ok_or_else(|| {
                     Error::invalid(format!(
-                        "{key}={v:?} is not a number of seconds (accepted: 0 to 1000000; 0 turns call timeouts off)"
+                        "{key}={v:?} is not a number of seconds (accepted: 0, or 0.1 to 1000000; 0 turns call timeouts off)"
                     ))
                 })?;
             p.timeout = (s > 0.0).then(|| std::time::Duration::from_secs_f64(s));

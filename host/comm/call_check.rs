@@ -398,7 +398,7 @@ fn differing(a: &CallSig, b: &CallSig) -> Vec<&'static str> {
 }
 
 /// "rank 3", "ranks 0, 2" or "ranks 0-5, 7": ascending ranks with runs shortened.
-fn ranks_phrase(ranks: &[usize]) -> String {
+pub(super) fn ranks_phrase(ranks: &[usize]) -> String {
     let mut runs: Vec<(usize, usize)> = Vec::new();
     for &r in ranks {
         match runs.last_mut() {

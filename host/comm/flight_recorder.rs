@@ -330,6 +330,8 @@ impl Recorder {
 
 /// What one dump says, as [`analyze`] reads it.
 struct RankDump {
+    /// The dump's name (its file), for errors.
+    name: String,
     comm: String,
     rank: usize,
     nranks: usize,
@@ -407,6 +409,9 @@ fn parse(name: &str, v: &Value) -> Result<RankDump> {
             sig += &format!(" root {}", s("root"));
         }
         let desc = format!("{sig} ({}/{} on {} channels)", s("algo"), s("proto"), s("nchannels"));
+        if out.iter().any(|c: &(u64, String, String)| c.0 == seq) {
+            return Err(bad(&format!("call #{seq} recorded twice")));
+        }
         out.push((seq, desc, sig));
     }
     let progress = v
@@ -428,10 +433,18 @@ fn parse(name: &str, v: &Value) -> Result<RankDump> {
                 .collect()
         })
         .unwrap_or_default();
+    let (rank, nranks) = (num("rank")?, num("nranks")?);
+    let max = crate::bootstrap::MAX_NRANKS as u64;
+    if nranks == 0 || nranks > max || rank >= nranks {
+        return Err(bad(&format!(
+            "rank {rank} of nranks {nranks} is out of range (accepted: rank 0..nranks, nranks 1..={max})"
+        )));
+    }
     Ok(RankDump {
+        name: name.to_string(),
         comm: v.get("comm").and_then(Value::as_str).ok_or_else(|| bad("comm"))?.to_string(),
-        rank: num("rank")? as usize,
-        nranks: num("nranks")? as usize,
+        rank: rank as usize,
+        nranks: nranks as usize,
         issued: num("issued")?,
         error: v.get("error").and_then(Value::as_str).map(str::to_string),
         progress,
@@ -489,7 +502,9 @@ fn match_p2p(rs: &[&RankDump], out: &mut String) -> usize {
 /// root), the sends without their receive and the receives without their send (matched per
 /// pair of ranks in issue order, as the ranks match them), the matched sends and receives of
 /// different sizes, and each timed-out rank's message with its channels' progress. Errors:
-/// `InvalidArgument` naming a dump that is not JSON or not a flight-recorder dump.
+/// `InvalidArgument` naming a dump that is not JSON or not a flight-recorder dump (its rank out
+/// of range, or a call recorded twice), or the two dumps of one communicator that give the same
+/// rank or different numbers of ranks.
 pub fn analyze(dumps: &[(String, String)]) -> Result<String> {
     let mut ranks = Vec::new();
     for (name, text) in dumps {
@@ -504,15 +519,26 @@ pub fn analyze(dumps: &[(String, String)]) -> Result<String> {
     for comm in comms {
         let mut rs: Vec<&RankDump> = ranks.iter().filter(|r| r.comm == comm).collect();
         rs.sort_by_key(|r| r.rank);
-        let nranks = rs.iter().map(|r| r.nranks).max().unwrap_or(0);
+        for w in rs.windows(2) {
+            if w[0].rank == w[1].rank {
+                return Err(Error::invalid(format!(
+                    "{} and {}: two dumps of rank {} of communicator {comm}",
+                    w[0].name, w[1].name, w[0].rank
+                )));
+            }
+        }
+        if let Some(r) = rs.iter().find(|r| r.nranks != rs[0].nranks) {
+            return Err(Error::invalid(format!(
+                "{} and {}: communicator {comm} has {} ranks in one and {} in the other",
+                rs[0].name, r.name, rs[0].nranks, r.nranks
+            )));
+        }
+        let nranks = rs[0].nranks;
         out += &format!("communicator {comm}: {nranks} ranks, dumps from {}\n", rs.len());
         let header = out.len();
-        let missing: Vec<String> = (0..nranks)
-            .filter(|q| !rs.iter().any(|r| r.rank == *q))
-            .map(|q| q.to_string())
-            .collect();
+        let missing: Vec<usize> = (0..nranks).filter(|q| rs.binary_search_by_key(q, |r| r.rank).is_err()).collect();
         if !missing.is_empty() {
-            out += &format!("  no dump from rank(s) {}\n", missing.join(", "));
+            out += &format!("  no dump from {}\n", super::call_check::ranks_phrase(&missing));
         }
         let most = rs.iter().map(|r| r.issued).max().unwrap_or(0);
         let ahead: Vec<&&RankDump> = rs.iter().filter(|r| r.issued == most).collect();
@@ -602,12 +628,46 @@ mod tests {
         let r = analyze(&all).unwrap();
         assert_eq!(
             r,
-            "communicator 0000abcd: 3 ranks, dumps from 2\n  no dump from rank(s) 2\n"
+            "communicator 0000abcd: 3 ranks, dumps from 2\n  no dump from rank 2\n"
         );
         let e = analyze(&[("x.json".into(), "{}".into())]).unwrap_err();
         assert_eq!(e.to_string(), "invalid argument: x.json: not a flight-recorder dump (calls)");
         let e = analyze(&[("y.json".into(), "not json".into())]).unwrap_err();
         assert!(e.to_string().starts_with("invalid argument: y.json: not a flight-recorder dump (not JSON: "), "{e}");
+    }
+
+    #[test]
+    fn dumps_that_cannot_be_one_communicators_are_refused_by_name() {
+        let mut twice = dump(1, 1, &[(1, "broadcast", 8)], None);
+        twice.0 = "again.json".into();
+        let e = analyze(&[dump(0, 1, &[], None), dump(1, 1, &[], None), twice]).unwrap_err();
+        assert_eq!(e.to_string(), "invalid argument: r1.json and again.json: two dumps of rank 1 of communicator 0000abcd");
+        let with = |k: &str, x: Value| {
+            let (name, text) = dump(1, 1, &[(1, "broadcast", 8)], None);
+            let mut v: Value = serde_json::from_str(&text).unwrap();
+            v[k] = x;
+            (name, v.to_string())
+        };
+        let e = analyze(&[dump(0, 1, &[], None), with("nranks", json!(4))]).unwrap_err();
+        assert_eq!(e.to_string(), "invalid argument: r0.json and r1.json: communicator 0000abcd has 3 ranks in one and 4 in the other");
+        for (k, x, shown) in [
+            ("rank", json!(3), "rank 3 of nranks 3"),
+            ("nranks", json!(100_000_000_000u64), "rank 1 of nranks 100000000000"),
+            ("nranks", json!(0), "rank 1 of nranks 0"),
+        ] {
+            let e = analyze(&[with(k, x)]).unwrap_err();
+            assert_eq!(
+                e.to_string(),
+                format!(
+                    "invalid argument: r1.json: not a flight-recorder dump ({shown} is out of range (accepted: rank 0..nranks, nranks 1..=1048576))"
+                )
+            );
+        }
+        let e = analyze(&[dump(0, 2, &[(1, "allreduce", 8), (1, "allreduce", 8)], None)]).unwrap_err();
+        assert_eq!(e.to_string(), "invalid argument: r0.json: not a flight-recorder dump (call #1 recorded twice)");
+        // Every rank missing but one is named in runs.
+        let r = analyze(&[with("nranks", json!(1 << 20))]).unwrap();
+        assert!(r.contains("no dump from ranks 0, 2-1048575\n"), "{r}");
     }
 
     #[test]

@@ -472,12 +472,15 @@ fn a_config_turns_the_check_on_and_sets_the_timeout() {
     for c in comms.iter().chain(&kids) {
         c.abort().unwrap();
     }
-    let e = Comm::init_all_config(&Device::cpus(2), &CommConfig::default().with_timeout(Duration::from_secs(2_000_000)))
-        .unwrap_err();
-    assert_eq!(
-        e.to_string(),
-        "invalid argument: CommConfig::timeout 2000000s is out of range (accepted: 0 to 1000000 s; 0 turns call timeouts off)"
-    );
+    for (bad, shown) in [(Duration::from_secs(2_000_000), "2000000s"), (Duration::from_nanos(1), "1ns")] {
+        let e = Comm::init_all_config(&Device::cpus(2), &CommConfig::default().with_timeout(bad)).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "invalid argument: CommConfig::timeout {shown} is out of range (accepted: 0, or 0.1 to 1000000 s; 0 turns call timeouts off)"
+            )
+        );
+    }
 }
 
 /// The check on one rank only (`CommConfig::check_calls`, which every rank must set alike):

@@ -131,13 +131,13 @@ fn a_slow_call_that_progresses_does_not_time_out() {
 #[test]
 fn timeout_values_are_checked() {
     let env = Env::clean(VARS);
-    for bad in ["abc", "-1", "1e7", "nan"] {
+    for bad in ["abc", "-1", "1e7", "nan", "1e-10", "0.05"] {
         env.set(&[("OXCCL_TIMEOUT", bad)]);
         let e = common::init_all(&Device::cpus(2)).unwrap_err();
         assert_eq!(
             e.to_string(),
             format!(
-                "invalid argument: OXCCL_TIMEOUT={bad:?} is not a number of seconds (accepted: 0 to 1000000; 0 turns call timeouts off)"
+                "invalid argument: OXCCL_TIMEOUT={bad:?} is not a number of seconds (accepted: 0, or 0.1 to 1000000; 0 turns call timeouts off)"
             )
         );
     }
