@@ -205,7 +205,7 @@ impl Comm {
             0 => {}
             timeout::TIMED_OUT => {
                 return Err(Error::Timeout(self.watch.error().unwrap_or_else(|| {
-                    format!("rank {}: a call made no progress for OXCCL_TIMEOUT", self.rank)
+                    format!("{}: a call made no progress for OXCCL_TIMEOUT", rank_of(self.rank, self.comm_id()))
                 })));
             }
             ABORTED_BY_PEER => return Err(self.aborted_by_peer()),
@@ -238,8 +238,8 @@ impl Comm {
             None => "another rank".to_string(),
         };
         Error::Remote(format!(
-            "rank {}: {who} of this communicator aborted; abort or destroy this rank too",
-            self.rank
+            "{}: {who} of this communicator aborted; abort or destroy this rank too",
+            rank_of(self.rank, self.comm_id())
         ))
     }
 

@@ -421,10 +421,11 @@ pub(super) fn ranks_phrase(ranks: &[usize]) -> String {
     )
 }
 
-/// The mismatch error's message on rank `me`, from every rank's signature (`sigs`, by rank):
-/// each group of ranks that issued one call, in order of its lowest rank, then the fields in
-/// which the groups differ from the first. The same on every rank but the leading rank.
-pub(super) fn mismatch_message(me: usize, sigs: &[CallSig]) -> String {
+/// The mismatch error's message on rank `me` (as [`super::rank_of`] names it), from every
+/// rank's signature (`sigs`, by rank): each group of ranks that issued one call, in order of its
+/// lowest rank, then the fields in which the groups differ from the first. The same on every
+/// rank but the leading rank.
+pub(super) fn mismatch_message(me: &str, sigs: &[CallSig]) -> String {
     let mut groups: Vec<(CallSig, Vec<usize>)> = Vec::new();
     for (r, s) in sigs.iter().enumerate() {
         match groups.iter_mut().find(|(g, _)| g == s) {
@@ -445,7 +446,7 @@ pub(super) fn mismatch_message(me: usize, sigs: &[CallSig]) -> String {
         }
     }
     format!(
-        "rank {me}: the ranks issued different calls (OXCCL_CHECK_CALLS): {}; they differ in {}; \
+        "{me}: the ranks issued different calls (OXCCL_CHECK_CALLS): {}; they differ in {}; \
          no user buffer was written, abort or destroy the communicator",
         calls.join("; "),
         fields.join(", ")
@@ -526,10 +527,10 @@ impl Comm {
     pub(super) fn stop_checking(&self, seq: u64, e: Error) -> Error {
         if let Some(cc) = self.call_check.as_ref() {
             let stop = Error::InvalidUsage(format!(
-                "rank {}: checked call #{seq} was numbered by the call check but not launched ({e}); \
+                "{}: checked call #{seq} was numbered by the call check but not launched ({e}); \
                  the communicator's later calls cannot be checked against its peers': abort or \
                  destroy it",
-                self.rank
+                super::rank_of(self.rank, self.comm_id())
             ));
             tracing::error!(target: "oxccl::coll", rank = self.rank, "{stop}");
             let _ = cc.error.get_or_init(|| stop);
@@ -566,9 +567,9 @@ impl Comm {
             }
             if since.elapsed() > limit {
                 return Err(Error::Timeout(format!(
-                    "rank {}: call check: launching checked call {seq} needs rank {reader}'s kernels to have \
+                    "{}: call check: launching checked call {seq} needs rank {reader}'s kernels to have \
                      checked call {need}, and they stayed at call {seen} for {limit:?}",
-                    self.rank
+                    super::rank_of(self.rank, self.comm_id())
                 )));
             }
             spins = spins.saturating_add(1);
@@ -645,11 +646,11 @@ impl Comm {
                     target: "oxccl::coll",
                     rank = self.rank,
                     "{e} (the call check's report of different calls, read after the abort, is set aside: {})",
-                    mismatch_message(self.rank, &sigs)
+                    mismatch_message(&super::rank_of(self.rank, self.comm_id()), &sigs)
                 );
                 return e;
             }
-            let msg = mismatch_message(self.rank, &sigs);
+            let msg = mismatch_message(&super::rank_of(self.rank, self.comm_id()), &sigs);
             tracing::error!(target: "oxccl::coll", rank = self.rank, "{msg}");
             if let Some(own) = sigs.get(self.rank) {
                 self.watch.call_mismatch(own[0]);
@@ -834,7 +835,11 @@ mod tests {
         assert_eq!(read_slot(&comms, 0, 0, seq), None, "no slot written: not even the free one");
         let stop = comms[0].call_mismatch().expect("the check stopped").to_string();
         assert!(
-            stop.starts_with(&format!("invalid usage: rank 0: checked call #{seq} was numbered by the call check but not launched (timeout: "))
+            stop.starts_with(&format!(
+                "invalid usage: rank 0 of communicator {:08x}: checked call #{seq} was numbered by the call check but not \
+                 launched (timeout: ",
+                comms[0].comm_id()
+            ))
                 && stop.ends_with("abort or destroy it"),
             "{stop}"
         );
@@ -863,7 +868,7 @@ mod tests {
         let ring = choice(Algo::Ring, Proto::Ll, 2);
         let a = encode(3, Func::AllReduce, 1024, DataType::F32, DevRedOp::Sum, 0, ring);
         let b = encode(3, Func::AllReduce, 1000, DataType::F32, DevRedOp::Sum, 0, ring);
-        let msg = mismatch_message(2, &[a, b, a, a]);
+        let msg = mismatch_message("rank 2", &[a, b, a, a]);
         assert_eq!(
             msg,
             "rank 2: the ranks issued different calls (OXCCL_CHECK_CALLS): ranks 0, 2, 3 issued allreduce call #3 \
@@ -879,7 +884,7 @@ mod tests {
             0,
             choice(Algo::Ring, Proto::Simple, 1),
         );
-        let msg = mismatch_message(0, &[a, g]);
+        let msg = mismatch_message("rank 0", &[a, g]);
         assert!(
             msg.contains("rank 1 issued allgather call #3 (1024 × float; ring/Simple on 1 channel)")
                 && msg.ends_with("they differ in function, protocol, channels; no user buffer was written, abort or destroy the communicator"),
@@ -889,14 +894,14 @@ mod tests {
         let roots: Vec<CallSig> = (0..3)
             .map(|r| encode(1, Func::Reduce, 4, DataType::I32, DevRedOp::Max, r, ring))
             .collect();
-        let msg = mismatch_message(1, &roots);
+        let msg = mismatch_message("rank 1", &roots);
         assert!(
             msg.contains("rank 0 issued reduce call #1 (4 × int32, op max, root 0;"),
             "{msg}"
         );
         assert!(msg.contains("they differ in root;"), "{msg}");
         let zero = encode(5, Func::AllReduce, 0, DataType::F32, DevRedOp::Sum, 0, None);
-        let msg = mismatch_message(0, &[a, zero]);
+        let msg = mismatch_message("rank 0", &[a, zero]);
         assert!(
             msg.contains("rank 1 issued allreduce call #5 (0 × float, op sum)"),
             "{msg}"

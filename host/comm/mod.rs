@@ -84,6 +84,13 @@ use crate::transport::p2p;
 use crate::transport::shm::RegisteredShm;
 use crate::transport::{ConnDesc, ConnectTo, HostConns, OwnConn, PeerInfo, PeerLink, PeerMem, select_transport};
 
+/// "rank 1 of communicator 00c0ffee": how diagnostics (timeouts, call mismatches, a peer's abort)
+/// name a rank, with the communicator's id ([`Comm::comm_id`], as flight-recorder dumps and
+/// `oxccl trace` show it), so that a process with several communicators (splits) knows which.
+pub(crate) fn rank_of(rank: usize, comm: u64) -> String {
+    format!("rank {rank} of communicator {comm:08x}")
+}
+
 /// Default channel count on CUDA devices (overridable with `NCCL_MAX_NCHANNELS`).
 pub const CUDA_DEFAULT_NCHANNELS: u32 = 64;
 /// Default channel count on the CPU target (each channel is a host thread per rank).

@@ -467,16 +467,16 @@ impl Watch {
     fn describe(&self, st: &State, limit: Duration) -> String {
         if let Some(p2p) = &st.p2p {
             return format!(
-                "rank {}: {p2p} made no progress for {:.1} s (OXCCL_TIMEOUT): waiting for those peers to post the matching receives and sends",
-                self.rank,
+                "{}: {p2p} made no progress for {:.1} s (OXCCL_TIMEOUT): waiting for those peers to post the matching receives and sends",
+                super::rank_of(self.rank, self.comm),
                 limit.as_secs_f64()
             );
         }
         let call = st.call.as_ref().map_or_else(|| "a call".to_string(), |c| c.to_string());
         let seq = st.call.as_ref().map_or(0, |c| c.seq);
         let mut msg = format!(
-            "rank {}: {call} made no progress for {:.1} s (OXCCL_TIMEOUT)",
-            self.rank,
+            "{}: {call} made no progress for {:.1} s (OXCCL_TIMEOUT)",
+            super::rank_of(self.rank, self.comm),
             limit.as_secs_f64()
         );
         let behind: Vec<String> = self

@@ -416,11 +416,12 @@ fn rank_killed_mid_sweep_stops_the_others() {
 
 /// The rank that died is the one the parent names. Seen (`--procs 3 --hosts 2`, rank 2
 /// SIGKILLed, about 4 runs in 10): rank 0's proxy sees rank 2's socket close and the ranks exit
-/// with their own errors ("remote error: rank 0: rank 2 of this communicator aborted") within a
-/// few ms, before the parent's next 20 ms poll; the poll walks the ranks in order and reports
-/// "oxccl: rank 0 of 3 failed (exit status: 2); stopped the others" — blaming a survivor and
-/// exiting with its code 2 instead of the killed rank's signal. Made deterministic here by
-/// pausing the parent for 2 s around the kill (on one host: SHM ranks notice a dead peer too).
+/// with their own errors ("remote error: rank 0 of communicator …: rank 2 of this communicator
+/// aborted") within a few ms, before the parent's next 20 ms poll; the poll walks the ranks in
+/// order and reports "oxccl: rank 0 of 3 failed (exit status: 2); stopped the others" —
+/// blaming a survivor and exiting with its code 2 instead of the killed rank's signal. Made
+/// deterministic here by pausing the parent for 2 s around the kill (on one host: SHM ranks
+/// notice a dead peer too).
 #[test]
 fn failure_names_the_killed_rank_not_a_survivor() {
     let k = kill_mid_sweep(2, None, true);

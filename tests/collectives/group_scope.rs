@@ -898,7 +898,7 @@ fn the_call_check_compares_a_scopes_deferred_collectives() {
         assert!(matches!(e, Error::InvalidUsage(_)), "rank {r}: {e}");
         assert_eq!(
             e.to_string(),
-            format!("invalid usage: rank {r}: {want}"),
+            format!("invalid usage: rank {r} of communicator {:08x}: {want}", comms[r].comm_id()),
             "rank {r}"
         );
         assert!(

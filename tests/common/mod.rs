@@ -40,6 +40,27 @@ pub const FRONT: usize = 64;
 /// Guard bytes after the data.
 pub const BACK: usize = 256;
 
+/// `s` with the communicator id of each rank a diagnostic names ("rank 0 of communicator
+/// 00c0ffee", `Comm::comm_id` in 8 hex digits) written as `<id>`: for whole messages compared
+/// where the id is not known (a child process's), or not the point.
+pub fn without_comm_ids(s: &str) -> String {
+    const AT: &str = " of communicator ";
+    let mut out = String::with_capacity(s.len());
+    let mut rest = s;
+    while let Some(i) = rest.find(AT) {
+        let (head, tail) = rest.split_at(i + AT.len());
+        out += head;
+        let hex = tail.bytes().take_while(u8::is_ascii_hexdigit).count();
+        if hex == 8 {
+            out += "<id>";
+            rest = &tail[8..];
+        } else {
+            rest = tail;
+        }
+    }
+    out + rest
+}
+
 /// A position-dependent sentinel pattern (a shifted copy or a memset is caught, not only a write
 /// of zeros). `salt` makes send and receive buffers' sentinels differ.
 pub fn sentinel(len: usize, salt: u8) -> Vec<u8> {

@@ -187,9 +187,10 @@ fn abort_reaches_init_rank_peers_and_async_error_names_it() {
     for (r, (e, c)) in errs.iter().enumerate().skip(1) {
         assert!(matches!(e, Error::Remote(_)), "{e}");
         assert_eq!(
-            e.to_string(),
+            common::without_comm_ids(&e.to_string()),
             format!(
-                "remote error: rank {r}: rank 0 of this communicator aborted; abort or destroy this rank too"
+                "remote error: rank {r} of communicator <id>: rank 0 of this communicator aborted; abort or destroy \
+                 this rank too"
             )
         );
         assert_eq!(c.to_string(), e.to_string());
@@ -205,7 +206,11 @@ fn abort_in_init_all_group_shows_in_async_error() {
     let e = comms[0].get_async_error().unwrap_err();
     assert_eq!(
         e.to_string(),
-        "remote error: rank 0: rank 1 of this communicator aborted; abort or destroy this rank too"
+        format!(
+            "remote error: rank 0 of communicator {:08x}: rank 1 of this communicator aborted; abort or destroy this \
+             rank too",
+            comms[0].comm_id()
+        )
     );
     let e = comms[1].get_async_error().unwrap_err();
     assert_eq!(

@@ -90,7 +90,7 @@ fn diverged(devices: &[Device], extra: &[(&str, &str)], calls: &[Call], want: &s
         assert!(matches!(e, Error::InvalidUsage(_)), "rank {r}: {e}");
         assert_eq!(
             e.to_string(),
-            format!("invalid usage: rank {r}: {want}"),
+            format!("invalid usage: rank {r} of communicator {:08x}: {want}", comms[r].comm_id()),
             "rank {r}"
         );
         for (what, (buf, pattern)) in [("send", &sends[r]), ("recv", &recvs[r])] {
@@ -118,7 +118,7 @@ fn diverged(devices: &[Device], extra: &[(&str, &str)], calls: &[Call], want: &s
     drop(comms);
 }
 
-/// The text of a mismatch error after `rank r: `.
+/// The text of a mismatch error after `rank r of communicator <id>: `.
 fn message(calls: &str, fields: &str) -> String {
     format!(
         "the ranks issued different calls (OXCCL_CHECK_CALLS): {calls}; they differ in {fields}; no user buffer \

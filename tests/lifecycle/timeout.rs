@@ -40,7 +40,8 @@ fn skipped_rank(devices: &[Device], skip: usize) {
         let e = comms[r].get_async_error().unwrap_err();
         assert!(matches!(e, Error::Timeout(_)), "rank {r}: {e}");
         let m = e.to_string();
-        assert!(m.starts_with(&format!("timeout: rank {r}: allreduce call #1 (1025 × float, op sum; ring/")), "{m}");
+        let who = format!("rank {r} of communicator {:08x}", comms[r].comm_id());
+        assert!(m.starts_with(&format!("timeout: {who}: allreduce call #1 (1025 × float, op sum; ring/")), "{m}");
         assert!(
             m.ends_with(&format!(
                 "made no progress for 1.0 s (OXCCL_TIMEOUT): waiting for ranks that have not issued it \
@@ -101,7 +102,8 @@ fn mismatched_collectives_time_out_instead_of_hanging() {
         if let Err(e) = comms[r].get_async_error() {
             let m = e.to_string();
             assert!(matches!(e, Error::Timeout(_)), "rank {r}: {m}");
-            assert!(m.starts_with(&format!("timeout: rank {r}: {func} call #1 ({count} × float")), "{m}");
+            let who = format!("rank {r} of communicator {:08x}", comms[r].comm_id());
+            assert!(m.starts_with(&format!("timeout: {who}: {func} call #1 ({count} × float")), "{m}");
             assert!(m.contains("made no progress for 1.0 s (OXCCL_TIMEOUT): channel 0 received step "), "{m}");
             assert!(m.contains(&format!("from rank {}", 1 - r)), "{m}");
             timed_out += 1;
@@ -193,7 +195,8 @@ fn a_timeout_dumps_the_flight_recorder_and_trace_names_the_rank_behind() {
         ),
         "{report}"
     );
-    assert!(report.contains("  rank 0 timed out: rank 0: allreduce call #2 (1025 × float, op sum; ring/"), "{report}");
+    let timed_out = format!("  rank 0 timed out: rank 0 of communicator {:08x}: allreduce call #2 (1025 × float, op sum; ring/", comms[0].comm_id());
+    assert!(report.contains(&timed_out), "{report}");
     assert!(report.contains("    channel 0 received step "), "{report}");
     assert!(!report.contains("disagree"), "{report}");
     // The CLI prints the same report.
@@ -275,7 +278,10 @@ fn unmatched_send_and_recv(devices: &[Device]) {
         assert!(matches!(e, Error::Timeout(_)), "rank {r}: {e}");
         let m = e.to_string();
         assert!(
-            m.contains(&format!("rank {r}: sends/receives ({want}) made no progress for 1.0 s (OXCCL_TIMEOUT)")),
+            m.contains(&format!(
+                "rank {r} of communicator {:08x}: sends/receives ({want}) made no progress for 1.0 s (OXCCL_TIMEOUT)",
+                comms[r].comm_id()
+            )),
             "{m}"
         );
     }

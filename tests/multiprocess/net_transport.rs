@@ -710,8 +710,8 @@ fn killed_rank_on_one_host_stops_shm_survivors() {
     );
     kill_and_check_survivors(&mut ranks, 1, "one host", |r, line| {
         line.starts_with("GOT-ERROR RemoteError after ")
-            && line.ends_with(&format!(
-                ": remote error: rank {r}: rank 1 of this communicator aborted; abort or destroy this rank too"
+            && crate::common::without_comm_ids(line).ends_with(&format!(
+                ": remote error: rank {r} of communicator <id>: rank 1 of this communicator aborted; abort or destroy this rank too"
             ))
     });
 }
@@ -753,14 +753,14 @@ fn killed_rank_gives_the_others_an_error_c29() {
         // The message get_async_error builds from the rank the proxy recorded (comm.rs).
         let msg = |p: usize| {
             format!(
-                ": remote error: rank {r}: rank {p} of this communicator aborted; abort or destroy this rank too"
+                ": remote error: rank {r} of communicator <id>: rank {p} of this communicator aborted; abort or destroy this rank too"
             )
         };
         // A NET peer: a ring neighbour, or a tree peer (four hosts: the double binary tree
         // connects ranks beyond the ring's neighbours, also over NET).
         let p = (0..n)
             .filter(|&p| p != r)
-            .find(|&p| line.starts_with("GOT-ERROR RemoteError after ") && line.ends_with(&msg(p)))
+            .find(|&p| line.starts_with("GOT-ERROR RemoteError after ") && crate::common::without_comm_ids(line).ends_with(&msg(p)))
             .unwrap_or_else(|| panic!("rank {r}: not a remote error naming a peer: {line}\n{out}"));
         // The proxy's one error line names the same peer, on a connection with it: a receive
         // from it or a send to it (proxy.rs, CommOps::progress).
