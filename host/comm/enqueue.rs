@@ -489,8 +489,10 @@ pub(super) struct CpuBlocks {
     pub(super) rank: usize,
     /// The rank's flight recorder.
     pub(super) watch: Arc<timeout::Watch>,
-    /// The flight-recorder entries of the launch's collectives, marked started and ended when
-    /// its blocks start and end ([`timeout::Watch::started`]); empty for other launches.
+    /// The watch's numbers of the launch: its collectives' flight-recorder entries, or its
+    /// point-to-point launch's ([`timeout::Watch::begin_p2p`]), marked started and ended when its
+    /// blocks start and end ([`timeout::Watch::started`], [`timeout::Watch::ended`]); empty for
+    /// launches not watched.
     pub(super) recorded: Vec<u64>,
 }
 

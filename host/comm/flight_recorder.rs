@@ -284,6 +284,13 @@ impl Recorder {
         });
     }
 
+    /// A number for a launch that is not an entry (a point-to-point launch, whose sends and
+    /// receives have entries of their own), in order with the entries' numbers.
+    pub(super) fn reserve(&mut self) -> u64 {
+        self.next_id += 1;
+        self.next_id - 1
+    }
+
     fn keep(&mut self, call: Call) -> u64 {
         let id = self.next_id;
         self.next_id += 1;

@@ -166,8 +166,7 @@ impl Comm {
     /// Records a call of count 0 that launches nothing (unchecked), in its place among the
     /// calls.
     pub(super) fn record_empty_call(&self, record: timeout::CallRecord) {
-        let id = self.watch.record_empty(record);
-        self.watch.ended(id);
+        self.watch.record_empty(record);
     }
 
     /// [`Comm::record_empty_call`] of a planned call.

@@ -196,9 +196,7 @@ impl P2pTarget {
         // Captured into a graph, the launch runs at the graph's launches: nothing to watch now,
         // and no launch event (one recorded in a capture cannot be queried).
         let captured = stream.is_capturing()?;
-        if !captured {
-            self.watch.begin_p2p(self.describe(works));
-        }
+        let watched = (!captured).then(|| self.watch.begin_p2p(self.describe(works)));
         self.launches.fetch_add(1, Ordering::AcqRel);
         match (&self.backend, stream) {
             (Backend::Cuda { launch, module, .. }, Stream::Cuda(s)) => {
@@ -206,14 +204,16 @@ impl P2pTarget {
                     launch.order(s)?;
                 }
                 s.launch(module, nblocks, self.nthreads, &args)?;
-                if !captured {
-                    launch.record(s)?;
+                if let Some(id) = watched {
+                    let n = launch.record(s)?;
+                    self.watch.launched(id, n);
                 }
                 Ok(())
             }
             (Backend::Cpu { group, process, inflight }, Stream::Cpu(s)) => {
                 let nthreads = self.cpu_nthreads;
-                let blocks = self.cpu_blocks(nblocks, group, process);
+                let mut blocks = self.cpu_blocks(nblocks, group, process);
+                blocks.recorded.extend(watched);
                 let (status, rank, peer) = (self.status.clone(), self.rank, self.peer);
                 blocks.launch(
                     s,

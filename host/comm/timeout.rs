@@ -15,6 +15,7 @@
 //! the call (the usual cause: a rank skipped a call or stopped); otherwise it names the channel,
 //! the steps reached and the ring neighbours the channel exchanges data and credits with.
 use super::*;
+use std::collections::VecDeque;
 use std::sync::Weak;
 
 /// Abort-flag value of a rank whose call timed out (its kernels exit as on an abort).
@@ -47,6 +48,25 @@ impl std::fmt::Display for CallRecord {
             write!(f, "; {}/{} on {} channel{s}", c.algo.name(), c.proto.name(), c.nchannels)?;
         }
         write!(f, ")")
+    }
+}
+
+impl State {
+    /// Watches launch `id` (`what`) from now: its progress counts from its queuing.
+    fn watch(&mut self, id: u64, what: Watched) {
+        if self.pending.len() == MAX_PENDING {
+            self.pending.pop_back();
+        }
+        self.pending.push_back(Pending { id, what });
+        self.last_change = Instant::now();
+        self.last_sample = None;
+    }
+
+    /// Launch `id` ended, so did every launch before it.
+    fn launches_ended(&mut self, id: u64) {
+        while self.pending.front().is_some_and(|p| p.id <= id) {
+            self.pending.pop_front();
+        }
     }
 }
 
@@ -119,12 +139,31 @@ pub(super) struct Watch {
 /// The stream a CUDA watch reads its counters on, made on first use and kept.
 struct Reader(Option<cuda::Stream>);
 
+/// A watched launch not seen ended yet.
+struct Pending {
+    /// Its number among the flight recorder's entries ([`flight_recorder::Recorder::reserve`]
+    /// for a point-to-point launch).
+    id: u64,
+    what: Watched,
+}
+
+/// What a watched launch runs.
+enum Watched {
+    Coll(CallRecord),
+    /// A point-to-point launch: its sends and receives and their peers.
+    P2p(String),
+}
+
+/// Most watched launches kept waiting to be seen ended. Past it the newest takes the place of
+/// the one before it: the oldest (a stuck one) and the newest are always kept.
+const MAX_PENDING: usize = 4096;
+
 struct State {
     /// False once the communicator is dropped: nothing is read any more.
     alive: bool,
-    call: Option<CallRecord>,
-    /// The point-to-point launch being watched (its description), when it came after `call`.
-    p2p: Option<String>,
+    /// The watched launches queued or running, oldest first: a timeout names the first, which
+    /// the others wait behind (a rank's kernels run in the order issued).
+    pending: VecDeque<Pending>,
     sample: Vec<u8>,
     last_change: Instant,
     last_sample: Option<Instant>,
@@ -157,8 +196,7 @@ impl Watch {
             issued: s.issued,
             state: Mutex::new(State {
                 alive: true,
-                call: None,
-                p2p: None,
+                pending: VecDeque::new(),
                 sample: Vec::new(),
                 last_change: Instant::now(),
                 last_sample: None,
@@ -212,10 +250,13 @@ impl Watch {
         self.state().recorder.ended(id, flight_recorder::unix_ns(), flight_recorder::Outcome::Captured);
     }
 
-    /// [`Watch::begin`] for a call that launches nothing (count 0, unchecked): recorded and
-    /// counted, but not the call a timeout names (an earlier call may still be running).
-    pub(super) fn record_empty(&self, call: CallRecord) -> u64 {
-        self.record(call, false)
+    /// [`Watch::begin`] for a call that launches nothing (count 0, unchecked): recorded,
+    /// counted and ended at once, but not the call a timeout names (an earlier call may still
+    /// be running).
+    pub(super) fn record_empty(&self, call: CallRecord) {
+        let id = self.record(call, false);
+        let outcome = self.outcome();
+        self.state().recorder.ended(id, flight_recorder::unix_ns(), outcome);
     }
 
     fn record(&self, mut call: CallRecord, watched: bool) -> u64 {
@@ -226,10 +267,7 @@ impl Watch {
         }
         let id = st.recorder.push(&call);
         if watched {
-            st.call = Some(call);
-            st.p2p = None;
-            st.last_change = Instant::now();
-            st.last_sample = None;
+            st.watch(id, Watched::Coll(call));
         }
         id
     }
@@ -254,11 +292,14 @@ impl Watch {
         self.state().recorder.started(id);
     }
 
-    /// Marks recorded collective `id`'s kernel ended now (CPU target; or a call that launched
-    /// nothing), with the outcome its abort flag tells.
+    /// Marks watched launch `id`'s kernel ended now (CPU target), with the outcome its abort
+    /// flag tells: its recorded collective, and it and every launch before it no longer
+    /// pending (a rank's kernels run in the order issued).
     pub(super) fn ended(&self, id: u64) {
         let outcome = self.outcome();
-        self.state().recorder.ended(id, flight_recorder::unix_ns(), outcome);
+        let mut st = self.state();
+        st.recorder.ended(id, flight_recorder::unix_ns(), outcome);
+        st.launches_ended(id);
     }
 
     /// Notes that recorded collective `id`'s kernel is queued (CUDA) as launch `n`
@@ -288,6 +329,7 @@ impl Watch {
             for id in ended {
                 st.recorder.ended(id, now, outcome);
             }
+            st.launches_ended(upto);
         }
         // Ended launches are not looked at again.
         for slot in self.launches.lock().unwrap_or_else(|p| p.into_inner()).iter_mut() {
@@ -305,13 +347,14 @@ impl Watch {
     }
 
     /// Records a point-to-point launch about to be queued (`what` names its sends and receives
-    /// and their peers). Not counted as an issued call: ranks issue different sends and
-    /// receives, so counts say nothing about who is behind.
-    pub(super) fn begin_p2p(&self, what: String) {
+    /// and their peers); returns its number, by which its end is marked as a collective's is
+    /// ([`Watch::launched`], [`Watch::ended`]). Not counted as an issued call: ranks issue
+    /// different sends and receives, so counts say nothing about who is behind.
+    pub(super) fn begin_p2p(&self, what: String) -> u64 {
         let mut st = self.state();
-        st.p2p = Some(what);
-        st.last_change = Instant::now();
-        st.last_sample = None;
+        let id = st.recorder.reserve();
+        st.watch(id, Watched::P2p(what));
+        id
     }
 
     /// The message of the timeout, once one happened.
@@ -462,18 +505,23 @@ impl Watch {
         st.recorder.dump(self.comm, self.rank, self.nranks, issued, st.error.as_deref(), progress)
     }
 
-    /// The timeout's message: the call, then the ranks of this host that have not issued it, or
-    /// else where its first channel stopped.
+    /// The timeout's message: the oldest watched launch not seen ended (the others wait behind
+    /// it), then, for a collective, the ranks of this host that have not issued it, or else
+    /// where its first channel stopped.
     fn describe(&self, st: &State, limit: Duration) -> String {
-        if let Some(p2p) = &st.p2p {
-            return format!(
-                "{}: {p2p} made no progress for {:.1} s (OXCCL_TIMEOUT): waiting for those peers to post the matching receives and sends",
-                super::rank_of(self.rank, self.comm),
-                limit.as_secs_f64()
-            );
-        }
-        let call = st.call.as_ref().map_or_else(|| "a call".to_string(), |c| c.to_string());
-        let seq = st.call.as_ref().map_or(0, |c| c.seq);
+        let call = match st.pending.front().map(|p| &p.what) {
+            Some(Watched::Coll(c)) => Some(c),
+            Some(Watched::P2p(p2p)) => {
+                return format!(
+                    "{}: {p2p} made no progress for {:.1} s (OXCCL_TIMEOUT): waiting for those peers to post the matching receives and sends",
+                    super::rank_of(self.rank, self.comm),
+                    limit.as_secs_f64()
+                );
+            }
+            None => None,
+        };
+        let seq = call.map_or(0, |c| c.seq);
+        let call = call.map_or_else(|| "a call".to_string(), |c| c.to_string());
         let mut msg = format!(
             "{}: {call} made no progress for {:.1} s (OXCCL_TIMEOUT)",
             super::rank_of(self.rank, self.comm),
@@ -492,7 +540,10 @@ impl Watch {
             msg += &format!(": waiting for ranks that have not issued it ({})", behind.join(", "));
             return msg;
         }
-        let nch = st.call.as_ref().and_then(|c| c.choice).map_or(1, |c| c.nchannels as usize);
+        let nch = match st.pending.front().map(|p| &p.what) {
+            Some(Watched::Coll(c)) => c.choice.map_or(1, |c| c.nchannels as usize),
+            _ => 1,
+        };
         let word = |at: usize| word(&st.sample, at);
         let chans: Vec<String> = self
             .ring
@@ -575,5 +626,53 @@ fn run() {
         for w in watches {
             w.poll(now, dump);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn state() -> State {
+        State {
+            alive: true,
+            pending: VecDeque::new(),
+            sample: Vec::new(),
+            last_change: Instant::now(),
+            last_sample: None,
+            error: None,
+            recorder: flight_recorder::Recorder::new(0),
+            reader: Reader(None),
+        }
+    }
+
+    fn ids(st: &State) -> Vec<u64> {
+        st.pending.iter().map(|p| p.id).collect()
+    }
+
+    #[test]
+    fn a_full_queue_keeps_the_oldest_and_the_newest_launch() {
+        let mut st = state();
+        for id in 0..MAX_PENDING as u64 + 2 {
+            st.watch(id, Watched::P2p(format!("launch {id}")));
+        }
+        let kept = ids(&st);
+        assert_eq!(kept.len(), MAX_PENDING);
+        assert_eq!(kept[..2], [0, 1]);
+        assert_eq!(kept[MAX_PENDING - 2..], [MAX_PENDING as u64 - 2, MAX_PENDING as u64 + 1]);
+    }
+
+    #[test]
+    fn an_ended_launch_ends_every_launch_before_it() {
+        let mut st = state();
+        for id in [3, 5, 8] {
+            st.watch(id, Watched::P2p(String::new()));
+        }
+        st.launches_ended(4);
+        assert_eq!(ids(&st), [5, 8]);
+        st.launches_ended(5);
+        assert_eq!(ids(&st), [8]);
+        st.launches_ended(9);
+        assert!(ids(&st).is_empty());
     }
 }

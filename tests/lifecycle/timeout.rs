@@ -305,6 +305,66 @@ fn unmatched_sends_and_receives_time_out_naming_their_peers_gpu() {
     unmatched_send_and_recv(&devices);
 }
 
+/// Rank 0 posts a receive whose send never comes, then an AllReduce behind it on its stream;
+/// rank 1 calls the AllReduce only. Rank 0's timeout names the receive it is stuck in, not the
+/// newer AllReduce queued behind it; rank 1's names the AllReduce, which rank 0 has issued, and
+/// where its channel stopped.
+fn a_call_queued_behind_a_stuck_receive(devices: &[Device]) {
+    let comms = init(devices, "1");
+    let streams = common::streams(&comms);
+    let bufs: Vec<_> = comms.iter().map(|c| c.device().alloc(1025 * 4).unwrap()).collect();
+    let t = Instant::now();
+    comms[0].recv(&bufs[0], 16, DataType::F32, 1, &streams[0]).unwrap();
+    for r in 0..2 {
+        comms[r].all_reduce(&bufs[r], &bufs[r], 1025, DataType::F32, RedOp::Sum, &streams[r]).unwrap();
+    }
+    let mut msgs = Vec::new();
+    for r in 0..2 {
+        streams[r].synchronize().unwrap();
+        assert!(t.elapsed() < Duration::from_secs(20), "rank {r}: {:?}", t.elapsed());
+        let e = comms[r].get_async_error().unwrap_err();
+        msgs.push(e.to_string());
+        assert!(matches!(e, Error::Timeout(_)) || r == 1, "rank {r}: {e}");
+    }
+    let who = |r: usize| format!("rank {r} of communicator {:08x}", comms[r].comm_id());
+    assert_eq!(
+        msgs[0],
+        format!(
+            "timeout: {}: sends/receives (receive of 64 bytes from rank 1) made no progress for 1.0 s (OXCCL_TIMEOUT): \
+             waiting for those peers to post the matching receives and sends",
+            who(0)
+        )
+    );
+    // Rank 1 times out on its own, or learns first that rank 0 did (the ranks share an abort
+    // page on one host).
+    let timed_out = format!("timeout: {}: allreduce call #1 (1025 × float, op sum; ring/", who(1));
+    assert!(
+        msgs[1].starts_with(&timed_out) && msgs[1].contains("made no progress for 1.0 s (OXCCL_TIMEOUT): channel 0 received step ")
+            || msgs[1].starts_with(&format!("remote error: {}: rank 0 of this communicator", who(1))),
+        "{}",
+        msgs[1]
+    );
+    for c in &comms {
+        c.abort().unwrap();
+    }
+}
+
+#[test]
+fn a_timeout_names_the_receive_a_rank_is_stuck_in_not_the_call_queued_behind_it() {
+    a_call_queued_behind_a_stuck_receive(&Device::cpus(2));
+}
+
+#[test]
+fn a_timeout_names_the_receive_a_rank_is_stuck_in_not_the_call_queued_behind_it_gpu() {
+    let Some(devices) =
+        common::two_ranks_or_skip("a_timeout_names_the_receive_a_rank_is_stuck_in_not_the_call_queued_behind_it_gpu")
+    else {
+        return;
+    };
+    let _gpu = common::gpu_lock();
+    a_call_queued_behind_a_stuck_receive(&devices);
+}
+
 /// A send/recv exchange that takes several times the limit but progresses all the time (its
 /// progress is on the peer channels, which the ring channels never see) completes, exact.
 #[test]
