@@ -72,8 +72,8 @@ pub struct Params {
     /// 1000000; 0 keeps none), see `comm/flight_recorder.rs`; default 64.
     pub flight_recorder_size: usize,
     /// Where a rank whose call timed out dumps its flight recorder
-    /// (`OXCCL_FLIGHT_RECORDER_DUMP`, a path prefix: `<prefix>.<comm>.<rank>.json`); `None`:
-    /// no dump.
+    /// (`OXCCL_FLIGHT_RECORDER_DUMP`, a path prefix: `<prefix>.<comm>.<rank>.json`, in a
+    /// directory that exists and this process may write into); `None`: no dump.
     pub flight_recorder_dump: Option<String>,
     /// Channels (thread blocks, each with its own connection to the peer) a send or receive to
     /// one peer uses (`NCCL_NCHANNELS_PER_PEER` / `OXCCL_NCHANNELS_PER_PEER`, 1 to
@@ -208,6 +208,33 @@ fn parse_int(key: &str, v: &str, lo: i64, hi: i64) -> Result<i64> {
     Ok(n)
 }
 
+/// Checks that the directory of the dump prefix `prefix` (variable `key`) exists and this process
+/// may write files into it, so that a dump on a timeout or a signal is not lost to a typo.
+fn dump_dir_writable(key: &str, prefix: &str) -> Result<()> {
+    let dir = match std::path::Path::new(prefix).parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => std::path::Path::new("."),
+    };
+    let refuse = |why: &str| {
+        Err(Error::invalid(format!(
+            "{key}={prefix:?}: the dumps' directory {} {why} (dumps are written as <prefix>.<comm>.<rank>.json \
+             into an existing writable directory)",
+            dir.display()
+        )))
+    };
+    if !dir.is_dir() {
+        return refuse("is not a directory");
+    }
+    let Ok(c) = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()) else {
+        return refuse("is not a path");
+    };
+    // SAFETY: access(2) reads the NUL-terminated path only.
+    if unsafe { libc::access(c.as_ptr(), libc::W_OK | libc::X_OK) } != 0 {
+        return refuse("is not writable");
+    }
+    Ok(())
+}
+
 impl Params {
     /// Reads the environment. Errors name the variable and the accepted range.
     pub fn from_env() -> Result<Self> {
@@ -233,8 +260,12 @@ impl Params {
         if let Some((key, v)) = get("FLIGHT_RECORDER_SIZE") {
             p.flight_recorder_size = parse_int(&key, &v, 0, 1_000_000)? as usize;
         }
-        if let Some((_, v)) = get("FLIGHT_RECORDER_DUMP") {
-            p.flight_recorder_dump = (!v.trim().is_empty()).then(|| v.trim().to_string());
+        if let Some((key, v)) = get("FLIGHT_RECORDER_DUMP") {
+            let prefix = v.trim();
+            if !prefix.is_empty() {
+                dump_dir_writable(&key, prefix)?;
+                p.flight_recorder_dump = Some(prefix.to_string());
+            }
         }
         if let Some((key, v)) = get("BUFFSIZE") {
             let n = parse_int(&key, &v, MIN_BUFFSIZE as i64, MAX_BUFFSIZE as i64)? as u64;

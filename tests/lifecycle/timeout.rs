@@ -213,6 +213,29 @@ fn a_timeout_dumps_the_flight_recorder_and_trace_names_the_rank_behind() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A dump prefix whose directory does not exist, or is a file, fails init naming the variable,
+/// instead of losing the dumps when they are written.
+#[test]
+fn a_dump_prefix_in_no_directory_is_refused_at_init() {
+    let env = Env::clean(&["TIMEOUT", "FLIGHT_RECORDER_DUMP", "FLIGHT_RECORDER_SIZE"]);
+    let file = std::env::temp_dir().join(format!("oxccl-not-a-dir-{}", std::process::id()));
+    std::fs::write(&file, b"x").unwrap();
+    let missing = "/nonexistent-oxccl-dir/sub/fr".to_string();
+    let under_file = file.join("fr").to_string_lossy().into_owned();
+    for (prefix, dir) in [(&missing, "/nonexistent-oxccl-dir/sub".to_string()), (&under_file, file.display().to_string())] {
+        env.set(&[("OXCCL_FLIGHT_RECORDER_DUMP", prefix)]);
+        let e = common::init_all(&Device::cpus(2)).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "invalid argument: OXCCL_FLIGHT_RECORDER_DUMP={prefix:?}: the dumps' directory {dir} is not a directory \
+                 (dumps are written as <prefix>.<comm>.<rank>.json into an existing writable directory)"
+            )
+        );
+    }
+    let _ = std::fs::remove_file(&file);
+}
+
 /// With `OXCCL_FLIGHT_RECORDER_DUMP`, `SIGUSR1` makes every rank of every communicator dump its
 /// flight recorder (no timeout needed), and the dumps agree.
 #[test]
