@@ -146,7 +146,7 @@ pub unsafe fn gate(tid: u32, smem: *mut u32, seen: u64) -> bool {
 /// # Safety
 /// Every thread of the block calls it; `smem` is the kernel's shared memory.
 #[cfg_attr(target_arch = "nvptx64", inline(always))]
-unsafe fn block_bool(value: bool, tid: u32, smem: *mut u32) -> bool {
+pub(crate) unsafe fn block_bool(value: bool, tid: u32, smem: *mut u32) -> bool {
     // SAFETY: caller contract; word 0 of the block's shared memory, read by every thread only
     // after the first barrier and before the second.
     unsafe {

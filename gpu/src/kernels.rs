@@ -126,6 +126,9 @@ pub unsafe extern "ptx-kernel" fn oxccl_sendrecv(args: crate::abi::P2pArgs) {
     // contract.
     unsafe {
         let smem = arch::kernel_shared_mem();
+        if crate::coll::send_recv::stopped(comm, arch::thread_idx(), smem) {
+            return;
+        }
         for i in start..end {
             let w = p2p_param_work(i as u32);
             let status = crate::abi::p2p_status_record(status, i);

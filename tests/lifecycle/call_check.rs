@@ -397,6 +397,79 @@ fn a_mismatch_among_queued_calls_stops_it_and_every_later_call() {
     }
 }
 
+/// Sends and receives queued after a diverged call (in a group of their own, or after it in its
+/// group: `same_group`), before the host read the mismatch: their kernels start after the
+/// mismatch's and move nothing, so no receive
+/// buffer is written on any rank (a receive used to copy what its peer had already sent). The
+/// ranks exchange 256 floats both ways, small enough for the sends to complete without their
+/// receives. Several rounds, so that the ranks' kernels interleave differently.
+fn sends_and_receives_after_a_mismatch(devices: &[Device], same_group: bool) {
+    for round in 0..4 {
+        let comms = init(devices, &[]);
+        let streams = common::streams(&comms);
+        let fill = |r: usize, bytes: usize, salt: u8| {
+            let b = comms[r].device().alloc(bytes).unwrap();
+            let pattern = common::sentinel(bytes, salt + r as u8);
+            b.write(0, &pattern).unwrap();
+            (b, pattern)
+        };
+        let colls: Vec<_> = (0..2).map(|r| fill(r, 68 * 4, 1)).collect();
+        let sends: Vec<_> = (0..2).map(|r| fill(r, 256 * 4, 11)).collect();
+        let recvs: Vec<_> = (0..2).map(|r| fill(r, 256 * 4, 21)).collect();
+        let diverge = || {
+            for r in 0..2 {
+                let n = if r == 1 { 68 } else { 64 };
+                comms[r].all_reduce(&colls[r].0, &colls[r].0, n, DataType::F32, RedOp::Sum, &streams[r]).unwrap();
+            }
+        };
+        if !same_group {
+            diverge();
+        }
+        let queued = oxccl::group(|| {
+            if same_group {
+                diverge();
+            }
+            for r in 0..2 {
+                comms[r].send(&sends[r].0, 256, DataType::F32, 1 - r, &streams[r])?;
+                comms[r].recv(&recvs[r].0, 256, DataType::F32, 1 - r, &streams[r])?;
+            }
+            Ok::<(), Error>(())
+        });
+        // The host may have read the mismatch's report first: then the group is refused.
+        match queued {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) | Err(e) => assert!(e.to_string().contains("call #1"), "round {round}: {e}"),
+        }
+        common::sync_all(&streams, "a diverged AllReduce, then sends and receives");
+        for r in 0..2 {
+            let m = comms[r].get_async_error().unwrap_err().to_string();
+            assert!(m.contains("allreduce call #1") && m.contains("they differ in count"), "round {round}, rank {r}: {m}");
+            for (what, (b, pattern)) in [("collective", &colls[r]), ("send", &sends[r]), ("receive", &recvs[r])] {
+                assert!(b.to_vec().unwrap() == *pattern, "round {round}, rank {r}: {what} buffer written");
+            }
+        }
+        for c in &comms {
+            c.abort().unwrap();
+        }
+    }
+}
+
+#[test]
+fn sends_and_receives_queued_after_a_mismatch_write_nothing() {
+    sends_and_receives_after_a_mismatch(&Device::cpus(2), false);
+    sends_and_receives_after_a_mismatch(&Device::cpus(2), true);
+}
+
+#[test]
+fn sends_and_receives_queued_after_a_mismatch_write_nothing_gpu() {
+    let Some(devices) = common::two_ranks_or_skip("sends_and_receives_queued_after_a_mismatch_write_nothing_gpu") else {
+        return;
+    };
+    let _gpu = common::gpu_lock();
+    sends_and_receives_after_a_mismatch(&devices, false);
+    sends_and_receives_after_a_mismatch(&devices, true);
+}
+
 /// With the check on, matching calls of every collective on every protocol give exact results,
 /// in place and out of place, guards intact (the collective matrix on a few pairs and counts,
 /// count 0 included). On the CPU target (1 or 2 channels), 12,000 elements make a first chunk

@@ -33,10 +33,33 @@ pub unsafe fn run_p2p_block(args: &P2pArgs, bid: u32, tid: u32, nthreads: u32, s
     let Some((start, end)) = p2p_block_works(nworks, bid, |i| args.works[i].kind) else {
         return;
     };
+    // SAFETY: forwarded caller contract.
+    if unsafe { stopped(args.comm, tid, smem) } {
+        return;
+    }
     for (i, w) in args.works.iter().enumerate().take(end).skip(start) {
         let status = p2p_status_record(args.status, i);
         // SAFETY: forwarded caller contract.
         unsafe { run_p2p_work(args.comm, status, *w, tid, nthreads, smem) }
+    }
+}
+
+/// Whether the block must leave its works undone, at its start: after a call-signature mismatch
+/// no later kernel of the communicator moves data (a receive would write what its peer sent
+/// before it learned of the mismatch; a send would feed a FIFO no receive drains). The
+/// mismatch's kernel set `DevComm::aborted` (device memory: a cheap load) before this kernel
+/// started. Thread 0's look decides for the whole block, which a concurrent abort could
+/// otherwise split at the primitives' barriers (an abort's own polls end their waits).
+///
+/// # Safety
+/// `comm` points at a set-up [`DevComm`]; every thread of the block calls it before any uses
+/// the kernel's shared memory `smem`.
+#[cfg_attr(target_arch = "nvptx64", inline(always))]
+pub unsafe fn stopped(comm: u64, tid: u32, smem: *mut u32) -> bool {
+    // SAFETY: caller contract.
+    unsafe {
+        let comm = &*(comm as *const DevComm);
+        crate::check::block_bool(tid == 0 && arch::load_volatile_u32(&raw const comm.aborted) != 0, tid, smem)
     }
 }
 
