@@ -5,9 +5,10 @@
 //! launched the call, so no rank waits for a peer's kernel to start; once a call agrees, the
 //! checking block also looks at the next call's rows and, when every rank's host has launched
 //! it alike, publishes its agreement ahead ([`look_ahead`]): the next kernel's blocks then wait
-//! for nothing. Other ranks gather the signatures over the first peer channel on the LL protocol
+//! for nothing. Other ranks gather the signatures over the check's own channel on the LL protocol
 //! (a ring AllGather of 32 bytes per rank, a step of four LL lines per hop, over FIFOs no
-//! collective uses, so it runs over every transport, beside the call's data). Meanwhile the call's blocks
+//! collective, send or receive uses, so it runs over every transport, beside the call's data and
+//! behind any send still waiting for its receive). Meanwhile the call's blocks
 //! move its data; each waits for the verdict ([`CheckDesc::done`]) at its [`gate`], before its
 //! first write to a user buffer — its output, or a peer's through a direct send — so the check
 //! overlaps the call's first hops. Every rank holds the same signatures and reaches the same
@@ -188,15 +189,15 @@ unsafe fn same_verdict(comm: &DevComm) -> bool {
 /// Checks the call of signature `sig` on this block: gathers every rank's signature, compares
 /// (every thread, as the signatures arrive), sets `DevComm::aborted` on a mismatch and, when
 /// other blocks of the launch wait for the verdict (`waiters`), publishes it in `desc.done`
-/// (after `DevComm::aborted`). The gather is a ring AllGather over the communicator's first
-/// peer channel (the point-to-point channel at distance 1: its send connection goes to rank
-/// `rank + 1`, its receive connection comes from `rank − 1`), which no collective uses, so it
-/// runs beside the call's own channels. Returns whether the call may go on (the same answer for
-/// every thread of the block).
+/// (after `DevComm::aborted`). The gather is a ring AllGather over the check's own channel
+/// ([`CheckDesc::channel`]: its send connection goes to rank `rank + 1`, its receive connection
+/// comes from `rank − 1`), which no collective, send or receive uses, so it runs beside the
+/// call's own channels. Returns whether the call may go on (the same answer for every thread of
+/// the block).
 ///
 /// # Safety
-/// `comm` is a set-up [`DevComm`] of at least two ranks, whose first peer channel (index
-/// `nchannels`) has LL buffers; `desc` its [`CheckDesc`]; `smem` is the kernel's shared
+/// `comm` is a set-up [`DevComm`] of at least two ranks, whose channel
+/// [`CheckDesc::channel`] has LL buffers; `desc` its [`CheckDesc`]; `smem` is the kernel's shared
 /// memory; every thread of the block calls this; every rank of the communicator runs the check
 /// of its call of the same number.
 #[cfg_attr(target_arch = "nvptx64", inline(always))]
@@ -234,12 +235,13 @@ pub unsafe fn check_call(
     // round trip to memory fewer.
     let n = comm.nranks as u64;
     let me = comm.rank as u64;
-    // SAFETY: caller contract: the first peer channel (index `nchannels`) exists.
-    let channel = unsafe { (comm.channels as *mut DevChannel).add(comm.nchannels as usize) };
     let ll_bytes = comm.buff_sizes[Proto::Ll as usize];
     let abort_flag = comm.abort_flag;
     // SAFETY: the descriptor is valid (caller contract); the host wrote these fields at init.
-    let (board, report, rows) = unsafe { ((*d).board as *mut u64, (*d).report as *mut u64, (*d).rows) };
+    let (board, report, rows, channel) =
+        unsafe { ((*d).board as *mut u64, (*d).report as *mut u64, (*d).rows, (*d).channel) };
+    // SAFETY: caller contract: the check's channel exists.
+    let channel = unsafe { (comm.channels as *mut DevChannel).add(channel as usize) };
     if rows != 0 && sig[0] != 0 {
         // The hosts wrote the signatures into the rows (a graph's calls, of number 0, gather).
         // SAFETY: caller contract; `rows` is the descriptor's block.
@@ -289,7 +291,7 @@ pub unsafe fn check_call(
     // Every thread receives every signature (`recv_words`), so every thread compares them as
     // they arrive and reaches the same verdict without reading the board back.
     let mut same = true;
-    // SAFETY: caller contract: the first peer channel exists with LL connections.
+    // SAFETY: caller contract: the check's channel exists with LL connections.
     let aborted = unsafe {
         let mut p = Ll::<u64, FuncSum>::new(
             tid,

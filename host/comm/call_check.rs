@@ -17,8 +17,8 @@
 //! waits for no peer's kernel, and it publishes the next call's
 //! agreement ahead when every host has launched it already: a host running ahead of the GPUs,
 //! as a busy application's does, has its calls checked before their kernels start. Other ranks
-//! gather the signatures over the first peer channel (which no collective uses) on the LL
-//! protocol, over every transport. Every rank gets the same signatures and the same
+//! gather the signatures over a channel of the check's own (after the point-to-point channels,
+//! which no collective, send or receive uses) on the LL protocol, over every transport. Every rank gets the same signatures and the same
 //! verdict: on a mismatch each rank's kernels, this call's and every later one's, exit before
 //! touching a buffer, and [`Comm::get_async_error`] and every later call return `InvalidUsage`
 //! naming each group of ranks with the call it issued and the fields that differ. With the check
@@ -199,11 +199,21 @@ impl CallCheck {
     /// that cannot be loaded fails the init rather than the first call, where the peers would
     /// wait for this rank's gather).
     /// `rows`: every rank's rows when the ranks share one host ([`Rows::map`]), `None` to
-    /// gather the signatures over LL FIFOs.
-    pub(super) fn for_rank(params: &Params, nranks: usize, res: &Res, rows: Option<Rows>) -> Result<Option<CallCheck>> {
+    /// gather the signatures over LL FIFOs; `channel`: the check's own channel, which the
+    /// gather runs over ([`super::PeerChannels::check_channel`]).
+    pub(super) fn for_rank(
+        params: &Params,
+        nranks: usize,
+        res: &Res,
+        rows: Option<Rows>,
+        channel: Option<u32>,
+    ) -> Result<Option<CallCheck>> {
         if !params.check_calls || nranks < 2 {
             return Ok(None);
         }
+        let Some(channel) = channel else {
+            return Err(Error::Internal("a call check without its channel".into()));
+        };
         let ctx = match res {
             Res::Cuda(r) => {
                 r.ctx.kernel(CHECK_KERNEL_NAME)?;
@@ -211,12 +221,13 @@ impl CallCheck {
             }
             Res::Cpu(_) => None,
         };
-        CallCheck::new(ctx, nranks, rows.map(Arc::new)).map(Some)
+        CallCheck::new(ctx, nranks, rows.map(Arc::new), channel).map(Some)
     }
 
     /// The check's memory for a rank of `nranks` on `ctx` (the CPU target when `None`), its
-    /// descriptor written; `rows`: every rank's rows, if the ranks share a host.
-    fn new(ctx: Option<&Arc<cuda::Context>>, nranks: usize, rows: Option<Arc<Rows>>) -> Result<CallCheck> {
+    /// descriptor written; `rows`: every rank's rows, if the ranks share a host; `channel`: the
+    /// channel its gather runs over.
+    fn new(ctx: Option<&Arc<cuda::Context>>, nranks: usize, rows: Option<Arc<Rows>>, channel: u32) -> Result<CallCheck> {
         // The board starts a 128-byte line after the descriptor: the blocks waiting on `done`
         // do not poll the line the gather writes.
         let desc = 128;
@@ -242,6 +253,7 @@ impl CallCheck {
             report: report_addr,
             done: 0,
             rows: rows.as_ref().map_or(0, |r| r.own.dev()),
+            channel: channel as u64,
         };
         match &mem {
             Mem::Cuda { board, .. } => board.write(0, bytemuck::bytes_of(&d))?,

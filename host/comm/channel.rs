@@ -43,11 +43,14 @@ pub(super) fn build_comm_block(
 /// connection goes to rank `r + k` and whose receive connection comes from rank `r − k` (mod
 /// `nranks`). A send from `r` to `p` and the receive of `p` from `r` use the same channel index
 /// on both ranks (distance `p − r`), so every rank's connection memory has the same layout.
+/// With `check`, one channel more follows them: the call check's gather
+/// ([`PeerChannels::check_channel`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) struct PeerChannels {
     pub(super) first: u32,
     pub(super) per_peer: u32,
     pub(super) nranks: u32,
+    pub(super) check: bool,
 }
 
 impl PeerChannels {
@@ -68,11 +71,18 @@ impl PeerChannels {
             first,
             per_peer: 0,
             nranks: 1,
+            check: false,
         }
     }
-    /// Peer channels in all.
+    /// Peer channels in all, the check's included.
     pub(super) fn count(&self) -> u32 {
-        self.per_peer * self.nranks.saturating_sub(1)
+        self.per_peer * self.nranks.saturating_sub(1) + u32::from(self.check)
+    }
+    /// The call check's channel (`CheckDesc::channel`): after the point-to-point channels, at
+    /// distance 1 (send to `r + 1`, receive from `r − 1`), used by nothing else, so that its
+    /// gather never meets a send waiting in a FIFO for its receive. `None` without the check.
+    pub(super) fn check_channel(&self) -> Option<u32> {
+        self.check.then(|| self.first + self.per_peer * self.nranks.saturating_sub(1))
     }
     /// Ring and peer channels.
     pub(super) fn total(&self) -> u32 {
@@ -81,7 +91,7 @@ impl PeerChannels {
     /// The (next, prev) of rank `r` on channel `c`, a peer channel (`c ≥ first`).
     pub(super) fn neighbours(&self, c: u32, r: usize) -> (usize, usize) {
         let n = self.nranks as usize;
-        let k = ((c - self.first) / self.per_peer.max(1)) as usize + 1;
+        let k = if Some(c) == self.check_channel() { 1 } else { ((c - self.first) / self.per_peer.max(1)) as usize + 1 };
         ((r + k) % n, (r + n - k % n) % n)
     }
     /// The peer rank `r` receives from on peer channel `c`.
@@ -837,8 +847,9 @@ mod comm_block_tests {
             first: 2,
             per_peer: 2,
             nranks: 4,
+            check: false,
         };
-        assert_eq!((pc.count(), pc.total()), (6, 8));
+        assert_eq!((pc.count(), pc.total(), pc.check_channel()), (6, 8, None));
         for r in 0..4usize {
             for p in (0..4usize).filter(|&p| p != r) {
                 for j in 0..2 {
@@ -867,6 +878,38 @@ mod comm_block_tests {
             assert_eq!(ch.send.buffs[Proto::Simple as usize], layout.buff(bases[next], c as u64));
             assert_eq!(ch.recv.head, layout.head(bases[prev], c as u64));
         }
+    }
+
+    #[test]
+    fn the_check_channel_follows_the_peer_channels_at_distance_one() {
+        let pc = PeerChannels {
+            first: 2,
+            per_peer: 2,
+            nranks: 4,
+            check: true,
+        };
+        assert_eq!((pc.count(), pc.total(), pc.check_channel()), (7, 9, Some(8)));
+        for r in 0..4usize {
+            assert_eq!(pc.neighbours(8, r), ((r + 1) % 4, (r + 3) % 4), "rank {r}");
+            for p in (0..4usize).filter(|&p| p != r) {
+                for j in 0..2 {
+                    for send in [true, false] {
+                        assert_ne!(pc.channel(r, p, j, send), 8, "no send or receive uses the check's channel");
+                    }
+                }
+            }
+        }
+        let params = Params::default();
+        let layout = ConnLayout::new(&params, pc.total());
+        let bases = [0x1000_0000_0000u64, 0x2000_0000_0000, 0x3000_0000_0000, 0x4000_0000_0000];
+        let rings = ChannelRings::rank_order(4, 2);
+        let b = build_comm_block(1, 4, 2, &layout, &bases, 0x5000, 0x6000, &params, &rings, pc);
+        assert_eq!(b.len(), comm_block_bytes(2, 4, pc));
+        let chans: &[DevChannel] = bytemuck::cast_slice(&b[size_of::<DevComm>()..][..9 * size_of::<DevChannel>()]);
+        let ch = &chans[8];
+        assert_eq!((ch.ring.next, ch.ring.prev), (2, 0));
+        assert_eq!(ch.send.buffs[Proto::Simple as usize], layout.buff(bases[2], 8));
+        assert_eq!(ch.recv.head, layout.head(bases[0], 8));
     }
 
     #[test]

@@ -266,7 +266,9 @@ impl Comm {
         let per_peer = params
             .p2p_nchannels_per_peer
             .unwrap_or(if is_cuda { PeerChannels::default_per_peer(nranks) } else { 1 });
-        let layout = ConnLayout::new(&params, nch + per_peer * (nranks as u32 - 1));
+        // With the call check, one channel more: its own (`PeerChannels::check_channel`).
+        let check_channel = params.check_calls && nranks > 1;
+        let layout = ConnLayout::new(&params, nch + per_peer * (nranks as u32 - 1) + u32::from(check_channel));
         let _span = tracing::debug_span!(target: "oxccl::init", "init_rank", rank, nranks, nch).entered();
         // Names after the id (or the process group) and the creating process: unique among live
         // processes.
@@ -386,6 +388,7 @@ impl Comm {
             first: nch,
             per_peer,
             nranks: nranks as u32,
+            check: check_channel,
         };
         let nch_all = peer_ch.total() as usize;
         let link = |c: usize, q: usize| -> (usize, usize) {
@@ -851,7 +854,7 @@ impl Comm {
             Res::Cuda(r) => Some(&r.ctx),
             Res::Cpu(_) => None,
         })?);
-        let call_check = call_check::CallCheck::for_rank(&params, nranks, &res, check_rows)?;
+        let call_check = call_check::CallCheck::for_rank(&params, nranks, &res, check_rows, peer_ch.check_channel())?;
         let p2p_module = match &res {
             Res::Cuda(r) if nranks > 1 => match r.ctx.kernel(oxccl_gpu::abi::P2P_KERNEL_NAME) {
                 Ok(m) => Some(m),

@@ -6,11 +6,13 @@
 //! teardown (`net_failures`, scripted ranks of `script_ranks`); trees across hosts (`rank_trees`,
 //! and with `host_ranks`' ranks: `host_trees`, `host_rings`, `host_failures`); CUDA ranks in
 //! processes (`gpu_multiprocess`, `gpu_transports`: skipped with the reason printed without
-//! GPUs); a call that times out naming the rank process that never called (`timeout`).
+//! GPUs); a call that times out naming the rank process that never called (`timeout`); the call
+//! check across hosts beside a send waiting for its receive (`call_check`).
 #[macro_use]
 #[path = "../common/mod.rs"]
 mod common;
 
+mod call_check;
 mod gpu_multiprocess;
 mod gpu_transports;
 mod host_failures;

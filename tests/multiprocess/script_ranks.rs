@@ -150,9 +150,37 @@ fn p2p_exact(comm: &Comm, count: usize) -> oxccl::Result<Vec<String>> {
     Ok(bad)
 }
 
+/// A send of `count` bytes to rank + 1 ([`p2p_byte`]s), queued on a stream of its own and not
+/// waited for: the stream and the buffer, which must outlive it.
+fn queue_send(comm: &Comm, count: usize) -> oxccl::Result<(oxccl::Stream, oxccl::DeviceBuffer)> {
+    let (r, n) = (comm.rank(), comm.nranks());
+    let dev = comm.device();
+    let stream = dev.new_stream()?;
+    let send = dev.alloc(count)?;
+    send.write(0, &(0..count).map(|i| p2p_byte(r, (r + 1) % n, i)).collect::<Vec<_>>())?;
+    comm.send(&send, count, DataType::U8, (r + 1) % n, &stream)?;
+    Ok((stream, send))
+}
+
+/// A receive of `count` bytes from rank − 1, waited for: `Ok(true)` when they are the bytes
+/// [`queue_send`] sent.
+fn recv_exact(comm: &Comm, count: usize) -> oxccl::Result<bool> {
+    let (r, n) = (comm.rank(), comm.nranks());
+    let dev = comm.device();
+    let stream = dev.new_stream()?;
+    let recv = dev.alloc(count)?;
+    recv.fill(0x5a)?;
+    let from = (r + n - 1) % n;
+    comm.recv(&recv, count, DataType::U8, from, &stream)?;
+    stream.synchronize()?;
+    Ok(recv.to_vec()? == (0..count).map(|i| p2p_byte(from, r, i)).collect::<Vec<_>>())
+}
+
 /// Every child rank. `OXCCL_CHILD_SCRIPT` is a `;` list of steps: `ar COUNT` (exact AllReduce),
 /// `coll COUNT` (AllGather, ReduceScatter, Broadcast and Reduce from every root, exact), `p2p
-/// COUNT` (send/recv around the ring and all-to-all, exact), `sleep
+/// COUNT` (send/recv around the ring and all-to-all, exact), `send COUNT` (a send of COUNT bytes
+/// to rank + 1, queued and not waited for), `recv COUNT` (a receive of COUNT bytes from rank − 1,
+/// waited for, exact), `sleep
 /// MS`, `async` (get_async_error), `abort`, `destroy`, `rings` (prints every channel's ring),
 /// `loop` (AllReduce until an error). Prints `STEP <step> OK`, `STEP <step> ERR <code>: <error>` or
 /// `STEP <step> WRONG ...`, each with the milliseconds it took.
@@ -175,6 +203,8 @@ fn child_script() {
         }
     };
     let mut comm = Some(comm);
+    // The streams and buffers of queued sends, kept until the child ends.
+    let mut queued = Vec::new();
     for step in script.split(';').map(str::trim).filter(|s| !s.is_empty()) {
         let (cmd, arg) = step.split_once(' ').unwrap_or((step, ""));
         let t = Instant::now();
@@ -185,6 +215,11 @@ fn child_script() {
             "coll" => other_collectives_exact(c, arg.parse().unwrap())
                 .map(|b| (!b.is_empty()).then(|| b.join(", "))),
             "p2p" => p2p_exact(c, arg.parse().unwrap()).map(|b| (!b.is_empty()).then(|| b.join(", "))),
+            "send" => queue_send(c, arg.parse().unwrap()).map(|q| {
+                queued.push(q);
+                None
+            }),
+            "recv" => recv_exact(c, arg.parse().unwrap()).map(|ok| (!ok).then(|| "received bytes differ".to_string())),
             "sleep" => {
                 std::thread::sleep(Duration::from_millis(arg.parse().unwrap()));
                 Ok(None)

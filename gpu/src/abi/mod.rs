@@ -510,6 +510,11 @@ pub struct CheckDesc {
     /// rank's kernels finished, which the writers wait on before they reuse a slot), then per
     /// writer rank [`CHECK_ROW_SLOTS`] slots of one signature ([`check_row_offset`]).
     pub rows: u64,
+    /// The index in [`DevComm::channels`] of the channel the gather runs over: the check's own,
+    /// after the peer channels (its send connection goes to rank `rank + 1`, its receive
+    /// connection comes from rank `rank − 1`), which no collective, send or receive uses, so a
+    /// send still in its peer channel's FIFO never meets a signature.
+    pub channel: u64,
 }
 
 /// Signature slots per writer in a rank's [`CheckDesc::rows`]: a rank's host launches at most
@@ -597,7 +602,7 @@ pub struct CheckReport {
 const _: () = assert!(
     core::mem::size_of::<CheckArgs>() == 48
         && core::mem::size_of::<CheckReport>() == 16
-        && core::mem::size_of::<CheckDesc>() == 32
+        && core::mem::size_of::<CheckDesc>() == 40
 );
 
 /// Most point-to-point works (one thread block each) of one launch: every send and receive of
