@@ -16,8 +16,9 @@
 //! - `cpu init_rank 2 procs`: `Comm::init_rank` with 2 processes: rank 0 here, rank 1 a child
 //!   process (this bench binary again, marked by `OXCCL_BENCH_ABORT_CHILD=<unique id in hex>`)
 //!   that initializes and then only polls `get_async_error` until rank 0's abort reaches it
-//!   through the shared abort page; it must report exactly "remote error: rank 1: rank 0 of this
-//!   communicator aborted; abort or destroy this rank too", destroy, and exit 0 within 10 s.
+//!   through the shared abort page; it must report exactly "remote error: rank 1 of communicator
+//!   <id>: rank 0 of this communicator aborted; abort or destroy this rank too" (`<id>` its
+//!   `comm_id`), destroy, and exit 0 within 10 s.
 //! - `gpu init_all 2 GPUs`: `Comm::init_all` over CUDA devices 0 and 1 when at least 2 are visible
 //!   (else `SKIPPED: ...`); the marker is a CUDA event recorded after the kernel.
 //!
@@ -55,9 +56,14 @@ const CHILD_LIMIT: Duration = Duration::from_secs(10);
 const COUNT: usize = 1 << 20;
 /// Environment variable that turns this binary into the `init_rank` child (rank 1).
 const CHILD_ENV: &str = "OXCCL_BENCH_ABORT_CHILD";
-/// What the child must see: rank 0's abort, named (the text of `Comm::get_async_error`).
-const CHILD_EXPECT: &str =
-    "remote error: rank 1: rank 0 of this communicator aborted; abort or destroy this rank too";
+/// What the child must see: rank 0's abort, named (the text of `Comm::get_async_error`), on the
+/// communicator of id `id` (`Comm::comm_id`, 8 hex digits).
+fn child_expect(id: &str) -> String {
+    format!(
+        "remote error: rank 1 of communicator {id}: rank 0 of this communicator aborted; abort or \
+         destroy this rank too"
+    )
+}
 
 fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
@@ -311,8 +317,14 @@ fn reap_child(mut child: Child, limit: Duration) -> Option<String> {
                 if let Some(o) = child.stdout.as_mut() {
                     let _ = std::io::Read::read_to_string(o, &mut out);
                 }
-                let want = format!("ABORT-CHILD-OK {CHILD_EXPECT}");
-                return if status.success() && out.lines().any(|l| l == want) {
+                // "ABORT-CHILD-OK <id> <message>": the message must name the id the child's
+                // communicator has.
+                let seen_ok = out.lines().any(|l| {
+                    l.strip_prefix("ABORT-CHILD-OK ")
+                        .and_then(|rest| rest.split_once(' '))
+                        .is_some_and(|(id, msg)| msg == child_expect(id))
+                });
+                return if status.success() && seen_ok {
                     None
                 } else {
                     Some(format!(
@@ -398,8 +410,9 @@ fn child_main(id_hex: &str) -> ! {
         let t = Instant::now();
         loop {
             if let Err(e) = comm.get_async_error() {
+                let id = format!("{:08x}", comm.comm_id());
                 comm.destroy().map_err(|d| format!("destroy on rank 1: {d}"))?;
-                return Ok(e.to_string());
+                return Ok(format!("{id} {e}"));
             }
             if t.elapsed() > CHILD_LIMIT * 2 {
                 // Dropping would wait at the teardown barrier for rank 0: just leave.

@@ -211,7 +211,9 @@ fn parse_int(key: &str, v: &str, lo: i64, hi: i64) -> Result<i64> {
 /// Checks that the directory of the dump prefix `prefix` (variable `key`) exists and this process
 /// may write files into it, so that a dump on a timeout or a signal is not lost to a typo.
 fn dump_dir_writable(key: &str, prefix: &str) -> Result<()> {
-    let dir = match std::path::Path::new(prefix).parent() {
+    // The directory of a file the prefix names (`/tmp/fr/` names files inside `/tmp/fr`).
+    let file = format!("{prefix}.json");
+    let dir = match std::path::Path::new(&file).parent() {
         Some(d) if !d.as_os_str().is_empty() => d,
         _ => std::path::Path::new("."),
     };

@@ -7,8 +7,8 @@
 //! it alike, publishes its agreement ahead ([`look_ahead`]): the next kernel's blocks then wait
 //! for nothing. Other ranks gather the signatures over the check's own channel on the LL protocol
 //! (a ring AllGather of 32 bytes per rank, a step of four LL lines per hop, over FIFOs no
-//! collective, send or receive uses, so it runs over every transport, beside the call's data and
-//! behind any send still waiting for its receive). Meanwhile the call's blocks
+//! collective, send or receive uses, so it runs over every transport, beside the call's data, and
+//! never meets a send still waiting in a FIFO for its receive). Meanwhile the call's blocks
 //! move its data; each waits for the verdict ([`CheckDesc::done`]) at its [`gate`], before its
 //! first write to a user buffer — its output, or a peer's through a direct send — so the check
 //! overlaps the call's first hops. Every rank holds the same signatures and reaches the same

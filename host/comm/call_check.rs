@@ -17,8 +17,8 @@
 //! waits for no peer's kernel, and it publishes the next call's
 //! agreement ahead when every host has launched it already: a host running ahead of the GPUs,
 //! as a busy application's does, has its calls checked before their kernels start. Other ranks
-//! gather the signatures over a channel of the check's own (after the point-to-point channels,
-//! which no collective, send or receive uses) on the LL protocol, over every transport. Every rank gets the same signatures and the same
+//! gather the signatures on the LL protocol over a channel of the check's own, after the
+//! point-to-point channels (no collective, send or receive uses it), over every transport. Every rank gets the same signatures and the same
 //! verdict: on a mismatch each rank's kernels, this call's and every later one's, exit before
 //! touching a buffer, and [`Comm::get_async_error`] and every later call return `InvalidUsage`
 //! naming each group of ranks with the call it issued and the fields that differ. With the check
@@ -227,7 +227,12 @@ impl CallCheck {
     /// The check's memory for a rank of `nranks` on `ctx` (the CPU target when `None`), its
     /// descriptor written; `rows`: every rank's rows, if the ranks share a host; `channel`: the
     /// channel its gather runs over.
-    fn new(ctx: Option<&Arc<cuda::Context>>, nranks: usize, rows: Option<Arc<Rows>>, channel: u32) -> Result<CallCheck> {
+    fn new(
+        ctx: Option<&Arc<cuda::Context>>,
+        nranks: usize,
+        rows: Option<Arc<Rows>>,
+        channel: u32,
+    ) -> Result<CallCheck> {
         // The board starts a 128-byte line after the descriptor: the blocks waiting on `done`
         // do not poll the line the gather writes.
         let desc = 128;

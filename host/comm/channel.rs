@@ -84,14 +84,18 @@ impl PeerChannels {
     pub(super) fn check_channel(&self) -> Option<u32> {
         self.check.then(|| self.first + self.per_peer * self.nranks.saturating_sub(1))
     }
-    /// Ring and peer channels.
+    /// Ring and peer channels, the check's included.
     pub(super) fn total(&self) -> u32 {
         self.first + self.count()
     }
     /// The (next, prev) of rank `r` on channel `c`, a peer channel (`c ≥ first`).
     pub(super) fn neighbours(&self, c: u32, r: usize) -> (usize, usize) {
         let n = self.nranks as usize;
-        let k = if Some(c) == self.check_channel() { 1 } else { ((c - self.first) / self.per_peer.max(1)) as usize + 1 };
+        let k = if Some(c) == self.check_channel() {
+            1
+        } else {
+            ((c - self.first) / self.per_peer.max(1)) as usize + 1
+        };
         ((r + k) % n, (r + n - k % n) % n)
     }
     /// The peer rank `r` receives from on peer channel `c`.

@@ -24,7 +24,8 @@
 //! or another rank's), `"timed out"`, `"call mismatch"` (the call-signature check found the ranks'
 //! calls of its number different; it moved no data), `"captured"` (issued on a stream capturing
 //! into a CUDA graph: it runs at the graph's launches, which are not recorded; its end is its
-//! issue), or null while it has not ended. Calls of
+//! issue), `"not launched"` (its launch failed and the call returned the error), or null while
+//! it has not ended. Calls of
 //! count 0 are recorded too (numbered as the check numbers them), ended when issued unless
 //! checked. A send or receive (`"func": "send"` or `"recv"`, recorded when issued,
 //! in or outside a group) has the same fields, `seq`, `op`, `root`, `algo`, `proto` and
@@ -123,6 +124,8 @@ pub(super) enum Outcome {
     /// It was issued on a stream capturing into a CUDA graph: its kernel runs at each launch
     /// of the graph, which the recorder does not see.
     Captured,
+    /// Its launch failed (the call returned the error): no kernel of it ran.
+    NotLaunched,
 }
 
 impl Outcome {
@@ -133,6 +136,7 @@ impl Outcome {
             Outcome::TimedOut => "timed out",
             Outcome::CallMismatch => "call mismatch",
             Outcome::Captured => "captured",
+            Outcome::NotLaunched => "not launched",
         }
     }
 }
@@ -260,7 +264,9 @@ impl Recorder {
     }
 
     fn entry(&mut self, id: u64) -> Option<&mut Entry> {
-        self.entries.iter_mut().rev().find(|e| e.id == id)
+        // Entries are kept in the order of their numbers.
+        let i = self.entries.binary_search_by_key(&id, |e| e.id).ok()?;
+        self.entries.get_mut(i)
     }
 
     /// Records the send or receive `call`, issued in the thread's group `group` (its id,
@@ -387,6 +393,7 @@ fn parse(name: &str, v: &Value) -> Result<RankDump> {
     let num = |k: &str| v.get(k).and_then(Value::as_u64).ok_or_else(|| bad(k));
     let calls = v.get("calls").and_then(Value::as_array).ok_or_else(|| bad("calls"))?;
     let mut out = Vec::new();
+    let mut seen = std::collections::HashSet::new();
     let mut p2p = Vec::new();
     for c in calls {
         let s = |k: &str| c.get(k).map_or(String::new(), |x| x.as_str().map_or(x.to_string(), str::to_string));
@@ -416,7 +423,7 @@ fn parse(name: &str, v: &Value) -> Result<RankDump> {
             sig += &format!(" root {}", s("root"));
         }
         let desc = format!("{sig} ({}/{} on {} channels)", s("algo"), s("proto"), s("nchannels"));
-        if out.iter().any(|c: &(u64, String, String)| c.0 == seq) {
+        if !seen.insert(seq) {
             return Err(bad(&format!("call #{seq} recorded twice")));
         }
         out.push((seq, desc, sig));

@@ -180,31 +180,36 @@ impl Comm {
         let r = &p.record;
         let mut check = self.check_args(r.func, r.count, r.dtype, r.op, r.root, r.choice, captured)?;
         let recorded = self.begin_call(p.record, captured);
-        if captured && let Some(c) = check.take() {
-            // A captured call has no number (its graph's launches run it): the check kernel
-            // alone checks it, and the call's kernel honours that verdict.
-            self.launch_check(c, stream, true, None)?;
-            check = Some(oxccl_gpu::abi::CheckArgs {
-                check: c.check | oxccl_gpu::abi::CHECK_VERDICT_ONLY,
-                sig: [0; 4],
-                ..c
-            });
-        }
         let seq = check.map_or(0, |c| c.sig[0]);
-        self.launch(
-            KernelArgs {
-                comm: self.dev_comm,
-                check: check.map_or(0, |c| c.check),
-                work: p.work,
-                sig: check.map_or([0; 4], |c| c.sig),
-                nworks: 1,
-                ..KernelArgs::zeroed()
-            },
-            stream,
-            captured,
-            recorded.as_slice(),
-        )
-        .map_err(|e| if seq != 0 { self.stop_checking(seq, e) } else { e })
+        let launched = (|| {
+            if captured && let Some(c) = check.take() {
+                // A captured call has no number (its graph's launches run it): the check kernel
+                // alone checks it, and the call's kernel honours that verdict.
+                self.launch_check(c, stream, true, None)?;
+                check = Some(oxccl_gpu::abi::CheckArgs {
+                    check: c.check | oxccl_gpu::abi::CHECK_VERDICT_ONLY,
+                    sig: [0; 4],
+                    ..c
+                });
+            }
+            self.launch(
+                KernelArgs {
+                    comm: self.dev_comm,
+                    check: check.map_or(0, |c| c.check),
+                    work: p.work,
+                    sig: check.map_or([0; 4], |c| c.sig),
+                    nworks: 1,
+                    ..KernelArgs::zeroed()
+                },
+                stream,
+                captured,
+                recorded.as_slice(),
+            )
+        })();
+        if launched.is_err() {
+            self.watch.not_launched(recorded.as_slice());
+        }
+        launched.map_err(|e| if seq != 0 { self.stop_checking(seq, e) } else { e })
     }
 
     /// Launches `batch` — planned calls of this communicator for `stream`, in the order issued,
@@ -248,6 +253,10 @@ impl Comm {
             }
             recorded.extend(self.begin_call(p.record, captured));
         }
-        self.launch(args, stream, captured, &recorded)
+        let launched = self.launch(args, stream, captured, &recorded);
+        if launched.is_err() {
+            self.watch.not_launched(&recorded);
+        }
+        launched
     }
 }

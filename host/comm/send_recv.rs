@@ -157,7 +157,8 @@ impl P2pTarget {
         unsafe { ordered_copy(order, dst, src, bytes, stream) }
     }
 
-    /// A CPU-target launch of `nblocks` blocks of this rank (no collective recorded).
+    /// A CPU-target launch of `nblocks` blocks of this rank (nothing watched yet: the caller adds
+    /// the launch's number to `recorded`).
     fn cpu_blocks(&self, nblocks: u32, group: &Arc<CpuGroup>, process: &Option<Arc<ProcessGroup>>) -> CpuBlocks {
         CpuBlocks {
             nblocks,
@@ -196,8 +197,18 @@ impl P2pTarget {
         // Captured into a graph, the launch runs at the graph's launches: nothing to watch now,
         // and no launch event (one recorded in a capture cannot be queried).
         let captured = stream.is_capturing()?;
-        let watched = (!captured).then(|| self.watch.begin_p2p(self.describe(works)));
+        let watched = (!captured).then(|| self.watch.begin_p2p(|| self.describe(works)));
         self.launches.fetch_add(1, Ordering::AcqRel);
+        let launched = self.queue(nblocks, args, stream, captured, watched);
+        if launched.is_err() {
+            self.watch.not_launched(watched.as_slice());
+        }
+        launched
+    }
+
+    /// Queues the launch of `nblocks` blocks with `args` on `stream` (`captured`: the stream is
+    /// capturing), watched as `watched` ([`timeout::Watch::begin_p2p`]).
+    fn queue(&self, nblocks: u32, args: P2pArgs, stream: &Stream, captured: bool, watched: Option<u64>) -> Result<()> {
         match (&self.backend, stream) {
             (Backend::Cuda { launch, module, .. }, Stream::Cuda(s)) => {
                 if !captured {

@@ -62,6 +62,15 @@ impl State {
         self.last_sample = None;
     }
 
+    /// Launches `ids` were not queued ([`Watch::not_launched`]).
+    fn not_launched(&mut self, ids: &[u64]) {
+        self.pending.retain(|p| !ids.contains(&p.id));
+        let now = flight_recorder::unix_ns();
+        for &id in ids {
+            self.recorder.ended(id, now, flight_recorder::Outcome::NotLaunched);
+        }
+    }
+
     /// Launch `id` ended, so did every launch before it.
     fn launches_ended(&mut self, id: u64) {
         while self.pending.front().is_some_and(|p| p.id <= id) {
@@ -128,8 +137,9 @@ pub(super) struct Watch {
     flag: u64,
     issued: Vec<(usize, u64)>,
     state: Mutex<State>,
-    /// CUDA: the recorded collective of each launch event slot (launch `n` in slot
-    /// `n % LAUNCH_EVENTS`) as `(entry id, n)` ([`Watch::launched`]). A call's end is the
+    /// CUDA: the watched launch (a recorded collective, or a point-to-point launch) of each
+    /// launch event slot (launch `n` in slot `n % LAUNCH_EVENTS`) as `(entry id, n)`
+    /// ([`Watch::launched`]). A call's end is the
     /// completion of its launch's event, which the launch records behind every kernel anyway
     /// ([`super::enqueue::LaunchState::record`]): no event of its own per call (recording one
     /// behind every kernel cost each call about 2 µs on the GPU, docs/benchmarks.md).
@@ -266,10 +276,19 @@ impl Watch {
             call.seq = n.fetch_add(1, Ordering::AcqRel) + 1;
         }
         let id = st.recorder.push(&call);
-        if watched {
+        // Only a timeout reads the pending launches (with timeouts off nothing would end them
+        // on GPUs: the watch thread does not look).
+        if watched && self.limit.is_some() {
             st.watch(id, Watched::Coll(call));
         }
         id
+    }
+
+    /// Launches `ids` ([`Watch::begin`], [`Watch::begin_p2p`]) that could not be queued (their
+    /// call returned the error): no longer pending, and their recorded collectives ended as not
+    /// launched, so that a timeout never names a call that never ran.
+    pub(super) fn not_launched(&self, ids: &[u64]) {
+        self.state().not_launched(ids);
     }
 
     /// Marks collective number `seq` as the one the call-signature check found different on the
@@ -287,7 +306,8 @@ impl Watch {
         }
     }
 
-    /// Marks recorded collective `id`'s kernel started now (CPU target).
+    /// Marks watched launch `id`'s kernel started now (CPU target; only a recorded collective
+    /// keeps the time).
     pub(super) fn started(&self, id: u64) {
         self.state().recorder.started(id);
     }
@@ -302,7 +322,7 @@ impl Watch {
         st.launches_ended(id);
     }
 
-    /// Notes that recorded collective `id`'s kernel is queued (CUDA) as launch `n`
+    /// Notes that watched launch `id`'s kernel is queued (CUDA) as launch `n`
     /// ([`super::enqueue::LaunchState::record`]): [`Watch::refresh_ends`] marks it ended once
     /// that launch's event completes. No driver call.
     pub(super) fn launched(&self, id: u64, n: u64) {
@@ -347,13 +367,15 @@ impl Watch {
     }
 
     /// Records a point-to-point launch about to be queued (`what` names its sends and receives
-    /// and their peers); returns its number, by which its end is marked as a collective's is
+    /// and their peers, made only with timeouts on); returns its number, by which its end is marked as a collective's is
     /// ([`Watch::launched`], [`Watch::ended`]). Not counted as an issued call: ranks issue
     /// different sends and receives, so counts say nothing about who is behind.
-    pub(super) fn begin_p2p(&self, what: String) -> u64 {
+    pub(super) fn begin_p2p(&self, what: impl FnOnce() -> String) -> u64 {
         let mut st = self.state();
         let id = st.recorder.reserve();
-        st.watch(id, Watched::P2p(what));
+        if self.limit.is_some() {
+            st.watch(id, Watched::P2p(what()));
+        }
         id
     }
 
@@ -513,7 +535,8 @@ impl Watch {
             Some(Watched::Coll(c)) => Some(c),
             Some(Watched::P2p(p2p)) => {
                 return format!(
-                    "{}: {p2p} made no progress for {:.1} s (OXCCL_TIMEOUT): waiting for those peers to post the matching receives and sends",
+                    "{}: {p2p} made no progress for {:.1} s (OXCCL_TIMEOUT): waiting for those peers to post \
+                     the matching receives and sends",
                     super::rank_of(self.rank, self.comm),
                     limit.as_secs_f64()
                 );
@@ -674,5 +697,30 @@ mod tests {
         assert_eq!(ids(&st), [8]);
         st.launches_ended(9);
         assert!(ids(&st).is_empty());
+    }
+
+    #[test]
+    fn a_launch_that_failed_is_not_the_one_a_timeout_names() {
+        let mut st = state();
+        st.recorder = flight_recorder::Recorder::new(4);
+        let call = |seq| CallRecord {
+            seq,
+            func: Func::AllReduce,
+            count: 4,
+            dtype: DataType::F32,
+            op: DevRedOp::Sum,
+            root: 0,
+            choice: None,
+        };
+        for seq in 1..=2 {
+            let id = st.recorder.push(&call(seq));
+            st.watch(id, Watched::Coll(call(seq)));
+        }
+        // Call 1's launch failed; call 2 is the one queued.
+        st.not_launched(&[0]);
+        assert_eq!(ids(&st), [1]);
+        let d = st.recorder.dump(1, 0, 2, 2, None, Vec::new());
+        let outcomes: Vec<_> = d["calls"].as_array().unwrap().iter().map(|c| c["outcome"].clone()).collect();
+        assert_eq!(outcomes, [serde_json::json!("not launched"), serde_json::Value::Null]);
     }
 }
