@@ -843,6 +843,18 @@ mod comm_block_tests {
         );
     }
 
+    /// The comm block of rank 1 of 4 ranks on 2 ring channels in rank order and the channels
+    /// `pc`, with its layout and the ranks' connection bases; its size checked.
+    fn rank_1_of_4_block(pc: PeerChannels) -> (ConnLayout, [u64; 4], Vec<u8>) {
+        let params = Params::default();
+        let layout = ConnLayout::new(&params, pc.total());
+        let bases = [0x1000_0000_0000u64, 0x2000_0000_0000, 0x3000_0000_0000, 0x4000_0000_0000];
+        let rings = ChannelRings::rank_order(4, 2);
+        let b = build_comm_block(1, 4, 2, &layout, &bases, 0x5000, 0x6000, &params, &rings, pc);
+        assert_eq!(b.len(), comm_block_bytes(2, 4, pc));
+        (layout, bases, b)
+    }
+
     #[test]
     fn peer_channels_pair_each_send_with_the_peers_receive() {
         // 4 ranks, 2 ring channels, 2 channels per peer: channels 2..8, distance k on
@@ -868,12 +880,7 @@ mod comm_block_tests {
         }
         // The block: the peer channels follow the ring channels, with the shift's neighbours
         // and no user ranks.
-        let params = Params::default();
-        let layout = ConnLayout::new(&params, pc.total());
-        let bases = [0x1000_0000_0000u64, 0x2000_0000_0000, 0x3000_0000_0000, 0x4000_0000_0000];
-        let rings = ChannelRings::rank_order(4, 2);
-        let b = build_comm_block(1, 4, 2, &layout, &bases, 0x5000, 0x6000, &params, &rings, pc);
-        assert_eq!(b.len(), comm_block_bytes(2, 4, pc));
+        let (layout, bases, b) = rank_1_of_4_block(pc);
         let chans: &[DevChannel] = bytemuck::cast_slice(&b[size_of::<DevComm>()..][..8 * size_of::<DevChannel>()]);
         for (c, ch) in chans.iter().enumerate().skip(2) {
             let k = (c - 2) / 2 + 1;
@@ -903,12 +910,7 @@ mod comm_block_tests {
                 }
             }
         }
-        let params = Params::default();
-        let layout = ConnLayout::new(&params, pc.total());
-        let bases = [0x1000_0000_0000u64, 0x2000_0000_0000, 0x3000_0000_0000, 0x4000_0000_0000];
-        let rings = ChannelRings::rank_order(4, 2);
-        let b = build_comm_block(1, 4, 2, &layout, &bases, 0x5000, 0x6000, &params, &rings, pc);
-        assert_eq!(b.len(), comm_block_bytes(2, 4, pc));
+        let (layout, bases, b) = rank_1_of_4_block(pc);
         let chans: &[DevChannel] = bytemuck::cast_slice(&b[size_of::<DevComm>()..][..9 * size_of::<DevChannel>()]);
         let ch = &chans[8];
         assert_eq!((ch.ring.next, ch.ring.prev), (2, 0));

@@ -688,15 +688,7 @@ mod tests {
     fn the_recorder_keeps_the_last_calls() {
         let mut rec = Recorder::new(2);
         for seq in 1..=3 {
-            rec.push(&timeout::CallRecord {
-                seq,
-                func: Func::AllReduce,
-                count: 4,
-                dtype: DataType::F32,
-                op: DevRedOp::Sum,
-                root: 0,
-                choice: None,
-            });
+            rec.push(&timeout::CallRecord::all_reduce_f32(seq, 4));
         }
         let d = rec.dump(0xab, 1, 2, 3, None, Vec::new());
         let seqs: Vec<u64> = d["calls"].as_array().unwrap().iter().map(|c| c["seq"].as_u64().unwrap()).collect();

@@ -34,6 +34,22 @@ pub(super) struct CallRecord {
     pub(super) choice: Option<Choice>,
 }
 
+#[cfg(test)]
+impl CallRecord {
+    /// An AllReduce of `count` floats (sum, no plan), call number `seq`: what unit tests record.
+    pub(super) fn all_reduce_f32(seq: u64, count: usize) -> CallRecord {
+        CallRecord {
+            seq,
+            func: Func::AllReduce,
+            count,
+            dtype: DataType::F32,
+            op: DevRedOp::Sum,
+            root: 0,
+            choice: None,
+        }
+    }
+}
+
 impl std::fmt::Display for CallRecord {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{} call #{} ({} × {}", self.func, self.seq, self.count, self.dtype)?;
@@ -52,6 +68,21 @@ impl std::fmt::Display for CallRecord {
 }
 
 impl State {
+    /// A live watch's state with nothing watched yet, its flight recorder keeping `recorder_size`
+    /// calls.
+    fn new(recorder_size: usize) -> State {
+        State {
+            alive: true,
+            pending: VecDeque::new(),
+            sample: Vec::new(),
+            last_change: Instant::now(),
+            last_sample: None,
+            error: None,
+            recorder: flight_recorder::Recorder::new(recorder_size),
+            reader: Reader(None),
+        }
+    }
+
     /// Watches launch `id` (`what`) from now: its progress counts from its queuing.
     fn watch(&mut self, id: u64, what: Watched) {
         if self.pending.len() == MAX_PENDING {
@@ -204,16 +235,7 @@ impl Watch {
             ring: s.ring,
             flag: s.flag,
             issued: s.issued,
-            state: Mutex::new(State {
-                alive: true,
-                pending: VecDeque::new(),
-                sample: Vec::new(),
-                last_change: Instant::now(),
-                last_sample: None,
-                error: None,
-                recorder: flight_recorder::Recorder::new(s.recorder_size),
-                reader: Reader(None),
-            }),
+            state: Mutex::new(State::new(s.recorder_size)),
             launches: Mutex::new(vec![None; super::enqueue::LAUNCH_EVENTS]),
         });
         if limit.is_some() || w.dump_prefix.is_some() {
@@ -657,16 +679,7 @@ mod tests {
     use super::*;
 
     fn state() -> State {
-        State {
-            alive: true,
-            pending: VecDeque::new(),
-            sample: Vec::new(),
-            last_change: Instant::now(),
-            last_sample: None,
-            error: None,
-            recorder: flight_recorder::Recorder::new(0),
-            reader: Reader(None),
-        }
+        State::new(0)
     }
 
     fn ids(st: &State) -> Vec<u64> {
@@ -701,20 +714,10 @@ mod tests {
 
     #[test]
     fn a_launch_that_failed_is_not_the_one_a_timeout_names() {
-        let mut st = state();
-        st.recorder = flight_recorder::Recorder::new(4);
-        let call = |seq| CallRecord {
-            seq,
-            func: Func::AllReduce,
-            count: 4,
-            dtype: DataType::F32,
-            op: DevRedOp::Sum,
-            root: 0,
-            choice: None,
-        };
+        let mut st = State::new(4);
         for seq in 1..=2 {
-            let id = st.recorder.push(&call(seq));
-            st.watch(id, Watched::Coll(call(seq)));
+            let id = st.recorder.push(&CallRecord::all_reduce_f32(seq, 4));
+            st.watch(id, Watched::Coll(CallRecord::all_reduce_f32(seq, 4)));
         }
         // Call 1's launch failed; call 2 is the one queued.
         st.not_launched(&[0]);
