@@ -18,9 +18,9 @@
 //! agreement ahead when every host has launched it already: a host running ahead of the GPUs,
 //! as a busy application's does, has its calls checked before their kernels start. Other ranks
 //! gather the signatures on the LL protocol over a channel of the check's own, after the
-//! point-to-point channels (no collective, send or receive uses it), over every transport. Every rank gets the same signatures and the same
-//! verdict: on a mismatch each rank's kernels, this call's and every later one's, exit before
-//! touching a buffer, and [`Comm::get_async_error`] and every later call return `InvalidUsage`
+//! point-to-point channels (no collective, send or receive uses it), over every transport. Every
+//! rank gets the same signatures and the same verdict: on a mismatch each rank's kernels, this
+//! call's and every later one's, exit before touching a buffer, and [`Comm::get_async_error`] and every later call return `InvalidUsage`
 //! naming each group of ranks with the call it issued and the fields that differ. With the check
 //! off the kernels skip it (their argument's `check` is 0). A call of count 0, which NCCL skips,
 //! is still checked (by the check kernel alone), so a rank that issued it with count 0 while

@@ -421,10 +421,9 @@ impl Comm {
                     let recorded = self.begin_call(call, captured);
                     let seq = check.sig[0];
                     let launched = self.launch_check(check, stream, captured, recorded);
-                    if launched.is_err() {
-                        self.watch.not_launched(recorded.as_slice());
-                    }
-                    launched.map_err(|e| if seq != 0 { self.stop_checking(seq, e) } else { e })
+                    self.watch
+                        .queued(recorded.as_slice(), launched)
+                        .map_err(|e| if seq != 0 { self.stop_checking(seq, e) } else { e })
                 }
                 None => {
                     self.record_empty_call(call);

@@ -206,10 +206,9 @@ impl Comm {
                 recorded.as_slice(),
             )
         })();
-        if launched.is_err() {
-            self.watch.not_launched(recorded.as_slice());
-        }
-        launched.map_err(|e| if seq != 0 { self.stop_checking(seq, e) } else { e })
+        self.watch
+            .queued(recorded.as_slice(), launched)
+            .map_err(|e| if seq != 0 { self.stop_checking(seq, e) } else { e })
     }
 
     /// Launches `batch` — planned calls of this communicator for `stream`, in the order issued,
@@ -253,10 +252,6 @@ impl Comm {
             }
             recorded.extend(self.begin_call(p.record, captured));
         }
-        let launched = self.launch(args, stream, captured, &recorded);
-        if launched.is_err() {
-            self.watch.not_launched(&recorded);
-        }
-        launched
+        self.watch.queued(&recorded, self.launch(args, stream, captured, &recorded))
     }
 }

@@ -199,11 +199,7 @@ impl P2pTarget {
         let captured = stream.is_capturing()?;
         let watched = (!captured).then(|| self.watch.begin_p2p(|| self.describe(works)));
         self.launches.fetch_add(1, Ordering::AcqRel);
-        let launched = self.queue(nblocks, args, stream, captured, watched);
-        if launched.is_err() {
-            self.watch.not_launched(watched.as_slice());
-        }
-        launched
+        self.watch.queued(watched.as_slice(), self.queue(nblocks, args, stream, captured, watched))
     }
 
     /// Queues the launch of `nblocks` blocks with `args` on `stream` (`captured`: the stream is

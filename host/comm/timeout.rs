@@ -93,7 +93,7 @@ impl State {
         self.last_sample = None;
     }
 
-    /// Launches `ids` were not queued ([`Watch::not_launched`]).
+    /// Launches `ids` were not queued ([`Watch::queued`]).
     fn not_launched(&mut self, ids: &[u64]) {
         self.pending.retain(|p| !ids.contains(&p.id));
         let now = flight_recorder::unix_ns();
@@ -306,11 +306,15 @@ impl Watch {
         id
     }
 
-    /// Launches `ids` ([`Watch::begin`], [`Watch::begin_p2p`]) that could not be queued (their
-    /// call returned the error): no longer pending, and their recorded collectives ended as not
-    /// launched, so that a timeout never names a call that never ran.
-    pub(super) fn not_launched(&self, ids: &[u64]) {
-        self.state().not_launched(ids);
+    /// The result of queuing the launch watched as `ids` ([`Watch::begin`],
+    /// [`Watch::begin_p2p`]), passed on. On an error (the call returns it) the launch is no
+    /// longer pending and its recorded collectives end as not launched, so that a timeout never
+    /// names a call that never ran.
+    pub(super) fn queued(&self, ids: &[u64], launched: Result<()>) -> Result<()> {
+        if launched.is_err() {
+            self.state().not_launched(ids);
+        }
+        launched
     }
 
     /// Marks collective number `seq` as the one the call-signature check found different on the
