@@ -1079,9 +1079,17 @@ pub fn all_reduce_f32(comms: &[Comm], count: usize, in_place: bool) -> Vec<oxccl
 }
 
 /// The `oxccl` command-line binary of this package, without inherited `NCCL_*` / `OXCCL_*`
-/// variables (the test sets the ones it wants).
+/// variables (the test sets the ones it wants). Panics naming the path when the binary is not
+/// there: a test binary copied to another machine (the GPU machine) looks for it where cargo
+/// built it.
 pub fn oxccl_command() -> std::process::Command {
-    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_oxccl"));
+    let bin = env!("CARGO_BIN_EXE_oxccl");
+    assert!(
+        std::path::Path::new(bin).is_file(),
+        "the oxccl binary {bin} is missing: this test runs the command line; build it there \
+         (`cargo build --release --bin oxccl`) or copy it to that path"
+    );
+    let mut cmd = std::process::Command::new(bin);
     child::remove_nccl_env(&mut cmd);
     cmd
 }
