@@ -251,7 +251,11 @@ impl Params {
                 .trim()
                 .parse()
                 .ok()
-                .filter(|s: &f64| s.is_finite() && (*s == 0.0 || (MIN_TIMEOUT.as_secs_f64()..=1e6).contains(s)))
+                .filter(|s: &f64| {
+                    // A 0 written as 0 (`1e-400` also parses to 0, and is refused as below 0.1).
+                    let zero = *s == 0.0 && !v.trim().split(['e', 'E']).next().unwrap_or("").contains(|c: char| ('1'..='9').contains(&c));
+                    s.is_finite() && (zero || (MIN_TIMEOUT.as_secs_f64()..=1e6).contains(s))
+                })
                 .ok_or_else(|| {
                     Error::invalid(format!(
                         "{key}={v:?} is not a number of seconds (accepted: 0, or 0.1 to 1000000; 0 turns call timeouts off)"
@@ -492,6 +496,19 @@ mod tests {
         let p = with(&[]).unwrap();
         assert_eq!(p.buffsize, 4 << 20);
         assert_eq!(p.nthreads, 512);
+    }
+
+    #[test]
+    fn a_timeout_is_zero_only_when_written_as_zero() {
+        for zero in ["0", "0.0", " 0 ", "0e5", "-0", "0.000E-3"] {
+            assert_eq!(with(&[("OXCCL_TIMEOUT", zero)]).unwrap().timeout, None, "{zero:?}");
+        }
+        assert_eq!(with(&[("OXCCL_TIMEOUT", "0.25")]).unwrap().timeout, Some(std::time::Duration::from_millis(250)));
+        // Values that parse to 0 but are not 0: below the 0.1 s a limit needs.
+        for tiny in ["1e-400", "0.1e-330", "5E-999"] {
+            let e = with(&[("OXCCL_TIMEOUT", tiny)]).unwrap_err().to_string();
+            assert!(e.contains(&format!("OXCCL_TIMEOUT={tiny:?}")) && e.contains("0, or 0.1 to 1000000"), "{e}");
+        }
     }
 
     #[test]

@@ -13,8 +13,9 @@
 //! receives their send) or differ in size from it, and where a timed-out call stopped.
 //!
 //! A dump: `{"comm": "<hex id>", "rank", "nranks", "issued": <collectives issued>, "error": <the
-//! timeout's message or null>, "progress": [per ring channel: {"channel", "received_step",
-//! "from", "credited_step", "by"}], "dropped": <calls recorded but no longer kept>, "calls":
+//! timeout's message or null>, "progress": [per ring channel of the call a timeout names (or
+//! would name now; none for sends and receives, every ring channel when nothing runs):
+//! {"channel", "received_step", "from", "credited_step", "by"}], "dropped": <calls recorded but no longer kept>, "calls":
 //! [oldest first: {"seq", "func", "count", "dtype", "op", "root", "algo", "proto", "nchannels",
 //! "issued_unix_ns", "started_unix_ns", "ended_unix_ns", "outcome"}]}`. A collective's kernel
 //! is marked started and ended when it starts and ends on the CPU target; on GPUs its start is
@@ -353,11 +354,16 @@ struct RankDump {
     progress: Vec<String>,
     /// Calls recorded but not in the dump (0 in dumps older than the field).
     dropped: u64,
-    /// The collectives: seq → the call's description and its signature (collective, count,
-    /// type, op, root).
+    /// The collectives by seq (sorted, each once): the call's description and its signature
+    /// (collective, count, type, op, root).
     calls: Vec<(u64, String, String)>,
     /// The sends and receives, in issue order.
     p2p: Vec<P2pEntry>,
+    /// Where in `p2p` each (send, peer, seq) is, and the lowest and highest seq kept per
+    /// (send, peer): lookups in constant time, so that a dump of a million calls reads in
+    /// seconds.
+    p2p_at: HashMap<(bool, usize, u64), usize>,
+    p2p_span: HashMap<(bool, usize), (u64, u64)>,
 }
 
 /// A send or receive of a dump.
@@ -378,13 +384,22 @@ impl RankDump {
     /// tells: `None` when entries it dropped may hold the one numbered `seq` (the count is
     /// then unknown).
     fn p2p_issued(&self, send: bool, peer: usize, seq: u64) -> Option<u64> {
-        let mine = self.p2p.iter().filter(|e| e.send == send && e.peer == peer);
-        let (lowest, highest) = mine.fold((None, 0), |(lo, hi): (Option<u64>, u64), e| {
-            (Some(lo.map_or(e.seq, |l| l.min(e.seq))), hi.max(e.seq))
-        });
+        let span = self.p2p_span.get(&(send, peer));
+        let (lowest, highest) = (span.map(|s| s.0), span.map_or(0, |s| s.1));
         // With nothing dropped the dump holds every call; otherwise an older call of the same
         // peer and direction still kept means every later one is kept too.
         (self.dropped == 0 || lowest.is_some_and(|l| l < seq)).then_some(highest)
+    }
+
+    /// The matching entry of a send or receive: this rank's call `seq` in direction `send`
+    /// with `peer`.
+    fn p2p_of(&self, send: bool, peer: usize, seq: u64) -> Option<&P2pEntry> {
+        self.p2p_at.get(&(send, peer, seq)).map(|&i| &self.p2p[i])
+    }
+
+    /// Collective `seq`, if recorded.
+    fn call(&self, seq: u64) -> Option<&(u64, String, String)> {
+        self.calls.binary_search_by_key(&seq, |c| c.0).ok().map(|i| &self.calls[i])
     }
 }
 
@@ -428,6 +443,14 @@ fn parse(name: &str, v: &Value) -> Result<RankDump> {
         }
         out.push((seq, desc, sig));
     }
+    out.sort_unstable_by_key(|c| c.0);
+    let mut p2p_at = HashMap::with_capacity(p2p.len());
+    let mut p2p_span: HashMap<(bool, usize), (u64, u64)> = HashMap::new();
+    for (i, e) in p2p.iter().enumerate() {
+        p2p_at.entry((e.send, e.peer, e.seq)).or_insert(i);
+        let span = p2p_span.entry((e.send, e.peer)).or_insert((e.seq, e.seq));
+        *span = (span.0.min(e.seq), span.1.max(e.seq));
+    }
     let progress = v
         .get("progress")
         .and_then(Value::as_array)
@@ -465,6 +488,8 @@ fn parse(name: &str, v: &Value) -> Result<RankDump> {
         dropped: v.get("dropped").and_then(Value::as_u64).unwrap_or(0),
         calls: out,
         p2p,
+        p2p_at,
+        p2p_span,
     })
 }
 
@@ -476,10 +501,11 @@ fn match_p2p(rs: &[&RankDump], out: &mut String) -> usize {
     let mut matched = 0;
     for a in rs {
         for e in &a.p2p {
-            let Some(b) = rs.iter().find(|r| r.rank == e.peer) else {
+            // `rs` is sorted by rank.
+            let Ok(b) = rs.binary_search_by_key(&e.peer, |r| r.rank).map(|i| rs[i]) else {
                 continue; // no dump from the peer: said above
             };
-            let other = b.p2p.iter().find(|o| o.send != e.send && o.peer == a.rank && o.seq == e.seq);
+            let other = b.p2p_of(!e.send, a.rank, e.seq);
             let (mine, theirs) = if e.send { ("send", "receive") } else { ("receive", "send") };
             let (to, from) = if e.send { ("to", "from") } else { ("from", "to") };
             match other {
@@ -560,7 +586,7 @@ pub fn analyze(dumps: &[(String, String)]) -> Result<String> {
             let next = r.issued + 1;
             let what = ahead
                 .iter()
-                .find_map(|a| a.calls.iter().find(|c| c.0 == next))
+                .find_map(|a| a.call(next))
                 .map_or_else(|| format!("call #{next}"), |c| format!("call #{next}: {}", c.1));
             out += &format!(
                 "  rank {} is behind: it issued {} calls, rank {} issued {most}; it has not issued {what}\n",
@@ -573,7 +599,7 @@ pub fn analyze(dumps: &[(String, String)]) -> Result<String> {
         for s in seqs {
             let sigs: Vec<(usize, &str)> = rs
                 .iter()
-                .filter_map(|r| r.calls.iter().find(|c| c.0 == s).map(|c| (r.rank, c.2.as_str())))
+                .filter_map(|r| r.call(s).map(|c| (r.rank, c.2.as_str())))
                 .collect();
             if sigs.iter().any(|(_, g)| *g != sigs[0].1) {
                 let list: Vec<String> = sigs.iter().map(|(q, g)| format!("rank {q} {g}")).collect();
@@ -766,6 +792,25 @@ mod tests {
         bad.as_object_mut().unwrap().remove("p2p_seq");
         let e = analyze(&[dump2(0, 0, 0, vec![bad])]).unwrap_err();
         assert_eq!(e.to_string(), "invalid argument: r0.json: not a flight-recorder dump (calls[].p2p_seq)");
+    }
+
+    #[test]
+    fn dumps_of_a_hundred_thousand_calls_each_are_matched_call_by_call() {
+        const N: u64 = 100_000;
+        // Rank 0: N collectives (listed newest first) and N sends to rank 1; rank 1: the same
+        // collectives but call #77777's count, and one receive fewer.
+        let rank0: Vec<Value> = (1..=N).rev().map(|q| coll(q, 8)).chain((1..=N).map(|q| p2p("send", 1, 2, q, None))).collect();
+        let rank1: Vec<Value> = (1..=N)
+            .map(|q| coll(q, if q == 77_777 { 9 } else { 8 }))
+            .chain((1..N).map(|q| p2p("recv", 0, 2, q, None)))
+            .collect();
+        let report = analyze(&[dump2(0, N, 0, rank0), dump2(1, N, 0, rank1)]).unwrap();
+        assert_eq!(
+            report,
+            "communicator 0000abcd: 2 ranks, dumps from 2\n  \
+             call #77777: ranks disagree: rank 0 allreduce 8 × float op sum, rank 1 allreduce 9 × float op sum\n  \
+             rank 0's send #100000 to rank 1 (2 × float = 8 bytes, no group) has no matching receive: rank 1 issued 99999 receives from rank 0\n"
+        );
     }
 
     #[test]

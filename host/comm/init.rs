@@ -225,6 +225,11 @@ impl Comm {
         // error about the bootstrap ring rather than the cause).
         let local = (|| -> Result<_> {
             let mut params = config.apply(Params::from_env()?)?;
+            if params.flight_recorder_dump.is_some() {
+                // Before the bootstrap: a rank waiting there for a missing peer is what a user
+                // sends SIGUSR1 to, and the signal's default action would end the process.
+                super::flight_recorder::dump_on_signal();
+            }
             if is_cuda && params.nthreads > cuda::MAX_JIT_THREADS {
                 tracing::warn!(target: "oxccl::init", "NCCL_NTHREADS={} rounded down to {} (the most threads per block the kernels are built for)", params.nthreads, cuda::MAX_JIT_THREADS);
                 params.nthreads = cuda::MAX_JIT_THREADS;

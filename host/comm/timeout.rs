@@ -78,6 +78,7 @@ impl State {
             last_change: Instant::now(),
             last_sample: None,
             error: None,
+            error_channels: 0,
             recorder: flight_recorder::Recorder::new(recorder_size),
             reader: Reader(None),
         }
@@ -88,7 +89,7 @@ impl State {
         if self.pending.len() == MAX_PENDING {
             self.pending.pop_back();
         }
-        self.pending.push_back(Pending { id, what });
+        self.pending.push_back(Pending { id, launch: id, what });
         self.last_change = Instant::now();
         self.last_sample = None;
     }
@@ -185,6 +186,9 @@ struct Pending {
     /// Its number among the flight recorder's entries ([`flight_recorder::Recorder::reserve`]
     /// for a point-to-point launch).
     id: u64,
+    /// The number of the first call of its launch (its own, unless calls of a group were
+    /// launched together: [`Watch::queued`]).
+    launch: u64,
     what: Watched,
 }
 
@@ -208,7 +212,11 @@ struct State {
     sample: Vec<u8>,
     last_change: Instant,
     last_sample: Option<Instant>,
+    /// The timeout's message, once one happened.
     error: Option<String>,
+    /// How many ring channels' counters speak of the call the timeout named
+    /// ([`Watch::progress_channels`] then).
+    error_channels: usize,
     recorder: flight_recorder::Recorder,
     reader: Reader,
 }
@@ -313,6 +321,11 @@ impl Watch {
     pub(super) fn queued(&self, ids: &[u64], launched: Result<()>) -> Result<()> {
         if launched.is_err() {
             self.state().not_launched(ids);
+        } else if let [first, _, ..] = ids {
+            // One launch runs them in turn: a timeout looks among them for the one stuck.
+            for p in self.state().pending.iter_mut().filter(|p| ids.contains(&p.id)) {
+                p.launch = *first;
+            }
         }
         launched
     }
@@ -512,6 +525,7 @@ impl Watch {
             let msg = self.describe(&st, limit);
             tracing::error!(target: "oxccl::timeout", rank = self.rank, "{msg}");
             st.error = Some(msg);
+            st.error_channels = self.progress_channels(&st);
             let _ = self.flag().compare_exchange(0, TIMED_OUT, Ordering::AcqRel, Ordering::Acquire);
             self.write_dump(&st);
         }
@@ -519,8 +533,8 @@ impl Watch {
     }
 
     /// The flight recorder's dump ([`flight_recorder`]): the calls, the issued count, the
-    /// timeout's message and the ring channels' counters as last sampled (read now when no
-    /// call is being watched).
+    /// timeout's message and the counters of the named call's ring channels as last sampled
+    /// (read now when no call is being watched; [`Watch::progress_channels`]).
     pub(super) fn dump(&self) -> serde_json::Value {
         if self.state().alive {
             self.refresh_ends();
@@ -537,9 +551,11 @@ impl Watch {
 
     fn dump_of(&self, st: &State) -> serde_json::Value {
         let issued = self.counter(self.rank).map_or(0, |n| n.load(Ordering::Acquire));
+        let nch = if st.error.is_some() { st.error_channels } else { self.progress_channels(st) };
         let progress = self
             .ring
             .iter()
+            .take(nch)
             .map(|c| {
                 serde_json::json!({
                     "channel": c.channel,
@@ -553,11 +569,11 @@ impl Watch {
         st.recorder.dump(self.comm, self.rank, self.nranks, issued, st.error.as_deref(), progress)
     }
 
-    /// The timeout's message: the oldest watched launch not seen ended (the others wait behind
-    /// it), then, for a collective, the ranks of this host that have not issued it, or else
-    /// where its first channel stopped.
+    /// The timeout's message: the call [`Watch::stuck`] names, then, for a collective, the
+    /// ranks of this host that have not issued it, or else where its first channels stopped.
     fn describe(&self, st: &State, limit: Duration) -> String {
-        let call = match st.pending.front().map(|p| &p.what) {
+        let stuck = self.stuck(st);
+        let call = match stuck {
             Some(Watched::Coll(c)) => Some(c),
             Some(Watched::P2p(p2p)) => {
                 return format!(
@@ -576,20 +592,12 @@ impl Watch {
             super::rank_of(self.rank, self.comm),
             limit.as_secs_f64()
         );
-        let behind: Vec<String> = self
-            .issued
-            .iter()
-            .filter(|(r, _)| *r != self.rank)
-            .filter_map(|&(r, _)| {
-                let n = self.counter(r)?.load(Ordering::Acquire);
-                (n < seq).then(|| format!("rank {r} has issued {n} calls"))
-            })
-            .collect();
+        let behind = self.behind(seq);
         if !behind.is_empty() {
             msg += &format!(": waiting for ranks that have not issued it ({})", behind.join(", "));
             return msg;
         }
-        let nch = match st.pending.front().map(|p| &p.what) {
+        let nch = match stuck {
             Some(Watched::Coll(c)) => c.choice.map_or(1, |c| c.nchannels as usize),
             _ => 1,
         };
@@ -613,6 +621,42 @@ impl Watch {
             msg += &format!(": {}", chans.join("; "));
         }
         msg
+    }
+
+    /// The watched call a timeout names: among the calls of the oldest launch not seen ended
+    /// (later launches wait behind it), the first that a rank of this host has not issued; else
+    /// that launch's first. `None` when nothing is pending.
+    fn stuck<'a>(&self, st: &'a State) -> Option<&'a Watched> {
+        let front = st.pending.front()?;
+        st.pending
+            .iter()
+            .take_while(|p| p.launch == front.launch)
+            .find(|p| matches!(&p.what, Watched::Coll(c) if !self.behind(c.seq).is_empty()))
+            .map_or(Some(&front.what), |p| Some(&p.what))
+    }
+
+    /// How many ring channels' counters a dump gives: the channels of the call a timeout would
+    /// name ([`Watch::stuck`]); none for sends and receives (the counters are the ring
+    /// channels'); every ring channel when nothing is pending.
+    fn progress_channels(&self, st: &State) -> usize {
+        match self.stuck(st) {
+            Some(Watched::Coll(c)) => c.choice.map_or(1, |c| c.nchannels as usize).max(1),
+            Some(Watched::P2p(_)) => 0,
+            None => self.ring.len(),
+        }
+    }
+
+    /// "rank R has issued N calls" for each rank of this host that has issued fewer than `seq`
+    /// calls.
+    fn behind(&self, seq: u64) -> Vec<String> {
+        self.issued
+            .iter()
+            .filter(|(r, _)| *r != self.rank)
+            .filter_map(|&(r, _)| {
+                let n = self.counter(r)?.load(Ordering::Acquire);
+                (n < seq).then(|| format!("rank {r} has issued {n} calls"))
+            })
+            .collect()
     }
 }
 
@@ -641,6 +685,9 @@ fn register(w: &Arc<Watch>) {
     let mut reg = registry();
     reg.watches.push(Arc::downgrade(w));
     if !reg.running {
+        // A SIGUSR1 taken while no watch thread ran asked for no communicator's dump (none was
+        // registered); left set, it would dump this one at the new thread's first tick.
+        flight_recorder::dump_requested();
         match std::thread::Builder::new()
             .name("oxccl-timeout".into())
             .stack_size(256 << 10)

@@ -133,7 +133,7 @@ fn a_slow_call_that_progresses_does_not_time_out() {
 #[test]
 fn timeout_values_are_checked() {
     let env = Env::clean(VARS);
-    for bad in ["abc", "-1", "1e7", "nan", "1e-10", "0.05"] {
+    for bad in ["abc", "-1", "1e7", "nan", "1e-10", "0.05", "1e-400"] {
         env.set(&[("OXCCL_TIMEOUT", bad)]);
         let e = common::init_all(&Device::cpus(2)).unwrap_err();
         assert_eq!(
@@ -309,6 +309,9 @@ fn unmatched_send_and_recv(devices: &[Device]) {
         );
     }
     assert!(comms[1].get_async_error().is_ok(), "rank 1 waits for nothing");
+    // The ring channels' step counters say nothing of a send: the dump gives none.
+    let dump: serde_json::Value = serde_json::from_str(&comms[0].flight_record()).unwrap();
+    assert_eq!(dump["progress"], serde_json::json!([]), "{dump}");
     for c in &comms {
         c.abort().unwrap();
     }
@@ -427,4 +430,111 @@ fn a_slow_exchange_that_progresses_does_not_time_out() {
         bufs[r].read(half, &mut got).unwrap();
         assert!(got == want(1 - r), "rank {r}: the received half differs");
     }
+}
+
+/// Rank 0 issues two AllReduces in one group, which run in one launch; rank 1 issues the first
+/// only. Rank 0's timeout names the second, which rank 1 has not issued, not the first of the
+/// launch, and its dump gives the progress of that call's one channel only; rank 1's AllReduce
+/// completes exactly.
+fn calls_launched_together(devices: &[Device]) {
+    let comms = init(devices, "0.5");
+    let streams = common::streams(&comms);
+    let bufs: Vec<_> = comms
+        .iter()
+        .map(|c| {
+            let b = c.device().alloc(2 * 64 * 4).unwrap();
+            b.write(0, &1u32.to_ne_bytes().repeat(128)).unwrap();
+            b
+        })
+        .collect();
+    let launches = comms[0].kernel_launches();
+    oxccl::group(|| -> oxccl::Result<()> {
+        for half in 0..2 {
+            let b = bufs[0].slice(half * 256, 256)?;
+            comms[0].all_reduce(b, b, 64, DataType::U32, RedOp::Sum, &streams[0])?;
+        }
+        Ok(())
+    })
+    .unwrap()
+    .unwrap();
+    let b = bufs[1].slice(0, 256).unwrap();
+    comms[1].all_reduce(b, b, 64, DataType::U32, RedOp::Sum, &streams[1]).unwrap();
+    common::sync_all(&streams, "the AllReduces");
+    assert_eq!(comms[0].kernel_launches() - launches, 1, "the group's two calls run in one launch");
+    assert!(comms[1].get_async_error().is_ok());
+    assert_eq!(bufs[1].to_vec().unwrap()[..256], 2u32.to_ne_bytes().repeat(64)[..]);
+    let e = comms[0].get_async_error().unwrap_err();
+    assert!(matches!(e, Error::Timeout(_)), "{e}");
+    assert_eq!(
+        e.to_string(),
+        format!(
+            "timeout: rank 0 of communicator {:08x}: allreduce call #2 (64 × uint32, op sum; ring/LL on 1 channel) made \
+             no progress for 0.5 s (OXCCL_TIMEOUT): waiting for ranks that have not issued it (rank 1 has issued 1 calls)",
+            comms[0].comm_id()
+        )
+    );
+    let dump: serde_json::Value = serde_json::from_str(&comms[0].flight_record()).unwrap();
+    let progress = dump["progress"].as_array().unwrap();
+    assert_eq!(progress.len(), 1, "{dump}");
+    assert_eq!(progress[0]["channel"], 0, "{dump}");
+    for c in &comms {
+        c.abort().unwrap();
+    }
+}
+
+#[test]
+fn a_timeout_in_calls_launched_together_names_the_one_a_rank_has_not_issued() {
+    calls_launched_together(&Device::cpus(2));
+}
+
+#[test]
+fn a_timeout_in_calls_launched_together_names_the_one_a_rank_has_not_issued_gpu() {
+    let Some(devices) =
+        common::two_ranks_or_skip("a_timeout_in_calls_launched_together_names_the_one_a_rank_has_not_issued_gpu")
+    else {
+        return;
+    };
+    let _gpu = common::gpu_lock();
+    calls_launched_together(&devices);
+}
+
+/// The child process of `a_signal_taken_while_no_communicator_is_watched_dumps_nothing_later`:
+/// SIGUSR1 while no communicator with a dump prefix exists (the watch thread has ended), then a
+/// new communicator with a dump prefix in another directory, which runs a call: nothing is
+/// dumped there. Prints `STALE-SIGNAL-OK`.
+#[test]
+#[ignore = "child process of a_signal_taken_while_no_communicator_is_watched_dumps_nothing_later"]
+fn child_stale_signal() {
+    common::child::enter();
+    let base = std::env::temp_dir().join(format!("oxccl-stale-signal-{}", std::process::id()));
+    let dirs = [base.join("a"), base.join("b")];
+    let init = |dir: &std::path::Path| {
+        std::fs::create_dir_all(dir).unwrap();
+        let env = Env::clean(&["TIMEOUT", "FLIGHT_RECORDER_DUMP", "FLIGHT_RECORDER_SIZE", "PROTO", "ALGO"]);
+        env.set(&[("OXCCL_TIMEOUT", "1"), ("OXCCL_FLIGHT_RECORDER_DUMP", &dir.join("fr").to_string_lossy())]);
+        common::init_all(&Device::cpus(2)).unwrap()
+    };
+    let json = |dir: &std::path::Path| -> Vec<_> { std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().path()).collect() };
+    drop(init(&dirs[0]));
+    // The watch thread ends within its tick (at most 100 ms) once no communicator is left.
+    std::thread::sleep(Duration::from_millis(500));
+    // SAFETY: raise(2) of SIGUSR1, whose handler the first init installed.
+    assert_eq!(unsafe { libc::raise(libc::SIGUSR1) }, 0);
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(json(&dirs[0]), Vec::<std::path::PathBuf>::new(), "no communicator was there to dump");
+    let comms = init(&dirs[1]);
+    common::all_reduce_f32(&comms, 7, false);
+    // Several of the new watch thread's ticks.
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(json(&dirs[1]), Vec::<std::path::PathBuf>::new(), "dumped with no signal since it was created");
+    drop(comms);
+    let _ = std::fs::remove_dir_all(&base);
+    println!("STALE-SIGNAL-OK");
+}
+
+/// A SIGUSR1 taken while no communicator is watched asks no later communicator for a dump.
+#[test]
+fn a_signal_taken_while_no_communicator_is_watched_dumps_nothing_later() {
+    let (ok, out) = crate::run_child(&child_entry!(child_stale_signal), &[], Duration::from_secs(60));
+    assert!(ok && out.contains("STALE-SIGNAL-OK"), "{out}");
 }

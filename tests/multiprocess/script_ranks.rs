@@ -289,6 +289,19 @@ pub fn start(scripts: &[&str], envs: &[Vec<(&str, String)>]) -> Vec<LineChild> {
         .collect()
 }
 
+/// Rank `rank` of an `nranks`-rank communicator whose other ranks never start, with an empty
+/// script and the extra environment `env`: it waits in the bootstrap until
+/// `OXCCL_BOOTSTRAP_TIMEOUT` (`bootstrap_timeout` seconds), then prints `STEP init ERR ...`.
+pub fn start_alone(rank: usize, nranks: usize, bootstrap_timeout: &str, env: &[(&str, String)]) -> std::process::Child {
+    let id = unique_id();
+    let mut cmd = child::command_with(&child_entry!(child_script), [("OXCCL_CHILD_SCRIPT", "")]);
+    child::rank_env(&mut cmd, rank, nranks, &id).env("OXCCL_BOOTSTRAP_TIMEOUT", bootstrap_timeout);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    child::spawn(&mut cmd)
+}
+
 /// Waits for every rank until `limit` from now; each rank's (success, output).
 pub fn finish(ranks: &mut [LineChild], limit: Duration) -> Vec<(bool, String)> {
     let deadline = Instant::now() + limit;

@@ -2,8 +2,10 @@
 //! between them, `script_ranks`), one of which never calls. The caller's AllReduce drains after
 //! the limit with an undefined result, and its async error is `Timeout` naming the call and the
 //! rank that has not issued it (read from the host's shared abort page).
-use crate::script_ranks::{finish, show, start};
-use std::time::Duration;
+use crate::common::child;
+use crate::script_ranks::{finish, show, start, start_alone};
+use std::os::unix::process::ExitStatusExt;
+use std::time::{Duration, Instant};
 
 #[test]
 fn a_rank_process_that_never_calls_times_out_its_peer_naming_it() {
@@ -47,4 +49,39 @@ fn a_call_over_net_times_out_naming_its_channel_and_neighbours() {
     );
     assert!(r0.contains(" by rank 1"), "{all}");
     assert!(outs[1].1.contains("STEP destroy OK"), "{all}");
+}
+
+/// Whether process `pid` catches SIGUSR1 (its `SigCgt` mask in `/proc/<pid>/status`).
+fn catches_sigusr1(pid: u32) -> bool {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("SigCgt:"))
+        .and_then(|m| u64::from_str_radix(m.trim(), 16).ok())
+        .is_some_and(|m| m & (1 << (libc::SIGUSR1 - 1)) != 0)
+}
+
+/// SIGUSR1, which asks every rank with `OXCCL_FLIGHT_RECORDER_DUMP` set for a dump, sent to a
+/// rank still in init (waiting in the bootstrap for a rank that never starts, as a job with a
+/// missing rank does) does not end it: init ends on the bootstrap's timeout, as without the
+/// signal.
+#[test]
+fn sigusr1_to_a_rank_waiting_in_init_does_not_end_it() {
+    let dir = std::env::temp_dir().join(format!("oxccl-sigusr1-init-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let prefix = dir.join("fr").to_string_lossy().into_owned();
+    let mut kid = start_alone(0, 2, "3", &[("OXCCL_FLIGHT_RECORDER_DUMP", prefix)]);
+    let t = Instant::now();
+    // The handler is in once init has read its settings, before the bootstrap's wait.
+    while !catches_sigusr1(kid.id()) {
+        let ended = kid.try_wait().unwrap();
+        assert!(ended.is_none() && t.elapsed() < Duration::from_secs(20), "SIGUSR1 not caught during init ({ended:?})");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // SAFETY: kill(2) of the child this test started and has not reaped.
+    assert_eq!(unsafe { libc::kill(kid.id() as libc::pid_t, libc::SIGUSR1) }, 0);
+    let (status, out, err) = child::wait_output(kid, Instant::now() + Duration::from_secs(30));
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(status.and_then(|s| s.signal()), None, "ended by a signal: {out}{err}");
+    assert!(out.contains("STEP init ERR"), "{out}{err}");
 }
