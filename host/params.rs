@@ -247,13 +247,14 @@ impl Params {
     pub fn from_lookup(get: impl Fn(&str) -> Option<(String, String)>) -> Result<Self> {
         let mut p = Params::default();
         if let Some((key, v)) = get("TIMEOUT") {
-            let s: f64 = v
-                .trim()
+            let text = v.trim();
+            let s: f64 = text
                 .parse()
                 .ok()
                 .filter(|s: &f64| {
                     // A 0 written as 0 (`1e-400` also parses to 0, and is refused as below 0.1).
-                    let zero = *s == 0.0 && !v.trim().split(['e', 'E']).next().unwrap_or("").contains(|c: char| ('1'..='9').contains(&c));
+                    let mantissa = text.split(['e', 'E']).next().unwrap_or("");
+                    let zero = *s == 0.0 && !mantissa.contains(|c: char| ('1'..='9').contains(&c));
                     s.is_finite() && (zero || (MIN_TIMEOUT.as_secs_f64()..=1e6).contains(s))
                 })
                 .ok_or_else(|| {

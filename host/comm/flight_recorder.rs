@@ -13,8 +13,9 @@
 //! receives their send) or differ in size from it, and where a timed-out call stopped.
 //!
 //! A dump: `{"comm": "<hex id>", "rank", "nranks", "issued": <collectives issued>, "error": <the
-//! timeout's message or null>, "progress": [per ring channel of the call a timeout names (or
-//! would name now; none for sends and receives, every ring channel when nothing runs):
+//! timeout's message or null>, "progress": [per ring channel of the launch a timeout names (or
+//! would name now; none for sends and receives; every ring channel when no launch is watched:
+//! none runs, or timeouts are off):
 //! {"channel", "received_step", "from", "credited_step", "by"}], "dropped": <calls recorded but no longer kept>, "calls":
 //! [oldest first: {"seq", "func", "count", "dtype", "op", "root", "algo", "proto", "nchannels",
 //! "issued_unix_ns", "started_unix_ns", "ended_unix_ns", "outcome"}]}`. A collective's kernel
@@ -41,12 +42,13 @@ use super::*;
 use serde_json::{Value, json};
 use std::collections::{HashMap, VecDeque};
 
-/// Set by the `SIGUSR1` handler, taken by the watch thread ([`dump_requested`]).
-static DUMP_REQUESTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+/// How many `SIGUSR1` the process has taken: the handler counts them, and the watch thread
+/// dumps each communicator once for those taken since it was created ([`signals`]).
+static SIGNALS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 extern "C" fn on_sigusr1(_: libc::c_int) {
-    // Async-signal-safe: one atomic store; the watch thread writes the dumps.
-    DUMP_REQUESTED.store(true, Ordering::Release);
+    // Async-signal-safe: one lock-free atomic add; the watch thread writes the dumps.
+    SIGNALS.fetch_add(1, Ordering::AcqRel);
 }
 
 /// Installs the `SIGUSR1` handler that asks for every communicator's dump (once per process).
@@ -68,9 +70,9 @@ pub(super) fn dump_on_signal() {
     });
 }
 
-/// Whether a dump was asked for since the last call (and clears the request).
-pub(super) fn dump_requested() -> bool {
-    DUMP_REQUESTED.swap(false, Ordering::AcqRel)
+/// How many `SIGUSR1` the process has taken since its handler was installed.
+pub(super) fn signals() -> u64 {
+    SIGNALS.load(Ordering::Acquire)
 }
 
 /// One send or receive as the recorder keeps it.
@@ -795,21 +797,21 @@ mod tests {
     }
 
     #[test]
-    fn dumps_of_a_hundred_thousand_calls_each_are_matched_call_by_call() {
-        const N: u64 = 100_000;
+    fn dumps_of_twenty_thousand_calls_each_are_matched_call_by_call() {
+        const N: u64 = 20_000;
         // Rank 0: N collectives (listed newest first) and N sends to rank 1; rank 1: the same
-        // collectives but call #77777's count, and one receive fewer.
+        // collectives but call #7777's count, and one receive fewer.
         let rank0: Vec<Value> = (1..=N).rev().map(|q| coll(q, 8)).chain((1..=N).map(|q| p2p("send", 1, 2, q, None))).collect();
         let rank1: Vec<Value> = (1..=N)
-            .map(|q| coll(q, if q == 77_777 { 9 } else { 8 }))
+            .map(|q| coll(q, if q == 7_777 { 9 } else { 8 }))
             .chain((1..N).map(|q| p2p("recv", 0, 2, q, None)))
             .collect();
         let report = analyze(&[dump2(0, N, 0, rank0), dump2(1, N, 0, rank1)]).unwrap();
         assert_eq!(
             report,
             "communicator 0000abcd: 2 ranks, dumps from 2\n  \
-             call #77777: ranks disagree: rank 0 allreduce 8 × float op sum, rank 1 allreduce 9 × float op sum\n  \
-             rank 0's send #100000 to rank 1 (2 × float = 8 bytes, no group) has no matching receive: rank 1 issued 99999 receives from rank 0\n"
+             call #7777: ranks disagree: rank 0 allreduce 8 × float op sum, rank 1 allreduce 9 × float op sum\n  \
+             rank 0's send #20000 to rank 1 (2 × float = 8 bytes, no group) has no matching receive: rank 1 issued 19999 receives from rank 0\n"
         );
     }
 

@@ -176,6 +176,9 @@ pub(super) struct Watch {
     /// ([`super::enqueue::LaunchState::record`]): no event of its own per call (recording one
     /// behind every kernel cost each call about 2 µs on the GPU, docs/benchmarks.md).
     launches: Mutex<Vec<Option<(u64, u64)>>>,
+    /// The process's SIGUSR1 count this watch has dumped for ([`flight_recorder::signals`]):
+    /// from its creation, so a signal taken before asks it for nothing.
+    signals_seen: AtomicU64,
 }
 
 /// The stream a CUDA watch reads its counters on, made on first use and kept.
@@ -197,6 +200,30 @@ enum Watched {
     Coll(CallRecord),
     /// A point-to-point launch: its sends and receives and their peers.
     P2p(String),
+}
+
+/// The oldest watched launch not seen ended ([`Watch::stuck`]).
+struct Stuck<'a> {
+    /// Its calls in issue order: several collectives when a group's were launched together.
+    calls: Vec<&'a Watched>,
+    /// The first of its collectives that ranks of this host have not issued, and those ranks
+    /// ("rank R has issued N calls").
+    behind: Option<(&'a CallRecord, Vec<String>)>,
+}
+
+impl Stuck<'_> {
+    /// The channels its step counters speak of: the most any of its collectives runs on (at
+    /// least 1); none for sends and receives, which run on channels of their own.
+    fn channels(&self) -> usize {
+        self.calls
+            .iter()
+            .map(|w| match w {
+                Watched::Coll(c) => c.choice.map_or(1, |c| c.nchannels as usize).max(1),
+                Watched::P2p(_) => 0,
+            })
+            .max()
+            .unwrap_or(0)
+    }
 }
 
 /// Most watched launches kept waiting to be seen ended. Past it the newest takes the place of
@@ -245,6 +272,7 @@ impl Watch {
             issued: s.issued,
             state: Mutex::new(State::new(s.recorder_size)),
             launches: Mutex::new(vec![None; super::enqueue::LAUNCH_EVENTS]),
+            signals_seen: AtomicU64::new(flight_recorder::signals()),
         });
         if limit.is_some() || w.dump_prefix.is_some() {
             if w.dump_prefix.is_some() {
@@ -317,14 +345,18 @@ impl Watch {
     /// The result of queuing the launch watched as `ids` ([`Watch::begin`],
     /// [`Watch::begin_p2p`]), passed on. On an error (the call returns it) the launch is no
     /// longer pending and its recorded collectives end as not launched, so that a timeout never
-    /// names a call that never ran.
+    /// names a call that never ran; on success, several ids are marked as one launch, which a
+    /// timeout names together.
     pub(super) fn queued(&self, ids: &[u64], launched: Result<()>) -> Result<()> {
         if launched.is_err() {
             self.state().not_launched(ids);
         } else if let [first, _, ..] = ids {
-            // One launch runs them in turn: a timeout looks among them for the one stuck.
-            for p in self.state().pending.iter_mut().filter(|p| ids.contains(&p.id)) {
-                p.launch = *first;
+            // One launch runs them in turn: a timeout names them together. They are the newest
+            // pending.
+            for p in self.state().pending.iter_mut().rev().take_while(|p| p.id >= *first) {
+                if ids.contains(&p.id) {
+                    p.launch = *first;
+                }
             }
         }
         launched
@@ -481,7 +513,7 @@ impl Watch {
 
     /// One look: samples the counters when due; on `limit` without a change while busy, times
     /// the call out. Returns whether the watch is still alive.
-    fn poll(&self, now: Instant, dump: bool) -> bool {
+    fn poll(&self, now: Instant, signals: u64) -> bool {
         if !self.state().alive {
             return false;
         }
@@ -490,7 +522,7 @@ impl Watch {
         if !st.alive {
             return false;
         }
-        if dump {
+        if signals > self.signals_seen.fetch_max(signals, Ordering::AcqRel) {
             self.write_dump(&st);
         }
         let Some(limit) = self.limit else {
@@ -522,10 +554,14 @@ impl Watch {
             }
         }
         if now - st.last_change >= limit {
-            let msg = self.describe(&st, limit);
+            // One look at the ranks' counters for the message and the dump alike.
+            let (msg, nch) = {
+                let stuck = self.stuck(st);
+                (self.describe(st, limit, stuck.as_ref()), stuck.map_or(self.ring.len(), |s| s.channels()))
+            };
             tracing::error!(target: "oxccl::timeout", rank = self.rank, "{msg}");
             st.error = Some(msg);
-            st.error_channels = self.progress_channels(&st);
+            st.error_channels = nch;
             let _ = self.flag().compare_exchange(0, TIMED_OUT, Ordering::AcqRel, Ordering::Acquire);
             self.write_dump(&st);
         }
@@ -569,38 +605,40 @@ impl Watch {
         st.recorder.dump(self.comm, self.rank, self.nranks, issued, st.error.as_deref(), progress)
     }
 
-    /// The timeout's message: the call [`Watch::stuck`] names, then, for a collective, the
-    /// ranks of this host that have not issued it, or else where its first channels stopped.
-    fn describe(&self, st: &State, limit: Duration) -> String {
-        let stuck = self.stuck(st);
-        let call = match stuck {
-            Some(Watched::Coll(c)) => Some(c),
-            Some(Watched::P2p(p2p)) => {
+    /// The timeout's message: the oldest launch not seen ended ([`Watch::stuck`]), a call or
+    /// calls launched together; then, for collectives, the first that ranks of this host have
+    /// not issued and those ranks, or else where the launch's first channels stopped.
+    fn describe(&self, st: &State, limit: Duration, stuck: Option<&Stuck<'_>>) -> String {
+        let me = super::rank_of(self.rank, self.comm);
+        let secs = limit.as_secs_f64();
+        let colls: Vec<&CallRecord> = stuck
+            .map(|s| s.calls.iter().filter_map(|w| if let Watched::Coll(c) = w { Some(c) } else { None }).collect())
+            .unwrap_or_default();
+        let mut msg = match stuck.map(|s| (s.calls.as_slice(), colls.as_slice())) {
+            Some(([Watched::P2p(p2p), ..], _)) => {
                 return format!(
-                    "{}: {p2p} made no progress for {:.1} s (OXCCL_TIMEOUT): waiting for those peers to post \
-                     the matching receives and sends",
-                    super::rank_of(self.rank, self.comm),
-                    limit.as_secs_f64()
+                    "{me}: {p2p} made no progress for {secs:.1} s (OXCCL_TIMEOUT): waiting for those peers to post \
+                     the matching receives and sends"
                 );
             }
-            None => None,
+            Some((calls, [first, .., last])) if calls.len() == colls.len() => format!(
+                "{me}: the {} calls #{} to #{} launched together made no progress for {secs:.1} s (OXCCL_TIMEOUT), {}",
+                colls.len(),
+                first.seq,
+                last.seq,
+                match stuck.and_then(|s| s.behind.as_ref()) {
+                    Some((c, _)) => format!("among them {c}"),
+                    None => format!("the first {first}"),
+                }
+            ),
+            Some((_, [first, ..])) => format!("{me}: {first} made no progress for {secs:.1} s (OXCCL_TIMEOUT)"),
+            _ => format!("{me}: a call made no progress for {secs:.1} s (OXCCL_TIMEOUT)"),
         };
-        let seq = call.map_or(0, |c| c.seq);
-        let call = call.map_or_else(|| "a call".to_string(), |c| c.to_string());
-        let mut msg = format!(
-            "{}: {call} made no progress for {:.1} s (OXCCL_TIMEOUT)",
-            super::rank_of(self.rank, self.comm),
-            limit.as_secs_f64()
-        );
-        let behind = self.behind(seq);
-        if !behind.is_empty() {
-            msg += &format!(": waiting for ranks that have not issued it ({})", behind.join(", "));
+        if let Some((_, ranks)) = stuck.and_then(|s| s.behind.as_ref()) {
+            msg += &format!(": waiting for ranks that have not issued it ({})", ranks.join(", "));
             return msg;
         }
-        let nch = match stuck {
-            Some(Watched::Coll(c)) => c.choice.map_or(1, |c| c.nchannels as usize),
-            _ => 1,
-        };
+        let nch = stuck.map_or(1, Stuck::channels);
         let word = |at: usize| word(&st.sample, at);
         let chans: Vec<String> = self
             .ring
@@ -623,27 +661,26 @@ impl Watch {
         msg
     }
 
-    /// The watched call a timeout names: among the calls of the oldest launch not seen ended
-    /// (later launches wait behind it), the first that a rank of this host has not issued; else
-    /// that launch's first. `None` when nothing is pending.
-    fn stuck<'a>(&self, st: &'a State) -> Option<&'a Watched> {
+    /// The oldest launch not seen ended, which a timeout names (later launches wait behind it):
+    /// its watched calls, and the first of its collectives that ranks of this host have not
+    /// issued. `None` when nothing is pending (or timeouts are off: nothing is kept).
+    fn stuck<'a>(&self, st: &'a State) -> Option<Stuck<'a>> {
         let front = st.pending.front()?;
-        st.pending
-            .iter()
-            .take_while(|p| p.launch == front.launch)
-            .find(|p| matches!(&p.what, Watched::Coll(c) if !self.behind(c.seq).is_empty()))
-            .map_or(Some(&front.what), |p| Some(&p.what))
+        let calls: Vec<&Watched> = st.pending.iter().take_while(|p| p.launch == front.launch).map(|p| &p.what).collect();
+        let behind = calls.iter().find_map(|w| match w {
+            Watched::Coll(c) => {
+                let ranks = self.behind(c.seq);
+                (!ranks.is_empty()).then_some((c, ranks))
+            }
+            Watched::P2p(_) => None,
+        });
+        Some(Stuck { calls, behind })
     }
 
-    /// How many ring channels' counters a dump gives: the channels of the call a timeout would
-    /// name ([`Watch::stuck`]); none for sends and receives (the counters are the ring
-    /// channels'); every ring channel when nothing is pending.
+    /// How many ring channels' counters a dump gives: those of the launch a timeout names
+    /// ([`Stuck::channels`]), or every ring channel when no launch is watched.
     fn progress_channels(&self, st: &State) -> usize {
-        match self.stuck(st) {
-            Some(Watched::Coll(c)) => c.choice.map_or(1, |c| c.nchannels as usize).max(1),
-            Some(Watched::P2p(_)) => 0,
-            None => self.ring.len(),
-        }
+        self.stuck(st).map_or(self.ring.len(), |s| s.channels())
     }
 
     /// "rank R has issued N calls" for each rank of this host that has issued fewer than `seq`
@@ -685,9 +722,6 @@ fn register(w: &Arc<Watch>) {
     let mut reg = registry();
     reg.watches.push(Arc::downgrade(w));
     if !reg.running {
-        // A SIGUSR1 taken while no watch thread ran asked for no communicator's dump (none was
-        // registered); left set, it would dump this one at the new thread's first tick.
-        flight_recorder::dump_requested();
         match std::thread::Builder::new()
             .name("oxccl-timeout".into())
             .stack_size(256 << 10)
@@ -718,9 +752,9 @@ fn run() {
         };
         let now = Instant::now();
         tick = watches.iter().map(|w| w.tick()).min().unwrap_or(Duration::from_millis(100));
-        let dump = flight_recorder::dump_requested();
+        let signals = flight_recorder::signals();
         for w in watches {
-            w.poll(now, dump);
+            w.poll(now, signals);
         }
     }
 }

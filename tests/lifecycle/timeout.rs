@@ -433,11 +433,11 @@ fn a_slow_exchange_that_progresses_does_not_time_out() {
 }
 
 /// Rank 0 issues two AllReduces in one group, which run in one launch; rank 1 issues the first
-/// only. Rank 0's timeout names the second, which rank 1 has not issued, not the first of the
-/// launch, and its dump gives the progress of that call's one channel only; rank 1's AllReduce
-/// completes exactly.
+/// only. Rank 0's timeout names the launch and, among its calls, the second, which rank 1 has
+/// not issued; its dump gives the progress of the launch's one channel only; rank 1's
+/// AllReduce completes exactly.
 fn calls_launched_together(devices: &[Device]) {
-    let comms = init(devices, "0.5");
+    let comms = init(devices, "1");
     let streams = common::streams(&comms);
     let bufs: Vec<_> = comms
         .iter()
@@ -468,8 +468,9 @@ fn calls_launched_together(devices: &[Device]) {
     assert_eq!(
         e.to_string(),
         format!(
-            "timeout: rank 0 of communicator {:08x}: allreduce call #2 (64 × uint32, op sum; ring/LL on 1 channel) made \
-             no progress for 0.5 s (OXCCL_TIMEOUT): waiting for ranks that have not issued it (rank 1 has issued 1 calls)",
+            "timeout: rank 0 of communicator {:08x}: the 2 calls #1 to #2 launched together made no progress for 1.0 s \
+             (OXCCL_TIMEOUT), among them allreduce call #2 (64 × uint32, op sum; ring/LL on 1 channel): waiting for \
+             ranks that have not issued it (rank 1 has issued 1 calls)",
             comms[0].comm_id()
         )
     );
@@ -477,6 +478,43 @@ fn calls_launched_together(devices: &[Device]) {
     let progress = dump["progress"].as_array().unwrap();
     assert_eq!(progress.len(), 1, "{dump}");
     assert_eq!(progress[0]["channel"], 0, "{dump}");
+    for c in &comms {
+        c.abort().unwrap();
+    }
+}
+
+/// Rank 0 issues two AllReduces in one group, which run in one launch; rank 1 issues both, but
+/// behind a receive from rank 0 that rank 0 never sends. Rank 0's timeout names the launch, its
+/// first call and where its channel stopped (no rank is behind on a call); rank 1's names the
+/// receive.
+#[test]
+fn a_timeout_in_calls_launched_together_that_every_rank_issued_names_the_first_and_its_channel() {
+    let comms = init(&Device::cpus(2), "1");
+    let streams = common::streams(&comms);
+    let bufs: Vec<_> = comms.iter().map(|c| c.device().alloc(2 * 64 * 4).unwrap()).collect();
+    comms[1].recv(bufs[1].slice(0, 4).unwrap(), 1, DataType::U32, 0, &streams[1]).unwrap();
+    for (r, c) in comms.iter().enumerate() {
+        oxccl::group(|| -> oxccl::Result<()> {
+            for half in 0..2 {
+                let b = bufs[r].slice(half * 256, 256)?;
+                c.all_reduce(b, b, 64, DataType::U32, RedOp::Sum, &streams[r])?;
+            }
+            Ok(())
+        })
+        .unwrap()
+        .unwrap();
+    }
+    common::sync_all(&streams, "the AllReduces");
+    let e = comms[0].get_async_error().unwrap_err().to_string();
+    let head = format!(
+        "timeout: rank 0 of communicator {:08x}: the 2 calls #1 to #2 launched together made no progress for 1.0 s \
+         (OXCCL_TIMEOUT), the first allreduce call #1 (64 × uint32, op sum; ring/LL on 1 channel): channel 0 received \
+         step 0 from rank 1 and was credited step ",
+        comms[0].comm_id()
+    );
+    assert!(e.starts_with(&head) && e.ends_with(" by rank 1"), "{e}");
+    let e = comms[1].get_async_error().unwrap_err().to_string();
+    assert!(e.contains("sends/receives (receive of 4 bytes from rank 0) made no progress"), "{e}");
     for c in &comms {
         c.abort().unwrap();
     }

@@ -82,6 +82,7 @@ fn sigusr1_to_a_rank_waiting_in_init_does_not_end_it() {
     assert_eq!(unsafe { libc::kill(kid.id() as libc::pid_t, libc::SIGUSR1) }, 0);
     let (status, out, err) = child::wait_output(kid, Instant::now() + Duration::from_secs(30));
     let _ = std::fs::remove_dir_all(&dir);
-    assert_eq!(status.and_then(|s| s.signal()), None, "ended by a signal: {out}{err}");
+    let status = status.unwrap_or_else(|| panic!("still running after 30 s: {out}{err}"));
+    assert_eq!(status.signal(), None, "ended by a signal: {out}{err}");
     assert!(out.contains("STEP init ERR"), "{out}{err}");
 }
