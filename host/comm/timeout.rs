@@ -241,8 +241,8 @@ struct State {
     last_sample: Option<Instant>,
     /// The timeout's message, once one happened.
     error: Option<String>,
-    /// How many ring channels' counters speak of the call the timeout named
-    /// ([`Watch::progress_channels`] then).
+    /// How many ring channels' counters speak of the launch the timeout named
+    /// ([`Stuck::channels`] then).
     error_channels: usize,
     recorder: flight_recorder::Recorder,
     reader: Reader,
@@ -569,7 +569,7 @@ impl Watch {
     }
 
     /// The flight recorder's dump ([`flight_recorder`]): the calls, the issued count, the
-    /// timeout's message and the counters of the named call's ring channels as last sampled
+    /// timeout's message and the counters of the named launch's ring channels as last sampled
     /// (read now when no call is being watched; [`Watch::progress_channels`]).
     pub(super) fn dump(&self) -> serde_json::Value {
         if self.state().alive {
@@ -631,7 +631,7 @@ impl Watch {
                     None => format!("the first {first}"),
                 }
             ),
-            Some((_, [first, ..])) => format!("{me}: {first} made no progress for {secs:.1} s (OXCCL_TIMEOUT)"),
+            Some((_, [first])) => format!("{me}: {first} made no progress for {secs:.1} s (OXCCL_TIMEOUT)"),
             _ => format!("{me}: a call made no progress for {secs:.1} s (OXCCL_TIMEOUT)"),
         };
         if let Some((_, ranks)) = stuck.and_then(|s| s.behind.as_ref()) {
