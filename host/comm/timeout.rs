@@ -242,7 +242,7 @@ struct State {
     /// The timeout's message, once one happened.
     error: Option<String>,
     /// How many ring channels' counters speak of the launch the timeout named
-    /// ([`Stuck::channels`] then).
+    /// ([`Watch::progress_channels`] then).
     error_channels: usize,
     recorder: flight_recorder::Recorder,
     reader: Reader,
@@ -557,7 +557,7 @@ impl Watch {
             // One look at the ranks' counters for the message and the dump alike.
             let (msg, nch) = {
                 let stuck = self.stuck(st);
-                (self.describe(st, limit, stuck.as_ref()), stuck.map_or(self.ring.len(), |s| s.channels()))
+                (self.describe(st, limit, stuck.as_ref()), self.progress_channels(stuck.as_ref()))
             };
             tracing::error!(target: "oxccl::timeout", rank = self.rank, "{msg}");
             st.error = Some(msg);
@@ -587,7 +587,7 @@ impl Watch {
 
     fn dump_of(&self, st: &State) -> serde_json::Value {
         let issued = self.counter(self.rank).map_or(0, |n| n.load(Ordering::Acquire));
-        let nch = if st.error.is_some() { st.error_channels } else { self.progress_channels(st) };
+        let nch = if st.error.is_some() { st.error_channels } else { self.progress_channels(self.stuck(st).as_ref()) };
         let progress = self
             .ring
             .iter()
@@ -679,8 +679,8 @@ impl Watch {
 
     /// How many ring channels' counters a dump gives: those of the launch a timeout names
     /// ([`Stuck::channels`]), or every ring channel when no launch is watched.
-    fn progress_channels(&self, st: &State) -> usize {
-        self.stuck(st).map_or(self.ring.len(), |s| s.channels())
+    fn progress_channels(&self, stuck: Option<&Stuck<'_>>) -> usize {
+        stuck.map_or(self.ring.len(), Stuck::channels)
     }
 
     /// "rank R has issued N calls" for each rank of this host that has issued fewer than `seq`
